@@ -1,0 +1,19 @@
+// cast.cu: elementwise dtype conversion, the mixed-precision casts of FSDP's
+// MixedPrecision(param_dtype) and of gradients to reduce_dtype.
+//   out[i] = cast(in[i])   for i in [0, n)   (overwrites, `=`)
+// Round-to-nearest-even when narrowing; CPU reference: backend::cpu::ops::cast_slice.
+// Kernels: cast_{src}_{dst} for src, dst in {f32, f16, bf16}, src != dst.
+#include "common.cuh"
+
+#define CAST_KERNEL(NAME, SRC, DST)                                                    \
+  extern "C" __global__ void NAME(const SRC* __restrict__ in, DST* __restrict__ out,   \
+                                  int64_t n) {                                         \
+    GRID_STRIDE_LOOP(i, n) { out[i] = from_f32<DST>(to_f32(in[i])); }                  \
+  }
+
+CAST_KERNEL(cast_f32_f16, float, __half)
+CAST_KERNEL(cast_f16_f32, __half, float)
+CAST_KERNEL(cast_f16_bf16, __half, __nv_bfloat16)
+CAST_KERNEL(cast_bf16_f16, __nv_bfloat16, __half)
+CAST_KERNEL(cast_f32_bf16, float, __nv_bfloat16)
+CAST_KERNEL(cast_bf16_f32, __nv_bfloat16, float)

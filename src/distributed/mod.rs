@@ -1,0 +1,70 @@
+//! Process groups and collectives with the names and semantics of `torch.distributed`.
+//!
+//! | backend | ranks are | tensors | module |
+//! |---|---|---|---|
+//! | `threads` | threads of one process | CPU | [`threads`] |
+//! | `nccl` | one process per GPU | CUDA | CUDA runtime issue |
+//!
+//! Every collective checks, on all ranks, that they called the same op with the same dtype
+//! and element counts, and fails on every rank with [`Error::CollectiveMismatch`] when not.
+//! A collective that cannot complete fails with [`Error::Timeout`] naming the missing ranks,
+//! or with [`Error::PeerFailed`] as soon as a peer has failed or exited.
+//!
+//! [`Error::CollectiveMismatch`]: crate::Error::CollectiveMismatch
+//! [`Error::Timeout`]: crate::Error::Timeout
+//! [`Error::PeerFailed`]: crate::Error::PeerFailed
+
+mod launch;
+pub mod threads;
+
+pub use launch::{launch, LaunchOptions};
+pub use threads::ThreadsGroup;
+
+use crate::error::Result;
+use crate::tensor::Tensor;
+use std::sync::Arc;
+
+/// Reduction applied elementwise across ranks (`torch.distributed.ReduceOp`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum,
+    /// Sum divided by the group size.
+    Avg,
+    Max,
+    Min,
+    Product,
+}
+
+/// A group of ranks that run collectives together (`torch.distributed.ProcessGroup`).
+///
+/// Collectives are blocking: they return when this rank's output is complete and every rank
+/// has finished reading this rank's input, so the caller may reuse both at once.
+pub trait ProcessGroup: Send + Sync {
+    /// This rank's index in the group, `0..size()`.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn size(&self) -> usize;
+    /// Backend name (`"threads"`, `"nccl"`).
+    fn backend(&self) -> &'static str;
+
+    /// `output (size * n) = concat over ranks of input (n)`, rank order.
+    /// `torch.distributed.all_gather_into_tensor`. Any dtype; all ranks the same `n`.
+    fn all_gather_into_tensor(&self, output: &Tensor, input: &Tensor) -> Result<()>;
+
+    /// `output (n) = reduce over ranks of input[rank * n .. (rank + 1) * n]` where input has
+    /// `size * n` elements. `op` is `Sum` or `Avg`. Float dtypes reduce in f32 and round
+    /// once. `torch.distributed.reduce_scatter_tensor`.
+    fn reduce_scatter_tensor(&self, output: &Tensor, input: &Tensor, op: ReduceOp) -> Result<()>;
+
+    /// In place: `tensor = reduce over ranks of tensor`. `torch.distributed.all_reduce`.
+    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()>;
+
+    /// In place: every rank's `tensor` becomes rank `src`'s. `torch.distributed.broadcast`.
+    fn broadcast(&self, tensor: &Tensor, src: usize) -> Result<()>;
+
+    /// Returns once every rank has called it. `torch.distributed.barrier`.
+    fn barrier(&self) -> Result<()>;
+}
+
+/// Shared handle to a process group.
+pub type Group = Arc<dyn ProcessGroup>;

@@ -1,0 +1,142 @@
+//! `FlatParameter`: the parameters of one FSDP unit flattened into one 1-D buffer, of which
+//! each rank keeps one equal chunk (FSDP1 `flat_param.py`, `FlatParamHandle`).
+//!
+//! Layout: parameters in module pre-order (registration order within a module), each at
+//! `offset .. offset + numel`; `N` elements in all. Sharded over `W` ranks with chunk
+//! `c = ceil(N / W)`: rank `r` owns `[c r, c (r + 1))` of the buffer zero-padded to `c W`,
+//! so trailing ranks may be short or pure padding (`N < W` leaves some ranks no data).
+//! Unsharding all-gathers the chunks into a `c W` buffer and every parameter becomes a view
+//! `buffer[offset .. offset + numel]` with its shape: nothing is copied to unflatten.
+
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Tensor};
+
+/// Where one original parameter lives in the flat buffer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParamInfo {
+    /// Fully qualified name (`blocks.0.attn.c_attn.weight`).
+    pub fqn: String,
+    pub shape: Vec<usize>,
+    /// Element offset in the unpadded flat buffer.
+    pub offset: usize,
+    pub numel: usize,
+    pub requires_grad: bool,
+}
+
+/// One unit's flattened parameters: the metadata, this rank's shard of the values (the f32
+/// master copy the optimizer updates), its sharded gradient, and the unsharded buffers
+/// while they exist.
+#[derive(Debug)]
+pub struct FlatParameter {
+    pub(crate) infos: Vec<ParamInfo>,
+    numel: usize,
+    shard_world: usize,
+    shard_rank: usize,
+    shard_numel: usize,
+    /// This rank's chunk, `(c)` f32, padding included.
+    pub(crate) local_shard: Tensor,
+    /// Accumulated gradient of the chunk, `(c)` f32; `None` until the first backward.
+    pub(crate) grad_shard: Option<Tensor>,
+    /// The gathered, padded values `(c W)` while unsharded.
+    pub(crate) unsharded: Option<Tensor>,
+}
+
+impl FlatParameter {
+    /// Flattens `params` (fully qualified name, values, requires_grad) in the given order
+    /// and keeps chunk `shard_rank` of `shard_world`.
+    ///
+    /// # Errors
+    /// `DTypeMismatch` for a non-f32 parameter.
+    pub fn new(
+        params: &[(String, Tensor, bool)],
+        shard_rank: usize,
+        shard_world: usize,
+    ) -> Result<Self> {
+        let mut infos = Vec::with_capacity(params.len());
+        let mut offset = 0;
+        for (fqn, p, requires_grad) in params {
+            if p.dtype() != DType::F32 {
+                return Err(Error::Fsdp(format!(
+                    "parameter '{fqn}' is {}; FlatParameter holds f32 master weights (use MixedPrecision for low-precision compute)",
+                    p.dtype()
+                )));
+            }
+            infos.push(ParamInfo {
+                fqn: fqn.clone(),
+                shape: p.shape().to_vec(),
+                offset,
+                numel: p.numel(),
+                requires_grad: *requires_grad,
+            });
+            offset += p.numel();
+        }
+        let numel = offset;
+        let shard_numel = numel.div_ceil(shard_world.max(1));
+        let lo = (shard_rank * shard_numel).min(numel);
+        let hi = ((shard_rank + 1) * shard_numel).min(numel);
+        let mut local = vec![0.0f32; shard_numel];
+        // Copy the part of each parameter that falls into [lo, hi).
+        for ((_, p, _), info) in params.iter().zip(&infos) {
+            let (a, b) = (info.offset.max(lo), (info.offset + info.numel).min(hi));
+            if a < b {
+                let src = p.f32()?;
+                local[a - lo..b - lo].copy_from_slice(&src[a - info.offset..b - info.offset]);
+            }
+        }
+        Ok(FlatParameter {
+            infos,
+            numel,
+            shard_world,
+            shard_rank,
+            shard_numel,
+            local_shard: Tensor::from_vec(local, &[shard_numel])?,
+            grad_shard: None,
+            unsharded: None,
+        })
+    }
+
+    /// Unpadded element count `N`.
+    pub fn numel(&self) -> usize {
+        self.numel
+    }
+
+    /// Chunk size `c = ceil(N / W)`.
+    pub fn shard_numel(&self) -> usize {
+        self.shard_numel
+    }
+
+    /// Padded size `c W`.
+    pub fn padded_numel(&self) -> usize {
+        self.shard_numel * self.shard_world
+    }
+
+    /// Number of real (non-padding) elements in this rank's chunk.
+    pub fn valid_shard_numel(&self) -> usize {
+        let lo = (self.shard_rank * self.shard_numel).min(self.numel);
+        let hi = ((self.shard_rank + 1) * self.shard_numel).min(self.numel);
+        hi - lo
+    }
+
+    /// The parameters of this unit, in flat order.
+    pub fn param_infos(&self) -> &[ParamInfo] {
+        &self.infos
+    }
+
+    /// This rank's chunk of the values, `(c)` f32.
+    pub fn local_shard(&self) -> &Tensor {
+        &self.local_shard
+    }
+
+    /// This rank's chunk of the accumulated gradient.
+    pub fn grad_shard(&self) -> Option<&Tensor> {
+        self.grad_shard.as_ref()
+    }
+
+    /// Views of `buffer` (padded flat layout) with each parameter's shape.
+    pub(crate) fn views(&self, buffer: &Tensor) -> Result<Vec<Tensor>> {
+        self.infos
+            .iter()
+            .map(|i| buffer.view(i.offset, &i.shape))
+            .collect()
+    }
+}

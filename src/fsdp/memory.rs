@@ -1,0 +1,40 @@
+//! Per-rank memory accounting of FSDP buffers (bytes), for metrics and benches.
+
+/// Bytes held by one rank's FSDP state. Shard figures are sums over the rank's units;
+/// the unsharded figures follow every unshard/reshard.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct MemoryStats {
+    /// f32 parameter shards (padding included).
+    pub param_shard_bytes: usize,
+    /// f32 gradient shards currently held.
+    pub grad_shard_bytes: usize,
+    /// Unsharded (gathered) parameter buffers alive now.
+    pub unsharded_param_bytes: usize,
+    /// Most unsharded parameter bytes alive at once since the last reset.
+    pub peak_unsharded_param_bytes: usize,
+    /// Units unsharded now, and the most at once since the last reset.
+    pub unsharded_units: usize,
+    pub peak_unsharded_units: usize,
+}
+
+impl MemoryStats {
+    pub(crate) fn on_unshard(&mut self, bytes: usize) {
+        self.unsharded_param_bytes += bytes;
+        self.unsharded_units += 1;
+        self.peak_unsharded_param_bytes = self
+            .peak_unsharded_param_bytes
+            .max(self.unsharded_param_bytes);
+        self.peak_unsharded_units = self.peak_unsharded_units.max(self.unsharded_units);
+    }
+
+    pub(crate) fn on_reshard(&mut self, bytes: usize) {
+        self.unsharded_param_bytes = self.unsharded_param_bytes.saturating_sub(bytes);
+        self.unsharded_units = self.unsharded_units.saturating_sub(1);
+    }
+
+    /// Starts a new peak window at the current level.
+    pub fn reset_peak(&mut self) {
+        self.peak_unsharded_param_bytes = self.unsharded_param_bytes;
+        self.peak_unsharded_units = self.unsharded_units;
+    }
+}

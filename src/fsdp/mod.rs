@@ -1,0 +1,28 @@
+//! Fully sharded data parallelism with PyTorch FSDP1's semantics.
+//!
+//! | concept | file | PyTorch |
+//! |---|---|---|
+//! | [`FullyShardedDataParallel`] (unit and root, hooks) | `unit.rs` | `fully_sharded_data_parallel.py`, `_runtime_utils.py` |
+//! | [`FlatParameter`] | `flat_param.rs` | `_flat_param.py` |
+//! | [`ShardingStrategy`], [`FsdpConfig`] | `config.rs` | `api.py` |
+//! | [`AutoWrapPolicy`] | `wrap.rs` | `wrap.py` |
+//! | [`MemoryStats`] | `memory.rs` | `torch.cuda.memory_stats` (FSDP's share) |
+//!
+//! Built: `FullShard`, `ShardGradOp`, `NoShard`, nested units through auto-wrap policies,
+//! FSDP1's gradient pre/post-division. Later issues: hybrid strategies, mixed precision,
+//! prefetch/overlap, CPU offload, state dicts.
+
+mod config;
+mod flat_param;
+mod memory;
+mod unit;
+mod wrap;
+
+pub use config::{FsdpConfig, ShardingStrategy};
+pub use flat_param::{FlatParameter, ParamInfo};
+pub use memory::MemoryStats;
+pub use unit::{gradient_divide_factors, FullyShardedDataParallel};
+pub use wrap::{
+    nonwrapped_numel, size_based_auto_wrap_policy, transformer_auto_wrap_policy, AutoWrapPolicy,
+    WrapFn,
+};

@@ -1,0 +1,40 @@
+//! Neural-network layers with explicit backward passes, and the GPT model.
+//!
+//! | item | file | PyTorch |
+//! |---|---|---|
+//! | [`Module`], [`Context`] | `module.rs` | `nn.Module`, `torch.no_grad` |
+//! | [`Parameter`] | `parameter.rs` | `nn.Parameter` |
+//! | [`Linear`] | `linear.rs` | `nn.Linear` |
+//! | [`ReLU`], [`GELU`] | `activation.rs` | `nn.ReLU`, `nn.GELU()` |
+//! | [`LayerNorm`] | `layernorm.rs` | `nn.LayerNorm` |
+//! | [`Embedding`] | `embedding.rs` | `nn.Embedding` |
+//! | [`CausalSelfAttention`] | `attention.rs` | `F.scaled_dot_product_attention(is_causal=True)` |
+//! | [`MLP`], [`Block`] | `transformer.rs` | GPT-2 block |
+//! | [`Sequential`] | `container.rs` | `nn.Sequential` |
+//! | [`GPT`] | `gpt.rs` | nanoGPT's `GPT` |
+//! | [`loss`] | `loss.rs` | `F.cross_entropy`, `F.mse_loss`, `.sum()` |
+
+mod activation;
+mod attention;
+mod container;
+mod embedding;
+mod gpt;
+mod init;
+mod layernorm;
+mod linear;
+pub mod loss;
+mod module;
+mod parameter;
+mod transformer;
+
+pub use activation::{gelu, gelu_grad, ReLU, GELU};
+pub use attention::CausalSelfAttention;
+pub use container::Sequential;
+pub use embedding::{embedding_backward, embedding_lookup, Embedding};
+pub use gpt::{GptConfig, GPT};
+pub use init::InitKey;
+pub use layernorm::LayerNorm;
+pub use linear::Linear;
+pub use module::{join_name, num_parameters, parameter_shapes, visit_parameters, Context, Module};
+pub use parameter::Parameter;
+pub use transformer::{Block, MLP};

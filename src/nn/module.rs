@@ -1,0 +1,117 @@
+//! The `Module` trait: forward, explicit backward, and parameter/child visiting.
+//!
+//! No autograd tape: each module saves what its backward needs during `forward` (when
+//! [`Context::grad_enabled`]) and `backward` consumes it. Containers call children forward
+//! in order and backward in reverse. An FSDP unit is itself a `Module` wrapping another, so
+//! FSDP's pre/post hooks are plain code around the inner calls (see `crate::fsdp`).
+
+use super::Parameter;
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// Per-call settings passed down the module tree.
+#[derive(Debug, Clone, Copy)]
+pub struct Context {
+    /// Save activations for `backward` (training). `false` is `torch.no_grad()`.
+    pub grad_enabled: bool,
+}
+
+impl Context {
+    /// Training: activations are saved for backward.
+    pub fn train() -> Self {
+        Context { grad_enabled: true }
+    }
+    /// Inference (`torch.no_grad()`): nothing is saved, and what an earlier training forward
+    /// saved is left for its backward.
+    pub fn eval() -> Self {
+        Context {
+            grad_enabled: false,
+        }
+    }
+}
+
+/// A layer or model with an explicit backward pass (`torch.nn.Module` without autograd).
+pub trait Module: Send {
+    /// Type name used by wrap policies (`transformer_auto_wrap_policy` matches it), e.g.
+    /// `"Block"`, `"Linear"`.
+    fn type_name(&self) -> &'static str;
+
+    /// Computes the output; saves activations when `cx.grad_enabled`.
+    fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor>;
+
+    /// Given `d loss / d output`, accumulates `d loss / d param` into each parameter's
+    /// `grad` (`+=`, as PyTorch accumulates `.grad`) and returns `d loss / d input` (an empty
+    /// tensor for integer inputs such as token ids). Consumes the saved activations.
+    fn backward(&mut self, grad_out: &Tensor, cx: &Context) -> Result<Tensor>;
+
+    /// Visits the parameters registered directly on this module (not its children's), in
+    /// registration order, with their local names (`"weight"`).
+    fn for_each_param(&mut self, f: &mut dyn FnMut(&str, &mut Parameter)) {
+        let _ = f;
+    }
+
+    /// Visits the child modules in registration order with their attribute names
+    /// (`"blocks.0"`). Children are boxed so a wrap policy can replace one by an FSDP unit.
+    fn for_each_child(
+        &mut self,
+        f: &mut dyn FnMut(&str, &mut Box<dyn Module>) -> Result<()>,
+    ) -> Result<()> {
+        let _ = f;
+        Ok(())
+    }
+
+    /// True for an FSDP unit: it owns the parameters below it, so an enclosing unit does
+    /// not flatten them. Also transparent in names: its child is visited under its own name.
+    fn is_fsdp_unit(&self) -> bool {
+        false
+    }
+
+    /// Downcasting hook: FSDP units return themselves so the root can find nested units.
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        None
+    }
+}
+
+/// Joins a module path and a name with a dot (`"blocks.0" + "weight"`); empty parts vanish.
+pub fn join_name(prefix: &str, name: &str) -> String {
+    match (prefix.is_empty(), name.is_empty()) {
+        (true, _) => name.to_string(),
+        (_, true) => prefix.to_string(),
+        _ => format!("{prefix}.{name}"),
+    }
+}
+
+/// Visits every parameter below `m` in module pre-order (own parameters, then children in
+/// order), as `torch.nn.Module.named_parameters()`, with fully qualified names.
+/// `stop_at_units` skips the subtrees of nested FSDP units (not `m` itself): that is the
+/// set of parameters a unit flattens (FSDP1 `_get_orig_params` minus nested units).
+pub fn visit_parameters(
+    m: &mut dyn Module,
+    prefix: &str,
+    stop_at_units: bool,
+    f: &mut dyn FnMut(&str, &mut Parameter),
+) {
+    m.for_each_param(&mut |name, p| f(&join_name(prefix, name), p));
+    let _ = m.for_each_child(&mut |name, child| {
+        if !(stop_at_units && child.is_fsdp_unit()) {
+            visit_parameters(child.as_mut(), &join_name(prefix, name), stop_at_units, f);
+        }
+        Ok(())
+    });
+}
+
+/// `(fully qualified name, shape)` of every parameter, in `named_parameters()` order.
+pub fn parameter_shapes(m: &mut dyn Module) -> Vec<(String, Vec<usize>)> {
+    let mut out = Vec::new();
+    visit_parameters(m, "", false, &mut |n, p| {
+        out.push((n.to_string(), p.shape().to_vec()))
+    });
+    out
+}
+
+/// Total element count of all parameters below `m`.
+pub fn num_parameters(m: &mut dyn Module) -> usize {
+    let mut n = 0;
+    visit_parameters(m, "", false, &mut |_, p| n += p.numel());
+    n
+}

@@ -1,0 +1,135 @@
+//! Adam and AdamW (`torch.optim.Adam`, `torch.optim.AdamW`), single-tensor update order.
+
+use super::{check_pair, ensure_state, Optimizer, ParamGrad};
+use crate::error::Result;
+
+/// Arguments of Adam/AdamW with PyTorch's defaults.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamConfig {
+    pub lr: f32,
+    pub betas: (f32, f32),
+    pub eps: f32,
+    pub weight_decay: f32,
+}
+
+impl AdamConfig {
+    /// `torch.optim.Adam` defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0.
+    pub fn adam() -> Self {
+        AdamConfig {
+            lr: 1e-3,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.0,
+        }
+    }
+    /// `torch.optim.AdamW` defaults: as Adam but weight_decay 0.01 (decoupled).
+    pub fn adamw() -> Self {
+        AdamConfig {
+            weight_decay: 0.01,
+            ..Self::adam()
+        }
+    }
+}
+
+/// First and second moments and the step count of one tensor.
+struct Moments {
+    step: u64,
+    m: Vec<f32>,
+    v: Vec<f32>,
+}
+
+fn adam_step(
+    c: &AdamConfig,
+    decoupled: bool,
+    params: &[ParamGrad],
+    state: &mut Vec<Moments>,
+    op: &'static str,
+) -> Result<()> {
+    ensure_state(op, state, params, |n| Moments {
+        step: 0,
+        m: vec![0.0; n],
+        v: vec![0.0; n],
+    })?;
+    let (b1, b2) = c.betas;
+    for (pg, st) in params.iter().zip(state.iter_mut()) {
+        check_pair(op, pg)?;
+        let Some(grad) = &pg.grad else { continue };
+        let g = grad.f32()?;
+        let mut p = pg.param.f32_mut()?;
+        st.step += 1;
+        let bc1 = 1.0 - (b1 as f64).powi(st.step as i32);
+        let bc2 = 1.0 - (b2 as f64).powi(st.step as i32);
+        let step_size = (c.lr as f64 / bc1) as f32;
+        let bc2_sqrt = bc2.sqrt() as f32;
+        for i in 0..p.len() {
+            let mut gi = g[i];
+            if decoupled {
+                p[i] *= 1.0 - c.lr * c.weight_decay;
+            } else if c.weight_decay != 0.0 {
+                gi += c.weight_decay * p[i];
+            }
+            st.m[i] = b1 * st.m[i] + (1.0 - b1) * gi;
+            st.v[i] = b2 * st.v[i] + (1.0 - b2) * gi * gi;
+            let denom = st.v[i].sqrt() / bc2_sqrt + c.eps;
+            p[i] -= step_size * st.m[i] / denom;
+        }
+    }
+    Ok(())
+}
+
+/// Adam with L2 weight decay added to the gradient:
+/// `m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps)`.
+pub struct Adam {
+    pub config: AdamConfig,
+    state: Vec<Moments>,
+}
+
+impl Adam {
+    pub fn new(config: AdamConfig) -> Self {
+        Adam {
+            config,
+            state: Vec::new(),
+        }
+    }
+}
+
+/// AdamW: Adam with decoupled weight decay `p *= 1 - lr * wd` before the update
+/// (Loshchilov & Hutter, as `torch.optim.AdamW`).
+pub struct AdamW {
+    pub config: AdamConfig,
+    state: Vec<Moments>,
+}
+
+impl AdamW {
+    pub fn new(config: AdamConfig) -> Self {
+        AdamW {
+            config,
+            state: Vec::new(),
+        }
+    }
+}
+
+macro_rules! impl_adam {
+    ($t:ty, $decoupled:expr, $op:expr) => {
+        impl Optimizer for $t {
+            fn step(&mut self, params: &[ParamGrad]) -> Result<()> {
+                adam_step(&self.config, $decoupled, params, &mut self.state, $op)
+            }
+            fn state_bytes(&self) -> usize {
+                self.state
+                    .iter()
+                    .map(|s| (s.m.len() + s.v.len()) * 4 + 8)
+                    .sum()
+            }
+            fn lr(&self) -> f32 {
+                self.config.lr
+            }
+            fn set_lr(&mut self, lr: f32) {
+                self.config.lr = lr;
+            }
+        }
+    };
+}
+
+impl_adam!(Adam, false, "Adam.step");
+impl_adam!(AdamW, true, "AdamW.step");

@@ -1,0 +1,114 @@
+//! Optimizers with PyTorch's update rules and defaults, stepping on whatever tensors they are
+//! given: under FSDP those are each unit's local shard of the FlatParameter and of its
+//! gradient, so optimizer state is sharded exactly like the parameters (ZeRO stage 3).
+//!
+//! | optimizer | PyTorch | file |
+//! |---|---|---|
+//! | [`SGD`] | `torch.optim.SGD` (momentum, dampening, nesterov, weight_decay) | `sgd.rs` |
+//! | [`Adam`], [`AdamW`] | `torch.optim.Adam`, `torch.optim.AdamW` | `adam.rs` |
+
+mod adam;
+mod sgd;
+
+pub use adam::{Adam, AdamConfig, AdamW};
+pub use sgd::{SgdConfig, SGD};
+
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Tensor};
+
+/// One tensor to update and its gradient (f32, same element count). `grad: None` skips the
+/// tensor, as PyTorch skips parameters whose `.grad` is `None`.
+#[derive(Clone, Debug)]
+pub struct ParamGrad {
+    pub param: Tensor,
+    pub grad: Option<Tensor>,
+}
+
+/// A first-order optimizer over a fixed list of tensors. State is kept per position in the
+/// list, so the caller passes the same tensors in the same order at every step.
+pub trait Optimizer: Send {
+    /// Applies one update to every `param` from its `grad`.
+    ///
+    /// # Errors
+    /// `ShapeMismatch` when a grad's size differs from its param's or the list changed
+    /// length since the first step; `DTypeMismatch` for non-f32 tensors.
+    fn step(&mut self, params: &[ParamGrad]) -> Result<()>;
+
+    /// Bytes of optimizer state held (momentum buffers, Adam moments).
+    fn state_bytes(&self) -> usize;
+
+    /// The learning rate now used.
+    fn lr(&self) -> f32;
+
+    /// Sets the learning rate (for schedules).
+    fn set_lr(&mut self, lr: f32);
+}
+
+/// Which optimizer `fsdp train` builds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+pub enum OptimizerKind {
+    Sgd,
+    Adam,
+    Adamw,
+}
+
+/// Builds an optimizer of `kind` with PyTorch defaults and learning rate `lr`.
+pub fn build(kind: OptimizerKind, lr: f32) -> Box<dyn Optimizer> {
+    match kind {
+        OptimizerKind::Sgd => Box::new(SGD::new(SgdConfig {
+            lr,
+            ..SgdConfig::default()
+        })),
+        OptimizerKind::Adam => Box::new(Adam::new(AdamConfig {
+            lr,
+            ..AdamConfig::adam()
+        })),
+        OptimizerKind::Adamw => Box::new(AdamW::new(AdamConfig {
+            lr,
+            ..AdamConfig::adamw()
+        })),
+    }
+}
+
+/// Checks the list against the state sizes, and one pair's sizes and dtypes.
+fn check_pair(op: &'static str, p: &ParamGrad) -> Result<()> {
+    for t in std::iter::once(&p.param).chain(p.grad.as_ref()) {
+        if t.dtype() != DType::F32 {
+            return Err(Error::DTypeMismatch {
+                op,
+                expected: DType::F32,
+                got: t.dtype(),
+            });
+        }
+    }
+    if let Some(g) = &p.grad {
+        if g.numel() != p.param.numel() {
+            return Err(Error::ShapeMismatch {
+                op,
+                expected: p.param.shape().to_vec(),
+                got: g.shape().to_vec(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Grows per-parameter state on the first step; errors if the list changed afterwards.
+fn ensure_state<S>(
+    op: &'static str,
+    state: &mut Vec<S>,
+    params: &[ParamGrad],
+    init: impl Fn(usize) -> S,
+) -> Result<()> {
+    if state.is_empty() {
+        *state = params.iter().map(|p| init(p.param.numel())).collect();
+    }
+    if state.len() != params.len() {
+        return Err(Error::ShapeMismatch {
+            op,
+            expected: vec![state.len()],
+            got: vec![params.len()],
+        });
+    }
+    Ok(())
+}

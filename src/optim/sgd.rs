@@ -1,0 +1,90 @@
+//! Stochastic gradient descent with momentum (`torch.optim.SGD`).
+
+use super::{check_pair, ensure_state, Optimizer, ParamGrad};
+use crate::error::Result;
+
+/// `torch.optim.SGD` arguments and defaults (lr 1e-3 as PyTorch >= 2.3).
+#[derive(Debug, Clone, Copy)]
+pub struct SgdConfig {
+    pub lr: f32,
+    pub momentum: f32,
+    pub dampening: f32,
+    pub weight_decay: f32,
+    pub nesterov: bool,
+}
+
+impl Default for SgdConfig {
+    fn default() -> Self {
+        SgdConfig {
+            lr: 1e-3,
+            momentum: 0.0,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+        }
+    }
+}
+
+/// `g = grad + wd p; buf = g` (first step) `| momentum buf + (1 - dampening) g;`
+/// `g = nesterov ? g + momentum buf : buf; p -= lr g`.
+pub struct SGD {
+    pub config: SgdConfig,
+    /// Momentum buffers (empty until a parameter's first step with momentum).
+    bufs: Vec<Option<Vec<f32>>>,
+}
+
+impl SGD {
+    pub fn new(config: SgdConfig) -> Self {
+        SGD {
+            config,
+            bufs: Vec::new(),
+        }
+    }
+}
+
+impl Optimizer for SGD {
+    fn step(&mut self, params: &[ParamGrad]) -> Result<()> {
+        ensure_state("SGD.step", &mut self.bufs, params, |_| None)?;
+        let c = self.config;
+        for (pg, buf) in params.iter().zip(self.bufs.iter_mut()) {
+            check_pair("SGD.step", pg)?;
+            let Some(grad) = &pg.grad else { continue };
+            let g = grad.f32()?;
+            let mut p = pg.param.f32_mut()?;
+            let first = c.momentum != 0.0 && buf.is_none();
+            if first {
+                *buf = Some(vec![0.0; p.len()]);
+            }
+            for i in 0..p.len() {
+                let mut d = g[i] + c.weight_decay * p[i];
+                if let Some(b) = buf.as_mut() {
+                    // The first step copies the gradient into the buffer, undamped.
+                    b[i] = if first {
+                        d
+                    } else {
+                        c.momentum * b[i] + (1.0 - c.dampening) * d
+                    };
+                    d = if c.nesterov {
+                        d + c.momentum * b[i]
+                    } else {
+                        b[i]
+                    };
+                }
+                p[i] -= c.lr * d;
+            }
+        }
+        Ok(())
+    }
+
+    fn state_bytes(&self) -> usize {
+        self.bufs.iter().flatten().map(|b| b.len() * 4).sum()
+    }
+
+    fn lr(&self) -> f32 {
+        self.config.lr
+    }
+
+    fn set_lr(&mut self, lr: f32) {
+        self.config.lr = lr;
+    }
+}

@@ -1,0 +1,142 @@
+//! Element types and the trait that maps a Rust scalar to its [`DType`].
+
+use half::{bf16, f16};
+
+/// The element type of a tensor. Names and widths follow `torch.dtype`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum DType {
+    /// IEEE binary32.
+    F32,
+    /// bfloat16 (8 exponent bits, 7 mantissa bits), as `torch.bfloat16`.
+    BF16,
+    /// IEEE binary16, as `torch.float16`.
+    F16,
+    /// 32-bit signed integer (token ids), as `torch.int32`.
+    I32,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size_in_bytes(self) -> usize {
+        match self {
+            DType::F32 | DType::I32 => 4,
+            DType::BF16 | DType::F16 => 2,
+        }
+    }
+
+    /// True for the floating-point types.
+    pub fn is_float(self) -> bool {
+        !matches!(self, DType::I32)
+    }
+
+    /// Relative rounding error of one operation in this type (machine epsilon), used by
+    /// dtype-aware tolerances: f32 2^-23, bf16 2^-7 (stored mantissa bits), f16 2^-10.
+    pub fn epsilon(self) -> f32 {
+        match self {
+            DType::F32 => f32::EPSILON,
+            DType::BF16 => 1.0 / 128.0,
+            DType::F16 => 1.0 / 1024.0,
+            DType::I32 => 0.0,
+        }
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = match self {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            DType::I32 => "i32",
+        };
+        f.write_str(s)
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for i32 {}
+}
+
+/// A Rust scalar type that a tensor can hold: exactly f32, bf16, f16 and i32 (sealed).
+pub trait Element:
+    sealed::Sealed + Copy + Send + Sync + bytemuck::Pod + std::fmt::Debug + 'static
+{
+    /// The matching [`DType`].
+    const DTYPE: DType;
+    /// Widening conversion used by reductions (exact for every type but large i32).
+    fn to_f32(self) -> f32;
+    /// Narrowing conversion with round-to-nearest-even.
+    fn from_f32(v: f32) -> Self;
+    /// The additive identity.
+    fn zero() -> Self;
+    /// Widening conversion used by cross-rank reductions (exact for every type).
+    fn to_f64(self) -> f64 {
+        self.to_f32() as f64
+    }
+    /// Narrowing conversion from a reduction's accumulator (one rounding).
+    fn from_f64(v: f64) -> Self {
+        Self::from_f32(v as f32)
+    }
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+    fn zero() -> Self {
+        0.0
+    }
+}
+
+impl Element for bf16 {
+    const DTYPE: DType = DType::BF16;
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+    fn zero() -> Self {
+        bf16::ZERO
+    }
+}
+
+impl Element for f16 {
+    const DTYPE: DType = DType::F16;
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn from_f32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+    fn zero() -> Self {
+        f16::ZERO
+    }
+}
+
+impl Element for i32 {
+    const DTYPE: DType = DType::I32;
+    fn to_f32(self) -> f32 {
+        self as f32
+    }
+    fn from_f32(v: f32) -> Self {
+        v as i32
+    }
+    fn zero() -> Self {
+        0
+    }
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+    fn from_f64(v: f64) -> Self {
+        v.round() as i32
+    }
+}

@@ -1,0 +1,332 @@
+//! Tensors: a dtype, a shape, and a contiguous window (`offset .. offset + numel`) into a
+//! shared [`Storage`].
+//!
+//! Views share storage: [`Tensor::view`] is how a parameter becomes a window into its
+//! FlatParameter's unsharded buffer (FSDP1 `FlatParamHandle._get_unflat_views`), with no
+//! copy. Tensors are contiguous row-major; ops that need a transpose take it as a flag.
+
+mod dtype;
+mod storage;
+
+pub use dtype::{DType, Element};
+pub use storage::{Buffer, Storage};
+
+use crate::backend::Device;
+use crate::error::{Error, Result};
+use parking_lot::{
+    MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLockReadGuard, RwLockWriteGuard,
+};
+use std::sync::Arc;
+
+/// A contiguous n-dimensional array viewing a shared storage. Cloning is cheap (shares the
+/// storage); use [`Tensor::deep_clone`] for a copy.
+#[derive(Clone)]
+pub struct Tensor {
+    storage: Arc<Storage>,
+    offset: usize,
+    shape: Vec<usize>,
+    dtype: DType,
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Tensor({:?}, {}, {}, offset {})",
+            self.shape,
+            self.dtype,
+            self.device(),
+            self.offset
+        )
+    }
+}
+
+/// Number of elements of a shape (1 for a scalar shape `[]`).
+pub fn numel_of(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
+
+impl Tensor {
+    fn from_buffer(buf: Buffer, shape: &[usize]) -> Tensor {
+        let dtype = buf.dtype();
+        Tensor {
+            storage: Arc::new(Storage::new(buf)),
+            offset: 0,
+            shape: shape.to_vec(),
+            dtype,
+        }
+    }
+
+    /// Zero-filled CPU tensor.
+    pub fn zeros(shape: &[usize], dtype: DType) -> Tensor {
+        Self::from_buffer(Buffer::zeros(dtype, numel_of(shape)), shape)
+    }
+
+    /// A tensor on `Device::Meta`: shape and dtype, no memory. Reading it is an error.
+    pub fn meta(shape: &[usize], dtype: DType) -> Tensor {
+        Self::from_buffer(
+            Buffer::Meta {
+                len: numel_of(shape),
+                dtype,
+            },
+            shape,
+        )
+    }
+
+    /// CPU tensor owning `data`.
+    ///
+    /// # Errors
+    /// `ShapeMismatch` when `data.len()` differs from the shape's element count.
+    pub fn from_vec<T: Element>(data: Vec<T>, shape: &[usize]) -> Result<Tensor> {
+        if data.len() != numel_of(shape) {
+            return Err(Error::ShapeMismatch {
+                op: "Tensor::from_vec",
+                expected: shape.to_vec(),
+                got: vec![data.len()],
+            });
+        }
+        let buf = vec_to_buffer(data);
+        Ok(Self::from_buffer(buf, shape))
+    }
+
+    /// Scalar (shape `[]`) f32 tensor.
+    pub fn scalar(v: f32) -> Tensor {
+        Self::from_buffer(Buffer::F32(vec![v]), &[])
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Element count.
+    pub fn numel(&self) -> usize {
+        numel_of(&self.shape)
+    }
+
+    /// Bytes this view covers (`numel * dtype size`).
+    pub fn nbytes(&self) -> usize {
+        self.numel() * self.dtype.size_in_bytes()
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Device of the storage.
+    pub fn device(&self) -> Device {
+        self.storage.device
+    }
+
+    /// Offset of this view in its storage, in elements.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// True when both tensors view the same storage.
+    pub fn shares_storage(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.storage, &other.storage)
+    }
+
+    /// A view of `numel_of(shape)` elements starting `offset` elements into this tensor,
+    /// sharing storage (no copy).
+    ///
+    /// # Errors
+    /// `InvalidArgument` when the window runs past the end of this tensor.
+    pub fn view(&self, offset: usize, shape: &[usize]) -> Result<Tensor> {
+        let n = numel_of(shape);
+        if offset + n > self.numel() {
+            crate::error::bail_arg!(
+                "view of {n} elements at offset {offset} runs past a tensor of {} elements",
+                self.numel()
+            );
+        }
+        Ok(Tensor {
+            storage: self.storage.clone(),
+            offset: self.offset + offset,
+            shape: shape.to_vec(),
+            dtype: self.dtype,
+        })
+    }
+
+    /// Same elements, another shape of the same element count (shares storage).
+    pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
+        if numel_of(shape) != self.numel() {
+            return Err(Error::ShapeMismatch {
+                op: "reshape",
+                expected: self.shape.clone(),
+                got: shape.to_vec(),
+            });
+        }
+        self.view(0, shape)
+    }
+
+    /// Read access to the elements as `&[T]`.
+    ///
+    /// # Errors
+    /// `DTypeMismatch` when `T` is not this tensor's dtype; `NotMaterialized` on meta.
+    pub fn data<T: Element>(&self) -> Result<MappedRwLockReadGuard<'_, [T]>> {
+        self.check_access::<T>("Tensor::data")?;
+        let (lo, hi) = (self.offset, self.offset + self.numel());
+        let guard = self.storage.buf.read();
+        Ok(RwLockReadGuard::map(guard, |b| {
+            &buffer_slice::<T>(b)[lo..hi]
+        }))
+    }
+
+    /// Write access to the elements as `&mut [T]`.
+    ///
+    /// # Errors
+    /// As [`Tensor::data`].
+    pub fn data_mut<T: Element>(&self) -> Result<MappedRwLockWriteGuard<'_, [T]>> {
+        self.check_access::<T>("Tensor::data_mut")?;
+        let (lo, hi) = (self.offset, self.offset + self.numel());
+        let guard = self.storage.buf.write();
+        Ok(RwLockWriteGuard::map(guard, |b| {
+            &mut buffer_slice_mut::<T>(b)[lo..hi]
+        }))
+    }
+
+    /// Shorthand for `data::<f32>()`.
+    pub fn f32(&self) -> Result<MappedRwLockReadGuard<'_, [f32]>> {
+        self.data::<f32>()
+    }
+
+    /// Shorthand for `data_mut::<f32>()`.
+    pub fn f32_mut(&self) -> Result<MappedRwLockWriteGuard<'_, [f32]>> {
+        self.data_mut::<f32>()
+    }
+
+    fn check_access<T: Element>(&self, op: &'static str) -> Result<()> {
+        if self.device() == Device::Meta {
+            return Err(Error::NotMaterialized {
+                name: format!("{self:?}"),
+                state: "meta",
+            });
+        }
+        if T::DTYPE != self.dtype {
+            return Err(Error::DTypeMismatch {
+                op,
+                expected: self.dtype,
+                got: T::DTYPE,
+            });
+        }
+        Ok(())
+    }
+
+    /// Copies the elements out as f32 (widening bf16/f16/i32).
+    pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
+        Ok(match self.dtype {
+            DType::F32 => self.data::<f32>()?.to_vec(),
+            DType::BF16 => self
+                .data::<half::bf16>()?
+                .iter()
+                .map(|v| v.to_f32())
+                .collect(),
+            DType::F16 => self
+                .data::<half::f16>()?
+                .iter()
+                .map(|v| v.to_f32())
+                .collect(),
+            DType::I32 => self.data::<i32>()?.iter().map(|&v| v as f32).collect(),
+        })
+    }
+
+    /// A new CPU tensor of `dtype` with these values (round-to-nearest-even when narrowing).
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        let out = Tensor::zeros(&self.shape, dtype);
+        out.copy_from(self)?;
+        Ok(out)
+    }
+
+    /// A copy with its own storage.
+    pub fn deep_clone(&self) -> Result<Tensor> {
+        self.to_dtype(self.dtype)
+    }
+
+    /// `self = src`, casting dtype as needed. Shapes need only agree in element count.
+    ///
+    /// # Errors
+    /// `ShapeMismatch` when element counts differ.
+    pub fn copy_from(&self, src: &Tensor) -> Result<()> {
+        if src.numel() != self.numel() {
+            return Err(Error::ShapeMismatch {
+                op: "copy_from",
+                expected: self.shape.clone(),
+                got: src.shape.clone(),
+            });
+        }
+        if self.shares_storage(src) {
+            // Same lock: read into a temporary first instead of deadlocking.
+            let tmp = src.deep_clone()?;
+            return self.copy_from(&tmp);
+        }
+        macro_rules! cast_into {
+            ($t:ty) => {{
+                let mut dst = self.data_mut::<$t>()?;
+                crate::backend::cpu::ops::cast_into(src, &mut dst)
+            }};
+        }
+        match self.dtype {
+            DType::F32 => cast_into!(f32),
+            DType::BF16 => cast_into!(half::bf16),
+            DType::F16 => cast_into!(half::f16),
+            DType::I32 => cast_into!(i32),
+        }
+    }
+
+    /// Sets every element to zero.
+    pub fn zero_(&self) -> Result<()> {
+        macro_rules! fill {
+            ($t:ty) => {{
+                self.data_mut::<$t>()?.fill(<$t as Element>::zero());
+            }};
+        }
+        match self.dtype {
+            DType::F32 => fill!(f32),
+            DType::BF16 => fill!(half::bf16),
+            DType::F16 => fill!(half::f16),
+            DType::I32 => fill!(i32),
+        }
+        Ok(())
+    }
+}
+
+fn vec_to_buffer<T: Element>(data: Vec<T>) -> Buffer {
+    // Element is implemented for exactly these four types, so one branch matches.
+    let any: Box<dyn std::any::Any> = Box::new(data);
+    match any.downcast::<Vec<f32>>() {
+        Ok(v) => Buffer::F32(*v),
+        Err(any) => match any.downcast::<Vec<half::bf16>>() {
+            Ok(v) => Buffer::BF16(*v),
+            Err(any) => match any.downcast::<Vec<half::f16>>() {
+                Ok(v) => Buffer::F16(*v),
+                Err(any) => match any.downcast::<Vec<i32>>() {
+                    Ok(v) => Buffer::I32(*v),
+                    Err(_) => unreachable!("Element is sealed to f32, bf16, f16, i32"),
+                },
+            },
+        },
+    }
+}
+
+fn buffer_slice<T: Element>(b: &Buffer) -> &[T] {
+    match b {
+        Buffer::F32(v) => bytemuck::cast_slice(v),
+        Buffer::BF16(v) => bytemuck::cast_slice(v),
+        Buffer::F16(v) => bytemuck::cast_slice(v),
+        Buffer::I32(v) => bytemuck::cast_slice(v),
+        Buffer::Meta { .. } => &[],
+    }
+}
+
+fn buffer_slice_mut<T: Element>(b: &mut Buffer) -> &mut [T] {
+    match b {
+        Buffer::F32(v) => bytemuck::cast_slice_mut(v),
+        Buffer::BF16(v) => bytemuck::cast_slice_mut(v),
+        Buffer::F16(v) => bytemuck::cast_slice_mut(v),
+        Buffer::I32(v) => bytemuck::cast_slice_mut(v),
+        Buffer::Meta { .. } => &mut [],
+    }
+}

@@ -1,0 +1,83 @@
+//! Reference-counted buffers that tensors view into.
+//!
+//! A [`Storage`] is one allocation on one device. Many tensors can view it (a FlatParameter's
+//! unsharded buffer is viewed by every original parameter of the unit). Access goes through a
+//! read/write lock: reads are shared, writes exclusive, so two views never race.
+
+use crate::backend::Device;
+use crate::tensor::DType;
+use half::{bf16, f16};
+
+/// The typed contents of a storage.
+#[derive(Debug)]
+pub enum Buffer {
+    F32(Vec<f32>),
+    BF16(Vec<bf16>),
+    F16(Vec<f16>),
+    I32(Vec<i32>),
+    /// Shapes only, no memory (`Device::Meta`): the element count and dtype it stands for.
+    Meta {
+        len: usize,
+        dtype: DType,
+    },
+}
+
+impl Buffer {
+    /// Zero-filled CPU buffer of `len` elements.
+    pub fn zeros(dtype: DType, len: usize) -> Buffer {
+        match dtype {
+            DType::F32 => Buffer::F32(vec![0.0; len]),
+            DType::BF16 => Buffer::BF16(vec![bf16::ZERO; len]),
+            DType::F16 => Buffer::F16(vec![f16::ZERO; len]),
+            DType::I32 => Buffer::I32(vec![0; len]),
+        }
+    }
+
+    /// Element count.
+    pub fn len(&self) -> usize {
+        match self {
+            Buffer::F32(v) => v.len(),
+            Buffer::BF16(v) => v.len(),
+            Buffer::F16(v) => v.len(),
+            Buffer::I32(v) => v.len(),
+            Buffer::Meta { len, .. } => *len,
+        }
+    }
+
+    /// True when the buffer holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Buffer::F32(_) => DType::F32,
+            Buffer::BF16(_) => DType::BF16,
+            Buffer::F16(_) => DType::F16,
+            Buffer::I32(_) => DType::I32,
+            Buffer::Meta { dtype, .. } => *dtype,
+        }
+    }
+}
+
+/// One allocation: a buffer behind a lock, on a device.
+#[derive(Debug)]
+pub struct Storage {
+    pub(crate) buf: parking_lot::RwLock<Buffer>,
+    pub(crate) device: Device,
+}
+
+impl Storage {
+    /// Wraps a CPU buffer (or a meta buffer, whose device is `Meta`).
+    pub fn new(buf: Buffer) -> Storage {
+        let device = match buf {
+            Buffer::Meta { .. } => Device::Meta,
+            _ => Device::Cpu,
+        };
+        Storage {
+            buf: parking_lot::RwLock::new(buf),
+            device,
+        }
+    }
+}

@@ -1,0 +1,153 @@
+//! What the training loop drives: the model under FSDP, or the same model trained plainly
+//! (the reference FSDP is measured against).
+
+use crate::distributed::{Group, ReduceOp};
+use crate::error::Result;
+use crate::fsdp::FullyShardedDataParallel;
+use crate::nn::{visit_parameters, Module};
+use crate::optim::{Optimizer, ParamGrad};
+use crate::tensor::{DType, Tensor};
+
+/// One rank's memory figures for a step, in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct RankMemory {
+    pub rank: usize,
+    /// Parameter shards (f32, padding included); the whole model without FSDP.
+    pub param_shard_bytes: usize,
+    /// Gradient shards after backward.
+    pub grad_shard_bytes: usize,
+    /// Optimizer state (momenta, Adam moments) over the local shards.
+    pub optim_state_bytes: usize,
+    /// Peak bytes of unsharded (all-gathered) parameter buffers alive at once in the step.
+    pub peak_unsharded_param_bytes: usize,
+}
+
+impl RankMemory {
+    /// Parameter + gradient + optimizer bytes.
+    pub fn sharded_total(&self) -> usize {
+        self.param_shard_bytes + self.grad_shard_bytes + self.optim_state_bytes
+    }
+}
+
+/// A model being trained: under FSDP, or plain (world size 1, no wrapping).
+pub enum Engine {
+    Fsdp(FullyShardedDataParallel),
+    Plain(Box<dyn Module>),
+}
+
+impl Engine {
+    /// The module to call forward/backward on.
+    pub fn module(&mut self) -> &mut dyn Module {
+        match self {
+            Engine::Fsdp(m) => m,
+            Engine::Plain(m) => m.as_mut(),
+        }
+    }
+
+    /// The tensors the optimizer steps on: local shards under FSDP, whole parameters else.
+    pub fn optimizer_params(&mut self) -> Vec<ParamGrad> {
+        match self {
+            Engine::Fsdp(m) => m.optimizer_params(),
+            Engine::Plain(m) => {
+                let mut out = Vec::new();
+                visit_parameters(m.as_mut(), "", false, &mut |_, p| {
+                    if let Ok(d) = p.data() {
+                        out.push(ParamGrad {
+                            param: d.clone(),
+                            grad: p.grad().cloned(),
+                        });
+                    }
+                });
+                out
+            }
+        }
+    }
+
+    /// `zero_grad(set_to_none=True)`.
+    pub fn zero_grad(&mut self) {
+        match self {
+            Engine::Fsdp(m) => m.zero_grad(),
+            Engine::Plain(m) => {
+                visit_parameters(m.as_mut(), "", false, &mut |_, p| p.set_grad(None))
+            }
+        }
+    }
+
+    /// This rank's memory now (call after backward, before `zero_grad`).
+    pub fn memory(&mut self, rank: usize, opt: &dyn Optimizer) -> RankMemory {
+        let optim_state_bytes = opt.state_bytes();
+        match self {
+            Engine::Fsdp(m) => {
+                let s = m.memory_stats();
+                RankMemory {
+                    rank,
+                    param_shard_bytes: s.param_shard_bytes,
+                    grad_shard_bytes: s.grad_shard_bytes,
+                    optim_state_bytes,
+                    peak_unsharded_param_bytes: s.peak_unsharded_param_bytes,
+                }
+            }
+            Engine::Plain(m) => {
+                let (mut p, mut g) = (0, 0);
+                visit_parameters(m.as_mut(), "", false, &mut |_, q| {
+                    p += q.numel() * 4;
+                    g += q.grad().map_or(0, |t| t.nbytes());
+                });
+                RankMemory {
+                    rank,
+                    param_shard_bytes: p,
+                    grad_shard_bytes: g,
+                    optim_state_bytes,
+                    peak_unsharded_param_bytes: 0,
+                }
+            }
+        }
+    }
+
+    /// Starts a new peak window for the unsharded-parameter figure.
+    pub fn reset_peak(&mut self) {
+        if let Engine::Fsdp(m) = self {
+            m.reset_peak_memory_stats();
+        }
+    }
+}
+
+/// Every rank's [`RankMemory`], gathered over `pg` (each byte count split into two i32).
+pub fn gather_memory(pg: &Group, mine: RankMemory) -> Result<Vec<RankMemory>> {
+    let fields = [
+        mine.param_shard_bytes,
+        mine.grad_shard_bytes,
+        mine.optim_state_bytes,
+        mine.peak_unsharded_param_bytes,
+    ];
+    let mut words = Vec::with_capacity(8);
+    for f in fields {
+        words.push((f >> 30) as i32);
+        words.push((f & ((1 << 30) - 1)) as i32);
+    }
+    let local = Tensor::from_vec(words, &[8])?;
+    let all = Tensor::zeros(&[8 * pg.size()], DType::I32);
+    pg.all_gather_into_tensor(&all, &local)?;
+    let v = all.data::<i32>()?;
+    Ok(v.chunks_exact(8)
+        .enumerate()
+        .map(|(rank, w)| {
+            let f = |i: usize| ((w[2 * i] as usize) << 30) | w[2 * i + 1] as usize;
+            RankMemory {
+                rank,
+                param_shard_bytes: f(0),
+                grad_shard_bytes: f(1),
+                optim_state_bytes: f(2),
+                peak_unsharded_param_bytes: f(3),
+            }
+        })
+        .collect())
+}
+
+/// Mean of a per-rank scalar over the group.
+pub fn mean_over_ranks(pg: &Group, v: f32) -> Result<f32> {
+    let t = Tensor::from_vec(vec![v], &[1])?;
+    pg.all_reduce(&t, ReduceOp::Avg)?;
+    let out = t.f32()?[0];
+    Ok(out)
+}

@@ -1,0 +1,17 @@
+//! The main job behind `fsdp train` and `fsdp bench`: a byte-level GPT on a text file.
+//!
+//! | piece | file |
+//! |---|---|
+//! | data loading, splits, world-size-independent batches | `data.rs` |
+//! | FSDP or plain engine, memory figures | `engine.rs` |
+//! | the training loop, config, metrics | `job.rs` |
+//! | generation | `sample.rs` |
+
+pub mod data;
+pub mod engine;
+mod job;
+pub mod sample;
+
+pub use job::{
+    build_engine, train, Observer, Silent, StepRecord, TrainConfig, TrainReport, WrapMode,
+};

@@ -1,0 +1,103 @@
+//! `fsdp train` as a user runs it: bad input gives one line naming the problem and a
+//! non-zero exit, never a panic; a small run prints losses, eval loss and a sample.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn fsdp() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_fsdp"))
+}
+
+fn tmp(name: &str, bytes: &[u8]) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("fsdp-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(name);
+    std::fs::write(&p, bytes).unwrap();
+    p
+}
+
+/// Runs `fsdp train ARGS`, expects failure with a single stderr line containing `want`.
+fn fails_with(args: &[&str], want: &str) {
+    let out = fsdp().arg("train").args(args).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{args:?} succeeded");
+    assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+    assert_eq!(
+        err.trim_end().lines().count(),
+        1,
+        "{args:?}: not one line: {err}"
+    );
+    assert!(err.contains(want), "{args:?}: expected '{want}' in: {err}");
+}
+
+#[test]
+fn bad_input_is_one_line_and_a_non_zero_exit() {
+    let text = tmp("ok.txt", common::corpus(5_000).as_bytes());
+    let t = text.to_str().unwrap();
+    let empty = tmp("empty.txt", b"");
+    let binary = tmp("binary.bin", &[0x7f, b'E', b'L', b'F', 0, 0, 0xff, 0xfe]);
+    let missing = text.with_file_name("does-not-exist.txt");
+    fails_with(
+        &["--data", missing.to_str().unwrap()],
+        "cannot read data file",
+    );
+    fails_with(&["--data", empty.to_str().unwrap()], "is empty");
+    fails_with(&["--data", binary.to_str().unwrap()], "not UTF-8 text");
+    fails_with(
+        &["--data", t, "--world-size", "3", "--global-batch", "32"],
+        "multiple of --world-size 3",
+    );
+    fails_with(&["--data", t, "--steps", "0"], "--steps must be at least 1");
+    fails_with(
+        &["--data", t, "--strategy", "zero-3"],
+        "invalid value 'zero-3' for '--strategy",
+    );
+    fails_with(&["--data", t, "--steps", "many"], "invalid value 'many'");
+}
+
+#[test]
+fn a_small_run_reports_losses_eval_and_a_sample() {
+    let text = tmp("run.txt", common::corpus(20_000).as_bytes());
+    let metrics = text.with_file_name("m.jsonl");
+    let out = fsdp()
+        .args([
+            "train",
+            "--data",
+            text.to_str().unwrap(),
+            "--world-size",
+            "2",
+            "--steps",
+            "6",
+            "--global-batch",
+            "4",
+        ])
+        .args([
+            "--seq-len",
+            "16",
+            "--n-layer",
+            "1",
+            "--n-embd",
+            "16",
+            "--n-head",
+            "2",
+            "--eval-every",
+            "3",
+            "--sample-len",
+            "20",
+        ])
+        .args(["--metrics", metrics.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("eval loss"), "{stdout}");
+    assert!(stdout.contains("--- sample ---"), "{stdout}");
+    assert!(stdout.contains("rank 1:"), "{stdout}");
+    assert_eq!(std::fs::read_to_string(metrics).unwrap().lines().count(), 6);
+}

@@ -1,0 +1,196 @@
+//! The main job end to end: losses independent of world size, memory split by the world
+//! size, metrics written, bad options refused before any compute.
+
+mod common;
+
+use fsdp::fsdp::ShardingStrategy;
+use fsdp::train::{train, Silent, TrainConfig, TrainReport};
+use std::path::PathBuf;
+
+fn corpus_file(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("fsdp-test-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join("corpus.txt");
+    std::fs::write(&p, common::corpus(20_000)).unwrap();
+    p
+}
+
+fn small(data: PathBuf, world_size: usize) -> TrainConfig {
+    TrainConfig {
+        data,
+        world_size,
+        steps: 30,
+        global_batch: 8,
+        seq_len: 16,
+        n_layer: 2,
+        n_head: 4,
+        n_embd: 32,
+        lr: 3e-3,
+        eval_every: 0,
+        eval_batches: 1,
+        sample_len: 0,
+        ..TrainConfig::default()
+    }
+}
+
+fn run(cfg: &TrainConfig) -> TrainReport {
+    train(cfg, &Silent).unwrap_or_else(|e| panic!("{cfg:?}: {e}"))
+}
+
+#[test]
+fn per_step_losses_do_not_depend_on_world_size_or_strategy() {
+    let data = corpus_file("parity");
+    let base = run(&small(data.clone(), 1)).losses();
+    assert_eq!(base.len(), 30);
+    assert!(base[29] < base[0] - 1.0, "loss did not fall: {base:?}");
+    let mut runs = vec![];
+    for w in [2, 4] {
+        runs.push((format!("full-shard ws {w}"), small(data.clone(), w)));
+    }
+    for s in [ShardingStrategy::ShardGradOp, ShardingStrategy::NoShard] {
+        runs.push((
+            format!("{s:?} ws 4"),
+            TrainConfig {
+                strategy: s,
+                ..small(data.clone(), 4)
+            },
+        ));
+    }
+    runs.push((
+        "no FSDP ws 1".into(),
+        TrainConfig {
+            no_fsdp: true,
+            ..small(data.clone(), 1)
+        },
+    ));
+    for (name, cfg) in runs {
+        let got = run(&cfg).losses();
+        for (step, (g, b)) in got.iter().zip(&base).enumerate() {
+            assert!(
+                (g - b).abs() <= 1e-3 * b.abs(),
+                "{name}: step {} loss {g} vs world size 1 {b}",
+                step + 1
+            );
+        }
+    }
+}
+
+#[test]
+fn per_rank_state_at_world_size_4_is_a_quarter_of_world_size_1() {
+    let data = corpus_file("memory");
+    let metrics = data.with_file_name("metrics.jsonl");
+    let one = run(&TrainConfig {
+        steps: 2,
+        ..small(data.clone(), 1)
+    });
+    let four = run(&TrainConfig {
+        steps: 2,
+        metrics: Some(metrics.clone()),
+        ..small(data, 4)
+    });
+    let m1 = one.records[1].ranks[0];
+    assert_eq!(four.records[1].ranks.len(), 4);
+    for m4 in &four.records[1].ranks {
+        let ratio = m4.sharded_total() as f64 / m1.sharded_total() as f64;
+        // A quarter, plus at most 3 padding elements per unit.
+        assert!(
+            (0.25..0.2501).contains(&ratio),
+            "rank {}: {} / {} = {ratio}",
+            m4.rank,
+            m4.sharded_total(),
+            m1.sharded_total()
+        );
+        // Per-block units: the root and one block are gathered at a time, never the model.
+        assert!(m4.peak_unsharded_param_bytes > 0);
+        assert!(
+            m4.peak_unsharded_param_bytes < m1.param_shard_bytes,
+            "{} vs {}",
+            m4.peak_unsharded_param_bytes,
+            m1.param_shard_bytes
+        );
+    }
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2);
+    for (i, l) in lines.iter().enumerate() {
+        assert_eq!(l["step"], i + 1);
+        assert!(l["loss"].as_f64().unwrap() > 0.0);
+        assert!(l["tokens_per_s"].as_f64().unwrap() > 0.0);
+        let ranks = l["ranks"].as_array().unwrap();
+        assert_eq!(ranks.len(), 4);
+        for key in [
+            "param_shard_bytes",
+            "grad_shard_bytes",
+            "optim_state_bytes",
+            "peak_unsharded_param_bytes",
+        ] {
+            assert!(ranks[0][key].as_u64().unwrap() > 0, "{key}");
+        }
+    }
+}
+
+#[test]
+fn eval_and_sample_come_from_the_trained_model() {
+    let data = corpus_file("eval");
+    let r = run(&TrainConfig {
+        eval_every: 10,
+        sample_len: 40,
+        ..small(data, 2)
+    });
+    let evals = r.eval_losses();
+    assert_eq!(
+        evals.iter().map(|e| e.0).collect::<Vec<_>>(),
+        vec![10, 20, 30]
+    );
+    assert!(evals[2].1 < evals[0].1, "{evals:?}");
+    assert_eq!(r.sample.chars().count() > 0, true);
+}
+
+#[test]
+fn bad_options_are_refused_before_any_compute() {
+    let data = corpus_file("bad");
+    let cases: Vec<(TrainConfig, &str)> = vec![
+        (
+            TrainConfig {
+                global_batch: 6,
+                ..small(data.clone(), 4)
+            },
+            "--global-batch 6 must be a positive multiple of --world-size 4",
+        ),
+        (
+            TrainConfig {
+                steps: 0,
+                ..small(data.clone(), 1)
+            },
+            "--steps must be at least 1",
+        ),
+        (
+            TrainConfig {
+                n_head: 5,
+                ..small(data.clone(), 1)
+            },
+            "divisible by --n-head 5",
+        ),
+        (
+            TrainConfig {
+                data: data.with_file_name("missing.txt"),
+                ..small(data.clone(), 1)
+            },
+            "cannot read data file",
+        ),
+        (
+            TrainConfig {
+                strategy: ShardingStrategy::HybridShard,
+                ..small(data.clone(), 2)
+            },
+            "hybrid",
+        ),
+    ];
+    for (cfg, want) in cases {
+        let err = train(&cfg, &Silent).unwrap_err().to_string();
+        assert!(err.contains(want), "expected '{want}' in '{err}'");
+    }
+}
