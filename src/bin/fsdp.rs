@@ -174,8 +174,8 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
     };
     cfg.validate()?;
     println!(
-        "fsdp train: {} ranks ({} backend), strategy {:?}, wrap {:?}, {} steps of {} x {} tokens, data {}",
-        cfg.world_size, "threads", cfg.strategy, cfg.wrap, cfg.steps, cfg.global_batch, cfg.seq_len, cfg.data.display()
+        "fsdp train: {} ranks (threads backend), strategy {:?}, wrap {:?}, {} steps of {} x {} tokens, data {}",
+        cfg.world_size, cfg.strategy, cfg.wrap, cfg.steps, cfg.global_batch, cfg.seq_len, cfg.data.display()
     );
     let bar = std::io::stderr().is_terminal().then(|| {
         let b = ProgressBar::new(cfg.steps as u64);

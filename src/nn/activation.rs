@@ -93,18 +93,6 @@ pub fn gelu_grad(x: f32) -> f32 {
     cdf + x * pdf
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn fast_erf_matches_libm() {
-        let worst = (-4000..=4000)
-            .map(|i| i as f32 / 1000.0)
-            .map(|x| (super::erf(x) - libm::erff(x)).abs())
-            .fold(0.0f32, f32::max);
-        assert!(worst < 1e-6, "max |erf - libm erff| = {worst}");
-    }
-}
-
 impl Module for GELU {
     fn type_name(&self) -> &'static str {
         "GELU"
@@ -128,5 +116,17 @@ impl Module for GELU {
             .map(|(&x, &g)| g * gelu_grad(x))
             .collect();
         Tensor::from_vec(dx, x.shape())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn fast_erf_matches_libm() {
+        let worst = (-4000..=4000)
+            .map(|i| i as f32 / 1000.0)
+            .map(|x| (super::erf(x) - libm::erff(x)).abs())
+            .fold(0.0f32, f32::max);
+        assert!(worst < 1e-6, "max |erf - libm erff| = {worst}");
     }
 }

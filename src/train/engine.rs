@@ -31,7 +31,7 @@ impl RankMemory {
 
 /// A model being trained: under FSDP, or plain (world size 1, no wrapping).
 pub enum Engine {
-    Fsdp(FullyShardedDataParallel),
+    Fsdp(Box<FullyShardedDataParallel>),
     Plain(Box<dyn Module>),
 }
 
@@ -39,7 +39,7 @@ impl Engine {
     /// The module to call forward/backward on.
     pub fn module(&mut self) -> &mut dyn Module {
         match self {
-            Engine::Fsdp(m) => m,
+            Engine::Fsdp(m) => m.as_mut(),
             Engine::Plain(m) => m.as_mut(),
         }
     }

@@ -13,7 +13,7 @@ pub fn assert_close(what: &str, got: &[f32], want: &[f32], atol: f32, rtol: f32)
         if err / tol.max(f32::MIN_POSITIVE) > worst.0 {
             worst = (err / tol.max(f32::MIN_POSITIVE), i);
         }
-        if !(err <= tol) {
+        if err.is_nan() || err > tol {
             bad.push((i, g, w));
         }
     }
