@@ -203,9 +203,9 @@ pub fn build_engine(cfg: &TrainConfig, pg: Group) -> Result<Engine> {
             WrapMode::None => None,
         },
     };
-    Ok(Engine::Fsdp(FullyShardedDataParallel::new(
+    Ok(Engine::Fsdp(Box::new(FullyShardedDataParallel::new(
         model, pg, fsdp_cfg,
-    )?))
+    )?)))
 }
 
 /// Trains as `cfg` says on `cfg.world_size` thread ranks and returns rank 0's report.
