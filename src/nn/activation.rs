@@ -4,56 +4,85 @@ use super::{Context, Module};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
-/// `y = max(x, 0)`; any shape, f32.
-#[derive(Default)]
-pub struct ReLU {
+/// Shared forward/backward of a pointwise activation `y = f(x)`, `dx = dy * f'(x)`.
+struct Pointwise {
+    name: &'static str,
+    f: fn(f32) -> f32,
+    df: fn(f32) -> f32,
     saved_x: Option<Tensor>,
 }
 
-impl ReLU {
-    pub fn new() -> Self {
-        Self::default()
-    }
-}
-
-impl Module for ReLU {
-    fn type_name(&self) -> &'static str {
-        "ReLU"
-    }
+impl Pointwise {
     fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
-        let y: Vec<f32> = x.f32()?.iter().map(|&v| v.max(0.0)).collect();
+        let f = self.f;
+        let y: Vec<f32> = x.f32()?.iter().map(|&v| f(v)).collect();
         if cx.grad_enabled {
             self.saved_x = Some(x.clone());
         }
         Tensor::from_vec(y, x.shape())
     }
-    fn backward(&mut self, dy: &Tensor, _cx: &Context) -> Result<Tensor> {
+
+    fn backward(&mut self, dy: &Tensor) -> Result<Tensor> {
         let x = self
             .saved_x
             .take()
-            .ok_or(Error::NoSavedForward { module: "ReLU" })?;
+            .ok_or(Error::NoSavedForward { module: self.name })?;
+        let df = self.df;
         let dx: Vec<f32> = x
             .f32()?
             .iter()
             .zip(dy.f32()?.iter())
-            .map(|(&x, &g)| if x > 0.0 { g } else { 0.0 })
+            .map(|(&x, &g)| g * df(x))
             .collect();
         Tensor::from_vec(dx, x.shape())
     }
 }
 
-/// `y = x * Phi(x)` with the exact normal CDF `Phi(x) = (1 + erf(x / sqrt 2)) / 2`
-/// (PyTorch's default `approximate='none'`); any shape, f32.
-#[derive(Default)]
-pub struct GELU {
-    saved_x: Option<Tensor>,
+macro_rules! pointwise_module {
+    ($(#[$doc:meta])* $t:ident, $f:expr, $df:expr) => {
+        $(#[$doc])*
+        pub struct $t(Pointwise);
+
+        impl $t {
+            pub fn new() -> Self {
+                $t(Pointwise { name: stringify!($t), f: $f, df: $df, saved_x: None })
+            }
+        }
+
+        impl Default for $t {
+            fn default() -> Self {
+                Self::new()
+            }
+        }
+
+        impl Module for $t {
+            fn type_name(&self) -> &'static str {
+                stringify!($t)
+            }
+            fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
+                self.0.forward(x, cx)
+            }
+            fn backward(&mut self, dy: &Tensor, _cx: &Context) -> Result<Tensor> {
+                self.0.backward(dy)
+            }
+        }
+    };
 }
 
-impl GELU {
-    pub fn new() -> Self {
-        Self::default()
-    }
-}
+pointwise_module!(
+    /// `y = max(x, 0)`; any shape, f32 (`torch.nn.ReLU`).
+    ReLU,
+    |x| x.max(0.0),
+    |x| if x > 0.0 { 1.0 } else { 0.0 }
+);
+
+pointwise_module!(
+    /// `y = x * Phi(x)` with the exact normal CDF `Phi(x) = (1 + erf(x / sqrt 2)) / 2`
+    /// (`torch.nn.GELU()`, `approximate='none'`); any shape, f32.
+    GELU,
+    gelu,
+    gelu_grad
+);
 
 const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
 /// 1 / sqrt(2 pi)
@@ -91,32 +120,6 @@ pub fn gelu_grad(x: f32) -> f32 {
     let cdf = 0.5 * (1.0 + erf(x * FRAC_1_SQRT_2));
     let pdf = INV_SQRT_2PI * (-0.5 * x * x).exp();
     cdf + x * pdf
-}
-
-impl Module for GELU {
-    fn type_name(&self) -> &'static str {
-        "GELU"
-    }
-    fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
-        let y: Vec<f32> = x.f32()?.iter().map(|&v| gelu(v)).collect();
-        if cx.grad_enabled {
-            self.saved_x = Some(x.clone());
-        }
-        Tensor::from_vec(y, x.shape())
-    }
-    fn backward(&mut self, dy: &Tensor, _cx: &Context) -> Result<Tensor> {
-        let x = self
-            .saved_x
-            .take()
-            .ok_or(Error::NoSavedForward { module: "GELU" })?;
-        let dx: Vec<f32> = x
-            .f32()?
-            .iter()
-            .zip(dy.f32()?.iter())
-            .map(|(&x, &g)| g * gelu_grad(x))
-            .collect();
-        Tensor::from_vec(dx, x.shape())
-    }
 }
 
 #[cfg(test)]
