@@ -55,6 +55,32 @@ fn bad_input_is_one_line_and_a_non_zero_exit() {
         "invalid value 'zero-3' for '--strategy",
     );
     fails_with(&["--data", t, "--steps", "many"], "invalid value 'many'");
+    fails_with(
+        &["--data", t, "--lr", "-0.01"],
+        "--lr must be a positive number, got -0.01",
+    );
+    fails_with(&["--data", t, "--metrics", t], "is the data file");
+    fails_with(
+        &["--data", text.parent().unwrap().to_str().unwrap()],
+        "is not a regular file",
+    );
+    fails_with(
+        &["--data", t, "--n-embd", "65536", "--n-head", "4"],
+        "GiB of memory",
+    );
+    fails_with(
+        &[
+            "--data",
+            t,
+            "--strategy",
+            "hybrid-shard",
+            "--world-size",
+            "2",
+            "--global-batch",
+            "4",
+        ],
+        "hybrid",
+    );
 }
 
 #[test]

@@ -51,7 +51,7 @@ struct ModelArgs {
     /// Rows per step over all ranks (split evenly, contiguous rows per rank).
     #[arg(long, default_value_t = D.global_batch)]
     global_batch: usize,
-    #[arg(long, default_value_t = D.lr)]
+    #[arg(long, default_value_t = D.lr, allow_negative_numbers = true)]
     lr: f32,
     #[arg(long, value_enum, default_value_t = D.optimizer)]
     optimizer: OptimizerKind,
@@ -266,6 +266,21 @@ fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
             },
         ));
     }
+    if a.world_sizes.is_empty() || a.world_sizes.contains(&0) {
+        return Err(fsdp::Error::InvalidArgument(format!(
+            "--world-sizes must list positive world sizes, got {:?}",
+            a.world_sizes
+        )));
+    }
+    for (_, cfg) in &runs {
+        cfg.validate().map_err(|e| match e {
+            fsdp::Error::InvalidArgument(m) => fsdp::Error::InvalidArgument(format!(
+                "{m} (fsdp bench runs --world-sizes {:?})",
+                a.world_sizes
+            )),
+            e => e,
+        })?;
+    }
     println!(
         "{:<24} {:>14} {:>12} {:>10} {:>22} {:>20}",
         "configuration",
@@ -312,14 +327,14 @@ fn main() -> ExitCode {
         Ok(c) => c,
         Err(e) => {
             use clap::error::ErrorKind;
-            if matches!(
-                e.kind(),
-                ErrorKind::DisplayHelp
-                    | ErrorKind::DisplayVersion
-                    | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
-            ) {
+            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
                 let _ = e.print();
                 return ExitCode::SUCCESS;
+            }
+            if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+                // `fsdp` alone: the usage page, but as the error it is.
+                let _ = e.print();
+                return ExitCode::from(2);
             }
             // One line naming the problem (clap's first line), not a usage page.
             let text = e.to_string();

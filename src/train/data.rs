@@ -23,6 +23,15 @@ pub enum Split {
     Val,
 }
 
+/// The smallest file length whose held-out 10% (`n - floor(9n / 10)`) has `need` bytes.
+fn min_len_for_val(need: usize) -> usize {
+    let mut n = need;
+    while n - n * 9 / 10 < need {
+        n += 1;
+    }
+    n
+}
+
 impl TextDataset {
     /// Reads a UTF-8 text file.
     ///
@@ -30,6 +39,15 @@ impl TextDataset {
     /// `Data` naming the file when it is missing, unreadable, empty, not UTF-8 text, or too
     /// short to hold one `seq_len + 1` window in each split.
     pub fn load(path: &Path, seq_len: usize) -> Result<Self> {
+        // A directory, a device (/dev/zero) or a pipe is refused before reading it.
+        if let Ok(meta) = std::fs::metadata(path) {
+            if !meta.is_file() {
+                return Err(Error::Data(format!(
+                    "data path '{}' is not a regular file",
+                    path.display()
+                )));
+            }
+        }
         let bytes = std::fs::read(path).map_err(|e| {
             let hint = if e.kind() == std::io::ErrorKind::NotFound {
                 " (run scripts/get_data.sh to fetch tinyshakespeare)"
@@ -70,7 +88,7 @@ impl TextDataset {
             return Err(Error::Data(format!(
                 "data file '{name}' has {} bytes; with --seq-len {seq_len} it needs at least {} (10% held out must hold {need})",
                 bytes.len(),
-                need * 10
+                min_len_for_val(need)
             )));
         }
         Ok(ds)

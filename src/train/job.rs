@@ -177,6 +177,24 @@ impl TrainConfig {
         if self.no_fsdp && self.world_size != 1 {
             return bad("--no-fsdp trains without sharding and needs --world-size 1".into());
         }
+        if let (Some(m), Some(d)) = (&self.metrics, std::fs::canonicalize(&self.data).ok()) {
+            if std::fs::canonicalize(m).ok().as_ref() == Some(&d) {
+                return bad(format!(
+                    "--metrics {} is the data file; give another path",
+                    m.display()
+                ));
+            }
+        }
+        if let Some(avail) = available_memory_bytes() {
+            let need = self.estimated_memory_bytes();
+            if need > avail as f64 {
+                return bad(format!(
+                    "this configuration needs about {:.1} GiB of memory and {:.1} GiB are available; lower --n-embd, --n-layer, --seq-len, --global-batch or --world-size",
+                    need / GIB,
+                    avail as f64 / GIB
+                ));
+            }
+        }
         if matches!(
             self.strategy,
             ShardingStrategy::HybridShard | ShardingStrategy::HybridShardZero2
@@ -187,6 +205,39 @@ impl TrainConfig {
             )));
         }
         Ok(())
+    }
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// `MemAvailable` of /proc/meminfo, where there is one.
+fn available_memory_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+impl TrainConfig {
+    /// A generous estimate of the process's peak bytes (all ranks together): every rank
+    /// builds the full model before sharding it (deferred init lands later), plus f32
+    /// parameter, gradient and Adam shards, plus the activations a forward saves for
+    /// backward (about 19 C floats per token and layer, the attention probabilities
+    /// `H T` per token and layer, and the logits and their gradient).
+    pub fn estimated_memory_bytes(&self) -> f64 {
+        let (c, l, t, h) = (
+            self.n_embd as f64,
+            self.n_layer as f64,
+            self.seq_len as f64,
+            self.n_head as f64,
+        );
+        let v = VOCAB_SIZE as f64;
+        let params = v * c + t * c + l * (12.0 * c * c + 13.0 * c) + 2.0 * c;
+        let init = self.world_size as f64 * params;
+        let state = 4.0 * params;
+        let tokens = (self.global_batch as f64) * t;
+        let activations = tokens * (l * (19.0 * c + h * t) + 2.0 * v);
+        1.5 * 4.0 * (init + state + activations)
     }
 }
 
