@@ -1,88 +1,106 @@
 //! Elementwise activations: `ReLU` and exact (erf) `GELU`, as `torch.nn.ReLU` / `torch.nn.GELU()`.
 
 use super::{Context, Module};
+use crate::backend::cpu::ops::exp;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
-/// Shared forward/backward of a pointwise activation `y = f(x)`, `dx = dy * f'(x)`.
-struct Pointwise {
-    name: &'static str,
-    f: fn(f32) -> f32,
-    df: fn(f32) -> f32,
-    saved_x: Option<Tensor>,
+/// The scalar function of a pointwise activation and its derivative. Static functions
+/// (not function pointers) so the loops over a tensor inline and vectorize.
+pub trait PointwiseFn: Send + 'static {
+    /// Type name (`"GELU"`).
+    const NAME: &'static str;
+    fn f(x: f32) -> f32;
+    fn df(x: f32) -> f32;
 }
 
-impl Pointwise {
+/// A pointwise activation `y = f(x)`, `dx = dy * f'(x)`; any shape, f32.
+pub struct Pointwise<F: PointwiseFn> {
+    saved_x: Option<Tensor>,
+    _f: std::marker::PhantomData<F>,
+}
+
+impl<F: PointwiseFn> Pointwise<F> {
+    pub fn new() -> Self {
+        Pointwise {
+            saved_x: None,
+            _f: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<F: PointwiseFn> Default for Pointwise<F> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<F: PointwiseFn> Module for Pointwise<F> {
+    fn type_name(&self) -> &'static str {
+        F::NAME
+    }
+
     fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
-        let f = self.f;
-        let y: Vec<f32> = x.f32()?.iter().map(|&v| f(v)).collect();
+        let y: Vec<f32> = x.f32()?.iter().map(|&v| F::f(v)).collect();
         if cx.grad_enabled {
             self.saved_x = Some(x.clone());
         }
         Tensor::from_vec(y, x.shape())
     }
 
-    fn backward(&mut self, dy: &Tensor) -> Result<Tensor> {
+    fn backward(&mut self, dy: &Tensor, _cx: &Context) -> Result<Tensor> {
         let x = self
             .saved_x
             .take()
-            .ok_or(Error::NoSavedForward { module: self.name })?;
-        let df = self.df;
+            .ok_or(Error::NoSavedForward { module: F::NAME })?;
         let dx: Vec<f32> = x
             .f32()?
             .iter()
             .zip(dy.f32()?.iter())
-            .map(|(&x, &g)| g * df(x))
+            .map(|(&x, &g)| g * F::df(x))
             .collect();
         Tensor::from_vec(dx, x.shape())
     }
 }
 
-macro_rules! pointwise_module {
-    ($(#[$doc:meta])* $t:ident, $f:expr, $df:expr) => {
-        $(#[$doc])*
-        pub struct $t(Pointwise);
-
-        impl $t {
-            pub fn new() -> Self {
-                $t(Pointwise { name: stringify!($t), f: $f, df: $df, saved_x: None })
-            }
+/// `max(x, 0)`.
+pub struct ReluFn;
+impl PointwiseFn for ReluFn {
+    const NAME: &'static str = "ReLU";
+    #[inline]
+    fn f(x: f32) -> f32 {
+        x.max(0.0)
+    }
+    #[inline]
+    fn df(x: f32) -> f32 {
+        if x > 0.0 {
+            1.0
+        } else {
+            0.0
         }
-
-        impl Default for $t {
-            fn default() -> Self {
-                Self::new()
-            }
-        }
-
-        impl Module for $t {
-            fn type_name(&self) -> &'static str {
-                stringify!($t)
-            }
-            fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
-                self.0.forward(x, cx)
-            }
-            fn backward(&mut self, dy: &Tensor, _cx: &Context) -> Result<Tensor> {
-                self.0.backward(dy)
-            }
-        }
-    };
+    }
 }
 
-pointwise_module!(
-    /// `y = max(x, 0)`; any shape, f32 (`torch.nn.ReLU`).
-    ReLU,
-    |x| x.max(0.0),
-    |x| if x > 0.0 { 1.0 } else { 0.0 }
-);
+/// Exact (erf) GELU.
+pub struct GeluFn;
+impl PointwiseFn for GeluFn {
+    const NAME: &'static str = "GELU";
+    #[inline]
+    fn f(x: f32) -> f32 {
+        gelu(x)
+    }
+    #[inline]
+    fn df(x: f32) -> f32 {
+        gelu_grad(x)
+    }
+}
 
-pointwise_module!(
-    /// `y = x * Phi(x)` with the exact normal CDF `Phi(x) = (1 + erf(x / sqrt 2)) / 2`
-    /// (`torch.nn.GELU()`, `approximate='none'`); any shape, f32.
-    GELU,
-    gelu,
-    gelu_grad
-);
+/// `y = max(x, 0)`; any shape, f32 (`torch.nn.ReLU`).
+pub type ReLU = Pointwise<ReluFn>;
+
+/// `y = x * Phi(x)` with the exact normal CDF `Phi(x) = (1 + erf(x / sqrt 2)) / 2`
+/// (`torch.nn.GELU()`, `approximate='none'`); any shape, f32.
+pub type GELU = Pointwise<GeluFn>;
 
 const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
 /// 1 / sqrt(2 pi)
@@ -104,7 +122,7 @@ pub fn erf(x: f32) -> f32 {
     let ax = x.abs();
     let t = 1.0 / (1.0 + P * ax);
     let poly = t * (A[0] + t * (A[1] + t * (A[2] + t * (A[3] + t * A[4]))));
-    let y = 1.0 - poly * (-ax * ax).exp();
+    let y = 1.0 - poly * exp(-ax * ax);
     y.copysign(x)
 }
 
@@ -118,7 +136,7 @@ pub fn gelu(x: f32) -> f32 {
 #[inline]
 pub fn gelu_grad(x: f32) -> f32 {
     let cdf = 0.5 * (1.0 + erf(x * FRAC_1_SQRT_2));
-    let pdf = INV_SQRT_2PI * (-0.5 * x * x).exp();
+    let pdf = INV_SQRT_2PI * exp(-0.5 * x * x);
     cdf + x * pdf
 }
 

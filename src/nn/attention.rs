@@ -2,6 +2,7 @@
 
 use super::{Context, InitKey, Linear, Module};
 use crate::backend::cpu::gemm::{matmul, Transpose};
+use crate::backend::cpu::ops::exp;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -113,7 +114,7 @@ impl Module for CausalSelfAttention {
                     .fold(f32::NEG_INFINITY, |m, &s| m.max(s * scale));
                 let mut sum = 0.0f32;
                 for s in row[..=i].iter_mut() {
-                    *s = (*s * scale - max).exp();
+                    *s = exp(*s * scale - max);
                     sum += *s;
                 }
                 let inv = 1.0 / sum;
