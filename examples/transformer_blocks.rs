@@ -8,7 +8,7 @@
 use fsdp::distributed::{launch, LaunchOptions};
 use fsdp::error::Result;
 use fsdp::fsdp::{transformer_auto_wrap_policy, FsdpConfig, FullyShardedDataParallel};
-use fsdp::nn::{Context, InitKey, Linear, Module, ReLU, Sequential};
+use fsdp::nn::{ChildVisitor, Context, InitKey, Linear, Module, ReLU, Sequential};
 use fsdp::tensor::Tensor;
 
 /// Linear(512, 512) - ReLU - Linear(512, 512), a type of its own so the policy can match it.
@@ -34,10 +34,7 @@ impl Module for TransformerBlock {
     fn backward(&mut self, g: &Tensor, cx: &Context) -> Result<Tensor> {
         self.0.backward(g, cx)
     }
-    fn for_each_child(
-        &mut self,
-        f: &mut dyn FnMut(&str, &mut Box<dyn Module>) -> Result<()>,
-    ) -> Result<()> {
+    fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
         self.0.for_each_child(f)
     }
 }

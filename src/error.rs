@@ -13,44 +13,79 @@ pub enum Error {
     /// Two shapes (or element counts) that had to agree did not.
     #[error("{op}: shape mismatch: expected {expected:?}, got {got:?}")]
     ShapeMismatch {
+        /// The op or method that checked, e.g. `"Linear.forward"`, `"SGD.step"`.
         op: &'static str,
+        /// The shape (or element count, as a one-element vec) the op required; a `0` stands
+        /// for a dimension of any size (e.g. `[0, 0, C]` for `(B, T, C)`).
         expected: Vec<usize>,
+        /// The shape (or element count) it was given.
         got: Vec<usize>,
     },
     /// An op received a tensor of a dtype it does not take.
     #[error("{op}: expected dtype {expected:?}, got {got:?}")]
     DTypeMismatch {
+        /// The op or method that checked, e.g. `"SGD.step"`.
         op: &'static str,
+        /// The dtype the op takes (f32 for every optimizer and nn op).
         expected: DType,
+        /// The dtype of the tensor it was given.
         got: DType,
     },
     /// A parameter was used while its storage is not materialized (sharded and not gathered,
     /// or built on the meta device).
     #[error("parameter '{name}' is not materialized (state: {state}); it is only valid while its FSDP unit is unsharded")]
-    NotMaterialized { name: String, state: &'static str },
+    NotMaterialized {
+        /// The parameter's name (fully qualified once FSDP renamed it, e.g.
+        /// `blocks.0.attn.c_attn.weight`), or a meta tensor's `Debug` text.
+        name: String,
+        /// Why it has no data: `"sharded"`, `"meta"`, or `"not materialized at wrap time"`.
+        state: &'static str,
+    },
     /// backward was called without the matching forward.
     #[error(
         "{module}: backward called without a saved forward (call forward with grad enabled first)"
     )]
-    NoSavedForward { module: &'static str },
+    NoSavedForward {
+        /// [`Module::type_name`](crate::nn::Module::type_name) of the module whose backward
+        /// was called, e.g. `"Linear"`, `"LayerNorm"`.
+        module: &'static str,
+    },
     /// An argument is out of its allowed range.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
     /// The ranks of a group called different collectives, or the same one with different
     /// sizes or dtypes.
     #[error("collective mismatch in group of {group_size} ranks: {detail}")]
-    CollectiveMismatch { group_size: usize, detail: String },
+    CollectiveMismatch {
+        /// Number of ranks in the process group.
+        group_size: usize,
+        /// Rank 0's call and every rank whose call differs from it: op, dtype, input and
+        /// output element counts, and the reduce op or broadcast `src`.
+        detail: String,
+    },
     /// A collective did not complete in time.
     #[error("{op} timed out after {timeout_s:.1} s on rank {rank}: ranks {missing_ranks:?} never arrived")]
     Timeout {
+        /// The collective (`torch.distributed` name): `"all_gather_into_tensor"`,
+        /// `"reduce_scatter_tensor"`, `"all_reduce"`, `"broadcast"` or `"barrier"`.
         op: String,
+        /// The rank that gave up waiting (the one reporting this error).
         rank: usize,
+        /// The group's collective timeout, seconds (default 300, as `torch.distributed`).
         timeout_s: f64,
+        /// Ranks of the group that never called the collective; empty when every rank
+        /// arrived but some did not finish reading this rank's input in time.
         missing_ranks: Vec<usize>,
     },
     /// Another rank of the group failed; this rank stops instead of waiting for it.
     #[error("rank {failed_rank} failed: {reason}")]
-    PeerFailed { failed_rank: usize, reason: String },
+    PeerFailed {
+        /// The first rank recorded as failed: it returned an error, panicked, or exited
+        /// without joining a collective (after a timeout, the first rank that never arrived).
+        failed_rank: usize,
+        /// That rank's own error or panic message, as text.
+        reason: String,
+    },
     /// FSDP was configured or used in a way it does not support.
     #[error("fsdp: {0}")]
     Fsdp(String),
@@ -63,7 +98,9 @@ pub enum Error {
     /// Operating-system I/O.
     #[error("{context}: {source}")]
     Io {
+        /// What was being done, e.g. `"creating metrics file 'm.jsonl'"`, `"writing metrics"`.
         context: String,
+        /// The underlying OS error.
         #[source]
         source: std::io::Error,
     },

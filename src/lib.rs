@@ -36,6 +36,8 @@
 //! assert_eq!(losses.len(), 2);
 //! ```
 
+#![warn(missing_docs)]
+
 pub mod backend;
 pub mod distributed;
 pub mod error;

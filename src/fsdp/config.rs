@@ -50,6 +50,8 @@ impl ShardingStrategy {
 /// `Default` is FSDP's: `FullShard`, no auto-wrap (one unit for the whole model).
 #[derive(Clone, Default)]
 pub struct FsdpConfig {
+    /// How parameters, gradients and optimizer state are split
+    /// (`FullyShardedDataParallel(sharding_strategy=...)`), default `FullShard`.
     pub sharding_strategy: ShardingStrategy,
     /// Which submodules become their own units; `None`: one unit for the whole model.
     pub auto_wrap_policy: Option<AutoWrapPolicy>,

@@ -16,10 +16,13 @@ use crate::tensor::{DType, Tensor};
 pub struct ParamInfo {
     /// Fully qualified name (`blocks.0.attn.c_attn.weight`).
     pub fqn: String,
+    /// The original parameter's shape; its view of the unsharded buffer gets this shape.
     pub shape: Vec<usize>,
     /// Element offset in the unpadded flat buffer.
     pub offset: usize,
+    /// Element count (product of `shape`); the parameter spans `offset .. offset + numel`.
     pub numel: usize,
+    /// The original parameter's `requires_grad` at wrap time (`nn.Parameter.requires_grad`).
     pub requires_grad: bool,
 }
 

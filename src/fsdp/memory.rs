@@ -14,6 +14,7 @@ pub struct MemoryStats {
     pub peak_unsharded_param_bytes: usize,
     /// Units unsharded now, and the most at once since the last reset.
     pub unsharded_units: usize,
+    /// Most units unsharded at once since the last [`reset_peak`](Self::reset_peak).
     pub peak_unsharded_units: usize,
 }
 

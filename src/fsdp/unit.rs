@@ -14,7 +14,9 @@ use super::{AutoWrapPolicy, FsdpConfig, MemoryStats, ShardingStrategy};
 use crate::backend::cpu::ops;
 use crate::distributed::{Group, ReduceOp};
 use crate::error::{Error, Result};
-use crate::nn::{join_name, visit_parameters, Context, Module, Parameter, Sequential};
+use crate::nn::{
+    join_name, visit_parameters, ChildVisitor, Context, Module, Parameter, Sequential,
+};
 use crate::optim::ParamGrad;
 use crate::tensor::{DType, Tensor};
 use parking_lot::Mutex;
@@ -391,10 +393,7 @@ impl Module for FullyShardedDataParallel {
         Ok(dx)
     }
 
-    fn for_each_child(
-        &mut self,
-        f: &mut dyn FnMut(&str, &mut Box<dyn Module>) -> Result<()>,
-    ) -> Result<()> {
+    fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
         f("", &mut self.module)
     }
 

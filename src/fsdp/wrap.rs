@@ -18,7 +18,11 @@ pub enum AutoWrapPolicy {
     Transformer(HashSet<String>),
     /// `size_based_auto_wrap_policy(min_num_params)`: wrap a module once the parameters
     /// below it that no nested unit took number at least `min_num_params`.
-    SizeBased { min_num_params: usize },
+    SizeBased {
+        /// Parameter count (elements, not bytes) at or above which a module is wrapped;
+        /// PyTorch's default is 1e8.
+        min_num_params: usize,
+    },
     /// Any closure `(module, nonwrapped_numel) -> bool`.
     Custom(Arc<WrapFn>),
 }

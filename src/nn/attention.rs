@@ -1,6 +1,6 @@
 //! Causal multi-head self-attention (GPT-2's `CausalSelfAttention`).
 
-use super::{Context, InitKey, Linear, Module};
+use super::{ChildVisitor, Context, InitKey, Linear, Module};
 use crate::backend::cpu::gemm::{matmul, Transpose};
 use crate::backend::cpu::ops::exp;
 use crate::error::{Error, Result};
@@ -11,7 +11,11 @@ use crate::tensor::Tensor;
 /// (position t sees 0..=t); `c_proj: Linear(C, C)`. Same math as
 /// `F.scaled_dot_product_attention(q, k, v, is_causal=True)`.
 pub struct CausalSelfAttention {
+    /// Input projection `Linear(C, 3C)` producing q, k, v concatenated on the last dim
+    /// (`attn.c_attn` in GPT-2); weight `(3C, C)`, bias `(3C)`.
     pub c_attn: Box<dyn Module>,
+    /// Output projection `Linear(C, C)` applied after the heads are merged
+    /// (`attn.c_proj` in GPT-2); weight `(C, C)`, bias `(C)`.
     pub c_proj: Box<dyn Module>,
     n_head: usize,
     n_embd: usize,
@@ -197,10 +201,7 @@ impl Module for CausalSelfAttention {
         self.c_attn.backward(&dqkv, cx)
     }
 
-    fn for_each_child(
-        &mut self,
-        f: &mut dyn FnMut(&str, &mut Box<dyn Module>) -> Result<()>,
-    ) -> Result<()> {
+    fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
         f("c_attn", &mut self.c_attn)?;
         f("c_proj", &mut self.c_proj)
     }

@@ -1,11 +1,13 @@
 //! `Sequential`: children run forward in order and backward in reverse (`torch.nn.Sequential`).
 
-use super::{Context, Module};
+use super::{ChildVisitor, Context, Module};
 use crate::error::Result;
 use crate::tensor::Tensor;
 
 /// Children named `"0"`, `"1"`, ... as in PyTorch.
 pub struct Sequential {
+    /// The children in call order; child `i` is named `"i"` in parameter names, and each
+    /// is boxed so auto-wrap can replace it with an FSDP unit.
     pub layers: Vec<Box<dyn Module>>,
     names: Vec<String>,
 }
@@ -36,10 +38,7 @@ impl Module for Sequential {
         }
         Ok(g)
     }
-    fn for_each_child(
-        &mut self,
-        f: &mut dyn FnMut(&str, &mut Box<dyn Module>) -> Result<()>,
-    ) -> Result<()> {
+    fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
         for (name, l) in self.names.iter().zip(self.layers.iter_mut()) {
             f(name, l)?;
         }

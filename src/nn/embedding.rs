@@ -37,6 +37,8 @@ pub fn embedding_backward(grad: &mut [f32], ids: &[i32], dout: &[f32], c: usize)
 /// any shape `S`; output `(S.., dim)` f32; backward returns an empty tensor (ids have no
 /// gradient).
 pub struct Embedding {
+    /// The table `(num_embeddings, dim)` f32 (`nn.Embedding.weight`); row `i` is the
+    /// vector of id `i`.
     pub weight: Parameter,
     saved_ids: Option<Tensor>,
 }

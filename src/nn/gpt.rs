@@ -2,7 +2,7 @@
 //! and an output projection tied to the token embedding (nanoGPT / llm.c's `train_gpt2.c`).
 
 use super::embedding::{embedding_backward, embedding_lookup};
-use super::{Block, Context, InitKey, LayerNorm, Module, Parameter};
+use super::{Block, ChildVisitor, Context, InitKey, LayerNorm, Module, Parameter};
 use crate::backend::cpu::gemm::{matmul, Transpose};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
@@ -14,7 +14,9 @@ pub struct GptConfig {
     pub vocab_size: usize,
     /// Longest sequence `T` (rows of the position embedding).
     pub block_size: usize,
+    /// Number of transformer [`Block`]s.
     pub n_layer: usize,
+    /// Attention heads per block `H`; must divide `n_embd`.
     pub n_head: usize,
     /// Width `C`.
     pub n_embd: usize,
@@ -24,10 +26,18 @@ pub struct GptConfig {
 /// Parameters: `wte.weight (V, C)` (also the output projection), `wpe.weight (block_size,
 /// C)`, `blocks.{i}.*`, `ln_f.*`. Embeddings and projections init N(0, 0.02^2).
 pub struct GPT {
+    /// The shape the model was built with.
     pub config: GptConfig,
+    /// Token embedding `wte.weight (V, C)` f32, tied: also the output projection
+    /// (`logits = h @ wte^T`).
     pub wte: Parameter,
+    /// Learned position embedding `wpe.weight (block_size, C)` f32.
     pub wpe: Parameter,
+    /// The `n_layer` transformer blocks, named `blocks.{i}`; each is boxed so auto-wrap can
+    /// replace it with an FSDP unit (one unit per block under
+    /// `transformer_auto_wrap_policy(["Block"])`).
     pub blocks: Vec<Box<dyn Module>>,
+    /// Final [`LayerNorm`]`(C)` before the output projection (`ln_f`).
     pub ln_f: Box<dyn Module>,
     block_names: Vec<String>,
     /// (ids (B, T), final hidden (B*T, C))
@@ -196,10 +206,7 @@ impl Module for GPT {
         f("wpe.weight", &mut self.wpe);
     }
 
-    fn for_each_child(
-        &mut self,
-        f: &mut dyn FnMut(&str, &mut Box<dyn Module>) -> Result<()>,
-    ) -> Result<()> {
+    fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
         for (name, blk) in self.block_names.iter().zip(self.blocks.iter_mut()) {
             f(name, blk)?;
         }

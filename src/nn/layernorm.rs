@@ -7,7 +7,9 @@ use crate::tensor::Tensor;
 /// `y = (x - mean) / sqrt(var + eps) * weight + bias` over the last dim of size `C`, with
 /// the biased variance. `weight, bias: (C)`, init ones / zeros. Input `(.., C)`, f32.
 pub struct LayerNorm {
+    /// Scale `gamma`, `(C)` f32, init ones (`nn.LayerNorm.weight`).
     pub weight: Parameter,
+    /// Shift `beta`, `(C)` f32, init zeros (`nn.LayerNorm.bias`).
     pub bias: Parameter,
     dim: usize,
     eps: f32,

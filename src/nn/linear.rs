@@ -9,7 +9,9 @@ use crate::tensor::Tensor;
 /// `(.., in)` -> output `(.., out)`, f32. Default init as PyTorch: weight and bias
 /// `U(-1/sqrt(in), 1/sqrt(in))`.
 pub struct Linear {
+    /// `(out_features, in_features)` f32 (`nn.Linear.weight`).
     pub weight: Parameter,
+    /// `(out_features)` f32 (`nn.Linear.bias`); `None` when built with `bias: false`.
     pub bias: Option<Parameter>,
     in_features: usize,
     out_features: usize,

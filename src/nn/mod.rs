@@ -35,6 +35,8 @@ pub use gpt::{GptConfig, GPT};
 pub use init::InitKey;
 pub use layernorm::LayerNorm;
 pub use linear::Linear;
-pub use module::{join_name, num_parameters, parameter_shapes, visit_parameters, Context, Module};
+pub use module::{
+    join_name, num_parameters, parameter_shapes, visit_parameters, ChildVisitor, Context, Module,
+};
 pub use parameter::Parameter;
 pub use transformer::{Block, MLP};

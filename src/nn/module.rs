@@ -30,6 +30,10 @@ impl Context {
     }
 }
 
+/// The callback of [`Module::for_each_child`]: `(attribute name, child)`; an error stops
+/// the walk.
+pub type ChildVisitor<'a> = dyn FnMut(&str, &mut Box<dyn Module>) -> Result<()> + 'a;
+
 /// A layer or model with an explicit backward pass (`torch.nn.Module` without autograd).
 pub trait Module: Send {
     /// Type name used by wrap policies (`transformer_auto_wrap_policy` matches it), e.g.
@@ -52,10 +56,7 @@ pub trait Module: Send {
 
     /// Visits the child modules in registration order with their attribute names
     /// (`"blocks.0"`). Children are boxed so a wrap policy can replace one by an FSDP unit.
-    fn for_each_child(
-        &mut self,
-        f: &mut dyn FnMut(&str, &mut Box<dyn Module>) -> Result<()>,
-    ) -> Result<()> {
+    fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
         let _ = f;
         Ok(())
     }

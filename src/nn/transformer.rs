@@ -1,13 +1,16 @@
 //! The GPT-2 transformer block: `x + attn(ln_1(x))`, then `+ mlp(ln_2(.))`.
 
-use super::{CausalSelfAttention, Context, InitKey, LayerNorm, Linear, Module, GELU};
+use super::{CausalSelfAttention, ChildVisitor, Context, InitKey, LayerNorm, Linear, Module, GELU};
 use crate::error::Result;
 use crate::tensor::Tensor;
 
 /// `c_fc: Linear(C, 4C)` -> GELU -> `c_proj: Linear(4C, C)`; input and output `(.., C)`.
 pub struct MLP {
+    /// Expansion `Linear(C, 4C)` (`mlp.c_fc` in GPT-2).
     pub c_fc: Box<dyn Module>,
+    /// The exact (erf) [`GELU`] between the projections (`nn.GELU()`, `approximate='none'`).
     pub gelu: Box<dyn Module>,
+    /// Contraction `Linear(4C, C)` (`mlp.c_proj` in GPT-2).
     pub c_proj: Box<dyn Module>,
 }
 
@@ -48,10 +51,7 @@ impl Module for MLP {
         let g = self.gelu.backward(&g, cx)?;
         self.c_fc.backward(&g, cx)
     }
-    fn for_each_child(
-        &mut self,
-        f: &mut dyn FnMut(&str, &mut Box<dyn Module>) -> Result<()>,
-    ) -> Result<()> {
+    fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
         f("c_fc", &mut self.c_fc)?;
         f("gelu", &mut self.gelu)?;
         f("c_proj", &mut self.c_proj)
@@ -61,9 +61,13 @@ impl Module for MLP {
 /// Pre-norm transformer block (GPT-2). Input and output `(B, T, C)` f32. Its type name
 /// `"Block"` is what `transformer_auto_wrap_policy` matches in `fsdp train`.
 pub struct Block {
+    /// [`LayerNorm`]`(C)` applied before attention.
     pub ln_1: Box<dyn Module>,
+    /// [`CausalSelfAttention`] with `n_head` heads; its output is added to the input.
     pub attn: Box<dyn Module>,
+    /// [`LayerNorm`]`(C)` applied before the MLP.
     pub ln_2: Box<dyn Module>,
+    /// The [`MLP`] `C -> 4C -> C`; its output is added to the residual stream.
     pub mlp: Box<dyn Module>,
 }
 
@@ -106,10 +110,7 @@ impl Module for Block {
         let g = self.attn.backward(&dx1, cx)?;
         add(&dx1, &self.ln_1.backward(&g, cx)?)
     }
-    fn for_each_child(
-        &mut self,
-        f: &mut dyn FnMut(&str, &mut Box<dyn Module>) -> Result<()>,
-    ) -> Result<()> {
+    fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
         f("ln_1", &mut self.ln_1)?;
         f("attn", &mut self.attn)?;
         f("ln_2", &mut self.ln_2)?;

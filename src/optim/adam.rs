@@ -6,9 +6,15 @@ use crate::error::Result;
 /// Arguments of Adam/AdamW with PyTorch's defaults.
 #[derive(Debug, Clone, Copy)]
 pub struct AdamConfig {
+    /// Learning rate (`lr=`), default 1e-3.
     pub lr: f32,
+    /// Decay rates `(beta1, beta2)` of the first and second moment averages (`betas=`),
+    /// default (0.9, 0.999).
     pub betas: (f32, f32),
+    /// Term added to the denominator for numerical stability (`eps=`), default 1e-8.
     pub eps: f32,
+    /// Weight decay (`weight_decay=`): an L2 term added to the gradient in [`Adam`]
+    /// (default 0), decoupled `p *= 1 - lr * wd` in [`AdamW`] (default 0.01).
     pub weight_decay: f32,
 }
 
@@ -80,11 +86,14 @@ fn adam_step(
 /// Adam with L2 weight decay added to the gradient:
 /// `m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps)`.
 pub struct Adam {
+    /// The hyperparameters; [`Optimizer::set_lr`] changes `config.lr`.
     pub config: AdamConfig,
     state: Vec<Moments>,
 }
 
 impl Adam {
+    /// `torch.optim.Adam` with `config` (start from [`AdamConfig::adam`]); the moments,
+    /// two f32 per element, are allocated on the first step.
     pub fn new(config: AdamConfig) -> Self {
         Adam {
             config,
@@ -96,11 +105,14 @@ impl Adam {
 /// AdamW: Adam with decoupled weight decay `p *= 1 - lr * wd` before the update
 /// (Loshchilov & Hutter, as `torch.optim.AdamW`).
 pub struct AdamW {
+    /// The hyperparameters; [`Optimizer::set_lr`] changes `config.lr`.
     pub config: AdamConfig,
     state: Vec<Moments>,
 }
 
 impl AdamW {
+    /// `torch.optim.AdamW` with `config` (start from [`AdamConfig::adamw`]); the moments,
+    /// two f32 per element, are allocated on the first step.
     pub fn new(config: AdamConfig) -> Self {
         AdamW {
             config,

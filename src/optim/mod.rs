@@ -20,7 +20,9 @@ use crate::tensor::{DType, Tensor};
 /// tensor, as PyTorch skips parameters whose `.grad` is `None`.
 #[derive(Clone, Debug)]
 pub struct ParamGrad {
+    /// The f32 tensor updated in place (under FSDP, a unit's local FlatParameter shard).
     pub param: Tensor,
+    /// Its f32 gradient with the same element count (`param.grad`); `None` skips `param`.
     pub grad: Option<Tensor>,
 }
 
@@ -47,8 +49,12 @@ pub trait Optimizer: Send {
 /// Which optimizer `fsdp train` builds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 pub enum OptimizerKind {
+    /// [`SGD`] (`torch.optim.SGD`) with no momentum and no weight decay (`--optimizer sgd`).
     Sgd,
+    /// [`Adam`] (`torch.optim.Adam`), weight_decay 0 (`--optimizer adam`).
     Adam,
+    /// [`AdamW`] (`torch.optim.AdamW`), weight_decay 0.01 (`--optimizer adamw`, the default
+    /// of `fsdp train`).
     Adamw,
 }
 

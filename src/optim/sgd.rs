@@ -6,10 +6,18 @@ use crate::error::Result;
 /// `torch.optim.SGD` arguments and defaults (lr 1e-3 as PyTorch >= 2.3).
 #[derive(Debug, Clone, Copy)]
 pub struct SgdConfig {
+    /// Learning rate (`torch.optim.SGD(lr=...)`), default 1e-3.
     pub lr: f32,
+    /// Momentum factor (`torch.optim.SGD(momentum=...)`), default 0 (no momentum buffer).
     pub momentum: f32,
+    /// Dampening of the gradient added to the momentum buffer after the first step
+    /// (`torch.optim.SGD(dampening=...)`), default 0.
     pub dampening: f32,
+    /// L2 penalty added to the gradient as `wd * p` (`torch.optim.SGD(weight_decay=...)`),
+    /// default 0.
     pub weight_decay: f32,
+    /// Nesterov momentum (`torch.optim.SGD(nesterov=...)`), default false; has an effect
+    /// only with a nonzero `momentum`.
     pub nesterov: bool,
 }
 
@@ -28,12 +36,15 @@ impl Default for SgdConfig {
 /// `g = grad + wd p; buf = g` (first step) `| momentum buf + (1 - dampening) g;`
 /// `g = nesterov ? g + momentum buf : buf; p -= lr g`.
 pub struct SGD {
+    /// The hyperparameters; [`Optimizer::set_lr`] changes `config.lr`.
     pub config: SgdConfig,
     /// Momentum buffers (empty until a parameter's first step with momentum).
     bufs: Vec<Option<Vec<f32>>>,
 }
 
 impl SGD {
+    /// `torch.optim.SGD` with `config`; momentum buffers are allocated on the first step
+    /// that uses them.
     pub fn new(config: SgdConfig) -> Self {
         SGD {
             config,

@@ -11,13 +11,19 @@ use half::{bf16, f16};
 /// The typed contents of a storage.
 #[derive(Debug)]
 pub enum Buffer {
+    /// `DType::F32` values (`torch.float32`), 4 bytes each.
     F32(Vec<f32>),
+    /// `DType::BF16` values (`torch.bfloat16`), 2 bytes each.
     BF16(Vec<bf16>),
+    /// `DType::F16` values (`torch.float16`), 2 bytes each.
     F16(Vec<f16>),
+    /// `DType::I32` values (`torch.int32`), 4 bytes each, e.g. token ids.
     I32(Vec<i32>),
     /// Shapes only, no memory (`Device::Meta`): the element count and dtype it stands for.
     Meta {
+        /// Element count the buffer stands for.
         len: usize,
+        /// Element type the buffer stands for.
         dtype: DType,
     },
 }

@@ -12,14 +12,19 @@ pub const VOCAB_SIZE: usize = 256;
 /// A text corpus split into train (first 90%) and validation (last 10%) tokens.
 #[derive(Debug, Clone)]
 pub struct TextDataset {
+    /// Training tokens: the first `floor(9n / 10)` bytes of the file, one i32 in `0..256`
+    /// each.
     pub train: Vec<i32>,
+    /// Held-out tokens: the remaining last ~10% of the bytes, used for eval loss.
     pub val: Vec<i32>,
 }
 
 /// Which split a batch is drawn from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Split {
+    /// [`TextDataset::train`], the first 90%.
     Train,
+    /// [`TextDataset::val`], the held-out last 10%.
     Val,
 }
 

@@ -11,6 +11,7 @@ use crate::tensor::{DType, Tensor};
 /// One rank's memory figures for a step, in bytes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct RankMemory {
+    /// The rank these figures belong to, `0..world_size`.
     pub rank: usize,
     /// Parameter shards (f32, padding included); the whole model without FSDP.
     pub param_shard_bytes: usize,
@@ -31,7 +32,9 @@ impl RankMemory {
 
 /// A model being trained: under FSDP, or plain (world size 1, no wrapping).
 pub enum Engine {
+    /// The model wrapped as the root FSDP unit; the optimizer steps on local shards.
     Fsdp(Box<FullyShardedDataParallel>),
+    /// The bare model (`--no-fsdp`, world size 1); the optimizer steps on whole parameters.
     Plain(Box<dyn Module>),
 }
 
