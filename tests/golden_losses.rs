@@ -1,0 +1,42 @@
+//! Golden per-step losses of a small GPT on the synthetic corpus (llm.c's expected-loss
+//! check): any change to the numerics of a layer, the optimizer, the data order or FSDP's
+//! reductions shows up here. After an intentional numeric change, regenerate with
+//! `FSDP_BLESS=1 cargo test --test golden_losses` and say why in the commit.
+
+mod common;
+
+use fsdp::train::{train, Silent, TrainConfig};
+
+const GOLDEN: &str = "tests/golden/small_gpt_losses.json";
+
+#[test]
+fn small_gpt_losses_match_the_checked_in_curve() {
+    let dir = std::env::temp_dir().join(format!("fsdp-golden-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let data = dir.join("corpus.txt");
+    std::fs::write(&data, common::corpus(20_000)).unwrap();
+    let cfg = TrainConfig {
+        data,
+        world_size: 2,
+        steps: 20,
+        global_batch: 8,
+        seq_len: 16,
+        n_layer: 2,
+        n_head: 4,
+        n_embd: 32,
+        lr: 3e-3,
+        eval_every: 0,
+        eval_batches: 1,
+        sample_len: 0,
+        ..TrainConfig::default()
+    };
+    let losses = train(&cfg, &Silent).unwrap().losses();
+    if std::env::var_os("FSDP_BLESS").is_some() {
+        std::fs::write(GOLDEN, serde_json::to_string_pretty(&losses).unwrap()).unwrap();
+        return;
+    }
+    let golden: Vec<f32> = serde_json::from_str(&std::fs::read_to_string(GOLDEN).unwrap()).unwrap();
+    // Relative 1e-4: room for a different but equally valid summation order on another
+    // CPU (GEMM kernels differ between AVX2 and AVX-512), none for a changed computation.
+    common::assert_close("golden losses", &losses, &golden, 0.0, 1e-4);
+}
