@@ -73,7 +73,7 @@ fn bench_step(c: &mut Criterion) {
                 .remove(0),
         );
         let mut engine = build_engine(&cfg, pg).unwrap();
-        let mut opt = fsdp::optim::build(cfg.optimizer, cfg.lr);
+        let mut opt = fsdp::optim::build(cfg.optimizer, cfg.lr, cfg.betas);
         let mut i = 0u64;
         group.bench_function(name, |bch| {
             bch.iter(|| {

@@ -221,3 +221,23 @@ fn the_default_job_has_the_same_losses_at_world_sizes_1_2_4_over_30_steps() {
         }
     }
 }
+
+#[test]
+fn learning_rate_warms_up_then_follows_half_a_cosine_to_a_tenth() {
+    let cfg = TrainConfig {
+        lr: 1e-2,
+        steps: 120,
+        warmup_steps: 20,
+        ..TrainConfig::default()
+    };
+    assert!((cfg.lr_at(1) - 5e-4).abs() < 1e-9);
+    assert!((cfg.lr_at(20) - 1e-2).abs() < 1e-9);
+    assert!((cfg.lr_at(70) - 5.5e-3).abs() < 1e-7, "{}", cfg.lr_at(70));
+    assert!((cfg.lr_at(120) - 1e-3).abs() < 1e-9);
+    let constant = TrainConfig {
+        lr_schedule: fsdp::train::LrSchedule::Constant,
+        ..cfg
+    };
+    assert_eq!(constant.lr_at(21), 1e-2);
+    assert_eq!(constant.lr_at(120), 1e-2);
+}

@@ -4,7 +4,7 @@
 use clap::{Args, Parser, Subcommand};
 use fsdp::fsdp::ShardingStrategy;
 use fsdp::optim::OptimizerKind;
-use fsdp::train::{self, Observer, StepRecord, TrainConfig, WrapMode};
+use fsdp::train::{self, LrSchedule, Observer, StepRecord, TrainConfig, WrapMode};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -53,6 +53,18 @@ struct ModelArgs {
     global_batch: usize,
     #[arg(long, default_value_t = D.lr, allow_negative_numbers = true)]
     lr: f32,
+    /// Adam/AdamW beta1.
+    #[arg(long, default_value_t = D.betas.0)]
+    beta1: f32,
+    /// Adam/AdamW beta2.
+    #[arg(long, default_value_t = D.betas.1)]
+    beta2: f32,
+    /// Learning-rate schedule after the warm-up.
+    #[arg(long, value_enum, default_value_t = D.lr_schedule)]
+    lr_schedule: LrSchedule,
+    /// Linear learning-rate warm-up steps.
+    #[arg(long, default_value_t = D.warmup_steps)]
+    warmup_steps: usize,
     #[arg(long, value_enum, default_value_t = D.optimizer)]
     optimizer: OptimizerKind,
     #[arg(long, default_value_t = D.seed)]
@@ -116,6 +128,9 @@ fn base_config(m: &ModelArgs, data: PathBuf) -> TrainConfig {
         n_embd: m.n_embd,
         global_batch: m.global_batch,
         lr: m.lr,
+        betas: (m.beta1, m.beta2),
+        lr_schedule: m.lr_schedule,
+        warmup_steps: m.warmup_steps,
         optimizer: m.optimizer,
         seed: m.seed,
         ..TrainConfig::default()

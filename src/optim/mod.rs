@@ -58,8 +58,9 @@ pub enum OptimizerKind {
     Adamw,
 }
 
-/// Builds an optimizer of `kind` with PyTorch defaults and learning rate `lr`.
-pub fn build(kind: OptimizerKind, lr: f32) -> Box<dyn Optimizer> {
+/// Builds an optimizer of `kind` with learning rate `lr`, Adam `betas` (ignored by SGD),
+/// and PyTorch's defaults for everything else.
+pub fn build(kind: OptimizerKind, lr: f32, betas: (f32, f32)) -> Box<dyn Optimizer> {
     match kind {
         OptimizerKind::Sgd => Box::new(SGD::new(SgdConfig {
             lr,
@@ -67,10 +68,12 @@ pub fn build(kind: OptimizerKind, lr: f32) -> Box<dyn Optimizer> {
         })),
         OptimizerKind::Adam => Box::new(Adam::new(AdamConfig {
             lr,
+            betas,
             ..AdamConfig::adam()
         })),
         OptimizerKind::Adamw => Box::new(AdamW::new(AdamConfig {
             lr,
+            betas,
             ..AdamConfig::adamw()
         })),
     }

@@ -13,5 +13,6 @@ mod job;
 pub mod sample;
 
 pub use job::{
-    build_engine, train, Observer, Silent, StepRecord, TrainConfig, TrainReport, WrapMode,
+    build_engine, train, LrSchedule, Observer, Silent, StepRecord, TrainConfig, TrainReport,
+    WrapMode,
 };
