@@ -228,6 +228,7 @@ fn learning_rate_warms_up_then_follows_half_a_cosine_to_a_tenth() {
         lr: 1e-2,
         steps: 120,
         warmup_steps: 20,
+        lr_schedule: fsdp::train::LrSchedule::Cosine,
         ..TrainConfig::default()
     };
     assert!((cfg.lr_at(1) - 5e-4).abs() < 1e-9);
