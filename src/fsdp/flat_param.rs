@@ -42,6 +42,9 @@ pub struct FlatParameter {
     pub(crate) grad_shard: Option<Tensor>,
     /// The gathered, padded values `(c W)` while unsharded.
     pub(crate) unsharded: Option<Tensor>,
+    /// The padded flat gradient `(c W)` accumulated under `no_sync`, reduced by the next
+    /// synchronized backward (FSDP1 keeps the unsharded gradient the same way).
+    pub(crate) unsynced_grad: Option<Tensor>,
 }
 
 impl FlatParameter {
@@ -95,6 +98,7 @@ impl FlatParameter {
             local_shard: Tensor::from_vec(local, &[shard_numel])?,
             grad_shard: None,
             unsharded: None,
+            unsynced_grad: None,
         })
     }
 

@@ -14,6 +14,7 @@
 
 mod config;
 mod flat_param;
+mod grad;
 mod memory;
 mod unit;
 mod wrap;

@@ -38,10 +38,13 @@ struct RankState {
 /// FSDP1 (`torch/distributed/fsdp/fully_sharded_data_parallel.py`).
 pub struct FullyShardedDataParallel {
     module: Box<dyn Module>,
-    flat: FlatParameter,
+    pub(super) flat: FlatParameter,
     prefix: String,
-    is_root: bool,
+    pub(super) is_root: bool,
     rs: RankState,
+    /// False inside [`FullyShardedDataParallel::no_sync`]: backward accumulates the
+    /// unsharded gradient locally instead of reducing it.
+    pub(super) sync_grads: bool,
 }
 
 /// FSDP1's gradient divide factors for a data-parallel world of `dp` ranks
@@ -123,6 +126,7 @@ impl FullyShardedDataParallel {
             prefix: prefix.to_string(),
             is_root: false,
             rs: rs.clone(),
+            sync_grads: true,
         };
         // The originals now live in the FlatParameter: free them (sharded state).
         unit.point_params(None, false)?;
@@ -383,13 +387,22 @@ impl Module for FullyShardedDataParallel {
 
     fn backward(&mut self, grad_out: &Tensor, cx: &Context) -> Result<Tensor> {
         self.unshard()?;
-        let flat_grad = Tensor::zeros(&[self.flat.padded_numel()], DType::F32);
+        // Layers accumulate (+=) into their grad views, so a gradient kept from backwards
+        // under no_sync simply keeps growing.
+        let flat_grad = match self.flat.unsynced_grad.take() {
+            Some(g) => g,
+            None => Tensor::zeros(&[self.flat.padded_numel()], DType::F32),
+        };
         self.point_params(Some(&flat_grad), true)?;
         let dx = self.module.backward(grad_out, cx);
         self.point_params(None, true)?;
         self.reshard()?;
         let dx = dx?;
-        self.reduce_grad(flat_grad)?;
+        if self.sync_grads {
+            self.reduce_grad(flat_grad)?;
+        } else {
+            self.flat.unsynced_grad = Some(flat_grad);
+        }
         Ok(dx)
     }
 

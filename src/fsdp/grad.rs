@@ -1,0 +1,74 @@
+//! Gradient utilities of the root unit: `no_sync` (accumulation without communication) and
+//! `clip_grad_norm_` (FSDP1 `FullyShardedDataParallel.no_sync` / `.clip_grad_norm_`).
+
+use super::FullyShardedDataParallel;
+use crate::backend::cpu::ops;
+use crate::distributed::ReduceOp;
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+impl FullyShardedDataParallel {
+    /// Runs `f` with gradient synchronization off: backward passes inside accumulate each
+    /// unit's unsharded gradient locally, with no reduce-scatter; the first backward after
+    /// `f` returns reduces the accumulated sum with its own gradient. Every rank must do
+    /// the same number of backwards inside. Costs one unsharded gradient buffer per unit
+    /// until the synchronized backward (as PyTorch FSDP).
+    ///
+    /// # Errors
+    /// Whatever `f` returns; synchronization is turned back on either way.
+    pub fn no_sync<R>(&mut self, f: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
+        self.for_each_unit(&mut |u| u.sync_grads = false);
+        let out = f(self);
+        self.for_each_unit(&mut |u| u.sync_grads = true);
+        out
+    }
+
+    /// Scales every gradient shard so that the total `norm_type`-norm of the gradients of
+    /// all parameters (over all units and ranks) is at most `max_norm`, and returns that
+    /// total norm before clipping, identical on every rank. `norm_type` is a finite `p >= 1`
+    /// or `f32::INFINITY`. Padding never counts (its gradient is zero). Clip coefficient
+    /// `min(1, max_norm / (total + 1e-6))`, as `torch.nn.utils.clip_grad_norm_`. A
+    /// collective: every rank calls it, on the root.
+    ///
+    /// # Errors
+    /// `Fsdp` on a nested unit; `InvalidArgument` for a negative or non-finite `max_norm`
+    /// or a `norm_type` below 1.
+    pub fn clip_grad_norm_(&mut self, max_norm: f32, norm_type: f32) -> Result<f32> {
+        if !self.is_root {
+            return Err(Error::Fsdp("clip_grad_norm_ must be called on the root FSDP instance".into()));
+        }
+        if !(max_norm.is_finite() && max_norm >= 0.0) {
+            crate::error::bail_arg!("clip_grad_norm_: max_norm must be a finite number >= 0, got {max_norm}");
+        }
+        if !(norm_type >= 1.0) {
+            crate::error::bail_arg!("clip_grad_norm_: norm_type must be >= 1 or infinity, got {norm_type}");
+        }
+        let inf = norm_type == f32::INFINITY;
+        let mut grads: Vec<Tensor> = Vec::new();
+        self.for_each_unit(&mut |u| grads.extend(u.flat.grad_shard.clone()));
+        // Local sum of |g|^p (or max |g|) over this rank's shards, in f64.
+        let mut local = 0.0f64;
+        for g in &grads {
+            for &v in g.f32()?.iter() {
+                let a = (v as f64).abs();
+                local = if inf { local.max(a) } else { local + a.powf(norm_type as f64) };
+            }
+        }
+        // Sharded gradients are disjoint pieces of the whole: combine over ranks.
+        // Under NoShard every rank holds all of it already.
+        let total = if self.sharding_strategy().is_sharded() {
+            let t = Tensor::from_vec(vec![local as f32], &[1])?;
+            self.process_group().all_reduce(&t, if inf { ReduceOp::Max } else { ReduceOp::Sum })?;
+            let v = t.f32()?[0] as f64;
+            v
+        } else {
+            local
+        };
+        let total = if inf { total } else { total.powf(1.0 / norm_type as f64) } as f32;
+        let coef = (max_norm / (total + 1e-6)).min(1.0);
+        for g in &grads {
+            ops::scale_(&mut g.f32_mut()?, coef);
+        }
+        Ok(total)
+    }
+}
