@@ -4,7 +4,9 @@ mod common;
 
 use common::{assert_close, values};
 use fsdp::distributed::{launch, LaunchOptions};
-use fsdp::fsdp::{transformer_auto_wrap_policy, FsdpConfig, FullyShardedDataParallel, ShardingStrategy};
+use fsdp::fsdp::{
+    transformer_auto_wrap_policy, FsdpConfig, FullyShardedDataParallel, ShardingStrategy,
+};
 use fsdp::nn::{loss, visit_parameters, Context, InitKey, Linear, Module, Sequential, GELU};
 use fsdp::optim::{Optimizer, ParamGrad, SgdConfig, SGD};
 use fsdp::tensor::Tensor;
@@ -26,20 +28,31 @@ fn model() -> Box<dyn Module> {
 /// Forward + backward of rows `lo..hi` of micro-batch `micro` (MSE against targets).
 fn micro_step(m: &mut dyn Module, micro: usize, lo: usize, hi: usize) -> fsdp::Result<()> {
     let x = values(500 + micro as u64, ROWS * 7);
-    let y: Vec<f32> = values(600 + micro as u64, ROWS).iter().map(|v| 4.0 * v).collect();
-    let out = m.forward(&Tensor::from_vec(x[lo * 7..hi * 7].to_vec(), &[hi - lo, 7])?, &Context::train())?;
+    let y: Vec<f32> = values(600 + micro as u64, ROWS)
+        .iter()
+        .map(|v| 4.0 * v)
+        .collect();
+    let out = m.forward(
+        &Tensor::from_vec(x[lo * 7..hi * 7].to_vec(), &[hi - lo, 7])?,
+        &Context::train(),
+    )?;
     let (_, g) = loss::mse_loss(&out, &Tensor::from_vec(y[lo..hi].to_vec(), &[hi - lo, 1])?)?;
     m.backward(&g, &Context::train())?;
     Ok(())
 }
 
 fn sgd() -> SGD {
-    SGD::new(SgdConfig { lr: 0.1, ..Default::default() })
+    SGD::new(SgdConfig {
+        lr: 0.1,
+        ..Default::default()
+    })
 }
 
 fn named_values(m: &mut dyn Module) -> Vec<(String, Vec<f32>)> {
     let mut out = Vec::new();
-    visit_parameters(m, "", false, &mut |n, p| out.push((n.to_string(), p.data().unwrap().to_vec_f32().unwrap())));
+    visit_parameters(m, "", false, &mut |n, p| {
+        out.push((n.to_string(), p.data().unwrap().to_vec_f32().unwrap()))
+    });
     out
 }
 
@@ -48,14 +61,21 @@ fn unsharded_params_and_grads(m: &mut dyn Module) -> (Vec<ParamGrad>, Vec<f32>) 
     let mut flat = Vec::new();
     visit_parameters(m, "", false, &mut |_, p| {
         flat.extend(p.grad().unwrap().to_vec_f32().unwrap());
-        pg.push(ParamGrad { param: p.data().unwrap().clone(), grad: p.grad().cloned() });
+        pg.push(ParamGrad {
+            param: p.data().unwrap().clone(),
+            grad: p.grad().cloned(),
+        });
     });
     (pg, flat)
 }
 
 fn configs() -> Vec<(ShardingStrategy, bool)> {
     let mut v = Vec::new();
-    for s in [ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp, ShardingStrategy::NoShard] {
+    for s in [
+        ShardingStrategy::FullShard,
+        ShardingStrategy::ShardGradOp,
+        ShardingStrategy::NoShard,
+    ] {
         for per_unit in [false, true] {
             v.push((s, per_unit));
         }
@@ -63,7 +83,11 @@ fn configs() -> Vec<(ShardingStrategy, bool)> {
     v
 }
 
-fn wrap(pg: fsdp::distributed::Group, s: ShardingStrategy, per_unit: bool) -> fsdp::Result<FullyShardedDataParallel> {
+fn wrap(
+    pg: fsdp::distributed::Group,
+    s: ShardingStrategy,
+    per_unit: bool,
+) -> fsdp::Result<FullyShardedDataParallel> {
     let cfg = FsdpConfig {
         sharding_strategy: s,
         auto_wrap_policy: per_unit.then(|| transformer_auto_wrap_policy(["Linear"])),
@@ -105,7 +129,13 @@ fn no_sync_accumulates_the_sum_of_all_micro_batches() {
             .unwrap();
             for (rank, params) in got.iter().enumerate() {
                 for ((n, g), (_, w)) in params.iter().zip(&want) {
-                    assert_close(&format!("{strategy:?} per_unit {per_unit} world {world} rank {rank} {n}"), g, w, 1e-6, 1e-5);
+                    assert_close(
+                        &format!("{strategy:?} per_unit {per_unit} world {world} rank {rank} {n}"),
+                        g,
+                        w,
+                        1e-6,
+                        1e-5,
+                    );
                 }
             }
         }
@@ -144,8 +174,15 @@ fn clip_grad_norm_matches_unsharded_and_is_identical_on_every_rank() {
                 })
                 .unwrap();
                 let what = format!("{strategy:?} per_unit {per_unit} world {world} p={norm_type}");
-                assert!((got[0].0 - want_norm).abs() <= 1e-5 * want_norm, "{what}: norm {} vs {want_norm}", got[0].0);
-                assert!(got.iter().all(|(n, _)| n.to_bits() == got[0].0.to_bits()), "{what}: norms differ across ranks");
+                assert!(
+                    (got[0].0 - want_norm).abs() <= 1e-5 * want_norm,
+                    "{what}: norm {} vs {want_norm}",
+                    got[0].0
+                );
+                assert!(
+                    got.iter().all(|(n, _)| n.to_bits() == got[0].0.to_bits()),
+                    "{what}: norms differ across ranks"
+                );
                 for ((n, g), (_, w)) in got[0].1.iter().zip(&want) {
                     assert_close(&format!("{what} {n}"), g, w, 1e-6, 1e-5);
                 }
@@ -158,7 +195,11 @@ fn clip_grad_norm_matches_unsharded_and_is_identical_on_every_rank() {
 fn clip_grad_norm_over_empty_shards_and_bad_arguments() {
     // Linear(1, 1): 2 parameters, so ranks 2 and 3 of 4 hold only padding.
     let out = launch(&LaunchOptions::new(4), |pg| {
-        let mut m = FullyShardedDataParallel::new(Box::new(Linear::new(1, 1, true, &InitKey::new(3))?), pg.clone(), FsdpConfig::default())?;
+        let mut m = FullyShardedDataParallel::new(
+            Box::new(Linear::new(1, 1, true, &InitKey::new(3))?),
+            pg.clone(),
+            FsdpConfig::default(),
+        )?;
         let x = Tensor::from_vec(vec![2.0f32], &[1, 1])?;
         let y = m.forward(&x, &Context::train())?;
         let (_, g) = loss::sum_loss(&y)?;

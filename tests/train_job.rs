@@ -242,3 +242,76 @@ fn learning_rate_warms_up_then_follows_half_a_cosine_to_a_tenth() {
     assert_eq!(constant.lr_at(21), 1e-2);
     assert_eq!(constant.lr_at(120), 1e-2);
 }
+
+#[test]
+fn gradient_accumulation_with_and_without_no_sync_matches_one_big_batch() {
+    let data = corpus_file("accum");
+    let base = run(&TrainConfig {
+        steps: 10,
+        ..small(data.clone(), 2)
+    })
+    .losses();
+    for no_sync in [false, true] {
+        let cfg = TrainConfig {
+            steps: 10,
+            grad_accum: 4,
+            no_sync,
+            ..small(data.clone(), 2)
+        };
+        let got = run(&cfg).losses();
+        for (step, (g, b)) in got.iter().zip(&base).enumerate() {
+            assert!(
+                (g - b).abs() <= 1e-3 * b.abs(),
+                "no_sync {no_sync}: step {} loss {g} vs {b}",
+                step + 1
+            );
+        }
+    }
+    let err = train(
+        &TrainConfig {
+            grad_accum: 3,
+            ..small(data, 2)
+        },
+        &Silent,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("--grad-accum 3"), "{err}");
+}
+
+#[test]
+fn clipping_reports_the_same_global_norm_at_every_world_size() {
+    let data = corpus_file("clip");
+    let cfg = |w| TrainConfig {
+        steps: 8,
+        clip_grad_norm: Some(0.5),
+        ..small(data.clone(), w)
+    };
+    let one = run(&cfg(1));
+    let norms1: Vec<f32> = one.records.iter().map(|r| r.grad_norm.unwrap()).collect();
+    assert!(
+        norms1.iter().any(|&n| n > 0.5),
+        "clipping never engaged: {norms1:?}"
+    );
+    for w in [2, 4] {
+        let r = run(&cfg(w));
+        for (step, (rec, n1)) in r.records.iter().zip(&norms1).enumerate() {
+            let n = rec.grad_norm.unwrap();
+            assert!(
+                (n - n1).abs() <= 1e-3 * n1,
+                "world size {w} step {}: norm {n} vs {n1}",
+                step + 1
+            );
+        }
+        for (a, b) in r.losses().iter().zip(one.losses()) {
+            assert!((a - b).abs() <= 1e-3 * b);
+        }
+    }
+    // Clipping changes the trajectory (the test would notice if it did nothing).
+    let unclipped = run(&TrainConfig {
+        steps: 8,
+        ..small(data.clone(), 1)
+    })
+    .losses();
+    assert!((unclipped[7] - one.losses()[7]).abs() > 1e-4);
+}

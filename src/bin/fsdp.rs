@@ -95,6 +95,15 @@ struct TrainArgs {
     /// Write one JSON object per step (loss, tokens/s, per-rank bytes) to this file.
     #[arg(long)]
     metrics: Option<PathBuf>,
+    /// Micro-batches per step; their gradients add up before the optimizer step.
+    #[arg(long, default_value_t = D.grad_accum)]
+    grad_accum: usize,
+    /// Accumulate micro-batches under no_sync: one gradient reduction per step.
+    #[arg(long)]
+    no_sync: bool,
+    /// Clip the global gradient 2-norm to this value before each step.
+    #[arg(long)]
+    clip_grad_norm: Option<f32>,
     /// Bytes of text to generate from the trained model at the end.
     #[arg(long, default_value_t = D.sample_len)]
     sample_len: usize,
@@ -185,6 +194,9 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         eval_every: a.eval_every,
         metrics: a.metrics.clone(),
         sample_len: a.sample_len,
+        grad_accum: a.grad_accum,
+        no_sync: a.no_sync,
+        clip_grad_norm: a.clip_grad_norm,
         ..base_config(&a.model, a.data.clone())
     };
     cfg.validate()?;

@@ -35,13 +35,19 @@ impl FullyShardedDataParallel {
     /// or a `norm_type` below 1.
     pub fn clip_grad_norm_(&mut self, max_norm: f32, norm_type: f32) -> Result<f32> {
         if !self.is_root {
-            return Err(Error::Fsdp("clip_grad_norm_ must be called on the root FSDP instance".into()));
+            return Err(Error::Fsdp(
+                "clip_grad_norm_ must be called on the root FSDP instance".into(),
+            ));
         }
         if !(max_norm.is_finite() && max_norm >= 0.0) {
-            crate::error::bail_arg!("clip_grad_norm_: max_norm must be a finite number >= 0, got {max_norm}");
+            crate::error::bail_arg!(
+                "clip_grad_norm_: max_norm must be a finite number >= 0, got {max_norm}"
+            );
         }
         if !(norm_type >= 1.0) {
-            crate::error::bail_arg!("clip_grad_norm_: norm_type must be >= 1 or infinity, got {norm_type}");
+            crate::error::bail_arg!(
+                "clip_grad_norm_: norm_type must be >= 1 or infinity, got {norm_type}"
+            );
         }
         let inf = norm_type == f32::INFINITY;
         let mut grads: Vec<Tensor> = Vec::new();
@@ -51,20 +57,29 @@ impl FullyShardedDataParallel {
         for g in &grads {
             for &v in g.f32()?.iter() {
                 let a = (v as f64).abs();
-                local = if inf { local.max(a) } else { local + a.powf(norm_type as f64) };
+                local = if inf {
+                    local.max(a)
+                } else {
+                    local + a.powf(norm_type as f64)
+                };
             }
         }
         // Sharded gradients are disjoint pieces of the whole: combine over ranks.
         // Under NoShard every rank holds all of it already.
         let total = if self.sharding_strategy().is_sharded() {
             let t = Tensor::from_vec(vec![local as f32], &[1])?;
-            self.process_group().all_reduce(&t, if inf { ReduceOp::Max } else { ReduceOp::Sum })?;
+            self.process_group()
+                .all_reduce(&t, if inf { ReduceOp::Max } else { ReduceOp::Sum })?;
             let v = t.f32()?[0] as f64;
             v
         } else {
             local
         };
-        let total = if inf { total } else { total.powf(1.0 / norm_type as f64) } as f32;
+        let total = if inf {
+            total
+        } else {
+            total.powf(1.0 / norm_type as f64)
+        } as f32;
         let coef = (max_norm / (total + 1e-6)).min(1.0);
         for g in &grads {
             ops::scale_(&mut g.f32_mut()?, coef);

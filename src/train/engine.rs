@@ -4,7 +4,7 @@
 use crate::distributed::{Group, ReduceOp};
 use crate::error::Result;
 use crate::fsdp::FullyShardedDataParallel;
-use crate::nn::{visit_parameters, Module};
+use crate::nn::{visit_parameters, Context, Module};
 use crate::optim::{Optimizer, ParamGrad};
 use crate::tensor::{DType, Tensor};
 
@@ -62,6 +62,40 @@ impl Engine {
                     }
                 });
                 out
+            }
+        }
+    }
+
+    /// Backward from `grad_out`; with `defer_sync`, under FSDP's `no_sync` (gradients
+    /// accumulate locally until the next synchronized backward).
+    pub fn backward(&mut self, grad_out: &Tensor, defer_sync: bool) -> Result<()> {
+        let cx = Context::train();
+        match self {
+            Engine::Fsdp(m) if defer_sync => m.no_sync(|m| m.backward(grad_out, &cx)).map(drop),
+            _ => self.module().backward(grad_out, &cx).map(drop),
+        }
+    }
+
+    /// Clips the global gradient 2-norm to `max_norm` and returns the norm before clipping
+    /// (`FullyShardedDataParallel::clip_grad_norm_` / `torch.nn.utils.clip_grad_norm_`).
+    pub fn clip_grad_norm(&mut self, max_norm: f32) -> Result<f32> {
+        match self {
+            Engine::Fsdp(m) => m.clip_grad_norm_(max_norm, 2.0),
+            Engine::Plain(m) => {
+                let mut grads = Vec::new();
+                visit_parameters(m.as_mut(), "", false, &mut |_, p| {
+                    grads.extend(p.grad().cloned())
+                });
+                let mut sq = 0.0f64;
+                for g in &grads {
+                    sq += crate::backend::cpu::ops::sum_squares(&g.f32()?);
+                }
+                let total = sq.sqrt() as f32;
+                let coef = (max_norm / (total + 1e-6)).min(1.0);
+                for g in &grads {
+                    crate::backend::cpu::ops::scale_(&mut g.f32_mut()?, coef);
+                }
+                Ok(total)
             }
         }
     }

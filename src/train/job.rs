@@ -83,6 +83,14 @@ pub struct TrainConfig {
     pub lr: f32,
     /// Adam/AdamW `(beta1, beta2)`; default (0.9, 0.95), PyTorch's is (0.9, 0.999).
     pub betas: (f32, f32),
+    /// Micro-batches per step (`--grad-accum`): each step's global batch is processed in
+    /// this many forward/backward passes whose gradients add up (loss scaled by 1/K).
+    pub grad_accum: usize,
+    /// Accumulate the micro-batches under `no_sync` (one gradient reduction per step
+    /// instead of one per micro-batch).
+    pub no_sync: bool,
+    /// Clip the global gradient 2-norm to this before each optimizer step.
+    pub clip_grad_norm: Option<f32>,
     /// Learning-rate schedule over the run.
     pub lr_schedule: LrSchedule,
     /// Linear warm-up steps from `lr / warmup_steps` to `lr` (0: none).
@@ -126,6 +134,9 @@ impl Default for TrainConfig {
             betas: (0.9, 0.95),
             lr_schedule: LrSchedule::Constant,
             warmup_steps: 0,
+            grad_accum: 1,
+            no_sync: false,
+            clip_grad_norm: None,
             optimizer: OptimizerKind::Adamw,
             seed: 1337,
             eval_every: 100,
@@ -147,6 +158,9 @@ pub struct StepRecord {
     pub tokens_per_s: f64,
     /// Step wall time, seconds.
     pub step_time_s: f64,
+    /// Global gradient 2-norm before clipping, when `--clip-grad-norm` is set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grad_norm: Option<f32>,
     /// Eval loss when this step evaluated.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_loss: Option<f32>,
@@ -225,6 +239,19 @@ impl TrainConfig {
                 "--global-batch {} must be a positive multiple of --world-size {} (rows are split evenly across ranks)",
                 self.global_batch, self.world_size
             ));
+        }
+        if self.grad_accum == 0 || self.global_batch % (self.world_size * self.grad_accum) != 0 {
+            return bad(format!(
+                "--global-batch {} must be a multiple of --world-size {} x --grad-accum {} (every micro-batch splits evenly across ranks)",
+                self.global_batch, self.world_size, self.grad_accum
+            ));
+        }
+        if let Some(c) = self.clip_grad_norm {
+            if !(c.is_finite() && c > 0.0) {
+                return bad(format!(
+                    "--clip-grad-norm must be a positive number, got {c}"
+                ));
+            }
         }
         if self.seq_len == 0 || self.n_layer == 0 || self.n_embd == 0 || self.n_head == 0 {
             return bad("--seq-len, --n-layer, --n-embd and --n-head must be at least 1".into());
@@ -389,8 +416,6 @@ fn run_rank(
         observer.on_start(num_params);
     }
     let mut opt = optim::build(cfg.optimizer, cfg.lr, cfg.betas);
-    let rows = cfg.global_batch / cfg.world_size;
-    let r0 = rank * rows;
     let t = cfg.seq_len;
     let start = Instant::now();
     let mut records = Vec::with_capacity(cfg.steps);
@@ -398,12 +423,31 @@ fn run_rank(
         let t0 = Instant::now();
         opt.set_lr(cfg.lr_at(step));
         engine.reset_peak();
-        let (x, y) = data.batch(Split::Train, cfg.seed, step as u64, r0..r0 + rows, t);
-        let cx = Context::train();
-        let logits = engine.module().forward(&ids_tensor(x, rows, t)?, &cx)?;
-        let (l, dlogits) = loss::cross_entropy(&logits, &ids_tensor(y, rows, t)?)?;
-        drop(logits);
-        engine.module().backward(&dlogits, &cx)?;
+        // Micro-batch k is rows [k B/K, (k+1) B/K) of the global batch; each rank takes its
+        // contiguous share of every micro-batch.
+        let k_total = cfg.grad_accum;
+        let micro = cfg.global_batch / k_total;
+        let micro_rows = micro / cfg.world_size;
+        let mut l = 0.0f32;
+        for k in 0..k_total {
+            let lo = k * micro + rank * micro_rows;
+            let (x, y) = data.batch(Split::Train, cfg.seed, step as u64, lo..lo + micro_rows, t);
+            let cx = Context::train();
+            let logits = engine
+                .module()
+                .forward(&ids_tensor(x, micro_rows, t)?, &cx)?;
+            let (lk, dlogits) = loss::cross_entropy(&logits, &ids_tensor(y, micro_rows, t)?)?;
+            drop(logits);
+            l += lk / k_total as f32;
+            if k_total > 1 {
+                crate::backend::cpu::ops::scale_(&mut dlogits.f32_mut()?, 1.0 / k_total as f32);
+            }
+            engine.backward(&dlogits, cfg.no_sync && k + 1 < k_total)?;
+        }
+        let grad_norm = match cfg.clip_grad_norm {
+            Some(c) => Some(engine.clip_grad_norm(c)?),
+            None => None,
+        };
         opt.step(&engine.optimizer_params())?;
         let mem = engine.memory(rank, opt.as_ref());
         engine.zero_grad();
@@ -425,6 +469,7 @@ fn run_rank(
                 step,
                 loss,
                 tokens_per_s: (cfg.global_batch * t) as f64 / step_time_s,
+                grad_norm,
                 step_time_s,
                 eval_loss,
                 ranks,
