@@ -44,7 +44,7 @@ impl FullyShardedDataParallel {
                 "clip_grad_norm_: max_norm must be a finite number >= 0, got {max_norm}"
             );
         }
-        if !(norm_type >= 1.0) {
+        if norm_type.is_nan() || norm_type < 1.0 {
             crate::error::bail_arg!(
                 "clip_grad_norm_: norm_type must be >= 1 or infinity, got {norm_type}"
             );
