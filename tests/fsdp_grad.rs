@@ -7,22 +7,14 @@ use fsdp::distributed::{launch, LaunchOptions};
 use fsdp::fsdp::{
     transformer_auto_wrap_policy, FsdpConfig, FullyShardedDataParallel, ShardingStrategy,
 };
-use fsdp::nn::{loss, visit_parameters, Context, InitKey, Linear, Module, Sequential, GELU};
+use fsdp::nn::{loss, visit_parameters, Context, InitKey, Linear, Module};
 use fsdp::optim::{Optimizer, ParamGrad, SgdConfig, SGD};
 use fsdp::tensor::Tensor;
 
 const ROWS: usize = 12;
 
-/// 35 + 35 + 7 parameters (no size divisible by 2, 3 or 4).
 fn model() -> Box<dyn Module> {
-    let k = InitKey::new(11);
-    Box::new(Sequential::new(vec![
-        Box::new(Linear::new(7, 5, false, &k.child("0")).unwrap()),
-        Box::new(GELU::new()),
-        Box::new(Linear::new(5, 7, false, &k.child("2")).unwrap()),
-        Box::new(GELU::new()),
-        Box::new(Linear::new(7, 1, false, &k.child("4")).unwrap()),
-    ]))
+    common::uneven_model(11)
 }
 
 /// Forward + backward of rows `lo..hi` of micro-batch `micro` (MSE against targets).

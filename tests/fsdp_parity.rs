@@ -11,7 +11,7 @@ use fsdp::fsdp::{
     ShardingStrategy,
 };
 use fsdp::nn::{
-    loss, visit_parameters, Context, GptConfig, InitKey, Linear, Module, Sequential, GELU, GPT,
+    loss, visit_parameters, Context, GptConfig, InitKey, Linear, Module, Sequential, GPT,
 };
 use fsdp::optim::{AdamConfig, AdamW, Optimizer, ParamGrad, SgdConfig, SGD};
 use fsdp::tensor::Tensor;
@@ -61,14 +61,7 @@ struct Uneven;
 
 impl Case for Uneven {
     fn build(&self) -> Box<dyn Module> {
-        let k = InitKey::new(5);
-        Box::new(Sequential::new(vec![
-            Box::new(Linear::new(7, 5, false, &k.child("0")).unwrap()),
-            Box::new(GELU::new()),
-            Box::new(Linear::new(5, 7, false, &k.child("2")).unwrap()),
-            Box::new(GELU::new()),
-            Box::new(Linear::new(7, 1, false, &k.child("4")).unwrap()),
-        ]))
+        common::uneven_model(5)
     }
     fn unit_policy(&self) -> AutoWrapPolicy {
         transformer_auto_wrap_policy(["Linear"])

@@ -11,24 +11,10 @@ const GOLDEN: &str = "tests/golden/small_gpt_losses.json";
 
 #[test]
 fn small_gpt_losses_match_the_checked_in_curve() {
-    let dir = std::env::temp_dir().join(format!("fsdp-golden-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let data = dir.join("corpus.txt");
-    std::fs::write(&data, common::corpus(20_000)).unwrap();
     let cfg = TrainConfig {
-        data,
-        world_size: 2,
         steps: 20,
-        global_batch: 8,
-        seq_len: 16,
-        n_layer: 2,
-        n_head: 4,
-        n_embd: 32,
-        lr: 3e-3,
-        eval_every: 0,
-        eval_batches: 1,
-        sample_len: 0,
-        ..TrainConfig::default()
+        world_size: 2,
+        ..common::small_job(common::corpus_file("golden"), 2)
     };
     let losses = train(&cfg, &Silent).unwrap().losses();
     if std::env::var_os("FSDP_BLESS").is_some() {

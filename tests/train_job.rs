@@ -5,33 +5,8 @@ mod common;
 
 use fsdp::fsdp::ShardingStrategy;
 use fsdp::train::{train, Silent, TrainConfig, TrainReport};
-use std::path::PathBuf;
 
-fn corpus_file(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("fsdp-test-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let p = dir.join("corpus.txt");
-    std::fs::write(&p, common::corpus(20_000)).unwrap();
-    p
-}
-
-fn small(data: PathBuf, world_size: usize) -> TrainConfig {
-    TrainConfig {
-        data,
-        world_size,
-        steps: 30,
-        global_batch: 8,
-        seq_len: 16,
-        n_layer: 2,
-        n_head: 4,
-        n_embd: 32,
-        lr: 3e-3,
-        eval_every: 0,
-        eval_batches: 1,
-        sample_len: 0,
-        ..TrainConfig::default()
-    }
-}
+use common::{corpus_file, small_job as small};
 
 fn run(cfg: &TrainConfig) -> TrainReport {
     train(cfg, &Silent).unwrap_or_else(|e| panic!("{cfg:?}: {e}"))

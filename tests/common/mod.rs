@@ -61,3 +61,45 @@ pub fn corpus(n: usize) -> String {
     s.truncate(n);
     s
 }
+
+/// Linear(7,5) - GELU - Linear(5,7) - GELU - Linear(7,1), no biases: 35 + 35 + 7 = 77
+/// parameters, so no unit size (whole model or per Linear) is divisible by 2, 3 or 4.
+pub fn uneven_model(seed: u64) -> Box<dyn fsdp::nn::Module> {
+    use fsdp::nn::{InitKey, Linear, Sequential, GELU};
+    let k = InitKey::new(seed);
+    Box::new(Sequential::new(vec![
+        Box::new(Linear::new(7, 5, false, &k.child("0")).unwrap()),
+        Box::new(GELU::new()),
+        Box::new(Linear::new(5, 7, false, &k.child("2")).unwrap()),
+        Box::new(GELU::new()),
+        Box::new(Linear::new(7, 1, false, &k.child("4")).unwrap()),
+    ]))
+}
+
+/// Writes a 20 kB synthetic corpus to a fresh temporary folder and returns its path.
+pub fn corpus_file(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("fsdp-test-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join("corpus.txt");
+    std::fs::write(&p, corpus(20_000)).unwrap();
+    p
+}
+
+/// A small, fast job: 2 layers x 32 wide, 8 rows of 16 tokens, 30 steps, no eval, no sample.
+pub fn small_job(data: std::path::PathBuf, world_size: usize) -> fsdp::train::TrainConfig {
+    fsdp::train::TrainConfig {
+        data,
+        world_size,
+        steps: 30,
+        global_batch: 8,
+        seq_len: 16,
+        n_layer: 2,
+        n_head: 4,
+        n_embd: 32,
+        lr: 3e-3,
+        eval_every: 0,
+        eval_batches: 1,
+        sample_len: 0,
+        ..fsdp::train::TrainConfig::default()
+    }
+}
