@@ -75,11 +75,11 @@ fn bad_input_is_one_line_and_a_non_zero_exit() {
             "--strategy",
             "hybrid-shard",
             "--world-size",
-            "2",
-            "--global-batch",
             "4",
+            "--ranks-per-node",
+            "3",
         ],
-        "hybrid",
+        "--ranks-per-node 3 must divide --world-size 4",
     );
 }
 

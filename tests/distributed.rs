@@ -234,3 +234,41 @@ fn local_shape_errors_name_the_rank() {
         "{err}"
     );
 }
+
+#[test]
+fn subgroups_reduce_within_their_members_and_failures_reach_them() {
+    let out = launch(&LaunchOptions::new(4), |pg| {
+        // Every rank creates both node groups in the same order; it belongs to one.
+        let a = pg.new_group(&[0, 1])?;
+        let b = pg.new_group(&[2, 3])?;
+        let mine = a.or(b).expect("every rank is in one group");
+        let t = Tensor::from_vec(vec![pg.rank() as f32], &[1])?;
+        mine.all_reduce(&t, ReduceOp::Sum)?;
+        Ok((mine.rank(), mine.size(), t.to_vec_f32()?[0]))
+    })
+    .unwrap();
+    assert_eq!(
+        out,
+        vec![(0, 2, 1.0), (1, 2, 1.0), (0, 2, 5.0), (1, 2, 5.0)]
+    );
+
+    let err = launch(&LaunchOptions::new(2), |pg| {
+        pg.new_group(&[0, 0]).map(|_| ())
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("distinct world ranks"), "{err}");
+
+    // A rank that fails while its peer waits in a subgroup collective wakes the peer.
+    let start = Instant::now();
+    let err = launch(&LaunchOptions::new(3), |pg| {
+        let sub = pg.new_group(&[1, 2])?;
+        match pg.rank() {
+            2 => Err(fsdp::Error::InvalidArgument("rank 2 gives up".into())),
+            1 => sub.unwrap().barrier(),
+            _ => Ok(()),
+        }
+    })
+    .unwrap_err();
+    assert!(start.elapsed() < Duration::from_secs(30));
+    assert!(err.to_string().contains("rank 2 gives up"), "{err}");
+}

@@ -67,6 +67,8 @@ fn configs() -> Vec<(ShardingStrategy, bool)> {
         ShardingStrategy::FullShard,
         ShardingStrategy::ShardGradOp,
         ShardingStrategy::NoShard,
+        ShardingStrategy::HybridShard,
+        ShardingStrategy::HybridShardZero2,
     ] {
         for per_unit in [false, true] {
             v.push((s, per_unit));
@@ -83,6 +85,8 @@ fn wrap(
     let cfg = FsdpConfig {
         sharding_strategy: s,
         auto_wrap_policy: per_unit.then(|| transformer_auto_wrap_policy(["Linear"])),
+        ranks_per_node: Some(common::hybrid_ranks_per_node(pg.size())),
+        ..Default::default()
     };
     FullyShardedDataParallel::new(model(), pg, cfg)
 }

@@ -182,6 +182,8 @@ fn sharded(
         let cfg = FsdpConfig {
             sharding_strategy: strategy,
             auto_wrap_policy: per_unit.then(|| case.unit_policy()),
+            ranks_per_node: Some(common::hybrid_ranks_per_node(world)),
+            ..Default::default()
         };
         let mut m = FullyShardedDataParallel::new(case.build(), pg.clone(), cfg)?;
         let mut o = optimizer(opt);
@@ -239,6 +241,62 @@ fn shard_grad_op_and_no_shard_match_unsharded() {
         "uneven",
         &[ShardingStrategy::ShardGradOp, ShardingStrategy::NoShard],
     );
+}
+
+#[test]
+fn hybrid_strategies_match_unsharded() {
+    // World 2 = 2 nodes x 1 rank, 3 = 3 x 1, 4 = 2 nodes x 2 ranks.
+    let hybrid = [
+        ShardingStrategy::HybridShard,
+        ShardingStrategy::HybridShardZero2,
+    ];
+    check(&Uneven, "uneven", &hybrid);
+    check(&SmallGpt, "gpt", &hybrid);
+}
+
+#[test]
+fn hybrid_with_one_rank_per_node_keeps_replicas_bitwise_identical() {
+    // Shard groups of one rank: every rank holds the whole model and all-reduces grads.
+    let out = launch(&LaunchOptions::new(2), |pg| {
+        let cfg = FsdpConfig {
+            sharding_strategy: ShardingStrategy::HybridShard,
+            ranks_per_node: Some(1),
+            ..Default::default()
+        };
+        let mut m = FullyShardedDataParallel::new(Uneven.build(), pg.clone(), cfg)?;
+        let mut o = optimizer(Opt::AdamW);
+        Uneven.step_loss(&mut m, 0, pg.rank() * 6, (pg.rank() + 1) * 6)?;
+        o.step(&m.optimizer_params())?;
+        Ok((m.shard_group().size(), m.full_parameters()?))
+    })
+    .unwrap();
+    assert_eq!(out[0].0, 1);
+    let bits = |v: &Vec<(String, Vec<f32>)>| {
+        v.iter()
+            .flat_map(|(_, x)| x.iter().map(|f| f.to_bits()))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(bits(&out[0].1), bits(&out[1].1));
+    let want = {
+        let mut m = Uneven.build();
+        let mut o = optimizer(Opt::AdamW);
+        Uneven.step_loss(m.as_mut(), 0, 0, 12).unwrap();
+        let mut pg = Vec::new();
+        visit_parameters(m.as_mut(), "", false, &mut |_, p| {
+            pg.push(ParamGrad {
+                param: p.data().unwrap().clone(),
+                grad: p.grad().cloned(),
+            })
+        });
+        o.step(&pg).unwrap();
+        let mut v = Vec::new();
+        visit_parameters(m.as_mut(), "", false, &mut |_, p| {
+            v.extend(p.data().unwrap().to_vec_f32().unwrap())
+        });
+        v
+    };
+    let got: Vec<f32> = out[0].1.iter().flat_map(|(_, v)| v.clone()).collect();
+    assert_close("hybrid 2 x 1 vs unsharded", &got, &want, 1e-5, 1e-5);
 }
 
 #[test]

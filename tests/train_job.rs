@@ -22,11 +22,17 @@ fn per_step_losses_do_not_depend_on_world_size_or_strategy() {
     for w in [2, 4] {
         runs.push((format!("full-shard ws {w}"), small(data.clone(), w)));
     }
-    for s in [ShardingStrategy::ShardGradOp, ShardingStrategy::NoShard] {
+    for s in [
+        ShardingStrategy::ShardGradOp,
+        ShardingStrategy::NoShard,
+        ShardingStrategy::HybridShard,
+        ShardingStrategy::HybridShardZero2,
+    ] {
         runs.push((
-            format!("{s:?} ws 4"),
+            format!("{s:?} ws 4 (hybrid: 2 nodes x 2)"),
             TrainConfig {
                 strategy: s,
+                ranks_per_node: Some(2),
                 ..small(data.clone(), 4)
             },
         ));
@@ -159,9 +165,10 @@ fn bad_options_are_refused_before_any_compute() {
         (
             TrainConfig {
                 strategy: ShardingStrategy::HybridShard,
-                ..small(data.clone(), 2)
+                ranks_per_node: Some(3),
+                ..small(data.clone(), 4)
             },
-            "hybrid",
+            "--ranks-per-node 3 must divide --world-size 4",
         ),
     ];
     for (cfg, want) in cases {

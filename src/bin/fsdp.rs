@@ -95,6 +95,9 @@ struct TrainArgs {
     /// Write one JSON object per step (loss, tokens/s, per-rank bytes) to this file.
     #[arg(long)]
     metrics: Option<PathBuf>,
+    /// Hybrid strategies: ranks per node (shard group size); default the world size.
+    #[arg(long)]
+    ranks_per_node: Option<usize>,
     /// Micro-batches per step; their gradients add up before the optimizer step.
     #[arg(long, default_value_t = D.grad_accum)]
     grad_accum: usize,
@@ -194,6 +197,7 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         eval_every: a.eval_every,
         metrics: a.metrics.clone(),
         sample_len: a.sample_len,
+        ranks_per_node: a.ranks_per_node,
         grad_accum: a.grad_accum,
         no_sync: a.no_sync,
         clip_grad_norm: a.clip_grad_norm,

@@ -51,6 +51,25 @@ pub trait ProcessGroup: Send + Sync {
     /// Backend name (`"threads"`, `"nccl"`).
     fn backend(&self) -> &'static str;
 
+    /// This rank's index in the whole world (equal to `rank()` on the world group).
+    fn world_rank(&self) -> usize {
+        self.rank()
+    }
+
+    /// A new group of the given world ranks (`torch.distributed.new_group`): `None` on a
+    /// rank that is not a member. Members must create their groups in the same order.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for repeated or out-of-range ranks; `Unsupported` on a backend
+    /// without subgroups.
+    fn new_group(&self, ranks: &[usize]) -> Result<Option<Group>> {
+        let _ = ranks;
+        Err(crate::Error::Unsupported(format!(
+            "new_group on the {} backend",
+            self.backend()
+        )))
+    }
+
     /// `output (size * n) = concat over ranks of input (n)`, rank order.
     /// `torch.distributed.all_gather_into_tensor`. Any dtype; all ranks the same `n`.
     fn all_gather_into_tensor(&self, output: &Tensor, input: &Tensor) -> Result<()>;

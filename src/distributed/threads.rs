@@ -17,6 +17,7 @@ use super::{ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Element, Tensor};
 use parking_lot::{Condvar, Mutex, MutexGuard};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -66,15 +67,52 @@ struct State {
 struct Shared {
     size: usize,
     timeout: Duration,
+    /// World ranks of the members, in group-rank order.
+    members: Vec<usize>,
     state: Mutex<State>,
     cv: Condvar,
 }
 
-/// One rank's handle to an in-process group. Create all ranks' handles at once with
-/// [`ThreadsGroup::new_world`] and move one into each rank's thread.
+impl Shared {
+    fn new(members: Vec<usize>, timeout: Duration) -> Arc<Shared> {
+        let size = members.len();
+        Arc::new(Shared {
+            size,
+            timeout,
+            members,
+            state: Mutex::new(State {
+                generation: 0,
+                ready: None,
+                slots: vec![None; size],
+                arrived: 0,
+                departed: 0,
+                failure: None,
+                exited: vec![false; size],
+            }),
+            cv: Condvar::new(),
+        })
+    }
+}
+
+/// Every group of one in-process world, so that a rank's failure or exit reaches peers
+/// waiting in any group, and so that the members of a `new_group` find the same one.
+#[derive(Default)]
+struct World {
+    /// All groups, the world first; keyed by (sorted world ranks, how many groups with
+    /// these ranks the caller created before).
+    groups: Mutex<(Vec<Arc<Shared>>, HashMap<(Vec<usize>, usize), Arc<Shared>>)>,
+}
+
+/// One rank's handle to an in-process group. Create all ranks' handles of a world at once
+/// with [`ThreadsGroup::new_world`] and move one into each rank's thread; subgroups come
+/// from [`ProcessGroup::new_group`].
 pub struct ThreadsGroup {
     rank: usize,
     shared: Arc<Shared>,
+    world: Arc<World>,
+    /// This rank's `new_group` calls so far, per rank list (the n-th call by every member
+    /// yields the same group, as `torch.distributed.new_group` requires the same order).
+    created: Mutex<HashMap<Vec<usize>, usize>>,
 }
 
 impl ThreadsGroup {
@@ -87,44 +125,54 @@ impl ThreadsGroup {
         if size == 0 {
             crate::error::bail_arg!("a process group needs at least one rank");
         }
-        let shared = Arc::new(Shared {
-            size,
-            timeout,
-            state: Mutex::new(State {
-                generation: 0,
-                ready: None,
-                slots: vec![None; size],
-                arrived: 0,
-                departed: 0,
-                failure: None,
-                exited: vec![false; size],
-            }),
-            cv: Condvar::new(),
-        });
+        let shared = Shared::new((0..size).collect(), timeout);
+        let world = Arc::new(World::default());
+        world.groups.lock().0.push(shared.clone());
         Ok((0..size)
             .map(|rank| ThreadsGroup {
                 rank,
                 shared: shared.clone(),
+                world: world.clone(),
+                created: Mutex::new(HashMap::new()),
             })
             .collect())
     }
 
-    /// Records that this rank failed; every rank waiting in a collective of this group
-    /// returns [`Error::PeerFailed`] naming it. The first failure recorded is kept.
-    pub fn mark_failed(&self, reason: impl Into<String>) {
-        let mut st = self.shared.state.lock();
-        if st.failure.is_none() {
-            st.failure = Some((self.rank, reason.into()));
-        }
-        self.shared.cv.notify_all();
+    /// This rank's index in the world.
+    pub fn world_rank(&self) -> usize {
+        self.shared.members[self.rank]
     }
 
-    /// Records that this rank will call no more collectives; peers waiting for it fail
-    /// at once instead of waiting out the timeout.
+    /// World ranks of this group's members, in group-rank order.
+    pub fn members(&self) -> &[usize] {
+        &self.shared.members
+    }
+
+    /// Records that this rank failed; every rank waiting in a collective of this group
+    /// returns [`Error::PeerFailed`] naming it. The first failure recorded is kept.
+    /// The failure is recorded in every group of the world (ranks named by world rank).
+    pub fn mark_failed(&self, reason: impl Into<String>) {
+        let reason = reason.into();
+        let me = self.world_rank();
+        for g in self.world.groups.lock().0.iter() {
+            let mut st = g.state.lock();
+            if st.failure.is_none() {
+                st.failure = Some((me, reason.clone()));
+            }
+            g.cv.notify_all();
+        }
+    }
+
+    /// Records that this rank will call no more collectives (in any group of the world);
+    /// peers waiting for it fail at once instead of waiting out the timeout.
     pub fn mark_exited(&self) {
-        let mut st = self.shared.state.lock();
-        st.exited[self.rank] = true;
-        self.shared.cv.notify_all();
+        let me = self.world_rank();
+        for g in self.world.groups.lock().0.iter() {
+            if let Some(local) = g.members.iter().position(|&m| m == me) {
+                g.state.lock().exited[local] = true;
+                g.cv.notify_all();
+            }
+        }
     }
 
     fn peer_failed(st: &State) -> Option<Error> {
@@ -155,7 +203,7 @@ impl ThreadsGroup {
         st.slots[self.rank] = Some(Arrival { desc, input });
         st.arrived += 1;
         if st.arrived == sh.size {
-            st.ready = Some(check_descs(&st.slots));
+            st.ready = Some(check_descs(&st.slots, &sh.members));
             sh.cv.notify_all();
         }
         while st.ready.is_none() {
@@ -164,6 +212,8 @@ impl ThreadsGroup {
             }
             let missing: Vec<usize> = (0..sh.size).filter(|&r| st.slots[r].is_none()).collect();
             if let Some(&gone) = missing.iter().find(|&&r| st.exited[r]) {
+                let gone = sh.members[gone];
+                let missing: Vec<usize> = missing.iter().map(|&r| sh.members[r]).collect();
                 let why = format!(
                     "rank {gone} exited without calling {op} (ranks {missing:?} never arrived)"
                 );
@@ -175,10 +225,13 @@ impl ThreadsGroup {
                 });
             }
             if self.wait(&mut st, deadline) && st.ready.is_none() {
-                let missing: Vec<usize> = (0..sh.size).filter(|&r| st.slots[r].is_none()).collect();
+                let missing: Vec<usize> = (0..sh.size)
+                    .filter(|&r| st.slots[r].is_none())
+                    .map(|r| sh.members[r])
+                    .collect();
                 let err = Error::Timeout {
                     op: op.to_string(),
-                    rank: self.rank,
+                    rank: self.world_rank(),
                     timeout_s: sh.timeout.as_secs_f64(),
                     missing_ranks: missing.clone(),
                 };
@@ -222,7 +275,7 @@ impl ThreadsGroup {
             if self.wait(&mut st, deadline) && st.generation == gen {
                 return Err(Error::Timeout {
                     op: op.to_string(),
-                    rank: self.rank,
+                    rank: self.world_rank(),
                     timeout_s: sh.timeout.as_secs_f64(),
                     missing_ranks: vec![],
                 });
@@ -236,20 +289,22 @@ impl ThreadsGroup {
     }
 }
 
-fn check_descs(slots: &[Option<Arrival>]) -> std::result::Result<(), String> {
+/// Compares every rank's descriptor with the first member's; ranks named by world rank.
+fn check_descs(slots: &[Option<Arrival>], members: &[usize]) -> std::result::Result<(), String> {
     let descs: Vec<&Desc> = slots.iter().flatten().map(|a| &a.desc).collect();
     let first = descs[0];
     let differing: Vec<String> = descs
         .iter()
         .enumerate()
         .filter(|(_, d)| **d != first)
-        .map(|(r, d)| format!("rank {r} called {d}"))
+        .map(|(r, d)| format!("rank {} called {d}", members[r]))
         .collect();
     if differing.is_empty() {
         Ok(())
     } else {
         Err(format!(
-            "rank 0 called {first} but {}",
+            "rank {} called {first} but {}",
+            members[0],
             differing.join(", ")
         ))
     }
@@ -340,6 +395,53 @@ impl ProcessGroup for ThreadsGroup {
 
     fn backend(&self) -> &'static str {
         "threads"
+    }
+
+    fn world_rank(&self) -> usize {
+        ThreadsGroup::world_rank(self)
+    }
+
+    fn new_group(&self, ranks: &[usize]) -> Result<Option<super::Group>> {
+        let world_size = self.world.groups.lock().0[0].size;
+        let mut members = ranks.to_vec();
+        members.sort_unstable();
+        members.dedup();
+        if members.is_empty()
+            || members.len() != ranks.len()
+            || members.iter().any(|&r| r >= world_size)
+        {
+            crate::error::bail_arg!(
+                "new_group: ranks {ranks:?} must be distinct world ranks in 0..{world_size}, at least one"
+            );
+        }
+        let nth = {
+            let mut created = self.created.lock();
+            let n = created.entry(members.clone()).or_insert(0);
+            *n += 1;
+            *n - 1
+        };
+        let me = self.world_rank();
+        let Some(local) = members.iter().position(|&r| r == me) else {
+            return Ok(None);
+        };
+        let shared = {
+            let mut g = self.world.groups.lock();
+            let (all, by_key) = &mut *g;
+            by_key
+                .entry((members.clone(), nth))
+                .or_insert_with(|| {
+                    let s = Shared::new(members.clone(), self.shared.timeout);
+                    all.push(s.clone());
+                    s
+                })
+                .clone()
+        };
+        Ok(Some(Arc::new(ThreadsGroup {
+            rank: local,
+            shared,
+            world: self.world.clone(),
+            created: Mutex::new(HashMap::new()),
+        })))
     }
 
     fn all_gather_into_tensor(&self, output: &Tensor, input: &Tensor) -> Result<()> {

@@ -1,6 +1,7 @@
 //! The FSDP constructor's options, named as `torch.distributed.fsdp.FullyShardedDataParallel`.
 
 use super::AutoWrapPolicy;
+use crate::distributed::Group;
 
 /// How parameters, gradients and optimizer state are split across ranks
 /// (`torch.distributed.fsdp.ShardingStrategy`).
@@ -24,9 +25,10 @@ pub enum ShardingStrategy {
     ShardGradOp,
     /// DDP: nothing sharded; gradients all-reduced.
     NoShard,
-    /// FullShard within a node, replicated across nodes (lands with the strategies issue).
+    /// FullShard within a node (the shard group), replicated across nodes (the replicate
+    /// group): gradients reduce-scattered in the node, then all-reduced across nodes.
     HybridShard,
-    /// ShardGradOp within a node, replicated across nodes (lands with the strategies issue).
+    /// ShardGradOp within a node, replicated across nodes (FSDP1 `_HYBRID_SHARD_ZERO2`).
     #[value(name = "hybrid-shard-zero2")]
     HybridShardZero2,
 }
@@ -37,6 +39,14 @@ impl ShardingStrategy {
         matches!(
             self,
             ShardingStrategy::FullShard | ShardingStrategy::HybridShard
+        )
+    }
+
+    /// Whether the strategy shards within a node and replicates across nodes.
+    pub fn is_hybrid(self) -> bool {
+        matches!(
+            self,
+            ShardingStrategy::HybridShard | ShardingStrategy::HybridShardZero2
         )
     }
 
@@ -55,4 +65,11 @@ pub struct FsdpConfig {
     pub sharding_strategy: ShardingStrategy,
     /// Which submodules become their own units; `None`: one unit for the whole model.
     pub auto_wrap_policy: Option<AutoWrapPolicy>,
+    /// Hybrid strategies only: explicit `(shard_group, replicate_group)` of this rank, as
+    /// PyTorch's `process_group=(shard_pg, replicate_pg)`. Their sizes must multiply to the
+    /// world size.
+    pub hybrid_groups: Option<(Group, Group)>,
+    /// Hybrid strategies only, without `hybrid_groups`: ranks per node (`--ranks-per-node`);
+    /// default the whole world (one node). See [`hybrid_groups`](super::hybrid_groups).
+    pub ranks_per_node: Option<usize>,
 }

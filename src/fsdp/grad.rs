@@ -64,11 +64,12 @@ impl FullyShardedDataParallel {
                 };
             }
         }
-        // Sharded gradients are disjoint pieces of the whole: combine over ranks.
-        // Under NoShard every rank holds all of it already.
+        // Sharded gradients are disjoint pieces of the whole: combine over the shard group.
+        // Under hybrid sharding the replicas hold the same pieces (summing over the world
+        // would count each sqrt(replicas) times too many); under NoShard every rank holds all.
         let total = if self.sharding_strategy().is_sharded() {
             let t = Tensor::from_vec(vec![local as f32], &[1])?;
-            self.process_group()
+            self.shard_group()
                 .all_reduce(&t, if inf { ReduceOp::Max } else { ReduceOp::Sum })?;
             let v = t.f32()?[0] as f64;
             v

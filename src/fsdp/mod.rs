@@ -8,9 +8,10 @@
 //! | [`AutoWrapPolicy`] | `wrap.rs` | `wrap.py` |
 //! | [`MemoryStats`] | `memory.rs` | `torch.cuda.memory_stats` (FSDP's share) |
 //!
-//! Built: `FullShard`, `ShardGradOp`, `NoShard`, nested units through auto-wrap policies,
-//! FSDP1's gradient pre/post-division. Later issues: hybrid strategies, mixed precision,
-//! prefetch/overlap, CPU offload, state dicts.
+//! Built: every strategy (hybrid ones over [`hybrid_groups`] or explicit groups), nested
+//! units through auto-wrap policies, FSDP1's gradient pre/post-division, `no_sync`,
+//! `clip_grad_norm_` (`grad.rs`). Later issues: mixed precision, prefetch/overlap, CPU
+//! offload, state dicts.
 
 mod config;
 mod flat_param;
@@ -22,7 +23,7 @@ mod wrap;
 pub use config::{FsdpConfig, ShardingStrategy};
 pub use flat_param::{FlatParameter, ParamInfo};
 pub use memory::MemoryStats;
-pub use unit::{gradient_divide_factors, FullyShardedDataParallel};
+pub use unit::{gradient_divide_factors, hybrid_groups, FullyShardedDataParallel};
 pub use wrap::{
     nonwrapped_numel, size_based_auto_wrap_policy, transformer_auto_wrap_policy, AutoWrapPolicy,
     WrapFn,

@@ -25,7 +25,13 @@ use std::sync::Arc;
 /// State every unit of one rank shares.
 #[derive(Clone)]
 struct RankState {
+    /// The whole data-parallel world (gradient averaging is over all of it).
     pg: Group,
+    /// Ranks that split each FlatParameter: `pg` itself, or one node's ranks under hybrid
+    /// sharding.
+    shard_pg: Group,
+    /// Under hybrid sharding, the ranks holding the same shard on the other nodes.
+    replicate_pg: Option<Group>,
     strategy: ShardingStrategy,
     mem: Arc<Mutex<MemoryStats>>,
 }
@@ -71,17 +77,27 @@ impl FullyShardedDataParallel {
     /// `Unsupported` for hybrid strategies (not built yet); `NotMaterialized` when a
     /// parameter has no data; `Fsdp` for non-f32 parameters.
     pub fn new(mut module: Box<dyn Module>, pg: Group, config: FsdpConfig) -> Result<Self> {
-        if matches!(
-            config.sharding_strategy,
-            ShardingStrategy::HybridShard | ShardingStrategy::HybridShardZero2
-        ) {
-            return Err(Error::Unsupported(format!(
-                "sharding strategy {:?} (hybrid sharding lands with the strategies issue; use full-shard, shard-grad-op or no-shard)",
-                config.sharding_strategy
-            )));
-        }
+        let (shard_pg, replicate_pg) = if config.sharding_strategy.is_hybrid() {
+            let (s, r) = match &config.hybrid_groups {
+                Some(groups) => groups.clone(),
+                None => hybrid_groups(&pg, config.ranks_per_node.unwrap_or(pg.size()))?,
+            };
+            if s.size() * r.size() != pg.size() {
+                return Err(Error::Fsdp(format!(
+                    "hybrid groups of {} (shard) x {} (replicate) ranks do not cover the world of {}",
+                    s.size(),
+                    r.size(),
+                    pg.size()
+                )));
+            }
+            (s, Some(r))
+        } else {
+            (pg.clone(), None)
+        };
         let rs = RankState {
             pg,
+            shard_pg,
+            replicate_pg,
             strategy: config.sharding_strategy,
             mem: Arc::new(Mutex::new(MemoryStats::default())),
         };
@@ -114,7 +130,7 @@ impl FullyShardedDataParallel {
             });
         }
         let (rank, world) = if rs.strategy.is_sharded() {
-            (rs.pg.rank(), rs.pg.size())
+            (rs.shard_pg.rank(), rs.shard_pg.size())
         } else {
             (0, 1)
         };
@@ -187,7 +203,7 @@ impl FullyShardedDataParallel {
         }
         let full = Tensor::zeros(&[self.flat.padded_numel()], DType::F32);
         self.rs
-            .pg
+            .shard_pg
             .all_gather_into_tensor(&full, &self.flat.local_shard)?;
         self.point_params(Some(&full), false)?;
         self.rs.mem.lock().on_unshard(full.nbytes());
@@ -212,11 +228,17 @@ impl FullyShardedDataParallel {
     /// sharded gradient (FSDP1 `_post_backward_hook` / `_reduce_grad`).
     fn reduce_grad(&mut self, flat_grad: Tensor) -> Result<()> {
         let pg = &self.rs.pg;
+        // Averaging is over the whole data-parallel world, hybrid or not.
         let (pre, post) = gradient_divide_factors(pg.size());
         ops::scale_(&mut flat_grad.f32_mut()?, 1.0 / pre);
         let shard = if self.rs.strategy.is_sharded() {
             let out = Tensor::zeros(&[self.flat.shard_numel()], DType::F32);
-            pg.reduce_scatter_tensor(&out, &flat_grad, ReduceOp::Sum)?;
+            self.rs
+                .shard_pg
+                .reduce_scatter_tensor(&out, &flat_grad, ReduceOp::Sum)?;
+            if let Some(rep) = &self.rs.replicate_pg {
+                rep.all_reduce(&out, ReduceOp::Sum)?;
+            }
             out
         } else {
             pg.all_reduce(&flat_grad, ReduceOp::Sum)?;
@@ -293,6 +315,12 @@ impl FullyShardedDataParallel {
         &self.rs.pg
     }
 
+    /// The group each FlatParameter is sharded over (the world, or a node under hybrid
+    /// sharding).
+    pub fn shard_group(&self) -> &Group {
+        &self.rs.shard_pg
+    }
+
     /// Whether this is the root unit.
     pub fn is_root(&self) -> bool {
         self.is_root
@@ -315,7 +343,8 @@ impl FullyShardedDataParallel {
             res = (|| {
                 let full = Tensor::zeros(&[u.flat.padded_numel()], DType::F32);
                 if u.rs.strategy.is_sharded() {
-                    u.rs.pg.all_gather_into_tensor(&full, &u.flat.local_shard)?;
+                    u.rs.shard_pg
+                        .all_gather_into_tensor(&full, &u.flat.local_shard)?;
                 } else {
                     full.copy_from(&u.flat.local_shard)?;
                 }
@@ -334,6 +363,43 @@ impl FullyShardedDataParallel {
             .collect();
         infos.sort_by_key(|(n, _)| order.iter().position(|o| o == n).unwrap_or(usize::MAX));
         Ok(infos)
+    }
+}
+
+/// The (shard, replicate) groups of this rank for hybrid sharding with `ranks_per_node`
+/// ranks per node: node `k` is world ranks `[k n, (k+1) n)`; the replicate group of local
+/// rank `l` is `{l, l + n, l + 2n, ...}` (FSDP1's default for `HYBRID_SHARD`). A
+/// collective over `world`: every rank calls it.
+///
+/// # Errors
+/// `InvalidArgument` when `ranks_per_node` is 0 or does not divide the world size.
+pub fn hybrid_groups(world: &Group, ranks_per_node: usize) -> Result<(Group, Group)> {
+    let w = world.size();
+    if ranks_per_node == 0 || w % ranks_per_node != 0 {
+        crate::error::bail_arg!("ranks per node {ranks_per_node} must divide the world size {w}");
+    }
+    let n = ranks_per_node;
+    let mut shard = None;
+    let mut replicate = None;
+    // Every rank creates every group, in the same order.
+    for k in 0..w / n {
+        let ranks: Vec<usize> = (k * n..(k + 1) * n).collect();
+        if let Some(g) = world.new_group(&ranks)? {
+            shard = Some(g);
+        }
+    }
+    for l in 0..n {
+        let ranks: Vec<usize> = (l..w).step_by(n).collect();
+        if let Some(g) = world.new_group(&ranks)? {
+            replicate = Some(g);
+        }
+    }
+    match (shard, replicate) {
+        (Some(s), Some(r)) => Ok((s, r)),
+        _ => Err(Error::Fsdp(format!(
+            "rank {} is in no hybrid group",
+            world.rank()
+        ))),
     }
 }
 

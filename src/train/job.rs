@@ -83,6 +83,8 @@ pub struct TrainConfig {
     pub lr: f32,
     /// Adam/AdamW `(beta1, beta2)`; default (0.9, 0.95), PyTorch's is (0.9, 0.999).
     pub betas: (f32, f32),
+    /// Hybrid strategies: ranks per node (`--ranks-per-node`, default the world size).
+    pub ranks_per_node: Option<usize>,
     /// Micro-batches per step (`--grad-accum`): each step's global batch is processed in
     /// this many forward/backward passes whose gradients add up (loss scaled by 1/K).
     pub grad_accum: usize,
@@ -134,6 +136,7 @@ impl Default for TrainConfig {
             betas: (0.9, 0.95),
             lr_schedule: LrSchedule::Constant,
             warmup_steps: 0,
+            ranks_per_node: None,
             grad_accum: 1,
             no_sync: false,
             clip_grad_norm: None,
@@ -292,14 +295,13 @@ impl TrainConfig {
                 ));
             }
         }
-        if matches!(
-            self.strategy,
-            ShardingStrategy::HybridShard | ShardingStrategy::HybridShardZero2
-        ) {
-            return Err(Error::Unsupported(format!(
-                "--strategy {} (hybrid sharding lands with the strategies issue; use full-shard, shard-grad-op or no-shard)",
-                clap::ValueEnum::to_possible_value(&self.strategy).map(|v| v.get_name().to_string()).unwrap_or_default()
-            )));
+        if let Some(n) = self.ranks_per_node {
+            if n == 0 || self.world_size % n != 0 {
+                return bad(format!(
+                    "--ranks-per-node {n} must divide --world-size {}",
+                    self.world_size
+                ));
+            }
         }
         Ok(())
     }
@@ -350,6 +352,8 @@ pub fn build_engine(cfg: &TrainConfig, pg: Group) -> Result<Engine> {
             WrapMode::Transformer => Some(transformer_auto_wrap_policy(["Block"])),
             WrapMode::None => None,
         },
+        hybrid_groups: None,
+        ranks_per_node: cfg.ranks_per_node,
     };
     Ok(Engine::Fsdp(Box::new(FullyShardedDataParallel::new(
         model, pg, fsdp_cfg,

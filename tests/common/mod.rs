@@ -103,3 +103,13 @@ pub fn small_job(data: std::path::PathBuf, world_size: usize) -> fsdp::train::Tr
         ..fsdp::train::TrainConfig::default()
     }
 }
+
+/// Ranks per node the hybrid-strategy tests use at a world size: 2 nodes when the world
+/// splits in two (4 = 2 x 2, 2 = 2 nodes x 1), else one rank per node.
+pub fn hybrid_ranks_per_node(world: usize) -> usize {
+    if world % 2 == 0 {
+        world / 2
+    } else {
+        1
+    }
+}
