@@ -98,9 +98,16 @@ impl Shared {
 /// waiting in any group, and so that the members of a `new_group` find the same one.
 #[derive(Default)]
 struct World {
-    /// All groups, the world first; keyed by (sorted world ranks, how many groups with
-    /// these ranks the caller created before).
-    groups: Mutex<(Vec<Arc<Shared>>, HashMap<(Vec<usize>, usize), Arc<Shared>>)>,
+    groups: Mutex<WorldGroups>,
+}
+
+#[derive(Default)]
+struct WorldGroups {
+    /// All groups, the world first.
+    all: Vec<Arc<Shared>>,
+    /// Subgroups by (sorted world ranks, how many groups with these ranks the caller
+    /// created before).
+    by_key: HashMap<(Vec<usize>, usize), Arc<Shared>>,
 }
 
 /// One rank's handle to an in-process group. Create all ranks' handles of a world at once
@@ -127,7 +134,7 @@ impl ThreadsGroup {
         }
         let shared = Shared::new((0..size).collect(), timeout);
         let world = Arc::new(World::default());
-        world.groups.lock().0.push(shared.clone());
+        world.groups.lock().all.push(shared.clone());
         Ok((0..size)
             .map(|rank| ThreadsGroup {
                 rank,
@@ -154,7 +161,7 @@ impl ThreadsGroup {
     pub fn mark_failed(&self, reason: impl Into<String>) {
         let reason = reason.into();
         let me = self.world_rank();
-        for g in self.world.groups.lock().0.iter() {
+        for g in self.world.groups.lock().all.iter() {
             let mut st = g.state.lock();
             if st.failure.is_none() {
                 st.failure = Some((me, reason.clone()));
@@ -167,7 +174,7 @@ impl ThreadsGroup {
     /// peers waiting for it fail at once instead of waiting out the timeout.
     pub fn mark_exited(&self) {
         let me = self.world_rank();
-        for g in self.world.groups.lock().0.iter() {
+        for g in self.world.groups.lock().all.iter() {
             if let Some(local) = g.members.iter().position(|&m| m == me) {
                 g.state.lock().exited[local] = true;
                 g.cv.notify_all();
@@ -402,7 +409,7 @@ impl ProcessGroup for ThreadsGroup {
     }
 
     fn new_group(&self, ranks: &[usize]) -> Result<Option<super::Group>> {
-        let world_size = self.world.groups.lock().0[0].size;
+        let world_size = self.world.groups.lock().all[0].size;
         let mut members = ranks.to_vec();
         members.sort_unstable();
         members.dedup();
@@ -426,7 +433,7 @@ impl ProcessGroup for ThreadsGroup {
         };
         let shared = {
             let mut g = self.world.groups.lock();
-            let (all, by_key) = &mut *g;
+            let WorldGroups { all, by_key } = &mut *g;
             by_key
                 .entry((members.clone(), nth))
                 .or_insert_with(|| {
