@@ -210,3 +210,210 @@ fn clip_grad_norm_over_empty_shards_and_bad_arguments() {
         assert!(bad.contains("max_norm"), "{bad}");
     }
 }
+
+#[test]
+fn frozen_parameters_beside_trainable_ones_are_never_updated() {
+    // Frozen Linear(4, 4) + trainable Linear(4, 2) in one unit, 2 ranks, 2 AdamW steps with
+    // weight decay: the frozen weights stay bitwise equal, the trainable ones match
+    // unsharded training in which the frozen ones have no gradient.
+    let build = || -> Box<dyn Module> {
+        let k = InitKey::new(21);
+        let mut frozen = Linear::new(4, 4, true, &k.child("0")).unwrap();
+        frozen.weight.requires_grad = false;
+        if let Some(b) = &mut frozen.bias {
+            b.requires_grad = false;
+        }
+        Box::new(fsdp::nn::Sequential::new(vec![
+            Box::new(frozen),
+            Box::new(Linear::new(4, 2, true, &k.child("1")).unwrap()),
+        ]))
+    };
+    let step = |m: &mut dyn Module, s: usize, lo: usize, hi: usize| -> fsdp::Result<()> {
+        let x = values(700 + s as u64, 4 * 4);
+        let out = m.forward(
+            &Tensor::from_vec(x[lo * 4..hi * 4].to_vec(), &[hi - lo, 4])?,
+            &Context::train(),
+        )?;
+        let target = Tensor::from_vec(vec![1.0f32; (hi - lo) * 2], &[hi - lo, 2])?;
+        let (_, g) = loss::mse_loss(&out, &target)?;
+        m.backward(&g, &Context::train())?;
+        Ok(())
+    };
+    let adamw = || {
+        fsdp::optim::AdamW::new(fsdp::optim::AdamConfig {
+            lr: 0.1,
+            weight_decay: 0.1,
+            ..fsdp::optim::AdamConfig::adamw()
+        })
+    };
+    let mut reference = build();
+    let before = named_values(reference.as_mut());
+    let mut o = adamw();
+    for s in 0..2 {
+        step(reference.as_mut(), s, 0, 4).unwrap();
+        let mut pg = Vec::new();
+        visit_parameters(reference.as_mut(), "", false, &mut |_, p| {
+            if p.requires_grad {
+                pg.push(ParamGrad {
+                    param: p.data().unwrap().clone(),
+                    grad: p.grad().cloned(),
+                })
+            }
+        });
+        o.step(&pg).unwrap();
+        visit_parameters(reference.as_mut(), "", false, &mut |_, p| p.set_grad(None));
+    }
+    let want = named_values(reference.as_mut());
+    let got = launch(&LaunchOptions::new(2), |pg| {
+        let mut m = FullyShardedDataParallel::new(build(), pg.clone(), FsdpConfig::default())?;
+        let mut o = adamw();
+        for s in 0..2 {
+            step(&mut m, s, pg.rank() * 2, pg.rank() * 2 + 2)?;
+            o.step(&m.optimizer_params())?;
+            m.zero_grad();
+        }
+        m.full_parameters()
+    })
+    .unwrap();
+    for params in &got {
+        for (((n, g), (_, w)), (_, b)) in params.iter().zip(&want).zip(&before) {
+            if n.starts_with("0.") {
+                assert_eq!(
+                    g.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    b.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "{n} changed"
+                );
+            } else {
+                assert_close(n, g, w, 1e-6, 1e-5);
+                assert!(g != b, "{n} did not train");
+            }
+        }
+    }
+}
+
+#[test]
+fn sync_module_states_starts_every_rank_from_rank_0() {
+    let got = launch(&LaunchOptions::new(3), |pg| {
+        // Each rank initializes differently; rank 0's values must win.
+        let m = Linear::new(5, 3, true, &InitKey::new(100 + pg.rank() as u64))?;
+        let cfg = FsdpConfig {
+            sync_module_states: true,
+            ..Default::default()
+        };
+        let mut m = FullyShardedDataParallel::new(Box::new(m), pg, cfg)?;
+        m.full_parameters()
+    })
+    .unwrap();
+    let mut want = Linear::new(5, 3, true, &InitKey::new(100)).unwrap();
+    let want = named_values(&mut want);
+    for params in got {
+        assert_eq!(params, want);
+    }
+}
+
+#[test]
+fn a_unit_unused_in_a_step_gets_no_gradient_and_the_rest_matches() {
+    // Step 1 uses A(B(x)); step 2 only A(x): B's unit sees no forward and no backward.
+    struct AB {
+        a: Box<dyn Module>,
+        b: Box<dyn Module>,
+        use_b: bool,
+    }
+    impl Module for AB {
+        fn type_name(&self) -> &'static str {
+            "AB"
+        }
+        fn forward(&mut self, x: &Tensor, cx: &Context) -> fsdp::Result<Tensor> {
+            let h = if self.use_b {
+                self.b.forward(x, cx)?
+            } else {
+                x.clone()
+            };
+            self.a.forward(&h, cx)
+        }
+        fn backward(&mut self, g: &Tensor, cx: &Context) -> fsdp::Result<Tensor> {
+            let g = self.a.backward(g, cx)?;
+            if self.use_b {
+                self.b.backward(&g, cx)
+            } else {
+                Ok(g)
+            }
+        }
+        fn for_each_child(&mut self, f: &mut fsdp::nn::ChildVisitor<'_>) -> fsdp::Result<()> {
+            f("a", &mut self.a)?;
+            f("b", &mut self.b)
+        }
+        fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+            Some(self)
+        }
+    }
+    let build = || AB {
+        a: Box::new(Linear::new(3, 3, true, &InitKey::new(1).child("a")).unwrap()),
+        b: Box::new(Linear::new(3, 3, true, &InitKey::new(1).child("b")).unwrap()),
+        use_b: true,
+    };
+    let run_step = |m: &mut dyn Module, s: usize, lo: usize, hi: usize| -> fsdp::Result<()> {
+        let x = values(800 + s as u64, 4 * 3);
+        let out = m.forward(
+            &Tensor::from_vec(x[lo * 3..hi * 3].to_vec(), &[hi - lo, 3])?,
+            &Context::train(),
+        )?;
+        // A mean over rows, so averaging over ranks equals the unsharded batch mean.
+        let target = Tensor::from_vec(vec![1.0f32; (hi - lo) * 3], &[hi - lo, 3])?;
+        let (_, g) = loss::mse_loss(&out, &target)?;
+        m.backward(&g, &Context::train())?;
+        Ok(())
+    };
+    let mut reference = build();
+    for s in 0..2 {
+        reference.use_b = s == 0;
+        run_step(&mut reference, s, 0, 4).unwrap();
+        let (pg, _) = {
+            let mut pg = Vec::new();
+            visit_parameters(&mut reference, "", false, &mut |_, p| {
+                pg.push(ParamGrad {
+                    param: p.data().unwrap().clone(),
+                    grad: p.grad().cloned(),
+                })
+            });
+            (pg, ())
+        };
+        sgd().step(&pg).unwrap();
+        visit_parameters(&mut reference, "", false, &mut |_, p| p.set_grad(None));
+    }
+    let want = named_values(&mut reference);
+    let got = launch(&LaunchOptions::new(2), |pg| {
+        let cfg = FsdpConfig {
+            auto_wrap_policy: Some(transformer_auto_wrap_policy(["Linear"])),
+            ..Default::default()
+        };
+        let mut m = FullyShardedDataParallel::new(Box::new(build()), pg.clone(), cfg)?;
+        let mut b_grad_none = false;
+        for s in 0..2 {
+            if let Some(ab) = m
+                .module_mut()
+                .as_any_mut()
+                .and_then(|a| a.downcast_mut::<AB>())
+            {
+                ab.use_b = s == 0;
+            }
+            run_step(&mut m, s, pg.rank() * 2, pg.rank() * 2 + 2)?;
+            if s == 1 {
+                // Units: root, a, b in pre-order; b saw no backward this step.
+                let mut grads = Vec::new();
+                m.for_each_unit(&mut |u| grads.push(u.flat_param().grad_shard().is_some()));
+                b_grad_none = !grads[2];
+            }
+            sgd().step(&m.optimizer_params())?;
+            m.zero_grad();
+        }
+        Ok((b_grad_none, m.full_parameters()?))
+    })
+    .unwrap();
+    for (b_grad_none, params) in got {
+        assert!(b_grad_none, "the unused unit got a gradient");
+        for ((n, g), (_, w)) in params.iter().zip(&want) {
+            assert_close(n, g, w, 1e-6, 1e-5);
+        }
+    }
+}

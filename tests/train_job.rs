@@ -4,7 +4,7 @@
 mod common;
 
 use fsdp::fsdp::ShardingStrategy;
-use fsdp::train::{train, Silent, TrainConfig, TrainReport};
+use fsdp::train::{train, Silent, TrainConfig, TrainReport, WrapMode};
 
 use common::{corpus_file, small_job as small};
 
@@ -33,6 +33,15 @@ fn per_step_losses_do_not_depend_on_world_size_or_strategy() {
             TrainConfig {
                 strategy: s,
                 ranks_per_node: Some(2),
+                ..small(data.clone(), 4)
+            },
+        ));
+    }
+    for wrap in [WrapMode::None, WrapMode::Size(3000)] {
+        runs.push((
+            format!("wrap {wrap} ws 4"),
+            TrainConfig {
+                wrap,
                 ..small(data.clone(), 4)
             },
         ));

@@ -81,8 +81,9 @@ struct TrainArgs {
     world_size: usize,
     #[arg(long, value_enum, default_value_t = D.strategy)]
     strategy: ShardingStrategy,
-    /// FSDP units: one per transformer Block plus the root, or one for the whole model.
-    #[arg(long, value_enum, default_value_t = D.wrap)]
+    /// FSDP units: `transformer` (one per Block, plus the root), `size:N` (size-based
+    /// policy, min N parameters per unit) or `none` (one unit for the whole model).
+    #[arg(long, default_value_t = D.wrap)]
     wrap: WrapMode,
     #[arg(long, default_value_t = D.steps)]
     steps: usize,

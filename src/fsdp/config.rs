@@ -69,6 +69,9 @@ pub struct FsdpConfig {
     /// PyTorch's `process_group=(shard_pg, replicate_pg)`. Their sizes must multiply to the
     /// world size.
     pub hybrid_groups: Option<(Group, Group)>,
+    /// Broadcast rank 0's parameters to every rank before sharding
+    /// (`sync_module_states=True`), so ranks may build the model with different values.
+    pub sync_module_states: bool,
     /// Hybrid strategies only, without `hybrid_groups`: ranks per node (`--ranks-per-node`);
     /// default the whole world (one node). See [`hybrid_groups`](super::hybrid_groups).
     pub ranks_per_node: Option<usize>,

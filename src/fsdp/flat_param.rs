@@ -40,6 +40,10 @@ pub struct FlatParameter {
     pub(crate) local_shard: Tensor,
     /// Accumulated gradient of the chunk, `(c)` f32; `None` until the first backward.
     pub(crate) grad_shard: Option<Tensor>,
+    /// Runs `(start, len)` of this rank's chunk that hold trainable parameters: what the
+    /// optimizer steps on. Frozen parameters and padding are left out, so weight decay
+    /// never touches them.
+    pub(crate) trainable_runs: Vec<(usize, usize)>,
     /// The gathered, padded values `(c W)` while unsharded.
     pub(crate) unsharded: Option<Tensor>,
     /// The padded flat gradient `(c W)` accumulated under `no_sync`, reduced by the next
@@ -89,7 +93,18 @@ impl FlatParameter {
                 local[a - lo..b - lo].copy_from_slice(&src[a - info.offset..b - info.offset]);
             }
         }
+        let mut trainable_runs: Vec<(usize, usize)> = Vec::new();
+        for info in infos.iter().filter(|i| i.requires_grad) {
+            let (a, b) = (info.offset.max(lo), (info.offset + info.numel).min(hi));
+            if a < b {
+                match trainable_runs.last_mut() {
+                    Some((start, len)) if *start + *len == a - lo => *len += b - a,
+                    _ => trainable_runs.push((a - lo, b - a)),
+                }
+            }
+        }
         Ok(FlatParameter {
+            trainable_runs,
             infos,
             numel,
             shard_world,

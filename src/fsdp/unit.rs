@@ -101,6 +101,23 @@ impl FullyShardedDataParallel {
             strategy: config.sharding_strategy,
             mem: Arc::new(Mutex::new(MemoryStats::default())),
         };
+        if config.sync_module_states {
+            // Rank 0's values everywhere, before anything is flattened (FSDP1
+            // `_sync_module_params_and_buffers`).
+            let mut res: Result<()> = Ok(());
+            visit_parameters(module.as_mut(), "", false, &mut |name, p| {
+                if res.is_ok() {
+                    res = match p.data() {
+                        Ok(d) => rs.pg.broadcast(d, 0),
+                        Err(_) => Err(Error::NotMaterialized {
+                            name: name.to_string(),
+                            state: "sync_module_states",
+                        }),
+                    };
+                }
+            });
+            res?;
+        }
         if let Some(policy) = &config.auto_wrap_policy {
             wrap_children(module.as_mut(), "", policy, &rs)?;
         }
@@ -261,15 +278,23 @@ impl FullyShardedDataParallel {
         walk_units(self.module.as_mut(), f);
     }
 
-    /// This rank's (parameter shard, gradient shard) of every unit, the list an optimizer
-    /// steps on. Padding elements have zero gradient and stay zero under SGD/Adam/AdamW.
+    /// What an optimizer steps on: views of every unit's local shard and gradient shard,
+    /// one per run of trainable elements (frozen parameters and padding excluded, so they
+    /// are never updated, not even by weight decay). The same list at every step.
     pub fn optimizer_params(&mut self) -> Vec<ParamGrad> {
         let mut out = Vec::new();
         self.for_each_unit(&mut |u| {
-            out.push(ParamGrad {
-                param: u.flat.local_shard.clone(),
-                grad: u.flat.grad_shard.clone(),
-            })
+            for &(start, len) in &u.flat.trainable_runs {
+                // Views inside the chunk: in bounds by construction.
+                if let Ok(param) = u.flat.local_shard.view(start, &[len]) {
+                    let grad = u
+                        .flat
+                        .grad_shard
+                        .as_ref()
+                        .and_then(|g| g.view(start, &[len]).ok());
+                    out.push(ParamGrad { param, grad });
+                }
+            }
         });
         out
     }

@@ -5,7 +5,8 @@ use super::engine::{gather_memory, mean_over_ranks, Engine, RankMemory};
 use crate::distributed::{launch, Group, LaunchOptions};
 use crate::error::{Error, Result};
 use crate::fsdp::{
-    transformer_auto_wrap_policy, FsdpConfig, FullyShardedDataParallel, ShardingStrategy,
+    size_based_auto_wrap_policy, transformer_auto_wrap_policy, FsdpConfig,
+    FullyShardedDataParallel, ShardingStrategy,
 };
 use crate::nn::{loss, num_parameters, Context, GptConfig, Module, GPT};
 use crate::optim::{self, OptimizerKind};
@@ -14,13 +15,41 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-/// How the model is split into FSDP units.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+/// How the model is split into FSDP units (`--wrap transformer|size:N|none`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub enum WrapMode {
     /// One unit per transformer `Block`, plus the root (`transformer_auto_wrap_policy`).
     Transformer,
+    /// `size_based_auto_wrap_policy(min_num_params = N)`.
+    Size(usize),
     /// One unit for the whole model.
     None,
+}
+
+impl std::str::FromStr for WrapMode {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "transformer" => Ok(WrapMode::Transformer),
+            "none" => Ok(WrapMode::None),
+            _ => match s.strip_prefix("size:").map(str::parse::<usize>) {
+                Some(Ok(n)) if n > 0 => Ok(WrapMode::Size(n)),
+                _ => Err(format!(
+                    "expected transformer, size:N (N > 0 parameters) or none, got '{s}'"
+                )),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for WrapMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WrapMode::Transformer => f.write_str("transformer"),
+            WrapMode::Size(n) => write!(f, "size:{n}"),
+            WrapMode::None => f.write_str("none"),
+        }
+    }
 }
 
 /// How the learning rate moves over a run.
@@ -350,10 +379,11 @@ pub fn build_engine(cfg: &TrainConfig, pg: Group) -> Result<Engine> {
         sharding_strategy: cfg.strategy,
         auto_wrap_policy: match cfg.wrap {
             WrapMode::Transformer => Some(transformer_auto_wrap_policy(["Block"])),
+            WrapMode::Size(n) => Some(size_based_auto_wrap_policy(n)),
             WrapMode::None => None,
         },
-        hybrid_groups: None,
         ranks_per_node: cfg.ranks_per_node,
+        ..FsdpConfig::default()
     };
     Ok(Engine::Fsdp(Box::new(FullyShardedDataParallel::new(
         model, pg, fsdp_cfg,
