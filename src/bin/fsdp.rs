@@ -206,8 +206,19 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
     };
     cfg.validate()?;
     println!(
-        "fsdp train: {} ranks (threads backend), strategy {:?}, wrap {:?}, {} steps of {} x {} tokens, data {}",
-        cfg.world_size, cfg.strategy, cfg.wrap, cfg.steps, cfg.global_batch, cfg.seq_len, cfg.data.display()
+        "fsdp train: {} ranks (threads backend), strategy {:?}{}, wrap {}, {} steps of {} x {} tokens, data {}",
+        cfg.world_size,
+        cfg.strategy,
+        if cfg.strategy.is_hybrid() {
+            format!(" ({} ranks per node)", cfg.ranks_per_node.unwrap_or(cfg.world_size))
+        } else {
+            String::new()
+        },
+        cfg.wrap,
+        cfg.steps,
+        cfg.global_batch,
+        cfg.seq_len,
+        cfg.data.display()
     );
     let bar = std::io::stderr().is_terminal().then(|| {
         let b = ProgressBar::new(cfg.steps as u64);
