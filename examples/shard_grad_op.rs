@@ -2,7 +2,7 @@
 //! ShardGradOp, Adam(lr=1e-3), loss = sum of the outputs, one optimizer step; prints the loss
 //! (identical on every rank) and the shape of the output.
 //!
-//! `cargo run --release --example shard_grad_op [-- WORLD_SIZE]`
+//! `cargo run --release --example shard_grad_op` (`WORLD_SIZE=4` for 4 ranks)
 
 use fsdp::distributed::{launch, LaunchOptions};
 use fsdp::fsdp::{FsdpConfig, FullyShardedDataParallel, ShardingStrategy};
@@ -11,11 +11,8 @@ use fsdp::optim::{Adam, AdamConfig, Optimizer};
 use fsdp::tensor::Tensor;
 
 fn main() -> fsdp::Result<()> {
-    let world: usize = std::env::args()
-        .nth(1)
-        .and_then(|a| a.parse().ok())
-        .unwrap_or(2);
-    let out = launch(&LaunchOptions::new(world), |pg| {
+    let opts = LaunchOptions::from_env_or(2)?;
+    let out = launch(&opts, |pg| {
         let k = InitKey::new(0);
         let model = Sequential::new(vec![
             Box::new(Linear::new(256, 128, true, &k.child("0"))?),

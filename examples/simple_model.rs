@@ -1,7 +1,7 @@
 //! The first example of PyTorch's FullyShardedDataParallel docs: a 1024-512-128 MLP wrapped
 //! whole with FullShard on 2 thread ranks; prints the output shape, [8, 128].
 //!
-//! `cargo run --release --example simple_model [-- WORLD_SIZE]`
+//! `cargo run --release --example simple_model` (`WORLD_SIZE=4` for 4 ranks)
 
 use fsdp::distributed::{launch, LaunchOptions};
 use fsdp::fsdp::{FsdpConfig, FullyShardedDataParallel, ShardingStrategy};
@@ -9,11 +9,8 @@ use fsdp::nn::{Context, InitKey, Linear, Module, ReLU, Sequential};
 use fsdp::tensor::Tensor;
 
 fn main() -> fsdp::Result<()> {
-    let world: usize = std::env::args()
-        .nth(1)
-        .and_then(|a| a.parse().ok())
-        .unwrap_or(2);
-    let shapes = launch(&LaunchOptions::new(world), |pg| {
+    let opts = LaunchOptions::from_env_or(2)?;
+    let shapes = launch(&opts, |pg| {
         let k = InitKey::new(0);
         let model = Sequential::new(vec![
             Box::new(Linear::new(1024, 512, true, &k.child("0"))?),

@@ -3,7 +3,7 @@
 //! own FSDP unit through `transformer_auto_wrap_policy`; prints the output shape, [4, 10],
 //! and how many units were made.
 //!
-//! `cargo run --release --example transformer_blocks [-- WORLD_SIZE]`
+//! `cargo run --release --example transformer_blocks` (`WORLD_SIZE=4` for 4 ranks)
 
 use fsdp::distributed::{launch, LaunchOptions};
 use fsdp::error::Result;
@@ -40,11 +40,8 @@ impl Module for TransformerBlock {
 }
 
 fn main() -> Result<()> {
-    let world: usize = std::env::args()
-        .nth(1)
-        .and_then(|a| a.parse().ok())
-        .unwrap_or(2);
-    let out = launch(&LaunchOptions::new(world), |pg| {
+    let opts = LaunchOptions::from_env_or(2)?;
+    let out = launch(&opts, |pg| {
         let k = InitKey::new(0);
         let mut layers: Vec<Box<dyn Module>> = Vec::new();
         for i in 0..4 {

@@ -17,6 +17,22 @@ pub struct LaunchOptions {
 }
 
 impl LaunchOptions {
+    /// `WORLD_SIZE` ranks when that variable is set (torchrun's name), else `default`.
+    ///
+    /// # Errors
+    /// `InvalidArgument` when `WORLD_SIZE` is not a positive integer.
+    pub fn from_env_or(default: usize) -> Result<Self> {
+        match std::env::var("WORLD_SIZE") {
+            Err(_) => Ok(Self::new(default)),
+            Ok(v) => match v.trim().parse::<usize>() {
+                Ok(n) if n > 0 => Ok(Self::new(n)),
+                _ => Err(Error::InvalidArgument(format!(
+                    "WORLD_SIZE must be a positive integer, got '{v}'"
+                ))),
+            },
+        }
+    }
+
     /// `world_size` ranks with the default timeout, sharing this machine's cores.
     pub fn new(world_size: usize) -> Self {
         LaunchOptions {
