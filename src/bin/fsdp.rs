@@ -125,9 +125,13 @@ struct BenchArgs {
     /// Untimed warm-up steps per configuration.
     #[arg(long, default_value_t = 3)]
     warmup: usize,
-    /// World sizes to run FSDP FullShard at.
+    /// World sizes to run FSDP at.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
     world_sizes: Vec<usize>,
+    /// Strategies to run at each world size (hybrid ones as 2 nodes when the world size is
+    /// even, else one rank per node).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "full-shard")]
+    strategies: Vec<ShardingStrategy>,
     #[command(flatten)]
     model: ModelArgs,
 }
@@ -300,14 +304,23 @@ fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
             ..base.clone()
         },
     ));
-    for &w in &a.world_sizes {
-        runs.push((
-            format!("FSDP full-shard ws={w}"),
-            TrainConfig {
-                world_size: w,
-                ..base.clone()
-            },
-        ));
+    for &strategy in &a.strategies {
+        let name = clap::ValueEnum::to_possible_value(&strategy)
+            .map_or(String::new(), |v| v.get_name().to_string());
+        for &w in &a.world_sizes {
+            let ranks_per_node = strategy
+                .is_hybrid()
+                .then_some(if w % 2 == 0 { w / 2 } else { 1 });
+            runs.push((
+                format!("{name} ws={w}"),
+                TrainConfig {
+                    world_size: w,
+                    strategy,
+                    ranks_per_node,
+                    ..base.clone()
+                },
+            ));
+        }
     }
     if a.world_sizes.is_empty() || a.world_sizes.contains(&0) {
         return Err(fsdp::Error::InvalidArgument(format!(
@@ -325,7 +338,7 @@ fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
         })?;
     }
     println!(
-        "{:<24} {:>14} {:>12} {:>10} {:>22} {:>20}",
+        "{:<28} {:>14} {:>12} {:>10} {:>22} {:>20}",
         "configuration",
         "median step ms",
         "tokens/s",
@@ -353,7 +366,7 @@ fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
             .map(|r| r.ranks[0])
             .unwrap_or_default();
         println!(
-            "{:<24} {:>14.1} {:>12.0} {:>10.3} {:>22} {:>20}",
+            "{:<28} {:>14.1} {:>12.0} {:>10.3} {:>22} {:>20}",
             name,
             ms,
             (cfg.global_batch * cfg.seq_len) as f64 / (ms / 1e3),
