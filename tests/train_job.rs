@@ -32,7 +32,7 @@ fn per_step_losses_do_not_depend_on_world_size_or_strategy() {
             format!("{s:?} ws 4 (hybrid: 2 nodes x 2)"),
             TrainConfig {
                 strategy: s,
-                ranks_per_node: Some(2),
+                ranks_per_node: s.is_hybrid().then_some(2),
                 ..small(data.clone(), 4)
             },
         ));
@@ -217,21 +217,25 @@ fn the_default_job_has_the_same_losses_at_world_sizes_1_2_4_over_30_steps() {
 fn learning_rate_warms_up_then_follows_half_a_cosine_to_a_tenth() {
     let cfg = TrainConfig {
         lr: 1e-2,
-        steps: 120,
+        steps: 121,
         warmup_steps: 20,
         lr_schedule: fsdp::train::LrSchedule::Cosine,
         ..TrainConfig::default()
     };
     assert!((cfg.lr_at(1) - 5e-4).abs() < 1e-9);
     assert!((cfg.lr_at(20) - 1e-2).abs() < 1e-9);
-    assert!((cfg.lr_at(70) - 5.5e-3).abs() < 1e-7, "{}", cfg.lr_at(70));
-    assert!((cfg.lr_at(120) - 1e-3).abs() < 1e-9);
+    assert!(
+        (cfg.lr_at(21) - 1e-2).abs() < 1e-9,
+        "full lr right after the warm-up"
+    );
+    assert!((cfg.lr_at(71) - 5.5e-3).abs() < 1e-7, "{}", cfg.lr_at(71));
+    assert!((cfg.lr_at(121) - 1e-3).abs() < 1e-9);
     let constant = TrainConfig {
         lr_schedule: fsdp::train::LrSchedule::Constant,
         ..cfg
     };
     assert_eq!(constant.lr_at(21), 1e-2);
-    assert_eq!(constant.lr_at(120), 1e-2);
+    assert_eq!(constant.lr_at(121), 1e-2);
 }
 
 #[test]

@@ -15,6 +15,23 @@ use std::process::ExitCode;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// `println!` that ignores a closed pipe or a full disk instead of panicking
+/// (`fsdp train | head` must not end in a backtrace).
+macro_rules! out {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($t)*);
+    }};
+}
+
+/// `eprintln!` that ignores write errors, like `out!`.
+macro_rules! err {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($t)*);
+    }};
+}
+
 /// The defaults of every option are the library's (`TrainConfig::default()`).
 static D: std::sync::LazyLock<TrainConfig> = std::sync::LazyLock::new(TrainConfig::default);
 
@@ -40,34 +57,34 @@ enum Cmd {
 #[derive(Args, Clone)]
 struct ModelArgs {
     /// Sequence length T (tokens per row).
-    #[arg(long, default_value_t = D.seq_len)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = D.seq_len)]
     seq_len: usize,
-    #[arg(long, default_value_t = D.n_layer)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = D.n_layer)]
     n_layer: usize,
-    #[arg(long, default_value_t = D.n_head)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = D.n_head)]
     n_head: usize,
-    #[arg(long, default_value_t = D.n_embd)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = D.n_embd)]
     n_embd: usize,
     /// Rows per step over all ranks (split evenly, contiguous rows per rank).
-    #[arg(long, default_value_t = D.global_batch)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = D.global_batch)]
     global_batch: usize,
-    #[arg(long, default_value_t = D.lr, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = D.lr, allow_hyphen_values = true)]
     lr: f32,
     /// Adam/AdamW beta1.
-    #[arg(long, default_value_t = D.betas.0)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = D.betas.0)]
     beta1: f32,
     /// Adam/AdamW beta2.
-    #[arg(long, default_value_t = D.betas.1)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = D.betas.1)]
     beta2: f32,
     /// Learning-rate schedule after the warm-up.
     #[arg(long, value_enum, default_value_t = D.lr_schedule)]
     lr_schedule: LrSchedule,
     /// Linear learning-rate warm-up steps.
-    #[arg(long, default_value_t = D.warmup_steps)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = D.warmup_steps)]
     warmup_steps: usize,
     #[arg(long, value_enum, default_value_t = D.optimizer)]
     optimizer: OptimizerKind,
-    #[arg(long, default_value_t = D.seed)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = D.seed)]
     seed: u64,
 }
 
@@ -77,7 +94,7 @@ struct TrainArgs {
     #[arg(long, default_value = "data/tinyshakespeare.txt")]
     data: PathBuf,
     /// Number of ranks (threads of this process).
-    #[arg(long, default_value_t = D.world_size)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = D.world_size)]
     world_size: usize,
     #[arg(long, value_enum, default_value_t = D.strategy)]
     strategy: ShardingStrategy,
@@ -85,31 +102,31 @@ struct TrainArgs {
     /// policy, min N parameters per unit) or `none` (one unit for the whole model).
     #[arg(long, default_value_t = D.wrap)]
     wrap: WrapMode,
-    #[arg(long, default_value_t = D.steps)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = D.steps)]
     steps: usize,
     /// Evaluate every E steps (and at the end); 0: only at the end.
-    #[arg(long, default_value_t = D.eval_every)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = D.eval_every)]
     eval_every: usize,
     /// Print the loss every K steps.
-    #[arg(long, default_value_t = 25)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = 25)]
     log_every: usize,
     /// Write one JSON object per step (loss, tokens/s, per-rank bytes) to this file.
     #[arg(long)]
     metrics: Option<PathBuf>,
     /// Hybrid strategies: ranks per node (shard group size); default the world size.
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     ranks_per_node: Option<usize>,
     /// Micro-batches per step; their gradients add up before the optimizer step.
-    #[arg(long, default_value_t = D.grad_accum)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = D.grad_accum)]
     grad_accum: usize,
     /// Accumulate micro-batches under no_sync: one gradient reduction per step.
     #[arg(long)]
     no_sync: bool,
     /// Clip the global gradient 2-norm to this value before each step.
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     clip_grad_norm: Option<f32>,
     /// Bytes of text to generate from the trained model at the end.
-    #[arg(long, default_value_t = D.sample_len)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = D.sample_len)]
     sample_len: usize,
     #[command(flatten)]
     model: ModelArgs,
@@ -120,13 +137,18 @@ struct BenchArgs {
     #[arg(long, default_value = "data/tinyshakespeare.txt")]
     data: PathBuf,
     /// Timed steps per configuration (after the warm-up).
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = 20)]
     steps: usize,
     /// Untimed warm-up steps per configuration.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = 3)]
     warmup: usize,
     /// World sizes to run FSDP at.
-    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    #[arg(
+        long,
+        allow_hyphen_values = true,
+        value_delimiter = ',',
+        default_value = "1,2,4"
+    )]
     world_sizes: Vec<usize>,
     /// Strategies to run at each world size (hybrid ones as 2 nodes when the world size is
     /// even, else one rank per node).
@@ -165,7 +187,7 @@ impl Progress {
     fn say(&self, line: String) {
         match &self.bar {
             Some(b) => b.println(line),
-            None => println!("{line}"),
+            None => out!("{line}"),
         }
     }
 }
@@ -209,7 +231,7 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         ..base_config(&a.model, a.data.clone())
     };
     cfg.validate()?;
-    println!(
+    out!(
         "fsdp train: {} ranks (threads backend), strategy {:?}{}, wrap {}, {} steps of {} x {} tokens, data {}",
         cfg.world_size,
         cfg.strategy,
@@ -247,7 +269,7 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
     let last = report.records.last();
     let mean_tps = report.records.iter().map(|r| r.tokens_per_s).sum::<f64>()
         / report.records.len().max(1) as f64;
-    println!(
+    out!(
         "done in {:.1} s: loss {:.4} -> {:.4}, eval loss {}, {:.0} tokens/s",
         report.elapsed_s,
         losses.first().copied().unwrap_or(f32::NAN),
@@ -259,9 +281,9 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         mean_tps
     );
     if let Some(r) = last {
-        println!("per-rank bytes (params + grads + optimizer state | peak unsharded params):");
+        out!("per-rank bytes (params + grads + optimizer state | peak unsharded params):");
         for m in &r.ranks {
-            println!(
+            out!(
                 "  rank {}: {} + {} + {} = {} | {}",
                 m.rank,
                 m.param_shard_bytes,
@@ -273,7 +295,7 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         }
     }
     if !report.sample.is_empty() {
-        println!("--- sample ---\n{}\n--------------", report.sample);
+        out!("--- sample ---\n{}\n--------------", report.sample);
     }
     Ok(())
 }
@@ -322,6 +344,11 @@ fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
             ));
         }
     }
+    if a.steps == 0 {
+        return Err(fsdp::Error::InvalidArgument(
+            "--steps must be at least 1".into(),
+        ));
+    }
     if a.world_sizes.is_empty() || a.world_sizes.contains(&0) {
         return Err(fsdp::Error::InvalidArgument(format!(
             "--world-sizes must list positive world sizes, got {:?}",
@@ -337,7 +364,7 @@ fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
             e => e,
         })?;
     }
-    println!(
+    out!(
         "{:<28} {:>14} {:>12} {:>10} {:>22} {:>20}",
         "configuration",
         "median step ms",
@@ -365,7 +392,7 @@ fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
             .last()
             .map(|r| r.ranks[0])
             .unwrap_or_default();
-        println!(
+        out!(
             "{:<28} {:>14.1} {:>12.0} {:>10.3} {:>22} {:>20}",
             name,
             ms,
@@ -401,7 +428,7 @@ fn main() -> ExitCode {
                 }
                 _ => String::new(),
             };
-            eprintln!("{first}{values}");
+            err!("{first}{values}");
             return ExitCode::from(2);
         }
     };
@@ -412,7 +439,7 @@ fn main() -> ExitCode {
     match res {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            err!("error: {e}");
             ExitCode::FAILURE
         }
     }

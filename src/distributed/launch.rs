@@ -24,6 +24,7 @@ impl LaunchOptions {
     pub fn from_env_or(default: usize) -> Result<Self> {
         match std::env::var("WORLD_SIZE") {
             Err(_) => Ok(Self::new(default)),
+            Ok(v) if v.trim().is_empty() => Ok(Self::new(default)),
             Ok(v) => match v.trim().parse::<usize>() {
                 Ok(n) if n > 0 => Ok(Self::new(n)),
                 _ => Err(Error::InvalidArgument(format!(
