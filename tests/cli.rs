@@ -61,6 +61,33 @@ fn bad_input_is_one_line_and_a_non_zero_exit() {
     );
     fails_with(&["--data", t, "--metrics", t], "is the data file");
     fails_with(
+        &["--data", t, "--clip-grad-norm", "-1"],
+        "--clip-grad-norm must be a positive number, got -1",
+    );
+    fails_with(
+        &["--data", t, "--grad-accum", "0"],
+        "--grad-accum must be at least 1",
+    );
+    fails_with(
+        &["--data", t, "--ranks-per-node", "2"],
+        "--ranks-per-node applies to hybrid-shard",
+    );
+    fails_with(
+        &["--data", t, "--warmup-steps", "400"],
+        "--warmup-steps 400 must be at most --steps 300",
+    );
+    fails_with(
+        &[
+            "--data",
+            t,
+            "--world-size",
+            "4096",
+            "--global-batch",
+            "4096",
+        ],
+        "GiB of memory",
+    );
+    fails_with(
         &["--data", text.parent().unwrap().to_str().unwrap()],
         "is not a regular file",
     );
