@@ -73,10 +73,6 @@ fn bad_input_is_one_line_and_a_non_zero_exit() {
         "--ranks-per-node applies to hybrid-shard",
     );
     fails_with(
-        &["--data", t, "--warmup-steps", "400"],
-        "--warmup-steps 400 must be at most --steps 300",
-    );
-    fails_with(
         &[
             "--data",
             t,

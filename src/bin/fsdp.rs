@@ -79,7 +79,7 @@ struct ModelArgs {
     /// Learning-rate schedule after the warm-up.
     #[arg(long, value_enum, default_value_t = D.lr_schedule)]
     lr_schedule: LrSchedule,
-    /// Linear learning-rate warm-up steps.
+    /// Linear learning-rate warm-up steps (capped at --steps).
     #[arg(long, allow_hyphen_values = true, default_value_t = D.warmup_steps)]
     warmup_steps: usize,
     #[arg(long, value_enum, default_value_t = D.optimizer)]

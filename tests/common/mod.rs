@@ -97,6 +97,7 @@ pub fn small_job(data: std::path::PathBuf, world_size: usize) -> fsdp::train::Tr
         n_head: 4,
         n_embd: 32,
         lr: 3e-3,
+        warmup_steps: 0,
         eval_every: 0,
         eval_batches: 1,
         sample_len: 0,
