@@ -251,17 +251,9 @@ fn frozen_parameters_beside_trainable_ones_are_never_updated() {
     let mut o = adamw();
     for s in 0..2 {
         step(reference.as_mut(), s, 0, 4).unwrap();
-        let mut pg = Vec::new();
-        visit_parameters(reference.as_mut(), "", false, &mut |_, p| {
-            if p.requires_grad {
-                pg.push(ParamGrad {
-                    param: p.data().unwrap().clone(),
-                    grad: p.grad().cloned(),
-                })
-            }
-        });
-        o.step(&pg).unwrap();
-        visit_parameters(reference.as_mut(), "", false, &mut |_, p| p.set_grad(None));
+        o.step(&fsdp::optim::parameters(reference.as_mut()))
+            .unwrap();
+        fsdp::nn::zero_grad(reference.as_mut());
     }
     let want = named_values(reference.as_mut());
     let got = launch(&LaunchOptions::new(2), |pg| {
@@ -368,18 +360,10 @@ fn a_unit_unused_in_a_step_gets_no_gradient_and_the_rest_matches() {
     for s in 0..2 {
         reference.use_b = s == 0;
         run_step(&mut reference, s, 0, 4).unwrap();
-        let (pg, _) = {
-            let mut pg = Vec::new();
-            visit_parameters(&mut reference, "", false, &mut |_, p| {
-                pg.push(ParamGrad {
-                    param: p.data().unwrap().clone(),
-                    grad: p.grad().cloned(),
-                })
-            });
-            (pg, ())
-        };
-        sgd().step(&pg).unwrap();
-        visit_parameters(&mut reference, "", false, &mut |_, p| p.set_grad(None));
+        sgd()
+            .step(&fsdp::optim::parameters(&mut reference))
+            .unwrap();
+        fsdp::nn::zero_grad(&mut reference);
     }
     let want = named_values(&mut reference);
     let got = launch(&LaunchOptions::new(2), |pg| {

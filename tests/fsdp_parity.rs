@@ -13,7 +13,7 @@ use fsdp::fsdp::{
 use fsdp::nn::{
     loss, visit_parameters, Context, GptConfig, InitKey, Linear, Module, Sequential, GPT,
 };
-use fsdp::optim::{AdamConfig, AdamW, Optimizer, ParamGrad, SgdConfig, SGD};
+use fsdp::optim::{AdamConfig, AdamW, Optimizer, SgdConfig, SGD};
 use fsdp::tensor::Tensor;
 use std::sync::Arc;
 
@@ -154,15 +154,8 @@ fn reference(case: &dyn Case, opt: Opt) -> Vec<(String, Vec<f32>)> {
     let mut o = optimizer(opt);
     for step in 0..STEPS {
         case.step_loss(m.as_mut(), step, 0, case.rows()).unwrap();
-        let mut pg = Vec::new();
-        visit_parameters(m.as_mut(), "", false, &mut |_, p| {
-            pg.push(ParamGrad {
-                param: p.data().unwrap().clone(),
-                grad: p.grad().cloned(),
-            })
-        });
-        o.step(&pg).unwrap();
-        visit_parameters(m.as_mut(), "", false, &mut |_, p| p.set_grad(None));
+        o.step(&fsdp::optim::parameters(m.as_mut())).unwrap();
+        fsdp::nn::zero_grad(m.as_mut());
     }
     let mut out = Vec::new();
     visit_parameters(m.as_mut(), "", false, &mut |n, p| {
@@ -281,14 +274,7 @@ fn hybrid_with_one_rank_per_node_keeps_replicas_bitwise_identical() {
         let mut m = Uneven.build();
         let mut o = optimizer(Opt::AdamW);
         Uneven.step_loss(m.as_mut(), 0, 0, 12).unwrap();
-        let mut pg = Vec::new();
-        visit_parameters(m.as_mut(), "", false, &mut |_, p| {
-            pg.push(ParamGrad {
-                param: p.data().unwrap().clone(),
-                grad: p.grad().cloned(),
-            })
-        });
-        o.step(&pg).unwrap();
+        o.step(&fsdp::optim::parameters(m.as_mut())).unwrap();
         let mut v = Vec::new();
         visit_parameters(m.as_mut(), "", false, &mut |_, p| {
             v.extend(p.data().unwrap().to_vec_f32().unwrap())

@@ -36,7 +36,8 @@ pub use init::InitKey;
 pub use layernorm::LayerNorm;
 pub use linear::Linear;
 pub use module::{
-    join_name, num_parameters, parameter_shapes, visit_parameters, ChildVisitor, Context, Module,
+    join_name, num_parameters, parameter_shapes, visit_parameters, zero_grad, ChildVisitor,
+    Context, Module,
 };
 pub use parameter::Parameter;
 pub use transformer::{Block, MLP};

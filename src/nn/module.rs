@@ -116,3 +116,8 @@ pub fn num_parameters(m: &mut dyn Module) -> usize {
     visit_parameters(m, "", false, &mut |_, p| n += p.numel());
     n
 }
+
+/// Drops every parameter's gradient below `m` (`model.zero_grad(set_to_none=True)`).
+pub fn zero_grad(m: &mut dyn Module) {
+    visit_parameters(m, "", false, &mut |_, p| p.set_grad(None));
+}

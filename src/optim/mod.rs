@@ -46,6 +46,22 @@ pub trait Optimizer: Send {
     fn set_lr(&mut self, lr: f32);
 }
 
+/// The list an optimizer steps on for a module trained without FSDP, as
+/// `torch.optim.X(model.parameters())`: every materialized parameter that requires grad,
+/// with its current gradient, in `named_parameters()` order.
+pub fn parameters(m: &mut dyn crate::nn::Module) -> Vec<ParamGrad> {
+    let mut out = Vec::new();
+    crate::nn::visit_parameters(m, "", false, &mut |_, p| {
+        if let (true, Ok(d)) = (p.requires_grad, p.data()) {
+            out.push(ParamGrad {
+                param: d.clone(),
+                grad: p.grad().cloned(),
+            });
+        }
+    });
+    out
+}
+
 /// Which optimizer `fsdp train` builds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 pub enum OptimizerKind {

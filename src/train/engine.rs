@@ -51,18 +51,7 @@ impl Engine {
     pub fn optimizer_params(&mut self) -> Vec<ParamGrad> {
         match self {
             Engine::Fsdp(m) => m.optimizer_params(),
-            Engine::Plain(m) => {
-                let mut out = Vec::new();
-                visit_parameters(m.as_mut(), "", false, &mut |_, p| {
-                    if let Ok(d) = p.data() {
-                        out.push(ParamGrad {
-                            param: d.clone(),
-                            grad: p.grad().cloned(),
-                        });
-                    }
-                });
-                out
-            }
+            Engine::Plain(m) => crate::optim::parameters(m.as_mut()),
         }
     }
 
