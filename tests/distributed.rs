@@ -272,3 +272,111 @@ fn subgroups_reduce_within_their_members_and_failures_reach_them() {
     assert!(start.elapsed() < Duration::from_secs(30));
     assert!(err.to_string().contains("rank 2 gives up"), "{err}");
 }
+
+#[test]
+fn composite_collectives_match_sequential_references() {
+    use fsdp::distributed::CollectivesExt;
+    for world in 1..=5 {
+        for dtype in [DType::F32, DType::I32] {
+            let n = 3;
+            let out = launch(&LaunchOptions::new(world), |pg| {
+                let r = pg.rank();
+                let mine = || {
+                    Tensor::from_vec(rank_values(r, n), &[n])
+                        .unwrap()
+                        .to_dtype(dtype)
+                        .unwrap()
+                };
+                // reduce to the last rank
+                let red = mine();
+                pg.reduce(&red, world - 1, ReduceOp::Sum)?;
+                // all_gather (list) and gather to rank 0
+                let list: Vec<Tensor> = (0..world).map(|_| Tensor::zeros(&[n], dtype)).collect();
+                pg.all_gather(&list, &mine())?;
+                let glist: Vec<Tensor> = (0..world).map(|_| Tensor::zeros(&[n], dtype)).collect();
+                pg.gather(&mine(), (r == 0).then_some(&glist[..]), 0)?;
+                // scatter from rank 0: rank j receives rank 0's values + j
+                let inputs: Vec<Tensor> = (0..world)
+                    .map(|j| {
+                        Tensor::from_vec(
+                            rank_values(0, n).iter().map(|v| v + j as f32).collect(),
+                            &[n],
+                        )
+                        .unwrap()
+                        .to_dtype(dtype)
+                        .unwrap()
+                    })
+                    .collect();
+                let sc = Tensor::zeros(&[n], dtype);
+                pg.scatter(&sc, (r == 0).then_some(&inputs[..]), 0)?;
+                // all_to_all_single: chunk j of rank r's input is 100 r + j
+                let a2a_in = Tensor::from_vec(
+                    (0..world)
+                        .flat_map(|j| vec![(100 * r + j) as f32; 2])
+                        .collect(),
+                    &[2 * world],
+                )?
+                .to_dtype(dtype)?;
+                let a2a_out = Tensor::zeros(&[2 * world], dtype);
+                pg.all_to_all_single(&a2a_out, &a2a_in)?;
+                let v = |t: &Tensor| t.to_vec_f32().unwrap();
+                Ok((
+                    v(&red),
+                    list.iter().map(v).collect::<Vec<_>>(),
+                    glist.iter().map(v).collect::<Vec<_>>(),
+                    v(&sc),
+                    v(&a2a_out),
+                ))
+            })
+            .unwrap();
+            let cast = |x: Vec<f32>| {
+                Tensor::from_vec(x.clone(), &[x.len()])
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap()
+                    .to_vec_f32()
+                    .unwrap()
+            };
+            let each: Vec<Vec<f32>> = (0..world).map(|s| cast(rank_values(s, n))).collect();
+            let sum: Vec<f32> = (0..n).map(|j| each.iter().map(|e| e[j]).sum()).collect();
+            for (r, (red, list, glist, sc, a2a)) in out.iter().enumerate() {
+                let what = format!("world {world} {dtype} rank {r}");
+                if r == world - 1 {
+                    assert_eq!(red, &cast(sum.clone()), "reduce {what}");
+                } else {
+                    assert_eq!(
+                        red, &each[r],
+                        "reduce leaves non-dst ranks unchanged, {what}"
+                    );
+                }
+                assert_eq!(list, &each, "all_gather {what}");
+                if r == 0 {
+                    assert_eq!(glist, &each, "gather {what}");
+                }
+                assert_eq!(
+                    sc,
+                    &cast(rank_values(0, n).iter().map(|v| v + r as f32).collect()),
+                    "scatter {what}"
+                );
+                let want: Vec<f32> = (0..world)
+                    .flat_map(|j| vec![(100 * j + r) as f32; 2])
+                    .collect();
+                assert_eq!(a2a, &want, "all_to_all_single {what}");
+            }
+        }
+    }
+    // Wrong list lengths are errors that name the op.
+    let err = launch(&LaunchOptions::new(2), |pg| {
+        use fsdp::distributed::CollectivesExt;
+        pg.all_gather(
+            &[Tensor::zeros(&[1], DType::F32)],
+            &Tensor::zeros(&[1], DType::F32),
+        )
+    })
+    .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("all_gather: the list has 1 tensors for a group of 2 ranks"),
+        "{err}"
+    );
+}

@@ -14,9 +14,11 @@
 //! [`Error::Timeout`]: crate::Error::Timeout
 //! [`Error::PeerFailed`]: crate::Error::PeerFailed
 
+mod composite;
 mod launch;
 pub mod threads;
 
+pub use composite::CollectivesExt;
 pub use launch::{launch, LaunchOptions};
 pub use threads::ThreadsGroup;
 
