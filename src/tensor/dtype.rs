@@ -1,5 +1,6 @@
 //! Element types and the trait that maps a Rust scalar to its [`DType`].
 
+use super::Buffer;
 use half::{bf16, f16};
 
 /// The element type of a tensor. Names and widths follow `torch.dtype`.
@@ -73,6 +74,8 @@ pub trait Element:
     fn from_f32(v: f32) -> Self;
     /// The additive identity.
     fn zero() -> Self;
+    /// Moves a vector of this type into the matching [`Buffer`] variant.
+    fn into_buffer(v: Vec<Self>) -> Buffer;
     /// Widening conversion used by cross-rank reductions (exact for every type).
     fn to_f64(self) -> f64 {
         self.to_f32() as f64
@@ -85,6 +88,9 @@ pub trait Element:
 
 impl Element for f32 {
     const DTYPE: DType = DType::F32;
+    fn into_buffer(v: Vec<Self>) -> Buffer {
+        Buffer::F32(v)
+    }
     fn to_f32(self) -> f32 {
         self
     }
@@ -98,6 +104,9 @@ impl Element for f32 {
 
 impl Element for bf16 {
     const DTYPE: DType = DType::BF16;
+    fn into_buffer(v: Vec<Self>) -> Buffer {
+        Buffer::BF16(v)
+    }
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
     }
@@ -111,6 +120,9 @@ impl Element for bf16 {
 
 impl Element for f16 {
     const DTYPE: DType = DType::F16;
+    fn into_buffer(v: Vec<Self>) -> Buffer {
+        Buffer::F16(v)
+    }
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
     }
@@ -124,6 +136,9 @@ impl Element for f16 {
 
 impl Element for i32 {
     const DTYPE: DType = DType::I32;
+    fn into_buffer(v: Vec<Self>) -> Buffer {
+        Buffer::I32(v)
+    }
     fn to_f32(self) -> f32 {
         self as f32
     }

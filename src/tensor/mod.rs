@@ -85,7 +85,7 @@ impl Tensor {
                 got: vec![data.len()],
             });
         }
-        let buf = vec_to_buffer(data);
+        let buf = T::into_buffer(data);
         Ok(Self::from_buffer(buf, shape))
     }
 
@@ -290,24 +290,6 @@ impl Tensor {
             DType::I32 => fill!(i32),
         }
         Ok(())
-    }
-}
-
-fn vec_to_buffer<T: Element>(data: Vec<T>) -> Buffer {
-    // Element is implemented for exactly these four types, so one branch matches.
-    let any: Box<dyn std::any::Any> = Box::new(data);
-    match any.downcast::<Vec<f32>>() {
-        Ok(v) => Buffer::F32(*v),
-        Err(any) => match any.downcast::<Vec<half::bf16>>() {
-            Ok(v) => Buffer::BF16(*v),
-            Err(any) => match any.downcast::<Vec<half::f16>>() {
-                Ok(v) => Buffer::F16(*v),
-                Err(any) => match any.downcast::<Vec<i32>>() {
-                    Ok(v) => Buffer::I32(*v),
-                    Err(_) => unreachable!("Element is sealed to f32, bf16, f16, i32"),
-                },
-            },
-        },
     }
 }
 
