@@ -5,6 +5,8 @@
 //! | `threads` | threads of one process | CPU | [`threads`] |
 //! | `nccl` | one process per GPU | CUDA | CUDA runtime issue |
 //!
+//! Asynchronous collectives run on a [`CommStream`] and return a [`Work`] handle.
+//!
 //! Every collective checks, on all ranks, that they called the same op with the same dtype
 //! and element counts, and fails on every rank with [`Error::CollectiveMismatch`] when not.
 //! A collective that cannot complete fails with [`Error::Timeout`] naming the missing ranks,
@@ -17,10 +19,12 @@
 mod composite;
 mod launch;
 pub mod threads;
+mod work;
 
 pub use composite::CollectivesExt;
 pub use launch::{launch, LaunchOptions};
 pub use threads::ThreadsGroup;
+pub use work::{CommStream, Work};
 
 use crate::error::Result;
 use crate::tensor::Tensor;

@@ -1,7 +1,9 @@
 //! The FSDP constructor's options, named as `torch.distributed.fsdp.FullyShardedDataParallel`.
 
-use super::AutoWrapPolicy;
+use super::{AutoWrapPolicy, BackwardPrefetch, MixedPrecision};
+use crate::backend::Device;
 use crate::distributed::Group;
+use crate::error::{Error, Result};
 
 /// How parameters, gradients and optimizer state are split across ranks
 /// (`torch.distributed.fsdp.ShardingStrategy`).
@@ -57,8 +59,9 @@ impl ShardingStrategy {
 }
 
 /// Options of [`FullyShardedDataParallel::new`](super::FullyShardedDataParallel::new).
-/// `Default` is FSDP's: `FullShard`, no auto-wrap (one unit for the whole model).
-#[derive(Clone, Default)]
+/// `Default` is FSDP1's: `FullShard`, no auto-wrap (one unit for the whole model), f32,
+/// `backward_prefetch = BackwardPre`, no forward prefetch, `limit_all_gathers = true`.
+#[derive(Clone)]
 pub struct FsdpConfig {
     /// How parameters, gradients and optimizer state are split
     /// (`FullyShardedDataParallel(sharding_strategy=...)`), default `FullShard`.
@@ -75,4 +78,56 @@ pub struct FsdpConfig {
     /// Hybrid strategies only, without `hybrid_groups`: ranks per node (`--ranks-per-node`);
     /// default the whole world (one node). See [`hybrid_groups`](super::hybrid_groups).
     pub ranks_per_node: Option<usize>,
+    /// Low-precision compute and communication (`mixed_precision=`); `None`: f32.
+    pub mixed_precision: Option<MixedPrecision>,
+    /// When backward all-gathers the next unit (`backward_prefetch=`); `None`: on demand.
+    pub backward_prefetch: Option<BackwardPrefetch>,
+    /// All-gather the next unit of the previous iteration's forward order while the
+    /// current one computes (`forward_prefetch=`).
+    pub forward_prefetch: bool,
+    /// Prefetch only while fewer than two units besides the root are unsharded or being
+    /// gathered (`limit_all_gathers=`), bounding memory at the cost of overlap.
+    pub limit_all_gathers: bool,
+    /// Submodules (fully qualified names, as in `named_modules()`) whose parameters FSDP
+    /// leaves alone: not flattened, not sharded, their gradients not reduced
+    /// (`ignored_modules=`). Every rank keeps them whole and steps them itself.
+    pub ignored_modules: Vec<String>,
+    /// The device the unit computes on (`device_id=`); `None` or `Some(Device::Cpu)` on the
+    /// CPU backend.
+    pub device_id: Option<Device>,
+}
+
+impl Default for FsdpConfig {
+    fn default() -> Self {
+        FsdpConfig {
+            sharding_strategy: ShardingStrategy::FullShard,
+            auto_wrap_policy: None,
+            hybrid_groups: None,
+            sync_module_states: false,
+            ranks_per_node: None,
+            mixed_precision: None,
+            backward_prefetch: Some(BackwardPrefetch::BackwardPre),
+            forward_prefetch: false,
+            limit_all_gathers: true,
+            ignored_modules: Vec::new(),
+            device_id: None,
+        }
+    }
+}
+
+/// Checks `device_id` against the backends this build has.
+///
+/// # Errors
+/// `Unsupported` for a CUDA device (the CUDA backend is not built yet) and `Fsdp` for the
+/// meta device (nothing can compute there).
+pub(super) fn check_device(device: Option<Device>) -> Result<()> {
+    match device {
+        None | Some(Device::Cpu) => Ok(()),
+        Some(Device::Meta) => Err(Error::Fsdp(
+            "device_id meta: FSDP units must compute on a real device (cpu)".into(),
+        )),
+        Some(d) => Err(Error::Unsupported(format!(
+            "device_id {d}: this build has only the CPU backend"
+        ))),
+    }
 }

@@ -17,12 +17,17 @@ mod config;
 mod flat_param;
 mod grad;
 mod memory;
+mod mixed_precision;
+mod runtime;
+mod scheduler;
 mod unit;
 mod wrap;
 
 pub use config::{FsdpConfig, ShardingStrategy};
 pub use flat_param::{FlatParameter, ParamInfo};
 pub use memory::MemoryStats;
+pub use mixed_precision::MixedPrecision;
+pub use scheduler::{BackwardPrefetch, RuntimeStats};
 pub use unit::{gradient_divide_factors, hybrid_groups, FullyShardedDataParallel};
 pub use wrap::{
     nonwrapped_numel, size_based_auto_wrap_policy, transformer_auto_wrap_policy, AutoWrapPolicy,

@@ -1,22 +1,13 @@
-//! The FSDP unit: a `Module` that owns one FlatParameter and runs FSDP's hooks around its
-//! wrapped module's forward and backward (FSDP1 `_runtime_utils.py`).
-//!
-//! ```text
-//! forward:  unshard (all-gather) -> inner.forward -> reshard if the strategy frees after
-//!           forward and this is not the root (or always, without grad)
-//! backward: unshard if freed -> point grads at a zeroed flat grad buffer -> inner.backward
-//!           -> reshard -> predivide -> reduce-scatter (NoShard: all-reduce) -> postdivide
-//!           -> accumulate into the sharded grad
-//! ```
+//! The FSDP unit: a `Module` that owns one FlatParameter; construction, wrapping and
+//! accessors. The hooks around forward and backward are in `runtime.rs`.
 
 use super::flat_param::FlatParameter;
-use super::{AutoWrapPolicy, FsdpConfig, MemoryStats, ShardingStrategy};
-use crate::backend::cpu::ops;
-use crate::distributed::{Group, ReduceOp};
+use super::runtime::PendingGrad;
+use super::scheduler::{RuntimeStats, Scheduler};
+use super::{AutoWrapPolicy, FsdpConfig, MemoryStats, MixedPrecision, ShardingStrategy};
+use crate::distributed::{CommStream, Group};
 use crate::error::{Error, Result};
-use crate::nn::{
-    join_name, visit_parameters, ChildVisitor, Context, Module, Parameter, Sequential,
-};
+use crate::nn::{join_name, visit_parameters, Module, Parameter, Sequential};
 use crate::optim::ParamGrad;
 use crate::tensor::{DType, Tensor};
 use parking_lot::Mutex;
@@ -24,16 +15,19 @@ use std::sync::Arc;
 
 /// State every unit of one rank shares.
 #[derive(Clone)]
-struct RankState {
+pub(super) struct RankState {
     /// The whole data-parallel world (gradient averaging is over all of it).
-    pg: Group,
+    pub(super) pg: Group,
     /// Ranks that split each FlatParameter: `pg` itself, or one node's ranks under hybrid
     /// sharding.
-    shard_pg: Group,
+    pub(super) shard_pg: Group,
     /// Under hybrid sharding, the ranks holding the same shard on the other nodes.
-    replicate_pg: Option<Group>,
-    strategy: ShardingStrategy,
-    mem: Arc<Mutex<MemoryStats>>,
+    pub(super) replicate_pg: Option<Group>,
+    pub(super) strategy: ShardingStrategy,
+    pub(super) mem: Arc<Mutex<MemoryStats>>,
+    pub(super) mp: MixedPrecision,
+    /// Prefetch decisions and the communication stream, shared by the rank's units.
+    pub(super) sched: Arc<Mutex<Scheduler>>,
 }
 
 /// `FullyShardedDataParallel`: wraps a module so its parameters are sharded across the
@@ -43,11 +37,15 @@ struct RankState {
 /// `auto_wrap_policy` turns submodules into nested units first. Semantics follow PyTorch
 /// FSDP1 (`torch/distributed/fsdp/fully_sharded_data_parallel.py`).
 pub struct FullyShardedDataParallel {
-    module: Box<dyn Module>,
+    pub(super) module: Box<dyn Module>,
     pub(super) flat: FlatParameter,
     prefix: String,
     pub(super) is_root: bool,
-    rs: RankState,
+    pub(super) rs: RankState,
+    /// This unit's index in the rank's scheduler.
+    pub(super) id: usize,
+    /// The gradient reduction issued by the last backward, until the root's backward ends.
+    pub(super) pending_grad: Option<PendingGrad>,
     /// False inside [`FullyShardedDataParallel::no_sync`]: backward accumulates the
     /// unsharded gradient locally instead of reducing it.
     pub(super) sync_grads: bool,
@@ -94,12 +92,27 @@ impl FullyShardedDataParallel {
         } else {
             (pg.clone(), None)
         };
+        let mp = config.mixed_precision.unwrap_or_default();
+        mp.validate()?;
+        super::config::check_device(config.device_id)?;
+        let stream = CommStream::new(&format!("fsdp-comm-rank{}", pg.world_rank()))?;
+        let mut sched = Scheduler::new(
+            stream,
+            shard_pg.clone(),
+            config.sharding_strategy.is_sharded(),
+            mp,
+        );
+        sched.backward_prefetch = config.backward_prefetch;
+        sched.forward_prefetch = config.forward_prefetch;
+        sched.limit_all_gathers = config.limit_all_gathers;
         let rs = RankState {
             pg,
             shard_pg,
             replicate_pg,
             strategy: config.sharding_strategy,
             mem: Arc::new(Mutex::new(MemoryStats::default())),
+            mp,
+            sched: Arc::new(Mutex::new(sched)),
         };
         if config.sync_module_states {
             // Rank 0's values everywhere, before anything is flattened (FSDP1
@@ -123,6 +136,7 @@ impl FullyShardedDataParallel {
         }
         let mut root = Self::wrap_one(module, "", &rs)?;
         root.is_root = true;
+        rs.sched.lock().set_root(root.id);
         Ok(root)
     }
 
@@ -153,6 +167,7 @@ impl FullyShardedDataParallel {
         };
         let flat = FlatParameter::new(&params, rank, world)?;
         drop(params);
+        let id = rs.sched.lock().register(&flat);
         let mut unit = FullyShardedDataParallel {
             module,
             flat,
@@ -160,6 +175,8 @@ impl FullyShardedDataParallel {
             is_root: false,
             rs: rs.clone(),
             sync_grads: true,
+            id,
+            pending_grad: None,
         };
         // The originals now live in the FlatParameter: free them (sharded state).
         unit.point_params(None, false)?;
@@ -174,7 +191,7 @@ impl FullyShardedDataParallel {
     }
 
     /// Points every original parameter's data (or grad) at its view of `buf`, or frees it.
-    fn point_params(&mut self, buf: Option<&Tensor>, grads: bool) -> Result<()> {
+    pub(super) fn point_params(&mut self, buf: Option<&Tensor>, grads: bool) -> Result<()> {
         let views = buf.map(|b| self.flat.views(b)).transpose()?;
         let infos = &self.flat.infos;
         let mut i = 0;
@@ -208,66 +225,6 @@ impl FullyShardedDataParallel {
                 self.prefix,
                 infos.len()
             )));
-        }
-        Ok(())
-    }
-
-    /// All-gathers the FlatParameter and points the parameters at it (no-op when already
-    /// unsharded). FSDP1 `_unshard`.
-    pub fn unshard(&mut self) -> Result<()> {
-        if self.flat.unsharded.is_some() {
-            return Ok(());
-        }
-        let full = Tensor::zeros(&[self.flat.padded_numel()], DType::F32);
-        self.rs
-            .shard_pg
-            .all_gather_into_tensor(&full, &self.flat.local_shard)?;
-        self.point_params(Some(&full), false)?;
-        self.rs.mem.lock().on_unshard(full.nbytes());
-        self.flat.unsharded = Some(full);
-        Ok(())
-    }
-
-    /// Frees the unsharded buffer; parameters become unmaterialized. FSDP1 `_reshard`.
-    /// A no-op under `NoShard`.
-    pub fn reshard(&mut self) -> Result<()> {
-        if !self.rs.strategy.is_sharded() {
-            return Ok(());
-        }
-        if let Some(full) = self.flat.unsharded.take() {
-            self.point_params(None, false)?;
-            self.rs.mem.lock().on_reshard(full.nbytes());
-        }
-        Ok(())
-    }
-
-    /// Reduces the flat gradient over ranks and accumulates this rank's chunk into the
-    /// sharded gradient (FSDP1 `_post_backward_hook` / `_reduce_grad`).
-    fn reduce_grad(&mut self, flat_grad: Tensor) -> Result<()> {
-        let pg = &self.rs.pg;
-        // Averaging is over the whole data-parallel world, hybrid or not.
-        let (pre, post) = gradient_divide_factors(pg.size());
-        ops::scale_(&mut flat_grad.f32_mut()?, 1.0 / pre);
-        let shard = if self.rs.strategy.is_sharded() {
-            let out = Tensor::zeros(&[self.flat.shard_numel()], DType::F32);
-            self.rs
-                .shard_pg
-                .reduce_scatter_tensor(&out, &flat_grad, ReduceOp::Sum)?;
-            if let Some(rep) = &self.rs.replicate_pg {
-                rep.all_reduce(&out, ReduceOp::Sum)?;
-            }
-            out
-        } else {
-            pg.all_reduce(&flat_grad, ReduceOp::Sum)?;
-            flat_grad
-        };
-        ops::scale_(&mut shard.f32_mut()?, 1.0 / post);
-        match &self.flat.grad_shard {
-            Some(acc) => ops::add_(&mut acc.f32_mut()?, &shard.f32()?),
-            None => {
-                self.rs.mem.lock().grad_shard_bytes += shard.nbytes();
-                self.flat.grad_shard = Some(shard);
-            }
         }
         Ok(())
     }
@@ -318,6 +275,22 @@ impl FullyShardedDataParallel {
     /// Starts a new peak window for [`MemoryStats`].
     pub fn reset_peak_memory_stats(&self) {
         self.rs.mem.lock().reset_peak();
+    }
+
+    /// This rank's communication counters (time waited on collectives, gathers issued and
+    /// prefetched) since the last [`reset_runtime_stats`](Self::reset_runtime_stats).
+    pub fn runtime_stats(&self) -> RuntimeStats {
+        self.rs.sched.lock().stats
+    }
+
+    /// Zeroes the [`RuntimeStats`] counters.
+    pub fn reset_runtime_stats(&self) {
+        self.rs.sched.lock().stats = RuntimeStats::default();
+    }
+
+    /// The mixed-precision policy in use (all `None`: f32 throughout).
+    pub fn mixed_precision(&self) -> MixedPrecision {
+        self.rs.mp
     }
 
     /// This unit's FlatParameter.
@@ -459,55 +432,6 @@ fn wrap_children(
         }
         Ok(())
     })
-}
-
-impl Module for FullyShardedDataParallel {
-    fn type_name(&self) -> &'static str {
-        "FullyShardedDataParallel"
-    }
-
-    fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
-        self.unshard()?;
-        let y = self.module.forward(x, cx);
-        let free = !cx.grad_enabled || (!self.is_root && self.rs.strategy.reshard_after_forward());
-        if free || y.is_err() {
-            self.reshard()?;
-        }
-        y
-    }
-
-    fn backward(&mut self, grad_out: &Tensor, cx: &Context) -> Result<Tensor> {
-        self.unshard()?;
-        // Layers accumulate (+=) into their grad views, so a gradient kept from backwards
-        // under no_sync simply keeps growing.
-        let flat_grad = match self.flat.unsynced_grad.take() {
-            Some(g) => g,
-            None => Tensor::zeros(&[self.flat.padded_numel()], DType::F32),
-        };
-        self.point_params(Some(&flat_grad), true)?;
-        let dx = self.module.backward(grad_out, cx);
-        self.point_params(None, true)?;
-        self.reshard()?;
-        let dx = dx?;
-        if self.sync_grads {
-            self.reduce_grad(flat_grad)?;
-        } else {
-            self.flat.unsynced_grad = Some(flat_grad);
-        }
-        Ok(dx)
-    }
-
-    fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
-        f("", &mut self.module)
-    }
-
-    fn is_fsdp_unit(&self) -> bool {
-        true
-    }
-
-    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
-        Some(self)
-    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,229 @@
+//! Asynchronous collectives: a [`CommStream`] runs collectives on its own thread, in the
+//! order they were issued, and each issue returns a [`Work`] handle to wait on
+//! (`torch.distributed`'s `async_op=True` and `Work.wait()` / `Work.is_completed()`).
+//!
+//! A stream plays the part of a CUDA communication stream on the CPU backend: the rank's
+//! thread goes on computing while the collective runs. Every rank must issue the same
+//! collectives on its streams in the same order (as with NCCL). A stream's collectives are
+//! ordered among themselves only, so a rank must [`synchronize`](CommStream::synchronize)
+//! its stream before it calls a blocking collective on a group the stream also uses
+//! (FSDP does this at the end of every forward and backward).
+
+use super::{Group, ReduceOp};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+use parking_lot::{Condvar, Mutex};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+struct WorkState {
+    done: Mutex<Option<Result<()>>>,
+    cv: Condvar,
+}
+
+/// Handle to one asynchronous collective (`torch.distributed.Work`). Dropping it does not
+/// cancel the collective; [`CommStream::synchronize`] still waits for it.
+#[must_use = "a Work must be waited on before its tensors are used"]
+pub struct Work {
+    state: Arc<WorkState>,
+}
+
+impl std::fmt::Debug for Work {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Work")
+            .field("completed", &self.is_completed())
+            .finish()
+    }
+}
+
+impl Work {
+    fn pending() -> (Work, Arc<WorkState>) {
+        let state = Arc::new(WorkState {
+            done: Mutex::new(None),
+            cv: Condvar::new(),
+        });
+        (
+            Work {
+                state: state.clone(),
+            },
+            state,
+        )
+    }
+
+    /// A handle that is already complete with `result` (what a blocking call returns when
+    /// asked for a `Work`).
+    pub fn completed(result: Result<()>) -> Work {
+        let (w, s) = Work::pending();
+        *s.done.lock() = Some(result);
+        w
+    }
+
+    /// Whether the collective has finished (successfully or not). Never blocks.
+    pub fn is_completed(&self) -> bool {
+        self.state.done.lock().is_some()
+    }
+
+    /// Blocks until the collective finishes and returns its result; its output tensors are
+    /// then complete and its inputs free to reuse. Returns how long it blocked with
+    /// [`wait_timed`](Self::wait_timed).
+    ///
+    /// # Errors
+    /// The collective's error (mismatch, timeout naming the missing ranks, a failed peer).
+    pub fn wait(self) -> Result<()> {
+        self.wait_timed().0
+    }
+
+    /// [`wait`](Self::wait), also returning the time spent blocked.
+    pub fn wait_timed(self) -> (Result<()>, Duration) {
+        let t0 = Instant::now();
+        let mut done = self.state.done.lock();
+        while done.is_none() {
+            self.state.cv.wait(&mut done);
+        }
+        let r = done.take().unwrap_or(Ok(()));
+        (r, t0.elapsed())
+    }
+}
+
+fn finish(state: &WorkState, result: Result<()>) {
+    *state.done.lock() = Some(result);
+    state.cv.notify_all();
+}
+
+type Job = Box<dyn FnOnce() -> Result<()> + Send>;
+
+/// One rank's communication stream: a thread that runs the submitted jobs (collectives and
+/// the copies and casts around them) one at a time in submission order.
+pub struct CommStream {
+    tx: Option<mpsc::Sender<(Job, Arc<WorkState>)>>,
+    thread: Option<JoinHandle<()>>,
+    pending: Arc<(Mutex<usize>, Condvar)>,
+}
+
+impl std::fmt::Debug for CommStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CommStream")
+            .field("pending", &*self.pending.0.lock())
+            .finish()
+    }
+}
+
+impl CommStream {
+    /// Starts a stream thread named `name` (shown in debuggers and panics).
+    ///
+    /// # Errors
+    /// `Io` when the thread cannot be spawned.
+    pub fn new(name: &str) -> Result<CommStream> {
+        let (tx, rx) = mpsc::channel::<(Job, Arc<WorkState>)>();
+        let pending = Arc::new((Mutex::new(0usize), Condvar::new()));
+        let p = pending.clone();
+        let thread = std::thread::Builder::new()
+            .name(name.to_string())
+            .spawn(move || {
+                while let Ok((job, state)) = rx.recv() {
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job))
+                        .unwrap_or_else(|p| {
+                            let msg = p
+                                .downcast_ref::<&str>()
+                                .map(|s| s.to_string())
+                                .or_else(|| p.downcast_ref::<String>().cloned())
+                                .unwrap_or_else(|| "unknown panic".into());
+                            Err(Error::Fsdp(format!("communication job panicked: {msg}")))
+                        });
+                    finish(&state, r);
+                    let mut n = p.0.lock();
+                    *n -= 1;
+                    p.1.notify_all();
+                }
+            })
+            .map_err(|e| Error::io(format!("starting communication thread '{name}'"), e))?;
+        Ok(CommStream {
+            tx: Some(tx),
+            thread: Some(thread),
+            pending,
+        })
+    }
+
+    /// Queues `job` behind every job submitted before it and returns its handle.
+    pub fn submit(&self, job: impl FnOnce() -> Result<()> + Send + 'static) -> Work {
+        let (work, state) = Work::pending();
+        *self.pending.0.lock() += 1;
+        let sent = match &self.tx {
+            Some(tx) => tx.send((Box::new(job), state.clone())).is_ok(),
+            None => false,
+        };
+        if !sent {
+            self.done_one();
+            finish(
+                &state,
+                Err(Error::Fsdp("communication stream has stopped".into())),
+            );
+        }
+        work
+    }
+
+    fn done_one(&self) {
+        let mut n = self.pending.0.lock();
+        *n = n.saturating_sub(1);
+        self.pending.1.notify_all();
+    }
+
+    /// Blocks until every job submitted so far has finished; returns the time spent blocked.
+    /// Errors stay with each job's [`Work`].
+    pub fn synchronize(&self) -> Duration {
+        let t0 = Instant::now();
+        let mut n = self.pending.0.lock();
+        while *n > 0 {
+            self.pending.1.wait(&mut n);
+        }
+        t0.elapsed()
+    }
+
+    /// Number of jobs submitted and not yet finished.
+    pub fn pending(&self) -> usize {
+        *self.pending.0.lock()
+    }
+
+    /// Asynchronous [`ProcessGroup::all_gather_into_tensor`](super::ProcessGroup::all_gather_into_tensor).
+    /// `output` must not be read, nor `input` written, before the `Work` completes.
+    pub fn all_gather_into_tensor(&self, pg: &Group, output: &Tensor, input: &Tensor) -> Work {
+        let (pg, out, inp) = (pg.clone(), output.clone(), input.clone());
+        self.submit(move || pg.all_gather_into_tensor(&out, &inp))
+    }
+
+    /// Asynchronous [`ProcessGroup::reduce_scatter_tensor`](super::ProcessGroup::reduce_scatter_tensor).
+    pub fn reduce_scatter_tensor(
+        &self,
+        pg: &Group,
+        output: &Tensor,
+        input: &Tensor,
+        op: ReduceOp,
+    ) -> Work {
+        let (pg, out, inp) = (pg.clone(), output.clone(), input.clone());
+        self.submit(move || pg.reduce_scatter_tensor(&out, &inp, op))
+    }
+
+    /// Asynchronous [`ProcessGroup::all_reduce`](super::ProcessGroup::all_reduce).
+    pub fn all_reduce(&self, pg: &Group, tensor: &Tensor, op: ReduceOp) -> Work {
+        let (pg, t) = (pg.clone(), tensor.clone());
+        self.submit(move || pg.all_reduce(&t, op))
+    }
+
+    /// Asynchronous [`ProcessGroup::broadcast`](super::ProcessGroup::broadcast).
+    pub fn broadcast(&self, pg: &Group, tensor: &Tensor, src: usize) -> Work {
+        let (pg, t) = (pg.clone(), tensor.clone());
+        self.submit(move || pg.broadcast(&t, src))
+    }
+}
+
+impl Drop for CommStream {
+    /// Finishes the queued jobs, then stops the thread.
+    fn drop(&mut self) {
+        self.tx.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}

@@ -1,0 +1,270 @@
+//! FSDP's runtime hooks around a unit's forward and backward (FSDP1 `_runtime_utils.py`).
+//!
+//! ```text
+//! forward:  [root: new iteration] issue/take the all-gather -> prefetch the next unit
+//!           (forward_prefetch) -> wait -> inner.forward -> reshard if the strategy frees
+//!           after forward and this is not the root (or always, without grad)
+//!           [root: wait for the stream, drop unused prefetches]
+//! backward: issue/take the all-gather if freed -> prefetch the next unit (BackwardPre)
+//!           -> wait -> point grads at a zeroed flat grad buffer -> inner.backward -> reshard
+//!           -> prefetch the next unit (BackwardPost) -> issue predivide + reduce-scatter
+//!           (NoShard: all-reduce) + postdivide on the stream
+//!           [root: wait for every unit's reduction and accumulate it into the sharded grad]
+//! ```
+//!
+//! All collectives of a rank go through its one communication stream, in issue order, so
+//! every rank issues the same sequence and the compute thread overlaps them.
+
+use super::mixed_precision::round_;
+use super::unit::gradient_divide_factors;
+use super::FullyShardedDataParallel;
+use crate::backend::cpu::ops;
+use crate::distributed::{ReduceOp, Work};
+use crate::error::Result;
+use crate::nn::{ChildVisitor, Context, Module};
+use crate::tensor::{DType, Tensor};
+use parking_lot::Mutex;
+use std::sync::Arc;
+
+/// A gradient reduction in flight: its handle and the slot its f32 shard lands in.
+pub(super) struct PendingGrad {
+    work: Work,
+    out: Arc<Mutex<Option<Tensor>>>,
+}
+
+impl FullyShardedDataParallel {
+    /// All-gathers the FlatParameter (or takes the prefetched gather) and points the
+    /// parameters at it; a no-op when already unsharded. FSDP1 `_unshard`.
+    ///
+    /// # Errors
+    /// The all-gather's error (mismatch, timeout, failed peer).
+    pub fn unshard(&mut self) -> Result<()> {
+        let g = self.begin_unshard();
+        self.finish_unshard(g)
+    }
+
+    /// Issues (or takes) this unit's gather; `None` when already unsharded.
+    fn begin_unshard(&mut self) -> Option<super::scheduler::Gather> {
+        if self.flat.unsharded.is_some() {
+            return None;
+        }
+        Some(self.rs.sched.lock().take_or_issue(self.id))
+    }
+
+    fn finish_unshard(&mut self, g: Option<super::scheduler::Gather>) -> Result<()> {
+        let Some(g) = g else { return Ok(()) };
+        let (r, dt) = g.work.wait_timed();
+        self.rs.sched.lock().add_wait(dt);
+        r?;
+        self.point_params(Some(&g.full), false)?;
+        self.rs.mem.lock().on_unshard(g.full.nbytes());
+        self.rs.sched.lock().set_unsharded(self.id, true);
+        self.flat.unsharded = Some(g.full);
+        Ok(())
+    }
+
+    /// Frees the unsharded buffer; parameters become unmaterialized. FSDP1 `_reshard`.
+    /// A no-op under `NoShard`.
+    ///
+    /// # Errors
+    /// `Fsdp` when the module's parameters changed since wrapping.
+    pub fn reshard(&mut self) -> Result<()> {
+        if !self.rs.strategy.is_sharded() {
+            return Ok(());
+        }
+        if let Some(full) = self.flat.unsharded.take() {
+            self.point_params(None, false)?;
+            self.rs.mem.lock().on_reshard(full.nbytes());
+            self.rs.sched.lock().set_unsharded(self.id, false);
+        }
+        Ok(())
+    }
+
+    /// Issues the reduction of the flat gradient on the stream: predivide, reduce-scatter
+    /// over the shard group (then all-reduce over the replicate group under hybrid
+    /// sharding; all-reduce over the world under NoShard), postdivide, all in
+    /// `reduce_dtype`. FSDP1 `_post_backward_hook` / `_reduce_grad`.
+    fn issue_reduce(&mut self, flat_grad: Tensor) -> Result<()> {
+        // A unit that ran backward twice in one pass: fold the first result in first.
+        self.finish_reduce()?;
+        let mp = self.rs.mp;
+        if mp.is_low_precision() {
+            // The gradient of low-precision compute is a low-precision tensor.
+            round_(&flat_grad, mp.compute_dtype())?;
+        }
+        let rd = mp.reduce_dtype();
+        // Averaging is over the whole data-parallel world, hybrid or not.
+        let (pre, post) = gradient_divide_factors(self.rs.pg.size());
+        let shard_numel = self.flat.shard_numel();
+        let sharded = self.rs.strategy.is_sharded();
+        let (pg, shard_pg, rep) = (
+            self.rs.pg.clone(),
+            self.rs.shard_pg.clone(),
+            self.rs.replicate_pg.clone(),
+        );
+        let keep_lp = mp.keep_low_precision_grads.then(|| mp.compute_dtype());
+        let out = Arc::new(Mutex::new(None));
+        let slot = out.clone();
+        let job = move || -> Result<()> {
+            ops::scale_(&mut flat_grad.f32_mut()?, 1.0 / pre);
+            let input = if rd == DType::F32 {
+                flat_grad
+            } else {
+                flat_grad.to_dtype(rd)?
+            };
+            let reduced = if sharded {
+                let out = Tensor::zeros(&[shard_numel], rd);
+                shard_pg.reduce_scatter_tensor(&out, &input, ReduceOp::Sum)?;
+                if let Some(rep) = &rep {
+                    rep.all_reduce(&out, ReduceOp::Sum)?;
+                }
+                out
+            } else {
+                pg.all_reduce(&input, ReduceOp::Sum)?;
+                input
+            };
+            let shard = if rd == DType::F32 {
+                reduced
+            } else {
+                reduced.to_dtype(DType::F32)?
+            };
+            ops::scale_(&mut shard.f32_mut()?, 1.0 / post);
+            // The postdivide happens in reduce_dtype, then the result is upcast (FSDP1).
+            round_(&shard, rd)?;
+            if let Some(d) = keep_lp {
+                round_(&shard, d)?;
+            }
+            *slot.lock() = Some(shard);
+            Ok(())
+        };
+        let work = self.rs.sched.lock().stream.submit(job);
+        self.rs.sched.lock().stats.reductions += 1;
+        self.pending_grad = Some(PendingGrad { work, out });
+        Ok(())
+    }
+
+    /// Waits for this unit's reduction in flight, if any, and accumulates its shard into
+    /// the sharded gradient.
+    pub(super) fn finish_reduce(&mut self) -> Result<()> {
+        let Some(p) = self.pending_grad.take() else {
+            return Ok(());
+        };
+        let (r, dt) = p.work.wait_timed();
+        self.rs.sched.lock().add_wait(dt);
+        r?;
+        let Some(shard) = p.out.lock().take() else {
+            return Ok(());
+        };
+        match &self.flat.grad_shard {
+            Some(acc) => ops::add_(&mut acc.f32_mut()?, &shard.f32()?),
+            None => {
+                self.rs.mem.lock().grad_shard_bytes += shard.nbytes();
+                self.flat.grad_shard = Some(shard);
+            }
+        }
+        Ok(())
+    }
+
+    /// End of the root's backward (FSDP1 `_post_backward_final_callback`): every unit's
+    /// reduction is waited for and accumulated, unused prefetches dropped.
+    fn finalize_backward(&mut self) -> Result<()> {
+        let mut first: Result<()> = Ok(());
+        self.for_each_unit(&mut |u| {
+            let r = u.finish_reduce();
+            if first.is_ok() {
+                first = r;
+            }
+        });
+        let r = self.drain_stream();
+        first.and(r)
+    }
+
+    /// Waits until the stream is idle and drops unused prefetches.
+    fn drain_stream(&mut self) -> Result<()> {
+        let mut s = self.rs.sched.lock();
+        let r = s.drain_prefetches();
+        let dt = s.stream.synchronize();
+        s.add_wait(dt);
+        r
+    }
+
+    /// Rounds a floating-point input to `param_dtype` (FSDP's `cast_forward_inputs`).
+    fn cast_input(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        let mp = self.rs.mp;
+        if !mp.is_low_precision() || x.dtype() != DType::F32 {
+            return Ok(None);
+        }
+        let y = x.deep_clone()?;
+        round_(&y, mp.compute_dtype())?;
+        Ok(Some(y))
+    }
+}
+
+impl Module for FullyShardedDataParallel {
+    fn type_name(&self) -> &'static str {
+        "FullyShardedDataParallel"
+    }
+
+    fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
+        let g = self.begin_unshard();
+        self.rs.sched.lock().on_pre_forward(self.id, self.is_root);
+        let y = self.finish_unshard(g).and_then(|()| {
+            let cast = self.cast_input(x)?;
+            self.module.forward(cast.as_ref().unwrap_or(x), cx)
+        });
+        self.rs.sched.lock().on_post_forward(self.id);
+        let free = !cx.grad_enabled || (!self.is_root && self.rs.strategy.reshard_after_forward());
+        if free || y.is_err() {
+            self.reshard()?;
+        }
+        if self.is_root {
+            self.drain_stream()?;
+        }
+        y
+    }
+
+    fn backward(&mut self, grad_out: &Tensor, cx: &Context) -> Result<Tensor> {
+        let g = self.begin_unshard();
+        let next = self.rs.sched.lock().on_pre_backward(self.id, self.is_root);
+        let result = self.finish_unshard(g).and_then(|()| {
+            // Layers accumulate (+=) into their grad views, so a gradient kept from
+            // backwards under no_sync simply keeps growing.
+            let flat_grad = match self.flat.unsynced_grad.take() {
+                Some(g) => g,
+                None => Tensor::zeros(&[self.flat.padded_numel()], DType::F32),
+            };
+            self.point_params(Some(&flat_grad), true)?;
+            let dx = self.module.backward(grad_out, cx);
+            self.point_params(None, true)?;
+            self.reshard()?;
+            let dx = dx?;
+            self.rs.sched.lock().on_post_backward(next);
+            if self.sync_grads {
+                self.issue_reduce(flat_grad)?;
+            } else {
+                self.flat.unsynced_grad = Some(flat_grad);
+            }
+            Ok(dx)
+        });
+        if self.is_root {
+            // Even after an error: nothing may stay in flight on the stream.
+            let fin = self.finalize_backward();
+            let dx = result?;
+            fin?;
+            return Ok(dx);
+        }
+        result
+    }
+
+    fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
+        f("", &mut self.module)
+    }
+
+    fn is_fsdp_unit(&self) -> bool {
+        true
+    }
+
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
+    }
+}

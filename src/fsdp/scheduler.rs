@@ -1,0 +1,263 @@
+//! The per-rank scheduler: which unit to all-gather ahead of use (prefetch), on the rank's
+//! communication stream, so that gathers overlap compute (FSDP1 `_exec_order_utils.py`,
+//! `_runtime_utils._prefetch_handle`, `limit_all_gathers`).
+//!
+//! Execution order is learned as FSDP1 does: every forward records the order in which units
+//! finish their forward (post-forward order). Forward prefetch follows the previous
+//! iteration's pre-forward order; backward prefetch follows this iteration's post-forward
+//! order reversed, which is the order in which units start their backward. A unit that a
+//! step does not use is simply not prefetched; a prefetch that goes unused is waited for and
+//! dropped at the end of the pass. Every rank runs the same program, so every rank makes the
+//! same prefetch decisions and issues the same collectives in the same order.
+
+use super::flat_param::FlatParameter;
+use super::MixedPrecision;
+use crate::distributed::{CommStream, Group, Work};
+use crate::error::Result;
+use crate::tensor::{DType, Tensor};
+use std::time::Duration;
+
+/// When backward all-gathers the next unit's parameters
+/// (`torch.distributed.fsdp.BackwardPrefetch`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+pub enum BackwardPrefetch {
+    /// Before the current unit's gradient computation (`BACKWARD_PRE`): most overlap, one
+    /// more unsharded unit alive.
+    #[value(name = "pre")]
+    BackwardPre,
+    /// After the current unit's gradient computation, before its reduce-scatter
+    /// (`BACKWARD_POST`).
+    #[value(name = "post")]
+    BackwardPost,
+}
+
+/// Counters of one rank's FSDP communication, for metrics and benches.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct RuntimeStats {
+    /// Seconds the compute thread spent blocked waiting for collectives (all-gathers it
+    /// needed, reductions at the end of backward).
+    pub comm_wait_s: f64,
+    /// Parameter all-gathers issued.
+    pub all_gathers: u64,
+    /// Of those, issued ahead of use by forward or backward prefetch.
+    pub prefetched_all_gathers: u64,
+    /// Prefetched all-gathers that were never used (wasted; the order changed).
+    pub unused_prefetches: u64,
+    /// Gradient reductions issued (reduce-scatter, or all-reduce under `NoShard`).
+    pub reductions: u64,
+}
+
+/// Everything needed to all-gather one unit without touching the unit.
+struct UnitComm {
+    shard: Tensor,
+    padded: usize,
+    is_root: bool,
+}
+
+/// A gather in flight (or done) whose buffer no unit has taken yet.
+pub(super) struct Gather {
+    pub work: Work,
+    /// `(c W)` f32 values (rounded to `param_dtype` under mixed precision).
+    pub full: Tensor,
+}
+
+/// One rank's scheduling state, shared by all its units.
+pub(super) struct Scheduler {
+    pub stream: CommStream,
+    pub shard_pg: Group,
+    pub sharded: bool,
+    pub mp: MixedPrecision,
+    pub backward_prefetch: Option<BackwardPrefetch>,
+    pub forward_prefetch: bool,
+    pub limit_all_gathers: bool,
+    units: Vec<UnitComm>,
+    prefetched: Vec<Option<Gather>>,
+    /// Units currently unsharded (gathered and not yet resharded).
+    unsharded: Vec<bool>,
+    /// This iteration's pre-forward order so far, and the previous iteration's.
+    pre_fwd: Vec<usize>,
+    prev_pre_fwd: Vec<usize>,
+    /// This iteration's post-forward order (reversed: the backward order).
+    post_fwd: Vec<usize>,
+    bwd_cursor: usize,
+    pub stats: RuntimeStats,
+}
+
+impl Scheduler {
+    pub fn new(stream: CommStream, shard_pg: Group, sharded: bool, mp: MixedPrecision) -> Self {
+        Scheduler {
+            stream,
+            shard_pg,
+            sharded,
+            mp,
+            backward_prefetch: None,
+            forward_prefetch: false,
+            limit_all_gathers: false,
+            units: Vec::new(),
+            prefetched: Vec::new(),
+            unsharded: Vec::new(),
+            pre_fwd: Vec::new(),
+            prev_pre_fwd: Vec::new(),
+            post_fwd: Vec::new(),
+            bwd_cursor: 0,
+            stats: RuntimeStats::default(),
+        }
+    }
+
+    /// Registers a unit; returns its id.
+    pub fn register(&mut self, flat: &FlatParameter) -> usize {
+        self.units.push(UnitComm {
+            shard: flat.local_shard.clone(),
+            padded: flat.padded_numel(),
+            is_root: false,
+        });
+        self.prefetched.push(None);
+        self.unsharded.push(false);
+        self.units.len() - 1
+    }
+
+    pub fn set_root(&mut self, id: usize) {
+        if let Some(u) = self.units.get_mut(id) {
+            u.is_root = true;
+        }
+    }
+
+    pub fn set_unsharded(&mut self, id: usize, on: bool) {
+        if let Some(u) = self.unsharded.get_mut(id) {
+            *u = on;
+        }
+    }
+
+    /// Issues the all-gather of unit `id` on the stream: `param_dtype` shard -> `param_dtype`
+    /// full buffer -> f32 values in `full`.
+    pub fn issue_gather(&mut self, id: usize) -> Gather {
+        let u = &self.units[id];
+        let full = Tensor::zeros(&[u.padded], DType::F32);
+        self.stats.all_gathers += 1;
+        let dtype = self.mp.compute_dtype();
+        let work = if dtype == DType::F32 {
+            self.stream
+                .all_gather_into_tensor(&self.shard_pg, &full, &u.shard)
+        } else {
+            let (pg, shard, out, padded) = (
+                self.shard_pg.clone(),
+                u.shard.clone(),
+                full.clone(),
+                u.padded,
+            );
+            self.stream.submit(move || {
+                // FSDP1 `_use_low_precision_shard`: cast the shard, gather low precision.
+                let lp_shard = shard.to_dtype(dtype)?;
+                let lp_full = Tensor::zeros(&[padded], dtype);
+                pg.all_gather_into_tensor(&lp_full, &lp_shard)?;
+                out.copy_from(&lp_full)
+            })
+        };
+        Gather { work, full }
+    }
+
+    /// The gather for unit `id`: the prefetched one, or one issued now.
+    pub fn take_or_issue(&mut self, id: usize) -> Gather {
+        // Counted as unsharded from now on (the limit sees the gather in flight).
+        self.set_unsharded(id, true);
+        match self.prefetched.get_mut(id).and_then(Option::take) {
+            Some(g) => g,
+            None => self.issue_gather(id),
+        }
+    }
+
+    fn unsharded_nonroot(&self) -> usize {
+        (0..self.units.len())
+            .filter(|&i| {
+                !self.units[i].is_root && (self.unsharded[i] || self.prefetched[i].is_some())
+            })
+            .count()
+    }
+
+    /// Prefetches unit `id` unless it is unsharded, already prefetched, or the limit on
+    /// unsharded units (two, besides the root) is reached.
+    fn prefetch(&mut self, id: usize) {
+        if !self.sharded
+            || id >= self.units.len()
+            || self.unsharded[id]
+            || self.prefetched[id].is_some()
+            || (self.limit_all_gathers && self.unsharded_nonroot() >= 2)
+        {
+            return;
+        }
+        let g = self.issue_gather(id);
+        self.stats.prefetched_all_gathers += 1;
+        self.prefetched[id] = Some(g);
+    }
+
+    /// Pre-forward of unit `id` (after its own gather was issued): records the order and,
+    /// with `forward_prefetch`, prefetches the unit that came next last iteration.
+    pub fn on_pre_forward(&mut self, id: usize, is_root: bool) {
+        if is_root {
+            self.prev_pre_fwd = std::mem::take(&mut self.pre_fwd);
+            self.post_fwd.clear();
+        }
+        let pos = self.pre_fwd.len();
+        self.pre_fwd.push(id);
+        if self.forward_prefetch && self.prev_pre_fwd.get(pos) == Some(&id) {
+            if let Some(&next) = self.prev_pre_fwd.get(pos + 1) {
+                self.prefetch(next);
+            }
+        }
+    }
+
+    /// Post-forward of unit `id`.
+    pub fn on_post_forward(&mut self, id: usize) {
+        self.post_fwd.push(id);
+    }
+
+    /// Pre-backward of unit `id`: advances the backward cursor; returns the unit that
+    /// backward reaches next (if known), and prefetches it under `BackwardPre`.
+    pub fn on_pre_backward(&mut self, id: usize, is_root: bool) -> Option<usize> {
+        if is_root {
+            self.bwd_cursor = 0;
+        }
+        let order: Vec<usize> = self.post_fwd.iter().rev().copied().collect();
+        let pos = order[self.bwd_cursor.min(order.len())..]
+            .iter()
+            .position(|&u| u == id)
+            .map(|p| p + self.bwd_cursor.min(order.len()));
+        let next = pos.and_then(|p| {
+            self.bwd_cursor = p + 1;
+            order.get(p + 1).copied()
+        });
+        if let (Some(n), Some(BackwardPrefetch::BackwardPre)) = (next, self.backward_prefetch) {
+            self.prefetch(n);
+        }
+        next
+    }
+
+    /// Post-backward of a unit whose successor in backward order is `next`: prefetches it
+    /// under `BackwardPost`.
+    pub fn on_post_backward(&mut self, next: Option<usize>) {
+        if let (Some(n), Some(BackwardPrefetch::BackwardPost)) = (next, self.backward_prefetch) {
+            self.prefetch(n);
+        }
+    }
+
+    /// Waits for and drops every prefetch nobody used; returns the first error among them.
+    pub fn drain_prefetches(&mut self) -> Result<()> {
+        let mut first = Ok(());
+        for slot in self.prefetched.iter_mut() {
+            if let Some(g) = slot.take() {
+                self.stats.unused_prefetches += 1;
+                let (r, dt) = g.work.wait_timed();
+                self.stats.comm_wait_s += dt.as_secs_f64();
+                if first.is_ok() {
+                    first = r;
+                }
+            }
+        }
+        first
+    }
+
+    /// Records time the compute thread spent blocked on communication.
+    pub fn add_wait(&mut self, dt: Duration) {
+        self.stats.comm_wait_s += dt.as_secs_f64();
+    }
+}
