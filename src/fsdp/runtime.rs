@@ -55,21 +55,23 @@ impl FullyShardedDataParallel {
         let Some(g) = g else { return Ok(()) };
         let (r, dt) = g.work.wait_timed();
         self.rs.sched.lock().add_wait(dt);
-        r?;
+        if let Err(e) = r {
+            self.rs.mem.lock().on_reshard(g.full.nbytes());
+            self.rs.sched.lock().set_unsharded(self.id, false);
+            return Err(e);
+        }
         self.point_params(Some(&g.full), false)?;
-        self.rs.mem.lock().on_unshard(g.full.nbytes());
-        self.rs.sched.lock().set_unsharded(self.id, true);
         self.flat.unsharded = Some(g.full);
         Ok(())
     }
 
     /// Frees the unsharded buffer; parameters become unmaterialized. FSDP1 `_reshard`.
-    /// A no-op under `NoShard`.
+    /// A no-op under `NoShard` in f32 (parameters view the whole flat parameter for good).
     ///
     /// # Errors
     /// `Fsdp` when the module's parameters changed since wrapping.
     pub fn reshard(&mut self) -> Result<()> {
-        if !self.rs.strategy.is_sharded() {
+        if !self.rs.strategy.is_sharded() && !self.rs.mp.is_low_precision() {
             return Ok(());
         }
         if let Some(full) = self.flat.unsharded.take() {

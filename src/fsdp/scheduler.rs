@@ -11,10 +11,12 @@
 //! same prefetch decisions and issues the same collectives in the same order.
 
 use super::flat_param::FlatParameter;
-use super::MixedPrecision;
+use super::{MemoryStats, MixedPrecision};
 use crate::distributed::{CommStream, Group, Work};
 use crate::error::Result;
 use crate::tensor::{DType, Tensor};
+use parking_lot::Mutex;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// When backward all-gathers the next unit's parameters
@@ -70,6 +72,8 @@ pub(super) struct Scheduler {
     pub backward_prefetch: Option<BackwardPrefetch>,
     pub forward_prefetch: bool,
     pub limit_all_gathers: bool,
+    /// The rank's memory figures: a gather's buffer counts from the moment it is issued.
+    mem: Arc<Mutex<MemoryStats>>,
     units: Vec<UnitComm>,
     prefetched: Vec<Option<Gather>>,
     /// Units currently unsharded (gathered and not yet resharded).
@@ -84,8 +88,15 @@ pub(super) struct Scheduler {
 }
 
 impl Scheduler {
-    pub fn new(stream: CommStream, shard_pg: Group, sharded: bool, mp: MixedPrecision) -> Self {
+    pub fn new(
+        stream: CommStream,
+        shard_pg: Group,
+        sharded: bool,
+        mp: MixedPrecision,
+        mem: Arc<Mutex<MemoryStats>>,
+    ) -> Self {
         Scheduler {
+            mem,
             stream,
             shard_pg,
             sharded,
@@ -129,13 +140,21 @@ impl Scheduler {
     }
 
     /// Issues the all-gather of unit `id` on the stream: `param_dtype` shard -> `param_dtype`
-    /// full buffer -> f32 values in `full`.
+    /// full buffer -> f32 values in `full` (under `NoShard`, only the rounded copy).
     pub fn issue_gather(&mut self, id: usize) -> Gather {
         let u = &self.units[id];
         let full = Tensor::zeros(&[u.padded], DType::F32);
+        self.mem.lock().on_unshard(full.nbytes());
         self.stats.all_gathers += 1;
         let dtype = self.mp.compute_dtype();
-        let work = if dtype == DType::F32 {
+        let work = if !self.sharded {
+            // NoShard: the "shard" is the whole flat parameter; make the compute copy.
+            let (shard, out) = (u.shard.clone(), full.clone());
+            self.stream.submit(move || {
+                out.copy_from(&shard)?;
+                super::mixed_precision::round_(&out, dtype)
+            })
+        } else if dtype == DType::F32 {
             self.stream
                 .all_gather_into_tensor(&self.shard_pg, &full, &u.shard)
         } else {
@@ -212,8 +231,9 @@ impl Scheduler {
     }
 
     /// Pre-backward of unit `id`: advances the backward cursor; returns the unit that
-    /// backward reaches next (if known), and prefetches it under `BackwardPre`.
-    pub fn on_pre_backward(&mut self, id: usize, is_root: bool) -> Option<usize> {
+    /// backward reaches next and its place in the backward order (if known), and prefetches
+    /// it under `BackwardPre`.
+    pub fn on_pre_backward(&mut self, id: usize, is_root: bool) -> Option<(usize, usize)> {
         if is_root {
             self.bwd_cursor = 0;
         }
@@ -224,19 +244,25 @@ impl Scheduler {
             .map(|p| p + self.bwd_cursor.min(order.len()));
         let next = pos.and_then(|p| {
             self.bwd_cursor = p + 1;
-            order.get(p + 1).copied()
+            order.get(p + 1).map(|&n| (n, p + 1))
         });
-        if let (Some(n), Some(BackwardPrefetch::BackwardPre)) = (next, self.backward_prefetch) {
+        if let (Some((n, _)), Some(BackwardPrefetch::BackwardPre)) = (next, self.backward_prefetch)
+        {
             self.prefetch(n);
         }
         next
     }
 
     /// Post-backward of a unit whose successor in backward order is `next`: prefetches it
-    /// under `BackwardPost`.
-    pub fn on_post_backward(&mut self, next: Option<usize>) {
-        if let (Some(n), Some(BackwardPrefetch::BackwardPost)) = (next, self.backward_prefetch) {
-            self.prefetch(n);
+    /// under `BackwardPost`, unless its backward has already begun (a unit enclosing
+    /// others, such as the root, finishes its backward after theirs).
+    pub fn on_post_backward(&mut self, next: Option<(usize, usize)>) {
+        if let (Some((n, pos)), Some(BackwardPrefetch::BackwardPost)) =
+            (next, self.backward_prefetch)
+        {
+            if pos >= self.bwd_cursor {
+                self.prefetch(n);
+            }
         }
     }
 
@@ -246,6 +272,7 @@ impl Scheduler {
         for slot in self.prefetched.iter_mut() {
             if let Some(g) = slot.take() {
                 self.stats.unused_prefetches += 1;
+                self.mem.lock().on_reshard(g.full.nbytes());
                 let (r, dt) = g.work.wait_timed();
                 self.stats.comm_wait_s += dt.as_secs_f64();
                 if first.is_ok() {

@@ -96,11 +96,13 @@ impl FullyShardedDataParallel {
         mp.validate()?;
         super::config::check_device(config.device_id)?;
         let stream = CommStream::new(&format!("fsdp-comm-rank{}", pg.world_rank()))?;
+        let mem = Arc::new(Mutex::new(MemoryStats::default()));
         let mut sched = Scheduler::new(
             stream,
             shard_pg.clone(),
             config.sharding_strategy.is_sharded(),
             mp,
+            mem.clone(),
         );
         sched.backward_prefetch = config.backward_prefetch;
         sched.forward_prefetch = config.forward_prefetch;
@@ -110,7 +112,7 @@ impl FullyShardedDataParallel {
             shard_pg,
             replicate_pg,
             strategy: config.sharding_strategy,
-            mem: Arc::new(Mutex::new(MemoryStats::default())),
+            mem,
             mp,
             sched: Arc::new(Mutex::new(sched)),
         };
@@ -180,8 +182,9 @@ impl FullyShardedDataParallel {
         };
         // The originals now live in the FlatParameter: free them (sharded state).
         unit.point_params(None, false)?;
-        if !rs.strategy.is_sharded() {
-            // NoShard: the "shard" is the whole flat parameter; parameters view it for good.
+        if !rs.strategy.is_sharded() && !rs.mp.is_low_precision() {
+            // NoShard: the "shard" is the whole flat parameter; parameters view it for good
+            // (with low-precision compute, unshard makes a rounded copy instead).
             let full = unit.flat.local_shard.clone();
             unit.point_params(Some(&full), false)?;
             unit.flat.unsharded = Some(full);
