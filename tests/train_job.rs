@@ -71,10 +71,12 @@ fn per_rank_state_at_world_size_4_is_a_quarter_of_world_size_1() {
     let metrics = data.with_file_name("metrics.jsonl");
     let one = run(&TrainConfig {
         steps: 2,
+        n_layer: 4,
         ..small(data.clone(), 1)
     });
     let four = run(&TrainConfig {
         steps: 2,
+        n_layer: 4,
         metrics: Some(metrics.clone()),
         ..small(data, 4)
     });
@@ -90,8 +92,10 @@ fn per_rank_state_at_world_size_4_is_a_quarter_of_world_size_1() {
             m4.sharded_total(),
             m1.sharded_total()
         );
-        // Per-block units: the root and one block are gathered at a time, never the model.
+        // Per-block units: the root, the block computing and the one prefetched (backward
+        // prefetch, limit_all_gathers) are gathered at a time, never the whole model.
         assert!(m4.peak_unsharded_param_bytes > 0);
+        assert_eq!(m4.peak_unsharded_units, 3);
         assert!(
             m4.peak_unsharded_param_bytes < m1.param_shard_bytes,
             "{} vs {}",
@@ -309,4 +313,41 @@ fn clipping_reports_the_same_global_norm_at_every_world_size() {
     })
     .losses();
     assert!((unclipped[7] - one.losses()[7]).abs() > 1e-4);
+}
+
+#[test]
+fn prefetch_flags_keep_the_losses_and_bf16_stays_close_to_f32() {
+    use fsdp::fsdp::BackwardPrefetch;
+    use fsdp::train::Precision;
+    let data = corpus_file("prefetch");
+    let short = |w| TrainConfig {
+        steps: 10,
+        ..small(data.clone(), w)
+    };
+    let base = run(&short(4)).losses();
+    for (bwd, fwd, limit) in [
+        (None, false, false),
+        (Some(BackwardPrefetch::BackwardPost), true, false),
+        (Some(BackwardPrefetch::BackwardPre), true, true),
+    ] {
+        let cfg = TrainConfig {
+            backward_prefetch: bwd,
+            forward_prefetch: fwd,
+            limit_all_gathers: limit,
+            ..short(4)
+        };
+        // Prefetching changes when parameters are gathered, never a value.
+        assert_eq!(run(&cfg).losses(), base, "{bwd:?} {fwd} {limit}");
+    }
+    for p in [Precision::Bf16, Precision::F16] {
+        let cfg = TrainConfig {
+            mixed_precision: p,
+            ..short(4)
+        };
+        let got = run(&cfg).losses();
+        assert_ne!(got, base, "{p:?} must change the numbers");
+        for (step, (g, b)) in got.iter().zip(&base).enumerate() {
+            assert!((g - b).abs() <= 2e-2 * b, "{p:?} step {step}: {g} vs {b}");
+        }
+    }
 }

@@ -2,9 +2,9 @@
 //! against plain training side by side.
 
 use clap::{Args, Parser, Subcommand};
-use fsdp::fsdp::ShardingStrategy;
+use fsdp::fsdp::{BackwardPrefetch, ShardingStrategy};
 use fsdp::optim::OptimizerKind;
-use fsdp::train::{self, LrSchedule, Observer, StepRecord, TrainConfig, WrapMode};
+use fsdp::train::{self, LrSchedule, Observer, Precision, StepRecord, TrainConfig, WrapMode};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -88,6 +88,47 @@ struct ModelArgs {
     seed: u64,
 }
 
+/// `--backward-prefetch` values.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum BackwardPrefetchArg {
+    /// BACKWARD_PRE: gather the next unit before computing the current one's gradients.
+    Pre,
+    /// BACKWARD_POST: gather the next unit after computing the current one's gradients.
+    Post,
+    /// Gather each unit when its backward starts.
+    None,
+}
+
+impl BackwardPrefetchArg {
+    fn policy(self) -> Option<BackwardPrefetch> {
+        match self {
+            BackwardPrefetchArg::Pre => Some(BackwardPrefetch::BackwardPre),
+            BackwardPrefetchArg::Post => Some(BackwardPrefetch::BackwardPost),
+            BackwardPrefetchArg::None => None,
+        }
+    }
+}
+
+/// FSDP options of `fsdp train` (the constructor's, as PyTorch names them).
+#[derive(Args, Clone)]
+struct FsdpArgs {
+    /// Compute in bf16 or f16 over f32 master shards (MixedPrecision with param, reduce and
+    /// buffer dtype all set), or f32 throughout.
+    #[arg(long, value_enum, default_value_t = D.mixed_precision)]
+    mixed_precision: Precision,
+    /// When backward all-gathers the next unit.
+    #[arg(long, value_enum, default_value_t = BackwardPrefetchArg::Pre)]
+    backward_prefetch: BackwardPrefetchArg,
+    /// All-gather the next unit (previous iteration's order) during the current forward.
+    #[arg(long)]
+    forward_prefetch: bool,
+    /// Prefetch only while fewer than two units besides the root are unsharded
+    /// (`--limit-all-gathers false` to turn off).
+    #[arg(long, default_value_t = D.limit_all_gathers, num_args = 0..=1,
+          default_missing_value = "true", action = clap::ArgAction::Set)]
+    limit_all_gathers: bool,
+}
+
 #[derive(Args)]
 struct TrainArgs {
     /// UTF-8 text file; tokens are its bytes, the last 10% held out for eval.
@@ -129,6 +170,8 @@ struct TrainArgs {
     #[arg(long, allow_hyphen_values = true, default_value_t = D.sample_len)]
     sample_len: usize,
     #[command(flatten)]
+    fsdp: FsdpArgs,
+    #[command(flatten)]
     model: ModelArgs,
 }
 
@@ -154,8 +197,24 @@ struct BenchArgs {
     /// even, else one rank per node).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "full-shard")]
     strategies: Vec<ShardingStrategy>,
+    /// Prefetch settings to run every FSDP configuration with: `on` (BackwardPre and
+    /// forward prefetch), `off` (gather each unit on demand).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "on,off")]
+    prefetch: Vec<PrefetchMode>,
+    /// Compute precision of the FSDP runs.
+    #[arg(long, value_enum, default_value_t = D.mixed_precision)]
+    mixed_precision: Precision,
     #[command(flatten)]
     model: ModelArgs,
+}
+
+/// `fsdp bench --prefetch` values.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum PrefetchMode {
+    /// backward_prefetch BackwardPre, forward_prefetch on.
+    On,
+    /// No prefetch: every unit is gathered when it is needed.
+    Off,
 }
 
 fn base_config(m: &ModelArgs, data: PathBuf) -> TrainConfig {
@@ -228,11 +287,15 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         grad_accum: a.grad_accum,
         no_sync: a.no_sync,
         clip_grad_norm: a.clip_grad_norm,
+        mixed_precision: a.fsdp.mixed_precision,
+        backward_prefetch: a.fsdp.backward_prefetch.policy(),
+        forward_prefetch: a.fsdp.forward_prefetch,
+        limit_all_gathers: a.fsdp.limit_all_gathers,
         ..base_config(&a.model, a.data.clone())
     };
     cfg.validate()?;
     out!(
-        "fsdp train: {} ranks (threads backend), strategy {:?}{}, wrap {}, {} steps of {} x {} tokens, data {}",
+        "fsdp train: {} ranks (threads backend), strategy {:?}{}, wrap {}, precision {:?}, {} steps of {} x {} tokens, data {}",
         cfg.world_size,
         cfg.strategy,
         if cfg.strategy.is_hybrid() {
@@ -241,6 +304,7 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
             String::new()
         },
         cfg.wrap,
+        cfg.mixed_precision,
         cfg.steps,
         cfg.global_batch,
         cfg.seq_len,
@@ -281,16 +345,18 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         mean_tps
     );
     if let Some(r) = last {
-        out!("per-rank bytes (params + grads + optimizer state | peak unsharded params):");
+        out!("last step, per rank: params + grads + optimizer state bytes | peak unsharded param bytes (units) | comm wait ms:");
         for m in &r.ranks {
             out!(
-                "  rank {}: {} + {} + {} = {} | {}",
+                "  rank {}: {} + {} + {} = {} | {} ({}) | {:.1}",
                 m.rank,
                 m.param_shard_bytes,
                 m.grad_shard_bytes,
                 m.optim_state_bytes,
                 m.sharded_total(),
-                m.peak_unsharded_param_bytes
+                m.peak_unsharded_param_bytes,
+                m.peak_unsharded_units,
+                m.comm_wait_us as f64 / 1e3
             );
         }
     }
@@ -333,15 +399,21 @@ fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
             let ranks_per_node = strategy
                 .is_hybrid()
                 .then_some(if w % 2 == 0 { w / 2 } else { 1 });
-            runs.push((
-                format!("{name} ws={w}"),
-                TrainConfig {
-                    world_size: w,
-                    strategy,
-                    ranks_per_node,
-                    ..base.clone()
-                },
-            ));
+            for &p in &a.prefetch {
+                let on = p == PrefetchMode::On;
+                runs.push((
+                    format!("{name} ws={w} prefetch {}", if on { "on" } else { "off" }),
+                    TrainConfig {
+                        world_size: w,
+                        strategy,
+                        ranks_per_node,
+                        mixed_precision: a.mixed_precision,
+                        backward_prefetch: on.then_some(BackwardPrefetch::BackwardPre),
+                        forward_prefetch: on,
+                        ..base.clone()
+                    },
+                ));
+            }
         }
     }
     if a.steps == 0 {
@@ -365,13 +437,15 @@ fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
         })?;
     }
     out!(
-        "{:<28} {:>14} {:>12} {:>10} {:>22} {:>20}",
+        "{:<36} {:>14} {:>10} {:>9} {:>20} {:>20} {:>6} {:>13}",
         "configuration",
         "median step ms",
         "tokens/s",
         "vs plain",
         "rank-0 p+g+opt bytes",
-        "peak unsharded bytes"
+        "peak unsharded bytes",
+        "units",
+        "comm wait ms"
     );
     let mut plain_ms = f64::NAN;
     for (name, cfg) in runs {
@@ -392,14 +466,24 @@ fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
             .last()
             .map(|r| r.ranks[0])
             .unwrap_or_default();
+        let wait_ms = median(
+            report
+                .records
+                .iter()
+                .skip(a.warmup)
+                .map(|r| r.ranks[0].comm_wait_us as f64 / 1e3)
+                .collect(),
+        );
         out!(
-            "{:<28} {:>14.1} {:>12.0} {:>10.3} {:>22} {:>20}",
+            "{:<36} {:>14.1} {:>10.0} {:>9.3} {:>20} {:>20} {:>6} {:>13.1}",
             name,
             ms,
             (cfg.global_batch * cfg.seq_len) as f64 / (ms / 1e3),
             ms / plain_ms,
             mem.sharded_total(),
-            mem.peak_unsharded_param_bytes
+            mem.peak_unsharded_param_bytes,
+            mem.peak_unsharded_units,
+            wait_ms
         );
     }
     Ok(())

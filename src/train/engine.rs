@@ -8,7 +8,7 @@ use crate::nn::{visit_parameters, Context, Module};
 use crate::optim::{Optimizer, ParamGrad};
 use crate::tensor::{DType, Tensor};
 
-/// One rank's memory figures for a step, in bytes.
+/// One rank's memory figures for a step, in bytes, and its communication figures.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct RankMemory {
     /// The rank these figures belong to, `0..world_size`.
@@ -21,6 +21,10 @@ pub struct RankMemory {
     pub optim_state_bytes: usize,
     /// Peak bytes of unsharded (all-gathered) parameter buffers alive at once in the step.
     pub peak_unsharded_param_bytes: usize,
+    /// Most FSDP units unsharded (or being gathered) at once in the step, root included.
+    pub peak_unsharded_units: usize,
+    /// Microseconds the rank's compute thread waited on FSDP's collectives in the step.
+    pub comm_wait_us: usize,
 }
 
 impl RankMemory {
@@ -111,6 +115,8 @@ impl Engine {
                     grad_shard_bytes: s.grad_shard_bytes,
                     optim_state_bytes,
                     peak_unsharded_param_bytes: s.peak_unsharded_param_bytes,
+                    peak_unsharded_units: s.peak_unsharded_units,
+                    comm_wait_us: (m.runtime_stats().comm_wait_s * 1e6) as usize,
                 }
             }
             Engine::Plain(m) => {
@@ -124,16 +130,17 @@ impl Engine {
                     param_shard_bytes: p,
                     grad_shard_bytes: g,
                     optim_state_bytes,
-                    peak_unsharded_param_bytes: 0,
+                    ..RankMemory::default()
                 }
             }
         }
     }
 
-    /// Starts a new peak window for the unsharded-parameter figure.
+    /// Starts a new window for the peak unsharded figures and the communication wait.
     pub fn reset_peak(&mut self) {
         if let Engine::Fsdp(m) = self {
             m.reset_peak_memory_stats();
+            m.reset_runtime_stats();
         }
     }
 }
@@ -145,17 +152,20 @@ pub fn gather_memory(pg: &Group, mine: RankMemory) -> Result<Vec<RankMemory>> {
         mine.grad_shard_bytes,
         mine.optim_state_bytes,
         mine.peak_unsharded_param_bytes,
+        mine.peak_unsharded_units,
+        mine.comm_wait_us,
     ];
-    let mut words = Vec::with_capacity(8);
+    const WORDS: usize = 12;
+    let mut words = Vec::with_capacity(WORDS);
     for f in fields {
         words.push((f >> 30) as i32);
         words.push((f & ((1 << 30) - 1)) as i32);
     }
-    let local = Tensor::from_vec(words, &[8])?;
-    let all = Tensor::zeros(&[8 * pg.size()], DType::I32);
+    let local = Tensor::from_vec(words, &[WORDS])?;
+    let all = Tensor::zeros(&[WORDS * pg.size()], DType::I32);
     pg.all_gather_into_tensor(&all, &local)?;
     let v = all.data::<i32>()?;
-    Ok(v.chunks_exact(8)
+    Ok(v.chunks_exact(WORDS)
         .enumerate()
         .map(|(rank, w)| {
             let f = |i: usize| ((w[2 * i] as usize) << 30) | w[2 * i + 1] as usize;
@@ -165,6 +175,8 @@ pub fn gather_memory(pg: &Group, mine: RankMemory) -> Result<Vec<RankMemory>> {
                 grad_shard_bytes: f(1),
                 optim_state_bytes: f(2),
                 peak_unsharded_param_bytes: f(3),
+                peak_unsharded_units: f(4),
+                comm_wait_us: f(5),
             }
         })
         .collect())

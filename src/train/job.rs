@@ -5,11 +5,12 @@ use super::engine::{gather_memory, mean_over_ranks, Engine, RankMemory};
 use crate::distributed::{launch, Group, LaunchOptions};
 use crate::error::{Error, Result};
 use crate::fsdp::{
-    size_based_auto_wrap_policy, transformer_auto_wrap_policy, FsdpConfig,
-    FullyShardedDataParallel, ShardingStrategy,
+    size_based_auto_wrap_policy, transformer_auto_wrap_policy, BackwardPrefetch, FsdpConfig,
+    FullyShardedDataParallel, MixedPrecision, ShardingStrategy,
 };
 use crate::nn::{loss, num_parameters, Context, GptConfig, Module, GPT};
 use crate::optim::{self, OptimizerKind};
+use crate::tensor::DType;
 use crate::tensor::Tensor;
 use std::io::Write;
 use std::path::PathBuf;
@@ -48,6 +49,29 @@ impl std::fmt::Display for WrapMode {
             WrapMode::Transformer => f.write_str("transformer"),
             WrapMode::Size(n) => write!(f, "size:{n}"),
             WrapMode::None => f.write_str("none"),
+        }
+    }
+}
+
+/// Compute precision of `fsdp train` (`--mixed-precision`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+pub enum Precision {
+    /// f32 throughout.
+    #[default]
+    None,
+    /// `MixedPrecision::uniform(bf16)`: bf16 parameters, gradients and reduction.
+    Bf16,
+    /// `MixedPrecision::uniform(f16)`.
+    F16,
+}
+
+impl Precision {
+    /// The FSDP policy, `None` for f32.
+    pub fn policy(self) -> Option<MixedPrecision> {
+        match self {
+            Precision::None => None,
+            Precision::Bf16 => Some(MixedPrecision::uniform(DType::BF16)),
+            Precision::F16 => Some(MixedPrecision::uniform(DType::F16)),
         }
     }
 }
@@ -130,6 +154,16 @@ pub struct TrainConfig {
     pub no_sync: bool,
     /// Clip the global gradient 2-norm to this before each optimizer step.
     pub clip_grad_norm: Option<f32>,
+    /// Low-precision compute (`--mixed-precision`), default f32.
+    pub mixed_precision: Precision,
+    /// Backward prefetch (`--backward-prefetch pre|post|none`), default `BackwardPre`
+    /// (PyTorch's default).
+    pub backward_prefetch: Option<BackwardPrefetch>,
+    /// Forward prefetch (`--forward-prefetch`), default off.
+    pub forward_prefetch: bool,
+    /// At most two units besides the root unsharded by prefetching
+    /// (`--limit-all-gathers`), default on (PyTorch's default).
+    pub limit_all_gathers: bool,
     /// Learning-rate schedule over the run.
     pub lr_schedule: LrSchedule,
     /// Linear warm-up steps from `lr / warmup_steps` to `lr` (0: none), capped at `steps`.
@@ -177,6 +211,10 @@ impl Default for TrainConfig {
             grad_accum: 1,
             no_sync: false,
             clip_grad_norm: None,
+            mixed_precision: Precision::None,
+            backward_prefetch: Some(BackwardPrefetch::BackwardPre),
+            forward_prefetch: false,
+            limit_all_gathers: true,
             optimizer: OptimizerKind::Adamw,
             seed: 1337,
             eval_every: 100,
@@ -317,6 +355,9 @@ impl TrainConfig {
         if self.no_fsdp && self.world_size != 1 {
             return bad("--no-fsdp trains without sharding and needs --world-size 1".into());
         }
+        if self.no_fsdp && self.mixed_precision != Precision::None {
+            return bad("--mixed-precision is an FSDP option; drop --no-fsdp".into());
+        }
         if let (Some(m), Some(d)) = (&self.metrics, std::fs::canonicalize(&self.data).ok()) {
             if std::fs::canonicalize(m).ok().as_ref() == Some(&d) {
                 return bad(format!(
@@ -408,6 +449,10 @@ pub fn build_engine(cfg: &TrainConfig, pg: Group) -> Result<Engine> {
             WrapMode::None => None,
         },
         ranks_per_node: cfg.ranks_per_node,
+        mixed_precision: cfg.mixed_precision.policy(),
+        backward_prefetch: cfg.backward_prefetch,
+        forward_prefetch: cfg.forward_prefetch,
+        limit_all_gathers: cfg.limit_all_gathers,
         ..FsdpConfig::default()
     };
     Ok(Engine::Fsdp(Box::new(FullyShardedDataParallel::new(

@@ -13,6 +13,6 @@ mod job;
 pub mod sample;
 
 pub use job::{
-    build_engine, train, LrSchedule, Observer, Silent, StepRecord, TrainConfig, TrainReport,
-    WrapMode,
+    build_engine, train, LrSchedule, Observer, Precision, Silent, StepRecord, TrainConfig,
+    TrainReport, WrapMode,
 };
