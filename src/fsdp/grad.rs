@@ -76,6 +76,22 @@ impl FullyShardedDataParallel {
         } else {
             local
         };
+        // Ignored modules' parameters are whole on every rank: their local gradients count
+        // once, without a reduction (as FSDP1 counts its non-sharded parameters).
+        let mut ignored: Vec<Tensor> = Vec::new();
+        self.visit_ignored(&mut |_, p| ignored.extend(p.grad().cloned()));
+        let mut total = total;
+        for g in &ignored {
+            for &v in g.f32()?.iter() {
+                let a = (v as f64).abs();
+                total = if inf {
+                    total.max(a)
+                } else {
+                    total + a.powf(norm_type as f64)
+                };
+            }
+        }
+        grads.extend(ignored);
         let total = if inf {
             total
         } else {

@@ -28,7 +28,26 @@ pub(super) struct RankState {
     pub(super) mp: MixedPrecision,
     /// Prefetch decisions and the communication stream, shared by the rank's units.
     pub(super) sched: Arc<Mutex<Scheduler>>,
+    /// Fully qualified names of the ignored modules.
+    ignored: Arc<Vec<String>>,
 }
+
+impl RankState {
+    /// Whether the parameter or module `fqn` lies inside an ignored module.
+    fn is_ignored(&self, fqn: &str) -> bool {
+        self.ignored.iter().any(|m| {
+            fqn == m
+                || (fqn.len() > m.len()
+                    && fqn.starts_with(m.as_str())
+                    && fqn.as_bytes()[m.len()] == b'.')
+        })
+    }
+}
+
+/// Every parameter flattened so far on this rank, with its name and unit, to recognize
+/// tied parameters (one tensor reachable under two names).
+#[derive(Default)]
+struct Seen(Vec<(Tensor, String, String)>);
 
 /// `FullyShardedDataParallel`: wraps a module so its parameters are sharded across the
 /// ranks of a process group and gathered only while it computes.
@@ -46,6 +65,9 @@ pub struct FullyShardedDataParallel {
     pub(super) id: usize,
     /// The gradient reduction issued by the last backward, until the root's backward ends.
     pub(super) pending_grad: Option<PendingGrad>,
+    /// The unit's parameters in visit order (tied ones under each name) and the index of
+    /// the flattened parameter each one is.
+    slots: Vec<(String, usize)>,
     /// False inside [`FullyShardedDataParallel::no_sync`]: backward accumulates the
     /// unsharded gradient locally instead of reducing it.
     pub(super) sync_grads: bool,
@@ -115,7 +137,14 @@ impl FullyShardedDataParallel {
             mem,
             mp,
             sched: Arc::new(Mutex::new(sched)),
+            ignored: Arc::new(config.ignored_modules.clone()),
         };
+        let names = module_names(module.as_mut());
+        if let Some(bad) = config.ignored_modules.iter().find(|m| !names.contains(m)) {
+            return Err(Error::Fsdp(format!(
+                "ignored_modules: the model has no submodule '{bad}'"
+            )));
+        }
         if config.sync_module_states {
             // Rank 0's values everywhere, before anything is flattened (FSDP1
             // `_sync_module_params_and_buffers`).
@@ -133,35 +162,59 @@ impl FullyShardedDataParallel {
             });
             res?;
         }
+        let mut seen = Seen::default();
         if let Some(policy) = &config.auto_wrap_policy {
-            wrap_children(module.as_mut(), "", policy, &rs)?;
+            wrap_children(module.as_mut(), "", policy, &rs, &mut seen)?;
         }
-        let mut root = Self::wrap_one(module, "", &rs)?;
+        let mut root = Self::wrap_one(module, "", &rs, &mut seen)?;
         root.is_root = true;
         rs.sched.lock().set_root(root.id);
         Ok(root)
     }
 
-    fn wrap_one(mut module: Box<dyn Module>, prefix: &str, rs: &RankState) -> Result<Self> {
+    fn wrap_one(
+        mut module: Box<dyn Module>,
+        prefix: &str,
+        rs: &RankState,
+        seen: &mut Seen,
+    ) -> Result<Self> {
         let mut params: Vec<(String, Tensor, bool)> = Vec::new();
-        let mut missing: Option<String> = None;
-        visit_parameters(
-            module.as_mut(),
-            prefix,
-            true,
-            &mut |name, p| match p.data() {
-                Ok(d) => params.push((name.to_string(), d.clone(), p.requires_grad)),
+        let mut slots: Vec<(String, usize)> = Vec::new();
+        let mut bad: Result<()> = Ok(());
+        visit_parameters(module.as_mut(), prefix, true, &mut |name, p| {
+            if bad.is_err() || rs.is_ignored(name) {
+                return;
+            }
+            let d = match p.data() {
+                Ok(d) => d,
                 Err(_) => {
-                    missing.get_or_insert_with(|| name.to_string());
+                    bad = Err(Error::NotMaterialized {
+                        name: name.to_string(),
+                        state: "not materialized at wrap time",
+                    });
+                    return;
                 }
-            },
-        );
-        if let Some(name) = missing {
-            return Err(Error::NotMaterialized {
-                name,
-                state: "not materialized at wrap time",
-            });
-        }
+            };
+            // Tied parameters: flattened once; every name views the same elements.
+            match seen.0.iter().find(|(t, _, _)| t.shares_storage(d)) {
+                Some((t, first, unit)) if t.same_view(d) && unit == prefix => {
+                    let idx = params.iter().position(|(n, _, _)| n == first).unwrap_or(0);
+                    slots.push((name.to_string(), idx));
+                }
+                Some((_, first, unit)) => {
+                    bad = Err(Error::Fsdp(format!(
+                        "parameter '{name}' (unit '{prefix}') shares its storage with '{first}' (unit '{unit}'): tied parameters must be flattened into one FSDP unit; wrap a module that contains both"
+                    )));
+                }
+                None => {
+                    seen.0
+                        .push((d.clone(), name.to_string(), prefix.to_string()));
+                    slots.push((name.to_string(), params.len()));
+                    params.push((name.to_string(), d.clone(), p.requires_grad));
+                }
+            }
+        });
+        bad?;
         let (rank, world) = if rs.strategy.is_sharded() {
             (rs.shard_pg.rank(), rs.shard_pg.size())
         } else {
@@ -179,6 +232,7 @@ impl FullyShardedDataParallel {
             sync_grads: true,
             id,
             pending_grad: None,
+            slots,
         };
         // The originals now live in the FlatParameter: free them (sharded state).
         unit.point_params(None, false)?;
@@ -196,7 +250,8 @@ impl FullyShardedDataParallel {
     /// Points every original parameter's data (or grad) at its view of `buf`, or frees it.
     pub(super) fn point_params(&mut self, buf: Option<&Tensor>, grads: bool) -> Result<()> {
         let views = buf.map(|b| self.flat.views(b)).transpose()?;
-        let infos = &self.flat.infos;
+        let slots = &self.slots;
+        let rs = &self.rs;
         let mut i = 0;
         let mut bad: Result<()> = Ok(());
         visit_parameters(
@@ -204,15 +259,15 @@ impl FullyShardedDataParallel {
             &self.prefix,
             true,
             &mut |name, p: &mut Parameter| {
-                if bad.is_err() {
+                if bad.is_err() || rs.is_ignored(name) {
                     return;
                 }
-                if infos.get(i).map(|x| x.fqn.as_str()) != Some(name) {
+                let Some(&(_, k)) = slots.get(i).filter(|(n, _)| n == name) else {
                     bad = Err(Error::Fsdp(format!("parameter '{name}' was not flattened into this unit (module changed after wrapping)")));
                     return;
-                }
+                };
                 p.set_name(name);
-                let v = views.as_ref().map(|v| v[i].clone());
+                let v = views.as_ref().map(|v| v[k].clone());
                 if grads {
                     p.set_grad(v);
                 } else if let Err(e) = p.set_data(v) {
@@ -222,11 +277,11 @@ impl FullyShardedDataParallel {
             },
         );
         bad?;
-        if i != infos.len() {
+        if i != self.slots.len() {
             return Err(Error::Fsdp(format!(
                 "unit '{}' flattened {} parameters but its module now has {i}",
                 self.prefix,
-                infos.len()
+                self.slots.len()
             )));
         }
         Ok(())
@@ -240,7 +295,8 @@ impl FullyShardedDataParallel {
 
     /// What an optimizer steps on: views of every unit's local shard and gradient shard,
     /// one per run of trainable elements (frozen parameters and padding excluded, so they
-    /// are never updated, not even by weight decay). The same list at every step.
+    /// are never updated, not even by weight decay), then the trainable parameters of the
+    /// ignored modules, whole. The same list at every step.
     pub fn optimizer_params(&mut self) -> Vec<ParamGrad> {
         let mut out = Vec::new();
         self.for_each_unit(&mut |u| {
@@ -256,10 +312,34 @@ impl FullyShardedDataParallel {
                 }
             }
         });
+        self.visit_ignored(&mut |_, p| {
+            if let (true, Ok(param)) = (p.requires_grad, p.data()) {
+                out.push(ParamGrad {
+                    param: param.clone(),
+                    grad: p.grad().cloned(),
+                });
+            }
+        });
         out
     }
 
-    /// Drops every sharded gradient (`zero_grad(set_to_none=True)`, PyTorch's default).
+    /// Visits the parameters of the ignored modules (whole on every rank, FSDP does not
+    /// manage them; their gradients are local).
+    pub fn visit_ignored(&mut self, f: &mut dyn FnMut(&str, &mut Parameter)) {
+        if self.rs.ignored.is_empty() {
+            return;
+        }
+        let rs = self.rs.clone();
+        let prefix = self.prefix.clone();
+        visit_parameters(self.module.as_mut(), &prefix, false, &mut |name, p| {
+            if rs.is_ignored(name) {
+                f(name, p)
+            }
+        });
+    }
+
+    /// Drops every sharded gradient, and the ignored modules' gradients
+    /// (`zero_grad(set_to_none=True)`, PyTorch's default).
     pub fn zero_grad(&mut self) {
         let mem = self.rs.mem.clone();
         self.for_each_unit(&mut |u| {
@@ -268,6 +348,7 @@ impl FullyShardedDataParallel {
                 m.grad_shard_bytes = m.grad_shard_bytes.saturating_sub(g.nbytes());
             }
         });
+        self.visit_ignored(&mut |_, p| p.set_grad(None));
     }
 
     /// This rank's FSDP memory figures.
@@ -357,6 +438,11 @@ impl FullyShardedDataParallel {
             })();
         });
         res?;
+        self.visit_ignored(&mut |name, p| {
+            if let Ok(v) = p.data().and_then(|d| d.to_vec_f32()) {
+                infos.push((name.to_string(), v));
+            }
+        });
         // Units are visited root-first; named_parameters() order is module pre-order.
         let order: Vec<String> = crate::nn::parameter_shapes(self)
             .into_iter()
@@ -425,16 +511,37 @@ fn wrap_children(
     prefix: &str,
     policy: &AutoWrapPolicy,
     rs: &RankState,
+    seen: &mut Seen,
 ) -> Result<()> {
     m.for_each_child(&mut |name, child| {
         let fqn = join_name(prefix, name);
-        wrap_children(child.as_mut(), &fqn, policy, rs)?;
+        if rs.is_ignored(&fqn) {
+            return Ok(());
+        }
+        wrap_children(child.as_mut(), &fqn, policy, rs, seen)?;
         if !child.is_fsdp_unit() && policy.should_wrap(child.as_mut()) {
             let inner = std::mem::replace(child, Box::new(Sequential::new(Vec::new())));
-            *child = Box::new(FullyShardedDataParallel::wrap_one(inner, &fqn, rs)?);
+            *child = Box::new(FullyShardedDataParallel::wrap_one(inner, &fqn, rs, seen)?);
         }
         Ok(())
     })
+}
+
+/// Fully qualified names of every submodule below `m` (`named_modules()` without the root).
+fn module_names(m: &mut dyn Module) -> Vec<String> {
+    fn walk(m: &mut dyn Module, prefix: &str, out: &mut Vec<String>) {
+        let _ = m.for_each_child(&mut |name, child| {
+            let fqn = join_name(prefix, name);
+            if !name.is_empty() {
+                out.push(fqn.clone());
+            }
+            walk(child.as_mut(), &fqn, out);
+            Ok(())
+        });
+    }
+    let mut out = Vec::new();
+    walk(m, "", &mut out);
+    out
 }
 
 #[cfg(test)]

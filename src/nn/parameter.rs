@@ -93,6 +93,27 @@ impl Parameter {
         Ok(())
     }
 
+    /// Makes this parameter the same tensor as `source` (PyTorch's weight tying,
+    /// `head.weight = emb.weight`): both names then read and write the same elements.
+    /// Under FSDP the two must be in one unit, which flattens the tensor once and gives
+    /// both names the same parameter and gradient views, so their gradients add up.
+    /// Outside FSDP each holder keeps its own gradient slot; plain SGD then applies both,
+    /// which is the summed update, but stateful optimizers should see one parameter (keep
+    /// a tied weight in one module, as [`GPT`](super::GPT) does).
+    ///
+    /// # Errors
+    /// `ShapeMismatch` when the shapes differ; `NotMaterialized` when `source` has no data.
+    pub fn tie_to(&mut self, source: &Parameter) -> Result<()> {
+        if source.shape != self.shape {
+            return Err(Error::ShapeMismatch {
+                op: "Parameter::tie_to",
+                expected: self.shape.clone(),
+                got: source.shape.clone(),
+            });
+        }
+        self.set_data(Some(source.data()?.clone()))
+    }
+
     /// The accumulated gradient, if any.
     pub fn grad(&self) -> Option<&Tensor> {
         self.grad.as_ref()

@@ -129,6 +129,15 @@ impl Tensor {
         Arc::ptr_eq(&self.storage, &other.storage)
     }
 
+    /// True when both are the same view of the same storage (same offset, shape and dtype):
+    /// one tensor under two names, as a tied parameter is.
+    pub fn same_view(&self, other: &Tensor) -> bool {
+        self.shares_storage(other)
+            && self.offset == other.offset
+            && self.shape == other.shape
+            && self.dtype == other.dtype
+    }
+
     /// A view of `numel_of(shape)` elements starting `offset` elements into this tensor,
     /// sharing storage (no copy).
     ///

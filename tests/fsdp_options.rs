@@ -1,0 +1,241 @@
+//! FSDP constructor options beyond the strategy: tied parameters, ignored_modules and
+//! device_id, each against its unsharded value.
+
+mod common;
+
+use common::{assert_close, values};
+use fsdp::backend::Device;
+use fsdp::distributed::{launch, Group, LaunchOptions};
+use fsdp::fsdp::{transformer_auto_wrap_policy, FsdpConfig, FullyShardedDataParallel};
+use fsdp::nn::{
+    loss, visit_parameters, Context, Embedding, InitKey, Linear, Module, Sequential, GELU,
+};
+use fsdp::optim::{Optimizer, SgdConfig, SGD};
+use fsdp::tensor::Tensor;
+
+/// Embedding(10, 4) whose weight is also the output projection Linear(4, 10, no bias).
+fn tied_lm() -> Box<dyn Module> {
+    let k = InitKey::new(21);
+    let emb = Embedding::new(10, 4, 1.0, &k.child("0")).unwrap();
+    let mut head = Linear::new(4, 10, false, &k.child("1")).unwrap();
+    head.weight.tie_to(&emb.weight).unwrap();
+    Box::new(Sequential::new(vec![Box::new(emb), Box::new(head)]))
+}
+
+const IDS: [i32; 6] = [1, 8, 3, 9, 0, 7];
+const TARGETS: [i32; 6] = [2, 9, 4, 0, 1, 8];
+
+fn lm_step(m: &mut dyn Module, lo: usize, hi: usize) -> fsdp::Result<()> {
+    let ids = Tensor::from_vec(IDS[lo..hi].to_vec(), &[hi - lo])?;
+    let logits = m.forward(&ids, &Context::train())?;
+    let t = Tensor::from_vec(TARGETS[lo..hi].to_vec(), &[hi - lo])?;
+    let (_, g) = loss::cross_entropy(&logits, &t)?;
+    m.backward(&g, &Context::train())?;
+    Ok(())
+}
+
+fn sgd() -> SGD {
+    SGD::new(SgdConfig {
+        lr: 0.1,
+        ..Default::default()
+    })
+}
+
+#[test]
+fn a_tied_embedding_and_projection_train_as_one_parameter_at_3_ranks() {
+    // Unsharded: both holders add their gradient into the same tensor (plain SGD applies
+    // the two updates: the summed gradient).
+    let mut plain = tied_lm();
+    let mut before = Vec::new();
+    visit_parameters(plain.as_mut(), "", false, &mut |_, p| {
+        before = p.data().unwrap().to_vec_f32().unwrap()
+    });
+    lm_step(plain.as_mut(), 0, 6).unwrap();
+    sgd()
+        .step(&fsdp::optim::parameters(plain.as_mut()))
+        .unwrap();
+    let mut want = Vec::new();
+    visit_parameters(plain.as_mut(), "", false, &mut |_, p| {
+        want = p.data().unwrap().to_vec_f32().unwrap()
+    });
+    let out = launch(&LaunchOptions::new(3), |pg: Group| {
+        let mut m = FullyShardedDataParallel::new(tied_lm(), pg.clone(), FsdpConfig::default())?;
+        let shard_before = m.flat_param().local_shard().to_vec_f32()?;
+        lm_step(&mut m, pg.rank() * 2, pg.rank() * 2 + 2)?;
+        sgd().step(&m.optimizer_params())?;
+        let shard_after = m.flat_param().local_shard().to_vec_f32()?;
+        let numel = m.flat_param().numel();
+        Ok((numel, shard_before, shard_after, m.full_parameters()?))
+    })
+    .unwrap();
+    for (rank, (numel, b, a, full)) in out.iter().enumerate() {
+        // Flattened once: 40 elements, chunks of 14 (rows 0-3.5, 3.5-7, 7-10).
+        assert_eq!(*numel, 40);
+        assert_eq!(full.len(), 1, "one tensor, one entry: {full:?}");
+        assert_eq!(full[0].0, "0.weight");
+        assert_close(&format!("rank {rank}"), &full[0].1, &want, 1e-6, 1e-5);
+        assert_ne!(b, a, "rank {rank}'s rows did not change");
+    }
+    // The last rank owns elements 28..40 = rows 7, 8, 9: they moved.
+    assert_eq!(out[2].2.len(), 14);
+    assert_close(
+        "last rank's rows",
+        &out[2].2[..12],
+        &want[28..40],
+        1e-6,
+        1e-5,
+    );
+    assert_eq!(&out[2].1[..12], &before[28..40]);
+    assert_ne!(&out[2].2[..12], &before[28..40]);
+}
+
+#[test]
+fn a_tied_weight_split_over_two_units_is_refused_at_wrap_time() {
+    let err = launch(&LaunchOptions::new(2), |pg: Group| {
+        let cfg = FsdpConfig {
+            auto_wrap_policy: Some(transformer_auto_wrap_policy(["Linear"])),
+            ..Default::default()
+        };
+        FullyShardedDataParallel::new(tied_lm(), pg, cfg).map(drop)
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("'0.weight'") && err.contains("'1.weight'") && err.contains("one FSDP unit"),
+        "{err}"
+    );
+}
+
+/// Linear(3, 4) - GELU - Linear(4, 2); the first Linear is ignored by FSDP.
+fn two_layers() -> Box<dyn Module> {
+    let k = InitKey::new(8);
+    Box::new(Sequential::new(vec![
+        Box::new(Linear::new(3, 4, true, &k.child("0")).unwrap()),
+        Box::new(GELU::new()),
+        Box::new(Linear::new(4, 2, true, &k.child("2")).unwrap()),
+    ]))
+}
+
+fn mse_step(m: &mut dyn Module, lo: usize, hi: usize) -> fsdp::Result<()> {
+    let x = values(5, 8 * 3);
+    let y = values(6, 8 * 2);
+    let out = m.forward(
+        &Tensor::from_vec(x[lo * 3..hi * 3].to_vec(), &[hi - lo, 3])?,
+        &Context::train(),
+    )?;
+    let (_, g) = loss::mse_loss(
+        &out,
+        &Tensor::from_vec(y[lo * 2..hi * 2].to_vec(), &[hi - lo, 2])?,
+    )?;
+    m.backward(&g, &Context::train())?;
+    Ok(())
+}
+
+fn named(m: &mut dyn Module) -> Vec<(String, Vec<f32>)> {
+    let mut v = Vec::new();
+    visit_parameters(m, "", false, &mut |n, p| {
+        v.push((n.to_string(), p.data().unwrap().to_vec_f32().unwrap()))
+    });
+    v
+}
+
+#[test]
+fn ignored_modules_stay_whole_and_local_while_the_rest_is_sharded() {
+    let out = launch(&LaunchOptions::new(2), |pg: Group| {
+        let cfg = FsdpConfig {
+            ignored_modules: vec!["0".into()],
+            ..Default::default()
+        };
+        let mut m = FullyShardedDataParallel::new(two_layers(), pg.clone(), cfg)?;
+        let flat: Vec<String> = m
+            .flat_param()
+            .param_infos()
+            .iter()
+            .map(|i| i.fqn.clone())
+            .collect();
+        mse_step(&mut m, pg.rank() * 4, pg.rank() * 4 + 4)?;
+        sgd().step(&m.optimizer_params())?;
+        Ok((flat, m.full_parameters()?))
+    })
+    .unwrap();
+    // Per rank r: the managed Linear "2" gets the gradient averaged over ranks (= the full
+    // batch's); the ignored Linear "0" steps on rank r's own gradient only.
+    let full = {
+        let mut m = two_layers();
+        mse_step(m.as_mut(), 0, 8).unwrap();
+        sgd().step(&fsdp::optim::parameters(m.as_mut())).unwrap();
+        named(m.as_mut())
+    };
+    for (rank, (flat, got)) in out.iter().enumerate() {
+        assert_eq!(flat, &vec!["2.weight".to_string(), "2.bias".to_string()]);
+        let local = {
+            let mut m = two_layers();
+            mse_step(m.as_mut(), rank * 4, rank * 4 + 4).unwrap();
+            sgd().step(&fsdp::optim::parameters(m.as_mut())).unwrap();
+            named(m.as_mut())
+        };
+        let names: Vec<&str> = got.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["0.weight", "0.bias", "2.weight", "2.bias"]);
+        for i in 0..2 {
+            assert_close(
+                &format!("rank {rank} ignored {}", got[i].0),
+                &got[i].1,
+                &local[i].1,
+                1e-6,
+                1e-5,
+            );
+        }
+        for i in 2..4 {
+            assert_close(
+                &format!("rank {rank} sharded {}", got[i].0),
+                &got[i].1,
+                &full[i].1,
+                1e-6,
+                1e-5,
+            );
+        }
+    }
+    assert_ne!(
+        out[0].1[0].1, out[1].1[0].1,
+        "ignored params are not synchronized"
+    );
+}
+
+#[test]
+fn an_unknown_ignored_module_is_named_in_the_error() {
+    let err = launch(&LaunchOptions::new(1), |pg: Group| {
+        let cfg = FsdpConfig {
+            ignored_modules: vec!["encoder".into()],
+            ..Default::default()
+        };
+        FullyShardedDataParallel::new(two_layers(), pg, cfg).map(drop)
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("'encoder'"), "{err}");
+}
+
+#[test]
+fn device_id_accepts_the_cpu_and_names_what_it_cannot_use() {
+    let res = launch(&LaunchOptions::new(1), |pg: Group| {
+        let mut out = Vec::new();
+        for d in [Device::Cpu, Device::Cuda(0), Device::Meta] {
+            let cfg = FsdpConfig {
+                device_id: Some(d),
+                ..Default::default()
+            };
+            out.push(
+                FullyShardedDataParallel::new(two_layers(), pg.clone(), cfg)
+                    .map(drop)
+                    .map_err(|e| e.to_string()),
+            );
+        }
+        Ok(out)
+    })
+    .unwrap();
+    assert!(res[0][0].is_ok());
+    let cuda = res[0][1].as_ref().unwrap_err();
+    assert!(cuda.contains("cuda:0"), "{cuda}");
+    let meta = res[0][2].as_ref().unwrap_err();
+    assert!(meta.contains("meta"), "{meta}");
+}
