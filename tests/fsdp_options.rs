@@ -239,3 +239,157 @@ fn device_id_accepts_the_cpu_and_names_what_it_cannot_use() {
     let meta = res[0][2].as_ref().unwrap_err();
     assert!(meta.contains("meta"), "{meta}");
 }
+
+/// Linear(3, 5) with bias at 2 ranks, 3 micro-batches of 4 rows (2 per rank); `synced[k]`
+/// says whether micro-batch k reduces (the last always does). Returns each rank's
+/// (full gradient, parameters after one SGD step).
+fn accumulate(offload: bool, synced: [bool; 2]) -> Vec<(Vec<f32>, Vec<f32>)> {
+    use fsdp::fsdp::CpuOffload;
+    launch(&LaunchOptions::new(2), |pg: Group| {
+        let cfg = FsdpConfig {
+            cpu_offload: CpuOffload {
+                offload_params: offload,
+            },
+            ..Default::default()
+        };
+        let lin = Linear::new(3, 5, true, &InitKey::new(12))?;
+        let mut m = FullyShardedDataParallel::new(Box::new(lin), pg.clone(), cfg)?;
+        for k in 0..3 {
+            let lo = k * 4 + pg.rank() * 2;
+            if k < 2 && !synced[k] {
+                m.no_sync(|m| micro(m, lo))?;
+            } else {
+                micro(&mut m, lo)?;
+            }
+        }
+        let numel = m.flat_param().numel();
+        let shard = m.flat_param().grad_shard().unwrap().clone();
+        let all = Tensor::zeros(&[shard.numel() * 2], fsdp::tensor::DType::F32);
+        pg.all_gather_into_tensor(&all, &shard)?;
+        let mut grad = all.to_vec_f32()?;
+        grad.truncate(numel);
+        sgd().step(&m.optimizer_params())?;
+        let params = m
+            .full_parameters()?
+            .into_iter()
+            .flat_map(|(_, v)| v)
+            .collect();
+        Ok((grad, params))
+    })
+    .unwrap()
+}
+
+/// Forward + backward of rows `lo..lo + 2` of the 12-row batch (MSE, mean over the rows).
+fn micro(m: &mut dyn Module, lo: usize) -> fsdp::Result<()> {
+    rows_step(m, lo, lo + 2)
+}
+
+fn rows_step(m: &mut dyn Module, lo: usize, hi: usize) -> fsdp::Result<()> {
+    let x = values(31, 12 * 3);
+    let y = values(32, 12 * 5);
+    let out = m.forward(
+        &Tensor::from_vec(x[lo * 3..hi * 3].to_vec(), &[hi - lo, 3])?,
+        &Context::train(),
+    )?;
+    let (_, g) = loss::mse_loss(
+        &out,
+        &Tensor::from_vec(y[lo * 5..hi * 5].to_vec(), &[hi - lo, 5])?,
+    )?;
+    m.backward(&g, &Context::train())?;
+    Ok(())
+}
+
+#[test]
+fn offload_and_no_sync_accumulate_the_sum_of_micro_batch_gradients() {
+    // Unsharded: each micro-batch's 4 rows at once; gradients add up over the three.
+    let mut plain: Box<dyn Module> = Box::new(Linear::new(3, 5, true, &InitKey::new(12)).unwrap());
+    for k in 0..3 {
+        rows_step(plain.as_mut(), k * 4, k * 4 + 4).unwrap();
+    }
+    let mut want_grad = Vec::new();
+    visit_parameters(plain.as_mut(), "", false, &mut |_, p| {
+        want_grad.extend(p.grad().unwrap().to_vec_f32().unwrap())
+    });
+    sgd()
+        .step(&fsdp::optim::parameters(plain.as_mut()))
+        .unwrap();
+    let want_params: Vec<f32> = named(plain.as_mut())
+        .into_iter()
+        .flat_map(|(_, v)| v)
+        .collect();
+    for offload in [false, true] {
+        for synced in [[true, true], [false, true], [true, false], [false, false]] {
+            let got = accumulate(offload, synced);
+            for (rank, (g, p)) in got.iter().enumerate() {
+                let what = format!("offload {offload} synced {synced:?} rank {rank}");
+                assert_close(&format!("{what} grad"), g, &want_grad, 1e-6, 1e-5);
+                assert_close(&format!("{what} params"), p, &want_params, 1e-6, 1e-5);
+                if offload {
+                    // Offloading moves data, never changes it.
+                    let base = &accumulate(false, synced)[rank];
+                    assert_eq!((g, p), (&base.0, &base.1), "{what}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn cpu_offload_gives_bitwise_the_same_training_under_every_strategy() {
+    use fsdp::fsdp::{CpuOffload, MixedPrecision, ShardingStrategy};
+    for strategy in [
+        ShardingStrategy::FullShard,
+        ShardingStrategy::ShardGradOp,
+        ShardingStrategy::NoShard,
+        ShardingStrategy::HybridShard,
+        ShardingStrategy::HybridShardZero2,
+    ] {
+        for mp in [
+            None,
+            Some(MixedPrecision::uniform(fsdp::tensor::DType::BF16)),
+        ] {
+            let run = |offload: bool| {
+                launch(&LaunchOptions::new(4), |pg: Group| {
+                    let cfg = FsdpConfig {
+                        sharding_strategy: strategy,
+                        ranks_per_node: Some(2),
+                        auto_wrap_policy: Some(transformer_auto_wrap_policy(["Linear"])),
+                        mixed_precision: mp,
+                        cpu_offload: CpuOffload {
+                            offload_params: offload,
+                        },
+                        ..Default::default()
+                    };
+                    let mut m =
+                        FullyShardedDataParallel::new(common::uneven_model(5), pg.clone(), cfg)?;
+                    let mem = m.memory_stats();
+                    for _ in 0..2 {
+                        mse_uneven(&mut m, pg.rank())?;
+                        sgd().step(&m.optimizer_params())?;
+                        m.zero_grad();
+                    }
+                    Ok((m.full_parameters()?, mem.cpu_offload))
+                })
+                .unwrap()
+            };
+            let (off, on) = (run(false), run(true));
+            for r in 0..4 {
+                assert!(!off[r].1 && on[r].1);
+                assert_eq!(off[r].0, on[r].0, "{strategy:?} {mp:?} rank {r}");
+            }
+        }
+    }
+}
+
+fn mse_uneven(m: &mut dyn Module, rank: usize) -> fsdp::Result<()> {
+    let x = values(41, 8 * 7);
+    let y = values(42, 8);
+    let (lo, hi) = (rank * 2, rank * 2 + 2);
+    let out = m.forward(
+        &Tensor::from_vec(x[lo * 7..hi * 7].to_vec(), &[2, 7])?,
+        &Context::train(),
+    )?;
+    let (_, g) = loss::mse_loss(&out, &Tensor::from_vec(y[lo..hi].to_vec(), &[2, 1])?)?;
+    m.backward(&g, &Context::train())?;
+    Ok(())
+}

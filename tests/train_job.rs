@@ -334,6 +334,8 @@ fn prefetch_flags_keep_the_losses_and_bf16_stays_close_to_f32() {
             backward_prefetch: bwd,
             forward_prefetch: fwd,
             limit_all_gathers: limit,
+            // Offloading shards to host memory moves data, never changes it.
+            cpu_offload: fwd,
             ..short(4)
         };
         // Prefetching changes when parameters are gathered, never a value.

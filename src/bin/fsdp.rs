@@ -127,6 +127,10 @@ struct FsdpArgs {
     #[arg(long, default_value_t = D.limit_all_gathers, num_args = 0..=1,
           default_missing_value = "true", action = clap::ArgAction::Set)]
     limit_all_gathers: bool,
+    /// Keep parameter and gradient shards in host memory; the optimizer steps there
+    /// (CpuOffload(offload_params=True)).
+    #[arg(long)]
+    cpu_offload: bool,
 }
 
 #[derive(Args)]
@@ -291,6 +295,7 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         backward_prefetch: a.fsdp.backward_prefetch.policy(),
         forward_prefetch: a.fsdp.forward_prefetch,
         limit_all_gathers: a.fsdp.limit_all_gathers,
+        cpu_offload: a.fsdp.cpu_offload,
         ..base_config(&a.model, a.data.clone())
     };
     cfg.validate()?;

@@ -95,6 +95,21 @@ pub struct FsdpConfig {
     /// The device the unit computes on (`device_id=`); `None` or `Some(Device::Cpu)` on the
     /// CPU backend.
     pub device_id: Option<Device>,
+    /// Keep parameter and gradient shards in host memory (`cpu_offload=`).
+    pub cpu_offload: CpuOffload,
+}
+
+/// `torch.distributed.fsdp.CpuOffload`: where the sharded state lives between uses.
+///
+/// With `offload_params`, each unit's parameter shard and gradient shard stay in host
+/// memory and the optimizer steps there; unshard first copies the shard to the compute
+/// device (on the communication stream, ahead of use when prefetching) and the reduced
+/// gradient shard is copied back to the host. On the CPU backend the "device" copy is a
+/// separate staging buffer, so the data path and its numbers are exercised without a GPU.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CpuOffload {
+    /// Offload parameter (and with them gradient) shards (`offload_params=True`).
+    pub offload_params: bool,
 }
 
 impl Default for FsdpConfig {
@@ -111,6 +126,7 @@ impl Default for FsdpConfig {
             limit_all_gathers: true,
             ignored_modules: Vec::new(),
             device_id: None,
+            cpu_offload: CpuOffload::default(),
         }
     }
 }

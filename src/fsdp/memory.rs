@@ -16,6 +16,9 @@ pub struct MemoryStats {
     pub unsharded_units: usize,
     /// Most units unsharded at once since the last [`reset_peak`](Self::reset_peak).
     pub peak_unsharded_units: usize,
+    /// With [`CpuOffload`](super::CpuOffload): the parameter and gradient shards above are
+    /// in host memory, not on the compute device.
+    pub cpu_offload: bool,
 }
 
 impl MemoryStats {

@@ -23,7 +23,7 @@ mod scheduler;
 mod unit;
 mod wrap;
 
-pub use config::{FsdpConfig, ShardingStrategy};
+pub use config::{CpuOffload, FsdpConfig, ShardingStrategy};
 pub use flat_param::{FlatParameter, ParamInfo};
 pub use memory::MemoryStats;
 pub use mixed_precision::MixedPrecision;

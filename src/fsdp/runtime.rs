@@ -71,7 +71,10 @@ impl FullyShardedDataParallel {
     /// # Errors
     /// `Fsdp` when the module's parameters changed since wrapping.
     pub fn reshard(&mut self) -> Result<()> {
-        if !self.rs.strategy.is_sharded() && !self.rs.mp.is_low_precision() {
+        if !self.rs.strategy.is_sharded()
+            && !self.rs.mp.is_low_precision()
+            && !self.rs.sched.lock().offload
+        {
             return Ok(());
         }
         if let Some(full) = self.flat.unsharded.take() {
@@ -105,6 +108,7 @@ impl FullyShardedDataParallel {
             self.rs.replicate_pg.clone(),
         );
         let keep_lp = mp.keep_low_precision_grads.then(|| mp.compute_dtype());
+        let offload = self.rs.sched.lock().offload;
         let out = Arc::new(Mutex::new(None));
         let slot = out.clone();
         let job = move || -> Result<()> {
@@ -136,6 +140,8 @@ impl FullyShardedDataParallel {
             if let Some(d) = keep_lp {
                 round_(&shard, d)?;
             }
+            // CpuOffload: the device-to-host copy of the gradient shard.
+            let shard = if offload { shard.deep_clone()? } else { shard };
             *slot.lock() = Some(shard);
             Ok(())
         };

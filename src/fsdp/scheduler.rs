@@ -72,6 +72,8 @@ pub(super) struct Scheduler {
     pub backward_prefetch: Option<BackwardPrefetch>,
     pub forward_prefetch: bool,
     pub limit_all_gathers: bool,
+    /// Shards live in host memory: copy to the device before gathering.
+    pub offload: bool,
     /// The rank's memory figures: a gather's buffer counts from the moment it is issued.
     mem: Arc<Mutex<MemoryStats>>,
     units: Vec<UnitComm>,
@@ -103,6 +105,7 @@ impl Scheduler {
             mp,
             backward_prefetch: None,
             forward_prefetch: false,
+            offload: false,
             limit_all_gathers: false,
             units: Vec::new(),
             prefetched: Vec::new(),
@@ -147,7 +150,26 @@ impl Scheduler {
         self.mem.lock().on_unshard(full.nbytes());
         self.stats.all_gathers += 1;
         let dtype = self.mp.compute_dtype();
-        let work = if !self.sharded {
+        let work = if self.offload {
+            // CpuOffload: the pre-unshard host-to-device copy, then the gather from it.
+            let (pg, shard, out, padded, sharded) = (
+                self.shard_pg.clone(),
+                u.shard.clone(),
+                full.clone(),
+                u.padded,
+                self.sharded,
+            );
+            self.stream.submit(move || {
+                let on_device = shard.to_dtype(dtype)?;
+                if sharded {
+                    let lp_full = Tensor::zeros(&[padded], dtype);
+                    pg.all_gather_into_tensor(&lp_full, &on_device)?;
+                    out.copy_from(&lp_full)
+                } else {
+                    out.copy_from(&on_device)
+                }
+            })
+        } else if !self.sharded {
             // NoShard: the "shard" is the whole flat parameter; make the compute copy.
             let (shard, out) = (u.shard.clone(), full.clone());
             self.stream.submit(move || {

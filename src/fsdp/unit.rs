@@ -129,6 +129,7 @@ impl FullyShardedDataParallel {
         sched.backward_prefetch = config.backward_prefetch;
         sched.forward_prefetch = config.forward_prefetch;
         sched.limit_all_gathers = config.limit_all_gathers;
+        sched.offload = config.cpu_offload.offload_params;
         let rs = RankState {
             pg,
             shard_pg,
@@ -236,14 +237,18 @@ impl FullyShardedDataParallel {
         };
         // The originals now live in the FlatParameter: free them (sharded state).
         unit.point_params(None, false)?;
-        if !rs.strategy.is_sharded() && !rs.mp.is_low_precision() {
+        if !rs.strategy.is_sharded() && !rs.mp.is_low_precision() && !rs.sched.lock().offload {
             // NoShard: the "shard" is the whole flat parameter; parameters view it for good
             // (with low-precision compute, unshard makes a rounded copy instead).
             let full = unit.flat.local_shard.clone();
             unit.point_params(Some(&full), false)?;
             unit.flat.unsharded = Some(full);
         }
-        rs.mem.lock().param_shard_bytes += unit.flat.local_shard.nbytes();
+        {
+            let mut m = rs.mem.lock();
+            m.param_shard_bytes += unit.flat.local_shard.nbytes();
+            m.cpu_offload = rs.sched.lock().offload;
+        }
         Ok(unit)
     }
 

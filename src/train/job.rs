@@ -5,8 +5,8 @@ use super::engine::{gather_memory, mean_over_ranks, Engine, RankMemory};
 use crate::distributed::{launch, Group, LaunchOptions};
 use crate::error::{Error, Result};
 use crate::fsdp::{
-    size_based_auto_wrap_policy, transformer_auto_wrap_policy, BackwardPrefetch, FsdpConfig,
-    FullyShardedDataParallel, MixedPrecision, ShardingStrategy,
+    size_based_auto_wrap_policy, transformer_auto_wrap_policy, BackwardPrefetch, CpuOffload,
+    FsdpConfig, FullyShardedDataParallel, MixedPrecision, ShardingStrategy,
 };
 use crate::nn::{loss, num_parameters, Context, GptConfig, Module, GPT};
 use crate::optim::{self, OptimizerKind};
@@ -164,6 +164,9 @@ pub struct TrainConfig {
     /// At most two units besides the root unsharded by prefetching
     /// (`--limit-all-gathers`), default on (PyTorch's default).
     pub limit_all_gathers: bool,
+    /// Keep parameter and gradient shards in host memory (`--cpu-offload`,
+    /// `CpuOffload { offload_params: true }`).
+    pub cpu_offload: bool,
     /// Learning-rate schedule over the run.
     pub lr_schedule: LrSchedule,
     /// Linear warm-up steps from `lr / warmup_steps` to `lr` (0: none), capped at `steps`.
@@ -215,6 +218,7 @@ impl Default for TrainConfig {
             backward_prefetch: Some(BackwardPrefetch::BackwardPre),
             forward_prefetch: false,
             limit_all_gathers: true,
+            cpu_offload: false,
             optimizer: OptimizerKind::Adamw,
             seed: 1337,
             eval_every: 100,
@@ -355,8 +359,10 @@ impl TrainConfig {
         if self.no_fsdp && self.world_size != 1 {
             return bad("--no-fsdp trains without sharding and needs --world-size 1".into());
         }
-        if self.no_fsdp && self.mixed_precision != Precision::None {
-            return bad("--mixed-precision is an FSDP option; drop --no-fsdp".into());
+        if self.no_fsdp && (self.mixed_precision != Precision::None || self.cpu_offload) {
+            return bad(
+                "--mixed-precision and --cpu-offload are FSDP options; drop --no-fsdp".into(),
+            );
         }
         if let (Some(m), Some(d)) = (&self.metrics, std::fs::canonicalize(&self.data).ok()) {
             if std::fs::canonicalize(m).ok().as_ref() == Some(&d) {
@@ -453,6 +459,9 @@ pub fn build_engine(cfg: &TrainConfig, pg: Group) -> Result<Engine> {
         backward_prefetch: cfg.backward_prefetch,
         forward_prefetch: cfg.forward_prefetch,
         limit_all_gathers: cfg.limit_all_gathers,
+        cpu_offload: CpuOffload {
+            offload_params: cfg.cpu_offload,
+        },
         ..FsdpConfig::default()
     };
     Ok(Engine::Fsdp(Box::new(FullyShardedDataParallel::new(
