@@ -254,9 +254,9 @@ fn accumulate(offload: bool, synced: [bool; 2]) -> Vec<(Vec<f32>, Vec<f32>)> {
         };
         let lin = Linear::new(3, 5, true, &InitKey::new(12))?;
         let mut m = FullyShardedDataParallel::new(Box::new(lin), pg.clone(), cfg)?;
-        for k in 0..3 {
+        for (k, sync) in synced.iter().chain([&true]).enumerate() {
             let lo = k * 4 + pg.rank() * 2;
-            if k < 2 && !synced[k] {
+            if !sync {
                 m.no_sync(|m| micro(m, lo))?;
             } else {
                 micro(&mut m, lo)?;
