@@ -86,6 +86,13 @@ pub enum Error {
         /// That rank's own error or panic message, as text.
         reason: String,
     },
+    /// A `torch.distributed` call that needs this thread's default process group ran before
+    /// `init_process_group` (or after `destroy_process_group`, or outside `launch`).
+    #[error("{call}: the default process group is not initialized on this thread; call init_process_group first (or run inside distributed::launch)")]
+    NotInitialized {
+        /// The function called, e.g. `"get_rank"`, `"destroy_process_group"`.
+        call: &'static str,
+    },
     /// FSDP was configured or used in a way it does not support.
     #[error("fsdp: {0}")]
     Fsdp(String),
