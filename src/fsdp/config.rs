@@ -1,7 +1,7 @@
 //! The FSDP constructor's options, named as `torch.distributed.fsdp.FullyShardedDataParallel`.
 
 use super::AutoWrapPolicy;
-use crate::distributed::Group;
+use crate::distributed::{DeviceMesh, Group};
 
 /// How parameters, gradients and optimizer state are split across ranks
 /// (`torch.distributed.fsdp.ShardingStrategy`).
@@ -75,4 +75,8 @@ pub struct FsdpConfig {
     /// Hybrid strategies only, without `hybrid_groups`: ranks per node (`--ranks-per-node`);
     /// default the whole world (one node). See [`hybrid_groups`](super::hybrid_groups).
     pub ranks_per_node: Option<usize>,
+    /// Hybrid strategies only: a 2-D mesh `(replicate, shard)` of the world
+    /// (`FullyShardedDataParallel(device_mesh=...)`): dim 1 is the shard group, dim 0 the
+    /// replicate group. Excludes `hybrid_groups` and `ranks_per_node`.
+    pub device_mesh: Option<DeviceMesh>,
 }
