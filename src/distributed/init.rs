@@ -310,15 +310,15 @@ thread_local! {
     static DEFAULT: RefCell<Option<DefaultGroup>> = const { RefCell::new(None) };
 }
 
-/// Clears this thread's default group when dropped, without marking the rank exited.
+/// Clears this thread's default group when dropped. Launch's own group is not marked
+/// exited by that (launch records the rank's outcome itself); a group the closure made with
+/// `init_process_group` and did not destroy is.
 pub(super) struct DefaultGroupGuard(());
 
 impl Drop for DefaultGroupGuard {
     fn drop(&mut self) {
         let old = DEFAULT.with(|d| d.borrow_mut().take());
-        if let Some(mut old) = old {
-            old.exit_on_drop = false;
-        }
+        drop(old);
     }
 }
 
