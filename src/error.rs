@@ -86,6 +86,13 @@ pub enum Error {
         /// That rank's own error or panic message, as text.
         reason: String,
     },
+    /// A `torch.distributed` call that needs this thread's default process group ran before
+    /// `init_process_group` (or after `destroy_process_group`, or outside `launch`).
+    #[error("{call}: the default process group is not initialized on this thread; call init_process_group first (or run inside distributed::launch)")]
+    NotInitialized {
+        /// The function called, e.g. `"get_rank"`, `"destroy_process_group"`.
+        call: &'static str,
+    },
     /// FSDP was configured or used in a way it does not support.
     #[error("fsdp: {0}")]
     Fsdp(String),
@@ -107,6 +114,59 @@ pub enum Error {
 }
 
 impl Error {
+    /// A copy of this error (same variant and fields; an I/O source keeps its kind and
+    /// message). `Error` is not `Clone` because `std::io::Error` is not.
+    pub fn duplicate(&self) -> Error {
+        match self {
+            Error::ShapeMismatch { op, expected, got } => Error::ShapeMismatch {
+                op,
+                expected: expected.clone(),
+                got: got.clone(),
+            },
+            Error::DTypeMismatch { op, expected, got } => Error::DTypeMismatch {
+                op,
+                expected: *expected,
+                got: *got,
+            },
+            Error::NotMaterialized { name, state } => Error::NotMaterialized {
+                name: name.clone(),
+                state,
+            },
+            Error::NoSavedForward { module } => Error::NoSavedForward { module },
+            Error::InvalidArgument(m) => Error::InvalidArgument(m.clone()),
+            Error::CollectiveMismatch { group_size, detail } => Error::CollectiveMismatch {
+                group_size: *group_size,
+                detail: detail.clone(),
+            },
+            Error::Timeout {
+                op,
+                rank,
+                timeout_s,
+                missing_ranks,
+            } => Error::Timeout {
+                op: op.clone(),
+                rank: *rank,
+                timeout_s: *timeout_s,
+                missing_ranks: missing_ranks.clone(),
+            },
+            Error::PeerFailed {
+                failed_rank,
+                reason,
+            } => Error::PeerFailed {
+                failed_rank: *failed_rank,
+                reason: reason.clone(),
+            },
+            Error::NotInitialized { call } => Error::NotInitialized { call },
+            Error::Fsdp(m) => Error::Fsdp(m.clone()),
+            Error::Data(m) => Error::Data(m.clone()),
+            Error::Unsupported(m) => Error::Unsupported(m.clone()),
+            Error::Io { context, source } => Error::Io {
+                context: context.clone(),
+                source: std::io::Error::new(source.kind(), source.to_string()),
+            },
+        }
+    }
+
     /// Wraps an I/O error with what was being done.
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         Error::Io {

@@ -150,3 +150,49 @@ fn a_small_run_reports_losses_eval_and_a_sample() {
     assert!(stdout.contains("rank 1:"), "{stdout}");
     assert_eq!(std::fs::read_to_string(metrics).unwrap().lines().count(), 6);
 }
+
+#[test]
+fn a_failing_rank_ends_the_job_promptly_with_one_line_naming_it() {
+    let text = tmp("fail.txt", common::corpus(20_000).as_bytes());
+    let run = |fail: &str| {
+        let start = std::time::Instant::now();
+        let out = fsdp()
+            .env("FSDP_FAIL_RANK", fail)
+            .args(["train", "--data", text.to_str().unwrap()])
+            .args(["--world-size", "3", "--steps", "5", "--global-batch", "6"])
+            .args([
+                "--seq-len",
+                "16",
+                "--n-layer",
+                "1",
+                "--n-embd",
+                "16",
+                "--n-head",
+                "2",
+            ])
+            .args(["--sample-len", "0"])
+            .output()
+            .unwrap();
+        (out, start.elapsed())
+    };
+    let (out, elapsed) = run("2:3");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "succeeded: {err}");
+    // Peers stop at once instead of waiting out the 300 s collective timeout.
+    assert!(
+        elapsed < std::time::Duration::from_secs(60),
+        "took {elapsed:?}"
+    );
+    assert_eq!(err.trim_end().lines().count(), 1, "not one line: {err}");
+    assert_eq!(
+        err.trim_end(),
+        "error: rank 2 failed: fsdp: failure injected at step 3 by FSDP_FAIL_RANK=2:3"
+    );
+    let (out, _) = run("3");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("FSDP_FAIL_RANK='3': rank 3 is not below --world-size 3"),
+        "{err}"
+    );
+}

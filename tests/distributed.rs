@@ -1,78 +1,221 @@
-//! The threads backend's collectives against sequential references, and its failure modes.
+//! The threads backend's collectives against sequential references, its failure modes,
+//! init_process_group (`distributed/init.rs`), subgroups and meshes (`distributed/mesh.rs`).
 
 mod common;
+#[path = "distributed/init.rs"]
+mod init;
+#[path = "distributed/mesh.rs"]
+mod mesh;
 
 use fsdp::distributed::{launch, LaunchOptions, ReduceOp};
 use fsdp::tensor::{DType, Tensor};
-use fsdp::Error;
 use std::time::{Duration, Instant};
 
-fn rank_values(rank: usize, n: usize) -> Vec<f32> {
-    common::values(rank as u64 + 1, n)
+/// `n` exact values for rank data `seed`: multiples of 1/8 in [-1, 1) for float dtypes
+/// (exact in bf16/f16, and so are sums of 8 of them), integers in [-8, 8) for i32.
+fn exact_values(seed: usize, n: usize, dtype: DType) -> Vec<f64> {
+    common::values(seed as u64 + 1, n)
         .iter()
-        .map(|v| (v * 8.0).round() / 8.0)
+        .map(|v| {
+            let k = (v * 8.0).floor() as f64;
+            if dtype == DType::I32 {
+                k
+            } else {
+                k / 8.0
+            }
+        })
+        .collect()
+}
+
+fn tensor_of(v: &[f64], dtype: DType) -> Tensor {
+    let f: Vec<f32> = v.iter().map(|&x| x as f32).collect();
+    Tensor::from_vec(f, &[v.len()])
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+}
+
+/// What a tensor of `dtype` holds after storing `v` (one rounding, as the backend's).
+fn stored(v: &[f64], dtype: DType) -> Vec<f32> {
+    tensor_of(v, dtype).to_vec_f32().unwrap()
+}
+
+const OPS: [ReduceOp; 5] = [
+    ReduceOp::Sum,
+    ReduceOp::Avg,
+    ReduceOp::Max,
+    ReduceOp::Min,
+    ReduceOp::Product,
+];
+
+fn reduce_ref(op: ReduceOp, xs: &[Vec<f64>], j: usize) -> f64 {
+    let it = xs.iter().map(|x| x[j]);
+    match op {
+        ReduceOp::Sum => it.sum(),
+        ReduceOp::Avg => it.sum::<f64>() / xs.len() as f64,
+        ReduceOp::Max => it.fold(f64::MIN, f64::max),
+        ReduceOp::Min => it.fold(f64::MAX, f64::min),
+        ReduceOp::Product => it.product(),
+    }
+}
+
+/// Seeds of each rank's inputs: `x` (n elements), `big` (world * n), scatter list entries.
+fn x_seed(r: usize) -> usize {
+    r
+}
+fn big_seed(r: usize) -> usize {
+    100 + r
+}
+fn scatter_seed(j: usize) -> usize {
+    200 + j
+}
+
+/// Every collective on one world, one size and one dtype; returns `(what, values)` per rank.
+fn run_every_collective(world: usize, n: usize, dtype: DType) -> Vec<Vec<(String, Vec<f32>)>> {
+    use fsdp::distributed::CollectivesExt;
+    launch(&LaunchOptions::new(world), |pg| {
+        let r = pg.rank();
+        let mut out: Vec<(String, Vec<f32>)> = Vec::new();
+        let mut put = |what: &str, t: &Tensor| -> fsdp::Result<()> {
+            out.push((what.to_string(), t.to_vec_f32()?));
+            Ok(())
+        };
+        let x = || tensor_of(&exact_values(x_seed(r), n, dtype), dtype);
+        let big = || tensor_of(&exact_values(big_seed(r), n * world, dtype), dtype);
+
+        let g = Tensor::zeros(&[n * world], dtype);
+        pg.all_gather_into_tensor(&g, &x())?;
+        put("all_gather_into_tensor", &g)?;
+        let list: Vec<Tensor> = (0..world).map(|_| Tensor::zeros(&[n], dtype)).collect();
+        pg.all_gather(&list, &x())?;
+        for (j, t) in list.iter().enumerate() {
+            put(&format!("all_gather[{j}]"), t)?;
+        }
+        for op in [ReduceOp::Sum, ReduceOp::Avg] {
+            let shard = Tensor::zeros(&[n], dtype);
+            pg.reduce_scatter_tensor(&shard, &big(), op)?;
+            put(&format!("reduce_scatter_tensor {op:?}"), &shard)?;
+        }
+        for op in OPS {
+            let t = x();
+            pg.all_reduce(&t, op)?;
+            put(&format!("all_reduce {op:?}"), &t)?;
+        }
+        let src = world - 1;
+        let t = x();
+        pg.broadcast(&t, src)?;
+        put("broadcast", &t)?;
+        let dst = world / 2;
+        for op in [ReduceOp::Sum, ReduceOp::Max] {
+            let t = x();
+            pg.reduce(&t, dst, op)?;
+            put(&format!("reduce {op:?}"), &t)?;
+        }
+        let inputs: Vec<Tensor> = (0..world)
+            .map(|j| tensor_of(&exact_values(scatter_seed(j), n, dtype), dtype))
+            .collect();
+        let sc = Tensor::zeros(&[n], dtype);
+        pg.scatter(&sc, (r == src).then_some(&inputs[..]), src)?;
+        put("scatter", &sc)?;
+        let glist: Vec<Tensor> = (0..world).map(|_| Tensor::zeros(&[n], dtype)).collect();
+        pg.gather(&x(), (r == dst).then_some(&glist[..]), dst)?;
+        if r == dst {
+            for (j, t) in glist.iter().enumerate() {
+                put(&format!("gather[{j}]"), t)?;
+            }
+        }
+        let a2a = Tensor::zeros(&[n * world], dtype);
+        pg.all_to_all_single(&a2a, &big())?;
+        put("all_to_all_single", &a2a)?;
+        pg.barrier()?;
+        Ok(out)
+    })
+    .unwrap()
+}
+
+/// The same results computed sequentially from every rank's inputs.
+fn reference(world: usize, n: usize, dtype: DType) -> Vec<Vec<(String, Vec<f32>)>> {
+    let xs: Vec<Vec<f64>> = (0..world)
+        .map(|r| exact_values(x_seed(r), n, dtype))
+        .collect();
+    let bigs: Vec<Vec<f64>> = (0..world)
+        .map(|r| exact_values(big_seed(r), n * world, dtype))
+        .collect();
+    let (src, dst) = (world - 1, world / 2);
+    (0..world)
+        .map(|r| {
+            let mut out: Vec<(String, Vec<f32>)> = Vec::new();
+            let mut put = |what: String, v: Vec<f64>| out.push((what, stored(&v, dtype)));
+            put("all_gather_into_tensor".into(), xs.concat());
+            for (j, x) in xs.iter().enumerate() {
+                put(format!("all_gather[{j}]"), x.clone());
+            }
+            for op in [ReduceOp::Sum, ReduceOp::Avg] {
+                let chunks: Vec<Vec<f64>> = bigs
+                    .iter()
+                    .map(|b| b[r * n..(r + 1) * n].to_vec())
+                    .collect();
+                let v = (0..n).map(|j| reduce_ref(op, &chunks, j)).collect();
+                put(format!("reduce_scatter_tensor {op:?}"), v);
+            }
+            for op in OPS {
+                put(
+                    format!("all_reduce {op:?}"),
+                    (0..n).map(|j| reduce_ref(op, &xs, j)).collect(),
+                );
+            }
+            put("broadcast".into(), xs[src].clone());
+            for op in [ReduceOp::Sum, ReduceOp::Max] {
+                let v = if r == dst {
+                    (0..n).map(|j| reduce_ref(op, &xs, j)).collect()
+                } else {
+                    xs[r].clone()
+                };
+                put(format!("reduce {op:?}"), v);
+            }
+            put("scatter".into(), exact_values(scatter_seed(r), n, dtype));
+            if r == dst {
+                for (j, x) in xs.iter().enumerate() {
+                    put(format!("gather[{j}]"), x.clone());
+                }
+            }
+            // Chunk j of the output is chunk r of rank j's input.
+            let a2a = (0..world)
+                .flat_map(|j| bigs[j][r * n..(r + 1) * n].to_vec())
+                .collect();
+            put("all_to_all_single".into(), a2a);
+            out
+        })
         .collect()
 }
 
 #[test]
-fn all_gather_and_reduce_scatter_match_sequential_reference() {
-    for world in 1..=5 {
-        for n in [0usize, 1, 7, 64] {
+fn every_collective_matches_a_sequential_reference() {
+    // World sizes 1-8; per-rank sizes 0 (empty), 1, 5 and 33 (no world size > 1 divides
+    // them); every dtype. Inputs are exact in every dtype, so every op but Avg is compared
+    // exactly; Avg divides, and may round differently by one unit in the last place.
+    for world in 1..=8 {
+        for n in [0usize, 1, 5, 33] {
             for dtype in [DType::F32, DType::BF16, DType::F16, DType::I32] {
-                let out = launch(&LaunchOptions::new(world), |pg| {
-                    let r = pg.rank();
-                    let input = Tensor::from_vec(rank_values(r, n), &[n])?.to_dtype(dtype)?;
-                    let gathered = Tensor::zeros(&[n * world], dtype);
-                    pg.all_gather_into_tensor(&gathered, &input)?;
-                    let big = Tensor::from_vec(rank_values(r, n * world), &[n * world])?
-                        .to_dtype(dtype)?;
-                    let shard = Tensor::zeros(&[n], dtype);
-                    pg.reduce_scatter_tensor(&shard, &big, ReduceOp::Sum)?;
-                    let summed = Tensor::from_vec(rank_values(r, n), &[n])?.to_dtype(dtype)?;
-                    pg.all_reduce(&summed, ReduceOp::Max)?;
-                    Ok((
-                        gathered.to_vec_f32()?,
-                        shard.to_vec_f32()?,
-                        summed.to_vec_f32()?,
-                    ))
-                })
-                .unwrap();
-                // Values are multiples of 1/8 in [-8, 8]: exact in every dtype (i32 rounds them).
-                let cast = |v: Vec<f32>| {
-                    Tensor::from_vec(v.clone(), &[v.len()])
-                        .unwrap()
-                        .to_dtype(dtype)
-                        .unwrap()
-                        .to_vec_f32()
-                        .unwrap()
-                };
-                let want_gather: Vec<f32> =
-                    (0..world).flat_map(|s| cast(rank_values(s, n))).collect();
-                for (r, (g, sh, mx)) in out.iter().enumerate() {
-                    assert_eq!(
-                        g, &want_gather,
-                        "all_gather world {world} n {n} {dtype} rank {r}"
-                    );
-                    let want_shard: Vec<f32> = (0..n)
-                        .map(|j| {
-                            (0..world)
-                                .map(|s| cast(rank_values(s, n * world))[r * n + j])
-                                .sum::<f32>()
-                        })
-                        .collect();
-                    assert_eq!(
-                        sh,
-                        &cast(want_shard),
-                        "reduce_scatter world {world} n {n} {dtype} rank {r}"
-                    );
-                    let want_max: Vec<f32> = (0..n)
-                        .map(|j| {
-                            (0..world)
-                                .map(|s| cast(rank_values(s, n))[j])
-                                .fold(f32::MIN, f32::max)
-                        })
-                        .collect();
-                    assert_eq!(mx, &want_max, "all_reduce max world {world} n {n} {dtype}");
+                let got = run_every_collective(world, n, dtype);
+                let want = reference(world, n, dtype);
+                for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let names = |v: &Vec<(String, Vec<f32>)>| {
+                        v.iter().map(|(s, _)| s.clone()).collect::<Vec<_>>()
+                    };
+                    assert_eq!(names(g), names(w), "world {world} rank {r}");
+                    for ((what, gv), (_, wv)) in g.iter().zip(w) {
+                        let ctx = format!("{what}: world {world} n {n} {dtype} rank {r}");
+                        if what.contains("Avg") {
+                            let (atol, rtol) = match dtype {
+                                DType::I32 => (1.0, 0.0),
+                                d => (1e-6, d.epsilon()),
+                            };
+                            common::assert_close(&ctx, gv, wv, atol, rtol);
+                        } else {
+                            assert_eq!(gv, wv, "{ctx}");
+                        }
+                    }
                 }
             }
         }
@@ -80,34 +223,45 @@ fn all_gather_and_reduce_scatter_match_sequential_reference() {
 }
 
 #[test]
-fn all_reduce_ops_and_broadcast() {
-    let out = launch(&LaunchOptions::new(3), |pg| {
-        let r = pg.rank() as f32;
-        let mut res = Vec::new();
-        for op in [
-            ReduceOp::Sum,
-            ReduceOp::Avg,
-            ReduceOp::Min,
-            ReduceOp::Product,
-        ] {
-            let t = Tensor::from_vec(vec![r + 1.0, 2.0 * r], &[2])?;
-            pg.all_reduce(&t, op)?;
-            res.push(t.to_vec_f32()?);
-        }
-        let b = Tensor::from_vec(vec![r; 3], &[3])?;
-        pg.broadcast(&b, 2)?;
-        res.push(b.to_vec_f32()?);
-        pg.barrier()?;
-        Ok(res)
+fn collectives_check_their_arguments() {
+    use fsdp::distributed::CollectivesExt;
+    let err = launch(&LaunchOptions::new(2), |pg| {
+        pg.all_gather(
+            &[Tensor::zeros(&[1], DType::F32)],
+            &Tensor::zeros(&[1], DType::F32),
+        )
     })
-    .unwrap();
-    for res in out {
-        assert_eq!(res[0], vec![6.0, 6.0]);
-        assert_eq!(res[1], vec![2.0, 2.0]);
-        assert_eq!(res[2], vec![1.0, 0.0]);
-        assert_eq!(res[3], vec![6.0, 0.0]);
-        assert_eq!(res[4], vec![2.0; 3]);
-    }
+    .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("all_gather: the list has 1 tensors for a group of 2 ranks"),
+        "{err}"
+    );
+    let err = launch(&LaunchOptions::new(2), |pg| {
+        let t = Tensor::zeros(&[2], DType::F32);
+        pg.broadcast(&t, 2)
+    })
+    .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("src rank 2 is not in a group of 2"),
+        "{err}"
+    );
+    let err = launch(&LaunchOptions::new(3), |pg| {
+        let t = Tensor::zeros(&[4], DType::F32);
+        pg.all_to_all_single(&t, &t.deep_clone()?)
+    })
+    .unwrap_err();
+    assert!(
+        err.to_string().contains("do not split into 3 equal chunks"),
+        "{err}"
+    );
+    let err = launch(&LaunchOptions::new(2), |pg| {
+        let t = Tensor::zeros(&[4], DType::F32);
+        pg.reduce_scatter_tensor(&Tensor::zeros(&[2], DType::F32), &t, ReduceOp::Max)
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("supports Sum and Avg"), "{err}");
 }
 
 #[test]
@@ -123,102 +277,6 @@ fn in_place_all_gather_reads_its_own_chunk() {
     .unwrap();
     assert_eq!(out[0], vec![1.0, 1.0, 2.0, 2.0]);
     assert_eq!(out[1], out[0]);
-}
-
-#[test]
-fn mismatched_sizes_fail_on_every_rank_naming_the_ranks() {
-    let err = launch(&LaunchOptions::new(3), |pg| {
-        let n = if pg.rank() == 2 { 5 } else { 4 };
-        let t = Tensor::zeros(&[n], DType::F32);
-        let res = pg.all_reduce(&t, ReduceOp::Sum);
-        match res {
-            Err(Error::CollectiveMismatch { detail, .. }) => {
-                assert!(detail.contains("rank 2"), "{detail}");
-                Err::<(), Error>(Error::CollectiveMismatch {
-                    group_size: 3,
-                    detail,
-                })
-            }
-            other => panic!(
-                "rank {} expected a mismatch error, got {other:?}",
-                pg.rank()
-            ),
-        }
-    })
-    .unwrap_err();
-    assert!(
-        err.to_string()
-            .contains("rank 2 called all_reduce(f32, 5 -> 5"),
-        "{err}"
-    );
-}
-
-#[test]
-fn mismatched_ops_are_reported() {
-    let err = launch(&LaunchOptions::new(2), |pg| {
-        let t = Tensor::zeros(&[2], DType::F32);
-        if pg.rank() == 0 {
-            pg.all_reduce(&t, ReduceOp::Sum)
-        } else {
-            pg.broadcast(&t, 0)
-        }
-    })
-    .unwrap_err();
-    assert!(err.to_string().contains("rank 1 called broadcast"), "{err}");
-}
-
-#[test]
-fn a_rank_that_exits_early_fails_its_peers_promptly() {
-    let start = Instant::now();
-    let err = launch(&LaunchOptions::new(3), |pg| {
-        if pg.rank() == 1 {
-            return Ok(()); // skips the collective
-        }
-        pg.barrier()
-    })
-    .unwrap_err();
-    assert!(
-        start.elapsed() < Duration::from_secs(30),
-        "took {:?}",
-        start.elapsed()
-    );
-    let msg = err.to_string();
-    assert!(
-        msg.contains("rank 1 exited without calling barrier"),
-        "{msg}"
-    );
-}
-
-#[test]
-fn a_panicking_rank_is_named_and_peers_do_not_hang() {
-    let err = launch(&LaunchOptions::new(2), |pg| {
-        if pg.rank() == 0 {
-            panic!("boom on purpose");
-        }
-        pg.barrier()
-    })
-    .unwrap_err();
-    let msg = err.to_string();
-    assert!(
-        msg.contains("rank 0") && msg.contains("boom on purpose"),
-        "{msg}"
-    );
-}
-
-#[test]
-fn a_collective_that_cannot_complete_times_out_naming_missing_ranks() {
-    let mut opts = LaunchOptions::new(2);
-    opts.timeout = Duration::from_millis(300);
-    let err = launch(&opts, |pg| {
-        if pg.rank() == 1 {
-            std::thread::sleep(Duration::from_secs(2)); // stuck in compute, never arrives in time
-            return Ok(());
-        }
-        pg.barrier()
-    })
-    .unwrap_err();
-    let msg = err.to_string();
-    assert!(msg.contains("timed out") && msg.contains("[1]"), "{msg}");
 }
 
 #[test]
@@ -271,112 +329,4 @@ fn subgroups_reduce_within_their_members_and_failures_reach_them() {
     .unwrap_err();
     assert!(start.elapsed() < Duration::from_secs(30));
     assert!(err.to_string().contains("rank 2 gives up"), "{err}");
-}
-
-#[test]
-fn composite_collectives_match_sequential_references() {
-    use fsdp::distributed::CollectivesExt;
-    for world in 1..=5 {
-        for dtype in [DType::F32, DType::I32] {
-            let n = 3;
-            let out = launch(&LaunchOptions::new(world), |pg| {
-                let r = pg.rank();
-                let mine = || {
-                    Tensor::from_vec(rank_values(r, n), &[n])
-                        .unwrap()
-                        .to_dtype(dtype)
-                        .unwrap()
-                };
-                // reduce to the last rank
-                let red = mine();
-                pg.reduce(&red, world - 1, ReduceOp::Sum)?;
-                // all_gather (list) and gather to rank 0
-                let list: Vec<Tensor> = (0..world).map(|_| Tensor::zeros(&[n], dtype)).collect();
-                pg.all_gather(&list, &mine())?;
-                let glist: Vec<Tensor> = (0..world).map(|_| Tensor::zeros(&[n], dtype)).collect();
-                pg.gather(&mine(), (r == 0).then_some(&glist[..]), 0)?;
-                // scatter from rank 0: rank j receives rank 0's values + j
-                let inputs: Vec<Tensor> = (0..world)
-                    .map(|j| {
-                        Tensor::from_vec(
-                            rank_values(0, n).iter().map(|v| v + j as f32).collect(),
-                            &[n],
-                        )
-                        .unwrap()
-                        .to_dtype(dtype)
-                        .unwrap()
-                    })
-                    .collect();
-                let sc = Tensor::zeros(&[n], dtype);
-                pg.scatter(&sc, (r == 0).then_some(&inputs[..]), 0)?;
-                // all_to_all_single: chunk j of rank r's input is 100 r + j
-                let a2a_in = Tensor::from_vec(
-                    (0..world)
-                        .flat_map(|j| vec![(100 * r + j) as f32; 2])
-                        .collect(),
-                    &[2 * world],
-                )?
-                .to_dtype(dtype)?;
-                let a2a_out = Tensor::zeros(&[2 * world], dtype);
-                pg.all_to_all_single(&a2a_out, &a2a_in)?;
-                let v = |t: &Tensor| t.to_vec_f32().unwrap();
-                Ok((
-                    v(&red),
-                    list.iter().map(v).collect::<Vec<_>>(),
-                    glist.iter().map(v).collect::<Vec<_>>(),
-                    v(&sc),
-                    v(&a2a_out),
-                ))
-            })
-            .unwrap();
-            let cast = |x: Vec<f32>| {
-                Tensor::from_vec(x.clone(), &[x.len()])
-                    .unwrap()
-                    .to_dtype(dtype)
-                    .unwrap()
-                    .to_vec_f32()
-                    .unwrap()
-            };
-            let each: Vec<Vec<f32>> = (0..world).map(|s| cast(rank_values(s, n))).collect();
-            let sum: Vec<f32> = (0..n).map(|j| each.iter().map(|e| e[j]).sum()).collect();
-            for (r, (red, list, glist, sc, a2a)) in out.iter().enumerate() {
-                let what = format!("world {world} {dtype} rank {r}");
-                if r == world - 1 {
-                    assert_eq!(red, &cast(sum.clone()), "reduce {what}");
-                } else {
-                    assert_eq!(
-                        red, &each[r],
-                        "reduce leaves non-dst ranks unchanged, {what}"
-                    );
-                }
-                assert_eq!(list, &each, "all_gather {what}");
-                if r == 0 {
-                    assert_eq!(glist, &each, "gather {what}");
-                }
-                assert_eq!(
-                    sc,
-                    &cast(rank_values(0, n).iter().map(|v| v + r as f32).collect()),
-                    "scatter {what}"
-                );
-                let want: Vec<f32> = (0..world)
-                    .flat_map(|j| vec![(100 * j + r) as f32; 2])
-                    .collect();
-                assert_eq!(a2a, &want, "all_to_all_single {what}");
-            }
-        }
-    }
-    // Wrong list lengths are errors that name the op.
-    let err = launch(&LaunchOptions::new(2), |pg| {
-        use fsdp::distributed::CollectivesExt;
-        pg.all_gather(
-            &[Tensor::zeros(&[1], DType::F32)],
-            &Tensor::zeros(&[1], DType::F32),
-        )
-    })
-    .unwrap_err();
-    assert!(
-        err.to_string()
-            .contains("all_gather: the list has 1 tensors for a group of 2 ranks"),
-        "{err}"
-    );
 }

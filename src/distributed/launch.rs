@@ -47,7 +47,9 @@ impl LaunchOptions {
 }
 
 /// Runs `f(group)` on `world_size` threads, one per rank, and returns every rank's result in
-/// rank order.
+/// rank order. Inside `f`, `group` is also the thread's default group, so
+/// [`get_rank`](super::get_rank), [`get_world_size`](super::get_world_size) and
+/// [`default_group`](super::default_group) answer as after `init_process_group`.
 ///
 /// A rank that returns an error or panics marks the group failed, so its peers' pending
 /// collectives end at once with [`Error::PeerFailed`]; `launch` then returns the first
@@ -72,9 +74,12 @@ where
                     .name(format!("rank{}", g.rank()))
                     .spawn_scoped(scope, move || {
                         crate::backend::cpu::gemm::set_num_threads(gemm_threads);
+                        // get_rank() and default_group() work inside `f`.
+                        let default = super::init::set_default_for_launch(g.clone());
                         let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                             f(g.clone() as Group)
                         }));
+                        drop(default);
                         match &res {
                             Ok(Ok(_)) => g.mark_exited(),
                             Ok(Err(e)) => g.mark_failed(e.to_string()),

@@ -5,7 +5,14 @@
 //! | `threads` | threads of one process | CPU | [`threads`] |
 //! | `nccl` | one process per GPU | CUDA | CUDA runtime issue |
 //!
-//! Asynchronous collectives run on a [`CommStream`] and return a [`Work`] handle.
+//! | torch.distributed | here | file |
+//! |---|---|---|
+//! | `init_process_group`, `destroy_process_group`, `get_rank`, `get_world_size`, `is_initialized`, `group.WORLD` | [`init_process_group`], [`destroy_process_group`], [`get_rank`], [`get_world_size`], [`is_initialized`], [`default_group`] | `init.rs`, `rendezvous.rs` |
+//! | `torchrun` for in-process ranks | [`launch`] | `launch.rs` |
+//! | `ProcessGroup`, collectives | [`ProcessGroup`], [`CollectivesExt`] | `mod.rs`, `composite.rs`, `threads.rs` |
+//! | `new_group`, `new_subgroups`, `get_process_group_ranks` | [`ProcessGroup::new_group`], [`new_subgroups`], [`get_process_group_ranks`] | `subgroups.rs` |
+//! | `init_device_mesh`, `DeviceMesh` | [`init_device_mesh`], [`DeviceMesh`] | `mesh.rs` |
+//! | `async_op=True`, `Work` | [`CommStream`], [`Work`] | `work.rs` |
 //!
 //! Every collective checks, on all ranks, that they called the same op with the same dtype
 //! and element counts, and fails on every rank with [`Error::CollectiveMismatch`] when not.
@@ -17,12 +24,23 @@
 //! [`Error::PeerFailed`]: crate::Error::PeerFailed
 
 mod composite;
+mod init;
 mod launch;
+mod mesh;
+mod rendezvous;
+mod subgroups;
 pub mod threads;
 mod work;
 
 pub use composite::CollectivesExt;
+pub use init::{
+    default_group, destroy_process_group, get_backend, get_local_world_size, get_node_local_rank,
+    get_rank, get_world_size, init_process_group, is_initialized, InitOptions, Rendezvous,
+    TORCHRUN_ENV_VARS,
+};
 pub use launch::{launch, LaunchOptions};
+pub use mesh::{init_device_mesh, DeviceMesh, MeshDim};
+pub use subgroups::{get_process_group_ranks, new_subgroups};
 pub use threads::ThreadsGroup;
 pub use work::{CommStream, Work};
 
@@ -60,6 +78,13 @@ pub trait ProcessGroup: Send + Sync {
     /// This rank's index in the whole world (equal to `rank()` on the world group).
     fn world_rank(&self) -> usize {
         self.rank()
+    }
+
+    /// World ranks of the members, in group-rank order
+    /// (`torch.distributed.get_process_group_ranks`). The default, `0..size()`, is right for
+    /// a world group; backends with subgroups override it.
+    fn ranks(&self) -> Vec<usize> {
+        (0..self.size()).collect()
     }
 
     /// A new group of the given world ranks (`torch.distributed.new_group`): `None` on a

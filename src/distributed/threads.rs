@@ -408,6 +408,10 @@ impl ProcessGroup for ThreadsGroup {
         ThreadsGroup::world_rank(self)
     }
 
+    fn ranks(&self) -> Vec<usize> {
+        self.members().to_vec()
+    }
+
     fn new_group(&self, ranks: &[usize]) -> Result<Option<super::Group>> {
         let world_size = self.world.groups.lock().all[0].size;
         let mut members = ranks.to_vec();

@@ -8,6 +8,10 @@
 //! ordered among themselves only, so a rank must [`synchronize`](CommStream::synchronize)
 //! its stream before it calls a blocking collective on a group the stream also uses
 //! (FSDP does this at the end of every forward and backward).
+//!
+//! As an NCCL communicator aborts on error, a stream whose job fails runs no further jobs:
+//! they all fail with a copy of that first error, so every wait reports the root cause
+//! (say, the collective mismatch) rather than a later echo of it.
 
 use super::{Group, ReduceOp};
 use crate::error::{Error, Result};
@@ -122,7 +126,15 @@ impl CommStream {
         let thread = std::thread::Builder::new()
             .name(name.to_string())
             .spawn(move || {
+                let mut failed: Option<Error> = None;
                 while let Ok((job, state)) = rx.recv() {
+                    if let Some(e) = &failed {
+                        finish(&state, Err(e.duplicate()));
+                        let mut n = p.0.lock();
+                        *n -= 1;
+                        p.1.notify_all();
+                        continue;
+                    }
                     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job))
                         .unwrap_or_else(|p| {
                             let msg = p
@@ -132,6 +144,9 @@ impl CommStream {
                                 .unwrap_or_else(|| "unknown panic".into());
                             Err(Error::Fsdp(format!("communication job panicked: {msg}")))
                         });
+                    if let Err(e) = &r {
+                        failed = Some(e.duplicate());
+                    }
                     finish(&state, r);
                     let mut n = p.0.lock();
                     *n -= 1;

@@ -2,7 +2,7 @@
 
 use super::{AutoWrapPolicy, BackwardPrefetch, MixedPrecision};
 use crate::backend::Device;
-use crate::distributed::Group;
+use crate::distributed::{DeviceMesh, Group};
 use crate::error::{Error, Result};
 
 /// How parameters, gradients and optimizer state are split across ranks
@@ -97,6 +97,10 @@ pub struct FsdpConfig {
     pub device_id: Option<Device>,
     /// Keep parameter and gradient shards in host memory (`cpu_offload=`).
     pub cpu_offload: CpuOffload,
+    /// Hybrid strategies only: a 2-D mesh `(replicate, shard)` of the world
+    /// (`FullyShardedDataParallel(device_mesh=...)`): dim 1 is the shard group, dim 0 the
+    /// replicate group. Excludes `hybrid_groups` and `ranks_per_node`.
+    pub device_mesh: Option<DeviceMesh>,
 }
 
 /// `torch.distributed.fsdp.CpuOffload`: where the sharded state lives between uses.
@@ -127,6 +131,7 @@ impl Default for FsdpConfig {
             ignored_modules: Vec::new(),
             device_id: None,
             cpu_offload: CpuOffload::default(),
+            device_mesh: None,
         }
     }
 }

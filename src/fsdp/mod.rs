@@ -8,7 +8,8 @@
 //! | [`AutoWrapPolicy`] | `wrap.rs` | `wrap.py` |
 //! | [`MemoryStats`] | `memory.rs` | `torch.cuda.memory_stats` (FSDP's share) |
 //!
-//! Built: every strategy (hybrid ones over [`hybrid_groups`] or explicit groups), nested
+//! Built: every strategy (hybrid ones over [`hybrid_groups`], explicit groups or a
+//! [`DeviceMesh`](crate::distributed::DeviceMesh)), nested
 //! units through auto-wrap policies, FSDP1's gradient pre/post-division, `no_sync`,
 //! `clip_grad_norm_` (`grad.rs`). Later issues: mixed precision, prefetch/overlap, CPU
 //! offload, state dicts.

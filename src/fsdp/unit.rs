@@ -5,7 +5,7 @@ use super::flat_param::FlatParameter;
 use super::runtime::PendingGrad;
 use super::scheduler::{RuntimeStats, Scheduler};
 use super::{AutoWrapPolicy, FsdpConfig, MemoryStats, MixedPrecision, ShardingStrategy};
-use crate::distributed::{CommStream, Group};
+use crate::distributed::{CommStream, DeviceMesh, Group};
 use crate::error::{Error, Result};
 use crate::nn::{join_name, visit_parameters, Module, Parameter, Sequential};
 use crate::optim::ParamGrad;
@@ -94,26 +94,11 @@ impl FullyShardedDataParallel {
     /// build them from the same seed.
     ///
     /// # Errors
-    /// `Unsupported` for hybrid strategies (not built yet); `NotMaterialized` when a
-    /// parameter has no data; `Fsdp` for non-f32 parameters.
+    /// `NotMaterialized` when a parameter has no data; `Fsdp` for non-f32 parameters, for
+    /// hybrid groups that do not cover `pg`, and for a `device_mesh` that is not 2-D, comes
+    /// with `hybrid_groups` or `ranks_per_node`, or with a non-hybrid strategy.
     pub fn new(mut module: Box<dyn Module>, pg: Group, config: FsdpConfig) -> Result<Self> {
-        let (shard_pg, replicate_pg) = if config.sharding_strategy.is_hybrid() {
-            let (s, r) = match &config.hybrid_groups {
-                Some(groups) => groups.clone(),
-                None => hybrid_groups(&pg, config.ranks_per_node.unwrap_or(pg.size()))?,
-            };
-            if s.size() * r.size() != pg.size() {
-                return Err(Error::Fsdp(format!(
-                    "hybrid groups of {} (shard) x {} (replicate) ranks do not cover the world of {}",
-                    s.size(),
-                    r.size(),
-                    pg.size()
-                )));
-            }
-            (s, Some(r))
-        } else {
-            (pg.clone(), None)
-        };
+        let (shard_pg, replicate_pg) = shard_and_replicate_groups(&pg, &config)?;
         let mp = config.mixed_precision.unwrap_or_default();
         mp.validate()?;
         super::config::check_device(config.device_id)?;
@@ -460,8 +445,9 @@ impl FullyShardedDataParallel {
 
 /// The (shard, replicate) groups of this rank for hybrid sharding with `ranks_per_node`
 /// ranks per node: node `k` is world ranks `[k n, (k+1) n)`; the replicate group of local
-/// rank `l` is `{l, l + n, l + 2n, ...}` (FSDP1's default for `HYBRID_SHARD`). A
-/// collective over `world`: every rank calls it.
+/// rank `l` is `{l, l + n, l + 2n, ...}` (FSDP1's default for `HYBRID_SHARD`). These are the
+/// groups of dims 1 and 0 of the mesh `init_device_mesh(world, [W / n, n], ["replicate",
+/// "shard"])`, which builds them. A collective over `world`: every rank calls it.
 ///
 /// # Errors
 /// `InvalidArgument` when `ranks_per_node` is 0 or does not divide the world size.
@@ -470,29 +456,60 @@ pub fn hybrid_groups(world: &Group, ranks_per_node: usize) -> Result<(Group, Gro
     if ranks_per_node == 0 || w % ranks_per_node != 0 {
         crate::error::bail_arg!("ranks per node {ranks_per_node} must divide the world size {w}");
     }
-    let n = ranks_per_node;
-    let mut shard = None;
-    let mut replicate = None;
-    // Every rank creates every group, in the same order.
-    for k in 0..w / n {
-        let ranks: Vec<usize> = (k * n..(k + 1) * n).collect();
-        if let Some(g) = world.new_group(&ranks)? {
-            shard = Some(g);
+    let mesh = DeviceMesh::new(
+        world.as_ref(),
+        &[w / ranks_per_node, ranks_per_node],
+        &["replicate", "shard"],
+    )?;
+    Ok((mesh.get_group(1)?, mesh.get_group(0)?))
+}
+
+/// The groups a root on world `pg` shards and replicates over: `pg` itself without hybrid
+/// sharding; else `config.hybrid_groups`, the dims (1, 0) of `config.device_mesh`, or
+/// [`hybrid_groups`] with `config.ranks_per_node` (default the whole world).
+fn shard_and_replicate_groups(pg: &Group, config: &FsdpConfig) -> Result<(Group, Option<Group>)> {
+    let mesh = config.device_mesh.as_ref();
+    if !config.sharding_strategy.is_hybrid() {
+        if mesh.is_some() {
+            return Err(Error::Fsdp(format!(
+                "device_mesh is for HybridShard and HybridShardZero2; with {:?} pass the group as pg",
+                config.sharding_strategy
+            )));
         }
+        return Ok((pg.clone(), None));
     }
-    for l in 0..n {
-        let ranks: Vec<usize> = (l..w).step_by(n).collect();
-        if let Some(g) = world.new_group(&ranks)? {
-            replicate = Some(g);
+    let (s, r) = match (&config.hybrid_groups, mesh) {
+        (None, None) => hybrid_groups(pg, config.ranks_per_node.unwrap_or(pg.size()))?,
+        (Some(groups), None) => groups.clone(),
+        (None, Some(m)) if m.ndim() == 2 && config.ranks_per_node.is_none() => {
+            (m.get_group(1)?, m.get_group(0)?)
         }
+        (_, Some(m)) => {
+            return Err(Error::Fsdp(format!(
+            "hybrid sharding takes a 2-D device_mesh (replicate, shard) alone, got a {}-D mesh{}{}",
+            m.ndim(),
+            if config.hybrid_groups.is_some() {
+                " with hybrid_groups"
+            } else {
+                ""
+            },
+            if config.ranks_per_node.is_some() {
+                " with ranks_per_node"
+            } else {
+                ""
+            },
+        )))
+        }
+    };
+    if s.size() * r.size() != pg.size() {
+        return Err(Error::Fsdp(format!(
+            "hybrid groups of {} (shard) x {} (replicate) ranks do not cover the world of {}",
+            s.size(),
+            r.size(),
+            pg.size()
+        )));
     }
-    match (shard, replicate) {
-        (Some(s), Some(r)) => Ok((s, r)),
-        _ => Err(Error::Fsdp(format!(
-            "rank {} is in no hybrid group",
-            world.rank()
-        ))),
-    }
+    Ok((s, Some(r)))
 }
 
 fn walk_units(m: &mut dyn Module, f: &mut dyn FnMut(&mut FullyShardedDataParallel)) {

@@ -475,6 +475,7 @@ pub fn build_engine(cfg: &TrainConfig, pg: Group) -> Result<Engine> {
 /// Bad options or data before any compute; a rank's failure (named) during training.
 pub fn train(cfg: &TrainConfig, observer: &dyn Observer) -> Result<TrainReport> {
     cfg.validate()?;
+    let fail = super::fault::FailAt::from_env(cfg.world_size, cfg.steps)?;
     let data = TextDataset::load(&cfg.data, cfg.seq_len)?;
     let mut metrics = match &cfg.metrics {
         Some(p) => Some(
@@ -485,7 +486,7 @@ pub fn train(cfg: &TrainConfig, observer: &dyn Observer) -> Result<TrainReport> 
     };
     let metrics_lock = parking_lot::Mutex::new(metrics.take());
     let reports = launch(&LaunchOptions::new(cfg.world_size), |pg| {
-        let report = run_rank(cfg, &data, pg.clone(), observer, &metrics_lock)?;
+        let report = run_rank(cfg, &data, pg.clone(), observer, &metrics_lock, fail)?;
         Ok((pg.rank() == 0).then_some(report))
     })?;
     reports
@@ -521,6 +522,7 @@ fn run_rank(
     pg: Group,
     observer: &dyn Observer,
     metrics: &parking_lot::Mutex<Option<std::fs::File>>,
+    fail: Option<super::fault::FailAt>,
 ) -> Result<TrainReport> {
     let rank = pg.rank();
     let mut engine = build_engine(cfg, pg.clone())?;
@@ -551,6 +553,9 @@ fn run_rank(
                 .forward(&ids_tensor(x, micro_rows, t)?, &cx)?;
             let (lk, dlogits) = loss::cross_entropy(&logits, &ids_tensor(y, micro_rows, t)?)?;
             drop(logits);
+            if let Some(f) = fail {
+                f.check(rank, step)?; // test-only (FSDP_FAIL_RANK)
+            }
             l += lk / k_total as f32;
             if k_total > 1 {
                 crate::backend::cpu::ops::scale_(&mut dlogits.f32_mut()?, 1.0 / k_total as f32);

@@ -5,10 +5,12 @@
 //! | data loading, splits, world-size-independent batches | `data.rs` |
 //! | FSDP or plain engine, memory figures | `engine.rs` |
 //! | the training loop, config, metrics | `job.rs` |
+//! | the hidden test-only fault hook `FSDP_FAIL_RANK` | `fault.rs` |
 //! | generation | `sample.rs` |
 
 pub mod data;
 pub mod engine;
+mod fault;
 mod job;
 pub mod sample;
 

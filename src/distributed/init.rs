@@ -1,0 +1,469 @@
+//! `torch.distributed.init_process_group` and the default group of each rank.
+//!
+//! On the `threads` backend a rank is a thread. `N` threads that call
+//! [`init_process_group`] with the same rendezvous key (`MASTER_ADDR:MASTER_PORT`, a
+//! `tcp://HOST:PORT` init method, or an in-process name `threads://NAME`) and distinct ranks
+//! `0..N` join one world, through a process-global registry of pending worlds. Each thread
+//! then has its own default group (`group.WORLD`), read by [`get_rank`], [`get_world_size`]
+//! and [`default_group`]; [`launch`](super::launch) sets it on the threads it starts.
+//!
+//! ```
+//! use fsdp::distributed::{get_rank, get_world_size, init_process_group, InitOptions};
+//!
+//! let ranks: Vec<_> = (0..2)
+//!     .map(|rank| {
+//!         std::thread::spawn(move || {
+//!             // What torchrun would put in each process's environment.
+//!             let opts = InitOptions::new("threads").with_env([
+//!                 ("RANK", rank.to_string()),
+//!                 ("WORLD_SIZE", "2".to_string()),
+//!                 ("MASTER_ADDR", "doc-example".to_string()),
+//!                 ("MASTER_PORT", "29500".to_string()),
+//!             ]);
+//!             init_process_group(opts)?;
+//!             let out = (get_rank()?, get_world_size()?);
+//!             fsdp::distributed::destroy_process_group()?;
+//!             Ok::<_, fsdp::Error>(out)
+//!         })
+//!     })
+//!     .collect();
+//! for (r, h) in ranks.into_iter().enumerate() {
+//!     assert_eq!(h.join().unwrap().unwrap(), (r, 2));
+//! }
+//! ```
+
+use super::{Group, ThreadsGroup};
+use crate::error::{Error, Result};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The torchrun environment variables [`init_process_group`] reads.
+pub const TORCHRUN_ENV_VARS: [&str; 6] = [
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+];
+
+/// Arguments of [`init_process_group`], named as `torch.distributed.init_process_group`'s.
+///
+/// Explicit fields win over the environment; a field left `None` is read from the torchrun
+/// variable of the same name.
+#[derive(Debug, Clone)]
+pub struct InitOptions {
+    /// `"threads"` (ranks are threads of this process). `"nccl"` lands with the CUDA
+    /// runtime and is `Unsupported` for now, as are `"gloo"`, `"mpi"` and `"ucc"`.
+    /// Case-insensitive, as torch's `Backend`.
+    pub backend: String,
+    /// How ranks find each other: `None` or `"env://"` (torch's default) reads
+    /// `MASTER_ADDR` and `MASTER_PORT`; `"tcp://HOST:PORT"` names the address directly;
+    /// `"threads://NAME"` is an in-process name (this crate's addition). Ranks that give the
+    /// same address or name join the same world.
+    pub init_method: Option<String>,
+    /// Number of ranks; `None` reads `WORLD_SIZE` (required then).
+    pub world_size: Option<usize>,
+    /// This rank, `0..world_size`; `None` reads `RANK` (required then).
+    pub rank: Option<usize>,
+    /// Rank within this node; `None` reads `LOCAL_RANK` (optional).
+    pub local_rank: Option<usize>,
+    /// Ranks on this node; `None` reads `LOCAL_WORLD_SIZE` (optional).
+    pub local_world_size: Option<usize>,
+    /// How long the rendezvous and then every collective of the world may wait for the
+    /// other ranks; default 300 s (torch's default). The first rank to join sets it for the
+    /// world.
+    pub timeout: Duration,
+    /// Where the torchrun variables come from: `None` is the process environment;
+    /// `Some(map)` is that map alone (a launcher giving each rank thread its own `RANK`,
+    /// or a test).
+    pub env: Option<HashMap<String, String>>,
+}
+
+impl InitOptions {
+    /// `backend` with everything else from the environment and the default timeout.
+    pub fn new(backend: &str) -> Self {
+        InitOptions {
+            backend: backend.to_string(),
+            init_method: None,
+            world_size: None,
+            rank: None,
+            local_rank: None,
+            local_world_size: None,
+            timeout: super::threads::DEFAULT_TIMEOUT,
+            env: None,
+        }
+    }
+
+    /// Rank `rank` of `world_size` thread ranks meeting under the in-process name `name`
+    /// (`init_method = "threads://NAME"`); reads no environment.
+    pub fn threads(name: &str, world_size: usize, rank: usize) -> Self {
+        InitOptions {
+            init_method: Some(format!("threads://{name}")),
+            world_size: Some(world_size),
+            rank: Some(rank),
+            env: Some(HashMap::new()),
+            ..Self::new("threads")
+        }
+    }
+
+    /// Reads the torchrun variables from `vars` instead of the process environment.
+    pub fn with_env<K: Into<String>, V: Into<String>>(
+        mut self,
+        vars: impl IntoIterator<Item = (K, V)>,
+    ) -> Self {
+        self.env = Some(
+            vars.into_iter()
+                .map(|(k, v)| (k.into(), v.into()))
+                .collect(),
+        );
+        self
+    }
+
+    /// Sets the rendezvous and collective timeout.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    fn var(&self, name: &str) -> Result<Option<String>> {
+        match &self.env {
+            Some(map) => Ok(map.get(name).cloned()),
+            None => match std::env::var(name) {
+                Ok(v) => Ok(Some(v)),
+                Err(std::env::VarError::NotPresent) => Ok(None),
+                Err(std::env::VarError::NotUnicode(v)) => Err(Error::InvalidArgument(format!(
+                    "environment variable {name}={v:?} is not valid UTF-8"
+                ))),
+            },
+        }
+    }
+
+    /// An explicit value, else the variable parsed as an integer (`min` or more), else
+    /// `None`.
+    fn number(&self, explicit: Option<usize>, var: &str, min: usize) -> Result<Option<usize>> {
+        if let Some(v) = explicit {
+            return Ok(Some(v));
+        }
+        let Some(raw) = self.var(var)? else {
+            return Ok(None);
+        };
+        match raw.trim().parse::<usize>() {
+            Ok(n) if n >= min => Ok(Some(n)),
+            _ => Err(Error::InvalidArgument(format!(
+                "environment variable {var}='{raw}' is not an integer >= {min}"
+            ))),
+        }
+    }
+
+    /// Checks the options and fills what is missing from the environment, without joining
+    /// anything: what [`init_process_group`] would use.
+    ///
+    /// # Errors
+    /// `Unsupported` for a backend not built yet (`nccl`, `gloo`, `mpi`, `ucc`);
+    /// `InvalidArgument` for an unknown backend or init method, a missing required variable
+    /// (`WORLD_SIZE`, `RANK`, and for `env://` `MASTER_ADDR`, `MASTER_PORT`) or a bad value,
+    /// naming the variable and the value, and for ranks out of range.
+    pub fn resolve(&self) -> Result<Rendezvous> {
+        let backend = self.backend.trim().to_ascii_lowercase();
+        match backend.as_str() {
+            "threads" => {}
+            "nccl" => {
+                return Err(Error::Unsupported(
+                    "backend \"nccl\" lands with the CUDA runtime (a later issue); use backend \"threads\"".into(),
+                ))
+            }
+            "gloo" | "mpi" | "ucc" => {
+                return Err(Error::Unsupported(format!(
+                    "backend \"{backend}\"; this build has \"threads\" only"
+                )))
+            }
+            _ => crate::error::bail_arg!(
+                "init_process_group: unknown backend '{}'; expected \"threads\"",
+                self.backend
+            ),
+        }
+        let world_size = self.number(self.world_size, "WORLD_SIZE", 1)?.ok_or_else(|| {
+            Error::InvalidArgument(
+                "init_process_group: world_size not given and environment variable WORLD_SIZE is not set (torchrun sets it)".into(),
+            )
+        })?;
+        if world_size == 0 {
+            crate::error::bail_arg!("init_process_group: world_size must be at least 1");
+        }
+        let rank = self.number(self.rank, "RANK", 0)?.ok_or_else(|| {
+            Error::InvalidArgument(
+                "init_process_group: rank not given and environment variable RANK is not set (torchrun sets it)".into(),
+            )
+        })?;
+        if rank >= world_size {
+            crate::error::bail_arg!(
+                "init_process_group: rank {rank} (RANK) is not below the world size {world_size} (WORLD_SIZE)"
+            );
+        }
+        let local_world_size = self.number(self.local_world_size, "LOCAL_WORLD_SIZE", 1)?;
+        let local_rank = self.number(self.local_rank, "LOCAL_RANK", 0)?;
+        if let Some(lws) = local_world_size {
+            if lws == 0 || lws > world_size {
+                crate::error::bail_arg!(
+                    "init_process_group: local world size {lws} (LOCAL_WORLD_SIZE) must be in 1..={world_size} (WORLD_SIZE)"
+                );
+            }
+        }
+        if let (Some(lr), Some(lws)) = (local_rank, local_world_size) {
+            if lr >= lws {
+                crate::error::bail_arg!(
+                    "init_process_group: local rank {lr} (LOCAL_RANK) is not below the local world size {lws} (LOCAL_WORLD_SIZE)"
+                );
+            }
+        }
+        if self.timeout.is_zero() {
+            crate::error::bail_arg!("init_process_group: timeout must be positive");
+        }
+        let key = match self.init_method.as_deref().map(str::trim) {
+            None | Some("env://") => {
+                let addr = self.var("MASTER_ADDR")?.unwrap_or_default();
+                if addr.trim().is_empty() {
+                    crate::error::bail_arg!(
+                        "init_process_group: env:// rendezvous needs environment variable MASTER_ADDR, which is not set"
+                    );
+                }
+                let port = self.var("MASTER_PORT")?.ok_or_else(|| {
+                    Error::InvalidArgument(
+                        "init_process_group: env:// rendezvous needs environment variable MASTER_PORT, which is not set".into(),
+                    )
+                })?;
+                let port = port.trim().parse::<u16>().map_err(|_| {
+                    Error::InvalidArgument(format!(
+                        "environment variable MASTER_PORT='{port}' is not a port number (0..=65535)"
+                    ))
+                })?;
+                format!("{}:{port}", addr.trim())
+            }
+            Some(m) if m.starts_with("tcp://") => {
+                let rest = &m["tcp://".len()..];
+                match rest.rsplit_once(':') {
+                    Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {
+                        rest.to_string()
+                    }
+                    _ => crate::error::bail_arg!(
+                        "init_process_group: init_method '{m}' is not tcp://HOST:PORT"
+                    ),
+                }
+            }
+            Some(m) if m.starts_with("threads://") && m.len() > "threads://".len() => {
+                m.to_string()
+            }
+            Some(m) => crate::error::bail_arg!(
+                "init_process_group: init_method '{m}' is not env://, tcp://HOST:PORT or threads://NAME"
+            ),
+        };
+        Ok(Rendezvous {
+            key,
+            world_size,
+            rank,
+            local_rank,
+            local_world_size,
+            timeout: self.timeout,
+        })
+    }
+}
+
+/// What [`InitOptions::resolve`] settled on: the rendezvous key and this rank's place.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rendezvous {
+    /// Ranks with the same key join the same world: `"HOST:PORT"` or `"threads://NAME"`.
+    pub key: String,
+    /// Number of ranks in the world.
+    pub world_size: usize,
+    /// This rank, `0..world_size`.
+    pub rank: usize,
+    /// Rank within the node, when given.
+    pub local_rank: Option<usize>,
+    /// Ranks on this node, when given.
+    pub local_world_size: Option<usize>,
+    /// Rendezvous and collective timeout.
+    pub timeout: Duration,
+}
+
+/// This thread's default group and where it came from.
+struct DefaultGroup {
+    group: Arc<ThreadsGroup>,
+    local_rank: Option<usize>,
+    local_world_size: Option<usize>,
+    /// Marks the rank exited when dropped (a thread that ends without
+    /// `destroy_process_group`); off under `launch`, which records the rank's outcome itself.
+    exit_on_drop: bool,
+}
+
+impl Drop for DefaultGroup {
+    fn drop(&mut self) {
+        if self.exit_on_drop {
+            self.group.mark_exited();
+        }
+    }
+}
+
+thread_local! {
+    static DEFAULT: RefCell<Option<DefaultGroup>> = const { RefCell::new(None) };
+}
+
+/// Clears this thread's default group when dropped. Launch's own group is not marked
+/// exited by that (launch records the rank's outcome itself); a group the closure made with
+/// `init_process_group` and did not destroy is.
+pub(super) struct DefaultGroupGuard(());
+
+impl Drop for DefaultGroupGuard {
+    fn drop(&mut self) {
+        let old = DEFAULT.with(|d| d.borrow_mut().take());
+        drop(old);
+    }
+}
+
+/// Makes `group` this thread's default group until the guard drops (used by `launch`).
+pub(super) fn set_default_for_launch(group: Arc<ThreadsGroup>) -> DefaultGroupGuard {
+    let size = super::ProcessGroup::size(group.as_ref());
+    let rank = super::ProcessGroup::rank(group.as_ref());
+    DEFAULT.with(|d| {
+        *d.borrow_mut() = Some(DefaultGroup {
+            group,
+            local_rank: Some(rank),
+            local_world_size: Some(size),
+            exit_on_drop: false,
+        })
+    });
+    DefaultGroupGuard(())
+}
+
+/// `torch.distributed.init_process_group`: joins this thread to the world of
+/// `opts.world_size` ranks that share its rendezvous key, as rank `opts.rank`, and makes
+/// that world this thread's default group. Blocks until every rank has joined.
+///
+/// Returns the world group (the default group, torch's `group.WORLD`).
+///
+/// # Errors
+/// Everything [`InitOptions::resolve`] reports; `InvalidArgument` when this thread already
+/// has a default group (torch: "trying to initialize the default process group twice"),
+/// when another thread joined with the same rank, or when ranks disagree on the world size;
+/// `Timeout` naming the ranks that did not join within `opts.timeout`.
+pub fn init_process_group(opts: InitOptions) -> Result<Group> {
+    let rv = opts.resolve()?;
+    if is_initialized() {
+        crate::error::bail_arg!(
+            "init_process_group: this thread's default process group is already initialized (rank {} of {}); call destroy_process_group first",
+            get_rank()?,
+            get_world_size()?
+        );
+    }
+    let group = Arc::new(super::rendezvous::join(&rv)?);
+    DEFAULT.with(|d| {
+        *d.borrow_mut() = Some(DefaultGroup {
+            group: group.clone(),
+            local_rank: rv.local_rank,
+            local_world_size: rv.local_world_size,
+            exit_on_drop: true,
+        })
+    });
+    Ok(group)
+}
+
+fn with_default<T>(call: &'static str, f: impl FnOnce(&DefaultGroup) -> T) -> Result<T> {
+    DEFAULT.with(|d| match d.borrow().as_ref() {
+        Some(g) => Ok(f(g)),
+        None => Err(Error::NotInitialized { call }),
+    })
+}
+
+/// Whether this thread has a default group (`torch.distributed.is_initialized`).
+pub fn is_initialized() -> bool {
+    DEFAULT.with(|d| d.borrow().is_some())
+}
+
+/// This thread's default group, torch's `group.WORLD`.
+///
+/// # Errors
+/// `NotInitialized` before [`init_process_group`] (or outside [`launch`](super::launch)).
+pub fn default_group() -> Result<Group> {
+    with_default("default_group", |g| g.group.clone() as Group)
+}
+
+/// This rank in the default group (`torch.distributed.get_rank()`).
+///
+/// # Errors
+/// `NotInitialized` without a default group.
+pub fn get_rank() -> Result<usize> {
+    with_default("get_rank", |g| super::ProcessGroup::rank(g.group.as_ref()))
+}
+
+/// Number of ranks in the default group (`torch.distributed.get_world_size()`).
+///
+/// # Errors
+/// `NotInitialized` without a default group.
+pub fn get_world_size() -> Result<usize> {
+    with_default("get_world_size", |g| {
+        super::ProcessGroup::size(g.group.as_ref())
+    })
+}
+
+/// The default group's backend name (`torch.distributed.get_backend()`): `"threads"`.
+///
+/// # Errors
+/// `NotInitialized` without a default group.
+pub fn get_backend() -> Result<&'static str> {
+    with_default("get_backend", |g| {
+        super::ProcessGroup::backend(g.group.as_ref())
+    })
+}
+
+/// This rank's index within its node (`torch.distributed.get_node_local_rank`): the
+/// `local_rank` given to [`init_process_group`] (or `LOCAL_RANK`); under
+/// [`launch`](super::launch), one node, so the rank itself.
+///
+/// # Errors
+/// `NotInitialized` without a default group; `InvalidArgument` when the local rank was
+/// neither given nor in the environment.
+pub fn get_node_local_rank() -> Result<usize> {
+    with_default("get_node_local_rank", |g| g.local_rank)?.ok_or_else(|| {
+        Error::InvalidArgument(
+            "get_node_local_rank: no local rank was given to init_process_group and LOCAL_RANK was not set".into(),
+        )
+    })
+}
+
+/// Ranks on this node: `local_world_size` given to [`init_process_group`] (or
+/// `LOCAL_WORLD_SIZE`); under [`launch`](super::launch), the world size.
+///
+/// # Errors
+/// As [`get_node_local_rank`], for `LOCAL_WORLD_SIZE`.
+pub fn get_local_world_size() -> Result<usize> {
+    with_default("get_local_world_size", |g| g.local_world_size)?.ok_or_else(|| {
+        Error::InvalidArgument(
+            "get_local_world_size: no local world size was given to init_process_group and LOCAL_WORLD_SIZE was not set".into(),
+        )
+    })
+}
+
+/// `torch.distributed.destroy_process_group()`: this rank leaves the default group's world.
+/// Peers that wait for it in a collective of any group of that world fail at once with
+/// `PeerFailed` naming it, instead of waiting out the timeout. This thread may then call
+/// [`init_process_group`] again.
+///
+/// A rank thread that ends without calling it leaves the world the same way.
+///
+/// # Errors
+/// `NotInitialized` without a default group.
+pub fn destroy_process_group() -> Result<()> {
+    let old = DEFAULT.with(|d| d.borrow_mut().take());
+    match old {
+        Some(mut g) => {
+            g.exit_on_drop = false;
+            g.group.mark_exited();
+            Ok(())
+        }
+        None => Err(Error::NotInitialized {
+            call: "destroy_process_group",
+        }),
+    }
+}
