@@ -393,3 +393,81 @@ fn mse_uneven(m: &mut dyn Module, rank: usize) -> fsdp::Result<()> {
     m.backward(&g, &Context::train())?;
     Ok(())
 }
+
+#[test]
+fn linear_8_2_at_4_ranks_steps_adam_like_unsharded_and_clips_over_every_shard() {
+    // Issue case b. Under FlatParameter sharding (FSDP1) the 18 elements split 5/5/5/3
+    // (PyTorch FSDP2's per-parameter row split would leave ranks 2 and 3 empty); ranks with
+    // pure padding are covered by Linear(1, 1) in fsdp_parity.rs and fsdp_grad.rs.
+    use fsdp::optim::{Adam, AdamConfig};
+    let x = values(51, 8 * 8);
+    let y = values(52, 8 * 2);
+    let step = |m: &mut dyn Module, lo: usize, hi: usize| -> fsdp::Result<()> {
+        let out = m.forward(
+            &Tensor::from_vec(x[lo * 8..hi * 8].to_vec(), &[hi - lo, 8])?,
+            &Context::train(),
+        )?;
+        let (_, g) = loss::mse_loss(
+            &out,
+            &Tensor::from_vec(y[lo * 2..hi * 2].to_vec(), &[hi - lo, 2])?,
+        )?;
+        m.backward(&g, &Context::train())?;
+        Ok(())
+    };
+    let adam = || {
+        Adam::new(AdamConfig {
+            lr: 1e-2,
+            ..AdamConfig::adam()
+        })
+    };
+    let mut plain: Box<dyn Module> = Box::new(Linear::new(8, 2, true, &InitKey::new(13)).unwrap());
+    let mut opt = adam();
+    let mut want_norm = 0.0;
+    for _ in 0..3 {
+        step(plain.as_mut(), 0, 8).unwrap();
+        let mut sq = 0.0f32;
+        visit_parameters(plain.as_mut(), "", false, &mut |_, p| {
+            sq += p
+                .grad()
+                .unwrap()
+                .to_vec_f32()
+                .unwrap()
+                .iter()
+                .map(|g| g * g)
+                .sum::<f32>()
+        });
+        want_norm = sq.sqrt();
+        opt.step(&fsdp::optim::parameters(plain.as_mut())).unwrap();
+        fsdp::nn::zero_grad(plain.as_mut());
+    }
+    let want: Vec<f32> = named(plain.as_mut())
+        .into_iter()
+        .flat_map(|(_, v)| v)
+        .collect();
+    let out = launch(&LaunchOptions::new(4), |pg: Group| {
+        let lin = Linear::new(8, 2, true, &InitKey::new(13))?;
+        let mut m =
+            FullyShardedDataParallel::new(Box::new(lin), pg.clone(), FsdpConfig::default())?;
+        let mut opt = adam();
+        let mut norm = 0.0;
+        for _ in 0..3 {
+            step(&mut m, pg.rank() * 2, pg.rank() * 2 + 2)?;
+            norm = m.clip_grad_norm_(1e6, 2.0)?;
+            opt.step(&m.optimizer_params())?;
+            m.zero_grad();
+        }
+        let valid = m.flat_param().valid_shard_numel();
+        Ok((valid, norm, m.full_parameters()?))
+    })
+    .unwrap();
+    let valid: Vec<usize> = out.iter().map(|o| o.0).collect();
+    assert_eq!(valid, [5, 5, 5, 3]);
+    for (rank, (_, norm, full)) in out.iter().enumerate() {
+        assert!(
+            (norm - want_norm).abs() <= 1e-5 * want_norm,
+            "rank {rank}: {norm} vs {want_norm}"
+        );
+        let got: Vec<f32> = full.iter().flat_map(|(_, v)| v.clone()).collect();
+        assert_close(&format!("rank {rank}"), &got, &want, 1e-6, 1e-5);
+    }
+}

@@ -243,3 +243,61 @@ fn limit_all_gathers_bounds_the_units_unsharded_at_once() {
         assert!(stats.prefetched_all_gathers > 0);
     }
 }
+
+#[test]
+fn every_collective_has_an_async_form_with_the_blocking_result() {
+    use fsdp::distributed::CollectivesExt;
+    let out = launch(&LaunchOptions::new(3), |pg: Group| {
+        let s = CommStream::new("test-comm")?;
+        let r = pg.rank() as f32;
+        let mk = |v: Vec<f32>| Tensor::from_vec(v.clone(), &[v.len()]);
+        // Each op twice: async on the stream, then blocking, on equal inputs.
+        let a = [mk(vec![r + 1.0; 2])?, mk(vec![r + 1.0; 2])?];
+        let gathered = [mk(vec![0.0; 6])?, mk(vec![0.0; 6])?];
+        let lists: Vec<Vec<Tensor>> = (0..2)
+            .map(|_| {
+                (0..3)
+                    .map(|_| Tensor::zeros(&[2], fsdp::tensor::DType::F32))
+                    .collect()
+            })
+            .collect();
+        let a2a_in = mk((0..3).map(|j| 10.0 * r + j as f32).collect())?;
+        let a2a = [mk(vec![0.0; 3])?, mk(vec![0.0; 3])?];
+        let works = vec![
+            s.reduce(&pg, &a[0], 1, ReduceOp::Sum),
+            s.all_gather(&pg, &lists[0], &mk(vec![r; 2])?),
+            s.all_gather_into_tensor(&pg, &gathered[0], &mk(vec![r; 2])?),
+            s.all_to_all_single(&pg, &a2a[0], &a2a_in),
+            s.barrier(&pg),
+        ];
+        for w in works {
+            w.wait()?;
+        }
+        pg.reduce(&a[1], 1, ReduceOp::Sum)?;
+        pg.all_gather(&lists[1], &mk(vec![r; 2])?)?;
+        pg.all_gather_into_tensor(&gathered[1], &mk(vec![r; 2])?)?;
+        pg.all_to_all_single(&a2a[1], &a2a_in)?;
+        let v = |t: &Tensor| t.to_vec_f32().unwrap();
+        let same = v(&a[0]) == v(&a[1])
+            && lists[0].iter().map(v).eq(lists[1].iter().map(v))
+            && v(&gathered[0]) == v(&gathered[1])
+            && v(&a2a[0]) == v(&a2a[1]);
+        Ok((same, v(&a[0]), v(&a2a[0])))
+    })
+    .unwrap();
+    for (rank, (same, reduced, a2a)) in out.iter().enumerate() {
+        assert!(same, "rank {rank}");
+        let want = if rank == 1 {
+            vec![6.0; 2]
+        } else {
+            vec![rank as f32 + 1.0; 2]
+        };
+        assert_eq!(reduced, &want);
+        assert_eq!(
+            a2a,
+            &(0..3)
+                .map(|j| 10.0 * j as f32 + rank as f32)
+                .collect::<Vec<_>>()
+        );
+    }
+}

@@ -234,6 +234,11 @@ fn shard_grad_op_and_no_shard_match_unsharded() {
         "uneven",
         &[ShardingStrategy::ShardGradOp, ShardingStrategy::NoShard],
     );
+    check(
+        &SmallGpt,
+        "gpt",
+        &[ShardingStrategy::ShardGradOp, ShardingStrategy::NoShard],
+    );
 }
 
 #[test]

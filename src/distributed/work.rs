@@ -13,7 +13,7 @@
 //! they all fail with a copy of that first error, so every wait reports the root cause
 //! (say, the collective mismatch) rather than a later echo of it.
 
-use super::{Group, ReduceOp};
+use super::{CollectivesExt, Group, ReduceOp};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use parking_lot::{Condvar, Mutex};
@@ -230,6 +230,54 @@ impl CommStream {
     pub fn broadcast(&self, pg: &Group, tensor: &Tensor, src: usize) -> Work {
         let (pg, t) = (pg.clone(), tensor.clone());
         self.submit(move || pg.broadcast(&t, src))
+    }
+
+    /// Asynchronous [`ProcessGroup::barrier`](super::ProcessGroup::barrier).
+    pub fn barrier(&self, pg: &Group) -> Work {
+        let pg = pg.clone();
+        self.submit(move || pg.barrier())
+    }
+
+    /// Asynchronous [`CollectivesExt::reduce`].
+    pub fn reduce(&self, pg: &Group, tensor: &Tensor, dst: usize, op: ReduceOp) -> Work {
+        let (pg, t) = (pg.clone(), tensor.clone());
+        self.submit(move || pg.reduce(&t, dst, op))
+    }
+
+    /// Asynchronous [`CollectivesExt::all_gather`] (list form).
+    pub fn all_gather(&self, pg: &Group, outputs: &[Tensor], input: &Tensor) -> Work {
+        let (pg, outs, inp) = (pg.clone(), outputs.to_vec(), input.clone());
+        self.submit(move || pg.all_gather(&outs, &inp))
+    }
+
+    /// Asynchronous [`CollectivesExt::gather`].
+    pub fn gather(
+        &self,
+        pg: &Group,
+        input: &Tensor,
+        outputs: Option<&[Tensor]>,
+        dst: usize,
+    ) -> Work {
+        let (pg, inp, outs) = (pg.clone(), input.clone(), outputs.map(<[Tensor]>::to_vec));
+        self.submit(move || pg.gather(&inp, outs.as_deref(), dst))
+    }
+
+    /// Asynchronous [`CollectivesExt::scatter`].
+    pub fn scatter(
+        &self,
+        pg: &Group,
+        output: &Tensor,
+        inputs: Option<&[Tensor]>,
+        src: usize,
+    ) -> Work {
+        let (pg, out, ins) = (pg.clone(), output.clone(), inputs.map(<[Tensor]>::to_vec));
+        self.submit(move || pg.scatter(&out, ins.as_deref(), src))
+    }
+
+    /// Asynchronous [`CollectivesExt::all_to_all_single`].
+    pub fn all_to_all_single(&self, pg: &Group, output: &Tensor, input: &Tensor) -> Work {
+        let (pg, out, inp) = (pg.clone(), output.clone(), input.clone());
+        self.submit(move || pg.all_to_all_single(&out, &inp))
     }
 }
 
