@@ -206,7 +206,8 @@ fn a_rank_that_skips_a_collective_is_named() {
         &[0, 2],
         "PeerFailed",
         &[1],
-        "rank 1 exited without calling barrier (ranks [1] never arrived)",
+        // Rank 2 may or may not have reached the barrier when rank 0 notices.
+        "rank 1 exited without calling barrier (ranks [1",
     );
     assert!(err.unwrap().to_string().contains("rank 1 exited"));
 

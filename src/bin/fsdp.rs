@@ -349,6 +349,10 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
             .map_or("-".into(), |(_, l)| format!("{l:.4}")),
         mean_tps
     );
+    out!(
+        "init (deferred, on the meta device): peak parameter bytes per rank {:?}",
+        report.init_peak_bytes
+    );
     if let Some(r) = last {
         out!("last step, per rank: params + grads + optimizer state bytes | peak unsharded param bytes (units) | comm wait ms:");
         for m in &r.ranks {

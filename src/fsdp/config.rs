@@ -97,11 +97,22 @@ pub struct FsdpConfig {
     pub device_id: Option<Device>,
     /// Keep parameter and gradient shards in host memory (`cpu_offload=`).
     pub cpu_offload: CpuOffload,
+    /// Materializes a unit's module whose parameters are on the meta device, before FSDP
+    /// flattens it (`param_init_fn=`): called once per unit that has meta parameters, on
+    /// that unit's module (nested units are already wrapped). Without it, meta parameters
+    /// built with an initializer ([`on_meta_device`](crate::nn::on_meta_device)) are
+    /// computed shard by shard, so no rank ever holds a whole unit.
+    pub param_init_fn: Option<ParamInitFn>,
     /// Hybrid strategies only: a 2-D mesh `(replicate, shard)` of the world
     /// (`FullyShardedDataParallel(device_mesh=...)`): dim 1 is the shard group, dim 0 the
     /// replicate group. Excludes `hybrid_groups` and `ranks_per_node`.
     pub device_mesh: Option<DeviceMesh>,
 }
+
+/// `param_init_fn`: materializes (initializes in place) the meta parameters of the module
+/// it is given.
+pub type ParamInitFn =
+    std::sync::Arc<dyn Fn(&mut dyn crate::nn::Module) -> Result<()> + Send + Sync>;
 
 /// `torch.distributed.fsdp.CpuOffload`: where the sharded state lives between uses.
 ///
@@ -132,6 +143,7 @@ impl Default for FsdpConfig {
             device_id: None,
             cpu_offload: CpuOffload::default(),
             device_mesh: None,
+            param_init_fn: None,
         }
     }
 }

@@ -53,10 +53,13 @@ pub struct FlatParameter {
 
 impl FlatParameter {
     /// Flattens `params` (fully qualified name, values, requires_grad) in the given order
-    /// and keeps chunk `shard_rank` of `shard_world`.
+    /// and keeps chunk `shard_rank` of `shard_world`. A meta parameter with an initializer
+    /// ([`ParamInit`](crate::nn::ParamInit)) contributes the values of its elements in the
+    /// chunk, computed here: nothing else of it is ever allocated.
     ///
     /// # Errors
-    /// `DTypeMismatch` for a non-f32 parameter.
+    /// `Fsdp` for a non-f32 parameter; `NotMaterialized` for a meta parameter without an
+    /// initializer.
     pub fn new(
         params: &[(String, Tensor, bool)],
         shard_rank: usize,
@@ -89,8 +92,18 @@ impl FlatParameter {
         for ((_, p, _), info) in params.iter().zip(&infos) {
             let (a, b) = (info.offset.max(lo), (info.offset + info.numel).min(hi));
             if a < b {
-                let src = p.f32()?;
-                local[a - lo..b - lo].copy_from_slice(&src[a - info.offset..b - info.offset]);
+                let dst = &mut local[a - lo..b - lo];
+                match p.meta_initializer() {
+                    // Deferred init: compute only this rank's elements.
+                    Some((init, start)) => init.fill(start + (a - info.offset) as u64, dst),
+                    None => {
+                        let src = p.f32().map_err(|_| Error::NotMaterialized {
+                            name: info.fqn.clone(),
+                            state: "meta without an initializer; give FSDP a param_init_fn",
+                        })?;
+                        dst.copy_from_slice(&src[a - info.offset..b - info.offset]);
+                    }
+                }
             }
         }
         let mut trainable_runs: Vec<(usize, usize)> = Vec::new();

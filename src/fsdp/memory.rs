@@ -19,6 +19,10 @@ pub struct MemoryStats {
     /// With [`CpuOffload`](super::CpuOffload): the parameter and gradient shards above are
     /// in host memory, not on the compute device.
     pub cpu_offload: bool,
+    /// Most bytes of parameters this rank held at once while FSDP was being built:
+    /// materialized original parameters plus the shards made so far. A model built on the
+    /// meta device with initializers holds only its shards.
+    pub init_peak_bytes: usize,
 }
 
 impl MemoryStats {

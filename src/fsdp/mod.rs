@@ -24,7 +24,7 @@ mod scheduler;
 mod unit;
 mod wrap;
 
-pub use config::{CpuOffload, FsdpConfig, ShardingStrategy};
+pub use config::{CpuOffload, FsdpConfig, ParamInitFn, ShardingStrategy};
 pub use flat_param::{FlatParameter, ParamInfo};
 pub use memory::MemoryStats;
 pub use mixed_precision::MixedPrecision;

@@ -5,6 +5,7 @@ use super::flat_param::FlatParameter;
 use super::runtime::PendingGrad;
 use super::scheduler::{RuntimeStats, Scheduler};
 use super::{AutoWrapPolicy, FsdpConfig, MemoryStats, MixedPrecision, ShardingStrategy};
+use crate::backend::Device;
 use crate::distributed::{CommStream, DeviceMesh, Group};
 use crate::error::{Error, Result};
 use crate::nn::{join_name, visit_parameters, Module, Parameter, Sequential};
@@ -30,6 +31,10 @@ pub(super) struct RankState {
     pub(super) sched: Arc<Mutex<Scheduler>>,
     /// Fully qualified names of the ignored modules.
     ignored: Arc<Vec<String>>,
+    /// Materializes a unit's meta parameters before it is flattened.
+    param_init_fn: Option<super::ParamInitFn>,
+    /// Broadcast rank 0's values of each unit's parameters before flattening.
+    sync_module_states: bool,
 }
 
 impl RankState {
@@ -44,10 +49,26 @@ impl RankState {
     }
 }
 
-/// Every parameter flattened so far on this rank, with its name and unit, to recognize
-/// tied parameters (one tensor reachable under two names).
+/// What wrapping has seen so far on this rank: every parameter flattened, with its name and
+/// unit, to recognize tied parameters (one tensor reachable under two names); and the bytes
+/// of materialized parameters, to report the peak at init.
 #[derive(Default)]
-struct Seen(Vec<(Tensor, String, String)>);
+struct Seen {
+    params: Vec<(Tensor, String, String)>,
+    live_bytes: usize,
+    peak_bytes: usize,
+}
+
+/// Bytes of the distinct materialized (non-meta) parameter storages among `tensors`.
+fn materialized_bytes(tensors: &[Tensor]) -> usize {
+    let mut uniq: Vec<&Tensor> = Vec::new();
+    for t in tensors {
+        if t.device() != Device::Meta && !uniq.iter().any(|u| u.same_view(t)) {
+            uniq.push(t);
+        }
+    }
+    uniq.iter().map(|t| t.nbytes()).sum()
+}
 
 /// `FullyShardedDataParallel`: wraps a module so its parameters are sharded across the
 /// ranks of a process group and gathered only while it computes.
@@ -124,6 +145,8 @@ impl FullyShardedDataParallel {
             mp,
             sched: Arc::new(Mutex::new(sched)),
             ignored: Arc::new(config.ignored_modules.clone()),
+            param_init_fn: config.param_init_fn.clone(),
+            sync_module_states: config.sync_module_states,
         };
         let names = module_names(module.as_mut());
         if let Some(bad) = config.ignored_modules.iter().find(|m| !names.contains(m)) {
@@ -131,30 +154,23 @@ impl FullyShardedDataParallel {
                 "ignored_modules: the model has no submodule '{bad}'"
             )));
         }
-        if config.sync_module_states {
-            // Rank 0's values everywhere, before anything is flattened (FSDP1
-            // `_sync_module_params_and_buffers`).
-            let mut res: Result<()> = Ok(());
-            visit_parameters(module.as_mut(), "", false, &mut |name, p| {
-                if res.is_ok() {
-                    res = match p.data() {
-                        Ok(d) => rs.pg.broadcast(d, 0),
-                        Err(_) => Err(Error::NotMaterialized {
-                            name: name.to_string(),
-                            state: "sync_module_states",
-                        }),
-                    };
-                }
-            });
-            res?;
-        }
-        let mut seen = Seen::default();
+        let mut all = Vec::new();
+        visit_parameters(module.as_mut(), "", false, &mut |_, p| {
+            all.extend(p.data().ok().cloned())
+        });
+        let mut seen = Seen {
+            live_bytes: materialized_bytes(&all),
+            ..Seen::default()
+        };
+        seen.peak_bytes = seen.live_bytes;
+        drop(all);
         if let Some(policy) = &config.auto_wrap_policy {
             wrap_children(module.as_mut(), "", policy, &rs, &mut seen)?;
         }
         let mut root = Self::wrap_one(module, "", &rs, &mut seen)?;
         root.is_root = true;
         rs.sched.lock().set_root(root.id);
+        rs.mem.lock().init_peak_bytes = seen.peak_bytes;
         Ok(root)
     }
 
@@ -164,6 +180,46 @@ impl FullyShardedDataParallel {
         rs: &RankState,
         seen: &mut Seen,
     ) -> Result<Self> {
+        let own = |m: &mut dyn Module| {
+            let mut v = Vec::new();
+            visit_parameters(m, prefix, true, &mut |name, p| {
+                if !rs.is_ignored(name) {
+                    v.extend(p.data().ok().cloned())
+                }
+            });
+            v
+        };
+        let before = own(module.as_mut());
+        if let Some(init) = &rs.param_init_fn {
+            if before.iter().any(|t| t.device() == Device::Meta) {
+                // FSDP1 `_materialize_with_param_init_fn`: the user's init for this module.
+                init(module.as_mut())?;
+                let after = materialized_bytes(&own(module.as_mut()));
+                seen.live_bytes += after.saturating_sub(materialized_bytes(&before));
+                seen.peak_bytes = seen.peak_bytes.max(seen.live_bytes);
+            }
+        }
+        drop(before);
+        if rs.sync_module_states {
+            // Rank 0's values everywhere, before flattening (FSDP1
+            // `_sync_module_params_and_buffers`). Meta parameters with an initializer are
+            // computed identically on every rank and need no broadcast.
+            let mut res: Result<()> = Ok(());
+            visit_parameters(module.as_mut(), prefix, true, &mut |name, p| {
+                if res.is_err() || rs.is_ignored(name) {
+                    return;
+                }
+                res = match p.data() {
+                    Ok(d) if d.device() == Device::Meta => Ok(()),
+                    Ok(d) => rs.pg.broadcast(d, 0),
+                    Err(_) => Err(Error::NotMaterialized {
+                        name: name.to_string(),
+                        state: "sync_module_states",
+                    }),
+                };
+            });
+            res?;
+        }
         let mut params: Vec<(String, Tensor, bool)> = Vec::new();
         let mut slots: Vec<(String, usize)> = Vec::new();
         let mut bad: Result<()> = Ok(());
@@ -182,7 +238,7 @@ impl FullyShardedDataParallel {
                 }
             };
             // Tied parameters: flattened once; every name views the same elements.
-            match seen.0.iter().find(|(t, _, _)| t.shares_storage(d)) {
+            match seen.params.iter().find(|(t, _, _)| t.shares_storage(d)) {
                 Some((t, first, unit)) if t.same_view(d) && unit == prefix => {
                     let idx = params.iter().position(|(n, _, _)| n == first).unwrap_or(0);
                     slots.push((name.to_string(), idx));
@@ -193,7 +249,7 @@ impl FullyShardedDataParallel {
                     )));
                 }
                 None => {
-                    seen.0
+                    seen.params
                         .push((d.clone(), name.to_string(), prefix.to_string()));
                     slots.push((name.to_string(), params.len()));
                     params.push((name.to_string(), d.clone(), p.requires_grad));
@@ -207,6 +263,11 @@ impl FullyShardedDataParallel {
             (0, 1)
         };
         let flat = FlatParameter::new(&params, rank, world)?;
+        // Peak at init: the originals are still alive next to every shard made so far.
+        let shards = rs.mem.lock().param_shard_bytes + flat.local_shard.nbytes();
+        seen.peak_bytes = seen.peak_bytes.max(seen.live_bytes + shards);
+        let own_bytes =
+            materialized_bytes(&params.iter().map(|(_, t, _)| t.clone()).collect::<Vec<_>>());
         drop(params);
         let id = rs.sched.lock().register(&flat);
         let mut unit = FullyShardedDataParallel {
@@ -229,6 +290,8 @@ impl FullyShardedDataParallel {
             unit.point_params(Some(&full), false)?;
             unit.flat.unsharded = Some(full);
         }
+        // The originals are freed (FSDP held the last reference to them).
+        seen.live_bytes = seen.live_bytes.saturating_sub(own_bytes);
         {
             let mut m = rs.mem.lock();
             m.param_shard_bytes += unit.flat.local_shard.nbytes();

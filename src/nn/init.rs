@@ -6,6 +6,87 @@
 
 use crate::error::Result;
 use crate::tensor::{numel_of, Tensor};
+use std::cell::Cell;
+
+thread_local! {
+    static ON_META: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Builds modules on `Device::Meta` (`with torch.device("meta"):`): inside `f`, every
+/// [`InitKey`] initializer on this thread returns a meta tensor that records how to compute
+/// its values ([`ParamInit`]) instead of computing them. FSDP then computes only each
+/// rank's shard ([deferred init](crate::fsdp)); [`materialize`](super::materialize)
+/// computes a whole module.
+pub fn on_meta_device<R>(f: impl FnOnce() -> R) -> R {
+    let before = ON_META.with(|m| m.replace(true));
+    let out = f();
+    ON_META.with(|m| m.set(before));
+    out
+}
+
+fn on_meta() -> bool {
+    ON_META.with(|m| m.get())
+}
+
+/// How element `i` of a parameter is initialized: a pure function of `i` (and the seed and
+/// parameter path folded into `stream`), so any range of elements can be computed alone.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ParamInit {
+    /// N(0, std^2) (`torch.nn.init.normal_`), Box-Muller on the two halves of 48 hash bits.
+    Normal {
+        /// Hash of (seed, parameter path).
+        stream: u64,
+        /// Standard deviation.
+        std: f32,
+    },
+    /// U(-bound, bound) (`torch.nn.init.uniform_`).
+    Uniform {
+        /// Hash of (seed, parameter path).
+        stream: u64,
+        /// Half-width of the interval.
+        bound: f32,
+    },
+    /// Every element `value` (`torch.nn.init.constant_`).
+    Constant(f32),
+}
+
+impl ParamInit {
+    /// The value of element `i`.
+    pub fn value_at(&self, i: u64) -> f32 {
+        match *self {
+            ParamInit::Normal { stream, std } => {
+                let b = splitmix64(stream ^ splitmix64(i));
+                let u1 = ((b >> 40) as f64 + 1.0) / (1u64 << 24) as f64; // (0, 1]
+                let u2 = ((b & 0xFF_FFFF) as f64) / (1u64 << 24) as f64; // [0, 1)
+                let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
+                (z * std as f64) as f32
+            }
+            ParamInit::Uniform { stream, bound } => {
+                let u = (splitmix64(stream ^ splitmix64(i)) >> 40) as f32 / (1u64 << 24) as f32;
+                (2.0 * u - 1.0) * bound
+            }
+            ParamInit::Constant(v) => v,
+        }
+    }
+
+    /// `out[k] = value_at(start + k)`.
+    pub fn fill(&self, start: u64, out: &mut [f32]) {
+        for (k, o) in out.iter_mut().enumerate() {
+            *o = self.value_at(start + k as u64);
+        }
+    }
+
+    /// A tensor of `shape` with these values: computed, or a meta tensor recording them
+    /// inside [`on_meta_device`].
+    pub fn tensor(&self, shape: &[usize]) -> Result<Tensor> {
+        if on_meta() {
+            return Ok(Tensor::meta_init(shape, *self));
+        }
+        let mut v = vec![0.0f32; numel_of(shape)];
+        self.fill(0, &mut v);
+        Tensor::from_vec(v, shape)
+    }
+}
 
 /// Where a module draws its initial values: the seed and the module's path in the model.
 #[derive(Debug, Clone)]
@@ -58,38 +139,67 @@ impl InitKey {
         splitmix64(self.stream(name) ^ splitmix64(i))
     }
 
-    /// Element `i` of `name` drawn from N(0, std^2) (Box-Muller on the two 32-bit halves).
+    /// Element `i` of the stream `stream` drawn from N(0, std^2).
     pub fn normal_at(&self, stream: u64, i: u64, std: f32) -> f32 {
-        let b = splitmix64(stream ^ splitmix64(i));
-        let u1 = ((b >> 40) as f64 + 1.0) / (1u64 << 24) as f64; // (0, 1]
-        let u2 = ((b & 0xFF_FFFF) as f64) / (1u64 << 24) as f64; // [0, 1)
-        let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
-        (z * std as f64) as f32
+        ParamInit::Normal { stream, std }.value_at(i)
     }
 
-    /// f32 tensor of `shape` with N(0, std^2) values (`torch.nn.init.normal_`).
+    /// f32 tensor of `shape` with N(0, std^2) values (`torch.nn.init.normal_`); a meta
+    /// tensor inside [`on_meta_device`].
     pub fn normal(&self, name: &str, shape: &[usize], std: f32) -> Result<Tensor> {
-        let s = self.stream(name);
-        let v = (0..numel_of(shape) as u64)
-            .map(|i| self.normal_at(s, i, std))
-            .collect();
-        Tensor::from_vec(v, shape)
+        ParamInit::Normal {
+            stream: self.stream(name),
+            std,
+        }
+        .tensor(shape)
     }
 
-    /// f32 tensor of `shape` with U(-bound, bound) values (`torch.nn.init.uniform_`).
+    /// f32 tensor of `shape` with U(-bound, bound) values (`torch.nn.init.uniform_`); a
+    /// meta tensor inside [`on_meta_device`].
     pub fn uniform(&self, name: &str, shape: &[usize], bound: f32) -> Result<Tensor> {
-        let s = self.stream(name);
-        let v = (0..numel_of(shape) as u64)
-            .map(|i| {
-                let u = (splitmix64(s ^ splitmix64(i)) >> 40) as f32 / (1u64 << 24) as f32;
-                (2.0 * u - 1.0) * bound
-            })
-            .collect();
-        Tensor::from_vec(v, shape)
+        ParamInit::Uniform {
+            stream: self.stream(name),
+            bound,
+        }
+        .tensor(shape)
     }
 
-    /// f32 tensor of `shape` filled with `value`.
+    /// f32 tensor of `shape` filled with `value`; a meta tensor inside [`on_meta_device`].
     pub fn constant(shape: &[usize], value: f32) -> Result<Tensor> {
-        Tensor::from_vec(vec![value; numel_of(shape)], shape)
+        ParamInit::Constant(value).tensor(shape)
     }
+}
+
+/// Computes every meta parameter below `m` from its initializer, in place (what
+/// `module.to_empty(device)` + `reset_parameters()` do in PyTorch). Tied parameters stay
+/// tied.
+///
+/// # Errors
+/// `NotMaterialized` naming a meta parameter without an initializer.
+pub fn materialize(m: &mut dyn super::Module) -> Result<()> {
+    let mut done: Vec<(Tensor, Tensor)> = Vec::new();
+    let mut res: Result<()> = Ok(());
+    super::visit_parameters(m, "", false, &mut |name, p| {
+        if res.is_err() {
+            return;
+        }
+        let Ok(d) = p.data() else { return };
+        if d.device() != crate::backend::Device::Meta {
+            return;
+        }
+        let new = match done.iter().find(|(meta, _)| meta.same_view(d)) {
+            Some((_, t)) => Ok(t.clone()),
+            None => d
+                .materialize()
+                .inspect(|t| done.push((d.clone(), t.clone()))),
+        };
+        res = match new {
+            Ok(t) => p.set_data(Some(t)),
+            Err(_) => Err(crate::error::Error::NotMaterialized {
+                name: name.to_string(),
+                state: "meta without an initializer",
+            }),
+        };
+    });
+    res
 }

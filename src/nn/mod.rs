@@ -32,7 +32,7 @@ pub use attention::CausalSelfAttention;
 pub use container::Sequential;
 pub use embedding::{embedding_backward, embedding_lookup, Embedding};
 pub use gpt::{GptConfig, GPT};
-pub use init::InitKey;
+pub use init::{materialize, on_meta_device, InitKey, ParamInit};
 pub use layernorm::LayerNorm;
 pub use linear::Linear;
 pub use module::{

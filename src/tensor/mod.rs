@@ -68,9 +68,54 @@ impl Tensor {
             Buffer::Meta {
                 len: numel_of(shape),
                 dtype,
+                init: None,
             },
             shape,
         )
+    }
+
+    /// An f32 tensor on `Device::Meta` whose element `i` will be `init.value_at(i)` once
+    /// materialized (deferred init: FSDP computes only the local shard's elements).
+    pub fn meta_init(shape: &[usize], init: crate::nn::ParamInit) -> Tensor {
+        Self::from_buffer(
+            Buffer::Meta {
+                len: numel_of(shape),
+                dtype: DType::F32,
+                init: Some(init),
+            },
+            shape,
+        )
+    }
+
+    /// For a meta tensor built with [`Tensor::meta_init`], its initializer and the element
+    /// index of this view's first element; `None` otherwise.
+    pub fn meta_initializer(&self) -> Option<(crate::nn::ParamInit, u64)> {
+        match &*self.storage.buf.read() {
+            Buffer::Meta { init: Some(i), .. } => Some((*i, self.offset as u64)),
+            _ => None,
+        }
+    }
+
+    /// This tensor on the CPU: itself when it has memory, computed from its initializer
+    /// when it is a meta tensor with one.
+    ///
+    /// # Errors
+    /// `NotMaterialized` for a meta tensor without an initializer.
+    pub fn materialize(&self) -> Result<Tensor> {
+        if self.device() != Device::Meta {
+            return Ok(self.clone());
+        }
+        match self.meta_initializer() {
+            Some((init, start)) => {
+                let mut v = vec![0.0f32; self.numel()];
+                init.fill(start, &mut v);
+                Tensor::from_vec(v, &self.shape)
+            }
+            None => Err(Error::NotMaterialized {
+                name: format!("meta tensor {:?}", self.shape),
+                state: "meta without an initializer; give FSDP a param_init_fn",
+            }),
+        }
     }
 
     /// CPU tensor owning `data`.

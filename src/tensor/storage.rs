@@ -19,12 +19,15 @@ pub enum Buffer {
     F16(Vec<f16>),
     /// `DType::I32` values (`torch.int32`), 4 bytes each, e.g. token ids.
     I32(Vec<i32>),
-    /// Shapes only, no memory (`Device::Meta`): the element count and dtype it stands for.
+    /// Shapes only, no memory (`Device::Meta`): the element count and dtype it stands for,
+    /// and, for a parameter built on the meta device, how to compute its values.
     Meta {
         /// Element count the buffer stands for.
         len: usize,
         /// Element type the buffer stands for.
         dtype: DType,
+        /// The initializer of element `i` (deferred init), if known.
+        init: Option<crate::nn::ParamInit>,
     },
 }
 

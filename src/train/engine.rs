@@ -182,6 +182,20 @@ pub fn gather_memory(pg: &Group, mine: RankMemory) -> Result<Vec<RankMemory>> {
         .collect())
 }
 
+/// Every rank's value of a per-rank count, in rank order (each split into two i32).
+pub fn gather_counts(pg: &Group, mine: usize) -> Result<Vec<usize>> {
+    let local = Tensor::from_vec(
+        vec![(mine >> 30) as i32, (mine & ((1 << 30) - 1)) as i32],
+        &[2],
+    )?;
+    let all = Tensor::zeros(&[2 * pg.size()], DType::I32);
+    pg.all_gather_into_tensor(&all, &local)?;
+    let v = all.data::<i32>()?;
+    Ok(v.chunks_exact(2)
+        .map(|w| ((w[0] as usize) << 30) | w[1] as usize)
+        .collect())
+}
+
 /// Mean of a per-rank scalar over the group.
 pub fn mean_over_ranks(pg: &Group, v: f32) -> Result<f32> {
     let t = Tensor::from_vec(vec![v], &[1])?;

@@ -1,7 +1,7 @@
 //! The main job: a byte-level GPT trained on a text file by N in-process ranks under FSDP.
 
 use super::data::{Split, TextDataset, VOCAB_SIZE};
-use super::engine::{gather_memory, mean_over_ranks, Engine, RankMemory};
+use super::engine::{gather_counts, gather_memory, mean_over_ranks, Engine, RankMemory};
 use crate::distributed::{launch, Group, LaunchOptions};
 use crate::error::{Error, Result};
 use crate::fsdp::{
@@ -262,6 +262,10 @@ pub struct TrainReport {
     /// Rank 0's wall time from the first step to the end of sampling (evaluations
     /// included; data loading and model build excluded), seconds.
     pub elapsed_s: f64,
+    /// Every rank's peak parameter bytes while the model was built and wrapped
+    /// ([`MemoryStats::init_peak_bytes`](crate::fsdp::MemoryStats::init_peak_bytes); the
+    /// whole model's f32 bytes without FSDP).
+    pub init_peak_bytes: Vec<usize>,
 }
 
 impl TrainReport {
@@ -415,8 +419,8 @@ fn available_memory_bytes() -> Option<u64> {
 }
 
 impl TrainConfig {
-    /// A generous estimate of the process's peak bytes (all ranks together): every rank
-    /// builds the full model before sharding it (deferred init lands later), plus f32
+    /// A generous estimate of the process's peak bytes (all ranks together): the model
+    /// (whole with `--no-fsdp`; under FSDP only shards, thanks to deferred init), f32
     /// parameter, gradient and Adam shards, plus the activations a forward saves for
     /// backward (about 19 C floats per token and layer, the attention probabilities
     /// `H T` per token and layer, and the logits and their gradient), plus a per-rank
@@ -430,7 +434,7 @@ impl TrainConfig {
         );
         let v = VOCAB_SIZE as f64;
         let params = v * c + t * c + l * (12.0 * c * c + 13.0 * c) + 2.0 * c;
-        let init = self.world_size as f64 * params;
+        let init = if self.no_fsdp { params } else { 0.0 };
         let state = 4.0 * params;
         let tokens = (self.global_batch as f64) * t;
         let activations = tokens * (l * (19.0 * c + h * t) + 2.0 * v);
@@ -441,12 +445,18 @@ impl TrainConfig {
     }
 }
 
-/// Builds the model of `cfg` and wraps it as `cfg` says, on this rank.
+/// Builds the model of `cfg` and wraps it as `cfg` says, on this rank: under FSDP the model
+/// is built on the meta device and only this rank's shards are computed.
 pub fn build_engine(cfg: &TrainConfig, pg: Group) -> Result<Engine> {
-    let model: Box<dyn Module> = Box::new(GPT::new(cfg.gpt_config(), cfg.seed)?);
     if cfg.no_fsdp {
+        let model: Box<dyn Module> = Box::new(GPT::new(cfg.gpt_config(), cfg.seed)?);
         return Ok(Engine::Plain(model));
     }
+    // Deferred init: the model is built on the meta device (shapes and initializers only)
+    // and FSDP computes each rank's shard; no rank ever holds the whole model.
+    let model: Box<dyn Module> = Box::new(crate::nn::on_meta_device(|| {
+        GPT::new(cfg.gpt_config(), cfg.seed)
+    })?);
     let fsdp_cfg = FsdpConfig {
         sharding_strategy: cfg.strategy,
         auto_wrap_policy: match cfg.wrap {
@@ -527,6 +537,11 @@ fn run_rank(
     let rank = pg.rank();
     let mut engine = build_engine(cfg, pg.clone())?;
     let num_params = num_parameters(engine.module());
+    let init_peak = match &engine {
+        Engine::Fsdp(m) => m.memory_stats().init_peak_bytes,
+        Engine::Plain(_) => num_params * 4,
+    };
+    let init_peak_bytes = gather_counts(&pg, init_peak)?;
     if rank == 0 {
         observer.on_start(num_params);
     }
@@ -610,5 +625,6 @@ fn run_rank(
         records,
         sample,
         elapsed_s: start.elapsed().as_secs_f64(),
+        init_peak_bytes,
     })
 }
