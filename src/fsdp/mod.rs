@@ -2,17 +2,21 @@
 //!
 //! | concept | file | PyTorch |
 //! |---|---|---|
-//! | [`FullyShardedDataParallel`] (unit and root, hooks) | `unit.rs` | `fully_sharded_data_parallel.py`, `_runtime_utils.py` |
+//! | [`FullyShardedDataParallel`]: the unit, its state and accessors | `unit.rs` | `fully_sharded_data_parallel.py` |
+//! | construction: auto-wrap, deferred init (`param_init_fn`), tied parameters, `ignored_modules`, `sync_module_states` | `wrapping.rs` | `_init_utils.py`, `wrap.py` |
+//! | forward/backward hooks: unshard, reshard, gradient reduction | `runtime.rs` | `_runtime_utils.py` |
+//! | prefetch order, the per-rank communication stream, [`BackwardPrefetch`], `limit_all_gathers`, [`RuntimeStats`] | `scheduler.rs` | `_exec_order_utils.py`, `_limiter_utils.py` |
+//! | [`MixedPrecision`] | `mixed_precision.rs` | `api.MixedPrecision` |
 //! | [`FlatParameter`] | `flat_param.rs` | `_flat_param.py` |
-//! | [`ShardingStrategy`], [`FsdpConfig`] | `config.rs` | `api.py` |
+//! | [`ShardingStrategy`], [`FsdpConfig`], [`CpuOffload`] | `config.rs` | `api.py` |
 //! | [`AutoWrapPolicy`] | `wrap.rs` | `wrap.py` |
+//! | `no_sync`, `clip_grad_norm_` | `grad.rs` | `fully_sharded_data_parallel.py` |
 //! | [`MemoryStats`] | `memory.rs` | `torch.cuda.memory_stats` (FSDP's share) |
 //!
-//! Built: every strategy (hybrid ones over [`hybrid_groups`], explicit groups or a
-//! [`DeviceMesh`](crate::distributed::DeviceMesh)), nested
-//! units through auto-wrap policies, FSDP1's gradient pre/post-division, `no_sync`,
-//! `clip_grad_norm_` (`grad.rs`). Later issues: mixed precision, prefetch/overlap, CPU
-//! offload, state dicts.
+//! Every strategy (hybrid ones over [`hybrid_groups`], explicit groups or a
+//! [`DeviceMesh`](crate::distributed::DeviceMesh)), nested units through auto-wrap policies,
+//! FSDP1's gradient pre/post-division, mixed precision, backward/forward prefetch with
+//! collectives overlapping compute on a communication stream, CPU offload, deferred init.
 
 mod config;
 mod flat_param;
@@ -23,14 +27,16 @@ mod runtime;
 mod scheduler;
 mod unit;
 mod wrap;
+mod wrapping;
 
 pub use config::{CpuOffload, FsdpConfig, ParamInitFn, ShardingStrategy};
 pub use flat_param::{FlatParameter, ParamInfo};
 pub use memory::MemoryStats;
 pub use mixed_precision::MixedPrecision;
 pub use scheduler::{BackwardPrefetch, RuntimeStats};
-pub use unit::{gradient_divide_factors, hybrid_groups, FullyShardedDataParallel};
+pub use unit::{gradient_divide_factors, FullyShardedDataParallel};
 pub use wrap::{
     nonwrapped_numel, size_based_auto_wrap_policy, transformer_auto_wrap_policy, AutoWrapPolicy,
     WrapFn,
 };
+pub use wrapping::hybrid_groups;

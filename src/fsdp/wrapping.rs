@@ -1,0 +1,339 @@
+//! Building FSDP units: `FullyShardedDataParallel::new` wraps the submodules the
+//! auto-wrap policy picks (bottom-up), then the root; each unit's parameters are
+//! materialized if needed (deferred init), checked for ties, and flattened (FSDP1
+//! `_init_utils.py`, `wrap.py`).
+
+use super::flat_param::FlatParameter;
+use super::scheduler::Scheduler;
+use super::unit::RankState;
+use super::{AutoWrapPolicy, FsdpConfig, FullyShardedDataParallel, MemoryStats};
+use crate::backend::Device;
+use crate::distributed::{CommStream, DeviceMesh, Group};
+use crate::error::{Error, Result};
+use crate::nn::{join_name, visit_parameters, Module, Sequential};
+use crate::tensor::Tensor;
+use parking_lot::Mutex;
+use std::sync::Arc;
+
+/// What wrapping has seen so far on this rank: every parameter flattened, with its name and
+/// unit, to recognize tied parameters (one tensor reachable under two names); and the bytes
+/// of materialized parameters, to report the peak at init.
+#[derive(Default)]
+struct Seen {
+    params: Vec<(Tensor, String, String)>,
+    live_bytes: usize,
+    peak_bytes: usize,
+}
+
+/// Bytes of the distinct materialized (non-meta) parameter storages among `tensors`.
+fn materialized_bytes(tensors: &[Tensor]) -> usize {
+    let mut uniq: Vec<&Tensor> = Vec::new();
+    for t in tensors {
+        if t.device() != Device::Meta && !uniq.iter().any(|u| u.same_view(t)) {
+            uniq.push(t);
+        }
+    }
+    uniq.iter().map(|t| t.nbytes()).sum()
+}
+
+impl FullyShardedDataParallel {
+    /// Wraps `module` as the root unit on this rank's `pg`, first wrapping the submodules
+    /// that `config.auto_wrap_policy` selects (bottom-up).
+    ///
+    /// Every rank must build the same module (same parameter names and shapes in the same
+    /// order) with the same values: from the same seed, on the meta device (each rank then
+    /// computes only its shard), or with `sync_module_states` (rank 0's values broadcast).
+    ///
+    /// # Errors
+    /// `NotMaterialized` when a parameter has no data; `Fsdp` for non-f32 parameters, for
+    /// hybrid groups that do not cover `pg`, and for a `device_mesh` that is not 2-D, comes
+    /// with `hybrid_groups` or `ranks_per_node`, or with a non-hybrid strategy.
+    pub fn new(mut module: Box<dyn Module>, pg: Group, config: FsdpConfig) -> Result<Self> {
+        let (shard_pg, replicate_pg) = shard_and_replicate_groups(&pg, &config)?;
+        let mp = config.mixed_precision.unwrap_or_default();
+        mp.validate()?;
+        super::config::check_device(config.device_id)?;
+        let stream = CommStream::new(&format!("fsdp-comm-rank{}", pg.world_rank()))?;
+        let mem = Arc::new(Mutex::new(MemoryStats::default()));
+        let mut sched = Scheduler::new(
+            stream,
+            shard_pg.clone(),
+            config.sharding_strategy.is_sharded(),
+            mp,
+            mem.clone(),
+        );
+        sched.backward_prefetch = config.backward_prefetch;
+        sched.forward_prefetch = config.forward_prefetch;
+        sched.limit_all_gathers = config.limit_all_gathers;
+        sched.offload = config.cpu_offload.offload_params;
+        let rs = RankState {
+            pg,
+            shard_pg,
+            replicate_pg,
+            strategy: config.sharding_strategy,
+            mem,
+            mp,
+            sched: Arc::new(Mutex::new(sched)),
+            ignored: Arc::new(config.ignored_modules.clone()),
+            param_init_fn: config.param_init_fn.clone(),
+            sync_module_states: config.sync_module_states,
+        };
+        let names = module_names(module.as_mut());
+        if let Some(bad) = config.ignored_modules.iter().find(|m| !names.contains(m)) {
+            return Err(Error::Fsdp(format!(
+                "ignored_modules: the model has no submodule '{bad}'"
+            )));
+        }
+        let mut all = Vec::new();
+        visit_parameters(module.as_mut(), "", false, &mut |_, p| {
+            all.extend(p.data().ok().cloned())
+        });
+        let mut seen = Seen {
+            live_bytes: materialized_bytes(&all),
+            ..Seen::default()
+        };
+        seen.peak_bytes = seen.live_bytes;
+        drop(all);
+        if let Some(policy) = &config.auto_wrap_policy {
+            wrap_children(module.as_mut(), "", policy, &rs, &mut seen)?;
+        }
+        let mut root = Self::wrap_one(module, "", &rs, &mut seen)?;
+        root.is_root = true;
+        rs.sched.lock().set_root(root.id);
+        rs.mem.lock().init_peak_bytes = seen.peak_bytes;
+        Ok(root)
+    }
+
+    fn wrap_one(
+        mut module: Box<dyn Module>,
+        prefix: &str,
+        rs: &RankState,
+        seen: &mut Seen,
+    ) -> Result<Self> {
+        let own = |m: &mut dyn Module| {
+            let mut v = Vec::new();
+            visit_parameters(m, prefix, true, &mut |name, p| {
+                if !rs.is_ignored(name) {
+                    v.extend(p.data().ok().cloned())
+                }
+            });
+            v
+        };
+        let before = own(module.as_mut());
+        if let Some(init) = &rs.param_init_fn {
+            if before.iter().any(|t| t.device() == Device::Meta) {
+                // FSDP1 `_materialize_with_param_init_fn`: the user's init for this module.
+                init(module.as_mut())?;
+                let after = materialized_bytes(&own(module.as_mut()));
+                seen.live_bytes += after.saturating_sub(materialized_bytes(&before));
+                seen.peak_bytes = seen.peak_bytes.max(seen.live_bytes);
+            }
+        }
+        drop(before);
+        if rs.sync_module_states {
+            // Rank 0's values everywhere, before flattening (FSDP1
+            // `_sync_module_params_and_buffers`). Meta parameters with an initializer are
+            // computed identically on every rank and need no broadcast.
+            let mut res: Result<()> = Ok(());
+            visit_parameters(module.as_mut(), prefix, true, &mut |name, p| {
+                if res.is_err() || rs.is_ignored(name) {
+                    return;
+                }
+                res = match p.data() {
+                    Ok(d) if d.device() == Device::Meta => Ok(()),
+                    Ok(d) => rs.pg.broadcast(d, 0),
+                    Err(_) => Err(Error::NotMaterialized {
+                        name: name.to_string(),
+                        state: "sync_module_states",
+                    }),
+                };
+            });
+            res?;
+        }
+        let mut params: Vec<(String, Tensor, bool)> = Vec::new();
+        let mut slots: Vec<(String, usize)> = Vec::new();
+        let mut bad: Result<()> = Ok(());
+        visit_parameters(module.as_mut(), prefix, true, &mut |name, p| {
+            if bad.is_err() || rs.is_ignored(name) {
+                return;
+            }
+            let d = match p.data() {
+                Ok(d) => d,
+                Err(_) => {
+                    bad = Err(Error::NotMaterialized {
+                        name: name.to_string(),
+                        state: "not materialized at wrap time",
+                    });
+                    return;
+                }
+            };
+            // Tied parameters: flattened once; every name views the same elements.
+            match seen.params.iter().find(|(t, _, _)| t.shares_storage(d)) {
+                Some((t, first, unit)) if t.same_view(d) && unit == prefix => {
+                    let idx = params.iter().position(|(n, _, _)| n == first).unwrap_or(0);
+                    slots.push((name.to_string(), idx));
+                }
+                Some((_, first, unit)) => {
+                    bad = Err(Error::Fsdp(format!(
+                        "parameter '{name}' (unit '{prefix}') shares its storage with '{first}' (unit '{unit}'): tied parameters must be flattened into one FSDP unit; wrap a module that contains both"
+                    )));
+                }
+                None => {
+                    seen.params
+                        .push((d.clone(), name.to_string(), prefix.to_string()));
+                    slots.push((name.to_string(), params.len()));
+                    params.push((name.to_string(), d.clone(), p.requires_grad));
+                }
+            }
+        });
+        bad?;
+        let (rank, world) = if rs.strategy.is_sharded() {
+            (rs.shard_pg.rank(), rs.shard_pg.size())
+        } else {
+            (0, 1)
+        };
+        let flat = FlatParameter::new(&params, rank, world)?;
+        // Peak at init: the originals are still alive next to every shard made so far.
+        let shards = rs.mem.lock().param_shard_bytes + flat.local_shard.nbytes();
+        seen.peak_bytes = seen.peak_bytes.max(seen.live_bytes + shards);
+        let own_bytes =
+            materialized_bytes(&params.iter().map(|(_, t, _)| t.clone()).collect::<Vec<_>>());
+        drop(params);
+        let id = rs.sched.lock().register(&flat);
+        let mut unit = FullyShardedDataParallel {
+            module,
+            flat,
+            prefix: prefix.to_string(),
+            is_root: false,
+            rs: rs.clone(),
+            sync_grads: true,
+            id,
+            pending_grad: None,
+            slots,
+        };
+        // The originals now live in the FlatParameter: free them (sharded state).
+        unit.point_params(None, false)?;
+        if !rs.strategy.is_sharded() && !rs.mp.is_low_precision() && !rs.sched.lock().offload {
+            // NoShard: the "shard" is the whole flat parameter; parameters view it for good
+            // (with low-precision compute, unshard makes a rounded copy instead).
+            let full = unit.flat.local_shard.clone();
+            unit.point_params(Some(&full), false)?;
+            unit.flat.unsharded = Some(full);
+        }
+        // The originals are freed (FSDP held the last reference to them).
+        seen.live_bytes = seen.live_bytes.saturating_sub(own_bytes);
+        {
+            let mut m = rs.mem.lock();
+            m.param_shard_bytes += unit.flat.local_shard.nbytes();
+            m.cpu_offload = rs.sched.lock().offload;
+        }
+        Ok(unit)
+    }
+}
+
+/// The (shard, replicate) groups of this rank for hybrid sharding with `ranks_per_node`
+/// ranks per node: node `k` is world ranks `[k n, (k+1) n)`; the replicate group of local
+/// rank `l` is `{l, l + n, l + 2n, ...}` (FSDP1's default for `HYBRID_SHARD`). These are the
+/// groups of dims 1 and 0 of the mesh `init_device_mesh(world, [W / n, n], ["replicate",
+/// "shard"])`, which builds them. A collective over `world`: every rank calls it.
+///
+/// # Errors
+/// `InvalidArgument` when `ranks_per_node` is 0 or does not divide the world size.
+pub fn hybrid_groups(world: &Group, ranks_per_node: usize) -> Result<(Group, Group)> {
+    let w = world.size();
+    if ranks_per_node == 0 || w % ranks_per_node != 0 {
+        crate::error::bail_arg!("ranks per node {ranks_per_node} must divide the world size {w}");
+    }
+    let mesh = DeviceMesh::new(
+        world.as_ref(),
+        &[w / ranks_per_node, ranks_per_node],
+        &["replicate", "shard"],
+    )?;
+    Ok((mesh.get_group(1)?, mesh.get_group(0)?))
+}
+
+/// The groups a root on world `pg` shards and replicates over: `pg` itself without hybrid
+/// sharding; else `config.hybrid_groups`, the dims (1, 0) of `config.device_mesh`, or
+/// [`hybrid_groups`] with `config.ranks_per_node` (default the whole world).
+fn shard_and_replicate_groups(pg: &Group, config: &FsdpConfig) -> Result<(Group, Option<Group>)> {
+    let mesh = config.device_mesh.as_ref();
+    if !config.sharding_strategy.is_hybrid() {
+        if mesh.is_some() {
+            return Err(Error::Fsdp(format!(
+                "device_mesh is for HybridShard and HybridShardZero2; with {:?} pass the group as pg",
+                config.sharding_strategy
+            )));
+        }
+        return Ok((pg.clone(), None));
+    }
+    let (s, r) = match (&config.hybrid_groups, mesh) {
+        (None, None) => hybrid_groups(pg, config.ranks_per_node.unwrap_or(pg.size()))?,
+        (Some(groups), None) => groups.clone(),
+        (None, Some(m)) if m.ndim() == 2 && config.ranks_per_node.is_none() => {
+            (m.get_group(1)?, m.get_group(0)?)
+        }
+        (_, Some(m)) => {
+            return Err(Error::Fsdp(format!(
+            "hybrid sharding takes a 2-D device_mesh (replicate, shard) alone, got a {}-D mesh{}{}",
+            m.ndim(),
+            if config.hybrid_groups.is_some() {
+                " with hybrid_groups"
+            } else {
+                ""
+            },
+            if config.ranks_per_node.is_some() {
+                " with ranks_per_node"
+            } else {
+                ""
+            },
+        )))
+        }
+    };
+    if s.size() * r.size() != pg.size() {
+        return Err(Error::Fsdp(format!(
+            "hybrid groups of {} (shard) x {} (replicate) ranks do not cover the world of {}",
+            s.size(),
+            r.size(),
+            pg.size()
+        )));
+    }
+    Ok((s, Some(r)))
+}
+
+fn wrap_children(
+    m: &mut dyn Module,
+    prefix: &str,
+    policy: &AutoWrapPolicy,
+    rs: &RankState,
+    seen: &mut Seen,
+) -> Result<()> {
+    m.for_each_child(&mut |name, child| {
+        let fqn = join_name(prefix, name);
+        if rs.is_ignored(&fqn) {
+            return Ok(());
+        }
+        wrap_children(child.as_mut(), &fqn, policy, rs, seen)?;
+        if !child.is_fsdp_unit() && policy.should_wrap(child.as_mut()) {
+            let inner = std::mem::replace(child, Box::new(Sequential::new(Vec::new())));
+            *child = Box::new(FullyShardedDataParallel::wrap_one(inner, &fqn, rs, seen)?);
+        }
+        Ok(())
+    })
+}
+
+/// Fully qualified names of every submodule below `m` (`named_modules()` without the root).
+fn module_names(m: &mut dyn Module) -> Vec<String> {
+    fn walk(m: &mut dyn Module, prefix: &str, out: &mut Vec<String>) {
+        let _ = m.for_each_child(&mut |name, child| {
+            let fqn = join_name(prefix, name);
+            if !name.is_empty() {
+                out.push(fqn.clone());
+            }
+            walk(child.as_mut(), &fqn, out);
+            Ok(())
+        });
+    }
+    let mut out = Vec::new();
+    walk(m, "", &mut out);
+    out
+}
