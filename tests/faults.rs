@@ -206,8 +206,8 @@ fn a_rank_that_skips_a_collective_is_named() {
         &[0, 2],
         "PeerFailed",
         &[1],
-        // Rank 2 may or may not have reached the barrier when rank 0 notices.
-        "rank 1 exited without calling barrier (ranks [1",
+        // Which other ranks had reached the barrier when the first one noticed varies.
+        "rank 1 exited without calling barrier (ranks [",
     );
     assert!(err.unwrap().to_string().contains("rank 1 exited"));
 

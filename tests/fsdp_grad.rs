@@ -8,7 +8,7 @@ use fsdp::fsdp::{
     transformer_auto_wrap_policy, FsdpConfig, FullyShardedDataParallel, ShardingStrategy,
 };
 use fsdp::nn::{loss, visit_parameters, Context, InitKey, Linear, Module};
-use fsdp::optim::{Optimizer, ParamGrad, SgdConfig, SGD};
+use fsdp::optim::{Optimizer, ParamGrad};
 use fsdp::tensor::Tensor;
 
 const ROWS: usize = 12;
@@ -33,11 +33,8 @@ fn micro_step(m: &mut dyn Module, micro: usize, lo: usize, hi: usize) -> fsdp::R
     Ok(())
 }
 
-fn sgd() -> SGD {
-    SGD::new(SgdConfig {
-        lr: 0.1,
-        ..Default::default()
-    })
+fn sgd() -> fsdp::optim::SGD {
+    common::sgd(0.1)
 }
 
 fn named_values(m: &mut dyn Module) -> Vec<(String, Vec<f32>)> {

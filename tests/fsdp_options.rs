@@ -10,7 +10,7 @@ use fsdp::fsdp::{transformer_auto_wrap_policy, FsdpConfig, FullyShardedDataParal
 use fsdp::nn::{
     loss, visit_parameters, Context, Embedding, InitKey, Linear, Module, Sequential, GELU,
 };
-use fsdp::optim::{Optimizer, SgdConfig, SGD};
+use fsdp::optim::Optimizer;
 use fsdp::tensor::Tensor;
 
 /// Embedding(10, 4) whose weight is also the output projection Linear(4, 10, no bias).
@@ -34,11 +34,8 @@ fn lm_step(m: &mut dyn Module, lo: usize, hi: usize) -> fsdp::Result<()> {
     Ok(())
 }
 
-fn sgd() -> SGD {
-    SGD::new(SgdConfig {
-        lr: 0.1,
-        ..Default::default()
-    })
+fn sgd() -> fsdp::optim::SGD {
+    common::sgd(0.1)
 }
 
 #[test]
@@ -117,15 +114,28 @@ fn two_layers() -> Box<dyn Module> {
 }
 
 fn mse_step(m: &mut dyn Module, lo: usize, hi: usize) -> fsdp::Result<()> {
-    let x = values(5, 8 * 3);
-    let y = values(6, 8 * 2);
+    mse_rows(m, (5, 6), (3, 2), lo, hi)
+}
+
+/// Forward + backward of rows `lo..hi` of a batch drawn from `seeds` (inputs, targets)
+/// with `dims` (in, out) features; MSE, mean over the rows.
+fn mse_rows(
+    m: &mut dyn Module,
+    seeds: (u64, u64),
+    dims: (usize, usize),
+    lo: usize,
+    hi: usize,
+) -> fsdp::Result<()> {
+    let (i, o) = dims;
+    let x = values(seeds.0, hi * i);
+    let y = values(seeds.1, hi * o);
     let out = m.forward(
-        &Tensor::from_vec(x[lo * 3..hi * 3].to_vec(), &[hi - lo, 3])?,
+        &Tensor::from_vec(x[lo * i..hi * i].to_vec(), &[hi - lo, i])?,
         &Context::train(),
     )?;
     let (_, g) = loss::mse_loss(
         &out,
-        &Tensor::from_vec(y[lo * 2..hi * 2].to_vec(), &[hi - lo, 2])?,
+        &Tensor::from_vec(y[lo * o..].to_vec(), &[hi - lo, o])?,
     )?;
     m.backward(&g, &Context::train())?;
     Ok(())
@@ -285,18 +295,7 @@ fn micro(m: &mut dyn Module, lo: usize) -> fsdp::Result<()> {
 }
 
 fn rows_step(m: &mut dyn Module, lo: usize, hi: usize) -> fsdp::Result<()> {
-    let x = values(31, 12 * 3);
-    let y = values(32, 12 * 5);
-    let out = m.forward(
-        &Tensor::from_vec(x[lo * 3..hi * 3].to_vec(), &[hi - lo, 3])?,
-        &Context::train(),
-    )?;
-    let (_, g) = loss::mse_loss(
-        &out,
-        &Tensor::from_vec(y[lo * 5..hi * 5].to_vec(), &[hi - lo, 5])?,
-    )?;
-    m.backward(&g, &Context::train())?;
-    Ok(())
+    mse_rows(m, (31, 32), (3, 5), lo, hi)
 }
 
 #[test]

@@ -10,7 +10,7 @@ use fsdp::fsdp::{
     transformer_auto_wrap_policy, AutoWrapPolicy, BackwardPrefetch, FsdpConfig,
     FullyShardedDataParallel, RuntimeStats, ShardingStrategy,
 };
-use fsdp::nn::{loss, Context, GptConfig, InitKey, Linear, Module, Sequential, GELU, GPT};
+use fsdp::nn::{loss, Context, InitKey, Linear, Module, Sequential, GELU};
 use fsdp::optim::{AdamConfig, AdamW, Optimizer};
 use fsdp::tensor::Tensor;
 use std::sync::mpsc;
@@ -67,34 +67,6 @@ fn an_async_mismatch_fails_on_wait_naming_the_ranks() {
     }
 }
 
-fn gpt() -> Box<dyn Module> {
-    let cfg = GptConfig {
-        vocab_size: 29,
-        block_size: 6,
-        n_layer: 3,
-        n_head: 3,
-        n_embd: 12,
-    };
-    Box::new(GPT::new(cfg, 3).unwrap())
-}
-
-fn gpt_step(m: &mut dyn Module, step: usize, lo: usize, hi: usize) -> fsdp::Result<()> {
-    let t = 6;
-    let toks: Vec<i32> = values(400 + step as u64, 12 * (t + 1))
-        .iter()
-        .map(|v| ((v + 1.0) * 14.4) as i32 % 29)
-        .collect();
-    let (mut x, mut y) = (Vec::new(), Vec::new());
-    for r in lo..hi {
-        x.extend_from_slice(&toks[r * (t + 1)..r * (t + 1) + t]);
-        y.extend_from_slice(&toks[r * (t + 1) + 1..(r + 1) * (t + 1)]);
-    }
-    let logits = m.forward(&Tensor::from_vec(x, &[hi - lo, t])?, &Context::train())?;
-    let (_, g) = loss::cross_entropy(&logits, &Tensor::from_vec(y, &[hi - lo, t])?)?;
-    m.backward(&g, &Context::train())?;
-    Ok(())
-}
-
 #[derive(Clone, Copy, Debug)]
 struct Prefetch {
     backward: Option<BackwardPrefetch>,
@@ -116,14 +88,14 @@ fn train(world: usize, strategy: ShardingStrategy, p: Prefetch) -> Vec<Run> {
             limit_all_gathers: p.limit,
             ..Default::default()
         };
-        let mut m = FullyShardedDataParallel::new(gpt(), pg.clone(), cfg)?;
+        let mut m = FullyShardedDataParallel::new(common::small_gpt(3), pg.clone(), cfg)?;
         let mut opt = AdamW::new(AdamConfig {
             lr: 1e-2,
             ..AdamConfig::adamw()
         });
         let rows = 12 / world;
         for step in 0..3 {
-            gpt_step(&mut m, step, pg.rank() * rows, (pg.rank() + 1) * rows)?;
+            common::gpt_step(&mut m, step, pg.rank() * rows, (pg.rank() + 1) * rows)?;
             opt.step(&m.optimizer_params())?;
             m.zero_grad();
         }

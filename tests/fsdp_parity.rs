@@ -10,9 +10,7 @@ use fsdp::fsdp::{
     transformer_auto_wrap_policy, AutoWrapPolicy, FsdpConfig, FullyShardedDataParallel,
     ShardingStrategy,
 };
-use fsdp::nn::{
-    loss, visit_parameters, Context, GptConfig, InitKey, Linear, Module, Sequential, GPT,
-};
+use fsdp::nn::{loss, visit_parameters, Context, InitKey, Linear, Module, Sequential};
 use fsdp::optim::{AdamConfig, AdamW, Optimizer, SgdConfig, SGD};
 use fsdp::tensor::Tensor;
 use std::sync::Arc;
@@ -115,14 +113,7 @@ struct SmallGpt;
 
 impl Case for SmallGpt {
     fn build(&self) -> Box<dyn Module> {
-        let cfg = GptConfig {
-            vocab_size: 29,
-            block_size: 6,
-            n_layer: 2,
-            n_head: 3,
-            n_embd: 12,
-        };
-        Box::new(GPT::new(cfg, 3).unwrap())
+        common::small_gpt(2)
     }
     fn unit_policy(&self) -> AutoWrapPolicy {
         transformer_auto_wrap_policy(["Block"])
@@ -131,20 +122,7 @@ impl Case for SmallGpt {
         12
     }
     fn step_loss(&self, m: &mut dyn Module, step: usize, lo: usize, hi: usize) -> fsdp::Result<()> {
-        let t = 6;
-        let toks: Vec<i32> = values(400 + step as u64, 12 * (t + 1))
-            .iter()
-            .map(|v| ((v + 1.0) * 14.4) as i32 % 29)
-            .collect();
-        let (mut x, mut y) = (Vec::new(), Vec::new());
-        for r in lo..hi {
-            x.extend_from_slice(&toks[r * (t + 1)..r * (t + 1) + t]);
-            y.extend_from_slice(&toks[r * (t + 1) + 1..(r + 1) * (t + 1)]);
-        }
-        let logits = m.forward(&Tensor::from_vec(x, &[hi - lo, t])?, &Context::train())?;
-        let (_, g) = loss::cross_entropy(&logits, &Tensor::from_vec(y, &[hi - lo, t])?)?;
-        m.backward(&g, &Context::train())?;
-        Ok(())
+        common::gpt_step(m, step, lo, hi)
     }
 }
 

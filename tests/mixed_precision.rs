@@ -9,7 +9,7 @@ use fsdp::fsdp::{
     transformer_auto_wrap_policy, FsdpConfig, FullyShardedDataParallel, MixedPrecision,
     ShardingStrategy,
 };
-use fsdp::nn::{loss, visit_parameters, Context, GptConfig, InitKey, Linear, Module, GPT};
+use fsdp::nn::{loss, visit_parameters, Context, InitKey, Linear, Module};
 use fsdp::optim::{Optimizer, SgdConfig, SGD};
 use fsdp::tensor::{DType, Tensor};
 
@@ -38,19 +38,7 @@ enum Model {
 fn build(m: Model) -> Box<dyn Module> {
     match m {
         Model::Uneven => common::uneven_model(5),
-        Model::Gpt => Box::new(
-            GPT::new(
-                GptConfig {
-                    vocab_size: 29,
-                    block_size: 6,
-                    n_layer: 2,
-                    n_head: 3,
-                    n_embd: 12,
-                },
-                3,
-            )
-            .unwrap(),
-        ),
+        Model::Gpt => common::small_gpt(2),
     }
 }
 
@@ -78,21 +66,7 @@ fn step_loss(
                 loss::mse_loss(&out, &Tensor::from_vec(y[lo..hi].to_vec(), &[hi - lo, 1])?)?;
             m.backward(&g, &cx)?;
         }
-        Model::Gpt => {
-            let t = 6;
-            let toks: Vec<i32> = values(400 + step as u64, ROWS * (t + 1))
-                .iter()
-                .map(|v| ((v + 1.0) * 14.4) as i32 % 29)
-                .collect();
-            let (mut x, mut y) = (Vec::new(), Vec::new());
-            for r in lo..hi {
-                x.extend_from_slice(&toks[r * (t + 1)..r * (t + 1) + t]);
-                y.extend_from_slice(&toks[r * (t + 1) + 1..(r + 1) * (t + 1)]);
-            }
-            let logits = m.forward(&Tensor::from_vec(x, &[hi - lo, t])?, &cx)?;
-            let (_, g) = loss::cross_entropy(&logits, &Tensor::from_vec(y, &[hi - lo, t])?)?;
-            m.backward(&g, &cx)?;
-        }
+        Model::Gpt => common::gpt_step(m, step, lo, hi)?,
     }
     Ok(())
 }

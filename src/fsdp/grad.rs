@@ -52,18 +52,7 @@ impl FullyShardedDataParallel {
         let inf = norm_type == f32::INFINITY;
         let mut grads: Vec<Tensor> = Vec::new();
         self.for_each_unit(&mut |u| grads.extend(u.flat.grad_shard.clone()));
-        // Local sum of |g|^p (or max |g|) over this rank's shards, in f64.
-        let mut local = 0.0f64;
-        for g in &grads {
-            for &v in g.f32()?.iter() {
-                let a = (v as f64).abs();
-                local = if inf {
-                    local.max(a)
-                } else {
-                    local + a.powf(norm_type as f64)
-                };
-            }
-        }
+        let local = norm_accumulate(0.0, &grads, norm_type)?;
         // Sharded gradients are disjoint pieces of the whole: combine over the shard group.
         // Under hybrid sharding the replicas hold the same pieces (summing over the world
         // would count each sqrt(replicas) times too many); under NoShard every rank holds all.
@@ -80,17 +69,7 @@ impl FullyShardedDataParallel {
         // once, without a reduction (as FSDP1 counts its non-sharded parameters).
         let mut ignored: Vec<Tensor> = Vec::new();
         self.visit_ignored(&mut |_, p| ignored.extend(p.grad().cloned()));
-        let mut total = total;
-        for g in &ignored {
-            for &v in g.f32()?.iter() {
-                let a = (v as f64).abs();
-                total = if inf {
-                    total.max(a)
-                } else {
-                    total + a.powf(norm_type as f64)
-                };
-            }
-        }
+        let total = norm_accumulate(total, &ignored, norm_type)?;
         grads.extend(ignored);
         let total = if inf {
             total
@@ -103,4 +82,22 @@ impl FullyShardedDataParallel {
         }
         Ok(total)
     }
+}
+
+/// `acc` combined with the sum of `|g|^p` (or the max of `|g|` for `p = inf`) over `grads`,
+/// in f64.
+fn norm_accumulate(acc: f64, grads: &[Tensor], norm_type: f32) -> Result<f64> {
+    let inf = norm_type == f32::INFINITY;
+    let mut acc = acc;
+    for g in grads {
+        for &v in g.f32()?.iter() {
+            let a = (v as f64).abs();
+            acc = if inf {
+                acc.max(a)
+            } else {
+                acc + a.powf(norm_type as f64)
+            };
+        }
+    }
+    Ok(acc)
 }

@@ -114,3 +114,49 @@ pub fn hybrid_ranks_per_node(world: usize) -> usize {
         1
     }
 }
+
+/// The small GPT the FSDP tests train: vocab 29, block 6, width 12, 3 heads, seed 3.
+pub fn small_gpt(n_layer: usize) -> Box<dyn fsdp::nn::Module> {
+    let cfg = fsdp::nn::GptConfig {
+        vocab_size: 29,
+        block_size: 6,
+        n_layer,
+        n_head: 3,
+        n_embd: 12,
+    };
+    Box::new(fsdp::nn::GPT::new(cfg, 3).unwrap())
+}
+
+/// Forward + backward of rows `lo..hi` of step `step`'s 12-row batch of 6-token sequences
+/// for [`small_gpt`] (mean cross-entropy).
+pub fn gpt_step(
+    m: &mut dyn fsdp::nn::Module,
+    step: usize,
+    lo: usize,
+    hi: usize,
+) -> fsdp::Result<()> {
+    use fsdp::nn::{loss, Context};
+    use fsdp::tensor::Tensor;
+    let t = 6;
+    let toks: Vec<i32> = values(400 + step as u64, 12 * (t + 1))
+        .iter()
+        .map(|v| ((v + 1.0) * 14.4) as i32 % 29)
+        .collect();
+    let (mut x, mut y) = (Vec::new(), Vec::new());
+    for r in lo..hi {
+        x.extend_from_slice(&toks[r * (t + 1)..r * (t + 1) + t]);
+        y.extend_from_slice(&toks[r * (t + 1) + 1..(r + 1) * (t + 1)]);
+    }
+    let logits = m.forward(&Tensor::from_vec(x, &[hi - lo, t])?, &Context::train())?;
+    let (_, g) = loss::cross_entropy(&logits, &Tensor::from_vec(y, &[hi - lo, t])?)?;
+    m.backward(&g, &Context::train())?;
+    Ok(())
+}
+
+/// Plain SGD (no momentum) at `lr`.
+pub fn sgd(lr: f32) -> fsdp::optim::SGD {
+    fsdp::optim::SGD::new(fsdp::optim::SgdConfig {
+        lr,
+        ..Default::default()
+    })
+}
