@@ -32,6 +32,18 @@ fn fails_with(args: &[&str], want: &str) {
     assert!(err.contains(want), "{args:?}: expected '{want}' in: {err}");
 }
 
+/// A one-layer, 16-wide model on 16-token rows: seconds per run.
+const TINY_MODEL: [&str; 8] = [
+    "--seq-len",
+    "16",
+    "--n-layer",
+    "1",
+    "--n-embd",
+    "16",
+    "--n-head",
+    "2",
+];
+
 #[test]
 fn bad_input_is_one_line_and_a_non_zero_exit() {
     let text = tmp("ok.txt", common::corpus(5_000).as_bytes());
@@ -122,20 +134,8 @@ fn a_small_run_reports_losses_eval_and_a_sample() {
             "--global-batch",
             "4",
         ])
-        .args([
-            "--seq-len",
-            "16",
-            "--n-layer",
-            "1",
-            "--n-embd",
-            "16",
-            "--n-head",
-            "2",
-            "--eval-every",
-            "3",
-            "--sample-len",
-            "20",
-        ])
+        .args(TINY_MODEL)
+        .args(["--eval-every", "3", "--sample-len", "20"])
         .args(["--metrics", metrics.to_str().unwrap()])
         .output()
         .unwrap();
@@ -160,16 +160,7 @@ fn a_failing_rank_ends_the_job_promptly_with_one_line_naming_it() {
             .env("FSDP_FAIL_RANK", fail)
             .args(["train", "--data", text.to_str().unwrap()])
             .args(["--world-size", "3", "--steps", "5", "--global-batch", "6"])
-            .args([
-                "--seq-len",
-                "16",
-                "--n-layer",
-                "1",
-                "--n-embd",
-                "16",
-                "--n-head",
-                "2",
-            ])
+            .args(TINY_MODEL)
             .args(["--sample-len", "0"])
             .output()
             .unwrap();
@@ -195,4 +186,80 @@ fn a_failing_rank_ends_the_job_promptly_with_one_line_naming_it() {
         err.contains("FSDP_FAIL_RANK='3': rank 3 is not below --world-size 3"),
         "{err}"
     );
+}
+
+#[test]
+fn fsdp_options_run_from_the_command_line_and_bad_values_are_named() {
+    let text = tmp("options.txt", common::corpus(20_000).as_bytes());
+    let t = text.to_str().unwrap();
+    fails_with(
+        &["--data", t, "--mixed-precision", "fp8"],
+        "invalid value 'fp8' for '--mixed-precision",
+    );
+    fails_with(
+        &["--data", t, "--backward-prefetch", "sideways"],
+        "invalid value 'sideways' for '--backward-prefetch",
+    );
+    fails_with(
+        &["--data", t, "--limit-all-gathers", "maybe"],
+        "invalid value 'maybe' for '--limit-all-gathers",
+    );
+    fails_with(
+        &[
+            "--data",
+            t,
+            "--no-fsdp",
+            "--world-size",
+            "1",
+            "--cpu-offload",
+        ],
+        "FSDP options",
+    );
+    let run = |extra: &[&str]| {
+        let out = fsdp()
+            .args(["train", "--data", t, "--world-size", "2", "--steps", "3"])
+            .args([
+                "--global-batch",
+                "4",
+                "--sample-len",
+                "0",
+                "--log-every",
+                "1",
+            ])
+            .args(TINY_MODEL)
+            .args(extra)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(
+            out.status.success(),
+            "{extra:?}: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        stdout
+            .lines()
+            .filter(|l| l.starts_with("step") && l.contains("| loss"))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    let losses = |lines: Vec<String>| -> Vec<String> {
+        lines
+            .iter()
+            .map(|l| l.split('|').nth(1).unwrap_or("").trim().to_string())
+            .collect()
+    };
+    let base = losses(run(&[]));
+    assert_eq!(base.len(), 3, "{base:?}");
+    // Prefetch and offload move data differently, never change a number.
+    let moved = losses(run(&[
+        "--backward-prefetch",
+        "post",
+        "--forward-prefetch",
+        "--limit-all-gathers",
+        "false",
+        "--cpu-offload",
+    ]));
+    assert_eq!(moved, base);
+    let bf16 = losses(run(&["--mixed-precision", "bf16"]));
+    assert_eq!(bf16.len(), 3);
 }
