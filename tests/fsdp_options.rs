@@ -470,3 +470,35 @@ fn linear_8_2_at_4_ranks_steps_adam_like_unsharded_and_clips_over_every_shard() 
         assert_close(&format!("rank {rank}"), &got, &want, 1e-6, 1e-5);
     }
 }
+
+#[test]
+fn every_auto_wrap_policy_makes_the_units_it_names() {
+    use fsdp::fsdp::{module_wrap_policy, size_based_auto_wrap_policy, AutoWrapPolicy};
+    let units = |policy: Option<AutoWrapPolicy>| {
+        launch(&LaunchOptions::new(2), |pg: Group| {
+            let cfg = FsdpConfig {
+                auto_wrap_policy: policy.clone(),
+                ..Default::default()
+            };
+            let mut m = FullyShardedDataParallel::new(common::uneven_model(5), pg, cfg)?;
+            let mut names = Vec::new();
+            m.for_each_unit(&mut |u| names.push(u.module_name().to_string()));
+            Ok(names)
+        })
+        .unwrap()
+        .remove(0)
+    };
+    // Linear(7,5), GELU, Linear(5,7), GELU, Linear(7,1): 35 + 35 + 7 parameters.
+    assert_eq!(units(None), [""]);
+    assert_eq!(
+        units(Some(module_wrap_policy(["Linear"]))),
+        ["", "0", "2", "4"]
+    );
+    assert_eq!(
+        units(Some(transformer_auto_wrap_policy(["GELU"]))),
+        ["", "1", "3"]
+    );
+    assert_eq!(units(Some(size_based_auto_wrap_policy(30))), ["", "0", "2"]);
+    let closure = AutoWrapPolicy::Custom(std::sync::Arc::new(|_: &dyn Module, n| n == 7));
+    assert_eq!(units(Some(closure)), ["", "4"]);
+}

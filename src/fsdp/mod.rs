@@ -36,7 +36,7 @@ pub use mixed_precision::MixedPrecision;
 pub use scheduler::{BackwardPrefetch, RuntimeStats};
 pub use unit::{gradient_divide_factors, FullyShardedDataParallel};
 pub use wrap::{
-    nonwrapped_numel, size_based_auto_wrap_policy, transformer_auto_wrap_policy, AutoWrapPolicy,
-    WrapFn,
+    module_wrap_policy, nonwrapped_numel, size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy, AutoWrapPolicy, WrapFn,
 };
 pub use wrapping::hybrid_groups;

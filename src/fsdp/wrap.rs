@@ -36,6 +36,16 @@ where
     AutoWrapPolicy::Transformer(layer_types.into_iter().map(Into::into).collect())
 }
 
+/// `ModuleWrapPolicy(module_classes)`: wrap every module whose type is in the set (FSDP1's
+/// class-based policy object; the same rule as [`transformer_auto_wrap_policy`]).
+pub fn module_wrap_policy<I, S>(module_types: I) -> AutoWrapPolicy
+where
+    I: IntoIterator<Item = S>,
+    S: Into<String>,
+{
+    transformer_auto_wrap_policy(module_types)
+}
+
 /// `size_based_auto_wrap_policy` with this threshold (PyTorch's default is 1e8).
 pub fn size_based_auto_wrap_policy(min_num_params: usize) -> AutoWrapPolicy {
     AutoWrapPolicy::SizeBased { min_num_params }
