@@ -11,6 +11,7 @@
 //!   list: `90` or `80,90` (cubins for each, PTX for the lowest).
 //! - rerun-if-changed on every `.cu` and `.cuh` (a header counts as much as a source) and
 //!   on the environment variables above.
+//! - `--fmad=false`: kernels round like the CPU reference (see `compile_one`).
 //! - nvcc failure prints the full command and nvcc's output, and fails the build.
 
 use std::env;
@@ -135,7 +136,10 @@ fn compile_one(
     let mut cmd = Command::new(nvcc);
     cmd.arg("--fatbin")
         .args(gencode_args(caps))
-        .args(["-O3", "-std=c++17"])
+        // --fmad=false: no contraction of a*b+c into one FMA, so elementwise kernels round
+        // exactly as the CPU reference loops do (Rust never contracts) and the tests can
+        // demand bitwise equality; the GEMMs, where FMA matters, are cuBLAS's.
+        .args(["-O3", "-std=c++17", "--fmad=false"])
         .arg("-I")
         .arg(kernels_dir)
         .arg("-o")
@@ -167,13 +171,15 @@ fn compute_caps() -> Result<Vec<u32>, String> {
             Ok(c) if c >= 50 => caps.push(c),
             _ => {
                 return Err(format!(
-                    "error: CUDA_COMPUTE_CAP={v:?}: expected compute capabilities like `90` or `80,90`"
-                ))
+                "error: CUDA_COMPUTE_CAP={v:?}: expected compute capabilities like `90` or `80,90`"
+            ))
             }
         }
     }
     if caps.is_empty() {
-        return Err(format!("error: CUDA_COMPUTE_CAP={v:?} names no architecture"));
+        return Err(format!(
+            "error: CUDA_COMPUTE_CAP={v:?} names no architecture"
+        ));
     }
     caps.sort_unstable();
     caps.dedup();
