@@ -175,3 +175,14 @@ impl Stream {
         Ok(b)
     }
 }
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // Finish this stream's work before its handle can be destroyed and reused: the
+        // pool keys cached blocks by stream handle, so a new stream that got the same
+        // handle must not reuse a block that the old stream's kernels still touch.
+        // An error here was already reported to whoever synchronized last; it cannot be
+        // returned from `drop`.
+        let _ = self.inner.synchronize();
+    }
+}
