@@ -128,7 +128,7 @@ pub fn gemm(
 /// `b`, `c` (attention's per-head products).
 ///
 /// # Errors
-/// As [`gemm`], with each tensor holding `batch` blocks.
+/// As [`gemm()`], with each tensor holding `batch` blocks.
 pub fn gemm_strided_batched(
     s: &Stream,
     a: &DeviceTensor,

@@ -8,14 +8,14 @@
 //! | typed ops | `ops.rs`, `nn_ops.rs`, `optim.rs`, `blas.rs` | check lengths, dtypes and devices; return `Result` |
 //! | algorithms | `fsdp`, the scheduler | never see a device pointer |
 //!
-//! Beneath them: `context.rs` (a lazily created [`CudaDevice`] per ordinal, holding the
+//! Beneath them: `context.rs` (a lazily created `CudaDevice` per ordinal, holding the
 //! driver context and the kernel modules, loaded once per device from the fat binaries
 //! build.rs embedded), `memory.rs` (a caching allocator with per-rank byte accounting),
-//! `stream.rs` (streams and events), `tensor.rs` ([`DeviceTensor`], host <-> device copies).
+//! `stream.rs` (streams and events), `tensor.rs` (`DeviceTensor`, host <-> device copies).
 //!
 //! Everything but [`detect`] and [`DeviceInfo`] needs the `cuda` feature. cudarc loads
 //! `libcuda.so` and `libcublas.so` at run time: a build needs no CUDA library, and a run
-//! without a driver gets an [`Error::Cuda`] from [`detect`] or [`CudaDevice::get`], never a
+//! without a driver gets an [`Error::Cuda`] from [`detect`] or `CudaDevice::get`, never a
 //! panic or a link error.
 //!
 //! Not built yet (issue 5): FSDP on CUDA tensors (the runtime still computes on host
