@@ -3,9 +3,12 @@
 
 #[path = "common/backend.rs"]
 mod backend;
+#[path = "common/backend_optim.rs"]
+mod backend_optim;
 mod common;
 
-use backend::{Backend, Opt};
+use backend::Backend;
+use backend_optim::Opt;
 use common::{assert_close, values};
 use fsdp::backend::cpu::gemm::Transpose;
 use fsdp::backend::cpu::kernels::HeadDims;
