@@ -1,10 +1,22 @@
 // common.cuh: helpers shared by every kernel file.
-// - ceil_div, grid-stride loop macro
-// - bf16/f16 conversions with round-to-nearest-even (cuda_bf16.h / cuda_fp16.h)
+// - ceil_div, the grid-stride loop macro, FSDP_BF16 (bf16 kernels only for sm_80+)
+// - bf16/f16 <-> f32 conversions with round-to-nearest-even (cuda_bf16.h / cuda_fp16.h)
+// - fsdp_exp / fsdp_erf: the same polynomials as the CPU reference
+//   (backend::cpu::ops::exp, nn::activation::erf), so GELU and softmax match it bitwise
+//   (build.rs compiles with --fmad=false: no a*b+c contraction, like Rust)
+// - warp/block sum and max reductions (blockDim.x a multiple of 32, at most 1024)
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
+
+// bf16 arithmetic and conversions are native from sm_80 (A100) on; every target build.rs
+// compiles for is >= sm_80, and the host pass (__CUDA_ARCH__ undefined) sees them too.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#define FSDP_BF16 1
+#else
+#define FSDP_BF16 0
+#endif
 
 __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -22,3 +34,71 @@ template <typename T> __device__ inline T from_f32(float v);
 template <> __device__ inline float from_f32<float>(float v) { return v; }
 template <> __device__ inline __half from_f32<__half>(float v) { return __float2half_rn(v); }
 template <> __device__ inline __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// e^x as backend::cpu::ops::exp (Cephes expf): clamp, x = n ln2 + r, degree-6 polynomial,
+// 2^n from the exponent bits. Same operations in the same order as the Rust reference.
+__device__ inline float fsdp_exp(float x) {
+  const float LOG2E = 1.44269504088896340736f;
+  const float C1 = 0.6933594f;
+  const float C2 = -2.1219444e-4f;
+  const float MAGIC = 12582912.0f;  // 1.5 * 2^23: rounds to an integer in the low bits
+  x = fminf(fmaxf(x, -87.3f), 88.3f);
+  float z = x * LOG2E + MAGIC;
+  float n = z - MAGIC;
+  int k = __float_as_int(z) - __float_as_int(MAGIC);
+  float r = x - n * C1 - n * C2;
+  // Literals spelled as in the Rust reference, so both round to the same f32 values.
+  float p = 1.9875691e-4f;
+  p = p * r + 1.3981999e-3f;
+  p = p * r + 8.333452e-3f;
+  p = p * r + 4.1665796e-2f;
+  p = p * r + 1.6666665e-1f;
+  p = p * r + 0.5f;
+  float y = p * r * r + r + 1.0f;
+  return y * __int_as_float((k + 127) << 23);
+}
+
+// erf(x) as nn::activation::erf (Abramowitz & Stegun 7.1.26).
+__device__ inline float fsdp_erf(float x) {
+  const float P = 0.3275911f;  // literals as in the Rust reference
+  float ax = fabsf(x);
+  float t = 1.0f / (1.0f + P * ax);
+  float poly = t * (0.2548296f + t * (-0.28449674f + t * (1.4214137f + t * (-1.4531521f + t * 1.0614054f))));
+  float y = 1.0f - poly * fsdp_exp(-ax * ax);
+  return copysignf(y, x);
+}
+
+__device__ inline float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ inline float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum of v over the block, returned to every thread. `shared` holds 32 floats. Ends with a
+// barrier, so the caller may reuse `shared` right after.
+__device__ inline float block_sum(float v, float* shared) {
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  v = warp_sum(v);
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  float t = lane < nwarps ? shared[lane] : 0.0f;
+  t = warp_sum(t);
+  __syncthreads();
+  return t;
+}
+
+// Max of v over the block, returned to every thread; as block_sum.
+__device__ inline float block_max(float v, float* shared) {
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  v = warp_max(v);
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  float t = lane < nwarps ? shared[lane] : -INFINITY;
+  t = warp_max(t);
+  __syncthreads();
+  return t;
+}

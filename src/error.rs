@@ -102,6 +102,16 @@ pub enum Error {
     /// A feature that is reserved but not built yet in this version.
     #[error("not supported yet: {0}")]
     Unsupported(String),
+    /// The CUDA backend failed: no driver or device, a driver/cuBLAS call returned an error,
+    /// a kernel missing from the embedded modules, or the build has no CUDA support.
+    #[error("{context}: {message}")]
+    Cuda {
+        /// What was being done, e.g. `"no CUDA driver found (libcuda.so)"`,
+        /// `"launching cast_f32_bf16 on cuda:0"`, `"cuMemAlloc of 64 MiB on cuda:0"`.
+        context: String,
+        /// The driver's or library's message, or why the backend is unavailable.
+        message: String,
+    },
     /// Operating-system I/O.
     #[error("{context}: {source}")]
     Io {
@@ -160,10 +170,22 @@ impl Error {
             Error::Fsdp(m) => Error::Fsdp(m.clone()),
             Error::Data(m) => Error::Data(m.clone()),
             Error::Unsupported(m) => Error::Unsupported(m.clone()),
+            Error::Cuda { context, message } => Error::Cuda {
+                context: context.clone(),
+                message: message.clone(),
+            },
             Error::Io { context, source } => Error::Io {
                 context: context.clone(),
                 source: std::io::Error::new(source.kind(), source.to_string()),
             },
+        }
+    }
+
+    /// A [`Error::Cuda`] from what was being done and the driver's message.
+    pub fn cuda(context: impl Into<String>, message: impl std::fmt::Display) -> Self {
+        Error::Cuda {
+            context: context.into(),
+            message: message.to_string(),
         }
     }
 

@@ -252,3 +252,36 @@ fn fsdp_options_run_from_the_command_line_and_bad_values_are_named() {
     let bf16 = losses(run(&["--mixed-precision", "bf16"]));
     assert_eq!(bf16.len(), 3);
 }
+
+/// `--device cuda` without a usable GPU: one line saying why, non-zero exit, before any
+/// work. Which line depends on the build and machine: no `cuda` feature, no driver
+/// (`libcuda.so`), no device; with a GPU, that the CUDA training path is not built yet.
+#[test]
+fn device_cuda_without_a_gpu_is_one_line_and_a_non_zero_exit() {
+    let text = tmp("cuda.txt", common::corpus(5_000).as_bytes());
+    let out = fsdp()
+        .args(["train", "--device", "cuda", "--steps", "1", "--data"])
+        .arg(&text)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "--device cuda succeeded: {err}");
+    assert!(!err.contains("panicked"), "panicked: {err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "not one line: {err}");
+    let known = [
+        "this build has no CUDA support",
+        "no CUDA driver found (libcuda.so)",
+        "no CUDA device",
+        "initializing the CUDA driver",
+        "training on CUDA tensors",
+    ];
+    assert!(
+        known.iter().any(|k| err.contains(k)),
+        "unexpected message: {err}"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).is_empty(),
+        "started training: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}

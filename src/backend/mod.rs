@@ -2,11 +2,15 @@
 //!
 //! | concept | CPU | CUDA |
 //! |---|---|---|
-//! | GEMM | [`cpu::gemm`] (the `gemm` crate) | lands with the CUDA runtime issue |
-//! | elementwise, reductions, casts | [`cpu::ops`] | `kernels/*.cu` (CUDA runtime issue) |
-//! | streams | worker threads (`Work` handles) | CUDA streams + events |
+//! | GEMM | [`cpu::gemm`] (the `gemm` crate) | cuBLAS (`cuda::gemm`, f32; bf16/f16 with f32 accumulation) |
+//! | elementwise, reductions, casts | [`cpu::ops`], [`cpu::kernels`] (the references) | `kernels/*.cu` through `cuda::{ops, nn_ops, optim}` |
+//! | memory | `Vec`s behind `Storage` | a caching allocator with per-rank accounting (`cuda::MemAccount`) |
+//! | streams | worker threads (`Work` handles) | CUDA streams + events (`cuda::Stream`, `cuda::Event`) |
+//!
+//! [`cuda`] needs the `cuda` feature for everything but [`cuda::detect`].
 
 pub mod cpu;
+pub mod cuda;
 
 /// Where a tensor lives. Mirrors `torch.device`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]

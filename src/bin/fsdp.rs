@@ -135,6 +135,10 @@ struct FsdpArgs {
 
 #[derive(Args)]
 struct TrainArgs {
+    /// Where to compute: `cpu`, or `cuda` (needs a build with `--features cuda`, a driver
+    /// and a GPU).
+    #[arg(long, value_enum, default_value_t = D.device)]
+    device: fsdp::train::TrainDevice,
     /// UTF-8 text file; tokens are its bytes, the last 10% held out for eval.
     #[arg(long, default_value = "data/tinyshakespeare.txt")]
     data: PathBuf,
@@ -296,6 +300,7 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         forward_prefetch: a.fsdp.forward_prefetch,
         limit_all_gathers: a.fsdp.limit_all_gathers,
         cpu_offload: a.fsdp.cpu_offload,
+        device: a.device,
         ..base_config(&a.model, a.data.clone())
     };
     cfg.validate()?;

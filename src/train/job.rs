@@ -185,6 +185,8 @@ pub struct TrainConfig {
     /// JSON-lines file that receives one [`StepRecord`] per step (`--metrics`); `None`
     /// (the default) writes none.
     pub metrics: Option<PathBuf>,
+    /// Where to compute (`--device`), default the CPU.
+    pub device: super::TrainDevice,
 }
 
 impl Default for TrainConfig {
@@ -225,6 +227,7 @@ impl Default for TrainConfig {
             eval_batches: 4,
             sample_len: 200,
             metrics: None,
+            device: super::TrainDevice::Cpu,
         }
     }
 }
@@ -311,8 +314,10 @@ impl TrainConfig {
     /// Checks every option before any thread starts.
     ///
     /// # Errors
+    /// The device's error when `--device` is unusable ([`super::TrainDevice::check`]);
     /// `InvalidArgument` naming the first bad option.
     pub fn validate(&self) -> Result<()> {
+        self.device.check()?;
         let bad = |m: String| Err(Error::InvalidArgument(m));
         if self.steps == 0 {
             return bad("--steps must be at least 1".into());

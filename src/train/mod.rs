@@ -5,15 +5,18 @@
 //! | data loading, splits, world-size-independent batches | `data.rs` |
 //! | FSDP or plain engine, memory figures | `engine.rs` |
 //! | the training loop, config, metrics | `job.rs` |
+//! | `--device` and its availability check | `device.rs` |
 //! | the hidden test-only fault hook `FSDP_FAIL_RANK` | `fault.rs` |
 //! | generation | `sample.rs` |
 
 pub mod data;
+mod device;
 pub mod engine;
 mod fault;
 mod job;
 pub mod sample;
 
+pub use device::TrainDevice;
 pub use job::{
     build_engine, train, LrSchedule, Observer, Precision, Silent, StepRecord, TrainConfig,
     TrainReport, WrapMode,

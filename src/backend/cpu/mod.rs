@@ -4,4 +4,5 @@
 //! than `matrixmultiply` on the 2-core target, see the README's notes).
 
 pub mod gemm;
+pub mod kernels;
 pub mod ops;

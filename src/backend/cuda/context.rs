@@ -1,0 +1,204 @@
+//! [`CudaDevice`]: one per ordinal, created on first use and shared by every rank and stream
+//! on that GPU: the driver's primary context, the kernel modules (loaded once, lazily, from
+//! the fat binaries build.rs embedded) and the caching allocator's pool.
+
+use super::memory::Pool;
+use super::DeviceInfo;
+use crate::error::{Error, Result};
+use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+
+/// A GPU: context, loaded kernel modules and memory pool. Get one with
+/// [`CudaDevice::get`]; clones of the `Arc` share everything.
+pub struct CudaDevice {
+    pub(crate) ctx: Arc<CudaContext>,
+    ordinal: usize,
+    info: DeviceInfo,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    functions: Mutex<HashMap<&'static str, CudaFunction>>,
+    pub(crate) pool: Arc<Pool>,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaDevice(cuda:{}, {})", self.ordinal, self.info.name)
+    }
+}
+
+/// Checks that libcuda can be loaded before any cudarc call (which would panic otherwise).
+fn require_driver() -> Result<()> {
+    // SAFETY: only tries to dlopen the driver library by its usual names.
+    let present = unsafe { cudarc::driver::sys::is_culib_present() };
+    if !present {
+        return Err(Error::cuda(
+            "no CUDA driver found (libcuda.so)",
+            "the NVIDIA driver library could not be loaded; this machine has no GPU driver, \
+             or it is not on the loader path (LD_LIBRARY_PATH)",
+        ));
+    }
+    Ok(())
+}
+
+/// See [`super::detect`].
+pub(crate) fn detect() -> Result<Vec<DeviceInfo>> {
+    require_driver()?;
+    let n = CudaContext::device_count()
+        .map_err(|e| Error::cuda("initializing the CUDA driver (cuInit)", e))?;
+    if n <= 0 {
+        return Err(Error::cuda(
+            "no CUDA device",
+            "the driver loaded but reports no device (CUDA_VISIBLE_DEVICES?)",
+        ));
+    }
+    (0..n as usize)
+        .map(|i| CudaDevice::get(i).map(|d| d.info.clone()))
+        .collect()
+}
+
+fn registry() -> &'static Mutex<HashMap<usize, Arc<CudaDevice>>> {
+    static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<CudaDevice>>>> = OnceLock::new();
+    DEVICES.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+impl CudaDevice {
+    /// The device `cuda:ordinal`, created on first call (context retained, nothing loaded
+    /// yet) and shared afterwards.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] without a driver (`"no CUDA driver found (libcuda.so)"`), for an
+    /// ordinal the driver does not have, or when the context cannot be created.
+    pub fn get(ordinal: usize) -> Result<Arc<CudaDevice>> {
+        let mut reg = registry().lock();
+        if let Some(d) = reg.get(&ordinal) {
+            return Ok(d.clone());
+        }
+        require_driver()?;
+        let count = CudaContext::device_count()
+            .map_err(|e| Error::cuda("initializing the CUDA driver (cuInit)", e))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(Error::cuda(
+                format!("cuda:{ordinal}"),
+                format!("no such device: the driver reports {count} device(s)"),
+            ));
+        }
+        let ctx = CudaContext::new(ordinal)
+            .map_err(|e| Error::cuda(format!("creating a context on cuda:{ordinal}"), e))?;
+        let attr = |a| {
+            ctx.attribute(a)
+                .map_err(|e| Error::cuda(format!("reading attributes of cuda:{ordinal}"), e))
+        };
+        let info = DeviceInfo {
+            ordinal,
+            name: ctx
+                .name()
+                .map_err(|e| Error::cuda(format!("reading the name of cuda:{ordinal}"), e))?,
+            compute_capability: (
+                attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+                attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+            ),
+            total_memory: ctx
+                .total_mem()
+                .map_err(|e| Error::cuda(format!("reading the memory of cuda:{ordinal}"), e))?,
+            multiprocessors: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
+                .max(1) as usize,
+        };
+        let dev = Arc::new(CudaDevice {
+            pool: Arc::new(Pool::new(ctx.clone(), ordinal)),
+            ctx,
+            ordinal,
+            info,
+            modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
+        });
+        reg.insert(ordinal, dev.clone());
+        Ok(dev)
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// What the driver reports about this device.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// Kernel `name` of module `module` (`kernels/{module}.cu`), loading the module on first
+    /// use. Functions are cached by name.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the module is not embedded, the driver rejects the image (no
+    /// cubin or PTX usable on this GPU: see [`crate::kernels::targets`]), or the module has
+    /// no such kernel (a bf16 kernel on a pre-sm_80 GPU, say).
+    pub fn function(&self, module: &'static str, name: &'static str) -> Result<CudaFunction> {
+        if let Some(f) = self.functions.lock().get(name) {
+            return Ok(f.clone());
+        }
+        let m = self.module(module)?;
+        let f = m.load_function(name).map_err(|e| {
+            Error::cuda(
+                format!(
+                    "loading kernel {name} from module {module} on cuda:{}",
+                    self.ordinal
+                ),
+                e,
+            )
+        })?;
+        self.functions.lock().insert(name, f.clone());
+        Ok(f)
+    }
+
+    fn module(&self, module: &'static str) -> Result<Arc<CudaModule>> {
+        let mut mods = self.modules.lock();
+        if let Some(m) = mods.get(module) {
+            return Ok(m.clone());
+        }
+        let image = crate::kernels::fatbin(module).ok_or_else(|| {
+            Error::cuda(
+                format!("loading module {module}"),
+                format!(
+                    "no such embedded module (have: {:?})",
+                    crate::kernels::module_names()
+                ),
+            )
+        })?;
+        let (maj, min) = self.info.compute_capability;
+        let m = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(image.to_vec()))
+            .map_err(|e| {
+                Error::cuda(
+                    format!(
+                        "loading module {module} (targets {}) on cuda:{} (sm_{maj}{min})",
+                        crate::kernels::targets(),
+                        self.ordinal
+                    ),
+                    e,
+                )
+            })?;
+        mods.insert(module, m.clone());
+        Ok(m)
+    }
+
+    /// Blocks until all work on every stream of this device finished.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] carrying the first asynchronous error (e.g. a faulting kernel).
+    pub fn synchronize(&self) -> Result<()> {
+        self.ctx
+            .synchronize()
+            .map_err(|e| Error::cuda(format!("synchronizing cuda:{}", self.ordinal), e))
+    }
+
+    /// Grid size for an elementwise kernel over `n` elements with `block` threads: enough
+    /// blocks to cover `n`, at most 32 per multiprocessor (grid-stride loops do the rest;
+    /// 32 x 256 threads keeps every SM full without a tail of tiny blocks), at least 1.
+    pub(crate) fn grid_for(&self, n: usize, block: u32) -> u32 {
+        let cap = (self.info.multiprocessors * 32).max(1);
+        n.div_ceil(block as usize).clamp(1, cap) as u32
+    }
+}

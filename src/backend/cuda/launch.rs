@@ -1,0 +1,219 @@
+//! Raw launchers: one `unsafe fn` per kernel family of `kernels/*.cu`, arguments in the C
+//! order, the kernel picked by name (`copy_f32`, `cast_f32_bf16`). They check nothing: the
+//! typed ops (`ops.rs`, `nn_ops.rs`, `optim.rs`) check lengths, dtypes and devices and
+//! choose the grid, then call these.
+
+use super::Stream;
+use crate::error::{Error, Result};
+use cudarc::driver::result as cu;
+use std::ffi::c_void;
+
+/// One kernel argument. Each is passed to `cuLaunchKernel` from its own 8-byte slot; the
+/// driver reads the parameter's size from the start of the slot (little-endian).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Arg {
+    /// A device pointer (`T*`).
+    Ptr(u64),
+    /// `int64_t`.
+    I64(i64),
+    /// `int32_t`.
+    I32(i32),
+    /// `float`.
+    F32(f32),
+    /// A 2-byte value (`__half`/`__nv_bfloat16` bits).
+    U16(u16),
+}
+
+impl Arg {
+    fn slot(self) -> u64 {
+        match self {
+            Arg::Ptr(p) => p,
+            Arg::I64(v) => v as u64,
+            Arg::I32(v) => v as u32 as u64,
+            Arg::F32(v) => v.to_bits() as u64,
+            Arg::U16(v) => v as u64,
+        }
+    }
+}
+
+impl From<u64> for Arg {
+    fn from(p: u64) -> Arg {
+        Arg::Ptr(p)
+    }
+}
+impl From<i64> for Arg {
+    fn from(v: i64) -> Arg {
+        Arg::I64(v)
+    }
+}
+impl From<i32> for Arg {
+    fn from(v: i32) -> Arg {
+        Arg::I32(v)
+    }
+}
+impl From<f32> for Arg {
+    fn from(v: f32) -> Arg {
+        Arg::F32(v)
+    }
+}
+impl From<u16> for Arg {
+    fn from(v: u16) -> Arg {
+        Arg::U16(v)
+    }
+}
+
+/// Launch geometry: `grid` blocks of `block` threads (1-D blocks).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Grid {
+    pub grid: (u32, u32, u32),
+    pub block: u32,
+}
+
+impl Grid {
+    /// An elementwise launch over `n` elements: 256 threads per block (8 warps: enough
+    /// loads in flight per SM at 32 blocks/SM, see `CudaDevice::grid_for`).
+    pub fn elementwise(s: &Stream, n: usize) -> Grid {
+        Grid {
+            grid: (s.dev.grid_for(n, 256), 1, 1),
+            block: 256,
+        }
+    }
+
+    /// One block per row (rows walked with stride gridDim.x), `block` threads.
+    pub fn rows(s: &Stream, rows: usize, block: u32) -> Grid {
+        let cap = (s.dev.info().multiprocessors * 16).max(1);
+        Grid {
+            grid: (rows.clamp(1, cap) as u32, 1, 1),
+            block,
+        }
+    }
+
+    /// Multi-tensor launch: `segments` along y (at most 65535; kernels stride over the
+    /// rest), x sized for the longest segment.
+    pub fn segments(s: &Stream, segments: usize, longest: usize) -> Grid {
+        let x = s.dev.grid_for(longest, 256);
+        let y = segments.clamp(1, 65535) as u32;
+        // Keep the total near the elementwise cap: many segments need fewer x blocks each.
+        let x = (x as usize).div_ceil(y as usize).max(1).min(x as usize) as u32;
+        Grid {
+            grid: (x.max(1), y, 1),
+            block: 256,
+        }
+    }
+}
+
+/// Launches `module`'s kernel `name` on `s`.
+///
+/// # Safety
+/// `args` must match the kernel's C signature in number, order and size, and every pointer
+/// must address device memory on `s`'s device that stays allocated until the kernel has
+/// run and is large enough for every access the kernel makes (see the `.cu` header).
+pub(crate) unsafe fn launch(
+    s: &Stream,
+    module: &'static str,
+    name: &'static str,
+    g: Grid,
+    args: &[Arg],
+) -> Result<()> {
+    let f = s.dev.function(module, name)?;
+    let mut slots: Vec<u64> = args.iter().map(|a| a.slot()).collect();
+    let mut params: Vec<*mut c_void> = slots
+        .iter_mut()
+        .map(|p| p as *mut u64 as *mut c_void)
+        .collect();
+    s.dev
+        .ctx
+        .bind_to_thread()
+        .map_err(|e| Error::cuda(format!("binding cuda:{}", s.dev.ordinal()), e))?;
+    // SAFETY: the caller guarantees the arguments match the kernel; `params` points into
+    // `slots`, which outlive the call (the driver copies parameters at launch).
+    unsafe {
+        cu::launch_kernel(
+            f.cu_function(),
+            g.grid,
+            (g.block, 1, 1),
+            0,
+            s.inner.cu_stream(),
+            &mut params,
+        )
+    }
+    .map_err(|e| {
+        Error::cuda(
+            format!(
+                "launching {name} on cuda:{} (grid {:?}, block {})",
+                s.dev.ordinal(),
+                g.grid,
+                g.block
+            ),
+            e,
+        )
+    })
+}
+
+/// Defines a raw launcher for a kernel family of `module` with the C parameter list.
+macro_rules! raw_kernel {
+    ($(#[$doc:meta])* $fn:ident, $module:literal, ($($a:ident : $t:ty),* $(,)?)) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// Every pointer argument addresses device memory on `s`'s device that stays
+        /// allocated until the kernel ran and covers every element the kernel touches (see
+        /// the `.cu` header); no other work writes what it reads while it runs.
+        #[allow(clippy::too_many_arguments)]
+        pub(crate) unsafe fn $fn(s: &Stream, name: &'static str, g: Grid, $($a: $t),*) -> Result<()> {
+            // SAFETY: forwarded from the caller.
+            unsafe { launch(s, $module, name, g, &[$(Arg::from($a)),*]) }
+        }
+    };
+}
+
+raw_kernel!(/// `copy_{dtype}(src, dst, n)`.
+    copy, "flat_param", (src: u64, dst: u64, n: i64));
+raw_kernel!(/// `fill_{dtype}(dst, value, n)` for 4-byte dtypes (value bits as i32).
+    fill32, "flat_param", (dst: u64, value: i32, n: i64));
+raw_kernel!(/// `fill_{dtype}(dst, value, n)` for 2-byte dtypes (value bits).
+    fill16, "flat_param", (dst: u64, value: u16, n: i64));
+raw_kernel!(/// `pad_copy_{dtype}(src, src_n, dst, dst_n)`.
+    pad_copy, "flat_param", (src: u64, src_n: i64, dst: u64, dst_n: i64));
+raw_kernel!(/// `flatten_{dtype}(srcs, offsets, dst, k)`.
+    flatten, "flat_param", (srcs: u64, offsets: u64, dst: u64, k: i64));
+raw_kernel!(/// `unflatten_{dtype}(src, dsts, offsets, k)`.
+    unflatten, "flat_param", (src: u64, dsts: u64, offsets: u64, k: i64));
+raw_kernel!(/// `cast_{src}_{dst}(in, out, n)`.
+    cast, "cast", (input: u64, out: u64, n: i64));
+raw_kernel!(/// `pack_grad_{dtype}(grad, out, scale, n)` and `unpack_grad_{dtype}(in, out, scale, n)`.
+    pack_grad, "reduce_scatter", (input: u64, out: u64, scale: f32, n: i64));
+raw_kernel!(/// `sum_into_{dtype}(acc, x, n)`.
+    sum_into, "reduce_scatter", (acc: u64, x: u64, n: i64));
+raw_kernel!(/// `scale_f32(x, alpha, n)`.
+    scale, "reduce_scatter", (x: u64, alpha: f32, n: i64));
+raw_kernel!(/// `sgd_f32(tensors, k, lr, momentum, dampening, weight_decay, nesterov)`.
+    sgd, "optim", (tensors: u64, k: i64, lr: f32, momentum: f32, dampening: f32, weight_decay: f32, nesterov: i32));
+raw_kernel!(/// `adam_f32(tensors, k, lr, beta1, beta2, eps, weight_decay, decoupled)`.
+    adam, "optim", (tensors: u64, k: i64, lr: f32, beta1: f32, beta2: f32, eps: f32, weight_decay: f32, decoupled: i32));
+raw_kernel!(/// `gelu_fwd_f32(x, y, n)`.
+    gelu_fwd, "nn", (x: u64, y: u64, n: i64));
+raw_kernel!(/// `gelu_bwd_f32(x, dy, dx, n)`.
+    gelu_bwd, "nn", (x: u64, dy: u64, dx: u64, n: i64));
+raw_kernel!(/// `bias_add_f32(y, b, rows, c)` and `bias_grad_f32(dy, db, rows, c)`.
+    bias, "nn", (y: u64, b: u64, rows: i64, c: i64));
+raw_kernel!(/// `layernorm_fwd_f32(x, w, b, y, xhat, rstd, rows, c, eps)`.
+    layernorm_fwd, "nn", (x: u64, w: u64, b: u64, y: u64, xhat: u64, rstd: u64, rows: i64, c: i64, eps: f32));
+raw_kernel!(/// `layernorm_bwd_f32(dy, xhat, rstd, w, dx, rows, c)`.
+    layernorm_bwd, "nn", (dy: u64, xhat: u64, rstd: u64, w: u64, dx: u64, rows: i64, c: i64));
+raw_kernel!(/// `layernorm_bwd_params_f32(dy, xhat, dw, db, rows, c)`.
+    layernorm_bwd_params, "nn", (dy: u64, xhat: u64, dw: u64, db: u64, rows: i64, c: i64));
+raw_kernel!(/// `split_qkv_f32(qkv, q, k, v, B, T, H, hd)` and `merge_qkv_f32(dq, dk, dv, dqkv, B, T, H, hd)`.
+    qkv, "nn", (a: u64, b: u64, c: u64, d: u64, bsz: i64, t: i64, h: i64, hd: i64));
+raw_kernel!(/// `merge_heads_f32(yh, y, B, T, H, hd)` and `split_heads_f32(y, yh, B, T, H, hd)`.
+    heads, "nn", (src: u64, dst: u64, bsz: i64, t: i64, h: i64, hd: i64));
+raw_kernel!(/// `softmax_causal_fwd_f32(s, p, rows, T, scale)`.
+    softmax_fwd, "nn", (s_in: u64, p: u64, rows: i64, t: i64, scale: f32));
+raw_kernel!(/// `softmax_causal_bwd_f32(p, dp, ds, rows, T, scale)`.
+    softmax_bwd, "nn", (p: u64, dp: u64, ds: u64, rows: i64, t: i64, scale: f32));
+raw_kernel!(/// `cross_entropy_f32(logits, targets, losses, dlogits, n, V, inv_n, invalid)`.
+    cross_entropy, "nn", (logits: u64, targets: u64, losses: u64, dlogits: u64, n: i64, v: i64, inv_n: f32, invalid: u64));
+raw_kernel!(/// `embedding_fwd_f32(ids, table, out, n, V, c, invalid)`.
+    embedding_fwd, "nn", (ids: u64, table: u64, out: u64, n: i64, v: i64, c: i64, invalid: u64));
+raw_kernel!(/// `embedding_bwd_f32(ids, dout, grad, n, V, c)`.
+    embedding_bwd, "nn", (ids: u64, dout: u64, grad: u64, n: i64, v: i64, c: i64));
