@@ -102,6 +102,20 @@ pub enum Error {
     /// A feature that is reserved but not built yet in this version.
     #[error("not supported yet: {0}")]
     Unsupported(String),
+    /// A state dict (model or optimizer) does not fit the model it is loaded into: missing
+    /// or unexpected keys, wrong shapes or dtypes, a LOCAL state dict of another world size.
+    /// Raised before anything is modified.
+    #[error("load_state_dict: {0}")]
+    StateDict(String),
+    /// A checkpoint file or directory cannot be used: missing, truncated, corrupted, or not
+    /// written by this crate.
+    #[error("checkpoint '{path}': {detail}")]
+    Checkpoint {
+        /// The file or directory concerned.
+        path: String,
+        /// What is wrong with it and what was expected.
+        detail: String,
+    },
     /// Operating-system I/O.
     #[error("{context}: {source}")]
     Io {
@@ -160,6 +174,11 @@ impl Error {
             Error::Fsdp(m) => Error::Fsdp(m.clone()),
             Error::Data(m) => Error::Data(m.clone()),
             Error::Unsupported(m) => Error::Unsupported(m.clone()),
+            Error::StateDict(m) => Error::StateDict(m.clone()),
+            Error::Checkpoint { path, detail } => Error::Checkpoint {
+                path: path.clone(),
+                detail: detail.clone(),
+            },
             Error::Io { context, source } => Error::Io {
                 context: context.clone(),
                 source: std::io::Error::new(source.kind(), source.to_string()),
