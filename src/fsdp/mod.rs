@@ -7,6 +7,7 @@
 //! | [`ShardingStrategy`], [`FsdpConfig`] | `config.rs` | `api.py` |
 //! | [`AutoWrapPolicy`] | `wrap.rs` | `wrap.py` |
 //! | [`MemoryStats`] | `memory.rs` | `torch.cuda.memory_stats` (FSDP's share) |
+//! | [`StateDict`], [`OptimStateDict`], `summon_full_params` | `state_dict/` | `state_dict_type`, `optim_state_dict`, `summon_full_params` |
 //!
 //! Built: every strategy (hybrid ones over [`hybrid_groups`], explicit groups or a
 //! [`DeviceMesh`](crate::distributed::DeviceMesh)), nested
@@ -21,6 +22,7 @@ mod memory;
 mod mixed_precision;
 mod runtime;
 mod scheduler;
+mod state_dict;
 mod unit;
 mod wrap;
 
@@ -29,6 +31,11 @@ pub use flat_param::{FlatParameter, ParamInfo};
 pub use memory::MemoryStats;
 pub use mixed_precision::MixedPrecision;
 pub use scheduler::{BackwardPrefetch, RuntimeStats};
+pub use state_dict::{
+    FullStateDict, FullStateDictConfig, IncompatibleKeys, LocalFlatShard, LocalStateDict,
+    OptimStateDict, ShardPiece, ShardedStateDict, ShardedTensor, StateDict, StateDictConfig,
+    StateDictType,
+};
 pub use unit::{gradient_divide_factors, hybrid_groups, FullyShardedDataParallel};
 pub use wrap::{
     nonwrapped_numel, size_based_auto_wrap_policy, transformer_auto_wrap_policy, AutoWrapPolicy,
