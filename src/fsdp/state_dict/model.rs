@@ -237,6 +237,60 @@ impl FullyShardedDataParallel {
         state_dict: &StateDict,
         strict: bool,
     ) -> Result<IncompatibleKeys> {
+        self.load_or_check(state_dict, strict, true)
+    }
+
+    /// Every check of [`load_state_dict`](Self::load_state_dict), without writing anything:
+    /// what a multi-rank loader runs on every rank before any rank writes.
+    ///
+    /// # Errors
+    /// As `load_state_dict`.
+    pub fn check_state_dict(
+        &mut self,
+        state_dict: &StateDict,
+        strict: bool,
+    ) -> Result<IncompatibleKeys> {
+        self.load_or_check(state_dict, strict, false)
+    }
+
+    /// Every state-dict name with the global shape of its parameter and the elements
+    /// `[lo, hi)` of the flattened parameter this rank holds (`None`: none), in
+    /// `model.state_dict()` order: what a SHARDED load reads on this rank.
+    pub fn state_dict_ranges(&mut self) -> Vec<(String, Vec<usize>, Option<(usize, usize)>)> {
+        let mut out = Vec::new();
+        for m in unit_metas(self) {
+            for (name, idx) in &m.slots {
+                let info = &m.infos[*idx];
+                let range = m.portion(info).map(|(a, b, _)| (a, b));
+                out.push((name.clone(), info.shape.clone(), range));
+            }
+        }
+        for (name, shape, _) in ignored_params(self) {
+            let n: usize = shape.iter().product();
+            out.push((name, shape, (n > 0).then_some((0, n))));
+        }
+        let order = self.state_dict_order();
+        out.sort_by_key(|(n, _, _)| order.iter().position(|o| o == n).unwrap_or(usize::MAX));
+        out
+    }
+
+    /// This rank's index among the ranks that hold the same shards: 0 under FullShard and
+    /// ShardGradOp; the node index under hybrid sharding (the rank in the replicate group);
+    /// the rank itself under NoShard. Checkpoint writers save the pieces of replica 0 only.
+    pub fn shard_replica_rank(&self) -> usize {
+        match &self.rs.replicate_pg {
+            Some(r) => r.rank(),
+            None if self.sharding_strategy().is_sharded() => 0,
+            None => self.process_group().rank(),
+        }
+    }
+
+    fn load_or_check(
+        &mut self,
+        state_dict: &StateDict,
+        strict: bool,
+        write: bool,
+    ) -> Result<IncompatibleKeys> {
         self.check_root("load_state_dict")?;
         self.check_idle("load_state_dict")?;
         let metas = unit_metas(self);
@@ -245,6 +299,9 @@ impl FullyShardedDataParallel {
             StateDict::Local(l) => self.plan_local(l, &metas, &ignored, strict)?,
             sd => plan_unflat(sd, &metas, &ignored, strict)?,
         };
+        if !write {
+            return Ok(keys);
+        }
         // Everything checked: write.
         let mut k = 0;
         let mut res: Result<()> = Ok(());
