@@ -53,6 +53,16 @@ impl std::fmt::Display for WrapMode {
     }
 }
 
+/// Layout of the checkpoints `fsdp train` saves (`--checkpoint-type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+pub enum CheckpointType {
+    /// One file per rank holding distinct shards, plus the index (SHARDED_STATE_DICT).
+    #[default]
+    Sharded,
+    /// One model file and one optimizer file written by rank 0 (FULL_STATE_DICT).
+    Full,
+}
+
 /// Compute precision of `fsdp train` (`--mixed-precision`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
 pub enum Precision {
@@ -185,6 +195,20 @@ pub struct TrainConfig {
     /// JSON-lines file that receives one [`StepRecord`] per step (`--metrics`); `None`
     /// (the default) writes none.
     pub metrics: Option<PathBuf>,
+    /// Save directory (`--save-dir`): checkpoints go to `step-<N>/` inside, and `latest`
+    /// names the newest; `None` saves nothing.
+    pub save_dir: Option<PathBuf>,
+    /// Save every this many steps (`--save-every`), and after the last step; 0: only after
+    /// the last step. Needs `save_dir` when nonzero.
+    pub save_every: usize,
+    /// Checkpoints kept in `save_dir` (`--keep-last`), at least 1, default 2.
+    pub keep_last: usize,
+    /// Layout of saved checkpoints (`--checkpoint-type`), default sharded.
+    pub checkpoint_type: CheckpointType,
+    /// Resume from this checkpoint or save directory (`--resume`): model, optimizer state
+    /// and the step, so training continues at the next step with that step's batch, at any
+    /// world size and strategy.
+    pub resume: Option<PathBuf>,
 }
 
 impl Default for TrainConfig {
@@ -225,6 +249,11 @@ impl Default for TrainConfig {
             eval_batches: 4,
             sample_len: 200,
             metrics: None,
+            save_dir: None,
+            save_every: 0,
+            keep_last: 2,
+            checkpoint_type: CheckpointType::Sharded,
+            resume: None,
         }
     }
 }
@@ -284,6 +313,11 @@ pub trait Observer: Sync {
     fn on_step(&self, record: &StepRecord);
     /// Called once before the first step with the model size.
     fn on_start(&self, _num_params: usize) {}
+    /// Called after a checkpoint of `step` was saved to `dir`.
+    fn on_checkpoint(&self, _step: usize, _dir: &std::path::Path) {}
+    /// Called once before the first step when resuming from the checkpoint in `dir`, saved
+    /// after `step`.
+    fn on_resume(&self, _step: usize, _dir: &std::path::Path) {}
 }
 
 /// An observer that ignores everything.
@@ -382,6 +416,7 @@ impl TrainConfig {
                 ));
             }
         }
+        super::resume::validate(self)?;
         if let Some(n) = self.ranks_per_node {
             if !self.strategy.is_hybrid() {
                 return bad(format!(
@@ -531,10 +566,20 @@ fn run_rank(
         observer.on_start(num_params);
     }
     let mut opt = optim::build(cfg.optimizer, cfg.lr, cfg.betas);
+    let first_step = match &cfg.resume {
+        Some(dir) => {
+            let (step, dir) = super::resume::resume(dir, &mut engine, opt.as_mut())?;
+            if rank == 0 {
+                observer.on_resume(step, &dir);
+            }
+            step + 1
+        }
+        None => 1,
+    };
     let t = cfg.seq_len;
     let start = Instant::now();
     let mut records = Vec::with_capacity(cfg.steps);
-    for step in 1..=cfg.steps {
+    for step in first_step..=cfg.steps {
         let t0 = Instant::now();
         opt.set_lr(cfg.lr_at(step));
         engine.reset_peak();
@@ -598,6 +643,11 @@ fn run_rank(
             }
             observer.on_step(&rec);
             records.push(rec);
+        }
+        if let Some(dir) = super::resume::save_if_due(cfg, step, &mut engine, opt.as_ref())? {
+            if rank == 0 {
+                observer.on_checkpoint(step, &dir);
+            }
         }
     }
     let sample = if cfg.sample_len > 0 {

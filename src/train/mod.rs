@@ -6,15 +6,17 @@
 //! | FSDP or plain engine, memory figures | `engine.rs` |
 //! | the training loop, config, metrics | `job.rs` |
 //! | the hidden test-only fault hook `FSDP_FAIL_RANK` | `fault.rs` |
+//! | checkpoints: `--save-dir`, `--save-every`, `--resume` | `resume.rs` |
 //! | generation | `sample.rs` |
 
 pub mod data;
 pub mod engine;
 mod fault;
 mod job;
+mod resume;
 pub mod sample;
 
 pub use job::{
-    build_engine, train, LrSchedule, Observer, Precision, Silent, StepRecord, TrainConfig,
-    TrainReport, WrapMode,
+    build_engine, train, CheckpointType, LrSchedule, Observer, Precision, Silent, StepRecord,
+    TrainConfig, TrainReport, WrapMode,
 };
