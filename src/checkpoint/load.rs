@@ -100,7 +100,7 @@ pub fn read_checkpoint_info(path: &Path) -> Result<CheckpointInfo> {
 pub fn load_checkpoint(
     path: &Path,
     model: &mut FullyShardedDataParallel,
-    mut optim: Option<&mut dyn Optimizer>,
+    optim: Option<&mut dyn Optimizer>,
 ) -> Result<CheckpointInfo> {
     let pg = model.process_group().clone();
     let staged = stage(path, model, optim.as_deref());
@@ -114,7 +114,7 @@ pub fn load_checkpoint(
         });
     }
     model.load_state_dict(&sd, true)?;
-    if let (Some(o), Some(st)) = (optim.as_deref_mut(), ost) {
+    if let (Some(o), Some(st)) = (optim, ost) {
         o.load_state_dict(&st)?;
     }
     Ok(CheckpointInfo::of(&dir, &index))
@@ -133,7 +133,7 @@ fn stage(
     let ranges: HashMap<String, Option<(usize, usize)>> = model
         .state_dict_ranges()
         .into_iter()
-        .map(|(n, _, r)| (n, r))
+        .map(|r| (r.name, r.range))
         .collect();
     let oi = match (optim, &index.optim) {
         (None, _) => None,

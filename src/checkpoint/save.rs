@@ -31,8 +31,11 @@ struct Manifest {
     /// `(section, name, file (index into files), key, offset, numel)`.
     pieces: Vec<(String, String, usize, String, usize, usize)>,
     /// Optimizer kind, hyperparameters and the steps this rank knows.
-    optim: Option<(String, Vec<(String, f64)>, Vec<(String, u64)>)>,
+    optim: Option<OptimMeta>,
 }
+
+/// `(kind, hyperparameters, steps)` of an optimizer state dict.
+type OptimMeta = (String, Vec<(String, f64)>, Vec<(String, u64)>);
 
 /// Saves `model` and, when given, `optim` (an optimizer over `model.optimizer_params()`)
 /// to the directory `dir` as a checkpoint of type `ty` (`Full`: rank 0 writes one model

@@ -32,9 +32,9 @@ pub use memory::MemoryStats;
 pub use mixed_precision::MixedPrecision;
 pub use scheduler::{BackwardPrefetch, RuntimeStats};
 pub use state_dict::{
-    FullStateDict, FullStateDictConfig, IncompatibleKeys, LocalFlatShard, LocalStateDict,
-    OptimStateDict, ShardPiece, ShardedStateDict, ShardedTensor, StateDict, StateDictConfig,
-    StateDictType,
+    FullStateDict, FullStateDictConfig, IncompatibleKeys, LocalFlatShard, LocalRange,
+    LocalStateDict, OptimStateDict, ShardPiece, ShardedStateDict, ShardedTensor, StateDict,
+    StateDictConfig, StateDictType,
 };
 pub use unit::{gradient_divide_factors, hybrid_groups, FullyShardedDataParallel};
 pub use wrap::{

@@ -285,6 +285,19 @@ impl StateDict {
     }
 }
 
+/// A state-dict entry's global shape and the part of it this rank holds (see
+/// [`FullyShardedDataParallel::state_dict_ranges`](crate::fsdp::FullyShardedDataParallel::state_dict_ranges)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalRange {
+    /// The state-dict name (`model.state_dict()` key).
+    pub name: String,
+    /// Shape of the whole parameter.
+    pub shape: Vec<usize>,
+    /// Elements `[lo, hi)` of the flattened parameter in this rank's chunk; `None` when
+    /// the chunk holds none of it.
+    pub range: Option<(usize, usize)>,
+}
+
 /// Keys a non-strict load skipped (`torch.nn.modules.module._IncompatibleKeys`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct IncompatibleKeys {

@@ -2,8 +2,8 @@
 
 use super::layout::{gather_chunk, ignored_params, load_error, lookup, unit_metas, Src, UnitMeta};
 use super::{
-    FullStateDict, FullStateDictConfig, IncompatibleKeys, LocalFlatShard, LocalStateDict,
-    ShardPiece, ShardedStateDict, ShardedTensor, StateDict, StateDictConfig,
+    FullStateDict, FullStateDictConfig, IncompatibleKeys, LocalFlatShard, LocalRange,
+    LocalStateDict, ShardPiece, ShardedStateDict, ShardedTensor, StateDict, StateDictConfig,
 };
 use crate::error::{Error, Result};
 use crate::fsdp::FullyShardedDataParallel;
@@ -11,6 +11,10 @@ use crate::tensor::{DType, Tensor};
 
 /// Values to write into one unit's chunk: `(chunk start, values)`.
 type ChunkWrites = Vec<(usize, Vec<f32>)>;
+
+/// What a load writes: per unit its chunk writes, per ignored parameter its values, and
+/// the keys a non-strict load skipped.
+type Plan = (Vec<ChunkWrites>, Vec<(String, Vec<f32>)>, IncompatibleKeys);
 
 impl FullyShardedDataParallel {
     /// `Fsdp` error unless this is the root.
@@ -256,21 +260,33 @@ impl FullyShardedDataParallel {
     /// Every state-dict name with the global shape of its parameter and the elements
     /// `[lo, hi)` of the flattened parameter this rank holds (`None`: none), in
     /// `model.state_dict()` order: what a SHARDED load reads on this rank.
-    pub fn state_dict_ranges(&mut self) -> Vec<(String, Vec<usize>, Option<(usize, usize)>)> {
+    pub fn state_dict_ranges(&mut self) -> Vec<LocalRange> {
         let mut out = Vec::new();
         for m in unit_metas(self) {
             for (name, idx) in &m.slots {
                 let info = &m.infos[*idx];
-                let range = m.portion(info).map(|(a, b, _)| (a, b));
-                out.push((name.clone(), info.shape.clone(), range));
+                out.push(LocalRange {
+                    name: name.clone(),
+                    shape: info.shape.clone(),
+                    range: m.portion(info).map(|(a, b, _)| (a, b)),
+                });
             }
         }
         for (name, shape, _) in ignored_params(self) {
             let n: usize = shape.iter().product();
-            out.push((name, shape, (n > 0).then_some((0, n))));
+            out.push(LocalRange {
+                name,
+                shape,
+                range: (n > 0).then_some((0, n)),
+            });
         }
         let order = self.state_dict_order();
-        out.sort_by_key(|(n, _, _)| order.iter().position(|o| o == n).unwrap_or(usize::MAX));
+        out.sort_by_key(|r| {
+            order
+                .iter()
+                .position(|o| *o == r.name)
+                .unwrap_or(usize::MAX)
+        });
         out
     }
 
@@ -340,7 +356,7 @@ impl FullyShardedDataParallel {
         metas: &[UnitMeta],
         ignored: &[(String, Vec<usize>, bool)],
         strict: bool,
-    ) -> Result<(Vec<ChunkWrites>, Vec<(String, Vec<f32>)>, IncompatibleKeys)> {
+    ) -> Result<Plan> {
         let (w, r) = (self.process_group().size(), self.process_group().rank());
         let f = self.flat_param();
         if l.world_size != w {
@@ -422,7 +438,7 @@ fn plan_unflat(
     metas: &[UnitMeta],
     ignored: &[(String, Vec<usize>, bool)],
     strict: bool,
-) -> Result<(Vec<ChunkWrites>, Vec<(String, Vec<f32>)>, IncompatibleKeys)> {
+) -> Result<Plan> {
     let lookup = |name: &str| lookup(sd, name);
     let what = match sd {
         StateDict::Sharded(_) => "SHARDED_STATE_DICT",

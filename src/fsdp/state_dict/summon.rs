@@ -38,7 +38,7 @@ impl FullyShardedDataParallel {
             res = gather_chunk(u, u.flat_param().local_shard()).and_then(|full| {
                 u.rs.mem.lock().on_unshard(full.nbytes());
                 bufs.push(full);
-                let full = bufs.last().map(Tensor::clone);
+                let full = bufs.last().cloned();
                 u.point_params(full.as_ref(), false)
             });
         });
