@@ -5,6 +5,7 @@
 //! | data loading, splits, world-size-independent batches | `data.rs` |
 //! | FSDP or plain engine, memory figures | `engine.rs` |
 //! | the training loop, config, metrics | `job.rs` |
+//! | wrap mode, precision, lr schedule, checkpoint layout | `options.rs` |
 //! | the hidden test-only fault hook `FSDP_FAIL_RANK` | `fault.rs` |
 //! | checkpoints: `--save-dir`, `--save-every`, `--resume` | `resume.rs` |
 //! | generation | `sample.rs` |
@@ -13,6 +14,7 @@ pub mod data;
 pub mod engine;
 mod fault;
 mod job;
+mod options;
 mod resume;
 pub mod sample;
 

@@ -10,7 +10,8 @@
 //! is a function of the step and the config.
 
 use super::engine::Engine;
-use super::job::{CheckpointType, TrainConfig};
+use super::job::TrainConfig;
+use super::options::CheckpointType;
 use crate::checkpoint::{
     load_checkpoint, read_checkpoint_info, save_checkpoint, write_atomic, LATEST_FILE,
 };
