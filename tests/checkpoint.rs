@@ -535,3 +535,89 @@ fn bad_checkpoint_options_are_one_line_errors() {
         assert!(err.contains(want), "{args:?}: {err}");
     }
 }
+
+fn optim_full(m: &mut FullyShardedDataParallel, opt: &AdamW) -> Vec<(String, Vec<u32>)> {
+    let o = m
+        .optim_state_dict(opt, StateDictConfig::Full(FullStateDictConfig::default()))
+        .unwrap();
+    let mut out: Vec<(String, Vec<u32>)> = o
+        .steps
+        .iter()
+        .map(|(n, s)| (format!("step/{n}"), vec![*s as u32]))
+        .collect();
+    for (b, sd) in &o.buffers {
+        let StateDict::Full(f) = sd else {
+            unreachable!()
+        };
+        for (n, t) in &f.tensors {
+            let bits = t
+                .to_vec_f32()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect();
+            out.push((format!("{b}/{n}"), bits));
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn checkpoint_files_from_world_size_4_load_at_1_2_3_4_bitwise_with_adam_moments() {
+    use fsdp::nn::{loss, Context, Module};
+    for (strategy, ty) in [
+        (ShardingStrategy::HybridShard, StateDictType::Sharded),
+        (ShardingStrategy::NoShard, StateDictType::Sharded),
+        (ShardingStrategy::FullShard, StateDictType::Full),
+    ] {
+        let dir = tmp_dir(&format!("files-{strategy:?}-{ty:?}"));
+        let saved = launch(&LaunchOptions::new(4), |pg: Group| {
+            let cfg = FsdpConfig {
+                sharding_strategy: strategy,
+                ranks_per_node: strategy.is_hybrid().then_some(2),
+                auto_wrap_policy: Some(transformer_auto_wrap_policy(["Block"])),
+                ..Default::default()
+            };
+            let mut m = FullyShardedDataParallel::new(small_gpt(2, 8), pg.clone(), cfg)?;
+            let mut opt = AdamW::new(AdamConfig::adamw());
+            for step in 0..2 {
+                let ids: Vec<i32> = (0..12)
+                    .map(|i| ((i * 7 + step * 3 + pg.rank()) % 29) as i32)
+                    .collect();
+                let logits = m.forward(&Tensor::from_vec(ids, &[2, 6])?, &Context::train())?;
+                let (_, g) = loss::sum_loss(&logits)?;
+                m.backward(&g, &Context::train())?;
+                opt.step(&m.optimizer_params())?;
+                m.zero_grad();
+            }
+            save_checkpoint(
+                &dir,
+                &mut m,
+                Some(&opt as &dyn Optimizer),
+                ty,
+                serde_json::json!({}),
+            )?;
+            Ok((full_sd(&mut m), optim_full(&mut m, &opt)))
+        })
+        .unwrap()
+        .remove(0);
+        for w in 1..=4 {
+            let got = launch(&LaunchOptions::new(w), |pg: Group| {
+                let mut m = wrapped(pg, 2, 8)?;
+                let mut opt = AdamW::new(AdamConfig::adamw());
+                load_checkpoint(&dir, &mut m, Some(&mut opt as &mut dyn Optimizer))?;
+                Ok((full_sd(&mut m), optim_full(&mut m, &opt)))
+            })
+            .unwrap_or_else(|e| panic!("{strategy:?} {ty:?} at {w}: {e}"));
+            for (model, optim) in got {
+                assert!(same(&model, &saved.0), "{strategy:?} {ty:?} at {w}: model");
+                assert!(
+                    optim == saved.1,
+                    "{strategy:?} {ty:?} at {w}: optimizer state"
+                );
+                assert!(optim.iter().any(|(k, _)| k.starts_with("exp_avg_sq/")));
+            }
+        }
+    }
+}

@@ -12,8 +12,9 @@
 //! Built: every strategy (hybrid ones over [`hybrid_groups`], explicit groups or a
 //! [`DeviceMesh`](crate::distributed::DeviceMesh)), nested
 //! units through auto-wrap policies, FSDP1's gradient pre/post-division, `no_sync`,
-//! `clip_grad_norm_` (`grad.rs`). Later issues: mixed precision, prefetch/overlap, CPU
-//! offload, state dicts.
+//! `clip_grad_norm_` (`grad.rs`), mixed precision, prefetch/overlap, CPU offload, FULL /
+//! SHARDED / LOCAL state dicts, optimizer state dicts by parameter name and
+//! `summon_full_params` (`state_dict/`; the files are in [`crate::checkpoint`]).
 
 mod config;
 mod flat_param;
