@@ -36,7 +36,9 @@ mod save;
 
 pub use atomic::{sync_dir, write_atomic};
 pub use file::{checksum, parse_tensors, read_tensors, serialize, write_tensors, TensorFile};
-pub use index::{read_index, Entry, FileEntry, Index, OptimIndex, PieceRef, INDEX_FILE};
+pub use index::{
+    read_index, Entry, FileEntry, Index, OptimIndex, PieceRef, FORMAT, INDEX_FILE, VERSION,
+};
 pub use load::{
     load_checkpoint, read_checkpoint_info, resolve_checkpoint, CheckpointInfo, LATEST_FILE,
 };
