@@ -112,6 +112,20 @@ pub enum Error {
         /// The driver's or library's message, or why the backend is unavailable.
         message: String,
     },
+    /// A state dict (model or optimizer) does not fit the model it is loaded into: missing
+    /// or unexpected keys, wrong shapes or dtypes, a LOCAL state dict of another world size.
+    /// Raised before anything is modified.
+    #[error("load_state_dict: {0}")]
+    StateDict(String),
+    /// A checkpoint file or directory cannot be used: missing, truncated, corrupted, or not
+    /// written by this crate.
+    #[error("checkpoint '{path}': {detail}")]
+    Checkpoint {
+        /// The file or directory concerned.
+        path: String,
+        /// What is wrong with it and what was expected.
+        detail: String,
+    },
     /// Operating-system I/O.
     #[error("{context}: {source}")]
     Io {
@@ -173,6 +187,11 @@ impl Error {
             Error::Cuda { context, message } => Error::Cuda {
                 context: context.clone(),
                 message: message.clone(),
+            },
+            Error::StateDict(m) => Error::StateDict(m.clone()),
+            Error::Checkpoint { path, detail } => Error::Checkpoint {
+                path: path.clone(),
+                detail: detail.clone(),
             },
             Error::Io { context, source } => Error::Io {
                 context: context.clone(),

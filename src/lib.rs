@@ -11,7 +11,8 @@
 //! | backend | [`backend`] | devices, CPU reference ops, GEMM |
 //! | distributed | [`distributed`] | process groups, collectives, the in-process launcher |
 //! | nn / optim | [`nn`], [`optim`] | modules with explicit backward, GPT, SGD/Adam/AdamW |
-//! | fsdp | [`fsdp`] | FlatParameter, units, strategies, wrap policies |
+//! | fsdp | [`fsdp`] | FlatParameter, units, strategies, wrap policies, state dicts |
+//! | checkpoint | [`checkpoint`] | safetensors checkpoint files, crash-safe saves, resharding loads |
 //! | train | [`train`] | the main job behind `fsdp train` and `fsdp bench` |
 //!
 //! ```
@@ -39,6 +40,7 @@
 #![warn(missing_docs)]
 
 pub mod backend;
+pub mod checkpoint;
 pub mod distributed;
 pub mod error;
 pub mod fsdp;

@@ -4,7 +4,9 @@
 use clap::{Args, Parser, Subcommand};
 use fsdp::fsdp::{BackwardPrefetch, ShardingStrategy};
 use fsdp::optim::OptimizerKind;
-use fsdp::train::{self, LrSchedule, Observer, Precision, StepRecord, TrainConfig, WrapMode};
+use fsdp::train::{
+    self, CheckpointType, LrSchedule, Observer, Precision, StepRecord, TrainConfig, WrapMode,
+};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -177,6 +179,23 @@ struct TrainArgs {
     /// Bytes of text to generate from the trained model at the end.
     #[arg(long, allow_hyphen_values = true, default_value_t = D.sample_len)]
     sample_len: usize,
+    /// Save checkpoints (model, optimizer, step) to DIR/step-N/ and point DIR/latest at
+    /// the newest; a crash during a save leaves the previous one intact.
+    #[arg(long)]
+    save_dir: Option<PathBuf>,
+    /// Save every N steps (and after the last step); 0: only after the last step.
+    #[arg(long, allow_hyphen_values = true, default_value_t = D.save_every)]
+    save_every: usize,
+    /// Checkpoints to keep in --save-dir.
+    #[arg(long, allow_hyphen_values = true, default_value_t = D.keep_last)]
+    keep_last: usize,
+    /// Checkpoint layout: one file per rank (sharded) or one file by rank 0 (full).
+    #[arg(long, value_enum, default_value_t = D.checkpoint_type)]
+    checkpoint_type: CheckpointType,
+    /// Continue from a checkpoint directory or a --save-dir (its latest), at any
+    /// --world-size and --strategy; pass the run's other options unchanged.
+    #[arg(long)]
+    resume: Option<PathBuf>,
     #[command(flatten)]
     fsdp: FsdpArgs,
     #[command(flatten)]
@@ -263,6 +282,18 @@ impl Observer for Progress {
     fn on_start(&self, num_params: usize) {
         self.say(format!("model: {num_params} parameters"));
     }
+    fn on_resume(&self, step: usize, dir: &std::path::Path) {
+        self.say(format!(
+            "resumed from {} (after step {step})",
+            dir.display()
+        ));
+    }
+    fn on_checkpoint(&self, step: usize, dir: &std::path::Path) {
+        self.say(format!(
+            "step {step:>5} | saved checkpoint {}",
+            dir.display()
+        ));
+    }
     fn on_step(&self, r: &StepRecord) {
         if let Some(b) = &self.bar {
             b.set_position(r.step as u64);
@@ -301,6 +332,11 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         limit_all_gathers: a.fsdp.limit_all_gathers,
         cpu_offload: a.fsdp.cpu_offload,
         device: a.device,
+        save_dir: a.save_dir.clone(),
+        save_every: a.save_every,
+        keep_last: a.keep_last,
+        checkpoint_type: a.checkpoint_type,
+        resume: a.resume.clone(),
         ..base_config(&a.model, a.data.clone())
     };
     cfg.validate()?;

@@ -147,9 +147,26 @@ impl FlatParameter {
 
     /// Number of real (non-padding) elements in this rank's chunk.
     pub fn valid_shard_numel(&self) -> usize {
+        let (lo, hi) = self.shard_range();
+        hi - lo
+    }
+
+    /// The elements `[lo, hi)` of the unpadded flat buffer this rank's chunk holds
+    /// (`lo == hi` for a chunk of pure padding).
+    pub fn shard_range(&self) -> (usize, usize) {
         let lo = (self.shard_rank * self.shard_numel).min(self.numel);
         let hi = ((self.shard_rank + 1) * self.shard_numel).min(self.numel);
-        hi - lo
+        (lo, hi)
+    }
+
+    /// The number of chunks `W` (ranks the FlatParameter is split over; 1 under NoShard).
+    pub fn shard_world_size(&self) -> usize {
+        self.shard_world
+    }
+
+    /// This rank's chunk index `r` in `0..W`.
+    pub fn shard_rank(&self) -> usize {
+        self.shard_rank
     }
 
     /// The parameters of this unit, in flat order.

@@ -12,11 +12,14 @@
 //! | [`AutoWrapPolicy`] | `wrap.rs` | `wrap.py` |
 //! | `no_sync`, `clip_grad_norm_` | `grad.rs` | `fully_sharded_data_parallel.py` |
 //! | [`MemoryStats`] | `memory.rs` | `torch.cuda.memory_stats` (FSDP's share) |
+//! | [`StateDict`], [`OptimStateDict`], `summon_full_params` | `state_dict/` | `state_dict_type`, `optim_state_dict`, `summon_full_params` |
 //!
 //! Every strategy (hybrid ones over [`hybrid_groups`], explicit groups or a
 //! [`DeviceMesh`](crate::distributed::DeviceMesh)), nested units through auto-wrap policies,
 //! FSDP1's gradient pre/post-division, mixed precision, backward/forward prefetch with
-//! collectives overlapping compute on a communication stream, CPU offload, deferred init.
+//! collectives overlapping compute on a communication stream, CPU offload, deferred init,
+//! FULL / SHARDED / LOCAL state dicts, optimizer state dicts by parameter name and
+//! `summon_full_params` (`state_dict/`; the files are in [`crate::checkpoint`]).
 
 mod config;
 mod flat_param;
@@ -25,6 +28,7 @@ mod memory;
 mod mixed_precision;
 mod runtime;
 mod scheduler;
+mod state_dict;
 mod unit;
 mod wrap;
 mod wrapping;
@@ -34,6 +38,11 @@ pub use flat_param::{FlatParameter, ParamInfo};
 pub use memory::MemoryStats;
 pub use mixed_precision::MixedPrecision;
 pub use scheduler::{BackwardPrefetch, RuntimeStats};
+pub use state_dict::{
+    FullStateDict, FullStateDictConfig, IncompatibleKeys, LocalFlatShard, LocalRange,
+    LocalStateDict, OptimStateDict, ShardPiece, ShardedStateDict, ShardedTensor, StateDict,
+    StateDictConfig, StateDictType,
+};
 pub use unit::{gradient_divide_factors, FullyShardedDataParallel};
 pub use wrap::{
     module_wrap_policy, nonwrapped_numel, size_based_auto_wrap_policy,

@@ -196,6 +196,18 @@ impl FullyShardedDataParallel {
         r
     }
 
+    /// `Fsdp` error when called inside `summon_full_params` (FSDP1 refuses forward and
+    /// backward there too).
+    fn check_not_summoning(&self, what: &str) -> Result<()> {
+        if self.rs.sched.lock().summoning {
+            return Err(crate::error::Error::Fsdp(format!(
+                "{what} called inside summon_full_params on unit '{}': full parameters are gathered for reading/writing only; run {what} after the closure returns",
+                self.module_name()
+            )));
+        }
+        Ok(())
+    }
+
     /// Rounds a floating-point input to `param_dtype` (FSDP's `cast_forward_inputs`).
     fn cast_input(&self, x: &Tensor) -> Result<Option<Tensor>> {
         let mp = self.rs.mp;
@@ -214,6 +226,7 @@ impl Module for FullyShardedDataParallel {
     }
 
     fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
+        self.check_not_summoning("forward")?;
         let g = self.begin_unshard();
         self.rs.sched.lock().on_pre_forward(self.id, self.is_root);
         let y = self.finish_unshard(g).and_then(|()| {
@@ -227,11 +240,15 @@ impl Module for FullyShardedDataParallel {
         }
         if self.is_root {
             self.drain_stream()?;
+            if cx.grad_enabled && y.is_ok() {
+                self.rs.sched.lock().pending_backward = true;
+            }
         }
         y
     }
 
     fn backward(&mut self, grad_out: &Tensor, cx: &Context) -> Result<Tensor> {
+        self.check_not_summoning("backward")?;
         let g = self.begin_unshard();
         let next = self.rs.sched.lock().on_pre_backward(self.id, self.is_root);
         let result = self.finish_unshard(g).and_then(|()| {
@@ -257,6 +274,7 @@ impl Module for FullyShardedDataParallel {
         if self.is_root {
             // Even after an error: nothing may stay in flight on the stream.
             let fin = self.finalize_backward();
+            self.rs.sched.lock().pending_backward = false;
             let dx = result?;
             fin?;
             return Ok(dx);

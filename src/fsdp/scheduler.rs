@@ -87,6 +87,14 @@ pub(super) struct Scheduler {
     post_fwd: Vec<usize>,
     bwd_cursor: usize,
     pub stats: RuntimeStats,
+    /// A root forward with grad enabled has run and its backward has not finished: the
+    /// parameters gathered for that backward (or regathered by it) must not change, so
+    /// state-dict loading and `summon_full_params` refuse to run (FSDP1's
+    /// `TrainingState.FORWARD_BACKWARD`).
+    pub pending_backward: bool,
+    /// Inside `summon_full_params`: forward and backward refuse to run
+    /// (FSDP1's `TrainingState.SUMMON_FULL_PARAMS`).
+    pub summoning: bool,
 }
 
 impl Scheduler {
@@ -115,6 +123,8 @@ impl Scheduler {
             post_fwd: Vec::new(),
             bwd_cursor: 0,
             stats: RuntimeStats::default(),
+            pending_backward: false,
+            summoning: false,
         }
     }
 

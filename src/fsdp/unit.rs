@@ -215,6 +215,12 @@ impl FullyShardedDataParallel {
         self.rs.mp
     }
 
+    /// `(name, index into the FlatParameter's params)` of every parameter name of this
+    /// unit, in visit order: a tied parameter appears under each of its names.
+    pub(super) fn slots(&self) -> &[(String, usize)] {
+        &self.slots
+    }
+
     /// This unit's FlatParameter.
     pub fn flat_param(&self) -> &FlatParameter {
         &self.flat

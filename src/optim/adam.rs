@@ -1,7 +1,7 @@
 //! Adam and AdamW (`torch.optim.Adam`, `torch.optim.AdamW`), single-tensor update order.
 
-use super::{check_pair, ensure_state, Optimizer, ParamGrad};
-use crate::error::Result;
+use super::{check_pair, ensure_state, Optimizer, OptimizerState, ParamGrad, TensorState};
+use crate::error::{Error, Result};
 
 /// Arguments of Adam/AdamW with PyTorch's defaults.
 #[derive(Debug, Clone, Copy)]
@@ -37,7 +37,7 @@ impl AdamConfig {
     }
 }
 
-/// First and second moments and the step count of one tensor.
+/// First and second moments and the step count of one tensor (empty until its first step).
 struct Moments {
     step: u64,
     m: Vec<f32>,
@@ -62,6 +62,18 @@ fn adam_step(
         let Some(grad) = &pg.grad else { continue };
         let g = grad.f32()?;
         let mut p = pg.param.f32_mut()?;
+        if st.m.is_empty() && st.step == 0 {
+            // A tensor that had no state when a state dict was loaded.
+            st.m = vec![0.0; p.len()];
+            st.v = vec![0.0; p.len()];
+        }
+        if st.m.len() != p.len() || st.v.len() != p.len() {
+            return Err(Error::ShapeMismatch {
+                op,
+                expected: vec![st.m.len()],
+                got: vec![p.len()],
+            });
+        }
         st.step += 1;
         let bc1 = 1.0 - (b1 as f64).powi(st.step as i32);
         let bc2 = 1.0 - (b2 as f64).powi(st.step as i32);
@@ -121,9 +133,83 @@ impl AdamW {
     }
 }
 
+fn export(c: &AdamConfig, kind: &str, state: &[Moments]) -> OptimizerState {
+    OptimizerState {
+        kind: kind.to_string(),
+        hyperparams: vec![
+            ("lr".into(), c.lr as f64),
+            ("beta1".into(), c.betas.0 as f64),
+            ("beta2".into(), c.betas.1 as f64),
+            ("eps".into(), c.eps as f64),
+            ("weight_decay".into(), c.weight_decay as f64),
+        ],
+        tensors: state
+            .iter()
+            .map(|s| {
+                (s.step > 0 || !s.m.is_empty()).then(|| TensorState {
+                    step: Some(s.step),
+                    buffers: vec![
+                        ("exp_avg".into(), s.m.clone()),
+                        ("exp_avg_sq".into(), s.v.clone()),
+                    ],
+                })
+            })
+            .collect(),
+    }
+}
+
+/// Checks `st` for an Adam of `kind` and builds the new config and moments.
+fn import(kind: &str, st: &OptimizerState) -> Result<(AdamConfig, Vec<Moments>)> {
+    st.check_kind(kind)?;
+    let config = AdamConfig {
+        lr: st.require("lr")? as f32,
+        betas: (st.require("beta1")? as f32, st.require("beta2")? as f32),
+        eps: st.require("eps")? as f32,
+        weight_decay: st.require("weight_decay")? as f32,
+    };
+    let mut out = Vec::with_capacity(st.tensors.len());
+    for (i, t) in st.tensors.iter().enumerate() {
+        let Some(t) = t else {
+            out.push(Moments {
+                step: 0,
+                m: Vec::new(),
+                v: Vec::new(),
+            });
+            continue;
+        };
+        let step = t
+            .step
+            .ok_or_else(|| Error::StateDict(format!("{kind} state of tensor {i} has no 'step'")))?;
+        let buf = |name: &str| {
+            t.buffer(name).map(<[f32]>::to_vec).ok_or_else(|| {
+                Error::StateDict(format!("{kind} state of tensor {i} has no '{name}'"))
+            })
+        };
+        let (m, v) = (buf("exp_avg")?, buf("exp_avg_sq")?);
+        if m.len() != v.len() {
+            return Err(Error::StateDict(format!(
+                "{kind} state of tensor {i}: exp_avg has {} elements and exp_avg_sq {}",
+                m.len(),
+                v.len()
+            )));
+        }
+        out.push(Moments { step, m, v });
+    }
+    Ok((config, out))
+}
+
 macro_rules! impl_adam {
-    ($t:ty, $decoupled:expr, $op:expr) => {
+    ($t:ty, $decoupled:expr, $op:expr, $kind:expr) => {
         impl Optimizer for $t {
+            fn state_dict(&self) -> Result<OptimizerState> {
+                Ok(export(&self.config, $kind, &self.state))
+            }
+            fn load_state_dict(&mut self, st: &OptimizerState) -> Result<()> {
+                let (config, state) = import($kind, st)?;
+                self.config = config;
+                self.state = state;
+                Ok(())
+            }
             fn step(&mut self, params: &[ParamGrad]) -> Result<()> {
                 adam_step(&self.config, $decoupled, params, &mut self.state, $op)
             }
@@ -143,5 +229,5 @@ macro_rules! impl_adam {
     };
 }
 
-impl_adam!(Adam, false, "Adam.step");
-impl_adam!(AdamW, true, "AdamW.step");
+impl_adam!(Adam, false, "Adam.step", "Adam");
+impl_adam!(AdamW, true, "AdamW.step", "AdamW");

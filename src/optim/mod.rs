@@ -44,6 +44,107 @@ pub trait Optimizer: Send {
 
     /// Sets the learning rate (for schedules).
     fn set_lr(&mut self, lr: f32);
+
+    /// A copy of the hyperparameters and of every tensor's state
+    /// (`torch.optim.Optimizer.state_dict()`), by position in the list given to `step`.
+    ///
+    /// # Errors
+    /// `Unsupported` for an optimizer that cannot export its state (the default).
+    fn state_dict(&self) -> Result<OptimizerState> {
+        Err(Error::Unsupported(
+            "this optimizer does not implement state_dict".into(),
+        ))
+    }
+
+    /// Replaces the hyperparameters and every tensor's state with `state`
+    /// (`torch.optim.Optimizer.load_state_dict`); the next `step` must get a list of the
+    /// same length with the same element counts. An empty `state.tensors` resets the state
+    /// (as before the first step). Nothing changes on error.
+    ///
+    /// # Errors
+    /// `StateDict` when `state` comes from another optimizer kind, lacks a buffer or a
+    /// step, or has buffers of different lengths; `Unsupported` by default.
+    fn load_state_dict(&mut self, state: &OptimizerState) -> Result<()> {
+        let _ = state;
+        Err(Error::Unsupported(
+            "this optimizer does not implement load_state_dict".into(),
+        ))
+    }
+}
+
+/// What an optimizer keeps for one tensor of its list (`optimizer.state[p]`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorState {
+    /// Updates applied to this tensor (`state["step"]`); `None` for SGD, which counts none.
+    pub step: Option<u64>,
+    /// Named f32 buffers, each with the tensor's element count: `exp_avg` and `exp_avg_sq`
+    /// (Adam, AdamW), `momentum_buffer` (SGD with momentum).
+    pub buffers: Vec<(String, Vec<f32>)>,
+}
+
+impl TensorState {
+    /// The buffer called `name`, if present.
+    pub fn buffer(&self, name: &str) -> Option<&[f32]> {
+        self.buffers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_slice())
+    }
+}
+
+/// A snapshot of an optimizer (`torch.optim.Optimizer.state_dict()`): its kind, its
+/// hyperparameters (`param_groups[0]`) and the state of each tensor by position in the list
+/// it steps on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OptimizerState {
+    /// `"SGD"`, `"Adam"` or `"AdamW"`; loading into another kind is an error.
+    pub kind: String,
+    /// Hyperparameters by PyTorch name (`lr`, `beta1`, `beta2`, `eps`, `weight_decay`,
+    /// `momentum`, `dampening`, `nesterov` as 0/1), restored by `load_state_dict`.
+    pub hyperparams: Vec<(String, f64)>,
+    /// One entry per tensor of the list, `None` where the tensor has no state (SGD without
+    /// momentum, a tensor never stepped); empty before the first step.
+    pub tensors: Vec<Option<TensorState>>,
+}
+
+impl OptimizerState {
+    /// The hyperparameter called `name`.
+    pub fn hyperparam(&self, name: &str) -> Option<f64> {
+        self.hyperparams
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|&(_, v)| v)
+    }
+
+    /// Checks that this state is for an optimizer of `kind`.
+    pub(crate) fn check_kind(&self, kind: &str) -> Result<()> {
+        if self.kind != kind {
+            return Err(Error::StateDict(format!(
+                "optimizer state of {} cannot be loaded into {kind}",
+                self.kind
+            )));
+        }
+        Ok(())
+    }
+
+    /// Hyperparameter `name`, or an error naming it.
+    pub(crate) fn require(&self, name: &str) -> Result<f64> {
+        self.hyperparam(name).ok_or_else(|| {
+            Error::StateDict(format!(
+                "{} optimizer state lacks the hyperparameter '{name}'",
+                self.kind
+            ))
+        })
+    }
+}
+
+/// The buffer names each optimizer kind keeps per tensor.
+pub fn buffer_names(kind: &str) -> &'static [&'static str] {
+    match kind {
+        "Adam" | "AdamW" => &["exp_avg", "exp_avg_sq"],
+        "SGD" => &["momentum_buffer"],
+        _ => &[],
+    }
 }
 
 /// The list an optimizer steps on for a module trained without FSDP, as

@@ -1,7 +1,7 @@
 //! Stochastic gradient descent with momentum (`torch.optim.SGD`).
 
-use super::{check_pair, ensure_state, Optimizer, ParamGrad};
-use crate::error::Result;
+use super::{check_pair, ensure_state, Optimizer, OptimizerState, ParamGrad, TensorState};
+use crate::error::{Error, Result};
 
 /// `torch.optim.SGD` arguments and defaults (lr 1e-3 as PyTorch >= 2.3).
 #[derive(Debug, Clone, Copy)]
@@ -66,6 +66,13 @@ impl Optimizer for SGD {
             if first {
                 *buf = Some(vec![0.0; p.len()]);
             }
+            if let Some(b) = buf.as_ref().filter(|b| b.len() != p.len()) {
+                return Err(Error::ShapeMismatch {
+                    op: "SGD.step",
+                    expected: vec![b.len()],
+                    got: vec![p.len()],
+                });
+            }
             for i in 0..p.len() {
                 let mut d = g[i] + c.weight_decay * p[i];
                 if let Some(b) = buf.as_mut() {
@@ -97,5 +104,58 @@ impl Optimizer for SGD {
 
     fn set_lr(&mut self, lr: f32) {
         self.config.lr = lr;
+    }
+
+    fn state_dict(&self) -> Result<OptimizerState> {
+        let c = self.config;
+        Ok(OptimizerState {
+            kind: "SGD".into(),
+            hyperparams: vec![
+                ("lr".into(), c.lr as f64),
+                ("momentum".into(), c.momentum as f64),
+                ("dampening".into(), c.dampening as f64),
+                ("weight_decay".into(), c.weight_decay as f64),
+                ("nesterov".into(), if c.nesterov { 1.0 } else { 0.0 }),
+            ],
+            tensors: self
+                .bufs
+                .iter()
+                .map(|b| {
+                    b.as_ref().map(|b| TensorState {
+                        step: None,
+                        buffers: vec![("momentum_buffer".into(), b.clone())],
+                    })
+                })
+                .collect(),
+        })
+    }
+
+    fn load_state_dict(&mut self, st: &OptimizerState) -> Result<()> {
+        st.check_kind("SGD")?;
+        let config = SgdConfig {
+            lr: st.require("lr")? as f32,
+            momentum: st.require("momentum")? as f32,
+            dampening: st.require("dampening")? as f32,
+            weight_decay: st.require("weight_decay")? as f32,
+            nesterov: st.require("nesterov")? != 0.0,
+        };
+        let mut bufs = Vec::with_capacity(st.tensors.len());
+        for (i, t) in st.tensors.iter().enumerate() {
+            bufs.push(match t {
+                None => None,
+                Some(t) => Some(
+                    t.buffer("momentum_buffer")
+                        .ok_or_else(|| {
+                            Error::StateDict(format!(
+                                "SGD state of tensor {i} has no 'momentum_buffer'"
+                            ))
+                        })?
+                        .to_vec(),
+                ),
+            });
+        }
+        self.config = config;
+        self.bufs = bufs;
+        Ok(())
     }
 }

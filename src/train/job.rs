@@ -6,111 +6,16 @@ use crate::distributed::{launch, Group, LaunchOptions};
 use crate::error::{Error, Result};
 use crate::fsdp::{
     size_based_auto_wrap_policy, transformer_auto_wrap_policy, BackwardPrefetch, CpuOffload,
-    FsdpConfig, FullyShardedDataParallel, MixedPrecision, ShardingStrategy,
+    FsdpConfig, FullyShardedDataParallel, ShardingStrategy,
 };
 use crate::nn::{loss, num_parameters, Context, GptConfig, Module, GPT};
 use crate::optim::{self, OptimizerKind};
-use crate::tensor::DType;
 use crate::tensor::Tensor;
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-/// How the model is split into FSDP units (`--wrap transformer|size:N|none`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-pub enum WrapMode {
-    /// One unit per transformer `Block`, plus the root (`transformer_auto_wrap_policy`).
-    Transformer,
-    /// `size_based_auto_wrap_policy(min_num_params = N)`.
-    Size(usize),
-    /// One unit for the whole model.
-    None,
-}
-
-impl std::str::FromStr for WrapMode {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "transformer" => Ok(WrapMode::Transformer),
-            "none" => Ok(WrapMode::None),
-            _ => match s.strip_prefix("size:").map(str::parse::<usize>) {
-                Some(Ok(n)) if n > 0 => Ok(WrapMode::Size(n)),
-                _ => Err(format!(
-                    "expected transformer, size:N (N > 0 parameters) or none, got '{s}'"
-                )),
-            },
-        }
-    }
-}
-
-impl std::fmt::Display for WrapMode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            WrapMode::Transformer => f.write_str("transformer"),
-            WrapMode::Size(n) => write!(f, "size:{n}"),
-            WrapMode::None => f.write_str("none"),
-        }
-    }
-}
-
-/// Compute precision of `fsdp train` (`--mixed-precision`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
-pub enum Precision {
-    /// f32 throughout.
-    #[default]
-    None,
-    /// `MixedPrecision::uniform(bf16)`: bf16 parameters, gradients and reduction.
-    Bf16,
-    /// `MixedPrecision::uniform(f16)`.
-    F16,
-}
-
-impl Precision {
-    /// The FSDP policy, `None` for f32.
-    pub fn policy(self) -> Option<MixedPrecision> {
-        match self {
-            Precision::None => None,
-            Precision::Bf16 => Some(MixedPrecision::uniform(DType::BF16)),
-            Precision::F16 => Some(MixedPrecision::uniform(DType::F16)),
-        }
-    }
-}
-
-/// How the learning rate moves over a run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
-pub enum LrSchedule {
-    /// `lr` at every step after the warm-up.
-    Constant,
-    /// After the warm-up, half a cosine from `lr` down to `lr / 10` at the last step
-    /// (nanoGPT's schedule).
-    Cosine,
-}
-
-impl TrainConfig {
-    /// The warm-up actually used: `warmup_steps`, capped at `steps` (a longer warm-up
-    /// ramps over the whole run).
-    pub fn effective_warmup(&self) -> usize {
-        self.warmup_steps.min(self.steps)
-    }
-
-    /// The learning rate of 1-based step `step`.
-    pub fn lr_at(&self, step: usize) -> f32 {
-        let warmup = self.effective_warmup();
-        if step <= warmup {
-            return self.lr * step as f32 / warmup as f32;
-        }
-        match self.lr_schedule {
-            LrSchedule::Constant => self.lr,
-            LrSchedule::Cosine => {
-                // Full lr at the first step after the warm-up, lr / 10 at the last.
-                let span = (self.steps - warmup - 1).max(1) as f32;
-                let progress = (step - warmup - 1) as f32 / span;
-                let min = self.lr / 10.0;
-                min + 0.5 * (self.lr - min) * (1.0 + (std::f32::consts::PI * progress).cos())
-            }
-        }
-    }
-}
+pub use super::options::{CheckpointType, LrSchedule, Precision, WrapMode};
 
 /// Everything `fsdp train` takes. `Default` is the CLI's defaults, sized for a 2-core CPU.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -187,6 +92,20 @@ pub struct TrainConfig {
     pub metrics: Option<PathBuf>,
     /// Where to compute (`--device`), default the CPU.
     pub device: super::TrainDevice,
+    /// Save directory (`--save-dir`): checkpoints go to `step-<N>/` inside, and `latest`
+    /// names the newest; `None` saves nothing.
+    pub save_dir: Option<PathBuf>,
+    /// Save every this many steps (`--save-every`), and after the last step; 0: only after
+    /// the last step. Needs `save_dir` when nonzero.
+    pub save_every: usize,
+    /// Checkpoints kept in `save_dir` (`--keep-last`), at least 1, default 2.
+    pub keep_last: usize,
+    /// Layout of saved checkpoints (`--checkpoint-type`), default sharded.
+    pub checkpoint_type: CheckpointType,
+    /// Resume from this checkpoint or save directory (`--resume`): model, optimizer state
+    /// and the step, so training continues at the next step with that step's batch, at any
+    /// world size and strategy.
+    pub resume: Option<PathBuf>,
 }
 
 impl Default for TrainConfig {
@@ -228,6 +147,11 @@ impl Default for TrainConfig {
             sample_len: 200,
             metrics: None,
             device: super::TrainDevice::Cpu,
+            save_dir: None,
+            save_every: 0,
+            keep_last: 2,
+            checkpoint_type: CheckpointType::Sharded,
+            resume: None,
         }
     }
 }
@@ -291,6 +215,11 @@ pub trait Observer: Sync {
     fn on_step(&self, record: &StepRecord);
     /// Called once before the first step with the model size.
     fn on_start(&self, _num_params: usize) {}
+    /// Called after a checkpoint of `step` was saved to `dir`.
+    fn on_checkpoint(&self, _step: usize, _dir: &std::path::Path) {}
+    /// Called once before the first step when resuming from the checkpoint in `dir`, saved
+    /// after `step`.
+    fn on_resume(&self, _step: usize, _dir: &std::path::Path) {}
 }
 
 /// An observer that ignores everything.
@@ -391,6 +320,7 @@ impl TrainConfig {
                 ));
             }
         }
+        super::resume::validate(self)?;
         if let Some(n) = self.ranks_per_node {
             if !self.strategy.is_hybrid() {
                 return bad(format!(
@@ -551,10 +481,20 @@ fn run_rank(
         observer.on_start(num_params);
     }
     let mut opt = optim::build(cfg.optimizer, cfg.lr, cfg.betas);
+    let first_step = match &cfg.resume {
+        Some(dir) => {
+            let (step, dir) = super::resume::resume(dir, &mut engine, opt.as_mut())?;
+            if rank == 0 {
+                observer.on_resume(step, &dir);
+            }
+            step + 1
+        }
+        None => 1,
+    };
     let t = cfg.seq_len;
     let start = Instant::now();
     let mut records = Vec::with_capacity(cfg.steps);
-    for step in 1..=cfg.steps {
+    for step in first_step..=cfg.steps {
         let t0 = Instant::now();
         opt.set_lr(cfg.lr_at(step));
         engine.reset_peak();
@@ -618,6 +558,11 @@ fn run_rank(
             }
             observer.on_step(&rec);
             records.push(rec);
+        }
+        if let Some(dir) = super::resume::save_if_due(cfg, step, &mut engine, opt.as_ref())? {
+            if rank == 0 {
+                observer.on_checkpoint(step, &dir);
+            }
         }
     }
     let sample = if cfg.sample_len > 0 {

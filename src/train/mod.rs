@@ -6,7 +6,9 @@
 //! | FSDP or plain engine, memory figures | `engine.rs` |
 //! | the training loop, config, metrics | `job.rs` |
 //! | `--device` and its availability check | `device.rs` |
+//! | wrap mode, precision, lr schedule, checkpoint layout | `options.rs` |
 //! | the hidden test-only fault hook `FSDP_FAIL_RANK` | `fault.rs` |
+//! | checkpoints: `--save-dir`, `--save-every`, `--resume` | `resume.rs` |
 //! | generation | `sample.rs` |
 
 pub mod data;
@@ -14,10 +16,12 @@ mod device;
 pub mod engine;
 mod fault;
 mod job;
+mod options;
+mod resume;
 pub mod sample;
 
 pub use device::TrainDevice;
 pub use job::{
-    build_engine, train, LrSchedule, Observer, Precision, Silent, StepRecord, TrainConfig,
-    TrainReport, WrapMode,
+    build_engine, train, CheckpointType, LrSchedule, Observer, Precision, Silent, StepRecord,
+    TrainConfig, TrainReport, WrapMode,
 };

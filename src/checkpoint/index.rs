@@ -1,0 +1,154 @@
+//! `index.json`: what a checkpoint directory holds and where each piece of each tensor is.
+//! Written last, atomically, by rank 0: a directory without a readable index is not a
+//! checkpoint (a save that did not finish), and an index only names complete files.
+
+use crate::distributed::Group;
+use crate::error::{Error, Result};
+use crate::fsdp::StateDictType;
+use crate::tensor::{DType, Tensor};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// `format` of every index.
+pub const FORMAT: &str = "fsdp-checkpoint";
+/// The layout version this crate writes and reads.
+pub const VERSION: u32 = 1;
+/// The index's file name inside a checkpoint directory.
+pub const INDEX_FILE: &str = "index.json";
+
+/// The index of a checkpoint directory.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct Index {
+    /// Always [`FORMAT`].
+    pub format: String,
+    /// Always [`VERSION`].
+    pub version: u32,
+    /// Full (one model file and one optimizer file, by rank 0) or sharded (one file per
+    /// rank holding pieces).
+    pub state_dict_type: StateDictType,
+    /// Data-parallel world size at save time.
+    pub world_size: usize,
+    /// Save counter of this directory; file names carry it, so a new save never
+    /// overwrites a file the current index names.
+    pub generation: u64,
+    /// The data files, each with its size and checksum.
+    pub files: Vec<FileEntry>,
+    /// Model parameters by name.
+    pub model: BTreeMap<String, Entry>,
+    /// Optimizer state, when saved.
+    pub optim: Option<OptimIndex>,
+    /// Caller's data (the training loop's step, seed and config).
+    pub extra: serde_json::Value,
+}
+
+/// One data file.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct FileEntry {
+    /// File name inside the checkpoint directory.
+    pub name: String,
+    /// Its size in bytes.
+    pub bytes: u64,
+    /// [`checksum`](super::file::checksum) of the whole file.
+    pub checksum: String,
+}
+
+/// One tensor: its global shape and its pieces.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Entry {
+    /// Shape of the whole tensor.
+    pub shape: Vec<usize>,
+    /// Where its elements are; together they cover every element exactly once.
+    pub pieces: Vec<PieceRef>,
+}
+
+/// Elements `offset .. offset + numel` of a flattened tensor, stored as tensor `key` of
+/// file `files[file]`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PieceRef {
+    /// Index into [`Index::files`].
+    pub file: usize,
+    /// Tensor name inside that file.
+    pub key: String,
+    /// Element offset into the flattened tensor.
+    pub offset: usize,
+    /// Element count.
+    pub numel: usize,
+    /// Data-parallel rank that wrote the piece.
+    pub rank: usize,
+}
+
+/// The optimizer part of an index.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+pub struct OptimIndex {
+    /// `"SGD"`, `"Adam"` or `"AdamW"`.
+    pub kind: String,
+    /// `param_groups[0]` hyperparameters.
+    pub hyperparams: BTreeMap<String, f64>,
+    /// Each parameter's step (Adam, AdamW).
+    pub steps: BTreeMap<String, u64>,
+    /// Per buffer name, the buffer of each parameter.
+    pub buffers: BTreeMap<String, BTreeMap<String, Entry>>,
+}
+
+/// Reads and checks `dir/index.json`.
+///
+/// # Errors
+/// `Checkpoint` naming the directory when there is no index (not a checkpoint, or a save
+/// that did not finish), when it does not parse, or when it is of another format or
+/// version.
+pub fn read_index(dir: &Path) -> Result<Index> {
+    let p = dir.join(INDEX_FILE);
+    let bad = |detail: String| Error::Checkpoint {
+        path: p.display().to_string(),
+        detail,
+    };
+    let text = std::fs::read_to_string(&p).map_err(|e| {
+        bad(format!(
+            "cannot read the index ({e}): not a checkpoint directory, or its save did not finish"
+        ))
+    })?;
+    let index: Index = serde_json::from_str(&text)
+        .map_err(|e| bad(format!("the index is corrupted or truncated: {e}")))?;
+    if index.format != FORMAT || index.version != VERSION {
+        return Err(bad(format!(
+            "format '{}' version {}; this build reads '{FORMAT}' version {VERSION}",
+            index.format, index.version
+        )));
+    }
+    Ok(index)
+}
+
+/// Every rank's `bytes`, in rank order (a collective over `pg`).
+pub(super) fn all_gather_bytes(pg: &Group, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+    let w = pg.size();
+    let len = Tensor::from_vec(vec![bytes.len() as i32], &[1])?;
+    let lens = Tensor::zeros(&[w], DType::I32);
+    pg.all_gather_into_tensor(&lens, &len)?;
+    let lens: Vec<usize> = lens.data::<i32>()?.iter().map(|&l| l as usize).collect();
+    let max = lens.iter().copied().max().unwrap_or(0);
+    // One byte per i32 word: manifests are small.
+    let mut words = vec![0i32; max];
+    for (w, &b) in words.iter_mut().zip(bytes) {
+        *w = b as i32;
+    }
+    let mine = Tensor::from_vec(words, &[max])?;
+    let all = Tensor::zeros(&[w * max], DType::I32);
+    pg.all_gather_into_tensor(&all, &mine)?;
+    let v = all.data::<i32>()?;
+    Ok((0..w)
+        .map(|r| {
+            v[r * max..r * max + lens[r]]
+                .iter()
+                .map(|&x| x as u8)
+                .collect()
+        })
+        .collect())
+}
+
+/// Whether every rank of `pg` is `ok` (a collective).
+pub(super) fn all_ok(pg: &Group, ok: bool) -> Result<bool> {
+    let t = Tensor::from_vec(vec![ok as i32], &[1])?;
+    pg.all_reduce(&t, crate::distributed::ReduceOp::Min)?;
+    let v = t.data::<i32>()?[0];
+    Ok(v == 1)
+}

@@ -1,0 +1,272 @@
+//! Loading a checkpoint directory at any world size and strategy: each rank reads only the
+//! files holding pieces it needs, checks sizes and checksums, builds the sharded state
+//! dicts, checks them against the model and optimizer, and writes only once every rank
+//! has found its part sound.
+
+use super::file::{checksum, parse_tensors, TensorFile};
+use super::index::{all_ok, read_index, Entry, Index, INDEX_FILE};
+use crate::error::{Error, Result};
+use crate::fsdp::{
+    FullyShardedDataParallel, OptimStateDict, ShardPiece, ShardedStateDict, ShardedTensor,
+    StateDict, StateDictType,
+};
+use crate::optim::{Optimizer, OptimizerState};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+/// The pointer file of a save directory: the name of its newest checkpoint directory.
+pub const LATEST_FILE: &str = "latest";
+
+/// What a loaded checkpoint said about itself.
+#[derive(Debug, Clone)]
+pub struct CheckpointInfo {
+    /// The checkpoint directory read.
+    pub dir: PathBuf,
+    /// How it was saved.
+    pub state_dict_type: StateDictType,
+    /// Data-parallel world size at save time.
+    pub world_size: usize,
+    /// Whether it holds optimizer state.
+    pub has_optim: bool,
+    /// The caller's data given at save time.
+    pub extra: serde_json::Value,
+}
+
+impl CheckpointInfo {
+    fn of(dir: &Path, index: &Index) -> CheckpointInfo {
+        CheckpointInfo {
+            dir: dir.to_path_buf(),
+            state_dict_type: index.state_dict_type,
+            world_size: index.world_size,
+            has_optim: index.optim.is_some(),
+            extra: index.extra.clone(),
+        }
+    }
+}
+
+/// The checkpoint directory `path` stands for: `path` itself when it holds an
+/// `index.json`, else the directory its `latest` file names (a save directory of
+/// `fsdp train --save-dir`).
+///
+/// # Errors
+/// `Checkpoint` naming `path` when it holds neither, or `latest` names nothing usable.
+pub fn resolve_checkpoint(path: &Path) -> Result<PathBuf> {
+    if path.join(INDEX_FILE).is_file() {
+        return Ok(path.to_path_buf());
+    }
+    let latest = path.join(LATEST_FILE);
+    match std::fs::read_to_string(&latest) {
+        Ok(name) => {
+            let name = name.trim();
+            let dir = path.join(name);
+            if name.is_empty() || name.contains('/') || !dir.join(INDEX_FILE).is_file() {
+                return Err(Error::Checkpoint {
+                    path: latest.display().to_string(),
+                    detail: format!("names '{name}', which is not a checkpoint directory here"),
+                });
+            }
+            Ok(dir)
+        }
+        Err(_) => Err(Error::Checkpoint {
+            path: path.display().to_string(),
+            detail: format!(
+                "holds neither {INDEX_FILE} (a checkpoint) nor {LATEST_FILE} (a save directory)"
+            ),
+        }),
+    }
+}
+
+/// Reads only the index of the checkpoint `path` stands for (see [`resolve_checkpoint`]).
+///
+/// # Errors
+/// As [`resolve_checkpoint`] and [`read_index`].
+pub fn read_checkpoint_info(path: &Path) -> Result<CheckpointInfo> {
+    let dir = resolve_checkpoint(path)?;
+    Ok(CheckpointInfo::of(&dir, &read_index(&dir)?))
+}
+
+/// Loads the checkpoint `path` stands for (see [`resolve_checkpoint`]) into `model` and,
+/// when given, `optim` (an optimizer over `model.optimizer_params()`), whatever world size
+/// and strategy it was saved at. A collective: every rank calls it. Strict: every
+/// parameter must be in the checkpoint with its shape, f32, and nothing else may be.
+/// Nothing is modified on any rank unless every rank's part checked out.
+///
+/// # Errors
+/// `Checkpoint` naming the file that is missing, truncated (its size against the
+/// index's), corrupted (checksum) or lacks a tensor the index lists; `StateDict` naming
+/// each parameter with a wrong shape or dtype, missing or unexpected; `StateDict` when the
+/// optimizer is of another kind or the checkpoint has no optimizer state; on the other
+/// ranks, a `Checkpoint` error saying another rank failed.
+pub fn load_checkpoint(
+    path: &Path,
+    model: &mut FullyShardedDataParallel,
+    optim: Option<&mut dyn Optimizer>,
+) -> Result<CheckpointInfo> {
+    let pg = model.process_group().clone();
+    let staged = stage(path, model, optim.as_deref());
+    let ok = all_ok(&pg, staged.is_ok())?;
+    let (dir, index, sd, ost) = staged?;
+    if !ok {
+        return Err(Error::Checkpoint {
+            path: dir.display().to_string(),
+            detail: "another rank could not load its part (see its error); nothing was modified"
+                .into(),
+        });
+    }
+    model.load_state_dict(&sd, true)?;
+    if let (Some(o), Some(st)) = (optim, ost) {
+        o.load_state_dict(&st)?;
+    }
+    Ok(CheckpointInfo::of(&dir, &index))
+}
+
+type Staged = (PathBuf, Index, StateDict, Option<OptimizerState>);
+
+/// Reads and checks everything this rank needs; modifies nothing.
+fn stage(
+    path: &Path,
+    model: &mut FullyShardedDataParallel,
+    optim: Option<&dyn Optimizer>,
+) -> Result<Staged> {
+    let dir = resolve_checkpoint(path)?;
+    let index = read_index(&dir)?;
+    let ranges: HashMap<String, Option<(usize, usize)>> = model
+        .state_dict_ranges()
+        .into_iter()
+        .map(|r| (r.name, r.range))
+        .collect();
+    let oi = match (optim, &index.optim) {
+        (None, _) => None,
+        (Some(_), Some(o)) => Some(o),
+        (Some(_), None) => {
+            return Err(Error::StateDict(format!(
+                "checkpoint '{}' has no optimizer state to load",
+                dir.display()
+            )))
+        }
+    };
+    let mut sections: Vec<&BTreeMap<String, Entry>> = vec![&index.model];
+    if let Some(o) = oi {
+        sections.extend(o.buffers.values());
+    }
+    // The files holding pieces this rank needs.
+    let mut need: Vec<usize> = Vec::new();
+    for map in &sections {
+        for (name, e) in map.iter() {
+            let Some(Some((a, b))) = ranges.get(name) else {
+                continue;
+            };
+            for p in &e.pieces {
+                if p.offset < *b && *a < p.offset + p.numel && !need.contains(&p.file) {
+                    need.push(p.file);
+                }
+            }
+        }
+    }
+    let mut files: HashMap<usize, TensorFile> = HashMap::new();
+    for f in need {
+        files.insert(f, read_data_file(&dir, &index, f)?);
+    }
+    let to_sharded = |map: &BTreeMap<String, Entry>| -> Result<ShardedStateDict> {
+        let mut tensors = Vec::new();
+        for (name, e) in map {
+            let mut pieces = Vec::new();
+            for p in &e.pieces {
+                let Some(file) = files.get(&p.file) else {
+                    continue;
+                };
+                let fname = &index.files[p.file].name;
+                let t = file.get(&p.key).ok_or_else(|| Error::Checkpoint {
+                    path: dir.join(fname).display().to_string(),
+                    detail: format!(
+                        "has no tensor '{}', which the index lists for '{name}'",
+                        p.key
+                    ),
+                })?;
+                if t.numel() != p.numel {
+                    return Err(Error::Checkpoint {
+                        path: dir.join(fname).display().to_string(),
+                        detail: format!(
+                            "tensor '{}' has {} elements; the index says {}",
+                            p.key,
+                            t.numel(),
+                            p.numel
+                        ),
+                    });
+                }
+                pieces.push(ShardPiece {
+                    offset: p.offset,
+                    data: t.reshape(&[p.numel])?,
+                    rank: p.rank,
+                });
+            }
+            tensors.push((
+                name.clone(),
+                ShardedTensor {
+                    global_shape: e.shape.clone(),
+                    pieces,
+                },
+            ));
+        }
+        Ok(ShardedStateDict {
+            world_size: index.world_size,
+            tensors,
+        })
+    };
+    let sd = StateDict::Sharded(to_sharded(&index.model)?);
+    model.check_state_dict(&sd, true)?;
+    let ost = match (optim, oi) {
+        (Some(o), Some(oi)) => {
+            let osd = OptimStateDict {
+                kind: oi.kind.clone(),
+                hyperparams: oi.hyperparams.clone().into_iter().collect(),
+                steps: oi.steps.clone().into_iter().collect(),
+                buffers: oi
+                    .buffers
+                    .iter()
+                    .map(|(n, m)| Ok((n.clone(), StateDict::Sharded(to_sharded(m)?))))
+                    .collect::<Result<_>>()?,
+            };
+            let mine = o.state_dict()?.kind;
+            if mine != osd.kind {
+                return Err(Error::StateDict(format!(
+                    "the checkpoint's optimizer state is {}'s; this optimizer is {mine}",
+                    osd.kind
+                )));
+            }
+            Some(model.optim_state_dict_to_load(&osd)?)
+        }
+        _ => None,
+    };
+    Ok((dir, index, sd, ost))
+}
+
+/// Reads data file `f` of the index, checking its size and checksum against the index.
+fn read_data_file(dir: &Path, index: &Index, f: usize) -> Result<TensorFile> {
+    let fe = index.files.get(f).ok_or_else(|| Error::Checkpoint {
+        path: dir.join(INDEX_FILE).display().to_string(),
+        detail: format!("a piece refers to file #{f}, which the index does not list"),
+    })?;
+    let p = dir.join(&fe.name);
+    let bad = |detail: String| Error::Checkpoint {
+        path: p.display().to_string(),
+        detail,
+    };
+    let bytes =
+        std::fs::read(&p).map_err(|e| bad(format!("cannot read a file the index lists: {e}")))?;
+    if bytes.len() as u64 != fe.bytes {
+        return Err(bad(format!(
+            "has {} bytes; the index says {}: the file is truncated or was replaced",
+            bytes.len(),
+            fe.bytes
+        )));
+    }
+    let sum = checksum(&bytes);
+    if sum != fe.checksum {
+        return Err(bad(format!(
+            "checksum {sum} differs from the index's {}: the file is corrupted",
+            fe.checksum
+        )));
+    }
+    parse_tensors(&p, &bytes)
+}

@@ -1,0 +1,343 @@
+//! Saving a model (and optimizer) to a checkpoint directory: data files first, each
+//! written atomically under a name no current index refers to, then the index, atomically,
+//! then stale files are removed. A crash at any point leaves the previous checkpoint of the
+//! directory loadable.
+
+use super::atomic::{remove_stale_temps, sync_dir};
+use super::file::{checksum, serialize};
+use super::index::{
+    all_gather_bytes, read_index, Entry, FileEntry, Index, OptimIndex, PieceRef, FORMAT,
+    INDEX_FILE, VERSION,
+};
+use crate::error::{Error, Result};
+use crate::fsdp::{
+    FullStateDictConfig, FullyShardedDataParallel, OptimStateDict, StateDict, StateDictConfig,
+    StateDictType,
+};
+use crate::optim::Optimizer;
+use crate::tensor::Tensor;
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+/// What one rank wrote, sent to rank 0 for the index.
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+struct Manifest {
+    /// This rank's failure, if any.
+    error: Option<String>,
+    files: Vec<FileEntry>,
+    /// `(section, name, global shape)` of every key this rank's state dicts have;
+    /// section is `model` or an optimizer buffer name.
+    entries: Vec<(String, String, Vec<usize>)>,
+    /// `(section, name, file (index into files), key, offset, numel)`.
+    pieces: Vec<(String, String, usize, String, usize, usize)>,
+    /// Optimizer kind, hyperparameters and the steps this rank knows.
+    optim: Option<OptimMeta>,
+}
+
+/// `(kind, hyperparameters, steps)` of an optimizer state dict.
+type OptimMeta = (String, Vec<(String, f64)>, Vec<(String, u64)>);
+
+/// Saves `model` and, when given, `optim` (an optimizer over `model.optimizer_params()`)
+/// to the directory `dir` as a checkpoint of type `ty` (`Full`: rank 0 writes one model
+/// file, whose keys are the parameter names, and one optimizer file; `Sharded`: every rank
+/// holding distinct shards writes one file of its pieces). `extra` is stored in the index
+/// as is. A collective: every rank of the model's world calls it.
+///
+/// Crash safety: data files get names carrying a new generation number, the index is
+/// replaced atomically (temporary file, fsync, rename, fsync of the directory) after every
+/// rank's files are durable, and only then are the previous generation's files removed.
+///
+/// # Errors
+/// `Io` or `Checkpoint` naming the file a rank could not write (every rank returns an
+/// error, and the previous checkpoint of `dir` stays as it was); `Unsupported` for `Local`.
+pub fn save_checkpoint(
+    dir: &Path,
+    model: &mut FullyShardedDataParallel,
+    optim: Option<&dyn Optimizer>,
+    ty: StateDictType,
+    extra: serde_json::Value,
+) -> Result<()> {
+    if ty == StateDictType::Local {
+        return Err(Error::Unsupported(
+            "LOCAL_STATE_DICT checkpoints; save FULL or SHARDED (they reload at any world size)"
+                .into(),
+        ));
+    }
+    let pg = model.process_group().clone();
+    let rank = pg.rank();
+    // Rank 0 prepares the directory and picks the generation; everyone learns both.
+    let prep = if rank == 0 { prepare(dir) } else { Ok(0) };
+    let word = Tensor::from_vec(vec![prep.as_ref().map_or(-1, |&g| g as i32)], &[1])?;
+    pg.broadcast(&word, 0)?;
+    let generation = word.data::<i32>()?[0];
+    prep?;
+    if generation < 0 {
+        return Err(Error::Checkpoint {
+            path: dir.display().to_string(),
+            detail: "rank 0 could not prepare the directory; nothing was written".into(),
+        });
+    }
+    let generation = generation as u64;
+    let config = match ty {
+        StateDictType::Full => StateDictConfig::Full(FullStateDictConfig {
+            offload_to_cpu: true,
+            rank0_only: true,
+        }),
+        _ => StateDictConfig::Sharded,
+    };
+    let sd = model.state_dict(config)?;
+    let osd = optim
+        .map(|o| model.optim_state_dict(o, config))
+        .transpose()?;
+    let writer = match ty {
+        StateDictType::Full => rank == 0,
+        _ => model.shard_replica_rank() == 0,
+    };
+    let manifest = if writer {
+        write_files(dir, rank, generation, &sd, osd.as_ref()).unwrap_or_else(|e| Manifest {
+            error: Some(e.to_string()),
+            ..Manifest::default()
+        })
+    } else {
+        Manifest::default()
+    };
+    let bytes = serde_json::to_vec(&manifest).map_err(|e| Error::Data(e.to_string()))?;
+    let all = all_gather_bytes(&pg, &bytes)?;
+    let result = if rank == 0 {
+        write_index(dir, generation, ty, pg.size(), &all, extra)
+    } else {
+        Ok(())
+    };
+    let ok = super::index::all_ok(&pg, result.is_ok())?;
+    result?;
+    if let Some(e) = manifest.error {
+        return Err(Error::Checkpoint {
+            path: dir.display().to_string(),
+            detail: format!("rank {rank}: {e}; the previous checkpoint is untouched"),
+        });
+    }
+    if !ok {
+        return Err(Error::Checkpoint {
+            path: dir.display().to_string(),
+            detail: "another rank could not write its part; the previous checkpoint is untouched"
+                .into(),
+        });
+    }
+    Ok(())
+}
+
+/// Creates `dir` and returns the next generation number.
+fn prepare(dir: &Path) -> Result<u64> {
+    std::fs::create_dir_all(dir).map_err(|e| {
+        Error::io(
+            format!("creating checkpoint directory '{}'", dir.display()),
+            e,
+        )
+    })?;
+    remove_stale_temps(dir);
+    let current = read_index(dir).map_or(0, |i| i.generation);
+    Ok(current + 1)
+}
+
+/// Writes this rank's data files and describes them.
+fn write_files(
+    dir: &Path,
+    rank: usize,
+    generation: u64,
+    sd: &StateDict,
+    osd: Option<&OptimStateDict>,
+) -> Result<Manifest> {
+    let mut m = Manifest::default();
+    // (file name, tensors) to write.
+    let mut files: Vec<(String, Vec<(String, Tensor)>)> = Vec::new();
+    let mut sections: Vec<(String, &StateDict)> = vec![("model".into(), sd)];
+    if let Some(o) = osd {
+        sections.extend(o.buffers.iter().map(|(n, d)| (n.clone(), d)));
+        m.optim = Some((o.kind.clone(), o.hyperparams.clone(), o.steps.clone()));
+    }
+    for (section, d) in sections {
+        match d {
+            StateDict::Full(f) => {
+                let (fname, plain) = if section == "model" {
+                    (format!("model-g{generation}.safetensors"), true)
+                } else {
+                    (format!("optim-g{generation}.safetensors"), false)
+                };
+                let fi = match files.iter().position(|(n, _)| *n == fname) {
+                    Some(i) => i,
+                    None => {
+                        files.push((fname, Vec::new()));
+                        files.len() - 1
+                    }
+                };
+                for (name, t) in &f.tensors {
+                    let key = if plain {
+                        name.clone()
+                    } else {
+                        format!("{section}/{name}")
+                    };
+                    m.entries
+                        .push((section.clone(), name.clone(), t.shape().to_vec()));
+                    if t.numel() > 0 {
+                        m.pieces.push((
+                            section.clone(),
+                            name.clone(),
+                            fi,
+                            key.clone(),
+                            0,
+                            t.numel(),
+                        ));
+                    }
+                    files[fi].1.push((key, t.clone()));
+                }
+            }
+            StateDict::Sharded(s) => {
+                let fname = format!("rank-{rank:05}-g{generation}.safetensors");
+                if files.is_empty() {
+                    files.push((fname, Vec::new()));
+                }
+                for (name, t) in &s.tensors {
+                    m.entries
+                        .push((section.clone(), name.clone(), t.global_shape.clone()));
+                    for p in &t.pieces {
+                        let key = format!("{section}/{name}@{}", p.offset);
+                        m.pieces.push((
+                            section.clone(),
+                            name.clone(),
+                            0,
+                            key.clone(),
+                            p.offset,
+                            p.data.numel(),
+                        ));
+                        files[0].1.push((key, p.data.clone()));
+                    }
+                }
+            }
+            StateDict::Local(_) => {
+                return Err(Error::Unsupported("LOCAL_STATE_DICT checkpoints".into()))
+            }
+        }
+    }
+    let meta: HashMap<String, String> = [
+        ("format".to_string(), FORMAT.to_string()),
+        ("generation".to_string(), generation.to_string()),
+        ("rank".to_string(), rank.to_string()),
+    ]
+    .into_iter()
+    .collect();
+    for (name, tensors) in files {
+        let path = dir.join(&name);
+        let bytes = serialize(&path, &tensors, &meta)?;
+        super::atomic::write_atomic(&path, &bytes)?;
+        m.files.push(FileEntry {
+            name,
+            bytes: bytes.len() as u64,
+            checksum: checksum(&bytes),
+        });
+    }
+    Ok(m)
+}
+
+/// Rank 0: builds the index from every rank's manifest, writes it atomically, then removes
+/// the files of earlier generations.
+fn write_index(
+    dir: &Path,
+    generation: u64,
+    ty: StateDictType,
+    world_size: usize,
+    manifests: &[Vec<u8>],
+    extra: serde_json::Value,
+) -> Result<()> {
+    let mut index = Index {
+        format: FORMAT.into(),
+        version: VERSION,
+        state_dict_type: ty,
+        world_size,
+        generation,
+        files: Vec::new(),
+        model: BTreeMap::new(),
+        optim: None,
+        extra,
+    };
+    let mut optim: Option<OptimIndex> = None;
+    for (r, bytes) in manifests.iter().enumerate() {
+        let m: Manifest = serde_json::from_slice(bytes)
+            .map_err(|e| Error::Data(format!("rank {r}'s checkpoint manifest: {e}")))?;
+        if let Some(e) = m.error {
+            return Err(Error::Checkpoint {
+                path: dir.display().to_string(),
+                detail: format!(
+                    "rank {r} could not write its file: {e}; the index was not replaced"
+                ),
+            });
+        }
+        let base = index.files.len();
+        index.files.extend(m.files);
+        if let Some((kind, hyper, steps)) = m.optim {
+            let o = optim.get_or_insert_with(|| OptimIndex {
+                kind,
+                hyperparams: hyper.into_iter().collect(),
+                ..OptimIndex::default()
+            });
+            for (n, s) in steps {
+                let e = o.steps.entry(n).or_insert(s);
+                *e = (*e).max(s);
+            }
+        }
+        for (section, name, shape) in m.entries {
+            let map = section_map(&mut index.model, &mut optim, &section);
+            map.entry(name).or_insert_with(|| Entry {
+                shape,
+                pieces: Vec::new(),
+            });
+        }
+        for (section, name, file, key, offset, numel) in m.pieces {
+            let map = section_map(&mut index.model, &mut optim, &section);
+            let e = map.entry(name).or_default();
+            // Replicas (ignored modules' parameters) are kept once.
+            if !e
+                .pieces
+                .iter()
+                .any(|p| p.offset == offset && p.numel == numel)
+            {
+                e.pieces.push(PieceRef {
+                    file: base + file,
+                    key,
+                    offset,
+                    numel,
+                    rank: r,
+                });
+            }
+        }
+    }
+    index.optim = optim;
+    let text = serde_json::to_vec_pretty(&index).map_err(|e| Error::Data(e.to_string()))?;
+    super::atomic::write_atomic(&dir.join(INDEX_FILE), &text)?;
+    // The new index is durable: earlier generations' files are garbage now.
+    let keep: Vec<&str> = index.files.iter().map(|f| f.name.as_str()).collect();
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            let n = e.file_name().to_string_lossy().into_owned();
+            if n.ends_with(".safetensors") && n.contains("-g") && !keep.contains(&n.as_str()) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    sync_dir(dir)
+}
+
+fn section_map<'a>(
+    model: &'a mut BTreeMap<String, Entry>,
+    optim: &'a mut Option<OptimIndex>,
+    section: &str,
+) -> &'a mut BTreeMap<String, Entry> {
+    if section == "model" {
+        model
+    } else {
+        optim
+            .get_or_insert_with(OptimIndex::default)
+            .buffers
+            .entry(section.to_string())
+            .or_default()
+    }
+}

@@ -1,0 +1,209 @@
+//! Where each original parameter's elements sit in a unit's local chunk, and reading the
+//! elements a rank needs from a full tensor or from sharded pieces.
+
+use super::{dtype_problem, ShardPiece, ShardedTensor};
+use crate::error::{Error, Result};
+use crate::fsdp::{FullyShardedDataParallel, ParamInfo};
+use crate::tensor::{DType, Tensor};
+
+/// A copy of one unit's layout: enough to (un)flatten without borrowing the unit.
+#[derive(Debug, Clone)]
+pub(super) struct UnitMeta {
+    /// `<module name>.flat_param` (`flat_param` for the root).
+    pub local_key: String,
+    /// Every name of the unit's parameters and the index of its [`ParamInfo`].
+    pub slots: Vec<(String, usize)>,
+    pub infos: Vec<ParamInfo>,
+    /// The unpadded flat elements `[lo, hi)` this rank's chunk holds.
+    pub lo: usize,
+    pub hi: usize,
+    /// Unpadded element count `N`.
+    pub numel: usize,
+    /// Chunk size `c`.
+    pub shard_numel: usize,
+    /// Trainable runs `(start, len)` of the chunk (what the optimizer steps on).
+    pub runs: Vec<(usize, usize)>,
+}
+
+impl UnitMeta {
+    /// The part of parameter `info` in this rank's chunk: `(param_lo, param_hi, chunk_start)`
+    /// (elements `[param_lo, param_hi)` of the flattened parameter sit at `chunk_start..` of
+    /// the chunk), or `None` when the chunk holds none of it.
+    pub fn portion(&self, info: &ParamInfo) -> Option<(usize, usize, usize)> {
+        let a = info.offset.max(self.lo);
+        let b = (info.offset + info.numel).min(self.hi);
+        (a < b).then(|| (a - info.offset, b - info.offset, a - self.lo))
+    }
+}
+
+/// The layout of every unit of the root, in [`FullyShardedDataParallel::for_each_unit`]
+/// order (the order `optimizer_params` lists their runs in).
+pub(super) fn unit_metas(root: &mut FullyShardedDataParallel) -> Vec<UnitMeta> {
+    let mut out = Vec::new();
+    root.for_each_unit(&mut |u| {
+        let f = u.flat_param();
+        let (lo, hi) = f.shard_range();
+        out.push(UnitMeta {
+            local_key: crate::nn::join_name(u.module_name(), "flat_param"),
+            slots: u.slots().to_vec(),
+            infos: f.param_infos().to_vec(),
+            lo,
+            hi,
+            numel: f.numel(),
+            shard_numel: f.shard_numel(),
+            runs: f.trainable_runs.clone(),
+        });
+    });
+    out
+}
+
+/// `(name, shape, requires_grad)` of the parameters of ignored modules (whole on every
+/// rank), in visit order.
+pub(super) fn ignored_params(
+    root: &mut FullyShardedDataParallel,
+) -> Vec<(String, Vec<usize>, bool)> {
+    let mut out = Vec::new();
+    root.visit_ignored(&mut |name, p| {
+        out.push((name.to_string(), p.shape().to_vec(), p.requires_grad))
+    });
+    out
+}
+
+/// The padded flat buffer `(c W)` whose chunk on this rank is `chunk`: all-gathered over
+/// the unit's shard group (every rank of it must call this), or a copy under NoShard.
+pub(super) fn gather_chunk(u: &FullyShardedDataParallel, chunk: &Tensor) -> Result<Tensor> {
+    if u.sharding_strategy().is_sharded() {
+        let full = Tensor::zeros(&[u.flat_param().padded_numel()], DType::F32);
+        u.shard_group().all_gather_into_tensor(&full, chunk)?;
+        Ok(full)
+    } else {
+        chunk.deep_clone()
+    }
+}
+
+/// The entry called `name` of a full or sharded state dict (`None` for a local one).
+pub(super) fn lookup<'a>(sd: &'a super::StateDict, name: &str) -> Option<Src<'a>> {
+    match sd {
+        super::StateDict::Full(d) => d.get(name).map(Src::Full),
+        super::StateDict::Sharded(d) => d.get(name).map(Src::Sharded),
+        super::StateDict::Local(_) => None,
+    }
+}
+
+/// A state-dict entry to read a parameter's elements from.
+pub(super) enum Src<'a> {
+    /// A whole tensor.
+    Full(&'a Tensor),
+    /// Pieces of it.
+    Sharded(&'a ShardedTensor),
+}
+
+impl Src<'_> {
+    /// The shape of the whole parameter this entry stands for.
+    pub fn shape(&self) -> &[usize] {
+        match self {
+            Src::Full(t) => t.shape(),
+            Src::Sharded(s) => &s.global_shape,
+        }
+    }
+
+    /// Checks shape and dtype against `(name, shape)`; the problems found, in words.
+    pub fn check(&self, name: &str, shape: &[usize]) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.shape() != shape {
+            out.push(format!(
+                "'{name}': expected shape {shape:?}, got {:?}",
+                self.shape()
+            ));
+        }
+        match self {
+            Src::Full(t) => out.extend(dtype_problem(name, t.dtype())),
+            Src::Sharded(s) => {
+                if let Some(p) = s.pieces.iter().find(|p| p.data.dtype() != DType::F32) {
+                    out.extend(dtype_problem(name, p.data.dtype()));
+                }
+                let n = s.global_numel();
+                if let Some(p) = s.pieces.iter().find(|p| p.offset + p.data.numel() > n) {
+                    out.push(format!(
+                        "'{name}': piece [{}, {}) of rank {} runs past the {n} elements of shape {:?}",
+                        p.offset,
+                        p.offset + p.data.numel(),
+                        p.rank,
+                        s.global_shape
+                    ));
+                }
+            }
+        }
+        out
+    }
+
+    /// Elements `[lo, hi)` of the flattened parameter; `Ok(Err(problem))` when the pieces
+    /// at hand do not cover them. Call after [`Src::check`] found no problem.
+    pub fn read(&self, name: &str, lo: usize, hi: usize) -> Result<Result<Vec<f32>, String>> {
+        match self {
+            Src::Full(t) => Ok(Ok(t.f32()?[lo..hi].to_vec())),
+            Src::Sharded(s) => read_pieces(name, s, lo, hi),
+        }
+    }
+}
+
+fn read_pieces(
+    name: &str,
+    s: &ShardedTensor,
+    lo: usize,
+    hi: usize,
+) -> Result<Result<Vec<f32>, String>> {
+    let mut out = vec![0.0f32; hi - lo];
+    let mut hits: Vec<&ShardPiece> = s
+        .pieces
+        .iter()
+        .filter(|p| p.offset < hi && lo < p.offset + p.data.numel())
+        .collect();
+    hits.sort_by_key(|p| p.offset);
+    let mut covered = lo;
+    for p in hits {
+        let (a, b) = (p.offset.max(lo), (p.offset + p.data.numel()).min(hi));
+        if a > covered {
+            break;
+        }
+        let v = p.data.f32()?;
+        out[a - lo..b - lo].copy_from_slice(&v[a - p.offset..b - p.offset]);
+        covered = covered.max(b);
+    }
+    if covered < hi {
+        let mut ranks: Vec<usize> = s.pieces.iter().map(|p| p.rank).collect();
+        ranks.sort_unstable();
+        ranks.dedup();
+        return Ok(Err(format!(
+            "'{name}': elements [{covered}, {hi}) of the flattened parameter are in no piece at hand (pieces of ranks {ranks:?}); merge every rank's sharded state dict (ShardedStateDict::merge) or load a sharded checkpoint"
+        )));
+    }
+    Ok(Ok(out))
+}
+
+/// The one error a failed load reports: every problem, then missing and unexpected keys.
+pub(super) fn load_error(
+    what: &str,
+    problems: &[String],
+    missing: &[String],
+    unexpected: &[String],
+) -> Error {
+    let mut parts: Vec<String> = problems.to_vec();
+    if !missing.is_empty() {
+        parts.push(format!("missing key(s): {}", missing.join(", ")));
+    }
+    if !unexpected.is_empty() {
+        parts.push(format!(
+            "unexpected key(s): {}",
+            unexpected
+                .iter()
+                .map(|k| format!("'{k}'"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    Error::StateDict(format!(
+        "error(s) in loading {what}; nothing was modified: {}",
+        parts.join("; ")
+    ))
+}

@@ -1,0 +1,485 @@
+//! Optimizer state keyed by original parameter name (FSDP1 `_optim_utils.py`:
+//! `FSDP.optim_state_dict`, `FSDP.optim_state_dict_to_load`).
+//!
+//! The optimizer keeps one state per entry of
+//! [`optimizer_params`](FullyShardedDataParallel::optimizer_params): a run of trainable
+//! elements of a unit's chunk, possibly spanning several parameters. Here that state is cut
+//! at parameter boundaries and named like the parameters, full or sharded exactly as the
+//! model's state dict, so it can be reloaded at another world size or strategy.
+
+use super::layout::{gather_chunk, ignored_params, load_error, lookup, unit_metas, UnitMeta};
+use super::{
+    FullStateDict, ShardPiece, ShardedStateDict, ShardedTensor, StateDict, StateDictConfig,
+};
+use crate::distributed::ReduceOp;
+use crate::error::{Error, Result};
+use crate::fsdp::FullyShardedDataParallel;
+use crate::optim::{buffer_names, Optimizer, OptimizerState, TensorState};
+use crate::tensor::Tensor;
+
+/// An optimizer's state by original parameter name (what `FSDP.optim_state_dict` returns):
+/// the optimizer kind and hyperparameters, each parameter's step, and each per-element
+/// buffer (`exp_avg`, `exp_avg_sq`, `momentum_buffer`) as a full or sharded state dict
+/// keyed by parameter name. Parameters without state (frozen ones, or before the first
+/// step) have no entries.
+#[derive(Debug, Clone)]
+pub struct OptimStateDict {
+    /// `"SGD"`, `"Adam"` or `"AdamW"`.
+    pub kind: String,
+    /// `param_groups[0]` by PyTorch name (see [`OptimizerState::hyperparams`]).
+    pub hyperparams: Vec<(String, f64)>,
+    /// `(parameter name, state["step"])` for optimizers that count steps (Adam, AdamW).
+    pub steps: Vec<(String, u64)>,
+    /// `(buffer name, values by parameter name)`; [`StateDict::Full`] or
+    /// [`StateDict::Sharded`].
+    pub buffers: Vec<(String, StateDict)>,
+}
+
+impl OptimStateDict {
+    /// The step of parameter `name`.
+    pub fn step(&self, name: &str) -> Option<u64> {
+        self.steps.iter().find(|(n, _)| n == name).map(|&(_, s)| s)
+    }
+
+    /// The state dict of buffer `name`.
+    pub fn buffer(&self, name: &str) -> Option<&StateDict> {
+        self.buffers.iter().find(|(n, _)| n == name).map(|(_, d)| d)
+    }
+
+    /// The union of several ranks' sharded optimizer state dicts (see
+    /// [`ShardedStateDict::merge`]).
+    ///
+    /// # Errors
+    /// `StateDict` when they disagree on the optimizer, or a buffer is not sharded.
+    pub fn merge(dicts: &[OptimStateDict]) -> Result<OptimStateDict> {
+        let Some(first) = dicts.first() else {
+            return Err(Error::StateDict("no optimizer state dicts to merge".into()));
+        };
+        let mut steps: Vec<(String, u64)> = Vec::new();
+        for d in dicts {
+            if d.kind != first.kind {
+                return Err(Error::StateDict(format!(
+                    "cannot merge optimizer state of {} and {}",
+                    first.kind, d.kind
+                )));
+            }
+            for (n, s) in &d.steps {
+                match steps.iter_mut().find(|(m, _)| m == n) {
+                    Some((_, t)) => *t = (*t).max(*s),
+                    None => steps.push((n.clone(), *s)),
+                }
+            }
+        }
+        let mut buffers = Vec::new();
+        for (name, _) in &first.buffers {
+            let mut parts = Vec::new();
+            for d in dicts {
+                match d.buffer(name) {
+                    Some(StateDict::Sharded(s)) => parts.push(s.clone()),
+                    Some(_) => {
+                        return Err(Error::StateDict(format!(
+                            "optimizer buffer '{name}' is not sharded; only sharded optimizer state dicts merge"
+                        )))
+                    }
+                    None => {}
+                }
+            }
+            buffers.push((
+                name.clone(),
+                StateDict::Sharded(ShardedStateDict::merge(&parts)?),
+            ));
+        }
+        Ok(OptimStateDict {
+            kind: first.kind.clone(),
+            hyperparams: first.hyperparams.clone(),
+            steps,
+            buffers,
+        })
+    }
+}
+
+/// One entry of `optimizer_params()`: a trainable run of unit `unit`'s chunk, or an ignored
+/// module's parameter.
+enum Position {
+    Run {
+        unit: usize,
+        start: usize,
+        len: usize,
+    },
+    Ignored {
+        name: String,
+        numel: usize,
+    },
+}
+
+fn positions(metas: &[UnitMeta], ignored: &[(String, Vec<usize>, bool)]) -> Vec<Position> {
+    let mut out = Vec::new();
+    for (unit, m) in metas.iter().enumerate() {
+        for &(start, len) in &m.runs {
+            out.push(Position::Run { unit, start, len });
+        }
+    }
+    for (name, shape, requires_grad) in ignored {
+        if *requires_grad {
+            out.push(Position::Ignored {
+                name: name.clone(),
+                numel: shape.iter().product(),
+            });
+        }
+    }
+    out
+}
+
+/// The run of `runs` holding chunk element `at`, as an index into `positions`.
+fn run_at(pos: &[Position], unit: usize, at: usize) -> Option<usize> {
+    pos.iter().position(|p| {
+        matches!(p, Position::Run { unit: u, start, len } if *u == unit && *start <= at && at < start + len)
+    })
+}
+
+impl FullyShardedDataParallel {
+    /// `optim`'s state by original parameter name (`FSDP.optim_state_dict(model, optim)`),
+    /// full or sharded as `config` says (`Local` is refused). `optim` must step on
+    /// [`optimizer_params`](Self::optimizer_params) of this model. Full: a collective over
+    /// the world (one all-gather per unit and buffer); sharded: no communication.
+    ///
+    /// # Errors
+    /// `StateDict` when the optimizer's state does not match `optimizer_params()`;
+    /// `Unsupported` for a local config or an optimizer without `state_dict`; `Fsdp` on a
+    /// nested unit.
+    pub fn optim_state_dict(
+        &mut self,
+        optim: &dyn Optimizer,
+        config: StateDictConfig,
+    ) -> Result<OptimStateDict> {
+        self.check_root("optim_state_dict")?;
+        let st = optim.state_dict()?;
+        let metas = unit_metas(self);
+        let ignored = ignored_params(self);
+        let pos = positions(&metas, &ignored);
+        if !st.tensors.is_empty() && st.tensors.len() != pos.len() {
+            return Err(Error::StateDict(format!(
+                "the {} optimizer holds state for {} tensors but optimizer_params() of this model has {}: was it built on another model?",
+                st.kind,
+                st.tensors.len(),
+                pos.len()
+            )));
+        }
+        let full = match config {
+            StateDictConfig::Full(c) => Some(c),
+            StateDictConfig::Sharded => None,
+            StateDictConfig::Local => {
+                return Err(Error::Unsupported(
+                    "optim_state_dict with LOCAL_STATE_DICT; use FULL or SHARDED".into(),
+                ))
+            }
+        };
+        let keep = full.is_none_or(|c| !c.rank0_only || self.process_group().rank() == 0);
+        let names = buffer_names(&st.kind);
+        let counts_steps = matches!(st.kind.as_str(), "Adam" | "AdamW");
+        let rank = self.process_group().rank();
+        let mut steps: Vec<(String, u64)> = Vec::new();
+        let mut bufs: Vec<Vec<(String, Tensor)>> = vec![Vec::new(); names.len()];
+        let mut pieces: Vec<Vec<(String, ShardedTensor)>> = vec![Vec::new(); names.len()];
+        let state_at = |i: usize| st.tensors.get(i).and_then(Option::as_ref);
+        let mut k = 0;
+        let mut res: Result<()> = Ok(());
+        self.for_each_unit(&mut |u| {
+            let (ui, m) = (k, &metas[k]);
+            k += 1;
+            if res.is_err() {
+                return;
+            }
+            res = (|| {
+                // Each parameter's step on this rank (-1: no state here).
+                let mut local: Vec<i32> = vec![-1; m.infos.len()];
+                for (i, info) in m.infos.iter().enumerate() {
+                    if let Some((_, _, start)) = m.portion(info) {
+                        if let Some(t) = run_at(&pos, ui, start).and_then(state_at) {
+                            local[i] = t.step.unwrap_or(0).min(i32::MAX as u64) as i32;
+                        }
+                    }
+                }
+                let step_of = if full.is_some() && u.sharding_strategy().is_sharded() {
+                    let t = Tensor::from_vec(local, &[m.infos.len()])?;
+                    u.shard_group().all_reduce(&t, ReduceOp::Max)?;
+                    let v = t.data::<i32>()?.to_vec();
+                    v
+                } else {
+                    local
+                };
+                for (b, bname) in names.iter().enumerate() {
+                    // The buffer in chunk layout (zero outside trainable runs with state).
+                    let mut chunk = vec![0.0f32; m.shard_numel];
+                    for (pi, p) in pos.iter().enumerate() {
+                        if let (Position::Run { unit, start, len }, Some(t)) = (p, state_at(pi)) {
+                            if *unit == ui {
+                                if let Some(v) = t.buffer(bname).filter(|v| v.len() == *len) {
+                                    chunk[*start..start + len].copy_from_slice(v);
+                                }
+                            }
+                        }
+                    }
+                    let chunk = Tensor::from_vec(chunk, &[m.shard_numel])?;
+                    if full.is_some() {
+                        let whole = gather_chunk(u, &chunk)?;
+                        for (name, idx) in m.slots.iter().filter(|(_, i)| step_of[*i] >= 0) {
+                            let i = &m.infos[*idx];
+                            if keep {
+                                bufs[b].push((
+                                    name.clone(),
+                                    whole.view(i.offset, &i.shape)?.deep_clone()?,
+                                ));
+                            }
+                        }
+                    } else {
+                        for (name, idx) in m.slots.iter().filter(|(_, i)| step_of[*i] >= 0) {
+                            let info = &m.infos[*idx];
+                            if let Some((a, bb, start)) = m.portion(info) {
+                                pieces[b].push((
+                                    name.clone(),
+                                    ShardedTensor {
+                                        global_shape: info.shape.clone(),
+                                        pieces: vec![ShardPiece {
+                                            offset: a,
+                                            data: chunk.view(start, &[bb - a])?.deep_clone()?,
+                                            rank,
+                                        }],
+                                    },
+                                ));
+                            }
+                        }
+                    }
+                }
+                if counts_steps && keep {
+                    for (name, idx) in &m.slots {
+                        if step_of[*idx] >= 0 {
+                            steps.push((name.clone(), step_of[*idx] as u64));
+                        }
+                    }
+                }
+                Ok(())
+            })();
+        });
+        res?;
+        // Ignored modules' parameters: whole, their own state.
+        for (pi, p) in pos.iter().enumerate() {
+            let (Position::Ignored { name, numel }, Some(t), true) = (p, state_at(pi), keep) else {
+                continue;
+            };
+            let shape = ignored
+                .iter()
+                .find(|i| &i.0 == name)
+                .map_or(vec![*numel], |i| i.1.clone());
+            for (b, bname) in names.iter().enumerate() {
+                if let Some(v) = t.buffer(bname) {
+                    let data = Tensor::from_vec(v.to_vec(), &[v.len()])?;
+                    match full {
+                        Some(_) => bufs[b].push((name.clone(), data.reshape(&shape)?)),
+                        None => pieces[b].push((
+                            name.clone(),
+                            ShardedTensor {
+                                global_shape: shape.clone(),
+                                pieces: vec![ShardPiece {
+                                    offset: 0,
+                                    data,
+                                    rank,
+                                }],
+                            },
+                        )),
+                    }
+                }
+            }
+            if counts_steps {
+                steps.push((name.clone(), t.step.unwrap_or(0)));
+            }
+        }
+        let world_size = self.process_group().size();
+        let buffers = names
+            .iter()
+            .zip(bufs.into_iter().zip(pieces))
+            .map(|(n, (f, s))| {
+                let sd = match full {
+                    Some(_) => StateDict::Full(FullStateDict { tensors: f }),
+                    None => StateDict::Sharded(ShardedStateDict {
+                        world_size,
+                        tensors: s,
+                    }),
+                };
+                (n.to_string(), sd)
+            })
+            .collect();
+        Ok(OptimStateDict {
+            kind: st.kind,
+            hyperparams: st.hyperparams,
+            steps,
+            buffers,
+        })
+    }
+
+    /// The per-tensor [`OptimizerState`] an optimizer over this model's
+    /// [`optimizer_params`](Self::optimizer_params) loads (`FSDP.optim_state_dict_to_load`):
+    /// `osd` cut to this rank's runs. A full `osd` must be given on every rank; a sharded
+    /// one must hold the pieces this rank needs. Parameters `osd` has no state for start
+    /// fresh (zero buffers, step of the other parameters in their run). No communication.
+    ///
+    /// # Errors
+    /// `StateDict` naming each parameter whose buffer has the wrong shape or dtype or is
+    /// not covered, each key the model does not have, and a missing step or buffer.
+    pub fn optim_state_dict_to_load(&mut self, osd: &OptimStateDict) -> Result<OptimizerState> {
+        self.check_root("optim_state_dict_to_load")?;
+        let metas = unit_metas(self);
+        let ignored = ignored_params(self);
+        let pos = positions(&metas, &ignored);
+        let names = buffer_names(&osd.kind);
+        let mut out = OptimizerState {
+            kind: osd.kind.clone(),
+            hyperparams: osd.hyperparams.clone(),
+            tensors: Vec::new(),
+        };
+        if osd.buffers.is_empty() && osd.steps.is_empty() {
+            return Ok(out); // saved before the first step
+        }
+        let counts_steps = matches!(osd.kind.as_str(), "Adam" | "AdamW");
+        let mut problems: Vec<String> = Vec::new();
+        let mut sources: Vec<&StateDict> = Vec::new();
+        for n in names {
+            match osd.buffer(n) {
+                Some(sd @ (StateDict::Full(_) | StateDict::Sharded(_))) => sources.push(sd),
+                Some(StateDict::Local(_)) => problems.push(format!("buffer '{n}' is a LOCAL state dict; optimizer state loads from FULL or SHARDED")),
+                None => problems.push(format!("{} state has no '{n}' buffers", osd.kind)),
+            }
+        }
+        if !problems.is_empty() {
+            return Err(load_error("optimizer state", &problems, &[], &[]));
+        }
+        // Per unit and buffer: the chunk-layout values, and per parameter whether it has state.
+        let mut chunks: Vec<Vec<Vec<f32>>> = Vec::new();
+        let mut has: Vec<Vec<Option<u64>>> = Vec::new();
+        for m in &metas {
+            let mut c = vec![vec![0.0f32; m.shard_numel]; names.len()];
+            let mut h: Vec<Option<u64>> = vec![None; m.infos.len()];
+            for (name, idx) in &m.slots {
+                let info = &m.infos[*idx];
+                for (b, sd) in sources.iter().enumerate() {
+                    let Some(src) = lookup(sd, name) else {
+                        continue;
+                    };
+                    let p = src.check(&format!("{name}.{}", names[b]), &info.shape);
+                    if !p.is_empty() {
+                        problems.extend(p);
+                        continue;
+                    }
+                    let step = if counts_steps {
+                        match osd.step(name) {
+                            Some(s) => s,
+                            None => {
+                                problems.push(format!("'{name}': has '{}' but no step", names[b]));
+                                continue;
+                            }
+                        }
+                    } else {
+                        0
+                    };
+                    h[*idx] = Some(step);
+                    if let Some((a, bb, start)) = m.portion(info) {
+                        match src.read(name, a, bb)? {
+                            Ok(v) => c[b][start..start + v.len()].copy_from_slice(&v),
+                            Err(p) => problems.push(p),
+                        }
+                    }
+                }
+            }
+            chunks.push(c);
+            has.push(h);
+        }
+        let known = |k: &str| {
+            metas.iter().any(|m| m.slots.iter().any(|(n, _)| n == k))
+                || ignored.iter().any(|i| i.0 == k)
+        };
+        let mut unexpected: Vec<String> = Vec::new();
+        for sd in &sources {
+            for k in sd.keys() {
+                if !known(k) && !unexpected.iter().any(|u| u == k) {
+                    unexpected.push(k.to_string());
+                }
+            }
+        }
+        for p in &pos {
+            let t = match p {
+                Position::Run { unit, start, len } => {
+                    let m = &metas[*unit];
+                    // The parameters overlapping this run, and their steps.
+                    let steps: Vec<Option<u64>> = m
+                        .infos
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, i)| {
+                            m.portion(i)
+                                .is_some_and(|(a, b, s)| s < start + len && *start < s + (b - a))
+                        })
+                        .map(|(i, _)| has[*unit][i])
+                        .collect();
+                    steps.iter().flatten().max().map(|&step| TensorState {
+                        step: counts_steps.then_some(step),
+                        buffers: names
+                            .iter()
+                            .enumerate()
+                            .map(|(b, n)| {
+                                (
+                                    n.to_string(),
+                                    chunks[*unit][b][*start..start + len].to_vec(),
+                                )
+                            })
+                            .collect(),
+                    })
+                }
+                Position::Ignored { name, numel } => {
+                    let mut bufs = Vec::new();
+                    let shape = ignored
+                        .iter()
+                        .find(|i| &i.0 == name)
+                        .map_or(vec![*numel], |i| i.1.clone());
+                    for (b, sd) in sources.iter().enumerate() {
+                        if let Some(src) = lookup(sd, name) {
+                            let p = src.check(name, &shape);
+                            if !p.is_empty() {
+                                problems.extend(p);
+                                continue;
+                            }
+                            match src.read(name, 0, *numel)? {
+                                Ok(v) => bufs.push((names[b].to_string(), v)),
+                                Err(p) => problems.push(p),
+                            }
+                        }
+                    }
+                    (bufs.len() == names.len() && !bufs.is_empty()).then(|| TensorState {
+                        step: counts_steps.then(|| osd.step(name).unwrap_or(0)),
+                        buffers: bufs,
+                    })
+                }
+            };
+            out.tensors.push(t);
+        }
+        if !problems.is_empty() || !unexpected.is_empty() {
+            return Err(load_error("optimizer state", &problems, &[], &unexpected));
+        }
+        Ok(out)
+    }
+
+    /// Loads `osd` into `optim`, an optimizer over this model's
+    /// [`optimizer_params`](Self::optimizer_params):
+    /// [`optim_state_dict_to_load`](Self::optim_state_dict_to_load) then
+    /// `optim.load_state_dict`. Nothing changes on error.
+    ///
+    /// # Errors
+    /// As `optim_state_dict_to_load`; `StateDict` when `osd` is of another optimizer kind.
+    pub fn load_optim_state_dict(
+        &mut self,
+        optim: &mut dyn Optimizer,
+        osd: &OptimStateDict,
+    ) -> Result<()> {
+        let st = self.optim_state_dict_to_load(osd)?;
+        optim.load_state_dict(&st)
+    }
+}

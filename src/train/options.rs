@@ -1,0 +1,112 @@
+//! Options of the main job that are not plain numbers: wrap mode, precision, learning-rate
+//! schedule, checkpoint layout.
+
+use super::job::TrainConfig;
+use crate::fsdp::MixedPrecision;
+use crate::tensor::DType;
+
+/// How the model is split into FSDP units (`--wrap transformer|size:N|none`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum WrapMode {
+    /// One unit per transformer `Block`, plus the root (`transformer_auto_wrap_policy`).
+    Transformer,
+    /// `size_based_auto_wrap_policy(min_num_params = N)`.
+    Size(usize),
+    /// One unit for the whole model.
+    None,
+}
+
+impl std::str::FromStr for WrapMode {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "transformer" => Ok(WrapMode::Transformer),
+            "none" => Ok(WrapMode::None),
+            _ => match s.strip_prefix("size:").map(str::parse::<usize>) {
+                Some(Ok(n)) if n > 0 => Ok(WrapMode::Size(n)),
+                _ => Err(format!(
+                    "expected transformer, size:N (N > 0 parameters) or none, got '{s}'"
+                )),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for WrapMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WrapMode::Transformer => f.write_str("transformer"),
+            WrapMode::Size(n) => write!(f, "size:{n}"),
+            WrapMode::None => f.write_str("none"),
+        }
+    }
+}
+
+/// Layout of the checkpoints `fsdp train` saves (`--checkpoint-type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+pub enum CheckpointType {
+    /// One file per rank holding distinct shards, plus the index (SHARDED_STATE_DICT).
+    #[default]
+    Sharded,
+    /// One model file and one optimizer file written by rank 0 (FULL_STATE_DICT).
+    Full,
+}
+
+/// Compute precision of `fsdp train` (`--mixed-precision`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+pub enum Precision {
+    /// f32 throughout.
+    #[default]
+    None,
+    /// `MixedPrecision::uniform(bf16)`: bf16 parameters, gradients and reduction.
+    Bf16,
+    /// `MixedPrecision::uniform(f16)`.
+    F16,
+}
+
+impl Precision {
+    /// The FSDP policy, `None` for f32.
+    pub fn policy(self) -> Option<MixedPrecision> {
+        match self {
+            Precision::None => None,
+            Precision::Bf16 => Some(MixedPrecision::uniform(DType::BF16)),
+            Precision::F16 => Some(MixedPrecision::uniform(DType::F16)),
+        }
+    }
+}
+
+/// How the learning rate moves over a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+pub enum LrSchedule {
+    /// `lr` at every step after the warm-up.
+    Constant,
+    /// After the warm-up, half a cosine from `lr` down to `lr / 10` at the last step
+    /// (nanoGPT's schedule).
+    Cosine,
+}
+
+impl TrainConfig {
+    /// The warm-up actually used: `warmup_steps`, capped at `steps` (a longer warm-up
+    /// ramps over the whole run).
+    pub fn effective_warmup(&self) -> usize {
+        self.warmup_steps.min(self.steps)
+    }
+
+    /// The learning rate of 1-based step `step`.
+    pub fn lr_at(&self, step: usize) -> f32 {
+        let warmup = self.effective_warmup();
+        if step <= warmup {
+            return self.lr * step as f32 / warmup as f32;
+        }
+        match self.lr_schedule {
+            LrSchedule::Constant => self.lr,
+            LrSchedule::Cosine => {
+                // Full lr at the first step after the warm-up, lr / 10 at the last.
+                let span = (self.steps - warmup - 1).max(1) as f32;
+                let progress = (step - warmup - 1) as f32 / span;
+                let min = self.lr / 10.0;
+                min + 0.5 * (self.lr - min) * (1.0 + (std::f32::consts::PI * progress).cos())
+            }
+        }
+    }
+}

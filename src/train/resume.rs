@@ -1,0 +1,175 @@
+//! Checkpoints of the main job: `--save-dir DIR --save-every N` saves `DIR/step-<N>/`
+//! (model and optimizer, sharded or full) and then points `DIR/latest` at it; `--resume`
+//! loads one at any world size and strategy and continues at the next step.
+//!
+//! What a resumed run needs to continue the uninterrupted loss curve: the parameters, the
+//! optimizer state (Adam moments and step counts; SGD momentum), the step number, and the
+//! random state. This job draws every batch from a counter-based generator keyed by
+//! `(seed, split, step, row)` and samples text keyed by the seed, so the random state is the
+//! seed and the next step, both in the checkpoint's index (`extra.rng`). The learning rate
+//! is a function of the step and the config.
+
+use super::engine::Engine;
+use super::job::TrainConfig;
+use super::options::CheckpointType;
+use crate::checkpoint::{
+    load_checkpoint, read_checkpoint_info, save_checkpoint, write_atomic, LATEST_FILE,
+};
+use crate::error::{Error, Result};
+use crate::fsdp::StateDictType;
+use crate::optim::Optimizer;
+use std::path::{Path, PathBuf};
+
+/// Name of the checkpoint directory of `step` inside a save directory.
+pub(super) fn step_dir_name(step: usize) -> String {
+    format!("step-{step:08}")
+}
+
+/// Checks the checkpoint options (and the checkpoint to resume from) before any thread
+/// starts.
+///
+/// # Errors
+/// `InvalidArgument` naming the option; `Checkpoint` when `--resume` names no checkpoint.
+pub(super) fn validate(cfg: &TrainConfig) -> Result<()> {
+    let bad = |m: String| Err(Error::InvalidArgument(m));
+    if cfg.save_every > 0 && cfg.save_dir.is_none() {
+        return bad(format!(
+            "--save-every {} needs --save-dir (where to save)",
+            cfg.save_every
+        ));
+    }
+    if cfg.keep_last == 0 {
+        return bad("--keep-last must be at least 1".into());
+    }
+    if cfg.no_fsdp && (cfg.save_dir.is_some() || cfg.resume.is_some()) {
+        return bad("--save-dir and --resume save and load FSDP state; drop --no-fsdp".into());
+    }
+    if let Some(d) = &cfg.save_dir {
+        if d.exists() && !d.is_dir() {
+            return bad(format!(
+                "--save-dir {} exists and is not a directory",
+                d.display()
+            ));
+        }
+    }
+    if let Some(r) = &cfg.resume {
+        let info = read_checkpoint_info(r)?;
+        let step = checkpoint_step(&info.extra, &info.dir)?;
+        if step >= cfg.steps {
+            return bad(format!(
+                "--resume {}: the checkpoint is at step {step}; --steps {} leaves nothing to train",
+                r.display(),
+                cfg.steps
+            ));
+        }
+        let seed = info.extra.get("seed").and_then(|s| s.as_u64());
+        if seed != Some(cfg.seed) {
+            return bad(format!(
+                "--resume {}: the checkpoint was trained with --seed {}; pass it to continue the same data order (got --seed {})",
+                r.display(),
+                seed.map_or("?".into(), |s| s.to_string()),
+                cfg.seed
+            ));
+        }
+        if !info.has_optim {
+            return Err(Error::Checkpoint {
+                path: info.dir.display().to_string(),
+                detail: "has no optimizer state; fsdp train resumes from checkpoints it saved"
+                    .into(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The step a checkpoint of this job was saved after.
+fn checkpoint_step(extra: &serde_json::Value, dir: &Path) -> Result<usize> {
+    extra
+        .get("step")
+        .and_then(|s| s.as_u64())
+        .map(|s| s as usize)
+        .ok_or_else(|| Error::Checkpoint {
+            path: dir.display().to_string(),
+            detail: "its index has no training step: not saved by fsdp train".into(),
+        })
+}
+
+/// Loads the checkpoint `path` stands for into the model and optimizer; returns its step
+/// and directory. A collective.
+pub(super) fn resume(
+    path: &Path,
+    engine: &mut Engine,
+    opt: &mut dyn Optimizer,
+) -> Result<(usize, PathBuf)> {
+    let Engine::Fsdp(m) = engine else {
+        return Err(Error::InvalidArgument(
+            "--resume needs FSDP; drop --no-fsdp".into(),
+        ));
+    };
+    let info = load_checkpoint(path, m, Some(opt))?;
+    Ok((checkpoint_step(&info.extra, &info.dir)?, info.dir))
+}
+
+/// Saves a checkpoint of `step` when one is due (every `save_every` steps and after the
+/// last); returns its directory. A collective.
+pub(super) fn save_if_due(
+    cfg: &TrainConfig,
+    step: usize,
+    engine: &mut Engine,
+    opt: &dyn Optimizer,
+) -> Result<Option<PathBuf>> {
+    let Some(root) = &cfg.save_dir else {
+        return Ok(None);
+    };
+    let due = (cfg.save_every > 0 && step % cfg.save_every == 0) || step == cfg.steps;
+    let Engine::Fsdp(m) = engine else {
+        return Ok(None);
+    };
+    if !due {
+        return Ok(None);
+    }
+    let name = step_dir_name(step);
+    let dir = root.join(&name);
+    let extra = serde_json::json!({
+        "step": step,
+        "seed": cfg.seed,
+        "rng": {
+            "generator": "counter-based splitmix64 keyed by (seed, split, step, row)",
+            "seed": cfg.seed,
+            "next_step": step + 1,
+        },
+        "world_size": cfg.world_size,
+        "strategy": cfg.strategy,
+        "config": cfg,
+    });
+    let ty = match cfg.checkpoint_type {
+        CheckpointType::Sharded => StateDictType::Sharded,
+        CheckpointType::Full => StateDictType::Full,
+    };
+    save_checkpoint(&dir, m, Some(opt), ty, extra)?;
+    if m.process_group().rank() == 0 {
+        // Every rank's files and the index are durable: move the pointer, then prune.
+        write_atomic(&root.join(LATEST_FILE), format!("{name}\n").as_bytes())?;
+        prune(root, cfg.keep_last, &name);
+    }
+    Ok(Some(dir))
+}
+
+/// Removes all but the newest `keep` step directories (never `current`), best effort.
+fn prune(root: &Path, keep: usize, current: &str) {
+    let Ok(rd) = std::fs::read_dir(root) else {
+        return;
+    };
+    let mut steps: Vec<String> = rd
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-") && n[5..].parse::<u64>().is_ok())
+        .collect();
+    steps.sort();
+    let n = steps.len();
+    for old in steps.iter().take(n.saturating_sub(keep)) {
+        if old != current {
+            let _ = std::fs::remove_dir_all(root.join(old));
+        }
+    }
+}
