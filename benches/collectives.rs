@@ -11,14 +11,18 @@
 //!
 //! The ranks are threads spawned once per world size and kept alive; each measurement sends
 //! them an iteration count and waits for all of them to finish (nothing is spawned or
-//! allocated in the timed loop). After criterion's per-benchmark output the run prints its own
+//! allocated in the timed loop). Rank `r` is pinned to core `r % cores`, as nccl-tests binds
+//! one GPU per rank: unpinned, the scheduler sometimes packs two ranks onto one core and,
+//! since waiting ranks poll instead of sleeping, leaves them there, which halves the figures
+//! for as long as it lasts (set `COLLECTIVES_PIN=0` to see it). After criterion's per-benchmark output the run prints its own
 //! table (median of a few timed batches per case), including the in-place variants
 //! (all-gather input = this rank's chunk of the output, reduce-scatter output = this rank's
 //! chunk of the input) that nccl-tests reports beside the out-of-place ones.
 //!
 //! `cargo bench --bench collectives` (about two minutes on two cores);
 //! `COLLECTIVES_TABLE=0` skips the table, `COLLECTIVES_CRITERION=0` skips criterion, and
-//! `COLLECTIVES_ONLY` selects table rows (see [`selected`]).
+//! `COLLECTIVES_ONLY` selects table rows (see [`selected`]); `COLLECTIVES_PIN=0` leaves
+//! the rank threads unpinned.
 
 use criterion::{BenchmarkId, Criterion, SamplingMode, Throughput};
 use fsdp::distributed::{ProcessGroup, ReduceOp, ThreadsGroup};
@@ -144,6 +148,9 @@ impl World {
             std::thread::Builder::new()
                 .name(format!("rank{}", pg.rank()))
                 .spawn(move || {
+                    if on("COLLECTIVES_PIN") {
+                        pin_to_core(pg.rank());
+                    }
                     let mut bufs: Option<Bufs> = None;
                     while let Ok(cmd) = rx.recv() {
                         let res = match cmd {
@@ -187,6 +194,34 @@ impl World {
         self.all(|| Cmd::Run(iters));
         t0.elapsed()
     }
+}
+
+/// Pins this thread to core `i % cores` (Linux; elsewhere a no-op).
+fn pin_to_core(i: usize) {
+    #[cfg(target_os = "linux")]
+    {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        // SAFETY: `set` is a zeroed, then filled cpu_set_t that outlives the call; pid 0 is
+        // the calling thread.
+        let res = unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(i % cores, &mut set);
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+        };
+        if res != 0 {
+            eprintln!(
+                "could not pin rank {i}: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = i;
+}
+
+/// True unless the environment variable is set to `0`.
+fn on(var: &str) -> bool {
+    std::env::var(var).map(|v| v != "0").unwrap_or(true)
 }
 
 /// Median seconds per iteration of `f(iters)` over a few batches of about 30 ms.
@@ -343,7 +378,6 @@ fn table(worlds: &[(usize, World)]) {
 }
 
 fn main() {
-    let on = |var: &str| std::env::var(var).map(|v| v != "0").unwrap_or(true);
     let test_mode = std::env::args().any(|a| a == "--test");
     let worlds: Vec<(usize, World)> = WORLDS.iter().map(|&n| (n, World::new(n))).collect();
     if on("COLLECTIVES_CRITERION") {
