@@ -192,6 +192,41 @@ fn results_are_bit_identical_to_a_sequential_f64_reference() {
 }
 
 #[test]
+fn a_large_separate_reduce_scatter_output_matches_the_reference() {
+    // 16 MiB + 12 bytes of f32 output per rank: written with non-temporal stores, from an
+    // odd address offset (a view one element in).
+    let m = (4 << 20) + 3;
+    let world = 2;
+    let inputs: Vec<Vec<f32>> = (0..world)
+        .map(|r| values(r as u64 + 3, m * world))
+        .collect();
+    let out = launch(&LaunchOptions::new(world), |pg| {
+        let inp = Tensor::from_vec(inputs[pg.rank()].clone(), &[m * world])?;
+        let buf = Tensor::zeros(&[m + 1], DType::F32);
+        pg.reduce_scatter_tensor(&buf.view(1, &[m])?, &inp, ReduceOp::Sum)?;
+        Ok(read::<f32>(&buf))
+    })
+    .unwrap();
+    for (r, got) in out.iter().enumerate() {
+        let chunks: Vec<Vec<f32>> = inputs
+            .iter()
+            .map(|v| v[r * m..(r + 1) * m].to_vec())
+            .collect();
+        let want: Vec<f32> = (0..m)
+            .map(|i| reduce_ref(ReduceOp::Sum, &chunks, i))
+            .collect();
+        assert_eq!(
+            got[0], 0.0,
+            "rank {r}: the element before the view is untouched"
+        );
+        assert!(
+            bits(&got[1..]) == bits(&want),
+            "rank {r}: reduce_scatter differs"
+        );
+    }
+}
+
+#[test]
 fn an_input_that_overlaps_the_output_elsewhere_is_read_from_a_copy() {
     // Every rank passes chunk 0 of its output as its input (in place only for rank 0), and
     // a reduce-scatter output that is chunk 0 of the input.

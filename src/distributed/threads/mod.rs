@@ -28,7 +28,7 @@
 //! | collective | rank `r` of `w` executes | bytes per rank (message `S`) |
 //! |---|---|---|
 //! | `all_gather_into_tensor` | copies each rank's input straight into chunk `s` of its output (`memcpy`), all ranks in the same order; skips its own chunk when the input is that chunk (in place) | writes `S`, reads `S` (`(w-1)/w S` in place) |
-//! | `reduce_scatter_tensor` | reduces chunk `r` of every peer's input into its output, one L1-sized chunk at a time; the output may be chunk `r` of its input (in place) | reads `S`, writes `S/w` |
+//! | `reduce_scatter_tensor` | reduces chunk `r` of every peer's input into its output, one L1-sized chunk at a time; the output may be chunk `r` of its input (in place); a separate output of 16 MiB or more is written with non-temporal stores | reads `S`, writes `S/w` |
 //! | `all_reduce` | reduces elements `r·S/w..(r+1)·S/w` of every rank's tensor and writes the result into that range of every rank's tensor, so the ranks share the work evenly | reads `S`, writes `S` |
 //! | `broadcast` | copies the source's tensor into its own (not the source) | reads and writes `S` |
 //!
@@ -267,6 +267,7 @@ impl ThreadsGroup {
             (None, Some(i), Some(o)) => (i.as_ptr(), o.as_mut_ptr()),
             _ => return Err(crate::Error::Fsdp("internal: reduce_scatter guards".into())),
         };
+        let stream = !in_place && m * std::mem::size_of::<T>() >= kernels::STREAM_MIN_BYTES;
         let desc = Desc {
             op: "reduce_scatter_tensor",
             dtype: T::DTYPE,
@@ -280,7 +281,7 @@ impl ThreadsGroup {
             // and chunk `rank` of it is `m` long; only this rank reads chunk `rank` of the
             // inputs, and only this rank writes `out`, which is either separate memory or
             // chunk `rank` of its own input (read before written, chunk by chunk).
-            unsafe { kernels::reduce::<T, _, _>(op, peers.len(), m, src, 1, |_| out_ptr) }
+            unsafe { kernels::reduce::<T, _, _>(op, peers.len(), m, src, 1, |_| out_ptr, stream) }
         })
     }
 
@@ -306,7 +307,7 @@ impl ThreadsGroup {
             // each write-locked by its rank (so all distinct) until all departed; the ranges
             // `lo..hi` of the ranks are disjoint, and each rank reads and writes only its
             // own range, reading each chunk before writing it.
-            unsafe { kernels::reduce::<T, _, _>(op, w, hi - lo, src, w, dst) }
+            unsafe { kernels::reduce::<T, _, _>(op, w, hi - lo, src, w, dst, false) }
         })
     }
 
