@@ -1,0 +1,370 @@
+//! The rendezvous every collective of the threads backend runs: *arrive*, *execute*,
+//! *depart* on one mutex + condvar per group (see the module docs of [`super`]).
+//!
+//! Nothing here allocates once a group is set up: descriptors are `Copy`, the arrivals are
+//! copied into the caller's scratch, and strings are built only for error messages.
+
+use crate::distributed::ReduceOp;
+use crate::error::{Error, Result};
+use crate::tensor::DType;
+use parking_lot::{Condvar, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The argument that tells calls of one op apart (compared across ranks like the rest of
+/// the descriptor).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Arg {
+    None,
+    Op(ReduceOp),
+    Src(usize),
+}
+
+/// What a rank called: compared across the ranks of the group before any data moves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Desc {
+    pub(super) op: &'static str,
+    pub(super) dtype: DType,
+    pub(super) in_numel: usize,
+    pub(super) out_numel: usize,
+    pub(super) arg: Arg,
+}
+
+impl std::fmt::Display for Desc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}({}, {} -> {} elements",
+            self.op, self.dtype, self.in_numel, self.out_numel
+        )?;
+        match self.arg {
+            Arg::None => {}
+            Arg::Op(op) => write!(f, ", {op:?}")?,
+            Arg::Src(src) => write!(f, ", src={src}")?,
+        }
+        f.write_str(")")
+    }
+}
+
+/// The address of one rank's tensor memory, published to its peers for one collective.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Ptr(*mut u8);
+
+// SAFETY: a `Ptr` is only an address while it sits in the group state; it is dereferenced
+// only inside `exec`, between the rendezvous and the departure of every rank, while the
+// rank that published it holds the lock of the storage it points into (see `collective`).
+unsafe impl Send for Ptr {}
+// SAFETY: as for `Send`: sharing the address is harmless, accesses are ordered by the
+// rendezvous.
+unsafe impl Sync for Ptr {}
+
+impl Ptr {
+    /// No memory (barrier, a rank that only reads or only writes).
+    pub(super) const NULL: Ptr = Ptr(std::ptr::null_mut());
+
+    /// The address of `p`.
+    pub(super) fn of<T>(p: *const T) -> Ptr {
+        Ptr(p as *mut u8)
+    }
+
+    /// The address as a pointer to `T`.
+    pub(super) fn cast<T>(self) -> *mut T {
+        self.0.cast()
+    }
+}
+
+/// One rank's part of a collective: what it called and where its tensors are.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Arrival {
+    pub(super) desc: Desc,
+    pub(super) input: Ptr,
+    pub(super) output: Ptr,
+}
+
+struct State {
+    generation: u64,
+    /// `Some(check)` once every rank arrived: `Ok` or the mismatch message.
+    ready: Option<std::result::Result<(), String>>,
+    slots: Vec<Option<Arrival>>,
+    arrived: usize,
+    departed: usize,
+    failure: Option<(usize, String)>,
+    exited: Vec<bool>,
+}
+
+/// The state one group's members share.
+pub(super) struct Shared {
+    size: usize,
+    timeout: Duration,
+    /// World ranks of the members, in group-rank order.
+    members: Vec<usize>,
+    state: Mutex<State>,
+    cv: Condvar,
+    /// Bumped with every change of `state` that waiters look for, so that a waiter can spin
+    /// on it without the lock before it sleeps on `cv`.
+    progress: AtomicU64,
+}
+
+/// How long a waiting rank polls before it sleeps. Waking a sleeping thread costs 50 - 80 us
+/// here (the idle vCPU has to be rescheduled), more than a small collective; polling, with a
+/// yield between polls so that ranks sharing a core let each other run, brought 1 KiB
+/// collectives to about 5 us. A rank that waits longer (a peer still computing) sleeps after
+/// this, so the cost is bounded by this much CPU time per collective.
+const SPIN: Duration = Duration::from_micros(50);
+
+impl Shared {
+    pub(super) fn new(members: Vec<usize>, timeout: Duration) -> Arc<Shared> {
+        let size = members.len();
+        Arc::new(Shared {
+            size,
+            timeout,
+            members,
+            state: Mutex::new(State {
+                generation: 0,
+                ready: None,
+                slots: vec![None; size],
+                arrived: 0,
+                departed: 0,
+                failure: None,
+                exited: vec![false; size],
+            }),
+            cv: Condvar::new(),
+            progress: AtomicU64::new(0),
+        })
+    }
+
+    pub(super) fn size(&self) -> usize {
+        self.size
+    }
+
+    pub(super) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    pub(super) fn members(&self) -> &[usize] {
+        &self.members
+    }
+
+    /// Wakes every waiter after a change of the state. Called with the lock held: a spinning
+    /// waiter reads `progress` under the lock before it sleeps, so a bump made outside it
+    /// could fall between that read and the sleep and be lost.
+    fn wake(&self) {
+        self.progress.fetch_add(1, Ordering::Release);
+        self.cv.notify_all();
+    }
+
+    /// Polls for a change of the state for up to [`SPIN`] without holding the lock; true
+    /// when it changed (the caller re-checks), false when the caller should sleep on `cv`.
+    /// The answer is read again under the lock, so a change made between the last poll and
+    /// the relock is not lost (changes are made under the lock).
+    fn spin(&self, st: &mut MutexGuard<'_, State>) -> bool {
+        let seen = self.progress.load(Ordering::Acquire);
+        MutexGuard::unlocked(st, || {
+            let start = Instant::now();
+            let mut polls = 0u32;
+            while self.progress.load(Ordering::Acquire) == seen {
+                polls += 1;
+                if polls < 128 {
+                    std::hint::spin_loop();
+                } else if start.elapsed() < SPIN {
+                    std::thread::yield_now();
+                } else {
+                    break;
+                }
+            }
+        });
+        self.progress.load(Ordering::Acquire) != seen
+    }
+
+    /// Records that world rank `who` failed (the first failure is kept) and wakes waiters.
+    pub(super) fn record_failure(&self, who: usize, reason: &str) {
+        let mut st = self.state.lock();
+        if st.failure.is_none() {
+            st.failure = Some((who, reason.to_string()));
+        }
+        self.wake();
+    }
+
+    /// Records that world rank `who` calls no more collectives, if it is a member.
+    pub(super) fn record_exit(&self, who: usize) {
+        if let Some(local) = self.members.iter().position(|&m| m == who) {
+            let mut st = self.state.lock();
+            st.exited[local] = true;
+            self.wake();
+        }
+    }
+
+    /// Runs one collective for group rank `rank`: posts `arrival`, waits until every member
+    /// arrived and their descriptors agree, runs `exec` on the arrivals (rank order), and
+    /// returns once every member finished its `exec`, so that no rank releases memory a peer
+    /// still reads or writes. `peers` is the caller's scratch (no allocation once it has
+    /// room for the group).
+    pub(super) fn collective<F>(
+        &self,
+        rank: usize,
+        arrival: Arrival,
+        peers: &mut Vec<Arrival>,
+        exec: F,
+    ) -> Result<()>
+    where
+        F: FnOnce(&[Arrival]),
+    {
+        let deadline = Instant::now() + self.timeout;
+        let op = arrival.desc.op;
+        let mut st = self.state.lock();
+        if let Some(e) = peer_failed(&st) {
+            return Err(e);
+        }
+        let gen = st.generation;
+        st.slots[rank] = Some(arrival);
+        st.arrived += 1;
+        if st.arrived == self.size {
+            st.ready = Some(check_descs(&st.slots, &self.members));
+            self.wake();
+        }
+        while st.ready.is_none() {
+            if let Err(e) = self.wait_for_peers(&mut st, op, rank, deadline) {
+                // Withdraw, so that no peer ever reads this rank's (soon released) memory.
+                st.slots[rank] = None;
+                st.arrived -= 1;
+                return Err(e);
+            }
+        }
+        let check = st.ready.clone().unwrap_or(Ok(()));
+        peers.clear();
+        peers.extend(st.slots.iter().flatten().copied());
+        drop(st);
+
+        // Every member is past the loop above (`ready` is set only once all arrived, and a
+        // waiting rank checks it before anything else), so every member reaches `depart`.
+        let depart = Depart { shared: self, gen };
+        let result = match check {
+            Ok(()) if peers.len() == self.size => {
+                exec(peers);
+                Ok(())
+            }
+            Ok(()) => Err(Error::Fsdp("internal: incomplete rendezvous".into())),
+            Err(detail) => Err(Error::CollectiveMismatch {
+                group_size: self.size,
+                detail,
+            }),
+        };
+        drop(depart);
+        result
+    }
+
+    /// One wait for the missing ranks of the arrive phase; an error when a peer failed or
+    /// exited or the deadline passed (recorded as the group's failure).
+    fn wait_for_peers(
+        &self,
+        st: &mut MutexGuard<'_, State>,
+        op: &'static str,
+        rank: usize,
+        deadline: Instant,
+    ) -> Result<()> {
+        if let Some(e) = peer_failed(st) {
+            return Err(e);
+        }
+        if let Some(gone) = (0..self.size).find(|&r| st.slots[r].is_none() && st.exited[r]) {
+            let gone = self.members[gone];
+            let missing = self.missing(st);
+            let why = format!(
+                "rank {gone} exited without calling {op} (ranks {missing:?} never arrived)"
+            );
+            st.failure = Some((gone, why.clone()));
+            self.wake();
+            return Err(Error::PeerFailed {
+                failed_rank: gone,
+                reason: why,
+            });
+        }
+        if self.spin(st) {
+            return Ok(());
+        }
+        if self.cv.wait_until(st, deadline).timed_out() && st.ready.is_none() {
+            let missing = self.missing(st);
+            let err = Error::Timeout {
+                op: op.to_string(),
+                rank: self.members[rank],
+                timeout_s: self.timeout.as_secs_f64(),
+                missing_ranks: missing.clone(),
+            };
+            if st.failure.is_none() {
+                st.failure = Some((missing.first().copied().unwrap_or(rank), err.to_string()));
+            }
+            self.wake();
+            return Err(err);
+        }
+        Ok(())
+    }
+
+    /// World ranks that have not arrived.
+    fn missing(&self, st: &State) -> Vec<usize> {
+        (0..self.size)
+            .filter(|&r| st.slots[r].is_none())
+            .map(|r| self.members[r])
+            .collect()
+    }
+}
+
+/// The depart phase, run on drop so that it also runs if `exec` unwinds: counts this rank
+/// out and waits until every member has.
+struct Depart<'a> {
+    shared: &'a Shared,
+    gen: u64,
+}
+
+impl Drop for Depart<'_> {
+    fn drop(&mut self) {
+        let sh = self.shared;
+        let mut st = sh.state.lock();
+        st.departed += 1;
+        if st.departed == sh.size {
+            st.slots.iter_mut().for_each(|s| *s = None);
+            st.arrived = 0;
+            st.departed = 0;
+            st.ready = None;
+            st.generation += 1;
+            sh.wake();
+        }
+        // No timeout and no early exit on a peer's failure: every member is past its
+        // arrival and only finishes its `exec` (bounded work on memory it holds locked, no
+        // waiting) before it departs. Returning earlier would let this rank release tensors
+        // that a peer still reads or writes.
+        while st.generation == self.gen {
+            if !sh.spin(&mut st) {
+                sh.cv.wait(&mut st);
+            }
+        }
+    }
+}
+
+fn peer_failed(st: &State) -> Option<Error> {
+    st.failure.as_ref().map(|(r, why)| Error::PeerFailed {
+        failed_rank: *r,
+        reason: why.clone(),
+    })
+}
+
+/// Compares every rank's descriptor with the first member's; ranks named by world rank.
+fn check_descs(slots: &[Option<Arrival>], members: &[usize]) -> std::result::Result<(), String> {
+    let Some(first) = slots.first().copied().flatten().map(|a| a.desc) else {
+        return Err("internal: rank 0 did not arrive".into());
+    };
+    let differs = |a: &Option<Arrival>| a.is_some_and(|a| a.desc != first);
+    if !slots.iter().any(differs) {
+        return Ok(());
+    }
+    let differing: Vec<String> = slots
+        .iter()
+        .enumerate()
+        .filter(|(_, a)| differs(a))
+        .filter_map(|(r, a)| a.map(|a| format!("rank {} called {}", members[r], a.desc)))
+        .collect();
+    Err(format!(
+        "rank {} called {first} but {}",
+        members[0],
+        differing.join(", ")
+    ))
+}
