@@ -39,7 +39,7 @@ fn eager() -> Vec<(String, Vec<f32>)> {
 }
 
 #[test]
-fn a_meta_gpt_sharded_at_any_world_size_equals_eager_init_bitwise() {
+fn a_meta_gpt_sharded_at_any_world_size_has_the_eager_full_state_dict_bitwise() {
     let want = bits(&eager());
     for world in 1..=4 {
         for per_block in [false, true] {
@@ -56,7 +56,14 @@ fn a_meta_gpt_sharded_at_any_world_size_equals_eager_init_bitwise() {
                     ..Default::default()
                 };
                 let mut f = FullyShardedDataParallel::new(Box::new(m), pg, cfg)?;
-                Ok((meta_params, f.full_parameters()?))
+                // The FULL state dict, as a user would save it.
+                let sd = f.full_state_dict(fsdp::fsdp::FullStateDictConfig::default())?;
+                let named = sd
+                    .tensors
+                    .iter()
+                    .map(|(n, t)| Ok((n.clone(), t.to_vec_f32()?)))
+                    .collect::<fsdp::Result<Vec<_>>>()?;
+                Ok((meta_params, named))
             })
             .unwrap();
             for (rank, (meta, got)) in out.iter().enumerate() {
