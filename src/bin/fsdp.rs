@@ -173,9 +173,10 @@ struct TrainArgs {
     /// Accumulate micro-batches under no_sync: one gradient reduction per step.
     #[arg(long)]
     no_sync: bool,
-    /// Clip the global gradient 2-norm to this value before each step.
-    #[arg(long, allow_hyphen_values = true)]
-    clip_grad_norm: Option<f32>,
+    /// Clip the global gradient 2-norm to this value before each step; 0 turns clipping
+    /// off.
+    #[arg(long, allow_hyphen_values = true, default_value_t = D.clip_grad_norm.unwrap_or(0.0))]
+    clip_grad_norm: f32,
     /// Bytes of text to generate from the trained model at the end.
     #[arg(long, allow_hyphen_values = true, default_value_t = D.sample_len)]
     sample_len: usize,
@@ -325,7 +326,7 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         ranks_per_node: a.ranks_per_node,
         grad_accum: a.grad_accum,
         no_sync: a.no_sync,
-        clip_grad_norm: a.clip_grad_norm,
+        clip_grad_norm: (a.clip_grad_norm != 0.0).then_some(a.clip_grad_norm),
         mixed_precision: a.fsdp.mixed_precision,
         backward_prefetch: a.fsdp.backward_prefetch.policy(),
         forward_prefetch: a.fsdp.forward_prefetch,
