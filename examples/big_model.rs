@@ -11,7 +11,17 @@ use fsdp::nn::{loss, Context, InitKey, Linear, Module};
 use fsdp::optim::{Optimizer, SgdConfig, SGD};
 use fsdp::tensor::Tensor;
 
-fn main() -> fsdp::Result<()> {
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> fsdp::Result<()> {
     let opts = LaunchOptions::from_env_or(2)?;
     let out = launch(&opts, |pg| {
         let model = Linear::new(2048, 2048, true, &InitKey::new(0))?;

@@ -10,7 +10,17 @@ use fsdp::nn::{loss, Context, InitKey, Linear, Module, ReLU, Sequential};
 use fsdp::optim::{Adam, AdamConfig, Optimizer};
 use fsdp::tensor::Tensor;
 
-fn main() -> fsdp::Result<()> {
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> fsdp::Result<()> {
     let opts = LaunchOptions::from_env_or(2)?;
     let out = launch(&opts, |pg| {
         let k = InitKey::new(0);

@@ -8,7 +8,17 @@ use fsdp::fsdp::{FsdpConfig, FullyShardedDataParallel, ShardingStrategy};
 use fsdp::nn::{Context, InitKey, Linear, Module, ReLU, Sequential};
 use fsdp::tensor::Tensor;
 
-fn main() -> fsdp::Result<()> {
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> fsdp::Result<()> {
     let opts = LaunchOptions::from_env_or(2)?;
     let shapes = launch(&opts, |pg| {
         let k = InitKey::new(0);

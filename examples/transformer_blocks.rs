@@ -39,7 +39,17 @@ impl Module for TransformerBlock {
     }
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
     let opts = LaunchOptions::from_env_or(2)?;
     let out = launch(&opts, |pg| {
         let k = InitKey::new(0);

@@ -145,10 +145,11 @@ pub(super) fn all_gather_bytes(pg: &Group, bytes: &[u8]) -> Result<Vec<Vec<u8>>>
         .collect())
 }
 
-/// Whether every rank of `pg` is `ok` (a collective).
-pub(super) fn all_ok(pg: &Group, ok: bool) -> Result<bool> {
-    let t = Tensor::from_vec(vec![ok as i32], &[1])?;
+/// The lowest rank of `pg` whose `ok` is false, if any (a collective).
+pub(super) fn first_failed(pg: &Group, ok: bool) -> Result<Option<usize>> {
+    let mine = if ok { i32::MAX } else { pg.rank() as i32 };
+    let t = Tensor::from_vec(vec![mine], &[1])?;
     pg.all_reduce(&t, crate::distributed::ReduceOp::Min)?;
     let v = t.data::<i32>()?[0];
-    Ok(v == 1)
+    Ok((v != i32::MAX).then_some(v as usize))
 }

@@ -4,7 +4,7 @@
 //! has found its part sound.
 
 use super::file::{checksum, parse_tensors, TensorFile};
-use super::index::{all_ok, read_index, Entry, Index, INDEX_FILE};
+use super::index::{first_failed, read_index, Entry, Index, INDEX_FILE};
 use crate::error::{Error, Result};
 use crate::fsdp::{
     FullyShardedDataParallel, OptimStateDict, ShardPiece, ShardedStateDict, ShardedTensor,
@@ -96,7 +96,7 @@ pub fn read_checkpoint_info(path: &Path) -> Result<CheckpointInfo> {
 /// index's), corrupted (checksum) or lacks a tensor the index lists; `StateDict` naming
 /// each parameter with a wrong shape or dtype, missing or unexpected; `StateDict` when the
 /// optimizer is of another kind or the checkpoint has no optimizer state; on the other
-/// ranks, a `Checkpoint` error saying another rank failed.
+/// ranks, `PeerFailed` naming the first rank that failed.
 pub fn load_checkpoint(
     path: &Path,
     model: &mut FullyShardedDataParallel,
@@ -104,13 +104,16 @@ pub fn load_checkpoint(
 ) -> Result<CheckpointInfo> {
     let pg = model.process_group().clone();
     let staged = stage(path, model, optim.as_deref());
-    let ok = all_ok(&pg, staged.is_ok())?;
+    let failed = first_failed(&pg, staged.is_ok())?;
     let (dir, index, sd, ost) = staged?;
-    if !ok {
-        return Err(Error::Checkpoint {
-            path: dir.display().to_string(),
-            detail: "another rank could not load its part (see its error); nothing was modified"
-                .into(),
+    if let Some(r) = failed {
+        // An echo of that rank's own error, which `launch` reports as the root cause.
+        return Err(Error::PeerFailed {
+            failed_rank: pg.ranks().get(r).copied().unwrap_or(r),
+            reason: format!(
+                "could not load its part of checkpoint '{}'; nothing was modified",
+                dir.display()
+            ),
         });
     }
     model.load_state_dict(&sd, true)?;

@@ -108,7 +108,7 @@ pub fn save_checkpoint(
     } else {
         Ok(())
     };
-    let ok = super::index::all_ok(&pg, result.is_ok())?;
+    let failed = super::index::first_failed(&pg, result.is_ok())?;
     result?;
     if let Some(e) = manifest.error {
         return Err(Error::Checkpoint {
@@ -116,11 +116,13 @@ pub fn save_checkpoint(
             detail: format!("rank {rank}: {e}; the previous checkpoint is untouched"),
         });
     }
-    if !ok {
-        return Err(Error::Checkpoint {
-            path: dir.display().to_string(),
-            detail: "another rank could not write its part; the previous checkpoint is untouched"
-                .into(),
+    if let Some(r) = failed {
+        return Err(Error::PeerFailed {
+            failed_rank: pg.ranks().get(r).copied().unwrap_or(r),
+            reason: format!(
+                "could not write its part of checkpoint '{}'; the previous checkpoint is untouched",
+                dir.display()
+            ),
         });
     }
     Ok(())

@@ -255,6 +255,12 @@ impl TrainConfig {
         if self.steps == 0 {
             return bad("--steps must be at least 1".into());
         }
+        if self.sample_len > MAX_SAMPLE_LEN {
+            return bad(format!(
+                "--sample-len {} is more than {MAX_SAMPLE_LEN} bytes (one forward pass per byte)",
+                self.sample_len
+            ));
+        }
         if self.world_size == 0 {
             return bad("--world-size must be at least 1".into());
         }
@@ -307,7 +313,7 @@ impl TrainConfig {
             );
         }
         if let (Some(m), Some(d)) = (&self.metrics, std::fs::canonicalize(&self.data).ok()) {
-            if std::fs::canonicalize(m).ok().as_ref() == Some(&d) {
+            if std::fs::canonicalize(m).ok().as_ref() == Some(&d) || same_file(m, &self.data) {
                 return bad(format!(
                     "--metrics {} is the data file; give another path",
                     m.display()
@@ -348,6 +354,24 @@ impl TrainConfig {
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
+
+/// Longest `--sample-len`: generation runs one forward pass per byte.
+const MAX_SAMPLE_LEN: usize = 100_000;
+
+/// Whether two existing paths are the same file (hard links included).
+#[cfg(unix)]
+fn same_file(a: &std::path::Path, b: &std::path::Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(x), Ok(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
+        _ => false,
+    }
+}
+
+#[cfg(not(unix))]
+fn same_file(_: &std::path::Path, _: &std::path::Path) -> bool {
+    false
+}
 
 /// `MemAvailable` of /proc/meminfo, where there is one.
 fn available_memory_bytes() -> Option<u64> {
@@ -497,7 +521,7 @@ fn run_rank(
     };
     let t = cfg.seq_len;
     let start = Instant::now();
-    let mut records = Vec::with_capacity(cfg.steps);
+    let mut records = Vec::with_capacity(cfg.steps.min(1 << 16));
     for step in first_step..=cfg.steps {
         let t0 = Instant::now();
         opt.set_lr(cfg.lr_at(step));

@@ -32,6 +32,23 @@ pub(super) fn step_dir_name(step: usize) -> String {
 /// `InvalidArgument` naming the option; `Checkpoint` when `--resume` names no checkpoint.
 pub(super) fn validate(cfg: &TrainConfig) -> Result<()> {
     let bad = |m: String| Err(Error::InvalidArgument(m));
+    if cfg.save_dir.is_some() {
+        // The checkpoint index records the run's options as JSON, which needs UTF-8.
+        let paths = [
+            ("--data", Some(&cfg.data)),
+            ("--metrics", cfg.metrics.as_ref()),
+            ("--save-dir", cfg.save_dir.as_ref()),
+            ("--resume", cfg.resume.as_ref()),
+        ];
+        for (flag, p) in paths {
+            if let Some(p) = p.filter(|p| p.to_str().is_none()) {
+                return bad(format!(
+                    "{flag} {} is not valid UTF-8; checkpoints record their paths as UTF-8 text",
+                    p.display()
+                ));
+            }
+        }
+    }
     if cfg.save_every > 0 && cfg.save_dir.is_none() {
         return bad(format!(
             "--save-every {} needs --save-dir (where to save)",
@@ -130,6 +147,11 @@ pub(super) fn save_if_due(
     }
     let name = step_dir_name(step);
     let dir = root.join(&name);
+    let config = serde_json::to_value(cfg).map_err(|e| {
+        Error::InvalidArgument(format!(
+            "cannot record the run's options in the checkpoint index: {e} (checkpoints need UTF-8 paths)"
+        ))
+    })?;
     let extra = serde_json::json!({
         "step": step,
         "seed": cfg.seed,
@@ -140,7 +162,7 @@ pub(super) fn save_if_due(
         },
         "world_size": cfg.world_size,
         "strategy": cfg.strategy,
-        "config": cfg,
+        "config": config,
     });
     let ty = match cfg.checkpoint_type {
         CheckpointType::Sharded => StateDictType::Sharded,
