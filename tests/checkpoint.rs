@@ -621,3 +621,49 @@ fn checkpoint_files_from_world_size_4_load_at_1_2_3_4_bitwise_with_adam_moments(
         }
     }
 }
+
+#[test]
+fn resuming_with_options_that_change_the_trajectory_is_refused_naming_them() {
+    let data = corpus_file("ckpt-diff");
+    let save = tmp_dir("ckpt-diff");
+    let base = TrainConfig {
+        steps: 4,
+        save_dir: Some(save.clone()),
+        ..small_job(data.clone(), 2)
+    };
+    train(&base, &Silent).unwrap();
+    let resume = |cfg: TrainConfig| {
+        TrainConfig {
+            steps: 8,
+            save_dir: None,
+            resume: Some(save.clone()),
+            ..cfg
+        }
+        .validate()
+    };
+    // World size, strategy and a longer run are fine (constant lr, no warm-up here).
+    resume(TrainConfig {
+        world_size: 4,
+        strategy: ShardingStrategy::ShardGradOp,
+        ..base.clone()
+    })
+    .unwrap();
+    let err = resume(TrainConfig {
+        lr: base.lr * 2.0,
+        n_head: 2,
+        ..base.clone()
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("--lr") && err.contains("--n-head 2 (checkpoint: 4)"),
+        "{err}"
+    );
+    let err = resume(TrainConfig {
+        warmup_steps: 3,
+        ..base.clone()
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("warm-up (3 steps; checkpoint: 0"), "{err}");
+}

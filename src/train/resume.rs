@@ -88,6 +88,16 @@ pub(super) fn validate(cfg: &TrainConfig) -> Result<()> {
                 cfg.seed
             ));
         }
+        if let Some(old) = info.extra.get("config") {
+            let diffs = trajectory_differences(old, cfg);
+            if !diffs.is_empty() {
+                return bad(format!(
+                    "--resume {}: {} differ from the checkpoint's run, so training would not continue it; pass the run's values",
+                    r.display(),
+                    diffs.join(", ")
+                ));
+            }
+        }
         if !info.has_optim {
             return Err(Error::Checkpoint {
                 path: info.dir.display().to_string(),
@@ -97,6 +107,57 @@ pub(super) fn validate(cfg: &TrainConfig) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The options that shape the model or the training trajectory on which `cfg` differs
+/// from the run recorded in a checkpoint (`old`, the saved `TrainConfig` as JSON), as
+/// `--flag new (checkpoint: old)`. World size, strategy, wrapping, prefetch, offload and
+/// the step count may change (the step count only where the lr schedule does not depend
+/// on it).
+fn trajectory_differences(old: &serde_json::Value, cfg: &TrainConfig) -> Vec<String> {
+    let new = match serde_json::to_value(cfg) {
+        Ok(v) => v,
+        Err(_) => return Vec::new(),
+    };
+    let mut out = Vec::new();
+    for (key, flag) in [
+        ("n_layer", "--n-layer"),
+        ("n_head", "--n-head"),
+        ("n_embd", "--n-embd"),
+        ("seq_len", "--seq-len"),
+        ("global_batch", "--global-batch"),
+        ("lr", "--lr"),
+        ("betas", "--beta1/--beta2"),
+        ("lr_schedule", "--lr-schedule"),
+        ("optimizer", "--optimizer"),
+        ("grad_accum", "--grad-accum"),
+        ("clip_grad_norm", "--clip-grad-norm"),
+        ("mixed_precision", "--mixed-precision"),
+    ] {
+        if let (Some(a), Some(b)) = (old.get(key), new.get(key)) {
+            if a != b {
+                out.push(format!("{flag} {b} (checkpoint: {a})"));
+            }
+        }
+    }
+    // The warm-up actually used is capped at --steps; a cosine schedule spans --steps.
+    let num = |v: &serde_json::Value, k: &str| v.get(k).and_then(|x| x.as_u64());
+    if let (Some(w), Some(s)) = (num(old, "warmup_steps"), num(old, "steps")) {
+        if w.min(s) != cfg.effective_warmup() as u64 {
+            out.push(format!(
+                "the lr warm-up ({} steps; checkpoint: {}, from --warmup-steps and --steps)",
+                cfg.effective_warmup(),
+                w.min(s)
+            ));
+        }
+        if cfg.lr_schedule == super::LrSchedule::Cosine && s != cfg.steps as u64 {
+            out.push(format!(
+                "--steps {} (checkpoint: {s}; the cosine schedule spans --steps)",
+                cfg.steps
+            ));
+        }
+    }
+    out
 }
 
 /// The step a checkpoint of this job was saved after.
