@@ -12,13 +12,7 @@ use fsdp::optim::{Optimizer, SgdConfig, SGD};
 use fsdp::tensor::Tensor;
 
 fn main() -> std::process::ExitCode {
-    match run() {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    fsdp::exit_code(run())
 }
 
 fn run() -> fsdp::Result<()> {

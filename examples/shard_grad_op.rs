@@ -11,13 +11,7 @@ use fsdp::optim::{Adam, AdamConfig, Optimizer};
 use fsdp::tensor::Tensor;
 
 fn main() -> std::process::ExitCode {
-    match run() {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    fsdp::exit_code(run())
 }
 
 fn run() -> fsdp::Result<()> {

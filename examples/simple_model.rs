@@ -9,13 +9,7 @@ use fsdp::nn::{Context, InitKey, Linear, Module, ReLU, Sequential};
 use fsdp::tensor::Tensor;
 
 fn main() -> std::process::ExitCode {
-    match run() {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    fsdp::exit_code(run())
 }
 
 fn run() -> fsdp::Result<()> {

@@ -40,13 +40,7 @@ impl Module for TransformerBlock {
 }
 
 fn main() -> std::process::ExitCode {
-    match run() {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    fsdp::exit_code(run())
 }
 
 fn run() -> Result<()> {

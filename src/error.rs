@@ -217,6 +217,20 @@ impl Error {
     }
 }
 
+/// The exit status of a program whose `main` ran `result`: success, or `error: <message>`
+/// on one stderr line and exit code 1 (what the examples and `fsdp` print, rather than
+/// `main`'s `Debug` form).
+pub fn exit_code(result: Result<()>) -> std::process::ExitCode {
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            use std::io::Write as _;
+            let _ = writeln!(std::io::stderr(), "error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 /// Shorthand for `Err(Error::InvalidArgument(..))`.
 macro_rules! bail_arg {
     ($($t:tt)*) => { return Err($crate::error::Error::InvalidArgument(format!($($t)*))) };

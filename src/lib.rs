@@ -50,4 +50,4 @@ pub mod optim;
 pub mod tensor;
 pub mod train;
 
-pub use error::{Error, Result};
+pub use error::{exit_code, Error, Result};
