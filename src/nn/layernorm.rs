@@ -100,21 +100,7 @@ impl Module for LayerNorm {
         }
         // dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * w
         let mut dx = vec![0.0f32; dyv.len()];
-        for (r, &rstd) in rstds.iter().enumerate() {
-            let (dyr, xr) = (&dyv[r * c..(r + 1) * c], &xhat[r * c..(r + 1) * c]);
-            let mut m1 = 0.0f32;
-            let mut m2 = 0.0f32;
-            for j in 0..c {
-                let d = dyr[j] * w[j];
-                m1 += d;
-                m2 += d * xr[j];
-            }
-            m1 /= c as f32;
-            m2 /= c as f32;
-            for j in 0..c {
-                dx[r * c + j] = rstd * (dyr[j] * w[j] - m1 - xr[j] * m2);
-            }
-        }
+        crate::backend::cpu::kernels::layernorm_bwd(&dyv, &xhat, &rstds, &w, &mut dx)?;
         Tensor::from_vec(dx, dy.shape())
     }
 
