@@ -72,6 +72,27 @@ fn bad_input_is_one_line_and_a_non_zero_exit() {
         "--lr must be a positive number, got -0.01",
     );
     fails_with(&["--data", t, "--metrics", t], "is the data file");
+    // A hard link to the data file is the data file too.
+    let link = text.with_file_name("hard-link.txt");
+    let _ = std::fs::remove_file(&link);
+    std::fs::hard_link(&text, &link).unwrap();
+    fails_with(
+        &["--data", t, "--metrics", link.to_str().unwrap()],
+        "is the data file",
+    );
+    // A named pipe would block the run until someone reads it.
+    let fifo = text.with_file_name("metrics.fifo");
+    let _ = std::fs::remove_file(&fifo);
+    if std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .is_ok_and(|s| s.success())
+    {
+        fails_with(
+            &["--data", t, "--metrics", fifo.to_str().unwrap()],
+            "is a named pipe",
+        );
+    }
     fails_with(
         &["--data", t, "--clip-grad-norm", "-1"],
         "--clip-grad-norm must be a positive number, got -1",

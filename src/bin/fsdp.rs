@@ -346,7 +346,8 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         cfg.world_size,
         cfg.strategy,
         if cfg.strategy.is_hybrid() {
-            format!(" ({} ranks per node)", cfg.ranks_per_node.unwrap_or(cfg.world_size))
+            let n = cfg.ranks_per_node.unwrap_or(cfg.world_size);
+            format!(" ({n} rank{} per node)", if n == 1 { "" } else { "s" })
         } else {
             String::new()
         },

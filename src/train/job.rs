@@ -312,6 +312,13 @@ impl TrainConfig {
                 "--mixed-precision and --cpu-offload are FSDP options; drop --no-fsdp".into(),
             );
         }
+        if let Some(m) = self.metrics.as_deref().filter(|m| is_fifo(m)) {
+            // Opening a FIFO for writing blocks until someone reads it.
+            return bad(format!(
+                "--metrics {} is a named pipe; give a file path",
+                m.display()
+            ));
+        }
         if let (Some(m), Some(d)) = (&self.metrics, std::fs::canonicalize(&self.data).ok()) {
             if std::fs::canonicalize(m).ok().as_ref() == Some(&d) || same_file(m, &self.data) {
                 return bad(format!(
@@ -370,6 +377,18 @@ fn same_file(a: &std::path::Path, b: &std::path::Path) -> bool {
 
 #[cfg(not(unix))]
 fn same_file(_: &std::path::Path, _: &std::path::Path) -> bool {
+    false
+}
+
+/// Whether `p` is a named pipe.
+#[cfg(unix)]
+fn is_fifo(p: &std::path::Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::metadata(p).is_ok_and(|m| m.file_type().is_fifo())
+}
+
+#[cfg(not(unix))]
+fn is_fifo(_: &std::path::Path) -> bool {
     false
 }
 
