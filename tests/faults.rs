@@ -223,10 +223,14 @@ fn a_rank_that_skips_a_collective_is_named() {
     assert!(elapsed < short * 2 + TIMEOUT, "took {elapsed:?}");
     for r in [0, 2] {
         match &ended[r] {
-            // The first to give up times out; the other may see that failure recorded.
+            // The first to give up times out; the other may see that failure recorded. On a
+            // loaded machine rank 2 may not have reached the barrier yet either, so it can
+            // be named beside rank 1.
             Ended::Err { kind, named, text } => {
                 assert!(
-                    (*kind == "Timeout" || *kind == "PeerFailed") && named == &[1],
+                    (*kind == "Timeout" || *kind == "PeerFailed")
+                        && named.contains(&1)
+                        && !named.contains(&0),
                     "rank {r}: {text}"
                 );
                 assert!(
