@@ -49,3 +49,24 @@ SUM_INTO_KERNEL(sum_into_bf16, __nv_bfloat16)
 extern "C" __global__ void scale_f32(float* __restrict__ x, float alpha, int64_t n) {
   GRID_STRIDE_LOOP(i, n) { x[i] = x[i] * alpha; }
 }
+
+// sumsq_partial_f32(x (n) f32, partial (gridDim.x) f64, n)
+//   partial[b] = sum over the elements block b visits of f64(x[i])^2            (overwrites)
+//   The first pass of clip_grad_norm_'s squared 2-norm: the host adds the per-block partials
+//   in f64, in block order (deterministic for a fixed grid). Launch with 256 threads.
+extern "C" __global__ void sumsq_partial_f32(const float* __restrict__ x,
+                                             double* __restrict__ partial, int64_t n) {
+  __shared__ double acc[256];
+  double s = 0.0;
+  GRID_STRIDE_LOOP(i, n) {
+    const double v = (double)x[i];
+    s += v * v;
+  }
+  acc[threadIdx.x] = s;
+  __syncthreads();
+  for (unsigned int step = blockDim.x / 2; step > 0; step >>= 1) {
+    if (threadIdx.x < step) acc[threadIdx.x] += acc[threadIdx.x + step];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partial[blockIdx.x] = acc[0];
+}

@@ -99,6 +99,17 @@ pub enum Error {
     /// The training data could not be used.
     #[error("data: {0}")]
     Data(String),
+    /// Tensors of one op are on different devices, or host data was asked of a device
+    /// tensor (`Tensor::data` on `cuda:0`): copy it with `Tensor::to_device` first.
+    #[error("{op}: expected a tensor on {expected}, got one on {got}")]
+    DeviceMismatch {
+        /// The operation, e.g. `"Tensor::data"`, `"matmul"`.
+        op: &'static str,
+        /// The device the op needed (`"cpu"`, `"cuda:0"`).
+        expected: String,
+        /// The device the tensor is on.
+        got: String,
+    },
     /// A feature that is reserved but not built yet in this version.
     #[error("not supported yet: {0}")]
     Unsupported(String),
@@ -183,6 +194,11 @@ impl Error {
             Error::NotInitialized { call } => Error::NotInitialized { call },
             Error::Fsdp(m) => Error::Fsdp(m.clone()),
             Error::Data(m) => Error::Data(m.clone()),
+            Error::DeviceMismatch { op, expected, got } => Error::DeviceMismatch {
+                op,
+                expected: expected.clone(),
+                got: got.clone(),
+            },
             Error::Unsupported(m) => Error::Unsupported(m.clone()),
             Error::Cuda { context, message } => Error::Cuda {
                 context: context.clone(),

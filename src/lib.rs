@@ -8,7 +8,8 @@
 //! | layer | module | owns |
 //! |---|---|---|
 //! | tensor | [`tensor`] | dtypes, storage, views |
-//! | backend | [`backend`] | devices, CPU reference ops, GEMM |
+//! | backend | [`backend`] | devices, CPU reference ops, GEMM, the CUDA backend |
+//! | ops | [`ops`] | device-dispatching tensor ops (CPU reference or CUDA kernel) |
 //! | distributed | [`distributed`] | process groups, collectives, the in-process launcher |
 //! | nn / optim | [`nn`], [`optim`] | modules with explicit backward, GPT, SGD/Adam/AdamW |
 //! | fsdp | [`fsdp`] | FlatParameter, units, strategies, wrap policies, state dicts |
@@ -46,6 +47,7 @@ pub mod error;
 pub mod fsdp;
 pub mod kernels;
 pub mod nn;
+pub mod ops;
 pub mod optim;
 pub mod tensor;
 pub mod train;

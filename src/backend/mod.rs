@@ -24,6 +24,13 @@ pub enum Device {
     Meta,
 }
 
+impl Device {
+    /// True for `Device::Cuda(_)`.
+    pub fn is_cuda(self) -> bool {
+        matches!(self, Device::Cuda(_))
+    }
+}
+
 impl std::fmt::Display for Device {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {

@@ -5,6 +5,7 @@
 //! FlatParameter's unsharded buffer (FSDP1 `FlatParamHandle._get_unflat_views`), with no
 //! copy. Tensors are contiguous row-major; ops that need a transpose take it as a flag.
 
+mod device;
 mod dtype;
 mod storage;
 
@@ -259,6 +260,9 @@ impl Tensor {
                 state: "meta",
             });
         }
+        if self.device().is_cuda() {
+            return Err(self.not_on_host(op));
+        }
         if T::DTYPE != self.dtype {
             return Err(Error::DTypeMismatch {
                 op,
@@ -269,8 +273,12 @@ impl Tensor {
         Ok(())
     }
 
-    /// Copies the elements out as f32 (widening bf16/f16/i32).
+    /// Copies the elements out as f32 (widening bf16/f16/i32); a CUDA tensor is copied to
+    /// the host first (after its stream's queued work).
     pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
+        if self.device().is_cuda() {
+            return self.to_device(Device::Cpu)?.to_vec_f32();
+        }
         Ok(match self.dtype {
             DType::F32 => self.data::<f32>()?.to_vec(),
             DType::BF16 => self
@@ -287,9 +295,10 @@ impl Tensor {
         })
     }
 
-    /// A new CPU tensor of `dtype` with these values (round-to-nearest-even when narrowing).
+    /// A new tensor of `dtype` on the same device with these values
+    /// (round-to-nearest-even when narrowing).
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
-        let out = Tensor::zeros(&self.shape, dtype);
+        let out = Tensor::zeros_on(&self.shape, dtype, self.device())?;
         out.copy_from(self)?;
         Ok(out)
     }
@@ -310,6 +319,9 @@ impl Tensor {
                 expected: self.shape.clone(),
                 got: src.shape.clone(),
             });
+        }
+        if self.device().is_cuda() || src.device().is_cuda() {
+            return self.copy_from_device(src);
         }
         if self.shares_storage(src) {
             // Same lock: read into a temporary first instead of deadlocking.
@@ -332,6 +344,9 @@ impl Tensor {
 
     /// Sets every element to zero.
     pub fn zero_(&self) -> Result<()> {
+        if self.device().is_cuda() {
+            return self.zero_device();
+        }
         macro_rules! fill {
             ($t:ty) => {{
                 self.data_mut::<$t>()?.fill(<$t as Element>::zero());
@@ -354,6 +369,8 @@ fn buffer_slice<T: Element>(b: &Buffer) -> &[T] {
         Buffer::F16(v) => bytemuck::cast_slice(v),
         Buffer::I32(v) => bytemuck::cast_slice(v),
         Buffer::Meta { .. } => &[],
+        #[cfg(feature = "cuda")]
+        Buffer::Cuda { .. } => &[],
     }
 }
 
@@ -364,5 +381,7 @@ fn buffer_slice_mut<T: Element>(b: &mut Buffer) -> &mut [T] {
         Buffer::F16(v) => bytemuck::cast_slice_mut(v),
         Buffer::I32(v) => bytemuck::cast_slice_mut(v),
         Buffer::Meta { .. } => &mut [],
+        #[cfg(feature = "cuda")]
+        Buffer::Cuda { .. } => &mut [],
     }
 }

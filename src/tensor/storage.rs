@@ -19,6 +19,18 @@ pub enum Buffer {
     F16(Vec<f16>),
     /// `DType::I32` values (`torch.int32`), 4 bytes each, e.g. token ids.
     I32(Vec<i32>),
+    /// Device memory (`Device::Cuda`): a caching-allocator block holding `len` elements of
+    /// `dtype`. Its contents are reached through [`crate::backend::cuda::DeviceTensor`]
+    /// views and the ops of the CUDA backend, never as host slices.
+    #[cfg(feature = "cuda")]
+    Cuda {
+        /// The allocation, shared with `DeviceTensor` views of it.
+        buf: std::sync::Arc<crate::backend::cuda::DeviceBuffer>,
+        /// Element type.
+        dtype: DType,
+        /// Element count.
+        len: usize,
+    },
     /// Shapes only, no memory (`Device::Meta`): the element count and dtype it stands for,
     /// and, for a parameter built on the meta device, how to compute its values.
     Meta {
@@ -49,6 +61,8 @@ impl Buffer {
             Buffer::BF16(v) => v.len(),
             Buffer::F16(v) => v.len(),
             Buffer::I32(v) => v.len(),
+            #[cfg(feature = "cuda")]
+            Buffer::Cuda { len, .. } => *len,
             Buffer::Meta { len, .. } => *len,
         }
     }
@@ -65,6 +79,8 @@ impl Buffer {
             Buffer::BF16(_) => DType::BF16,
             Buffer::F16(_) => DType::F16,
             Buffer::I32(_) => DType::I32,
+            #[cfg(feature = "cuda")]
+            Buffer::Cuda { dtype, .. } => *dtype,
             Buffer::Meta { dtype, .. } => *dtype,
         }
     }
@@ -78,10 +94,12 @@ pub struct Storage {
 }
 
 impl Storage {
-    /// Wraps a CPU buffer (or a meta buffer, whose device is `Meta`).
+    /// Wraps a buffer; the device follows from it (`Meta`, `Cuda(ordinal)`, else `Cpu`).
     pub fn new(buf: Buffer) -> Storage {
-        let device = match buf {
+        let device = match &buf {
             Buffer::Meta { .. } => Device::Meta,
+            #[cfg(feature = "cuda")]
+            Buffer::Cuda { buf, .. } => Device::Cuda(buf.ordinal()),
             _ => Device::Cpu,
         };
         Storage {

@@ -187,6 +187,8 @@ raw_kernel!(/// `sum_into_{dtype}(acc, x, n)`.
     sum_into, "reduce_scatter", (acc: u64, x: u64, n: i64));
 raw_kernel!(/// `scale_f32(x, alpha, n)`.
     scale, "reduce_scatter", (x: u64, alpha: f32, n: i64));
+raw_kernel!(/// `sumsq_partial_f32(x, partial, n)`.
+    sumsq_partial, "reduce_scatter", (x: u64, partial: u64, n: i64));
 raw_kernel!(/// `sgd_f32(tensors, k, lr, momentum, dampening, weight_decay, nesterov)`.
     sgd, "optim", (tensors: u64, k: i64, lr: f32, momentum: f32, dampening: f32, weight_decay: f32, nesterov: i32));
 raw_kernel!(/// `adam_f32(tensors, k, lr, beta1, beta2, eps, weight_decay, decoupled)`.

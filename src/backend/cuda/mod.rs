@@ -28,6 +28,8 @@ mod blas;
 #[cfg(feature = "cuda")]
 mod context;
 #[cfg(feature = "cuda")]
+mod current;
+#[cfg(feature = "cuda")]
 mod launch;
 #[cfg(feature = "cuda")]
 mod memory;
@@ -46,6 +48,8 @@ mod tensor;
 pub use blas::{gemm, gemm_strided_batched, GemmShape};
 #[cfg(feature = "cuda")]
 pub use context::CudaDevice;
+#[cfg(feature = "cuda")]
+pub use current::{current_stream, rank_account, set_rank_account, use_stream, StreamGuard};
 #[cfg(feature = "cuda")]
 pub use memory::{DeviceBuffer, MemAccount, MemStats};
 #[cfg(feature = "cuda")]

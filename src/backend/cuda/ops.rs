@@ -402,3 +402,34 @@ pub fn scale(s: &Stream, x: &DeviceTensor, alpha: f32) -> Result<()> {
         )
     }
 }
+
+/// Blocks of the [`sum_squares`] first pass: fixed, so the f64 sum is deterministic.
+const SUMSQ_BLOCKS: u32 = 256;
+
+/// `sum_i f64(x[i])^2` of an f32 tensor (`sumsq_partial_f32`, then the host adds the 256
+/// block partials in order). Synchronizes the stream. CPU reference:
+/// [`crate::backend::cpu::ops::sum_squares`] (equal up to f64 summation order).
+///
+/// # Errors
+/// `DTypeMismatch` for a non-f32 tensor; [`Error::Cuda`].
+pub fn sum_squares(s: &Stream, x: &DeviceTensor) -> Result<f64> {
+    check_device("sum_squares", s, &[x])?;
+    check_dtype("sum_squares", x, DType::F32)?;
+    let n = x.numel();
+    if n == 0 {
+        return Ok(0.0);
+    }
+    let partial = s.alloc_bytes(SUMSQ_BLOCKS as usize * 8)?;
+    let g = Grid {
+        grid: (SUMSQ_BLOCKS, 1, 1),
+        block: 256,
+    };
+    // SAFETY: x holds n f32; partial holds one f64 per block.
+    unsafe { launch::sumsq_partial(s, "sumsq_partial_f32", g, x.ptr(), partial.ptr(), n as i64)? };
+    let mut v = vec![0f64; SUMSQ_BLOCKS as usize];
+    // SAFETY: the buffer holds SUMSQ_BLOCKS f64; synchronized before `v` is read.
+    unsafe { cu::memcpy_dtoh_async(&mut v, partial.ptr(), s.inner.cu_stream()) }
+        .map_err(|e| Error::cuda("cuMemcpyDtoHAsync", e))?;
+    s.synchronize()?;
+    Ok(v.iter().sum())
+}

@@ -20,6 +20,27 @@ pub struct DeviceTensor {
 }
 
 impl DeviceTensor {
+    /// A view of `shape` at element `offset` of `buf` (the parts of a CUDA
+    /// [`Tensor`]'s storage).
+    pub(crate) fn from_parts(
+        buf: Arc<DeviceBuffer>,
+        offset: usize,
+        shape: &[usize],
+        dtype: DType,
+    ) -> DeviceTensor {
+        DeviceTensor {
+            buf,
+            offset,
+            shape: shape.to_vec(),
+            dtype,
+        }
+    }
+
+    /// The shared allocation and this view's element offset into it.
+    pub(crate) fn into_parts(self) -> (Arc<DeviceBuffer>, usize, Vec<usize>, DType) {
+        (self.buf, self.offset, self.shape, self.dtype)
+    }
+
     /// Uninitialized tensor on `stream`'s device (contents undefined until written).
     ///
     /// # Errors
@@ -76,6 +97,36 @@ impl DeviceTensor {
             stream.synchronize()?;
         }
         Ok(t)
+    }
+
+    /// Overwrites this view with `data` (same element count and dtype); returns once the
+    /// copy finished, so `data` may be reused.
+    ///
+    /// # Errors
+    /// `DTypeMismatch`, `ShapeMismatch`; [`Error::Cuda`] on failure.
+    pub fn copy_from_slice<T: Element>(&self, stream: &Stream, data: &[T]) -> Result<()> {
+        if T::DTYPE != self.dtype {
+            return Err(Error::DTypeMismatch {
+                op: "DeviceTensor::copy_from_slice",
+                expected: self.dtype,
+                got: T::DTYPE,
+            });
+        }
+        if data.len() != self.numel() {
+            return Err(Error::ShapeMismatch {
+                op: "DeviceTensor::copy_from_slice",
+                expected: self.shape.clone(),
+                got: vec![data.len()],
+            });
+        }
+        if !data.is_empty() {
+            // SAFETY: the view holds data.len() elements of T; the stream is synchronized
+            // before returning, so `data` outlives the copy.
+            unsafe { cu::memcpy_htod_async(self.ptr(), data, stream.inner.cu_stream()) }
+                .map_err(|e| Error::cuda("cuMemcpyHtoDAsync", e))?;
+            stream.synchronize()?;
+        }
+        Ok(())
     }
 
     /// Copies a host tensor to the device (same shape and dtype).

@@ -1,0 +1,116 @@
+//! Elementwise ops and reductions on f32 tensors (bf16/f16 where said), on any device.
+//! CPU references: [`crate::backend::cpu::ops`]; CUDA: `reduce_scatter.cu`, `flat_param.cu`.
+
+use super::same_device;
+#[cfg(feature = "cuda")]
+use crate::backend::Device;
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Tensor};
+
+fn numel_eq(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
+    if a.numel() != b.numel() {
+        return Err(Error::ShapeMismatch {
+            op,
+            expected: a.shape().to_vec(),
+            got: b.shape().to_vec(),
+        });
+    }
+    Ok(())
+}
+
+/// `dst += src` elementwise (`Tensor.add_`); same element count and float dtype. Floats of
+/// 16 bits add in f32 and round once.
+///
+/// # Errors
+/// `DeviceMismatch`, `ShapeMismatch`, `DTypeMismatch`.
+pub fn add_(dst: &Tensor, src: &Tensor) -> Result<()> {
+    numel_eq("add_", dst, src)?;
+    let _device = same_device("add_", &[dst, src])?;
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(i) = _device {
+        return crate::backend::cuda::sum_into(
+            &*super::stream(i)?,
+            &dst.as_device_tensor()?,
+            &src.as_device_tensor()?,
+        );
+    }
+    if dst.dtype() != src.dtype() {
+        return Err(Error::DTypeMismatch {
+            op: "add_",
+            expected: dst.dtype(),
+            got: src.dtype(),
+        });
+    }
+    if dst.shares_storage(src) {
+        // One lock guards both views: add from a copy.
+        return add_(dst, &src.deep_clone()?);
+    }
+    match dst.dtype() {
+        DType::F32 => {
+            crate::backend::cpu::ops::add_(&mut dst.f32_mut()?, &src.f32()?);
+            Ok(())
+        }
+        DType::BF16 => crate::backend::cpu::kernels::sum_into(
+            &mut dst.data_mut::<half::bf16>()?,
+            &src.data::<half::bf16>()?,
+        ),
+        DType::F16 => crate::backend::cpu::kernels::sum_into(
+            &mut dst.data_mut::<half::f16>()?,
+            &src.data::<half::f16>()?,
+        ),
+        DType::I32 => Err(Error::DTypeMismatch {
+            op: "add_",
+            expected: DType::F32,
+            got: DType::I32,
+        }),
+    }
+}
+
+/// `t *= alpha` in place on an f32 tensor (`Tensor.mul_`).
+///
+/// # Errors
+/// `DTypeMismatch` for a non-f32 tensor; `NotMaterialized` on meta.
+pub fn scale_(t: &Tensor, alpha: f32) -> Result<()> {
+    let _device = same_device("scale_", &[t])?;
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(i) = _device {
+        return crate::backend::cuda::scale(&*super::stream(i)?, &t.as_device_tensor()?, alpha);
+    }
+    crate::backend::cpu::ops::scale_(&mut t.f32_mut()?, alpha);
+    Ok(())
+}
+
+/// `t[i] = value` (rounded to the dtype; truncated toward zero for i32) (`Tensor.fill_`).
+///
+/// # Errors
+/// `NotMaterialized` on meta.
+pub fn fill_(t: &Tensor, value: f32) -> Result<()> {
+    let _device = same_device("fill_", &[t])?;
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(i) = _device {
+        return crate::backend::cuda::fill(&*super::stream(i)?, &t.as_device_tensor()?, value);
+    }
+    match t.dtype() {
+        DType::F32 => t.f32_mut()?.fill(value),
+        DType::BF16 => t
+            .data_mut::<half::bf16>()?
+            .fill(half::bf16::from_f32(value)),
+        DType::F16 => t.data_mut::<half::f16>()?.fill(half::f16::from_f32(value)),
+        DType::I32 => t.data_mut::<i32>()?.fill(value as i32),
+    }
+    Ok(())
+}
+
+/// `sum_i t[i]^2` of an f32 tensor, accumulated in f64 (the square of the 2-norm that
+/// `clip_grad_norm_` needs). On CUDA this waits for the current stream.
+///
+/// # Errors
+/// `DTypeMismatch` for a non-f32 tensor; [`Error::Cuda`].
+pub fn sum_squares(t: &Tensor) -> Result<f64> {
+    let _device = same_device("sum_squares", &[t])?;
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(i) = _device {
+        return crate::backend::cuda::sum_squares(&*super::stream(i)?, &t.as_device_tensor()?);
+    }
+    Ok(crate::backend::cpu::ops::sum_squares(&t.f32()?))
+}
