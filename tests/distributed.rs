@@ -1,11 +1,15 @@
 //! The threads backend's collectives against sequential references, its failure modes,
-//! init_process_group (`distributed/init.rs`), subgroups and meshes (`distributed/mesh.rs`).
+//! init_process_group (`distributed/init.rs`), subgroups and meshes (`distributed/mesh.rs`),
+//! the nccl backend (`distributed/nccl.rs`, with the `cuda` feature).
 
 mod common;
 #[path = "distributed/init.rs"]
 mod init;
 #[path = "distributed/mesh.rs"]
 mod mesh;
+#[cfg(feature = "cuda")]
+#[path = "distributed/nccl.rs"]
+mod nccl;
 
 use fsdp::distributed::{launch, LaunchOptions, ReduceOp};
 use fsdp::tensor::{DType, Tensor};

@@ -27,6 +27,8 @@ mod composite;
 mod init;
 mod launch;
 mod mesh;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 mod rendezvous;
 mod subgroups;
 pub mod threads;

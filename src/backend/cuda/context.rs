@@ -117,6 +117,17 @@ impl CudaDevice {
         Ok(dev)
     }
 
+    /// Makes this device's context current on the calling thread (for libraries that use
+    /// the current context, such as NCCL's communicator creation).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] from the driver.
+    pub fn bind_to_thread(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| Error::cuda(format!("binding cuda:{} to this thread", self.ordinal), e))
+    }
+
     /// The device ordinal.
     pub fn ordinal(&self) -> usize {
         self.ordinal

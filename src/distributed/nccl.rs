@@ -1,0 +1,551 @@
+//! The `nccl` backend: one process per GPU (or any number of ranks, one communicator each),
+//! collectives by NVIDIA's NCCL through cudarc (loaded at run time: a machine without
+//! `libnccl.so` gets an error, not a link failure).
+//!
+//! Semantics follow `torch.distributed`'s `ProcessGroupNCCL`
+//! (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp):
+//! - rank 0 of a group creates the NCCL unique id and publishes it in the job's key-value
+//!   store ([`IdStore`], the TCP store at `MASTER_ADDR:MASTER_PORT`); the others read it and
+//!   every rank calls `ncclCommInitRank`;
+//! - a collective is enqueued on the calling thread's current stream of the group's device
+//!   (FSDP calls from its communication thread, whose stream is the unshard /
+//!   post-backward stream), then waited for, so the [`ProcessGroup`] contract (return once
+//!   the output is complete and the input may be reused) holds;
+//! - the wait is a watchdog (`TORCH_NCCL_ASYNC_ERROR_HANDLING`): it polls the completion
+//!   event and `ncclCommGetAsyncError`; past the group timeout it aborts the communicator
+//!   and returns [`Error::Timeout`] naming the ranks that never entered this collective
+//!   (each rank records its collective sequence number in the store as it enters, which is
+//!   what PyTorch's desync debugging does), and an asynchronous NCCL error becomes
+//!   [`Error::PeerFailed`] or [`Error::Cuda`];
+//! - an aborted communicator fails every later collective with the first error;
+//! - `new_group` builds a communicator for the members from a fresh unique id under a key
+//!   naming the members and how many groups of them were made before.
+//!
+//! Reductions are NCCL's: `Sum`, `Avg` (`ncclAvg`), `Max`, `Min`, `Product`, accumulated
+//! in the dtype along NCCL's ring or tree, so for more than one rank the low bits of
+//! bf16/f16 (and the order of f32 additions) may differ from the `threads` backend's
+//! rank-order f64 reduction; at world size 1 every collective is an exact copy.
+//! NCCL cannot see that ranks called different collectives: a mismatch shows up as a
+//! timeout naming the ranks that did not enter (or, for differing sizes, as corrupt data);
+//! run the same job on the `threads` backend to get the exact mismatch.
+
+use super::{Group, ProcessGroup, ReduceOp};
+use crate::backend::cuda::{self as cu, Stream};
+use crate::backend::Device;
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Tensor};
+use cudarc::nccl::{result as nccl, sys};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// What the NCCL backend needs of the job's key-value store (`c10d::Store`): publish and
+/// read the unique id, and each rank's progress for the timeout report.
+pub trait IdStore: Send + Sync {
+    /// Sets `key` to `value`.
+    ///
+    /// # Errors
+    /// The store's I/O or timeout error.
+    fn set(&self, key: &str, value: &[u8]) -> Result<()>;
+    /// The value of `key`, waiting until some rank set it (bounded by the store timeout).
+    ///
+    /// # Errors
+    /// `Timeout` naming the key when nobody set it in time; I/O errors.
+    fn get(&self, key: &str) -> Result<Vec<u8>>;
+    /// The value of `key` if set, without waiting.
+    ///
+    /// # Errors
+    /// I/O errors.
+    fn try_get(&self, key: &str) -> Result<Option<Vec<u8>>>;
+}
+
+/// Bytes of an `ncclUniqueId`.
+pub const UNIQUE_ID_BYTES: usize = 128;
+
+/// True when `libnccl.so` can be loaded.
+pub fn is_available() -> bool {
+    // SAFETY: only tries to dlopen libnccl by its usual names.
+    unsafe { sys::is_culib_present() }
+}
+
+fn nccl_err(context: impl Into<String>, e: nccl::NcclError) -> Error {
+    Error::cuda(context, format!("NCCL error {:?}", e.0))
+}
+
+fn require_nccl() -> Result<()> {
+    if is_available() {
+        Ok(())
+    } else {
+        Err(Error::cuda(
+            "no NCCL library found (libnccl.so)",
+            "install NCCL (e.g. the nvidia-nccl-cu13 wheel) and put its lib folder on LD_LIBRARY_PATH, or use the threads backend",
+        ))
+    }
+}
+
+/// A fresh NCCL unique id (what rank 0 publishes).
+///
+/// # Errors
+/// [`Error::Cuda`] without libnccl or when NCCL cannot create one.
+pub fn unique_id() -> Result<[u8; UNIQUE_ID_BYTES]> {
+    require_nccl()?;
+    let id = nccl::get_uniqueid().map_err(|e| nccl_err("ncclGetUniqueId", e))?;
+    Ok(id.internal.map(|c| c as u8))
+}
+
+struct Comm {
+    raw: sys::ncclComm_t,
+    /// The first fatal error; later collectives fail with a copy of it.
+    failure: Option<Error>,
+}
+
+// SAFETY: an ncclComm_t may be used from any thread as long as calls on it are serialized,
+// which the Mutex around `Comm` ensures.
+unsafe impl Send for Comm {}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        if !self.raw.is_null() {
+            // SAFETY: the communicator is ours and no call on it is in flight (we hold it
+            // by value). Errors cannot be returned from drop; abort does not wait for peers.
+            unsafe {
+                let _ = if self.failure.is_some() {
+                    nccl::comm_abort(self.raw)
+                } else {
+                    nccl::comm_destroy(self.raw)
+                };
+            }
+        }
+    }
+}
+
+/// A process group whose collectives run through one NCCL communicator on one CUDA device
+/// (`ProcessGroupNCCL`). Tensors must be on that device.
+pub struct NcclGroup {
+    rank: usize,
+    size: usize,
+    ordinal: usize,
+    /// World ranks of the members, in group-rank order.
+    members: Vec<usize>,
+    world_rank: usize,
+    timeout: Duration,
+    store: Arc<dyn IdStore>,
+    /// Key prefix of this group in the store.
+    prefix: String,
+    comm: Mutex<Comm>,
+    seq: Mutex<u64>,
+    created: Mutex<HashMap<Vec<usize>, usize>>,
+}
+
+impl std::fmt::Debug for NcclGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "NcclGroup(rank {} of {}, cuda:{})",
+            self.rank, self.size, self.ordinal
+        )
+    }
+}
+
+impl NcclGroup {
+    /// The world group: rank `rank` of `world_size` on `cuda:ordinal`. Rank 0 creates the
+    /// unique id and sets it under `"nccl/world/id"` in `store`; every rank reads it and
+    /// joins (`ncclCommInitRank` blocks until all ranks joined, bounded by the store's wait
+    /// for the id, then by NCCL's own bootstrap timeout).
+    ///
+    /// # Errors
+    /// `InvalidArgument` for `rank >= world_size`; [`Error::Cuda`] without libnccl, a
+    /// device, or when NCCL fails to initialize; the store's errors.
+    pub fn new(
+        rank: usize,
+        world_size: usize,
+        ordinal: usize,
+        store: Arc<dyn IdStore>,
+        timeout: Duration,
+    ) -> Result<NcclGroup> {
+        if rank >= world_size {
+            crate::error::bail_arg!("nccl: rank {rank} is not in a world of {world_size}");
+        }
+        let members: Vec<usize> = (0..world_size).collect();
+        Self::join(
+            rank,
+            members,
+            rank,
+            ordinal,
+            store,
+            timeout,
+            "nccl/world".into(),
+        )
+    }
+
+    fn join(
+        rank: usize,
+        members: Vec<usize>,
+        world_rank: usize,
+        ordinal: usize,
+        store: Arc<dyn IdStore>,
+        timeout: Duration,
+        prefix: String,
+    ) -> Result<NcclGroup> {
+        require_nccl()?;
+        let size = members.len();
+        let key = format!("{prefix}/id");
+        let id = if rank == 0 {
+            let id = unique_id()?;
+            store.set(&key, &id)?;
+            id
+        } else {
+            let v = store.get(&key)?;
+            <[u8; UNIQUE_ID_BYTES]>::try_from(v.as_slice()).map_err(|_| {
+                Error::InvalidArgument(format!(
+                    "nccl: store key '{key}' holds {} bytes, not an NCCL unique id of {UNIQUE_ID_BYTES}",
+                    v.len()
+                ))
+            })?
+        };
+        let uid = sys::ncclUniqueId {
+            internal: id.map(|b| b as std::ffi::c_char),
+        };
+        // The communicator binds to the context current on this thread.
+        let dev = cu::CudaDevice::get(ordinal)?;
+        dev.bind_to_thread()?;
+        let mut raw: sys::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: `raw` is a valid out-pointer; the id came from ncclGetUniqueId on rank 0.
+        unsafe { nccl::comm_init_rank(&mut raw, size as i32, uid, rank as i32) }.map_err(|e| {
+            nccl_err(
+                format!("ncclCommInitRank (rank {rank} of {size} on cuda:{ordinal})"),
+                e,
+            )
+        })?;
+        Ok(NcclGroup {
+            rank,
+            size,
+            ordinal,
+            members,
+            world_rank,
+            timeout,
+            store,
+            prefix,
+            comm: Mutex::new(Comm { raw, failure: None }),
+            seq: Mutex::new(0),
+            created: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The device this group's tensors live on.
+    pub fn device(&self) -> Device {
+        Device::Cuda(self.ordinal)
+    }
+
+    fn check_tensors(&self, op: &'static str, ts: &[&Tensor]) -> Result<()> {
+        for t in ts {
+            if t.device() != self.device() {
+                return Err(Error::DeviceMismatch {
+                    op,
+                    expected: self.device().to_string(),
+                    got: t.device().to_string(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one collective: records this rank's progress, enqueues `issue` on the current
+    /// stream, then waits for it under the watchdog.
+    fn run(
+        &self,
+        op: &'static str,
+        issue: impl FnOnce(
+            sys::ncclComm_t,
+            sys::cudaStream_t,
+        ) -> std::result::Result<(), nccl::NcclError>,
+    ) -> Result<()> {
+        let stream = cu::current_stream(self.ordinal)?;
+        let mut comm = self.comm.lock();
+        if let Some(e) = &comm.failure {
+            return Err(e.duplicate());
+        }
+        let seq = {
+            let mut s = self.seq.lock();
+            *s += 1;
+            *s
+        };
+        self.store.set(
+            &format!("{}/seq/{}", self.prefix, self.rank),
+            seq.to_string().as_bytes(),
+        )?;
+        let cu_stream = stream.inner.cu_stream() as sys::cudaStream_t;
+        if let Err(e) = issue(comm.raw, cu_stream) {
+            let err = nccl_err(format!("{op} on rank {}", self.world_rank), e);
+            comm.failure = Some(err.duplicate());
+            return Err(err);
+        }
+        match self.watch(op, seq, &stream, comm.raw) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                comm.failure = Some(e.duplicate());
+                Err(e)
+            }
+        }
+    }
+
+    /// Waits for the work queued on `stream`, polling NCCL's asynchronous error, until the
+    /// group timeout.
+    fn watch(
+        &self,
+        op: &'static str,
+        seq: u64,
+        stream: &Stream,
+        raw: sys::ncclComm_t,
+    ) -> Result<()> {
+        let done = stream.record()?;
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(20);
+        loop {
+            if done.is_complete() {
+                return done.synchronize();
+            }
+            let mut status = sys::ncclResult_t::ncclSuccess;
+            // SAFETY: `raw` is a live communicator; `status` is a valid out-pointer.
+            unsafe { sys::ncclCommGetAsyncError(raw, &mut status) };
+            if status != sys::ncclResult_t::ncclSuccess
+                && status != sys::ncclResult_t::ncclInProgress
+            {
+                return Err(Error::PeerFailed {
+                    failed_rank: self
+                        .lagging_ranks(seq)
+                        .first()
+                        .copied()
+                        .unwrap_or(self.world_rank),
+                    reason: format!("NCCL reported {status:?} during {op}"),
+                });
+            }
+            if start.elapsed() > self.timeout {
+                return Err(Error::Timeout {
+                    op: op.to_string(),
+                    rank: self.world_rank,
+                    timeout_s: self.timeout.as_secs_f64(),
+                    missing_ranks: self.lagging_ranks(seq),
+                });
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(2));
+        }
+    }
+
+    /// World ranks whose recorded collective count is below `seq` (they never entered the
+    /// collective this rank is stuck in).
+    fn lagging_ranks(&self, seq: u64) -> Vec<usize> {
+        (0..self.size)
+            .filter(|&r| {
+                let key = format!("{}/seq/{r}", self.prefix);
+                let theirs = self
+                    .store
+                    .try_get(&key)
+                    .ok()
+                    .flatten()
+                    .and_then(|v| String::from_utf8(v).ok())
+                    .and_then(|s| s.parse::<u64>().ok())
+                    .unwrap_or(0);
+                theirs < seq
+            })
+            .map(|r| self.members[r])
+            .collect()
+    }
+}
+
+fn nccl_dtype(d: DType) -> sys::ncclDataType_t {
+    match d {
+        DType::F32 => sys::ncclDataType_t::ncclFloat32,
+        DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
+        DType::F16 => sys::ncclDataType_t::ncclFloat16,
+        DType::I32 => sys::ncclDataType_t::ncclInt32,
+    }
+}
+
+fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
+        ReduceOp::Avg => sys::ncclRedOp_t::ncclAvg,
+        ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
+        ReduceOp::Min => sys::ncclRedOp_t::ncclMin,
+        ReduceOp::Product => sys::ncclRedOp_t::ncclProd,
+    }
+}
+
+fn ptr(t: &Tensor) -> Result<u64> {
+    Ok(t.as_device_tensor()?.ptr())
+}
+
+fn same_dtype(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
+    if a.dtype() != b.dtype() {
+        return Err(Error::DTypeMismatch {
+            op,
+            expected: a.dtype(),
+            got: b.dtype(),
+        });
+    }
+    Ok(())
+}
+
+fn numel_is(op: &'static str, t: &Tensor, n: usize) -> Result<()> {
+    if t.numel() != n {
+        return Err(Error::ShapeMismatch {
+            op,
+            expected: vec![n],
+            got: t.shape().to_vec(),
+        });
+    }
+    Ok(())
+}
+
+impl ProcessGroup for NcclGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn backend(&self) -> &'static str {
+        "nccl"
+    }
+
+    fn world_rank(&self) -> usize {
+        self.world_rank
+    }
+
+    fn ranks(&self) -> Vec<usize> {
+        self.members.clone()
+    }
+
+    fn new_group(&self, ranks: &[usize]) -> Result<Option<Group>> {
+        let mut members = ranks.to_vec();
+        members.sort_unstable();
+        members.dedup();
+        let world = self.members.len();
+        if self.members.len() != self.size
+            || members.is_empty()
+            || members.len() != ranks.len()
+            || members.iter().any(|&r| r >= world)
+        {
+            crate::error::bail_arg!(
+                "new_group: ranks {ranks:?} must be distinct world ranks in 0..{world}, at least one (and new_group is called on the world group)"
+            );
+        }
+        let nth = {
+            let mut c = self.created.lock();
+            let n = c.entry(members.clone()).or_insert(0);
+            *n += 1;
+            *n - 1
+        };
+        let Some(local) = members.iter().position(|&r| r == self.world_rank) else {
+            return Ok(None);
+        };
+        let names: Vec<String> = members.iter().map(|r| r.to_string()).collect();
+        let prefix = format!("nccl/group/{}/{nth}", names.join(","));
+        let g = Self::join(
+            local,
+            members,
+            self.world_rank,
+            self.ordinal,
+            self.store.clone(),
+            self.timeout,
+            prefix,
+        )?;
+        Ok(Some(Arc::new(g)))
+    }
+
+    fn all_gather_into_tensor(&self, output: &Tensor, input: &Tensor) -> Result<()> {
+        let op = "all_gather_into_tensor";
+        self.check_tensors(op, &[output, input])?;
+        same_dtype(op, output, input)?;
+        numel_is(op, output, input.numel() * self.size)?;
+        let (src, dst, n, dt) = (
+            ptr(input)?,
+            ptr(output)?,
+            input.numel(),
+            nccl_dtype(input.dtype()),
+        );
+        self.run(op, |comm, s| {
+            // SAFETY: both pointers hold the checked element counts on this group's device.
+            unsafe { nccl::all_gather(src as *const c_void, dst as *mut c_void, n, dt, comm, s) }
+                .map(|_| ())
+        })
+    }
+
+    fn reduce_scatter_tensor(&self, output: &Tensor, input: &Tensor, op: ReduceOp) -> Result<()> {
+        let name = "reduce_scatter_tensor";
+        self.check_tensors(name, &[output, input])?;
+        same_dtype(name, output, input)?;
+        numel_is(name, input, output.numel() * self.size)?;
+        if !matches!(op, ReduceOp::Sum | ReduceOp::Avg) {
+            crate::error::bail_arg!("reduce_scatter_tensor: op {op:?}; only Sum and Avg");
+        }
+        let (src, dst, n) = (ptr(input)?, ptr(output)?, output.numel());
+        let (dt, rop) = (nccl_dtype(input.dtype()), nccl_op(op));
+        self.run(name, |comm, s| {
+            // SAFETY: input holds size * n and output n elements on this device.
+            unsafe {
+                nccl::reduce_scatter(
+                    src as *const c_void,
+                    dst as *mut c_void,
+                    n,
+                    dt,
+                    rop,
+                    comm,
+                    s,
+                )
+            }
+            .map(|_| ())
+        })
+    }
+
+    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
+        let name = "all_reduce";
+        self.check_tensors(name, &[tensor])?;
+        let (p, n) = (ptr(tensor)?, tensor.numel());
+        let (dt, rop) = (nccl_dtype(tensor.dtype()), nccl_op(op));
+        self.run(name, |comm, s| {
+            // SAFETY: in place over n elements on this device.
+            unsafe { nccl::all_reduce(p as *const c_void, p as *mut c_void, n, dt, rop, comm, s) }
+                .map(|_| ())
+        })
+    }
+
+    fn broadcast(&self, tensor: &Tensor, src: usize) -> Result<()> {
+        let name = "broadcast";
+        self.check_tensors(name, &[tensor])?;
+        if src >= self.size {
+            crate::error::bail_arg!(
+                "broadcast: src {src} is not a rank of a group of {}",
+                self.size
+            );
+        }
+        let (p, n, dt) = (ptr(tensor)?, tensor.numel(), nccl_dtype(tensor.dtype()));
+        self.run(name, |comm, s| {
+            // SAFETY: in place over n elements on this device.
+            unsafe {
+                nccl::broadcast(
+                    p as *const c_void,
+                    p as *mut c_void,
+                    n,
+                    dt,
+                    src as i32,
+                    comm,
+                    s,
+                )
+            }
+            .map(|_| ())
+        })
+    }
+
+    fn barrier(&self) -> Result<()> {
+        // As ProcessGroupNCCL: an all-reduce of one element on the device.
+        let t = Tensor::zeros_on(&[1], DType::F32, self.device())?;
+        self.all_reduce(&t, ReduceOp::Sum)
+    }
+}
