@@ -24,23 +24,28 @@
 //! [`Error::PeerFailed`]: crate::Error::PeerFailed
 
 mod composite;
+mod desc;
 mod init;
 mod launch;
 mod mesh;
 mod rendezvous;
+pub mod store;
 mod subgroups;
+pub mod tcp;
 pub mod threads;
 mod work;
 
 pub use composite::CollectivesExt;
 pub use init::{
-    default_group, destroy_process_group, get_backend, get_local_world_size, get_node_local_rank,
-    get_rank, get_world_size, init_process_group, is_initialized, InitOptions, Rendezvous,
-    TORCHRUN_ENV_VARS,
+    abort_process_group, default_group, destroy_process_group, get_backend, get_local_world_size,
+    get_node_local_rank, get_rank, get_world_size, init_process_group, is_initialized, InitOptions,
+    Rendezvous, TORCHRUN_ENV_VARS,
 };
 pub use launch::{launch, LaunchOptions};
 pub use mesh::{init_device_mesh, DeviceMesh, MeshDim};
+pub use store::{PrefixStore, Store, TcpStore, TcpStoreServer};
 pub use subgroups::{get_process_group_ranks, new_subgroups};
+pub use tcp::TcpGroup;
 pub use threads::ThreadsGroup;
 pub use work::{CommStream, Work};
 
