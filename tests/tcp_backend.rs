@@ -370,3 +370,38 @@ fn gloo_is_an_alias_and_bad_worlds_are_clear_errors() {
     assert_eq!(refused.len(), 1, "{res:?}");
     assert!(refused[0].contains("rank 1"), "{}", refused[0]);
 }
+
+#[test]
+fn a_rank_that_never_calls_a_collective_is_named_in_the_timeout() {
+    let port = free_port();
+    let gave_up = std::sync::atomic::AtomicUsize::new(0);
+    let res = on_threads(3, |r| {
+        let pg = init_process_group(opts("tcp", port, 3, r, 1.0))?;
+        if r == 2 {
+            // Alive and connected, but busy elsewhere until the others gave up.
+            while gave_up.load(std::sync::atomic::Ordering::SeqCst) < 2 {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            return Ok(());
+        }
+        let t = Tensor::zeros(&[4], DType::F32);
+        let e = pg.all_reduce(&t, ReduceOp::Sum);
+        gave_up.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        // The group is broken now: the next call fails at once, naming the same rank.
+        let again = pg.barrier();
+        assert!(
+            matches!(again, Err(Error::PeerFailed { failed_rank: 2, .. })),
+            "{again:?}"
+        );
+        e
+    });
+    for r in [0, 1] {
+        match &res[r] {
+            Err(e @ Error::Timeout { missing_ranks, .. }) => {
+                assert_eq!(missing_ranks, &vec![2], "rank {r}: {e}");
+                assert!(e.to_string().contains("all_reduce timed out"), "{e}");
+            }
+            other => panic!("rank {r}: {other:?}"),
+        }
+    }
+}
