@@ -213,7 +213,8 @@ fn a_mismatch_fails_every_rank_worded_as_the_threads_backend_and_the_group_goes_
 fn a_rank_that_returns_early_is_named_by_the_others() {
     let port = free_port();
     let res = on_threads(3, |r| {
-        init_process_group(opts("tcp", port, 3, r, 2.0))?;
+        // A long timeout: leaving is noticed at once, not by waiting it out.
+        init_process_group(opts("tcp", port, 3, r, 20.0))?;
         if r == 2 {
             // Returns without destroy_process_group: leaving the thread leaves the world.
             return Ok(());
@@ -376,7 +377,7 @@ fn a_rank_that_never_calls_a_collective_is_named_in_the_timeout() {
     let port = free_port();
     let gave_up = std::sync::atomic::AtomicUsize::new(0);
     let res = on_threads(3, |r| {
-        let pg = init_process_group(opts("tcp", port, 3, r, 1.0))?;
+        let pg = init_process_group(opts("tcp", port, 3, r, 2.0))?;
         if r == 2 {
             // Alive and connected, but busy elsewhere until the others gave up.
             while gave_up.load(std::sync::atomic::Ordering::SeqCst) < 2 {

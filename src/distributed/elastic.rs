@@ -336,13 +336,14 @@ pub fn record_error(err: &Error) {
         _ => None,
     };
     let rank = std::env::var("RANK").ok();
+    // torchrun reads `message` (a string) and `timestamp` (seconds) from this file too.
     let body = serde_json::json!({
         "message": err.to_string(),
+        "timestamp": std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
         "peer_failed": peer_failed,
         "rank": rank,
-        "timestamp_ms": std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64),
     });
     let _ = std::fs::write(path, body.to_string());
 }
