@@ -64,7 +64,7 @@ pub enum Error {
         detail: String,
     },
     /// A collective did not complete in time.
-    #[error("{op} timed out after {timeout_s:.1} s on rank {rank}: ranks {missing_ranks:?} never arrived")]
+    #[error("{op} timed out after {timeout_s:.1} s on rank {rank}{}", never_arrived(.missing_ranks))]
     Timeout {
         /// The collective (`torch.distributed` name): `"all_gather_into_tensor"`,
         /// `"reduce_scatter_tensor"`, `"all_reduce"`, `"broadcast"` or `"barrier"`.
@@ -74,7 +74,8 @@ pub enum Error {
         /// The group's collective timeout, seconds (default 300, as `torch.distributed`).
         timeout_s: f64,
         /// Ranks of the group that never called the collective; empty when every rank
-        /// arrived but some did not finish reading this rank's input in time.
+        /// arrived but some did not finish reading this rank's input in time, or when no
+        /// rank is to blame (a store key nobody set; the message then names the key).
         missing_ranks: Vec<usize>,
     },
     /// Another rank of the group failed; this rank stops instead of waiting for it.
@@ -230,6 +231,15 @@ impl Error {
             context: context.into(),
             source,
         }
+    }
+}
+
+/// `": ranks [..] never arrived"` for a [`Error::Timeout`] that blames ranks, else nothing.
+fn never_arrived(missing: &[usize]) -> String {
+    if missing.is_empty() {
+        String::new()
+    } else {
+        format!(": ranks {missing:?} never arrived")
     }
 }
 

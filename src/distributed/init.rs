@@ -1,5 +1,12 @@
 //! `torch.distributed.init_process_group` and the default group of each rank.
 //!
+//! The backend is chosen in [`InitOptions::resolve`] (`threads`, `tcp`/`gloo`; `nccl` is
+//! reserved) and the world is built in [`init_process_group`].
+//!
+//! On the `tcp` backend ([`TcpGroup`]) a rank is usually a process (as torchrun starts
+//! them), though threads work too: rank 0 hosts a TCP store at `MASTER_ADDR:MASTER_PORT`,
+//! and the ranks connect a mesh of TCP streams through it.
+//!
 //! On the `threads` backend a rank is a thread. `N` threads that call
 //! [`init_process_group`] with the same rendezvous key (`MASTER_ADDR:MASTER_PORT`, a
 //! `tcp://HOST:PORT` init method, or an in-process name `threads://NAME`) and distinct ranks
@@ -32,7 +39,7 @@
 //! }
 //! ```
 
-use super::{Group, ThreadsGroup};
+use super::{Group, TcpGroup, ThreadsGroup};
 use crate::error::{Error, Result};
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -55,9 +62,11 @@ pub const TORCHRUN_ENV_VARS: [&str; 6] = [
 /// variable of the same name.
 #[derive(Debug, Clone)]
 pub struct InitOptions {
-    /// `"threads"` (ranks are threads of this process). `"nccl"` lands with the CUDA
-    /// runtime and is `Unsupported` for now, as are `"gloo"`, `"mpi"` and `"ucc"`.
-    /// Case-insensitive, as torch's `Backend`.
+    /// `"threads"` (ranks are threads of this process) or `"tcp"` (ranks are processes
+    /// that meet through a TCP store; `"gloo"` is an alias, as PyTorch users write
+    /// `backend="gloo"` for CPU tensors). `"nccl"` lands with the CUDA runtime and is
+    /// `Unsupported` for now, as are `"mpi"` and `"ucc"`. Case-insensitive, as torch's
+    /// `Backend`.
     pub backend: String,
     /// How ranks find each other: `None` or `"env://"` (torch's default) reads
     /// `MASTER_ADDR` and `MASTER_PORT`; `"tcp://HOST:PORT"` names the address directly;
@@ -168,23 +177,24 @@ impl InitOptions {
     /// naming the variable and the value, and for ranks out of range.
     pub fn resolve(&self) -> Result<Rendezvous> {
         let backend = self.backend.trim().to_ascii_lowercase();
-        match backend.as_str() {
-            "threads" => {}
+        let backend = match backend.as_str() {
+            "threads" => "threads",
+            "tcp" | "gloo" => "tcp",
             "nccl" => {
                 return Err(Error::Unsupported(
-                    "backend \"nccl\" lands with the CUDA runtime (a later issue); use backend \"threads\"".into(),
+                    "backend \"nccl\" lands with the CUDA runtime (a later issue); use backend \"threads\" or \"tcp\"".into(),
                 ))
             }
-            "gloo" | "mpi" | "ucc" => {
+            "mpi" | "ucc" => {
                 return Err(Error::Unsupported(format!(
-                    "backend \"{backend}\"; this build has \"threads\" only"
+                    "backend \"{backend}\"; this build has \"threads\" and \"tcp\" (alias \"gloo\")"
                 )))
             }
             _ => crate::error::bail_arg!(
-                "init_process_group: unknown backend '{}'; expected \"threads\"",
+                "init_process_group: unknown backend '{}'; expected \"threads\" or \"tcp\" (alias \"gloo\")",
                 self.backend
             ),
-        }
+        };
         let world_size = self.number(self.world_size, "WORLD_SIZE", 1)?.ok_or_else(|| {
             Error::InvalidArgument(
                 "init_process_group: world_size not given and environment variable WORLD_SIZE is not set (torchrun sets it)".into(),
@@ -254,6 +264,11 @@ impl InitOptions {
                 }
             }
             Some(m) if m.starts_with("threads://") && m.len() > "threads://".len() => {
+                if backend == "tcp" {
+                    crate::error::bail_arg!(
+                        "init_process_group: init_method '{m}' names an in-process world; backend tcp meets at env:// or tcp://HOST:PORT"
+                    );
+                }
                 m.to_string()
             }
             Some(m) => crate::error::bail_arg!(
@@ -261,6 +276,7 @@ impl InitOptions {
             ),
         };
         Ok(Rendezvous {
+            backend,
             key,
             world_size,
             rank,
@@ -274,6 +290,8 @@ impl InitOptions {
 /// What [`InitOptions::resolve`] settled on: the rendezvous key and this rank's place.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rendezvous {
+    /// The backend: `"threads"` or `"tcp"` (also for `"gloo"`).
+    pub backend: &'static str,
     /// Ranks with the same key join the same world: `"HOST:PORT"` or `"threads://NAME"`.
     pub key: String,
     /// Number of ranks in the world.
@@ -288,9 +306,39 @@ pub struct Rendezvous {
     pub timeout: Duration,
 }
 
+/// A default group, by backend: what leaving or failing it takes differs.
+#[derive(Clone)]
+enum Handle {
+    Threads(Arc<ThreadsGroup>),
+    Tcp(Arc<TcpGroup>),
+}
+
+impl Handle {
+    fn group(&self) -> Group {
+        match self {
+            Handle::Threads(g) => g.clone(),
+            Handle::Tcp(g) => g.clone(),
+        }
+    }
+
+    fn mark_exited(&self) {
+        match self {
+            Handle::Threads(g) => g.mark_exited(),
+            Handle::Tcp(g) => g.mark_exited(),
+        }
+    }
+
+    fn mark_failed(&self, reason: String) {
+        match self {
+            Handle::Threads(g) => g.mark_failed(reason),
+            Handle::Tcp(g) => g.mark_failed(reason),
+        }
+    }
+}
+
 /// This thread's default group and where it came from.
 struct DefaultGroup {
-    group: Arc<ThreadsGroup>,
+    group: Handle,
     local_rank: Option<usize>,
     local_world_size: Option<usize>,
     /// Marks the rank exited when dropped (a thread that ends without
@@ -328,7 +376,7 @@ pub(super) fn set_default_for_launch(group: Arc<ThreadsGroup>) -> DefaultGroupGu
     let rank = super::ProcessGroup::rank(group.as_ref());
     DEFAULT.with(|d| {
         *d.borrow_mut() = Some(DefaultGroup {
-            group,
+            group: Handle::Threads(group),
             local_rank: Some(rank),
             local_world_size: Some(size),
             exit_on_drop: false,
@@ -357,10 +405,14 @@ pub fn init_process_group(opts: InitOptions) -> Result<Group> {
             get_world_size()?
         );
     }
-    let group = Arc::new(super::rendezvous::join(&rv)?);
+    let handle = match rv.backend {
+        "tcp" => Handle::Tcp(TcpGroup::init(&rv)?),
+        _ => Handle::Threads(Arc::new(super::rendezvous::join(&rv)?)),
+    };
+    let group = handle.group();
     DEFAULT.with(|d| {
         *d.borrow_mut() = Some(DefaultGroup {
-            group: group.clone(),
+            group: handle,
             local_rank: rv.local_rank,
             local_world_size: rv.local_world_size,
             exit_on_drop: true,
@@ -386,7 +438,7 @@ pub fn is_initialized() -> bool {
 /// # Errors
 /// `NotInitialized` before [`init_process_group`] (or outside [`launch`](super::launch)).
 pub fn default_group() -> Result<Group> {
-    with_default("default_group", |g| g.group.clone() as Group)
+    with_default("default_group", |g| g.group.group())
 }
 
 /// This rank in the default group (`torch.distributed.get_rank()`).
@@ -394,7 +446,7 @@ pub fn default_group() -> Result<Group> {
 /// # Errors
 /// `NotInitialized` without a default group.
 pub fn get_rank() -> Result<usize> {
-    with_default("get_rank", |g| super::ProcessGroup::rank(g.group.as_ref()))
+    with_default("get_rank", |g| g.group.group().rank())
 }
 
 /// Number of ranks in the default group (`torch.distributed.get_world_size()`).
@@ -402,19 +454,16 @@ pub fn get_rank() -> Result<usize> {
 /// # Errors
 /// `NotInitialized` without a default group.
 pub fn get_world_size() -> Result<usize> {
-    with_default("get_world_size", |g| {
-        super::ProcessGroup::size(g.group.as_ref())
-    })
+    with_default("get_world_size", |g| g.group.group().size())
 }
 
-/// The default group's backend name (`torch.distributed.get_backend()`): `"threads"`.
+/// The default group's backend name (`torch.distributed.get_backend()`): `"threads"` or
+/// `"tcp"`.
 ///
 /// # Errors
 /// `NotInitialized` without a default group.
 pub fn get_backend() -> Result<&'static str> {
-    with_default("get_backend", |g| {
-        super::ProcessGroup::backend(g.group.as_ref())
-    })
+    with_default("get_backend", |g| g.group.group().backend())
 }
 
 /// This rank's index within its node (`torch.distributed.get_node_local_rank`): the
@@ -465,5 +514,17 @@ pub fn destroy_process_group() -> Result<()> {
         None => Err(Error::NotInitialized {
             call: "destroy_process_group",
         }),
+    }
+}
+
+/// Ends this thread's default group because this rank failed with `reason`: peers waiting
+/// for it in any group of the world fail at once with `PeerFailed` naming it and carrying
+/// `reason` (on the `tcp` backend the reason travels to the other processes). What a rank
+/// process calls before it exits with an error. No-op without a default group.
+pub fn abort_process_group(reason: &str) {
+    let old = DEFAULT.with(|d| d.borrow_mut().take());
+    if let Some(mut g) = old {
+        g.exit_on_drop = false;
+        g.group.mark_failed(reason.to_string());
     }
 }

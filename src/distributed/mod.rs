@@ -3,13 +3,17 @@
 //! | backend | ranks are | tensors | module |
 //! |---|---|---|---|
 //! | `threads` | threads of one process | CPU | [`threads`] |
-//! | `nccl` | one process per GPU | CUDA | CUDA runtime issue |
+//! | `tcp` (alias `gloo`) | processes (or threads), over TCP | CPU | [`tcp`] |
+//! | `nccl` | one process per GPU | CUDA | CUDA runtime issue (meets through [`TcpStore`]) |
 //!
 //! | torch.distributed | here | file |
 //! |---|---|---|
 //! | `init_process_group`, `destroy_process_group`, `get_rank`, `get_world_size`, `is_initialized`, `group.WORLD` | [`init_process_group`], [`destroy_process_group`], [`get_rank`], [`get_world_size`], [`is_initialized`], [`default_group`] | `init.rs`, `rendezvous.rs` |
 //! | `torchrun` for in-process ranks | [`launch`] | `launch.rs` |
-//! | `ProcessGroup`, collectives | [`ProcessGroup`], [`CollectivesExt`] | `mod.rs`, `composite.rs`, `threads.rs` |
+//! | `torchrun` (processes), `elastic_launch`, `@record` | [`elastic_launch`], [`record_error`], `fsdp launch` | `elastic.rs` |
+//! | `TCPStore`, `PrefixStore`, `Store` | [`TcpStore`], [`TcpStoreServer`], [`PrefixStore`], [`Store`] | `store/` |
+//! | `ProcessGroup`, collectives | [`ProcessGroup`], [`CollectivesExt`] | `mod.rs`, `composite.rs`, `desc.rs`, `threads/`, `tcp/` |
+//! | `ProcessGroupGloo` | [`TcpGroup`] | `tcp/` |
 //! | `new_group`, `new_subgroups`, `get_process_group_ranks` | [`ProcessGroup::new_group`], [`new_subgroups`], [`get_process_group_ranks`] | `subgroups.rs` |
 //! | `init_device_mesh`, `DeviceMesh` | [`init_device_mesh`], [`DeviceMesh`] | `mesh.rs` |
 //! | `async_op=True`, `Work` | [`CommStream`], [`Work`] | `work.rs` |
@@ -24,25 +28,32 @@
 //! [`Error::PeerFailed`]: crate::Error::PeerFailed
 
 mod composite;
+mod desc;
+pub mod elastic;
 mod init;
 mod launch;
 mod mesh;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 mod rendezvous;
+pub mod store;
 mod subgroups;
+pub mod tcp;
 pub mod threads;
 mod work;
 
 pub use composite::CollectivesExt;
+pub use elastic::{elastic_launch, record_error, ElasticLaunchConfig};
 pub use init::{
-    default_group, destroy_process_group, get_backend, get_local_world_size, get_node_local_rank,
-    get_rank, get_world_size, init_process_group, is_initialized, InitOptions, Rendezvous,
-    TORCHRUN_ENV_VARS,
+    abort_process_group, default_group, destroy_process_group, get_backend, get_local_world_size,
+    get_node_local_rank, get_rank, get_world_size, init_process_group, is_initialized, InitOptions,
+    Rendezvous, TORCHRUN_ENV_VARS,
 };
 pub use launch::{launch, LaunchOptions};
 pub use mesh::{init_device_mesh, DeviceMesh, MeshDim};
+pub use store::{PrefixStore, Store, TcpStore, TcpStoreServer};
 pub use subgroups::{get_process_group_ranks, new_subgroups};
+pub use tcp::TcpGroup;
 pub use threads::ThreadsGroup;
 pub use work::{CommStream, Work};
 
@@ -74,7 +85,7 @@ pub trait ProcessGroup: Send + Sync {
     fn rank(&self) -> usize;
     /// Number of ranks.
     fn size(&self) -> usize;
-    /// Backend name (`"threads"`, `"nccl"`).
+    /// Backend name (`"threads"`, `"tcp"`, `"nccl"`).
     fn backend(&self) -> &'static str;
 
     /// This rank's index in the whole world (equal to `rank()` on the world group).

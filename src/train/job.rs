@@ -23,7 +23,8 @@ pub struct TrainConfig {
     /// UTF-8 text file to train on (`--data`); tokens are its bytes, the last 10% held out.
     /// Default `data/tinyshakespeare.txt`.
     pub data: PathBuf,
-    /// Number of ranks, threads of this process (`--world-size`), default 4.
+    /// Number of ranks (`--world-size`), default 4: threads of this process for [`train`];
+    /// the job's processes (`WORLD_SIZE`) for [`train_rank`](super::train_rank).
     pub world_size: usize,
     /// FSDP sharding strategy (`--strategy`), default `FullShard`; the hybrid ones are
     /// rejected by [`validate`](Self::validate).
@@ -508,7 +509,10 @@ fn evaluate(cfg: &TrainConfig, data: &TextDataset, engine: &mut Engine, pg: &Gro
     Ok(total / cfg.eval_batches.max(1) as f32)
 }
 
-fn run_rank(
+/// One rank's whole run on `pg`: build, resume, train, evaluate, save, sample. What every
+/// rank runs, whether ranks are threads ([`train`]) or processes
+/// ([`train_rank`](super::train_rank)); only rank 0 reports to `observer` and `metrics`.
+pub(super) fn run_rank(
     cfg: &TrainConfig,
     data: &TextDataset,
     pg: Group,

@@ -5,6 +5,7 @@
 //! | data loading, splits, world-size-independent batches | `data.rs` |
 //! | FSDP or plain engine, memory figures | `engine.rs` |
 //! | the training loop, config, metrics | `job.rs` |
+//! | one rank of a multi-process job (`fsdp launch`, torchrun) | `process.rs` |
 //! | `--device` and its availability check | `device.rs` |
 //! | wrap mode, precision, lr schedule, checkpoint layout | `options.rs` |
 //! | the hidden test-only fault hook `FSDP_FAIL_RANK` | `fault.rs` |
@@ -17,6 +18,7 @@ pub mod engine;
 mod fault;
 mod job;
 mod options;
+mod process;
 mod resume;
 pub mod sample;
 
@@ -25,3 +27,4 @@ pub use job::{
     build_engine, train, CheckpointType, LrSchedule, Observer, Precision, Silent, StepRecord,
     TrainConfig, TrainReport, WrapMode,
 };
+pub use process::{train_rank, RankEnv};

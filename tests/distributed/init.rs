@@ -206,7 +206,7 @@ fn bad_torchrun_variables_are_errors_naming_the_variable_and_value() {
             "expected '{want}' in: {err}"
         );
     }
-    for backend in ["nccl", "gloo", "mpi"] {
+    for backend in ["nccl", "mpi", "ucc"] {
         let err = init_process_group(InitOptions {
             backend: backend.into(),
             ..base("", &[])

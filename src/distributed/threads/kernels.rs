@@ -54,7 +54,7 @@ pub(super) unsafe fn all_gather<T: Element>(out: *mut T, n: usize, peers: &[Arri
 /// Every `src(s)` is valid for reads and every `dst(d)` for writes of `len` elements of `T`;
 /// a destination overlaps no other destination and no source other than exactly itself;
 /// nothing else accesses these ranges during the call.
-pub(super) unsafe fn reduce<T, S, D>(
+pub(crate) unsafe fn reduce<T, S, D>(
     op: ReduceOp,
     nsrc: usize,
     len: usize,
@@ -339,7 +339,7 @@ fn then<T: Element, C: Combine, const K: usize>(acc: &mut [f64], xs: [&[T]; K]) 
 /// contiguous ranges in rank order whose boundaries are multiples of `align` elements (so
 /// two ranks never write the same cache line of a 64-byte aligned buffer) and whose sizes
 /// differ by at most `align`.
-pub(super) fn split(len: usize, n: usize, rank: usize, align: usize) -> (usize, usize) {
+pub(crate) fn split(len: usize, n: usize, rank: usize, align: usize) -> (usize, usize) {
     let align = align.max(1);
     let blocks = len.div_ceil(align);
     let (per, extra) = (blocks / n, blocks % n);

@@ -48,7 +48,7 @@
 //! storage that one rank writes must not be passed by another rank of the same collective
 //! (the second rank waits for the lock until the first times out).
 
-mod kernels;
+pub(crate) mod kernels;
 mod rendezvous;
 
 use super::{ProcessGroup, ReduceOp};

@@ -4,48 +4,13 @@
 //! Nothing here allocates once a group is set up: descriptors are `Copy`, the arrivals are
 //! copied into the caller's scratch, and strings are built only for error messages.
 
-use crate::distributed::ReduceOp;
 use crate::error::{Error, Result};
-use crate::tensor::DType;
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// The argument that tells calls of one op apart (compared across ranks like the rest of
-/// the descriptor).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Arg {
-    None,
-    Op(ReduceOp),
-    Src(usize),
-}
-
-/// What a rank called: compared across the ranks of the group before any data moves.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct Desc {
-    pub(super) op: &'static str,
-    pub(super) dtype: DType,
-    pub(super) in_numel: usize,
-    pub(super) out_numel: usize,
-    pub(super) arg: Arg,
-}
-
-impl std::fmt::Display for Desc {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{}({}, {} -> {} elements",
-            self.op, self.dtype, self.in_numel, self.out_numel
-        )?;
-        match self.arg {
-            Arg::None => {}
-            Arg::Op(op) => write!(f, ", {op:?}")?,
-            Arg::Src(src) => write!(f, ", src={src}")?,
-        }
-        f.write_str(")")
-    }
-}
+pub(super) use crate::distributed::desc::{Arg, Desc};
 
 /// The address of one rank's tensor memory, published to its peers for one collective.
 #[derive(Clone, Copy, Debug)]
@@ -349,22 +314,5 @@ fn peer_failed(st: &State) -> Option<Error> {
 
 /// Compares every rank's descriptor with the first member's; ranks named by world rank.
 fn check_descs(slots: &[Option<Arrival>], members: &[usize]) -> std::result::Result<(), String> {
-    let Some(first) = slots.first().copied().flatten().map(|a| a.desc) else {
-        return Err("internal: rank 0 did not arrive".into());
-    };
-    let differs = |a: &Option<Arrival>| a.is_some_and(|a| a.desc != first);
-    if !slots.iter().any(differs) {
-        return Ok(());
-    }
-    let differing: Vec<String> = slots
-        .iter()
-        .enumerate()
-        .filter(|(_, a)| differs(a))
-        .filter_map(|(r, a)| a.map(|a| format!("rank {} called {}", members[r], a.desc)))
-        .collect();
-    Err(format!(
-        "rank {} called {first} but {}",
-        members[0],
-        differing.join(", ")
-    ))
+    crate::distributed::desc::check_descs(slots.len(), |r| slots[r].map(|a| a.desc), members)
 }

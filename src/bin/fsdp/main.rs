@@ -1,9 +1,11 @@
 //! `fsdp`: the command line. `fsdp train` runs the main job; `fsdp bench` measures FSDP
-//! against plain training side by side.
+//! against plain training side by side; `fsdp launch` starts one process per rank, as
+//! torchrun. Only parsing and printing live here; the work is the library's.
 
 use clap::{Args, Parser, Subcommand};
 use fsdp::fsdp::{BackwardPrefetch, ShardingStrategy};
 use fsdp::optim::OptimizerKind;
+use fsdp::train::RankEnv;
 use fsdp::train::{
     self, CheckpointType, LrSchedule, Observer, Precision, StepRecord, TrainConfig, WrapMode,
 };
@@ -34,8 +36,15 @@ macro_rules! err {
     }};
 }
 
+mod bench;
+mod launch;
+
+use bench::{run_bench, BenchArgs};
+use launch::{run_launch, LaunchArgs};
+
 /// The defaults of every option are the library's (`TrainConfig::default()`).
-static D: std::sync::LazyLock<TrainConfig> = std::sync::LazyLock::new(TrainConfig::default);
+pub(crate) static D: std::sync::LazyLock<TrainConfig> =
+    std::sync::LazyLock::new(TrainConfig::default);
 
 #[derive(Parser)]
 #[command(
@@ -50,14 +59,18 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Train a byte-level GPT on a text file across in-process ranks.
+    /// Train a byte-level GPT on a text file across in-process ranks (or as one rank of a
+    /// job started by `fsdp launch` or torchrun).
     Train(TrainArgs),
     /// Step time and per-rank memory: plain training vs FSDP at world sizes 1, 2, 4.
     Bench(BenchArgs),
+    /// Start one process per rank with torchrun's environment (`fsdp launch
+    /// --nproc-per-node 2 -- fsdp train ...`).
+    Launch(LaunchArgs),
 }
 
 #[derive(Args, Clone)]
-struct ModelArgs {
+pub(crate) struct ModelArgs {
     /// Sequence length T (tokens per row).
     #[arg(long, allow_hyphen_values = true, default_value_t = D.seq_len)]
     seq_len: usize,
@@ -144,9 +157,11 @@ struct TrainArgs {
     /// UTF-8 text file; tokens are its bytes, the last 10% held out for eval.
     #[arg(long, default_value = "data/tinyshakespeare.txt")]
     data: PathBuf,
-    /// Number of ranks (threads of this process).
-    #[arg(long, allow_hyphen_values = true, default_value_t = D.world_size)]
-    world_size: usize,
+    /// Number of ranks: threads of this process (default 4), or, when a launcher set
+    /// RANK, WORLD_SIZE and MASTER_ADDR (fsdp launch, torchrun), the job's processes, this
+    /// process being one of them (default WORLD_SIZE; a different value is an error).
+    #[arg(long, allow_hyphen_values = true)]
+    world_size: Option<usize>,
     #[arg(long, value_enum, default_value_t = D.strategy)]
     strategy: ShardingStrategy,
     /// FSDP units: `transformer` (one per Block, plus the root), `size:N` (size-based
@@ -203,49 +218,7 @@ struct TrainArgs {
     model: ModelArgs,
 }
 
-#[derive(Args)]
-struct BenchArgs {
-    #[arg(long, default_value = "data/tinyshakespeare.txt")]
-    data: PathBuf,
-    /// Timed steps per configuration (after the warm-up).
-    #[arg(long, allow_hyphen_values = true, default_value_t = 20)]
-    steps: usize,
-    /// Untimed warm-up steps per configuration.
-    #[arg(long, allow_hyphen_values = true, default_value_t = 3)]
-    warmup: usize,
-    /// World sizes to run FSDP at.
-    #[arg(
-        long,
-        allow_hyphen_values = true,
-        value_delimiter = ',',
-        default_value = "1,2,4"
-    )]
-    world_sizes: Vec<usize>,
-    /// Strategies to run at each world size (hybrid ones as 2 nodes when the world size is
-    /// even, else one rank per node).
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "full-shard")]
-    strategies: Vec<ShardingStrategy>,
-    /// Prefetch settings to run every FSDP configuration with: `on` (BackwardPre and
-    /// forward prefetch), `off` (gather each unit on demand).
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "on,off")]
-    prefetch: Vec<PrefetchMode>,
-    /// Compute precision of the FSDP runs.
-    #[arg(long, value_enum, default_value_t = D.mixed_precision)]
-    mixed_precision: Precision,
-    #[command(flatten)]
-    model: ModelArgs,
-}
-
-/// `fsdp bench --prefetch` values.
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum PrefetchMode {
-    /// backward_prefetch BackwardPre, forward_prefetch on.
-    On,
-    /// No prefetch: every unit is gathered when it is needed.
-    Off,
-}
-
-fn base_config(m: &ModelArgs, data: PathBuf) -> TrainConfig {
+pub(crate) fn base_config(m: &ModelArgs, data: PathBuf) -> TrainConfig {
     TrainConfig {
         data,
         seq_len: m.seq_len,
@@ -315,8 +288,21 @@ impl Observer for Progress {
 }
 
 fn run_train(a: TrainArgs) -> fsdp::Result<()> {
+    // Under a launcher this process is one rank of the job.
+    let env = RankEnv::from_env()?;
+    let world_size = match (a.world_size, env) {
+        (Some(w), Some(e)) if w != e.world_size => {
+            return Err(fsdp::Error::InvalidArgument(format!(
+                "--world-size {w} differs from WORLD_SIZE={} set by the launcher; drop --world-size or make them agree",
+                e.world_size
+            )))
+        }
+        (Some(w), _) => w,
+        (None, Some(e)) => e.world_size,
+        (None, None) => D.world_size,
+    };
     let cfg = TrainConfig {
-        world_size: a.world_size,
+        world_size,
         strategy: a.strategy,
         wrap: a.wrap,
         steps: a.steps,
@@ -341,9 +327,18 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         ..base_config(&a.model, a.data.clone())
     };
     cfg.validate()?;
+    if let Some(e) = env.filter(|e| e.rank != 0) {
+        // Rank 0 prints and logs for the job; the other ranks train silently.
+        return train::train_rank(&cfg, &e, &train::Silent).map(drop);
+    }
     out!(
-        "fsdp train: {} ranks (threads backend), strategy {:?}{}, wrap {}, precision {:?}, {} steps of {} x {} tokens, data {}",
+        "fsdp train: {} ranks ({}), strategy {:?}{}, wrap {}, precision {:?}, {} steps of {} x {} tokens, data {}",
         cfg.world_size,
+        if env.is_some() {
+            "processes, tcp backend"
+        } else {
+            "threads backend"
+        },
         cfg.strategy,
         if cfg.strategy.is_hybrid() {
             let n = cfg.ranks_per_node.unwrap_or(cfg.world_size);
@@ -373,7 +368,13 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         log_every: a.log_every,
         steps: cfg.steps,
     };
-    let report = train::train(&cfg, &progress)?;
+    let report = match &env {
+        Some(e) => match train::train_rank(&cfg, e, &progress)? {
+            Some(r) => r,
+            None => return Ok(()),
+        },
+        None => train::train(&cfg, &progress)?,
+    };
     if let Some(b) = &progress.bar {
         b.finish_and_clear();
     }
@@ -418,129 +419,6 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
     Ok(())
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    if v.is_empty() {
-        f64::NAN
-    } else {
-        v[v.len() / 2]
-    }
-}
-
-fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
-    let mut runs: Vec<(String, TrainConfig)> = Vec::new();
-    let base = TrainConfig {
-        steps: a.warmup + a.steps,
-        eval_every: 0,
-        eval_batches: 1,
-        sample_len: 0,
-        world_size: 1,
-        ..base_config(&a.model, a.data.clone())
-    };
-    runs.push((
-        "plain (no FSDP)".into(),
-        TrainConfig {
-            no_fsdp: true,
-            ..base.clone()
-        },
-    ));
-    for &strategy in &a.strategies {
-        let name = clap::ValueEnum::to_possible_value(&strategy)
-            .map_or(String::new(), |v| v.get_name().to_string());
-        for &w in &a.world_sizes {
-            let ranks_per_node = strategy
-                .is_hybrid()
-                .then_some(if w % 2 == 0 { w / 2 } else { 1 });
-            for &p in &a.prefetch {
-                let on = p == PrefetchMode::On;
-                runs.push((
-                    format!("{name} ws={w} prefetch {}", if on { "on" } else { "off" }),
-                    TrainConfig {
-                        world_size: w,
-                        strategy,
-                        ranks_per_node,
-                        mixed_precision: a.mixed_precision,
-                        backward_prefetch: on.then_some(BackwardPrefetch::BackwardPre),
-                        forward_prefetch: on,
-                        ..base.clone()
-                    },
-                ));
-            }
-        }
-    }
-    if a.steps == 0 {
-        return Err(fsdp::Error::InvalidArgument(
-            "--steps must be at least 1".into(),
-        ));
-    }
-    if a.world_sizes.is_empty() || a.world_sizes.contains(&0) {
-        return Err(fsdp::Error::InvalidArgument(format!(
-            "--world-sizes must list positive world sizes, got {:?}",
-            a.world_sizes
-        )));
-    }
-    for (_, cfg) in &runs {
-        cfg.validate().map_err(|e| match e {
-            fsdp::Error::InvalidArgument(m) => fsdp::Error::InvalidArgument(format!(
-                "{m} (fsdp bench runs --world-sizes {:?})",
-                a.world_sizes
-            )),
-            e => e,
-        })?;
-    }
-    out!(
-        "{:<36} {:>14} {:>10} {:>9} {:>20} {:>20} {:>6} {:>13}",
-        "configuration",
-        "median step ms",
-        "tokens/s",
-        "vs plain",
-        "rank-0 p+g+opt bytes",
-        "peak unsharded bytes",
-        "units",
-        "comm wait ms"
-    );
-    let mut plain_ms = f64::NAN;
-    for (name, cfg) in runs {
-        let report = train::train(&cfg, &train::Silent)?;
-        let ms = median(
-            report
-                .records
-                .iter()
-                .skip(a.warmup)
-                .map(|r| r.step_time_s * 1e3)
-                .collect(),
-        );
-        if cfg.no_fsdp {
-            plain_ms = ms;
-        }
-        let mem = report
-            .records
-            .last()
-            .map(|r| r.ranks[0])
-            .unwrap_or_default();
-        let wait_ms = median(
-            report
-                .records
-                .iter()
-                .skip(a.warmup)
-                .map(|r| r.ranks[0].comm_wait_us as f64 / 1e3)
-                .collect(),
-        );
-        out!(
-            "{:<36} {:>14.1} {:>10.0} {:>9.3} {:>20} {:>20} {:>6} {:>13.1}",
-            name,
-            ms,
-            (cfg.global_batch * cfg.seq_len) as f64 / (ms / 1e3),
-            ms / plain_ms,
-            mem.sharded_total(),
-            mem.peak_unsharded_param_bytes,
-            mem.peak_unsharded_units,
-            wait_ms
-        );
-    }
-    Ok(())
-}
-
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(c) => c,
@@ -568,14 +446,17 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let res = match cli.cmd {
-        Cmd::Train(a) => run_train(a),
-        Cmd::Bench(a) => run_bench(a),
+    let (res, who) = match cli.cmd {
+        Cmd::Train(a) => (run_train(a), ""),
+        Cmd::Bench(a) => (run_bench(a), ""),
+        Cmd::Launch(a) => (run_launch(a), "fsdp launch: "),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            err!("error: {e}");
+            err!("error: {who}{e}");
+            // Under fsdp launch or torchrun, the launcher reads it (torch's @record).
+            fsdp::distributed::record_error(&e);
             ExitCode::FAILURE
         }
     }

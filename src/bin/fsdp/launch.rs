@@ -1,0 +1,56 @@
+//! `fsdp launch`: torchrun's command line; the work is `fsdp::distributed::elastic_launch`.
+
+use clap::Args;
+use fsdp::distributed::{elastic_launch, ElasticLaunchConfig};
+use std::ffi::OsString;
+
+/// Options of `fsdp launch` (torchrun's names; the underscore spellings work too).
+#[derive(Args)]
+pub(crate) struct LaunchArgs {
+    /// Processes (ranks) to start on this node.
+    #[arg(
+        long,
+        alias = "nproc_per_node",
+        allow_hyphen_values = true,
+        default_value_t = 1
+    )]
+    nproc_per_node: usize,
+    /// Nodes in the job; run `fsdp launch` on each with its --node-rank.
+    #[arg(long, allow_hyphen_values = true, default_value_t = 1)]
+    nnodes: usize,
+    /// This node's index in 0..nnodes.
+    #[arg(
+        long,
+        alias = "node_rank",
+        allow_hyphen_values = true,
+        default_value_t = 0
+    )]
+    node_rank: usize,
+    /// Address of node 0, where rank 0 hosts the rendezvous store.
+    #[arg(long, alias = "master_addr", default_value = "127.0.0.1")]
+    master_addr: String,
+    /// Port of the rendezvous store (default: a free port; required with --nnodes > 1).
+    #[arg(long, alias = "master_port")]
+    master_port: Option<u16>,
+    /// The program to run on every rank and its arguments, after `--` (`fsdp` is this
+    /// executable).
+    #[arg(last = true, required = true, value_name = "PROGRAM [ARGS]")]
+    command: Vec<OsString>,
+}
+
+/// Runs `fsdp launch`.
+pub(crate) fn run_launch(a: LaunchArgs) -> fsdp::Result<()> {
+    let cfg = ElasticLaunchConfig {
+        nproc_per_node: a.nproc_per_node,
+        nnodes: a.nnodes,
+        node_rank: a.node_rank,
+        master_addr: a.master_addr,
+        master_port: a.master_port,
+    };
+    let Some((program, args)) = a.command.split_first() else {
+        return Err(fsdp::Error::InvalidArgument(
+            "fsdp launch needs a program after `--`".into(),
+        ));
+    };
+    elastic_launch(&cfg, program, args)
+}

@@ -1,0 +1,349 @@
+//! `fsdp launch`: starts one process per rank with torchrun's environment and watches them
+//! (`torch/distributed/run.py`, `torch/distributed/launcher/api.py`,
+//! `torch/distributed/elastic/multiprocessing/`; static rendezvous, no restarts).
+//!
+//! Each child gets `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`
+//! (the node rank), `ROLE_RANK`, `MASTER_ADDR`, `MASTER_PORT` and `TORCHELASTIC_ERROR_FILE`,
+//! and shares the launcher's stdout and stderr (nothing is prefixed). When a child exits
+//! non-zero the others get a short grace period to exit on their own (they usually fail
+//! too, naming the first), then are killed, and [`elastic_launch`] returns an error naming
+//! the root cause: the failed rank, its exit status and its error, as torchrun's
+//! `ChildFailedError` summary does.
+//!
+//! Only the direct children are stopped (`SIGKILL`), not processes they started in turn;
+//! they stay in the launcher's process group, so a Ctrl-C in the terminal reaches them all.
+//!
+//! A child that is a Rust program using this crate reports its error with [`record_error`]
+//! (torch's `@record`): the launcher reads it from `TORCHELASTIC_ERROR_FILE`, and prefers a
+//! rank's own error over peers that only echo its failure (`PeerFailed`).
+
+use crate::error::{Error, Result};
+use std::ffi::{OsStr, OsString};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+/// The variable naming the file where a child records its error (torchrun's name).
+pub const ERROR_FILE_VAR: &str = "TORCHELASTIC_ERROR_FILE";
+
+/// How long the other children may take to exit on their own after one failed, before they
+/// are killed: long enough for peers to notice the failure in their next collective.
+const GRACE: Duration = Duration::from_secs(2);
+
+/// How often the launcher looks at its children.
+const POLL: Duration = Duration::from_millis(10);
+
+/// What [`elastic_launch`] runs: torchrun's static-rendezvous options.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ElasticLaunchConfig {
+    /// Processes (ranks) on this node (`--nproc-per-node`), at least 1.
+    pub nproc_per_node: usize,
+    /// Nodes in the job (`--nnodes`), at least 1; every node runs `fsdp launch`.
+    pub nnodes: usize,
+    /// This node's index (`--node-rank`), `0..nnodes`; its ranks are
+    /// `node_rank * nproc_per_node ..`.
+    pub node_rank: usize,
+    /// Where rank 0 hosts the rendezvous store (`--master-addr`), default `127.0.0.1`.
+    pub master_addr: String,
+    /// The store's port (`--master-port`); `None` picks a free one (one node only).
+    pub master_port: Option<u16>,
+}
+
+impl Default for ElasticLaunchConfig {
+    fn default() -> Self {
+        ElasticLaunchConfig {
+            nproc_per_node: 1,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".into(),
+            master_port: None,
+        }
+    }
+}
+
+impl ElasticLaunchConfig {
+    /// Checks the options.
+    ///
+    /// # Errors
+    /// `InvalidArgument` naming the option.
+    pub fn validate(&self) -> Result<()> {
+        if self.nproc_per_node == 0 {
+            crate::error::bail_arg!("--nproc-per-node must be at least 1");
+        }
+        if self.nnodes == 0 {
+            crate::error::bail_arg!("--nnodes must be at least 1");
+        }
+        if self.node_rank >= self.nnodes {
+            crate::error::bail_arg!(
+                "--node-rank {} must be below --nnodes {}",
+                self.node_rank,
+                self.nnodes
+            );
+        }
+        if self.master_addr.trim().is_empty() {
+            crate::error::bail_arg!("--master-addr must not be empty");
+        }
+        if self.nnodes > 1 && self.master_port.is_none() {
+            crate::error::bail_arg!(
+                "--nnodes {} needs --master-port (and --master-addr, node 0's address): every node must name the same store",
+                self.nnodes
+            );
+        }
+        Ok(())
+    }
+
+    /// Ranks in the whole job.
+    pub fn world_size(&self) -> usize {
+        self.nnodes * self.nproc_per_node
+    }
+}
+
+/// A port free on `addr` right now (the OS picks it).
+///
+/// # Errors
+/// `Io` when nothing can be bound on `addr`.
+pub fn free_port(addr: &str) -> Result<u16> {
+    let l = std::net::TcpListener::bind((addr, 0))
+        .or_else(|_| std::net::TcpListener::bind(("127.0.0.1", 0)))
+        .map_err(|e| Error::io(format!("fsdp launch: finding a free port on {addr}"), e))?;
+    l.local_addr()
+        .map(|a| a.port())
+        .map_err(|e| Error::io("fsdp launch: reading a port", e))
+}
+
+/// `program` as the command to spawn: `fsdp` itself is this executable, so that
+/// `fsdp launch -- fsdp train ...` works without `fsdp` on `PATH`.
+fn resolve_program(program: &OsStr) -> OsString {
+    if program == "fsdp" {
+        if let Ok(me) = std::env::current_exe() {
+            return me.into_os_string();
+        }
+    }
+    program.to_os_string()
+}
+
+/// One started child.
+struct Proc {
+    rank: usize,
+    local_rank: usize,
+    child: Child,
+    error_file: PathBuf,
+    /// Its exit status and when it was seen, once it exited.
+    exit: Option<(ExitStatus, Instant)>,
+    killed: bool,
+}
+
+/// What a failed child recorded with [`record_error`].
+#[derive(Debug, Default, serde::Deserialize)]
+struct Recorded {
+    message: String,
+    /// The rank a `PeerFailed` error blamed: this child only echoed another's failure.
+    peer_failed: Option<usize>,
+}
+
+fn describe(status: &ExitStatus) -> String {
+    if let Some(c) = status.code() {
+        return format!("exit code {c}");
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        if let Some(s) = status.signal() {
+            let name = match s {
+                6 => " (SIGABRT)",
+                9 => " (SIGKILL)",
+                11 => " (SIGSEGV)",
+                15 => " (SIGTERM)",
+                _ => "",
+            };
+            return format!("signal {s}{name}");
+        }
+    }
+    status.to_string()
+}
+
+/// Starts `nproc_per_node` processes running `program args` with torchrun's environment
+/// and waits for all of them (torch's `elastic_launch`).
+///
+/// # Errors
+/// `InvalidArgument` for bad options; `Io` when a child cannot be started (the others are
+/// killed); `PeerFailed` naming the root-cause rank, its exit status and its recorded error
+/// when a child exits non-zero (the others are then stopped).
+pub fn elastic_launch(cfg: &ElasticLaunchConfig, program: &OsStr, args: &[OsString]) -> Result<()> {
+    cfg.validate()?;
+    let port = match cfg.master_port {
+        Some(p) => p,
+        None => free_port(&cfg.master_addr)?,
+    };
+    let dir = std::env::temp_dir().join(format!(
+        "fsdp-launch-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    ));
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| Error::io(format!("fsdp launch: creating '{}'", dir.display()), e))?;
+    let res = run(cfg, port, &dir, &resolve_program(program), args);
+    let _ = std::fs::remove_dir_all(&dir);
+    res
+}
+
+fn run(
+    cfg: &ElasticLaunchConfig,
+    port: u16,
+    dir: &Path,
+    program: &OsStr,
+    args: &[OsString],
+) -> Result<()> {
+    let world = cfg.world_size();
+    let mut procs: Vec<Proc> = Vec::with_capacity(cfg.nproc_per_node);
+    for local_rank in 0..cfg.nproc_per_node {
+        let rank = cfg.node_rank * cfg.nproc_per_node + local_rank;
+        let error_file = dir.join(format!("error-rank-{rank}.json"));
+        let spawned = Command::new(program)
+            .args(args)
+            .env("RANK", rank.to_string())
+            .env("LOCAL_RANK", local_rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("LOCAL_WORLD_SIZE", cfg.nproc_per_node.to_string())
+            .env("GROUP_RANK", cfg.node_rank.to_string())
+            .env("ROLE_RANK", rank.to_string())
+            .env("MASTER_ADDR", &cfg.master_addr)
+            .env("MASTER_PORT", port.to_string())
+            .env(ERROR_FILE_VAR, &error_file)
+            .stdin(Stdio::null())
+            .spawn();
+        match spawned {
+            Ok(child) => procs.push(Proc {
+                rank,
+                local_rank,
+                child,
+                error_file,
+                exit: None,
+                killed: false,
+            }),
+            Err(e) => {
+                stop(&mut procs);
+                return Err(Error::io(
+                    format!(
+                        "fsdp launch: starting '{}' for rank {rank}",
+                        Path::new(program).display()
+                    ),
+                    e,
+                ));
+            }
+        }
+    }
+    let mut grace_end: Option<Instant> = None;
+    loop {
+        for p in procs.iter_mut().filter(|p| p.exit.is_none()) {
+            if let Ok(Some(st)) = p.child.try_wait() {
+                p.exit = Some((st, Instant::now()));
+                if !st.success() && grace_end.is_none() {
+                    grace_end = Some(Instant::now() + GRACE);
+                }
+            }
+        }
+        if procs.iter().all(|p| p.exit.is_some()) {
+            break;
+        }
+        if grace_end.is_some_and(|g| Instant::now() >= g) {
+            stop(&mut procs);
+            break;
+        }
+        std::thread::sleep(POLL);
+    }
+    match root_cause(&procs) {
+        None => Ok(()),
+        Some(p) => {
+            let (status, _) = p.exit.unwrap_or((ExitStatus::default(), Instant::now()));
+            let rec = read_recorded(&p.error_file);
+            let others: Vec<usize> = procs
+                .iter()
+                .filter(|q| {
+                    q.rank != p.rank && (q.killed || q.exit.is_some_and(|(s, _)| !s.success()))
+                })
+                .map(|q| q.rank)
+                .collect();
+            let mut reason = format!(
+                "{} (local rank {}, pid {})",
+                describe(&status),
+                p.local_rank,
+                p.child.id()
+            );
+            if let Some(r) = rec {
+                reason.push_str(": ");
+                reason.push_str(r.message.trim());
+            }
+            if !others.is_empty() {
+                reason.push_str(&format!(
+                    "; the job was stopped (ranks {others:?} also ended)"
+                ));
+            }
+            Err(Error::PeerFailed {
+                failed_rank: p.rank,
+                reason,
+            })
+        }
+    }
+}
+
+/// Kills every child still running and reaps it.
+fn stop(procs: &mut [Proc]) {
+    for p in procs.iter_mut().filter(|p| p.exit.is_none()) {
+        let _ = p.child.kill();
+        p.killed = true;
+    }
+    for p in procs.iter_mut().filter(|p| p.exit.is_none()) {
+        if let Ok(st) = p.child.wait() {
+            p.exit = Some((st, Instant::now()));
+        }
+    }
+}
+
+fn read_recorded(path: &Path) -> Option<Recorded> {
+    let text = std::fs::read_to_string(path).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
+/// The failure to report: among children that failed by themselves, the first seen whose
+/// recorded error is its own (not a `PeerFailed` echo), else one that recorded nothing
+/// (it crashed), else the first seen.
+fn root_cause(procs: &[Proc]) -> Option<&Proc> {
+    let mut failed: Vec<&Proc> = procs
+        .iter()
+        .filter(|p| !p.killed && p.exit.is_some_and(|(s, _)| !s.success()))
+        .collect();
+    failed.sort_by_key(|p| p.exit.map(|(_, t)| t));
+    let own = failed
+        .iter()
+        .find(|p| read_recorded(&p.error_file).is_some_and(|r| r.peer_failed.is_none()));
+    let silent = failed
+        .iter()
+        .find(|p| read_recorded(&p.error_file).is_none());
+    own.or(silent).or(failed.first()).copied()
+}
+
+/// Records `err` where the launcher reads it (`TORCHELASTIC_ERROR_FILE`), if this process
+/// was started by one (torch's `@record`); does nothing otherwise. Best effort.
+pub fn record_error(err: &Error) {
+    let Some(path) = std::env::var_os(ERROR_FILE_VAR) else {
+        return;
+    };
+    let peer_failed = match err {
+        Error::PeerFailed { failed_rank, .. } => Some(*failed_rank),
+        _ => None,
+    };
+    let rank = std::env::var("RANK").ok();
+    // torchrun reads `message` (a string) and `timestamp` (seconds) from this file too.
+    let body = serde_json::json!({
+        "message": err.to_string(),
+        "timestamp": std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        "peer_failed": peer_failed,
+        "rank": rank,
+    });
+    let _ = std::fs::write(path, body.to_string());
+}

@@ -1,0 +1,362 @@
+//! The store client: one TCP connection to the server, one request at a time
+//! (`c10d::TCPStore` with `is_master=False`; with `is_master=True` it also hosts the server).
+
+use super::protocol::{op, read_frame, status, write_frame, Decoder, Encoder, MAGIC, MAX_KEY};
+use super::{Store, TcpStoreServer};
+use crate::error::{Error, Result};
+use parking_lot::Mutex;
+use std::io;
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Extra time a client waits for the server's answer to a `wait` or `get` beyond the wait
+/// itself (the server answers `TIMEOUT` at the end of the wait; this covers the network).
+const REPLY_SLACK: Duration = Duration::from_secs(5);
+
+/// A client of a TCP key-value store (`torch.distributed.TCPStore`): ranks exchange small
+/// values through it at start-up (listening addresses, an NCCL unique id).
+///
+/// ```
+/// use fsdp::distributed::{Store, TcpStore};
+/// use std::time::Duration;
+///
+/// // Rank 0 hosts the server (port 0: any free port) and is a client of it.
+/// let master = TcpStore::new("127.0.0.1", 0, 0, true, Duration::from_secs(10))?;
+/// let port = master.port();
+/// let rank1 = std::thread::spawn(move || {
+///     let store = TcpStore::new("127.0.0.1", port, 1, false, Duration::from_secs(10))?;
+///     store.get("nccl_id") // waits until rank 0 set it
+/// });
+/// master.set("nccl_id", &[7u8; 128])?;
+/// assert_eq!(rank1.join().unwrap()?, vec![7u8; 128]);
+/// assert_eq!(master.add("counter", 5)?, 5);
+/// # Ok::<(), fsdp::Error>(())
+/// ```
+pub struct TcpStore {
+    conn: Mutex<Conn>,
+    /// `host:port` as given, for messages.
+    addr: String,
+    port: u16,
+    rank: usize,
+    timeout: Duration,
+    /// The server this client hosts (`is_master`); it stops when the last handle drops.
+    server: Option<Arc<TcpStoreServer>>,
+}
+
+struct Conn {
+    stream: TcpStream,
+    /// Set after an I/O error in the middle of a request: the stream is out of step.
+    broken: Option<String>,
+}
+
+impl std::fmt::Debug for TcpStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpStore")
+            .field("addr", &self.addr)
+            .field("rank", &self.rank)
+            .field("is_master", &self.server.is_some())
+            .finish()
+    }
+}
+
+impl TcpStore {
+    /// `TCPStore(host, port, is_master=is_master, timeout=timeout)` for rank `rank` (named in
+    /// errors). With `is_master`, first starts a server on `host:port` (port 0: a free port,
+    /// see [`port`](Self::port)) that lives as long as this client. Then connects, retrying
+    /// while the server is not up yet (another process may start it later), until `timeout`.
+    /// `timeout` also bounds every later `get` and `wait`.
+    ///
+    /// # Errors
+    /// `Timeout` naming the address and `rank` when no server answered within `timeout`;
+    /// `InvalidArgument` for a host that does not resolve; `Io` when the server cannot bind
+    /// its port or the peer is not an fsdp store.
+    pub fn new(
+        host: &str,
+        port: u16,
+        rank: usize,
+        is_master: bool,
+        timeout: Duration,
+    ) -> Result<TcpStore> {
+        let server = if is_master {
+            Some(Arc::new(TcpStoreServer::bind(host, port)?))
+        } else {
+            None
+        };
+        let port = server.as_ref().map_or(port, |s| s.port());
+        let mut store = Self::connect(host, port, rank, timeout)?;
+        store.server = server;
+        Ok(store)
+    }
+
+    /// A client of the server at `host:port` (see [`new`](Self::new) with `is_master`
+    /// false).
+    ///
+    /// # Errors
+    /// As [`new`](Self::new).
+    pub fn connect(host: &str, port: u16, rank: usize, timeout: Duration) -> Result<TcpStore> {
+        let addr = format!("{host}:{port}");
+        let deadline = Instant::now() + timeout;
+        let mut backoff = Duration::from_millis(5);
+        let stream = loop {
+            let targets: Vec<SocketAddr> = (host, port)
+                .to_socket_addrs()
+                .map_err(|e| {
+                    Error::InvalidArgument(format!("TCPStore host '{host}' does not resolve: {e}"))
+                })?
+                .collect();
+            let now = Instant::now();
+            let left = deadline.saturating_duration_since(now);
+            let attempt = targets.iter().find_map(|a| {
+                TcpStream::connect_timeout(
+                    a,
+                    left.clamp(Duration::from_millis(1), Duration::from_secs(2)),
+                )
+                .ok()
+            });
+            if let Some(s) = attempt {
+                break s;
+            }
+            if Instant::now() + backoff >= deadline {
+                return Err(Error::Timeout {
+                    op: format!("connecting to the TCPStore at {addr} (no server answered)"),
+                    rank,
+                    timeout_s: timeout.as_secs_f64(),
+                    missing_ranks: Vec::new(),
+                });
+            }
+            std::thread::sleep(backoff);
+            backoff = (backoff * 2).min(Duration::from_millis(100));
+        };
+        let _ = stream.set_nodelay(true);
+        let store = TcpStore {
+            conn: Mutex::new(Conn {
+                stream,
+                broken: None,
+            }),
+            addr,
+            port,
+            rank,
+            timeout,
+            server: None,
+        };
+        let reply = store.request("greeting", Encoder::new(op::HELLO).bytes(MAGIC), timeout)?;
+        let mut d = Decoder::new(&reply);
+        let ok = d.bytes("greeting").ok() == Some(MAGIC) && d.finish().is_ok();
+        if !ok {
+            return Err(store.protocol_error("greeting", "the server is not an fsdp TCPStore"));
+        }
+        Ok(store)
+    }
+
+    /// The server's port (the one the OS picked when hosting with port 0).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The rank named in this client's errors.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Whether this client hosts the server.
+    pub fn is_master(&self) -> bool {
+        self.server.is_some()
+    }
+
+    /// The local address of the connection to the server: the interface through which this
+    /// machine reaches it, which peers can usually reach too (what a rank advertises as its
+    /// own address).
+    ///
+    /// # Errors
+    /// `Io` when the socket has no local address (closed).
+    pub fn local_ip(&self) -> Result<std::net::IpAddr> {
+        let c = self.conn.lock();
+        c.stream.local_addr().map(|a| a.ip()).map_err(|e| {
+            Error::io(
+                format!("TCPStore at {}: reading the local address", self.addr),
+                e,
+            )
+        })
+    }
+
+    fn protocol_error(&self, what: &str, msg: &str) -> Error {
+        Error::io(
+            format!("TCPStore at {} (rank {}): {what}", self.addr, self.rank),
+            io::Error::new(io::ErrorKind::InvalidData, msg.to_string()),
+        )
+    }
+
+    /// Sends one request and returns the body of an `OK` reply (after the status byte).
+    /// A `TIMEOUT` reply becomes [`Error::Timeout`] naming the missing keys.
+    fn request(&self, what: &str, req: Encoder, reply_within: Duration) -> Result<Vec<u8>> {
+        let mut c = self.conn.lock();
+        if let Some(why) = &c.broken {
+            return Err(self.protocol_error(
+                what,
+                &format!("the connection broke in an earlier request ({why})"),
+            ));
+        }
+        let res = (|| {
+            c.stream
+                .set_read_timeout(Some(reply_within.max(Duration::from_millis(1))))?;
+            c.stream
+                .set_write_timeout(Some(self.timeout.max(Duration::from_millis(1))))?;
+            write_frame(&mut c.stream, &req.0)?;
+            read_frame(&mut c.stream)?.ok_or_else(|| {
+                io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "the server closed the connection",
+                )
+            })
+        })();
+        let body = match res {
+            Ok(b) => b,
+            Err(e) => {
+                c.broken = Some(e.to_string());
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) {
+                    return Err(Error::Timeout {
+                        op: format!(
+                            "TCPStore.{what} at {} (the server did not answer)",
+                            self.addr
+                        ),
+                        rank: self.rank,
+                        timeout_s: reply_within.as_secs_f64(),
+                        missing_ranks: Vec::new(),
+                    });
+                }
+                return Err(Error::io(
+                    format!("TCPStore at {} (rank {}): {what}", self.addr, self.rank),
+                    e,
+                ));
+            }
+        };
+        drop(c);
+        let mut d = Decoder::new(&body);
+        let st = d
+            .u8("status")
+            .map_err(|e| self.protocol_error(what, &e.to_string()))?;
+        let rest = body.get(1..).unwrap_or_default().to_vec();
+        match st {
+            status::OK => Ok(rest),
+            status::TIMEOUT => {
+                let missing = d.keys().unwrap_or_default();
+                Err(Error::Timeout {
+                    op: format!(
+                        "TCPStore.{what} at {}: keys {missing:?} were never set",
+                        self.addr
+                    ),
+                    rank: self.rank,
+                    timeout_s: reply_within.saturating_sub(REPLY_SLACK).as_secs_f64(),
+                    missing_ranks: Vec::new(),
+                })
+            }
+            status::ERROR => {
+                let msg = d
+                    .bytes("message")
+                    .map(|b| String::from_utf8_lossy(b).into_owned())
+                    .unwrap_or_else(|_| "unreadable error".into());
+                Err(self.protocol_error(what, &format!("the server answered: {msg}")))
+            }
+            other => Err(self.protocol_error(what, &format!("unknown reply status {other}"))),
+        }
+    }
+
+    fn check_key(key: &str) -> Result<()> {
+        if key.len() > MAX_KEY {
+            crate::error::bail_arg!("TCPStore: a key of {} bytes exceeds {MAX_KEY}", key.len());
+        }
+        Ok(())
+    }
+
+    fn decode<T>(
+        &self,
+        what: &str,
+        body: &[u8],
+        f: impl FnOnce(&mut Decoder<'_>) -> io::Result<T>,
+    ) -> Result<T> {
+        let mut d = Decoder::new(body);
+        let v = f(&mut d).and_then(|v| d.finish().map(|()| v));
+        v.map_err(|e| self.protocol_error(what, &e.to_string()))
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    d.as_millis().min(u64::MAX as u128) as u64
+}
+
+impl Store for TcpStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        Self::check_key(key)?;
+        let what = format!("set('{key}')");
+        let body = self.request(
+            &what,
+            Encoder::new(op::SET).bytes(key.as_bytes()).bytes(value),
+            self.timeout,
+        )?;
+        self.decode(&what, &body, |_| Ok(()))
+    }
+
+    fn get(&self, key: &str) -> Result<Vec<u8>> {
+        Self::check_key(key)?;
+        let what = format!("get('{key}')");
+        let req = Encoder::new(op::GET)
+            .bytes(key.as_bytes())
+            .u64(millis(self.timeout));
+        let body = self.request(&what, req, self.timeout + REPLY_SLACK)?;
+        self.decode(&what, &body, |d| d.bytes("value").map(<[u8]>::to_vec))
+    }
+
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        Self::check_key(key)?;
+        let what = format!("add('{key}', {delta})");
+        let body = self.request(
+            &what,
+            Encoder::new(op::ADD).bytes(key.as_bytes()).i64(delta),
+            self.timeout,
+        )?;
+        self.decode(&what, &body, |d| d.i64("value"))
+    }
+
+    fn wait_timeout(&self, keys: &[&str], timeout: Duration) -> Result<()> {
+        for k in keys {
+            Self::check_key(k)?;
+        }
+        let what = format!("wait({keys:?})");
+        let req = Encoder::new(op::WAIT).keys(keys).u64(millis(timeout));
+        let body = self.request(&what, req, timeout + REPLY_SLACK)?;
+        self.decode(&what, &body, |_| Ok(()))
+    }
+
+    fn check(&self, keys: &[&str]) -> Result<bool> {
+        for k in keys {
+            Self::check_key(k)?;
+        }
+        let what = format!("check({keys:?})");
+        let body = self.request(&what, Encoder::new(op::CHECK).keys(keys), self.timeout)?;
+        self.decode(&what, &body, |d| d.u8("answer").map(|b| b != 0))
+    }
+
+    fn delete_key(&self, key: &str) -> Result<bool> {
+        Self::check_key(key)?;
+        let what = format!("delete_key('{key}')");
+        let body = self.request(
+            &what,
+            Encoder::new(op::DELETE).bytes(key.as_bytes()),
+            self.timeout,
+        )?;
+        self.decode(&what, &body, |d| d.u8("answer").map(|b| b != 0))
+    }
+
+    fn num_keys(&self) -> Result<usize> {
+        let body = self.request("num_keys()", Encoder::new(op::NUM_KEYS), self.timeout)?;
+        self.decode("num_keys()", &body, |d| d.u64("count").map(|n| n as usize))
+    }
+
+    fn timeout(&self) -> Duration {
+        self.timeout
+    }
+}

@@ -1,0 +1,366 @@
+//! The store server: one thread accepting clients, one thread per client serving its
+//! requests in order against a shared key-value map (c10d's `TCPStoreBackend`, with threads
+//! instead of an event loop: a store serves tens of clients, each mostly idle).
+
+use super::protocol::{op, read_frame, status, write_frame, Decoder, Encoder, MAGIC};
+use crate::error::{Error, Result};
+use parking_lot::{Condvar, Mutex};
+use std::collections::HashMap;
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Longest a `WAIT` or `GET` may block in the server, whatever the client asks.
+const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
+
+/// What the server threads share.
+struct Shared {
+    map: Mutex<HashMap<String, Vec<u8>>>,
+    /// Signalled on every change of `map` and on stop.
+    changed: Condvar,
+    stop: AtomicBool,
+    /// A clone of every open client stream by connection number, to shut them down on
+    /// stop; each serving thread removes its own when its client leaves.
+    conns: Mutex<HashMap<u64, TcpStream>>,
+}
+
+/// A running store server (`c10d::TCPStore` with `is_master=True` hosts one). Clients
+/// connect with [`TcpStore`](super::TcpStore). Dropping it stops the server: the listener
+/// closes and every client connection is shut down.
+pub struct TcpStoreServer {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for TcpStoreServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpStoreServer")
+            .field("addr", &self.addr)
+            .finish()
+    }
+}
+
+impl TcpStoreServer {
+    /// Starts a server listening on `host:port` (port 0: one the OS picks, see
+    /// [`local_addr`](Self::local_addr)). When `host` resolves to no address of this machine
+    /// (a name that points elsewhere, as behind NAT) it listens on every interface instead,
+    /// as c10d does.
+    ///
+    /// # Errors
+    /// `InvalidArgument` when `host` does not resolve; `Io` when the port cannot be bound
+    /// (in use, or not permitted), naming it.
+    pub fn bind(host: &str, port: u16) -> Result<TcpStoreServer> {
+        let addrs: Vec<SocketAddr> = (host, port)
+            .to_socket_addrs()
+            .map_err(|e| {
+                Error::InvalidArgument(format!("TCPStore host '{host}' does not resolve: {e}"))
+            })?
+            .collect();
+        let mut last: Option<io::Error> = None;
+        let mut listener = None;
+        for a in &addrs {
+            match TcpListener::bind(a) {
+                Ok(l) => {
+                    listener = Some(l);
+                    break;
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        let listener = match (listener, last) {
+            (Some(l), _) => l,
+            (None, Some(e)) if e.kind() == io::ErrorKind::AddrNotAvailable => {
+                TcpListener::bind((Ipv4Addr::UNSPECIFIED, port))
+                    .map_err(|e| Error::io(format!("TCPStore: binding port {port}"), e))?
+            }
+            (None, e) => {
+                return Err(Error::io(
+                    format!("TCPStore: listening on {host}:{port}"),
+                    e.unwrap_or_else(|| io::ErrorKind::AddrNotAvailable.into()),
+                ))
+            }
+        };
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::io("TCPStore: reading the listening address", e))?;
+        let shared = Arc::new(Shared {
+            map: Mutex::new(HashMap::new()),
+            changed: Condvar::new(),
+            stop: AtomicBool::new(false),
+            conns: Mutex::new(HashMap::new()),
+        });
+        let sh = shared.clone();
+        let accept = std::thread::Builder::new()
+            .name("tcpstore-accept".into())
+            .spawn(move || accept_loop(listener, sh))
+            .map_err(|e| Error::io("TCPStore: starting the server thread", e))?;
+        Ok(TcpStoreServer {
+            addr,
+            shared,
+            accept: Some(accept),
+        })
+    }
+
+    /// The address the server listens on (with the port the OS picked for port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The port the server listens on.
+    pub fn port(&self) -> u16 {
+        self.addr.port()
+    }
+}
+
+impl Drop for TcpStoreServer {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        {
+            let _m = self.shared.map.lock();
+            self.shared.changed.notify_all();
+        }
+        for (_, c) in self.shared.conns.lock().drain() {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+        // Wake the blocking accept with a connection of our own, then wait for the thread
+        // so that the port is free when this returns.
+        let ip = match self.addr.ip() {
+            IpAddr::V4(v) if v.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+            IpAddr::V6(v) if v.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+            ip => ip,
+        };
+        let woke = TcpStream::connect_timeout(
+            &SocketAddr::new(ip, self.addr.port()),
+            Duration::from_secs(1),
+        )
+        .is_ok();
+        if let Some(h) = self.accept.take() {
+            if woke {
+                let _ = h.join();
+            }
+        }
+    }
+}
+
+fn accept_loop(listener: TcpListener, sh: Arc<Shared>) {
+    let mut next_id = 0u64;
+    for conn in listener.incoming() {
+        if sh.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(stream) = conn else {
+            // A failed accept (the client gave up, or descriptors ran out): keep serving.
+            std::thread::sleep(Duration::from_millis(1));
+            continue;
+        };
+        let id = next_id;
+        next_id += 1;
+        if let Ok(clone) = stream.try_clone() {
+            sh.conns.lock().insert(id, clone);
+        }
+        let sh2 = sh.clone();
+        let spawned = std::thread::Builder::new()
+            .name("tcpstore-conn".into())
+            .spawn(move || {
+                serve(stream, &sh2);
+                sh2.conns.lock().remove(&id);
+            });
+        if spawned.is_err() {
+            sh.conns.lock().remove(&id);
+        }
+    }
+}
+
+/// Serves one client until it disconnects, sends bad bytes, or the server stops.
+fn serve(mut stream: TcpStream, sh: &Shared) {
+    let _ = stream.set_nodelay(true);
+    let mut greeted = false;
+    loop {
+        let body = match read_frame(&mut stream) {
+            Ok(Some(b)) => b,
+            Ok(None) => return,
+            Err(e) => {
+                let _ = reply_error(&mut stream, &format!("bad request: {e}"));
+                return;
+            }
+        };
+        if sh.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let reply = if greeted {
+            handle(sh, &body)
+        } else {
+            greeted = true;
+            hello(&body)
+        };
+        match reply {
+            Ok(r) => {
+                if write_frame(&mut stream, &r).is_err() {
+                    return;
+                }
+            }
+            Err(e) => {
+                // Bad bytes: say why and drop the client (its stream is out of step).
+                let _ = reply_error(&mut stream, &format!("bad request: {e}"));
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+                return;
+            }
+        }
+    }
+}
+
+fn reply_error(stream: &mut TcpStream, msg: &str) -> io::Result<()> {
+    write_frame(stream, &Encoder::new(status::ERROR).bytes(msg.as_bytes()).0)
+}
+
+fn hello(body: &[u8]) -> io::Result<Vec<u8>> {
+    let mut d = Decoder::new(body);
+    let code = d.u8("opcode")?;
+    let magic = d.bytes("greeting")?;
+    d.finish()?;
+    if code != op::HELLO || magic != MAGIC {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "the first message must be the fsdp store greeting",
+        ));
+    }
+    Ok(Encoder::new(status::OK).bytes(MAGIC).0)
+}
+
+fn wait_ms(d: &mut Decoder<'_>) -> io::Result<Duration> {
+    Ok(Duration::from_millis(d.u64("wait_ms")?).min(MAX_WAIT))
+}
+
+/// Answers one request; `Err` for a malformed one.
+fn handle(sh: &Shared, body: &[u8]) -> io::Result<Vec<u8>> {
+    let mut d = Decoder::new(body);
+    let code = d.u8("opcode")?;
+    let ok = || Encoder::new(status::OK);
+    let reply = match code {
+        op::SET => {
+            let key = d.key()?;
+            let value = d.bytes("value")?.to_vec();
+            d.finish()?;
+            sh.map.lock().insert(key, value);
+            sh.changed.notify_all();
+            ok().0
+        }
+        op::GET => {
+            let key = d.key()?;
+            let wait = wait_ms(&mut d)?;
+            d.finish()?;
+            match wait_for(sh, std::slice::from_ref(&key), wait) {
+                Ok(()) => match sh.map.lock().get(&key) {
+                    Some(v) => ok().bytes(v).0,
+                    // Deleted between the wait and the read.
+                    None => timeout_reply(&[key]),
+                },
+                Err(missing) => timeout_reply(&missing),
+            }
+        }
+        op::ADD => {
+            let key = d.key()?;
+            let delta = d.i64("delta")?;
+            d.finish()?;
+            let mut map = sh.map.lock();
+            let old = match map.get(&key) {
+                None => Some(0),
+                Some(v) => std::str::from_utf8(v)
+                    .ok()
+                    .and_then(|s| s.parse::<i64>().ok()),
+            };
+            let new = old.and_then(|o| o.checked_add(delta));
+            match (old, new) {
+                (Some(_), Some(n)) => {
+                    map.insert(key, n.to_string().into_bytes());
+                    drop(map);
+                    sh.changed.notify_all();
+                    ok().i64(n).0
+                }
+                (None, _) => {
+                    Encoder::new(status::ERROR)
+                        .bytes(
+                            format!("add: key '{key}' holds a value that is not an integer")
+                                .as_bytes(),
+                        )
+                        .0
+                }
+                (Some(o), None) => {
+                    Encoder::new(status::ERROR)
+                        .bytes(format!("add: {o} + {delta} overflows i64 (key '{key}')").as_bytes())
+                        .0
+                }
+            }
+        }
+        op::WAIT => {
+            let keys = d.keys()?;
+            let wait = wait_ms(&mut d)?;
+            d.finish()?;
+            match wait_for(sh, &keys, wait) {
+                Ok(()) => ok().0,
+                Err(missing) => timeout_reply(&missing),
+            }
+        }
+        op::CHECK => {
+            let keys = d.keys()?;
+            d.finish()?;
+            let map = sh.map.lock();
+            ok().u8(keys.iter().all(|k| map.contains_key(k)) as u8).0
+        }
+        op::DELETE => {
+            let key = d.key()?;
+            d.finish()?;
+            let existed = sh.map.lock().remove(&key).is_some();
+            ok().u8(existed as u8).0
+        }
+        op::NUM_KEYS => {
+            d.finish()?;
+            let n = sh.map.lock().len();
+            ok().u64(n as u64).0
+        }
+        other => {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("unknown opcode {other}"),
+            ))
+        }
+    };
+    Ok(reply)
+}
+
+fn timeout_reply(missing: &[String]) -> Vec<u8> {
+    Encoder::new(status::TIMEOUT).keys(missing).0
+}
+
+/// Blocks until every key exists (`Ok`) or `wait` passed or the server stops (`Err` with
+/// the missing keys).
+fn wait_for(sh: &Shared, keys: &[String], wait: Duration) -> Result<(), Vec<String>> {
+    let deadline = Instant::now() + wait;
+    let mut map = sh.map.lock();
+    loop {
+        let missing: Vec<String> = keys
+            .iter()
+            .filter(|k| !map.contains_key(*k))
+            .cloned()
+            .collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        if sh.stop.load(Ordering::SeqCst) || sh.changed.wait_until(&mut map, deadline).timed_out() {
+            let missing = keys
+                .iter()
+                .filter(|k| !map.contains_key(*k))
+                .cloned()
+                .collect::<Vec<_>>();
+            return if missing.is_empty() {
+                Ok(())
+            } else {
+                Err(missing)
+            };
+        }
+    }
+}

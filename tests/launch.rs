@@ -1,0 +1,284 @@
+//! `fsdp launch` as torchrun: one process per rank with torchrun's variables, the tcp backend
+//! between them, and losses bit-identical to the thread-rank run of the same options; a
+//! failing rank stops the job with one line naming it; bad arguments are clear errors.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn fsdp() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_fsdp"))
+}
+
+fn tmp_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("fsdp-launch-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A small job: one layer, 32 wide, 8 rows of 16 tokens; well under a second per run.
+fn small_job(data: &str, steps: usize) -> Vec<String> {
+    let steps = steps.to_string();
+    [
+        "train",
+        "--data",
+        data,
+        "--steps",
+        &steps,
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "32",
+        "--n-head",
+        "2",
+        "--global-batch",
+        "8",
+        "--seq-len",
+        "16",
+        "--eval-every",
+        "0",
+        "--sample-len",
+        "0",
+        "--log-every",
+        "1",
+        "--warmup-steps",
+        "2",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+fn corpus(dir: &std::path::Path) -> String {
+    let p = dir.join("corpus.txt");
+    std::fs::write(&p, common::corpus(20_000)).unwrap();
+    p.to_str().unwrap().to_string()
+}
+
+fn run(cmd: &mut Command) -> Output {
+    let out = cmd.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "panic: {err}");
+    out
+}
+
+fn ok(cmd: &mut Command) -> String {
+    let out = run(cmd);
+    assert!(
+        out.status.success(),
+        "failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// The printed `step N | loss X` values.
+fn printed_losses(stdout: &str) -> Vec<String> {
+    stdout
+        .lines()
+        .filter(|l| l.starts_with("step") && l.contains("| loss"))
+        .filter_map(|l| l.split('|').nth(1).map(|s| s.trim().to_string()))
+        .collect()
+}
+
+/// The per-step losses and eval losses of a `--metrics` file, exactly as written (f32
+/// shortest round-trip text).
+fn metric_losses(path: &std::path::Path) -> Vec<String> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            format!("{} {} {}", v["step"], v["loss"], v["eval_loss"])
+        })
+        .collect()
+}
+
+#[test]
+fn launched_processes_train_bit_identically_to_thread_ranks() {
+    let dir = tmp_dir("parity");
+    let data = corpus(&dir);
+    let job = small_job(&data, 20);
+    let (m_threads, m_launch) = (dir.join("threads.jsonl"), dir.join("launch.jsonl"));
+    let threads = ok(fsdp()
+        .args(&job)
+        .args(["--world-size", "2", "--metrics"])
+        .arg(&m_threads));
+    let launched = ok(fsdp()
+        .args(["launch", "--nproc-per-node", "2", "--", "fsdp"])
+        .args(&job)
+        .args(["--world-size", "2", "--metrics"])
+        .arg(&m_launch));
+    assert!(
+        launched.contains("2 ranks (processes, tcp backend)"),
+        "{launched}"
+    );
+    // Rank 0 alone prints: one line per step.
+    assert_eq!(printed_losses(&launched).len(), 20, "{launched}");
+    assert_eq!(printed_losses(&launched), printed_losses(&threads));
+    let (a, b) = (metric_losses(&m_threads), metric_losses(&m_launch));
+    assert_eq!(a.len(), 20);
+    assert_eq!(a, b, "losses differ between thread ranks and processes");
+    // Without --world-size, WORLD_SIZE decides.
+    let m3 = dir.join("launch-default.jsonl");
+    ok(fsdp()
+        .args(["launch", "--nproc_per_node", "2", "--", "fsdp"])
+        .args(&job)
+        .arg("--metrics")
+        .arg(&m3));
+    assert_eq!(metric_losses(&m3), a);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_launched_checkpoint_resumes_on_thread_ranks_and_continues_the_curve() {
+    let dir = tmp_dir("ckpt");
+    let data = corpus(&dir);
+    let save = dir.join("save");
+    ok(fsdp()
+        .args(["launch", "--nproc-per-node", "2", "--", "fsdp"])
+        .args(small_job(&data, 6))
+        .args(["--save-every", "3", "--save-dir"])
+        .arg(&save));
+    let step3 = save.join("step-00000003");
+    let files: Vec<String> = std::fs::read_dir(&step3)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    for want in [
+        "index.json",
+        "rank-00000-g1.safetensors",
+        "rank-00001-g1.safetensors",
+    ] {
+        assert!(files.iter().any(|f| f == want), "{want} missing: {files:?}");
+    }
+    // The job uses its --steps for the warm-up cap: resume a run of 6 at step 3.
+    let whole = ok(fsdp().args(small_job(&data, 6)).args(["--world-size", "2"]));
+    let resumed = ok(fsdp()
+        .args(small_job(&data, 6))
+        .args(["--world-size", "2", "--resume"])
+        .arg(&step3));
+    assert_eq!(printed_losses(&resumed), printed_losses(&whole)[3..]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_failing_rank_stops_the_job_with_one_line_naming_it() {
+    let dir = tmp_dir("fail");
+    let data = corpus(&dir);
+    for (rank, step) in [(1, 3), (0, 2)] {
+        let out = run(fsdp()
+            .args(["launch", "--nproc-per-node", "2", "--", "fsdp"])
+            .args(small_job(&data, 10))
+            .env("FSDP_FAIL_RANK", format!("{rank}:{step}")));
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        let last = err.trim_end().lines().last().unwrap_or_default();
+        assert!(
+            last.starts_with(&format!(
+                "error: fsdp launch: rank {rank} failed: exit code 1"
+            )),
+            "{err}"
+        );
+        assert!(last.contains("failure injected at step"), "{last}");
+    }
+    // Any program: the exit status is reported, the others are stopped (this one would
+    // sleep for a minute).
+    let out = run(fsdp().args([
+        "launch",
+        "--nproc-per-node",
+        "3",
+        "--",
+        "sh",
+        "-c",
+        "if [ \"$RANK\" = 2 ]; then exit 7; fi; exec sleep 60",
+    ]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("fsdp launch: rank 2 failed: exit code 7"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn children_get_torchruns_variables() {
+    let out = ok(fsdp().args([
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--nnodes",
+        "3",
+        "--node-rank",
+        "1",
+        "--master-port",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "echo $RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $GROUP_RANK $MASTER_ADDR $MASTER_PORT",
+    ]));
+    let mut lines: Vec<&str> = out.lines().collect();
+    lines.sort_unstable();
+    assert_eq!(lines, ["2 0 6 2 1 127.0.0.1 1", "3 1 6 2 1 127.0.0.1 1"]);
+}
+
+#[test]
+fn bad_launch_arguments_are_clear_errors() {
+    let cases: [(&[&str], &str); 6] = [
+        (
+            &["--nproc-per-node", "0", "--", "true"],
+            "--nproc-per-node must be at least 1",
+        ),
+        (
+            &["--nproc-per-node", "2"],
+            "required arguments were not provided",
+        ),
+        (
+            &["--", "/nonexistent/program"],
+            "starting '/nonexistent/program' for rank 0",
+        ),
+        (
+            &["--nnodes", "2", "--", "true"],
+            "--nnodes 2 needs --master-port",
+        ),
+        (
+            &[
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "2",
+                "--master-port",
+                "5",
+                "--",
+                "true",
+            ],
+            "--node-rank 2 must be below --nnodes 2",
+        ),
+        (
+            &["--nproc-per-node", "x", "--", "true"],
+            "invalid value 'x'",
+        ),
+    ];
+    for (args, want) in cases {
+        let out = run(fsdp().arg("launch").args(args));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(err.contains(want), "{args:?}: expected '{want}' in: {err}");
+    }
+    // --world-size against WORLD_SIZE, before any rendezvous.
+    let out = run(fsdp()
+        .args(["train", "--world-size", "3"])
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "2")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", "1"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--world-size 3 differs from WORLD_SIZE=2"),
+        "{err}"
+    );
+}

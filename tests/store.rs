@@ -1,0 +1,234 @@
+//! The TCP key-value store (`distributed::store`): c10d `TCPStore` semantics between client
+//! threads (as separate processes would use it), timeouts that name the key and the rank,
+//! bad bytes that give errors rather than panics, and clients that wait for a late server.
+
+use fsdp::distributed::{PrefixStore, Store, TcpStore, TcpStoreServer};
+use fsdp::Error;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
+use std::time::Duration;
+
+const LONG: Duration = Duration::from_secs(20);
+
+fn master() -> TcpStore {
+    TcpStore::new("127.0.0.1", 0, 0, true, LONG).unwrap()
+}
+
+fn client(port: u16, rank: usize, timeout: Duration) -> TcpStore {
+    TcpStore::new("127.0.0.1", port, rank, false, timeout).unwrap()
+}
+
+/// A port nothing listens on right now.
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn ranks_exchange_values_count_and_wait_through_the_store() {
+    let m = master();
+    let port = m.port();
+    let n = 4;
+    let got: Vec<(i64, Vec<Vec<u8>>)> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                s.spawn(move || {
+                    let st = client(port, r, LONG);
+                    let ticket = st.add("joined", 1).unwrap();
+                    st.set(
+                        &format!("addr/{r}"),
+                        format!("value of rank {r}").as_bytes(),
+                    )
+                    .unwrap();
+                    let keys: Vec<String> = (0..n).map(|p| format!("addr/{p}")).collect();
+                    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+                    st.wait(&refs).unwrap();
+                    assert!(st.check(&refs).unwrap());
+                    let all = keys.iter().map(|k| st.get(k).unwrap()).collect();
+                    (ticket, all)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut tickets: Vec<i64> = got.iter().map(|g| g.0).collect();
+    tickets.sort_unstable();
+    assert_eq!(tickets, vec![1, 2, 3, 4], "add is atomic across clients");
+    for (_, all) in &got {
+        for (p, v) in all.iter().enumerate() {
+            assert_eq!(v, format!("value of rank {p}").as_bytes());
+        }
+    }
+    // Counters read back as decimal text, as c10d's.
+    assert_eq!(m.get("joined").unwrap(), b"4");
+    assert_eq!(m.add("joined", -10).unwrap(), -6);
+    assert_eq!(m.num_keys().unwrap(), n + 1);
+    assert!(m.delete_key("addr/0").unwrap());
+    assert!(!m.delete_key("addr/0").unwrap());
+    assert!(!m.check(&["addr/0", "addr/1"]).unwrap());
+    assert_eq!(m.num_keys().unwrap(), n);
+    // Empty values, binary values and replacing a value.
+    m.set("empty", b"").unwrap();
+    assert_eq!(m.get("empty").unwrap(), b"");
+    let id: Vec<u8> = (0..128u32).map(|i| (i * 37 % 256) as u8).collect();
+    m.set("nccl_id", &id).unwrap();
+    assert_eq!(client(port, 1, LONG).get("nccl_id").unwrap(), id);
+    m.set("nccl_id", b"new").unwrap();
+    assert_eq!(m.get("nccl_id").unwrap(), b"new");
+}
+
+#[test]
+fn get_waits_for_a_key_set_later_by_another_rank() {
+    let m = master();
+    let port = m.port();
+    let waiter = std::thread::spawn(move || client(port, 1, LONG).get("late"));
+    let other = std::thread::spawn(move || {
+        client(port, 2, LONG).wait(&["late", "later"])?;
+        Ok::<_, Error>(())
+    });
+    // Both are blocked in the server until the keys appear, whenever that is.
+    m.set("late", b"here").unwrap();
+    assert_eq!(waiter.join().unwrap().unwrap(), b"here");
+    m.set("later", b"").unwrap();
+    other.join().unwrap().unwrap();
+}
+
+#[test]
+fn a_key_never_set_times_out_naming_the_key_and_the_rank() {
+    let m = master();
+    let st = client(m.port(), 3, Duration::from_millis(300));
+    let e = st.get("never/set").unwrap_err();
+    assert!(matches!(e, Error::Timeout { rank: 3, .. }), "{e:?}");
+    let msg = e.to_string();
+    assert!(msg.contains("never/set") && msg.contains("rank 3"), "{msg}");
+    let e = st.wait(&["a", "b"]).unwrap_err().to_string();
+    assert!(
+        e.contains("\"a\"") && e.contains("\"b\"") && e.contains("rank 3"),
+        "{e}"
+    );
+    // The client is still usable after a timeout.
+    st.set("a", b"1").unwrap();
+    let e = st
+        .wait_timeout(&["a", "b"], Duration::from_millis(50))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("[\"b\"]"), "only the missing key is named: {e}");
+    // A counter on a key that holds text is an error, not a panic.
+    st.set("text", b"abc").unwrap();
+    let e = st.add("text", 1).unwrap_err().to_string();
+    assert!(e.contains("not an integer"), "{e}");
+}
+
+#[test]
+fn a_client_retries_until_the_server_comes_up() {
+    let port = free_port();
+    let c = std::thread::spawn(move || TcpStore::new("127.0.0.1", port, 1, false, LONG));
+    // The client is retrying (or not started yet): either way it must connect once the
+    // server is up.
+    std::thread::sleep(Duration::from_millis(100));
+    let server = TcpStoreServer::bind("127.0.0.1", port).unwrap();
+    let st = c.join().unwrap().unwrap();
+    st.set("k", b"v").unwrap();
+    assert_eq!(st.get("k").unwrap(), b"v");
+    drop(server);
+    // The server is gone: requests fail with an error.
+    assert!(st.get("k").is_err());
+}
+
+#[test]
+fn no_server_at_all_is_a_timeout_naming_the_address() {
+    let port = free_port();
+    let e = TcpStore::new("127.0.0.1", port, 2, false, Duration::from_millis(200)).unwrap_err();
+    assert!(matches!(e, Error::Timeout { rank: 2, .. }), "{e:?}");
+    assert!(e.to_string().contains(&format!("127.0.0.1:{port}")), "{e}");
+    let e = TcpStore::new("no-such-host.invalid", 1, 0, false, LONG).unwrap_err();
+    assert!(e.to_string().contains("does not resolve"), "{e}");
+}
+
+#[test]
+fn bad_bytes_to_the_server_are_refused_and_others_are_still_served() {
+    let m = master();
+    let port = m.port();
+    for garbage in [
+        &[0xff, 0xff, 0xff, 0xff][..],        // a frame over the size limit
+        &[3, 0, 0, 0, 9, 9, 9][..],           // not the greeting
+        &[2, 0, 0, 0, 0][..],                 // truncated body, then EOF
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", // another protocol
+    ] {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.set_read_timeout(Some(LONG)).unwrap();
+        s.write_all(garbage).unwrap();
+        let _ = s.shutdown(std::net::Shutdown::Write);
+        let mut reply = Vec::new();
+        // The server answers an error frame (or nothing) and closes the connection.
+        let _ = s.read_to_end(&mut reply);
+    }
+    // A greeted client that then sends an unknown opcode is dropped too.
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(LONG)).unwrap();
+    let magic = b"fsdp-tcpstore/1";
+    let mut hello = vec![(1 + 4 + magic.len()) as u8, 0, 0, 0, 0];
+    hello.extend_from_slice(&(magic.len() as u32).to_le_bytes());
+    hello.extend_from_slice(magic);
+    s.write_all(&hello).unwrap();
+    s.write_all(&[1, 0, 0, 0, 200]).unwrap();
+    let mut reply = Vec::new();
+    let _ = s.read_to_end(&mut reply);
+    assert!(
+        String::from_utf8_lossy(&reply).contains("unknown opcode 200"),
+        "{reply:?}"
+    );
+    m.set("still", b"works").unwrap();
+    assert_eq!(client(port, 1, LONG).get("still").unwrap(), b"works");
+}
+
+#[test]
+fn bad_bytes_from_a_fake_server_are_errors_for_the_client() {
+    let fake = |reply: Vec<u8>| {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            if let Ok((mut s, _)) = l.accept() {
+                let mut buf = [0u8; 64];
+                let _ = s.read(&mut buf);
+                let _ = s.write_all(&reply);
+            }
+        });
+        port
+    };
+    for reply in [
+        vec![0xff, 0xff, 0xff, 0x7f], // an absurd length
+        vec![5, 0, 0, 0, 0, 1],       // a truncated frame, then EOF
+        vec![1, 0, 0, 0, 42],         // an unknown status
+        b"HTTP/1.1 400 Bad Request\r\n".to_vec(),
+        vec![], // closed without a word
+    ] {
+        let port = fake(reply.clone());
+        let e = TcpStore::new("127.0.0.1", port, 0, false, Duration::from_secs(5)).unwrap_err();
+        assert!(
+            matches!(e, Error::Io { .. } | Error::Timeout { .. }),
+            "{reply:?}: {e:?}"
+        );
+    }
+}
+
+#[test]
+fn prefix_stores_keep_users_apart() {
+    let m: Arc<dyn Store> = Arc::new(master());
+    let a = PrefixStore::new("group/a", m.clone());
+    let b = PrefixStore::new("group/b", m.clone());
+    a.set("id", b"A").unwrap();
+    b.set("id", b"B").unwrap();
+    assert_eq!(a.get("id").unwrap(), b"A");
+    assert_eq!(b.get("id").unwrap(), b"B");
+    assert_eq!(m.get("group/a/id").unwrap(), b"A");
+    assert_eq!(a.add("n", 2).unwrap(), 2);
+    assert!(a.check(&["id", "n"]).unwrap() && !b.check(&["n"]).unwrap());
+    a.wait(&["id"]).unwrap();
+    assert!(b.delete_key("id").unwrap());
+    assert_eq!(a.num_keys().unwrap(), 2, "num_keys counts the whole store");
+}
