@@ -64,8 +64,9 @@ pub const TORCHRUN_ENV_VARS: [&str; 6] = [
 pub struct InitOptions {
     /// `"threads"` (ranks are threads of this process) or `"tcp"` (ranks are processes
     /// that meet through a TCP store; `"gloo"` is an alias, as PyTorch users write
-    /// `backend="gloo"` for CPU tensors). `"nccl"` lands with the CUDA runtime and is
-    /// `Unsupported` for now, as are `"mpi"` and `"ucc"`. Case-insensitive, as torch's
+    /// `backend="gloo"` for CPU tensors). `"nccl"` (one process per GPU, CUDA tensors;
+    /// needs the `cuda` feature and libnccl) is `Unsupported` in a build without `cuda`;
+    /// `"mpi"` and `"ucc"` always are. Case-insensitive, as torch's
     /// `Backend`.
     pub backend: String,
     /// How ranks find each other: `None` or `"env://"` (torch's default) reads
@@ -171,7 +172,7 @@ impl InitOptions {
     /// anything: what [`init_process_group`] would use.
     ///
     /// # Errors
-    /// `Unsupported` for a backend not built yet (`nccl`, `gloo`, `mpi`, `ucc`);
+    /// `Unsupported` for `mpi` and `ucc`, and for `nccl` in a build without the `cuda` feature;
     /// `InvalidArgument` for an unknown backend or init method, a missing required variable
     /// (`WORLD_SIZE`, `RANK`, and for `env://` `MASTER_ADDR`, `MASTER_PORT`) or a bad value,
     /// naming the variable and the value, and for ranks out of range.
@@ -180,9 +181,12 @@ impl InitOptions {
         let backend = match backend.as_str() {
             "threads" => "threads",
             "tcp" | "gloo" => "tcp",
+            #[cfg(feature = "cuda")]
+            "nccl" => "nccl",
+            #[cfg(not(feature = "cuda"))]
             "nccl" => {
                 return Err(Error::Unsupported(
-                    "backend \"nccl\" lands with the CUDA runtime (a later issue); use backend \"threads\" or \"tcp\"".into(),
+                    "backend \"nccl\" needs a build with `--features cuda`; use backend \"threads\" or \"tcp\"".into(),
                 ))
             }
             "mpi" | "ucc" => {
@@ -311,6 +315,8 @@ pub struct Rendezvous {
 enum Handle {
     Threads(Arc<ThreadsGroup>),
     Tcp(Arc<TcpGroup>),
+    #[cfg(feature = "cuda")]
+    Nccl(Arc<super::nccl::NcclGroup>),
 }
 
 impl Handle {
@@ -318,6 +324,8 @@ impl Handle {
         match self {
             Handle::Threads(g) => g.clone(),
             Handle::Tcp(g) => g.clone(),
+            #[cfg(feature = "cuda")]
+            Handle::Nccl(g) => g.clone(),
         }
     }
 
@@ -325,6 +333,10 @@ impl Handle {
         match self {
             Handle::Threads(g) => g.mark_exited(),
             Handle::Tcp(g) => g.mark_exited(),
+            // NCCL peers see an exited rank as a communicator that stops progressing: the
+            // watchdog times out naming it.
+            #[cfg(feature = "cuda")]
+            Handle::Nccl(_) => {}
         }
     }
 
@@ -332,6 +344,8 @@ impl Handle {
         match self {
             Handle::Threads(g) => g.mark_failed(reason),
             Handle::Tcp(g) => g.mark_failed(reason),
+            #[cfg(feature = "cuda")]
+            Handle::Nccl(g) => g.mark_failed(reason),
         }
     }
 }
@@ -407,6 +421,8 @@ pub fn init_process_group(opts: InitOptions) -> Result<Group> {
     }
     let handle = match rv.backend {
         "tcp" => Handle::Tcp(TcpGroup::init(&rv)?),
+        #[cfg(feature = "cuda")]
+        "nccl" => Handle::Nccl(super::nccl::NcclGroup::init(&rv)?),
         _ => Handle::Threads(Arc::new(super::rendezvous::join(&rv)?)),
     };
     let group = handle.group();

@@ -5,7 +5,7 @@
 //! Semantics follow `torch.distributed`'s `ProcessGroupNCCL`
 //! (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp):
 //! - rank 0 of a group creates the NCCL unique id and publishes it in the job's key-value
-//!   store ([`IdStore`], the TCP store at `MASTER_ADDR:MASTER_PORT`); the others read it and
+//!   [`Store`] (the TCP store at `MASTER_ADDR:MASTER_PORT`); the others read it and
 //!   every rank calls `ncclCommInitRank`;
 //! - a collective is enqueued on the calling thread's current stream of the group's device
 //!   (FSDP calls from its communication thread, whose stream is the unshard /
@@ -29,7 +29,7 @@
 //! timeout naming the ranks that did not enter (or, for differing sizes, as corrupt data);
 //! run the same job on the `threads` backend to get the exact mismatch.
 
-use super::{Group, ProcessGroup, ReduceOp};
+use super::{Group, ProcessGroup, ReduceOp, Store};
 use crate::backend::cuda::{self as cu, Stream};
 use crate::backend::Device;
 use crate::error::{Error, Result};
@@ -40,26 +40,6 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// What the NCCL backend needs of the job's key-value store (`c10d::Store`): publish and
-/// read the unique id, and each rank's progress for the timeout report.
-pub trait IdStore: Send + Sync {
-    /// Sets `key` to `value`.
-    ///
-    /// # Errors
-    /// The store's I/O or timeout error.
-    fn set(&self, key: &str, value: &[u8]) -> Result<()>;
-    /// The value of `key`, waiting until some rank set it (bounded by the store timeout).
-    ///
-    /// # Errors
-    /// `Timeout` naming the key when nobody set it in time; I/O errors.
-    fn get(&self, key: &str) -> Result<Vec<u8>>;
-    /// The value of `key` if set, without waiting.
-    ///
-    /// # Errors
-    /// I/O errors.
-    fn try_get(&self, key: &str) -> Result<Option<Vec<u8>>>;
-}
 
 /// Bytes of an `ncclUniqueId`.
 pub const UNIQUE_ID_BYTES: usize = 128;
@@ -80,7 +60,7 @@ fn require_nccl() -> Result<()> {
     } else {
         Err(Error::cuda(
             "no NCCL library found (libnccl.so)",
-            "install NCCL (e.g. the nvidia-nccl-cu13 wheel) and put its lib folder on LD_LIBRARY_PATH, or use the threads backend",
+            "install NCCL and make `libnccl.so` resolvable: the nvidia-nccl-cu13 wheel ships only libnccl.so.2, so link libnccl.so to it in a folder on LD_LIBRARY_PATH (scripts/gpu-check.sh does); or use the threads backend",
         ))
     }
 }
@@ -131,7 +111,7 @@ pub struct NcclGroup {
     members: Vec<usize>,
     world_rank: usize,
     timeout: Duration,
-    store: Arc<dyn IdStore>,
+    store: Arc<dyn Store>,
     /// Key prefix of this group in the store.
     prefix: String,
     comm: Mutex<Comm>,
@@ -162,7 +142,7 @@ impl NcclGroup {
         rank: usize,
         world_size: usize,
         ordinal: usize,
-        store: Arc<dyn IdStore>,
+        store: Arc<dyn Store>,
         timeout: Duration,
     ) -> Result<NcclGroup> {
         if rank >= world_size {
@@ -185,7 +165,7 @@ impl NcclGroup {
         members: Vec<usize>,
         world_rank: usize,
         ordinal: usize,
-        store: Arc<dyn IdStore>,
+        store: Arc<dyn Store>,
         timeout: Duration,
         prefix: String,
     ) -> Result<NcclGroup> {
@@ -231,6 +211,63 @@ impl NcclGroup {
             comm: Mutex::new(Comm { raw, failure: None }),
             seq: Mutex::new(0),
             created: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The world group of a resolved rendezvous (`init_process_group(backend="nccl")`): the
+    /// store at `MASTER_ADDR:MASTER_PORT` (rank 0 hosts it), the device
+    /// `cuda:(LOCAL_RANK or RANK) % device count`, as a torchrun script's
+    /// `torch.cuda.set_device(local_rank)`.
+    ///
+    /// # Errors
+    /// As [`NcclGroup::new`] and the store's connection errors.
+    pub(crate) fn init(rv: &super::Rendezvous) -> Result<Arc<NcclGroup>> {
+        require_nccl()?;
+        let devices = cu::detect()?.len().max(1);
+        let what = format!("init_process_group (backend nccl, rendezvous '{}')", rv.key);
+        let store = super::store::connect_for(rv, &what)?;
+        let ordinal = rv.local_rank.unwrap_or(rv.rank) % devices;
+        Ok(Arc::new(Self::new(
+            rv.rank,
+            rv.world_size,
+            ordinal,
+            store,
+            rv.timeout,
+        )?))
+    }
+
+    /// Records that this rank failed (`reason`) where every peer's watchdog looks, and
+    /// aborts the communicator so its own pending work ends.
+    pub(crate) fn mark_failed(&self, reason: String) {
+        let _ = self
+            .store
+            .set(&failure_key(self.world_rank), reason.as_bytes());
+        let mut comm = self.comm.lock();
+        if comm.failure.is_none() {
+            comm.failure = Some(Error::PeerFailed {
+                failed_rank: self.world_rank,
+                reason,
+            });
+        }
+    }
+
+    /// The first peer that recorded a failure, with its reason.
+    fn failed_peer(&self) -> Option<(usize, String)> {
+        self.members.iter().copied().find_map(|r| {
+            if r == self.world_rank {
+                return None;
+            }
+            let key = failure_key(r);
+            match self.store.check(&[key.as_str()]) {
+                Ok(true) => Some((
+                    r,
+                    self.store
+                        .get(&key)
+                        .map(|v| String::from_utf8_lossy(&v).into_owned())
+                        .unwrap_or_default(),
+                )),
+                _ => None,
+            }
         })
     }
 
@@ -302,6 +339,7 @@ impl NcclGroup {
     ) -> Result<()> {
         let done = stream.record()?;
         let start = Instant::now();
+        let mut last_peer_check = start;
         let mut pause = Duration::from_micros(20);
         loop {
             if done.is_complete() {
@@ -322,6 +360,15 @@ impl NcclGroup {
                     reason: format!("NCCL reported {status:?} during {op}"),
                 });
             }
+            if last_peer_check.elapsed() > Duration::from_secs(1) {
+                last_peer_check = Instant::now();
+                if let Some((failed_rank, reason)) = self.failed_peer() {
+                    return Err(Error::PeerFailed {
+                        failed_rank,
+                        reason,
+                    });
+                }
+            }
             if start.elapsed() > self.timeout {
                 return Err(Error::Timeout {
                     op: op.to_string(),
@@ -341,10 +388,9 @@ impl NcclGroup {
         (0..self.size)
             .filter(|&r| {
                 let key = format!("{}/seq/{r}", self.prefix);
-                let theirs = self
-                    .store
-                    .try_get(&key)
-                    .ok()
+                let set = self.store.check(&[key.as_str()]).unwrap_or(false);
+                let theirs = set
+                    .then(|| self.store.get(&key).ok())
                     .flatten()
                     .and_then(|v| String::from_utf8(v).ok())
                     .and_then(|s| s.parse::<u64>().ok())
@@ -354,6 +400,11 @@ impl NcclGroup {
             .map(|r| self.members[r])
             .collect()
     }
+}
+
+/// The store key where world rank `rank` records its failure.
+fn failure_key(rank: usize) -> String {
+    format!("nccl/failed/{rank}")
 }
 
 fn nccl_dtype(d: DType) -> sys::ncclDataType_t {

@@ -2,46 +2,15 @@
 //! and a GPU (a lent machine), a world of one rank must move every collective exactly.
 
 use fsdp::backend::Device;
-use fsdp::distributed::nccl::{self, IdStore, NcclGroup};
-use fsdp::distributed::{ProcessGroup, ReduceOp};
+use fsdp::distributed::nccl::{self, NcclGroup};
+use fsdp::distributed::{ProcessGroup, ReduceOp, Store, TcpStore};
 use fsdp::tensor::{DType, Tensor};
-use parking_lot::{Condvar, Mutex};
-use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
-
-/// An in-process store with the TCP store's waiting `get`.
-#[derive(Default)]
-struct MemStore {
-    map: Mutex<HashMap<String, Vec<u8>>>,
-    cv: Condvar,
-}
-
-impl IdStore for MemStore {
-    fn set(&self, key: &str, value: &[u8]) -> fsdp::Result<()> {
-        self.map.lock().insert(key.to_string(), value.to_vec());
-        self.cv.notify_all();
-        Ok(())
-    }
-    fn get(&self, key: &str) -> fsdp::Result<Vec<u8>> {
-        let deadline = Instant::now() + Duration::from_secs(5);
-        let mut m = self.map.lock();
-        loop {
-            if let Some(v) = m.get(key) {
-                return Ok(v.clone());
-            }
-            if self.cv.wait_until(&mut m, deadline).timed_out() {
-                return Err(fsdp::Error::InvalidArgument(format!("no key {key}")));
-            }
-        }
-    }
-    fn try_get(&self, key: &str) -> fsdp::Result<Option<Vec<u8>>> {
-        Ok(self.map.lock().get(key).cloned())
-    }
-}
+use std::time::Duration;
 
 fn world_of_one() -> Option<NcclGroup> {
-    let store: Arc<dyn IdStore> = Arc::new(MemStore::default());
+    let store: Arc<dyn Store> =
+        Arc::new(TcpStore::new("127.0.0.1", 0, 0, true, Duration::from_secs(5)).unwrap());
     let r = NcclGroup::new(0, 1, 0, store, Duration::from_secs(30));
     if !nccl::is_available() {
         let e = r.expect_err("NCCL group without libnccl");
@@ -93,4 +62,43 @@ fn nccl_world_of_one_is_exact_or_refused_clearly() {
     let host = Tensor::zeros(&[4], DType::F32);
     let e = g.all_reduce(&host, ReduceOp::Sum).unwrap_err();
     assert!(e.to_string().contains("expected a tensor on cuda:0"), "{e}");
+}
+
+#[test]
+fn init_process_group_nccl_joins_a_world_of_one_or_says_what_is_missing() {
+    use fsdp::distributed::{destroy_process_group, init_process_group, InitOptions};
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let opts = InitOptions::new("nccl").with_env([
+        ("WORLD_SIZE", "1".to_string()),
+        ("RANK", "0".to_string()),
+        ("LOCAL_RANK", "0".to_string()),
+        ("MASTER_ADDR", "127.0.0.1".to_string()),
+        ("MASTER_PORT", port.to_string()),
+    ]);
+    let ready = nccl::is_available() && fsdp::backend::cuda::detect().is_ok();
+    match init_process_group(opts) {
+        Ok(g) => {
+            assert!(ready, "joined an NCCL world without NCCL or a GPU");
+            assert_eq!((g.backend(), g.size()), ("nccl", 1));
+            let t = Tensor::from_vec(vec![1.5f32, -2.0], &[2])
+                .unwrap()
+                .to_device(Device::Cuda(0))
+                .unwrap();
+            g.all_reduce(&t, ReduceOp::Sum).unwrap();
+            assert_eq!(t.to_vec_f32().unwrap(), vec![1.5, -2.0]);
+            destroy_process_group().unwrap();
+        }
+        Err(e) => {
+            assert!(!ready, "NCCL and a GPU are present, but: {e}");
+            let s = e.to_string();
+            assert!(
+                s.contains("libnccl.so") || s.contains("CUDA") || s.contains("cuda"),
+                "{s}"
+            );
+        }
+    }
 }

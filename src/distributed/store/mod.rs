@@ -203,3 +203,40 @@ impl<S: Store + ?Sized> Store for Arc<S> {
         (**self).timeout()
     }
 }
+
+/// The store of a rendezvous `HOST:PORT` (from `MASTER_ADDR`/`MASTER_PORT` or
+/// `tcp://HOST:PORT`): rank 0 hosts it, every rank connects (what both the `tcp` and the
+/// `nccl` backends meet through). `what` names the call in errors.
+///
+/// # Errors
+/// `InvalidArgument` when the key is not `HOST:PORT`; `Timeout` naming rank 0 when its
+/// store cannot be reached in time; `Io` when rank 0 cannot host it.
+pub(crate) fn connect_for(
+    rv: &crate::distributed::Rendezvous,
+    what: &str,
+) -> crate::error::Result<Arc<TcpStore>> {
+    use crate::error::Error;
+    let (host, port) = match rv.key.rsplit_once(':').map(|(h, p)| (h, p.parse::<u16>())) {
+        Some((h, Ok(p))) if !h.is_empty() => (h.trim_matches(['[', ']']), p),
+        _ => crate::error::bail_arg!(
+            "{what}: backend {} needs MASTER_ADDR:MASTER_PORT or tcp://HOST:PORT, got '{}'",
+            rv.backend,
+            rv.key
+        ),
+    };
+    let is_master = rv.rank == 0;
+    let store = TcpStore::new(host, port, rv.rank, is_master, rv.timeout).map_err(|e| match e {
+        Error::Timeout { timeout_s, .. } => Error::Timeout {
+            op: format!("{what}: connecting to the store rank 0 hosts"),
+            rank: rv.rank,
+            timeout_s,
+            missing_ranks: vec![0],
+        },
+        Error::Io { context, source } if is_master => Error::Io {
+            context: format!("{what}: rank 0 hosts the store: {context}"),
+            source,
+        },
+        e => e,
+    })?;
+    Ok(Arc::new(store))
+}

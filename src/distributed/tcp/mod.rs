@@ -156,29 +156,8 @@ impl TcpGroup {
     /// from rank 0's; `Io` when rank 0 cannot listen on the port.
     pub fn init(rv: &Rendezvous) -> Result<Arc<TcpGroup>> {
         let what = format!("init_process_group (rendezvous '{}')", rv.key);
-        let (host, port) = match rv.key.rsplit_once(':').map(|(h, p)| (h, p.parse::<u16>())) {
-            Some((h, Ok(p))) if !h.is_empty() => (h.trim_matches(['[', ']']), p),
-            _ => crate::error::bail_arg!(
-                "{what}: backend tcp needs MASTER_ADDR:MASTER_PORT or tcp://HOST:PORT, got '{}'",
-                rv.key
-            ),
-        };
         let is_master = rv.rank == 0;
-        let store =
-            TcpStore::new(host, port, rv.rank, is_master, rv.timeout).map_err(|e| match e {
-                Error::Timeout { timeout_s, .. } => Error::Timeout {
-                    op: format!("{what}: connecting to the store rank 0 hosts"),
-                    rank: rv.rank,
-                    timeout_s,
-                    missing_ranks: vec![0],
-                },
-                Error::Io { context, source } if is_master => Error::Io {
-                    context: format!("{what}: rank 0 hosts the store: {context}"),
-                    source,
-                },
-                e => e,
-            })?;
-        let store = Arc::new(store);
+        let store = crate::distributed::store::connect_for(rv, &what)?;
         let size_key = "pg/world_size";
         if is_master {
             store.set(size_key, rv.world_size.to_string().as_bytes())?;
