@@ -8,7 +8,7 @@ use crate::ops;
 use crate::tensor::{DType, Tensor};
 
 /// `out[.., :] = table[ids[..], :]`; `table: (V, C)` f32 on the host, `ids` i32 of any
-/// shape. Device tensors: [`crate::ops::embedding`].
+/// shape. Device tensors: [`crate::ops::embedding()`].
 ///
 /// # Errors
 /// `InvalidArgument` naming the first id outside `0..V`; `DeviceMismatch` for a table on a

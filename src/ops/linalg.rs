@@ -2,7 +2,7 @@
 //! its batched form, [`linear`] (`F.linear`), and the bias row ops of a linear layer.
 //!
 //! CPU: [`crate::backend::cpu::gemm::matmul`] (the `gemm` crate) and plain row loops;
-//! CUDA: cuBLAS ([`crate::backend::cuda::gemm_strided_batched`], f32 compute, no TF32) and
+//! CUDA: cuBLAS (`backend::cuda::gemm_strided_batched`, f32 compute, no TF32) and
 //! the `bias_*` kernels of `nn.cu`. Row reductions and GEMMs sum in another order on the
 //! GPU, so CUDA results agree with the CPU to f32 rounding, not bitwise.
 

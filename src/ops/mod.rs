@@ -19,11 +19,11 @@
 //! | `activation.rs` | [`pointwise`], [`pointwise_backward`] ([`Pointwise::Relu`], [`Pointwise::Gelu`]) | `F.relu`, `F.gelu` |
 //! | `layernorm.rs` | [`layer_norm`], [`layer_norm_backward`] | `F.layer_norm` |
 //! | `attention.rs` | [`split_qkv`], [`merge_qkv`], [`split_heads`], [`merge_heads`], [`softmax_causal`], [`softmax_causal_backward_`] | the permutes and masked softmax of `scaled_dot_product_attention` |
-//! | `embedding.rs` | [`embedding`], [`embedding_backward`] | `F.embedding` |
+//! | `embedding.rs` | [`embedding()`], [`embedding_backward`] | `F.embedding` |
 //! | `loss.rs` | [`cross_entropy`], [`mse_loss`], [`sum_loss`] | `F.cross_entropy`, `F.mse_loss`, `.sum()` |
 //!
 //! Host synchronizations: [`sum_squares`], the losses (their value is a host `f32`), and
-//! [`embedding`] and [`cross_entropy`] on CUDA, which read back the kernel's out-of-range
+//! [`embedding()`] and [`cross_entropy`] on CUDA, which read back the kernel's out-of-range
 //! flag to report a bad id or target as an error. Everything else only queues work.
 
 pub mod activation;
