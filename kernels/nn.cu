@@ -7,6 +7,9 @@
 // gelu_fwd_f32(x (n), y (n), n)              y = x Phi(x), exact-erf GELU         (=)
 // gelu_bwd_f32(x (n), dy (n), dx (n), n)      dx = dy GELU'(x)                    (=)
 //   Same erf/exp polynomials as the CPU (common.cuh): bitwise equal.
+// relu_fwd_f32(x (n), y (n), n)              y = max(x, 0)                       (=)
+// relu_bwd_f32(x (n), dy (n), dx (n), n)      dx = dy * (x > 0 ? 1 : 0)           (=)
+//   As nn::activation::{relu, relu_grad}: bitwise equal.
 // bias_add_f32(y (rows, C), b (C), rows, C)   y[r, j] += b[j]                    (+=)
 // bias_grad_f32(dy (rows, C), db (C), rows, C) db[j] += sum_r dy[r, j]           (+=)
 //   One thread per column, rows summed in order (deterministic).
@@ -58,6 +61,16 @@ extern "C" __global__ void gelu_fwd_f32(const float* __restrict__ x, float* __re
 extern "C" __global__ void gelu_bwd_f32(const float* __restrict__ x, const float* __restrict__ dy,
                                         float* __restrict__ dx, int64_t n) {
   GRID_STRIDE_LOOP(i, n) { dx[i] = dy[i] * gelu_df(x[i]); }
+}
+
+extern "C" __global__ void relu_fwd_f32(const float* __restrict__ x, float* __restrict__ y,
+                                        int64_t n) {
+  GRID_STRIDE_LOOP(i, n) { y[i] = fmaxf(x[i], 0.0f); }
+}
+
+extern "C" __global__ void relu_bwd_f32(const float* __restrict__ x, const float* __restrict__ dy,
+                                        float* __restrict__ dx, int64_t n) {
+  GRID_STRIDE_LOOP(i, n) { dx[i] = dy[i] * (x[i] > 0.0f ? 1.0f : 0.0f); }
 }
 
 extern "C" __global__ void bias_add_f32(float* __restrict__ y, const float* __restrict__ b,

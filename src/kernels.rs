@@ -10,7 +10,7 @@
 //! | `reduce_scatter.cu` | `pack_grad_{dtype}`, `sum_into_{dtype}`, `scale_f32` | [`crate::backend::cpu::kernels`] |
 //! | `cast.cu` | `cast_{src}_{dst}` | [`cast_slice`](crate::backend::cpu::ops::cast_slice) |
 //! | `optim.cu` | `sgd_f32`, `adam_f32` | [`crate::optim`] (`SGD`, `Adam`, `AdamW`) |
-//! | `nn.cu` | `gelu_*`, `layernorm_*`, `softmax_*`, `cross_entropy_*`, `embedding_*`, `bias_*` | [`crate::backend::cpu::kernels`], [`crate::nn`] |
+//! | `nn.cu` | `gelu_*`, `relu_*`, `layernorm_*`, `softmax_*`, `cross_entropy_*`, `embedding_*`, `bias_*` | [`crate::backend::cpu::kernels`], [`crate::nn`] |
 
 #[cfg(feature = "cuda")]
 mod embedded {

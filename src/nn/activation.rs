@@ -1,20 +1,24 @@
-//! Elementwise activations: `ReLU` and exact (erf) `GELU`, as `torch.nn.ReLU` / `torch.nn.GELU()`.
+//! Elementwise activations: `ReLU` and exact (erf) `GELU`, as `torch.nn.ReLU` / `torch.nn.GELU()`,
+//! on any device (through [`crate::ops::pointwise`]).
 
 use super::{Context, Module};
 use crate::backend::cpu::ops::exp;
 use crate::error::{Error, Result};
+use crate::ops::{self, Pointwise as Op};
 use crate::tensor::Tensor;
 
-/// The scalar function of a pointwise activation and its derivative. Static functions
-/// (not function pointers) so the loops over a tensor inline and vectorize.
+/// The scalar function of a pointwise activation and its derivative, and the op that
+/// computes it over a tensor on any device.
 pub trait PointwiseFn: Send + 'static {
     /// Type name (`"GELU"`).
     const NAME: &'static str;
+    /// The device-dispatching op computing `f` and `f'` over tensors.
+    const OP: Op;
     fn f(x: f32) -> f32;
     fn df(x: f32) -> f32;
 }
 
-/// A pointwise activation `y = f(x)`, `dx = dy * f'(x)`; any shape, f32.
+/// A pointwise activation `y = f(x)`, `dx = dy * f'(x)`; any shape, f32, any device.
 pub struct Pointwise<F: PointwiseFn> {
     saved_x: Option<Tensor>,
     _f: std::marker::PhantomData<F>,
@@ -41,11 +45,11 @@ impl<F: PointwiseFn> Module for Pointwise<F> {
     }
 
     fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
-        let y: Vec<f32> = x.f32()?.iter().map(|&v| F::f(v)).collect();
+        let y = ops::pointwise(F::OP, x)?;
         if cx.grad_enabled {
             self.saved_x = Some(x.clone());
         }
-        Tensor::from_vec(y, x.shape())
+        Ok(y)
     }
 
     fn backward(&mut self, dy: &Tensor, _cx: &Context) -> Result<Tensor> {
@@ -53,13 +57,7 @@ impl<F: PointwiseFn> Module for Pointwise<F> {
             .saved_x
             .take()
             .ok_or(Error::NoSavedForward { module: F::NAME })?;
-        let dx: Vec<f32> = x
-            .f32()?
-            .iter()
-            .zip(dy.f32()?.iter())
-            .map(|(&x, &g)| g * F::df(x))
-            .collect();
-        Tensor::from_vec(dx, x.shape())
+        ops::pointwise_backward(F::OP, &x, dy)
     }
 }
 
@@ -67,17 +65,14 @@ impl<F: PointwiseFn> Module for Pointwise<F> {
 pub struct ReluFn;
 impl PointwiseFn for ReluFn {
     const NAME: &'static str = "ReLU";
+    const OP: Op = Op::Relu;
     #[inline]
     fn f(x: f32) -> f32 {
-        x.max(0.0)
+        relu(x)
     }
     #[inline]
     fn df(x: f32) -> f32 {
-        if x > 0.0 {
-            1.0
-        } else {
-            0.0
-        }
+        relu_grad(x)
     }
 }
 
@@ -85,6 +80,7 @@ impl PointwiseFn for ReluFn {
 pub struct GeluFn;
 impl PointwiseFn for GeluFn {
     const NAME: &'static str = "GELU";
+    const OP: Op = Op::Gelu;
     #[inline]
     fn f(x: f32) -> f32 {
         gelu(x)
@@ -101,6 +97,22 @@ pub type ReLU = Pointwise<ReluFn>;
 /// `y = x * Phi(x)` with the exact normal CDF `Phi(x) = (1 + erf(x / sqrt 2)) / 2`
 /// (`torch.nn.GELU()`, `approximate='none'`); any shape, f32.
 pub type GELU = Pointwise<GeluFn>;
+
+/// ReLU of one value, `max(x, 0)` (the CPU reference of `relu_fwd_f32`).
+#[inline]
+pub fn relu(x: f32) -> f32 {
+    x.max(0.0)
+}
+
+/// d ReLU / dx: 1 for `x > 0`, else 0.
+#[inline]
+pub fn relu_grad(x: f32) -> f32 {
+    if x > 0.0 {
+        1.0
+    } else {
+        0.0
+    }
+}
 
 const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
 /// 1 / sqrt(2 pi)

@@ -1,13 +1,13 @@
 //! A GPT-2 style decoder: token + position embeddings, `n_layer` blocks, final LayerNorm,
-//! and an output projection tied to the token embedding (nanoGPT / llm.c's `train_gpt2.c`).
+//! and an output projection tied to the token embedding (nanoGPT / llm.c's `train_gpt2.c`),
+//! on the device of its parameters (token ids on the same device).
 
-use super::embedding::{embedding_backward, embedding_lookup};
 use super::{Block, ChildVisitor, Context, InitKey, LayerNorm, Module, Parameter};
-use crate::backend::cpu::gemm::{matmul, Transpose};
 use crate::error::{Error, Result};
+use crate::ops::{self, MatmulDims, Transpose};
 use crate::tensor::{DType, Tensor};
 
-/// Shape of a [`GPT`].
+/// Shape of a [`GPT`]. [`GptConfig::gpt2_124m`] is GPT-2 small.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct GptConfig {
     /// Token vocabulary `V` (256 for bytes).
@@ -20,6 +20,21 @@ pub struct GptConfig {
     pub n_head: usize,
     /// Width `C`.
     pub n_embd: usize,
+}
+
+impl GptConfig {
+    /// GPT-2 small ("124M"): 12 layers, width 768, 12 heads, block size 1024 (OpenAI's
+    /// `gpt2` checkpoint, nanoGPT's `gpt2` preset). `vocab_size` is the tokenizer's: 256 for
+    /// bytes, 50257 for the GPT-2 BPE (124M parameters with the tied embedding counted once).
+    pub fn gpt2_124m(vocab_size: usize) -> GptConfig {
+        GptConfig {
+            vocab_size,
+            block_size: 1024,
+            n_layer: 12,
+            n_head: 12,
+            n_embd: 768,
+        }
+    }
 }
 
 /// Input i32 token ids `(B, T)`, `T <= block_size`; output f32 logits `(B, T, V)`.
@@ -106,36 +121,31 @@ impl Module for GPT {
                 )
             }
         };
-        let idv = ids.data::<i32>()?;
-        let mut x = embedding_lookup(self.wte.data()?, &idv)?;
-        drop(idv);
-        {
-            let wpe = self.wpe.data()?.f32()?;
-            for (i, row) in x.chunks_exact_mut(c).enumerate() {
-                crate::backend::cpu::ops::add_(row, &wpe[(i % t) * c..(i % t + 1) * c]);
-            }
-        }
-        let mut h = Tensor::from_vec(x, &[b, t, c])?;
+        let wte = self.wte.data()?;
+        // x (B, T, C) = wte[ids] + wpe[0..T], the position rows added to every sequence.
+        let x = ops::embedding(wte, ids)?;
+        ops::bias_add_(
+            &x.reshape(&[b, t * c])?,
+            &self.wpe.data()?.view(0, &[t * c])?,
+        )?;
+        let mut h = x.reshape(&[b, t, c])?;
         for blk in &mut self.blocks {
             h = blk.forward(&h, cx)?;
         }
         let h = self.ln_f.forward(&h, cx)?;
         // logits (B*T, V) = h (B*T, C) @ wte^T, wte stored (V, C)
-        let mut logits = vec![0.0f32; b * t * v];
-        matmul(
-            &mut logits,
-            &h.f32()?,
-            &self.wte.data()?.f32()?,
-            b * t,
-            c,
-            v,
-            Transpose::NT,
+        let logits = ops::output(&[b, t, v], h.device())?;
+        ops::matmul(
+            &logits,
+            &h,
+            self.wte.data()?,
+            MatmulDims::new(b * t, c, v, Transpose::NT),
             false,
         )?;
         if cx.grad_enabled {
             self.saved = Some((ids.clone(), h));
         }
-        Tensor::from_vec(logits, &[b, t, v])
+        Ok(logits)
     }
 
     fn backward(&mut self, dlogits: &Tensor, cx: &Context) -> Result<Tensor> {
@@ -157,48 +167,38 @@ impl Module for GPT {
             });
         }
         let n = b * t;
-        let dl = dlogits.f32()?;
         // dh (N, C) = dlogits (N, V) @ wte (V, C)
-        let mut dh = vec![0.0f32; n * c];
-        matmul(
-            &mut dh,
-            &dl,
-            &self.wte.data()?.f32()?,
-            n,
-            v,
-            c,
-            Transpose::NN,
+        let dh = ops::output(&[b, t, c], h.device())?;
+        ops::matmul(
+            &dh,
+            dlogits,
+            self.wte.data()?,
+            MatmulDims::new(n, v, c, Transpose::NN),
             false,
         )?;
-        if let Some(g) = self.wte.grad_for_accumulate() {
+        if let Some(g) = self.wte.grad_for_accumulate()? {
             // dwte (V, C) += dlogits^T (V, N) @ h (N, C)
-            matmul(
-                &mut g.f32_mut()?,
-                &dl,
-                &h.f32()?,
-                v,
-                n,
-                c,
-                Transpose::TN,
+            ops::matmul(
+                g,
+                dlogits,
+                &h,
+                MatmulDims::new(v, n, c, Transpose::TN),
                 true,
             )?;
         }
-        drop(dl);
-        let mut g = self.ln_f.backward(&Tensor::from_vec(dh, &[b, t, c])?, cx)?;
+        drop(h);
+        let mut g = self.ln_f.backward(&dh, cx)?;
         for blk in self.blocks.iter_mut().rev() {
             g = blk.backward(&g, cx)?;
         }
-        let dx = g.f32()?;
-        if let Some(gw) = self.wpe.grad_for_accumulate() {
-            let mut gw = gw.f32_mut()?;
-            for (i, row) in dx.chunks_exact(c).enumerate() {
-                crate::backend::cpu::ops::add_(&mut gw[(i % t) * c..(i % t + 1) * c], row);
-            }
+        if let Some(gw) = self.wpe.grad_for_accumulate()? {
+            // dwpe[0..T] += the position rows of dx summed over the batch
+            ops::bias_grad(&g.reshape(&[b, t * c])?, &gw.view(0, &[t * c])?)?;
         }
-        if let Some(gw) = self.wte.grad_for_accumulate() {
-            embedding_backward(&mut gw.f32_mut()?, &ids.data::<i32>()?, &dx, c);
+        if let Some(gw) = self.wte.grad_for_accumulate()? {
+            ops::embedding_backward(&ids, &g, gw)?;
         }
-        Ok(Tensor::zeros(&[0], DType::F32))
+        Tensor::zeros_on(&[0], DType::F32, ids.device())
     }
 
     fn for_each_param(&mut self, f: &mut dyn FnMut(&str, &mut Parameter)) {

@@ -1,7 +1,9 @@
-//! `LayerNorm` over the last dimension (`torch.nn.LayerNorm(C)`, eps 1e-5, affine).
+//! `LayerNorm` over the last dimension (`torch.nn.LayerNorm(C)`, eps 1e-5, affine), on the
+//! device of its parameters.
 
 use super::{Context, InitKey, Module, Parameter};
 use crate::error::{Error, Result};
+use crate::ops::{self, LayerNormSaved};
 use crate::tensor::Tensor;
 
 /// `y = (x - mean) / sqrt(var + eps) * weight + bias` over the last dim of size `C`, with
@@ -13,8 +15,8 @@ pub struct LayerNorm {
     pub bias: Parameter,
     dim: usize,
     eps: f32,
-    /// (normalized x (.., C), 1/std per row)
-    saved: Option<(Vec<f32>, Vec<f32>)>,
+    /// Normalized x (.., C) and 1/std per row, on the input's device.
+    saved: Option<LayerNormSaved>,
 }
 
 impl LayerNorm {
@@ -44,64 +46,22 @@ impl Module for LayerNorm {
                 got: x.shape().to_vec(),
             });
         }
-        let xv = x.f32()?;
-        let (w, b) = (self.weight.data()?.f32()?, self.bias.data()?.f32()?);
-        let rows = xv.len() / c.max(1);
-        let mut y = vec![0.0f32; xv.len()];
-        let mut xhat = vec![0.0f32; if cx.grad_enabled { xv.len() } else { 0 }];
-        let mut rstds = Vec::with_capacity(rows);
-        for r in 0..rows {
-            let row = &xv[r * c..(r + 1) * c];
-            let mean = row.iter().sum::<f32>() / c as f32;
-            let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / c as f32;
-            let rstd = 1.0 / (var + self.eps).sqrt();
-            rstds.push(rstd);
-            for j in 0..c {
-                let n = (row[j] - mean) * rstd;
-                if cx.grad_enabled {
-                    xhat[r * c + j] = n;
-                }
-                y[r * c + j] = n * w[j] + b[j];
-            }
-        }
+        let (y, saved) = ops::layer_norm(x, self.weight.data()?, self.bias.data()?, self.eps)?;
         if cx.grad_enabled {
-            self.saved = Some((xhat, rstds));
+            self.saved = Some(saved);
         }
-        Tensor::from_vec(y, x.shape())
+        Ok(y)
     }
 
     fn backward(&mut self, dy: &Tensor, _cx: &Context) -> Result<Tensor> {
-        let (xhat, rstds) = self.saved.take().ok_or(Error::NoSavedForward {
+        let saved = self.saved.take().ok_or(Error::NoSavedForward {
             module: "LayerNorm",
         })?;
-        let c = self.dim;
-        let dyv = dy.f32()?;
-        if dyv.len() != xhat.len() {
-            return Err(Error::ShapeMismatch {
-                op: "LayerNorm.backward",
-                expected: vec![xhat.len()],
-                got: dy.shape().to_vec(),
-            });
-        }
-        let w = self.weight.data()?.f32()?.to_vec();
-        if let Some(g) = self.weight.grad_for_accumulate() {
-            let mut g = g.f32_mut()?;
-            for (dyr, xr) in dyv.chunks_exact(c).zip(xhat.chunks_exact(c)) {
-                for j in 0..c {
-                    g[j] += dyr[j] * xr[j];
-                }
-            }
-        }
-        if let Some(g) = self.bias.grad_for_accumulate() {
-            let mut g = g.f32_mut()?;
-            for dyr in dyv.chunks_exact(c) {
-                crate::backend::cpu::ops::add_(&mut g, dyr);
-            }
-        }
+        let w = self.weight.data()?.clone();
+        let dw = self.weight.grad_for_accumulate()?.cloned();
+        let db = self.bias.grad_for_accumulate()?.cloned();
         // dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * w
-        let mut dx = vec![0.0f32; dyv.len()];
-        crate::backend::cpu::kernels::layernorm_bwd(&dyv, &xhat, &rstds, &w, &mut dx)?;
-        Tensor::from_vec(dx, dy.shape())
+        ops::layer_norm_backward(dy, &saved, &w, dw.as_ref(), db.as_ref())
     }
 
     fn for_each_param(&mut self, f: &mut dyn FnMut(&str, &mut Parameter)) {

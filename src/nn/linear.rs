@@ -1,8 +1,8 @@
-//! `Linear`: `y = x @ W^T + b` (`torch.nn.Linear`).
+//! `Linear`: `y = x @ W^T + b` (`torch.nn.Linear`), on the device of its parameters.
 
 use super::{Context, InitKey, Module, Parameter};
-use crate::backend::cpu::gemm::{matmul, Transpose};
 use crate::error::{Error, Result};
+use crate::ops::{self, MatmulDims, Transpose};
 use crate::tensor::Tensor;
 
 /// Affine map over the last dimension. `weight: (out, in)`, `bias: (out)`; input
@@ -82,32 +82,13 @@ impl Module for Linear {
     }
 
     fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
-        let n = self.rows(x, "Linear.forward", self.in_features)?;
-        let (i, o) = (self.in_features, self.out_features);
-        let mut shape = x.shape().to_vec();
-        *shape.last_mut().unwrap_or(&mut 0) = o;
-        let mut y = vec![0.0f32; n * o];
-        if let Some(b) = &self.bias {
-            let b = b.data()?.f32()?;
-            for row in y.chunks_exact_mut(o.max(1)) {
-                row.copy_from_slice(&b);
-            }
-        }
-        // y (n, o) += x (n, i) @ W^T, W stored (o, i)
-        matmul(
-            &mut y,
-            &x.f32()?,
-            &self.weight.data()?.f32()?,
-            n,
-            i,
-            o,
-            Transpose::NT,
-            true,
-        )?;
+        self.rows(x, "Linear.forward", self.in_features)?;
+        let bias = self.bias.as_ref().map(|b| b.data()).transpose()?;
+        let y = ops::linear(x, self.weight.data()?, bias)?;
         if cx.grad_enabled {
             self.saved_x = Some(x.clone());
         }
-        Tensor::from_vec(y, &shape)
+        Ok(y)
     }
 
     fn backward(&mut self, dy: &Tensor, _cx: &Context) -> Result<Tensor> {
@@ -117,41 +98,26 @@ impl Module for Linear {
             .ok_or(Error::NoSavedForward { module: "Linear" })?;
         let n = self.rows(dy, "Linear.backward", self.out_features)?;
         let (i, o) = (self.in_features, self.out_features);
-        let dyv = dy.f32()?;
         // dx (n, i) = dy (n, o) @ W (o, i)
-        let mut dx = vec![0.0f32; n * i];
-        matmul(
-            &mut dx,
-            &dyv,
-            &self.weight.data()?.f32()?,
-            n,
-            o,
-            i,
-            Transpose::NN,
+        let dx = ops::output(x.shape(), x.device())?;
+        ops::matmul(
+            &dx,
+            dy,
+            self.weight.data()?,
+            MatmulDims::new(n, o, i, Transpose::NN),
             false,
         )?;
-        if let Some(g) = self.weight.grad_for_accumulate() {
+        if let Some(g) = self.weight.grad_for_accumulate()? {
             // dW (o, i) += dy^T (o, n) @ x (n, i)
-            matmul(
-                &mut g.f32_mut()?,
-                &dyv,
-                &x.f32()?,
-                o,
-                n,
-                i,
-                Transpose::TN,
-                true,
-            )?;
+            ops::matmul(g, dy, &x, MatmulDims::new(o, n, i, Transpose::TN), true)?;
         }
         if let Some(b) = &mut self.bias {
-            if let Some(g) = b.grad_for_accumulate() {
-                let mut g = g.f32_mut()?;
-                for row in dyv.chunks_exact(o.max(1)) {
-                    crate::backend::cpu::ops::add_(&mut g, row);
-                }
+            if let Some(g) = b.grad_for_accumulate()? {
+                // db (o) += sum over rows of dy (n, o)
+                ops::bias_grad(dy, g)?;
             }
         }
-        Tensor::from_vec(dx, x.shape())
+        Ok(dx)
     }
 
     fn for_each_param(&mut self, f: &mut dyn FnMut(&str, &mut Parameter)) {

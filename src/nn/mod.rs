@@ -1,8 +1,12 @@
-//! Neural-network layers with explicit backward passes, and the GPT model.
+//! Neural-network layers with explicit backward passes, and the GPT model. Every layer
+//! computes through [`crate::ops`], so it runs on the device of its parameters and input
+//! (CPU or CUDA; move a model with [`module_to_device`]); outputs, saved activations and
+//! parameter gradients are allocated there.
 //!
 //! | item | file | PyTorch |
 //! |---|---|---|
 //! | [`Module`], [`Context`] | `module.rs` | `nn.Module`, `torch.no_grad` |
+//! | [`module_to_device`] | `device.rs` | `nn.Module.to(device)` |
 //! | [`Parameter`] | `parameter.rs` | `nn.Parameter` |
 //! | [`Linear`] | `linear.rs` | `nn.Linear` |
 //! | [`ReLU`], [`GELU`] | `activation.rs` | `nn.ReLU`, `nn.GELU()` |
@@ -17,6 +21,7 @@
 mod activation;
 mod attention;
 mod container;
+mod device;
 mod embedding;
 mod gpt;
 mod init;
@@ -27,9 +32,10 @@ mod module;
 mod parameter;
 mod transformer;
 
-pub use activation::{gelu, gelu_grad, ReLU, GELU};
+pub use activation::{gelu, gelu_grad, relu, relu_grad, ReLU, GELU};
 pub use attention::CausalSelfAttention;
 pub use container::Sequential;
+pub use device::module_to_device;
 pub use embedding::{embedding_backward, embedding_lookup, Embedding};
 pub use gpt::{GptConfig, GPT};
 pub use init::{materialize, on_meta_device, InitKey, ParamInit};

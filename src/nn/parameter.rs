@@ -1,5 +1,6 @@
 //! `Parameter`: a named tensor with a gradient slot, whose storage FSDP can swap.
 
+use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::tensor::{numel_of, DType, Tensor};
 
@@ -13,6 +14,8 @@ pub struct Parameter {
     name: String,
     shape: Vec<usize>,
     dtype: DType,
+    /// Device of the data, kept while the data is sharded away.
+    device: Device,
     data: Option<Tensor>,
     grad: Option<Tensor>,
     /// False for a frozen parameter: backward leaves its gradient untouched.
@@ -27,6 +30,7 @@ impl Parameter {
             name: name.to_string(),
             shape: data.shape().to_vec(),
             dtype: data.dtype(),
+            device: data.device(),
             data: Some(data),
             grad: None,
             requires_grad: true,
@@ -56,6 +60,11 @@ impl Parameter {
     /// Element type of the data.
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// Device of the data (of the last data set, while it is sharded away).
+    pub fn device(&self) -> Device {
+        self.device
     }
 
     /// The values.
@@ -88,6 +97,7 @@ impl Parameter {
                 });
             }
             self.dtype = d.dtype();
+            self.device = d.device();
         }
         self.data = data;
         Ok(())
@@ -124,15 +134,20 @@ impl Parameter {
         self.grad = grad;
     }
 
-    /// The gradient to accumulate into, created as f32 zeros when absent; `None` for a
-    /// frozen parameter (callers then skip the weight gradient).
-    pub fn grad_for_accumulate(&mut self) -> Option<&Tensor> {
+    /// The gradient to accumulate into, created as f32 zeros on the parameter's
+    /// [`device`](Self::device) when absent; `None` for a frozen parameter (callers then
+    /// skip the weight gradient). A gradient set by [`set_grad`](Self::set_grad) is used as
+    /// it is, wherever it lives (the ops then check it is on the data's device).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the zeros cannot be allocated on the device.
+    pub fn grad_for_accumulate(&mut self) -> Result<Option<&Tensor>> {
         if !self.requires_grad {
-            return None;
+            return Ok(None);
         }
         if self.grad.is_none() {
-            self.grad = Some(Tensor::zeros(&self.shape, DType::F32));
+            self.grad = Some(Tensor::zeros_on(&self.shape, DType::F32, self.device)?);
         }
-        self.grad.as_ref()
+        Ok(self.grad.as_ref())
     }
 }

@@ -1,7 +1,8 @@
-//! The GPT-2 transformer block: `x + attn(ln_1(x))`, then `+ mlp(ln_2(.))`.
+//! The GPT-2 transformer block: `x + attn(ln_1(x))`, then `+ mlp(ln_2(.))`, on any device.
 
 use super::{CausalSelfAttention, ChildVisitor, Context, InitKey, LayerNorm, Linear, Module, GELU};
 use crate::error::Result;
+use crate::ops::add;
 use crate::tensor::Tensor;
 
 /// `c_fc: Linear(C, 4C)` -> GELU -> `c_proj: Linear(4C, C)`; input and output `(.., C)`.
@@ -85,12 +86,6 @@ impl Block {
             mlp: Box::new(MLP::new(n_embd, &key.child("mlp"))?),
         })
     }
-}
-
-fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    let mut out = a.f32()?.to_vec();
-    crate::backend::cpu::ops::add_(&mut out, &b.f32()?);
-    Tensor::from_vec(out, a.shape())
 }
 
 impl Module for Block {

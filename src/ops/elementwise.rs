@@ -66,6 +66,18 @@ pub fn add_(dst: &Tensor, src: &Tensor) -> Result<()> {
     }
 }
 
+/// `a + b` as a new tensor on their device (`torch.add`): a copy of `a`, then [`add_`].
+///
+/// # Errors
+/// As [`add_`].
+pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    numel_eq("add", a, b)?;
+    same_device("add", &[a, b])?;
+    let out = a.deep_clone()?;
+    add_(&out, b)?;
+    Ok(out)
+}
+
 /// `t *= alpha` in place on an f32 tensor (`Tensor.mul_`).
 ///
 /// # Errors

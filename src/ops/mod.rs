@@ -7,17 +7,47 @@
 //! asynchronous: results are ordered for later work on that stream, and a move to the host
 //! ([`Tensor::to_device`], [`Tensor::to_vec_f32`]) waits for them.
 //!
-//! | file | ops |
-//! |---|---|
-//! | `elementwise.rs` | `add_`, `scale_`, `fill_`, `sum_squares` |
+//! Outputs are allocated on the inputs' device. The CPU branch of every op runs exactly the
+//! loops the layers of [`crate::nn`] ran before they dispatched (so CPU results are
+//! bit-for-bit those of earlier versions); CUDA branches agree with them to f32 rounding
+//! (GEMMs and row reductions sum in another order), bitwise where the kernel header says so.
+//!
+//! | file | ops | PyTorch |
+//! |---|---|---|
+//! | `elementwise.rs` | [`add_`], [`add`], [`scale_`], [`fill_`], [`sum_squares`] | `Tensor.add_`, `+`, `mul_`, `fill_` |
+//! | `linalg.rs` | [`matmul`], [`matmul_batched`], [`linear`], [`bias_add_`], [`bias_grad`] | `addmm`, `bmm`, `F.linear` |
+//! | `activation.rs` | [`pointwise`], [`pointwise_backward`] ([`Pointwise::Relu`], [`Pointwise::Gelu`]) | `F.relu`, `F.gelu` |
+//! | `layernorm.rs` | [`layer_norm`], [`layer_norm_backward`] | `F.layer_norm` |
+//! | `attention.rs` | [`split_qkv`], [`merge_qkv`], [`split_heads`], [`merge_heads`], [`softmax_causal`], [`softmax_causal_backward_`] | the permutes and masked softmax of `scaled_dot_product_attention` |
+//! | `embedding.rs` | [`embedding()`], [`embedding_backward`] | `F.embedding` |
+//! | `loss.rs` | [`cross_entropy`], [`mse_loss`], [`sum_loss`] | `F.cross_entropy`, `F.mse_loss`, `.sum()` |
+//!
+//! Host synchronizations: [`sum_squares`], the losses (their value is a host `f32`), and
+//! [`embedding()`] and [`cross_entropy`] on CUDA, which read back the kernel's out-of-range
+//! flag to report a bad id or target as an error. Everything else only queues work.
 
+pub mod activation;
+pub mod attention;
 pub mod elementwise;
+pub mod embedding;
+pub mod layernorm;
+pub mod linalg;
+pub mod loss;
 
-pub use elementwise::{add_, fill_, scale_, sum_squares};
+pub use activation::{pointwise, pointwise_backward, Pointwise};
+pub use attention::{
+    merge_heads, merge_qkv, softmax_causal, softmax_causal_backward_, split_heads, split_qkv,
+    HeadDims,
+};
+pub use elementwise::{add, add_, fill_, scale_, sum_squares};
+pub use embedding::{embedding, embedding_backward};
+pub use layernorm::{layer_norm, layer_norm_backward, LayerNormSaved};
+pub use linalg::{bias_add_, bias_grad, linear, matmul, matmul_batched, MatmulDims, Transpose};
+pub use loss::{cross_entropy, mse_loss, sum_loss};
 
 use crate::backend::Device;
 use crate::error::{Error, Result};
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 /// The device of `ts`, all on one device.
 ///
@@ -45,6 +75,35 @@ pub fn same_device(op: &'static str, ts: &[&Tensor]) -> Result<Device> {
         });
     }
     Ok(d)
+}
+
+/// Every tensor of `ts` is f32 (the dtype of every nn op).
+///
+/// # Errors
+/// `DTypeMismatch` naming `op` and the first other dtype.
+pub(crate) fn check_f32(op: &'static str, ts: &[&Tensor]) -> Result<()> {
+    match ts.iter().find(|t| t.dtype() != DType::F32) {
+        Some(t) => Err(Error::DTypeMismatch {
+            op,
+            expected: DType::F32,
+            got: t.dtype(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// A new f32 tensor of `shape` on `device` that the calling op overwrites entirely: zeros
+/// on the CPU, uninitialized memory on CUDA (no memset to wait for).
+///
+/// # Errors
+/// [`Error::Cuda`] when the device is unavailable or out of memory.
+pub(crate) fn output(shape: &[usize], device: Device) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(i) = device {
+        let t = crate::backend::cuda::DeviceTensor::empty(&*stream(i)?, shape, DType::F32)?;
+        return Ok(Tensor::from_device_tensor(t));
+    }
+    Tensor::zeros_on(shape, DType::F32, device)
 }
 
 /// The calling thread's current stream on `cuda:ordinal` (see

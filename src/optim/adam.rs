@@ -1,7 +1,10 @@
 //! Adam and AdamW (`torch.optim.Adam`, `torch.optim.AdamW`), single-tensor update order.
 
+use super::fused::{self, AdamItem};
 use super::{check_pair, ensure_state, Optimizer, OptimizerState, ParamGrad, TensorState};
+use crate::backend::Device;
 use crate::error::{Error, Result};
+use crate::tensor::{DType, Tensor};
 
 /// Arguments of Adam/AdamW with PyTorch's defaults.
 #[derive(Debug, Clone, Copy)]
@@ -37,11 +40,16 @@ impl AdamConfig {
     }
 }
 
-/// First and second moments and the step count of one tensor (empty until its first step).
+/// First and second moments and the step count of one tensor: 1-D f32 on the tensor's
+/// device (empty until its first step).
 struct Moments {
     step: u64,
-    m: Vec<f32>,
-    v: Vec<f32>,
+    m: Tensor,
+    v: Tensor,
+}
+
+fn zeros(n: usize, device: Device) -> Result<Tensor> {
+    Tensor::zeros_on(&[n], DType::F32, device)
 }
 
 fn adam_step(
@@ -51,30 +59,53 @@ fn adam_step(
     state: &mut Vec<Moments>,
     op: &'static str,
 ) -> Result<()> {
-    ensure_state(op, state, params, |n| Moments {
-        step: 0,
-        m: vec![0.0; n],
-        v: vec![0.0; n],
+    ensure_state(op, state, params, |pg| {
+        let (n, device) = (pg.param.numel(), pg.param.device());
+        Ok(Moments {
+            step: 0,
+            m: zeros(n, device)?,
+            v: zeros(n, device)?,
+        })
     })?;
     let (b1, b2) = c.betas;
+    let mut on_device = Vec::new();
     for (pg, st) in params.iter().zip(state.iter_mut()) {
         check_pair(op, pg)?;
         let Some(grad) = &pg.grad else { continue };
-        let g = grad.f32()?;
-        let mut p = pg.param.f32_mut()?;
-        if st.m.is_empty() && st.step == 0 {
+        let device = crate::ops::same_device(op, &[&pg.param, grad])?;
+        let n = pg.param.numel();
+        if st.m.numel() == 0 && st.step == 0 {
             // A tensor that had no state when a state dict was loaded.
-            st.m = vec![0.0; p.len()];
-            st.v = vec![0.0; p.len()];
+            st.m = zeros(n, device)?;
+            st.v = zeros(n, device)?;
         }
-        if st.m.len() != p.len() || st.v.len() != p.len() {
+        if st.m.numel() != n || st.v.numel() != n {
             return Err(Error::ShapeMismatch {
                 op,
-                expected: vec![st.m.len()],
-                got: vec![p.len()],
+                expected: vec![st.m.numel()],
+                got: vec![n],
             });
         }
+        for t in [&mut st.m, &mut st.v] {
+            if t.device() != device {
+                // Loaded from a state dict (host values), or left behind by a move.
+                *t = t.to_device(device)?;
+            }
+        }
         st.step += 1;
+        if device.is_cuda() {
+            on_device.push(AdamItem {
+                param: pg.param.clone(),
+                grad: grad.clone(),
+                m: st.m.clone(),
+                v: st.v.clone(),
+                step: st.step,
+            });
+            continue;
+        }
+        let g = grad.f32()?;
+        let mut p = pg.param.f32_mut()?;
+        let (mut m, mut v) = (st.m.f32_mut()?, st.v.f32_mut()?);
         let bc1 = 1.0 - (b1 as f64).powi(st.step as i32);
         let bc2 = 1.0 - (b2 as f64).powi(st.step as i32);
         let step_size = (c.lr as f64 / bc1) as f32;
@@ -86,13 +117,13 @@ fn adam_step(
             } else if c.weight_decay != 0.0 {
                 gi += c.weight_decay * p[i];
             }
-            st.m[i] = b1 * st.m[i] + (1.0 - b1) * gi;
-            st.v[i] = b2 * st.v[i] + (1.0 - b2) * gi * gi;
-            let denom = st.v[i].sqrt() / bc2_sqrt + c.eps;
-            p[i] -= step_size * st.m[i] / denom;
+            m[i] = b1 * m[i] + (1.0 - b1) * gi;
+            v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
+            let denom = v[i].sqrt() / bc2_sqrt + c.eps;
+            p[i] -= step_size * m[i] / denom;
         }
     }
-    Ok(())
+    fused::adam(&on_device, c, decoupled)
 }
 
 /// Adam with L2 weight decay added to the gradient:
@@ -133,8 +164,8 @@ impl AdamW {
     }
 }
 
-fn export(c: &AdamConfig, kind: &str, state: &[Moments]) -> OptimizerState {
-    OptimizerState {
+fn export(c: &AdamConfig, kind: &str, state: &[Moments]) -> Result<OptimizerState> {
+    Ok(OptimizerState {
         kind: kind.to_string(),
         hyperparams: vec![
             ("lr".into(), c.lr as f64),
@@ -146,19 +177,24 @@ fn export(c: &AdamConfig, kind: &str, state: &[Moments]) -> OptimizerState {
         tensors: state
             .iter()
             .map(|s| {
-                (s.step > 0 || !s.m.is_empty()).then(|| TensorState {
-                    step: Some(s.step),
-                    buffers: vec![
-                        ("exp_avg".into(), s.m.clone()),
-                        ("exp_avg_sq".into(), s.v.clone()),
-                    ],
-                })
+                (s.step > 0 || s.m.numel() > 0)
+                    .then(|| {
+                        Ok(TensorState {
+                            step: Some(s.step),
+                            buffers: vec![
+                                ("exp_avg".into(), s.m.to_vec_f32()?),
+                                ("exp_avg_sq".into(), s.v.to_vec_f32()?),
+                            ],
+                        })
+                    })
+                    .transpose()
             })
-            .collect(),
-    }
+            .collect::<Result<_>>()?,
+    })
 }
 
-/// Checks `st` for an Adam of `kind` and builds the new config and moments.
+/// Checks `st` for an Adam of `kind` and builds the new config and moments (on the host;
+/// each moves to its tensor's device at the next step).
 fn import(kind: &str, st: &OptimizerState) -> Result<(AdamConfig, Vec<Moments>)> {
     st.check_kind(kind)?;
     let config = AdamConfig {
@@ -172,8 +208,8 @@ fn import(kind: &str, st: &OptimizerState) -> Result<(AdamConfig, Vec<Moments>)>
         let Some(t) = t else {
             out.push(Moments {
                 step: 0,
-                m: Vec::new(),
-                v: Vec::new(),
+                m: zeros(0, Device::Cpu)?,
+                v: zeros(0, Device::Cpu)?,
             });
             continue;
         };
@@ -193,7 +229,12 @@ fn import(kind: &str, st: &OptimizerState) -> Result<(AdamConfig, Vec<Moments>)>
                 v.len()
             )));
         }
-        out.push(Moments { step, m, v });
+        let n = m.len();
+        out.push(Moments {
+            step,
+            m: Tensor::from_vec(m, &[n])?,
+            v: Tensor::from_vec(v, &[n])?,
+        });
     }
     Ok((config, out))
 }
@@ -202,7 +243,7 @@ macro_rules! impl_adam {
     ($t:ty, $decoupled:expr, $op:expr, $kind:expr) => {
         impl Optimizer for $t {
             fn state_dict(&self) -> Result<OptimizerState> {
-                Ok(export(&self.config, $kind, &self.state))
+                export(&self.config, $kind, &self.state)
             }
             fn load_state_dict(&mut self, st: &OptimizerState) -> Result<()> {
                 let (config, state) = import($kind, st)?;
@@ -216,7 +257,7 @@ macro_rules! impl_adam {
             fn state_bytes(&self) -> usize {
                 self.state
                     .iter()
-                    .map(|s| (s.m.len() + s.v.len()) * 4 + 8)
+                    .map(|s| (s.m.numel() + s.v.numel()) * 4 + 8)
                     .sum()
             }
             fn lr(&self) -> f32 {

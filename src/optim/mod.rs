@@ -2,12 +2,21 @@
 //! given: under FSDP those are each unit's local shard of the FlatParameter and of its
 //! gradient, so optimizer state is sharded exactly like the parameters (ZeRO stage 3).
 //!
+//! Devices: each tensor is updated where it lives. Host tensors run the plain loops below;
+//! CUDA tensors are updated by the fused multi-tensor kernels of `optim.cu` (one launch per
+//! device and step, on the calling thread's current stream; bitwise equal to the loops).
+//! Optimizer state (momentum buffers, Adam moments) is allocated on the tensor's device and
+//! follows it: state loaded by [`Optimizer::load_state_dict`] (host values) or left on
+//! another device moves to the tensor's device at its next step. [`Optimizer::state_dict`]
+//! always returns host vectors (copying device state to the host waits for the stream).
+//!
 //! | optimizer | PyTorch | file |
 //! |---|---|---|
 //! | [`SGD`] | `torch.optim.SGD` (momentum, dampening, nesterov, weight_decay) | `sgd.rs` |
 //! | [`Adam`], [`AdamW`] | `torch.optim.Adam`, `torch.optim.AdamW` | `adam.rs` |
 
 mod adam;
+mod fused;
 mod sgd;
 
 pub use adam::{Adam, AdamConfig, AdamW};
@@ -46,7 +55,9 @@ pub trait Optimizer: Send {
     fn set_lr(&mut self, lr: f32);
 
     /// A copy of the hyperparameters and of every tensor's state
-    /// (`torch.optim.Optimizer.state_dict()`), by position in the list given to `step`.
+    /// (`torch.optim.Optimizer.state_dict()`), by position in the list given to `step`, as
+    /// host vectors wherever the state lives (device state is copied to the host: this waits
+    /// for the calling thread's current stream).
     ///
     /// # Errors
     /// `Unsupported` for an optimizer that cannot export its state (the default).
@@ -224,10 +235,10 @@ fn ensure_state<S>(
     op: &'static str,
     state: &mut Vec<S>,
     params: &[ParamGrad],
-    init: impl Fn(usize) -> S,
+    init: impl Fn(&ParamGrad) -> Result<S>,
 ) -> Result<()> {
     if state.is_empty() {
-        *state = params.iter().map(|p| init(p.param.numel())).collect();
+        *state = params.iter().map(init).collect::<Result<_>>()?;
     }
     if state.len() != params.len() {
         return Err(Error::ShapeMismatch {

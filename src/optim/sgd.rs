@@ -1,7 +1,9 @@
 //! Stochastic gradient descent with momentum (`torch.optim.SGD`).
 
+use super::fused::{self, SgdItem};
 use super::{check_pair, ensure_state, Optimizer, OptimizerState, ParamGrad, TensorState};
 use crate::error::{Error, Result};
+use crate::tensor::{DType, Tensor};
 
 /// `torch.optim.SGD` arguments and defaults (lr 1e-3 as PyTorch >= 2.3).
 #[derive(Debug, Clone, Copy)]
@@ -38,8 +40,9 @@ impl Default for SgdConfig {
 pub struct SGD {
     /// The hyperparameters; [`Optimizer::set_lr`] changes `config.lr`.
     pub config: SgdConfig,
-    /// Momentum buffers (empty until a parameter's first step with momentum).
-    bufs: Vec<Option<Vec<f32>>>,
+    /// Momentum buffers, 1-D f32 on the parameter's device (empty until a parameter's
+    /// first step with momentum).
+    bufs: Vec<Option<Tensor>>,
 }
 
 impl SGD {
@@ -55,27 +58,44 @@ impl SGD {
 
 impl Optimizer for SGD {
     fn step(&mut self, params: &[ParamGrad]) -> Result<()> {
-        ensure_state("SGD.step", &mut self.bufs, params, |_| None)?;
+        ensure_state("SGD.step", &mut self.bufs, params, |_| Ok(None))?;
         let c = self.config;
+        let mut on_device = Vec::new();
         for (pg, buf) in params.iter().zip(self.bufs.iter_mut()) {
             check_pair("SGD.step", pg)?;
             let Some(grad) = &pg.grad else { continue };
-            let g = grad.f32()?;
-            let mut p = pg.param.f32_mut()?;
+            let device = crate::ops::same_device("SGD.step", &[&pg.param, grad])?;
+            let n = pg.param.numel();
             let first = c.momentum != 0.0 && buf.is_none();
             if first {
-                *buf = Some(vec![0.0; p.len()]);
+                *buf = Some(Tensor::zeros_on(&[n], DType::F32, device)?);
             }
-            if let Some(b) = buf.as_ref().filter(|b| b.len() != p.len()) {
+            if let Some(b) = buf.as_ref().filter(|b| b.numel() != n) {
                 return Err(Error::ShapeMismatch {
                     op: "SGD.step",
-                    expected: vec![b.len()],
-                    got: vec![p.len()],
+                    expected: vec![b.numel()],
+                    got: vec![n],
                 });
             }
+            if let Some(b) = buf.as_mut().filter(|b| b.device() != device) {
+                // Loaded from a state dict (host values), or left behind by a move.
+                *b = b.to_device(device)?;
+            }
+            if device.is_cuda() {
+                on_device.push(SgdItem {
+                    param: pg.param.clone(),
+                    grad: grad.clone(),
+                    buf: buf.clone(),
+                    first,
+                });
+                continue;
+            }
+            let g = grad.f32()?;
+            let mut p = pg.param.f32_mut()?;
+            let mut b = buf.as_ref().map(|b| b.f32_mut()).transpose()?;
             for i in 0..p.len() {
                 let mut d = g[i] + c.weight_decay * p[i];
-                if let Some(b) = buf.as_mut() {
+                if let Some(b) = b.as_mut() {
                     // The first step copies the gradient into the buffer, undamped.
                     b[i] = if first {
                         d
@@ -91,11 +111,11 @@ impl Optimizer for SGD {
                 p[i] -= c.lr * d;
             }
         }
-        Ok(())
+        fused::sgd(&on_device, &c)
     }
 
     fn state_bytes(&self) -> usize {
-        self.bufs.iter().flatten().map(|b| b.len() * 4).sum()
+        self.bufs.iter().flatten().map(|b| b.numel() * 4).sum()
     }
 
     fn lr(&self) -> f32 {
@@ -121,12 +141,16 @@ impl Optimizer for SGD {
                 .bufs
                 .iter()
                 .map(|b| {
-                    b.as_ref().map(|b| TensorState {
-                        step: None,
-                        buffers: vec![("momentum_buffer".into(), b.clone())],
-                    })
+                    b.as_ref()
+                        .map(|b| {
+                            Ok(TensorState {
+                                step: None,
+                                buffers: vec![("momentum_buffer".into(), b.to_vec_f32()?)],
+                            })
+                        })
+                        .transpose()
                 })
-                .collect(),
+                .collect::<Result<_>>()?,
         })
     }
 
@@ -143,15 +167,14 @@ impl Optimizer for SGD {
         for (i, t) in st.tensors.iter().enumerate() {
             bufs.push(match t {
                 None => None,
-                Some(t) => Some(
-                    t.buffer("momentum_buffer")
-                        .ok_or_else(|| {
-                            Error::StateDict(format!(
-                                "SGD state of tensor {i} has no 'momentum_buffer'"
-                            ))
-                        })?
-                        .to_vec(),
-                ),
+                Some(t) => {
+                    let b = t.buffer("momentum_buffer").ok_or_else(|| {
+                        Error::StateDict(format!(
+                            "SGD state of tensor {i} has no 'momentum_buffer'"
+                        ))
+                    })?;
+                    Some(Tensor::from_vec(b.to_vec(), &[b.len()])?)
+                }
             });
         }
         self.config = config;

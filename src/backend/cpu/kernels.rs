@@ -9,7 +9,7 @@
 
 use super::ops::exp;
 use crate::error::{bail_arg, Error, Result};
-use crate::nn::{gelu, gelu_grad};
+use crate::nn::{gelu, gelu_grad, relu, relu_grad};
 use crate::tensor::Element;
 
 fn check_len(op: &'static str, expected: usize, got: usize) -> Result<()> {
@@ -144,6 +144,25 @@ pub fn gelu_bwd(x: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<()> {
     check_len("gelu_bwd", x.len(), dx.len())?;
     for i in 0..x.len() {
         dx[i] = dy[i] * gelu_grad(x[i]);
+    }
+    Ok(())
+}
+
+/// `relu_fwd_f32`: `y = max(x, 0)` (=).
+pub fn relu_fwd(x: &[f32], y: &mut [f32]) -> Result<()> {
+    check_len("relu_fwd", x.len(), y.len())?;
+    for (o, &v) in y.iter_mut().zip(x) {
+        *o = relu(v);
+    }
+    Ok(())
+}
+
+/// `relu_bwd_f32`: `dx = dy * relu'(x)` (=).
+pub fn relu_bwd(x: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<()> {
+    check_len("relu_bwd", x.len(), dy.len())?;
+    check_len("relu_bwd", x.len(), dx.len())?;
+    for i in 0..x.len() {
+        dx[i] = dy[i] * relu_grad(x[i]);
     }
     Ok(())
 }

@@ -197,6 +197,10 @@ raw_kernel!(/// `gelu_fwd_f32(x, y, n)`.
     gelu_fwd, "nn", (x: u64, y: u64, n: i64));
 raw_kernel!(/// `gelu_bwd_f32(x, dy, dx, n)`.
     gelu_bwd, "nn", (x: u64, dy: u64, dx: u64, n: i64));
+raw_kernel!(/// `relu_fwd_f32(x, y, n)`.
+    relu_fwd, "nn", (x: u64, y: u64, n: i64));
+raw_kernel!(/// `relu_bwd_f32(x, dy, dx, n)`.
+    relu_bwd, "nn", (x: u64, dy: u64, dx: u64, n: i64));
 raw_kernel!(/// `bias_add_f32(y, b, rows, c)` and `bias_grad_f32(dy, db, rows, c)`.
     bias, "nn", (y: u64, b: u64, rows: i64, c: i64));
 raw_kernel!(/// `layernorm_fwd_f32(x, w, b, y, xhat, rstd, rows, c, eps)`.

@@ -74,6 +74,56 @@ pub fn gelu_bwd(s: &Stream, x: &DeviceTensor, dy: &DeviceTensor, dx: &DeviceTens
     }
 }
 
+/// `y = max(x, 0)` (`relu_fwd_f32`; bitwise equal to the CPU).
+///
+/// # Errors
+/// As [`gelu_fwd`].
+pub fn relu_fwd(s: &Stream, x: &DeviceTensor, y: &DeviceTensor) -> Result<()> {
+    f32s("relu_fwd", s, &[x, y])?;
+    check_numel("relu_fwd", x.numel(), y)?;
+    let n = x.numel();
+    if n == 0 {
+        return Ok(());
+    }
+    // SAFETY: x, y hold n f32 on this device.
+    unsafe {
+        launch::relu_fwd(
+            s,
+            "relu_fwd_f32",
+            Grid::elementwise(s, n),
+            x.ptr(),
+            y.ptr(),
+            n as i64,
+        )
+    }
+}
+
+/// `dx = dy * (x > 0 ? 1 : 0)` (`relu_bwd_f32`).
+///
+/// # Errors
+/// As [`gelu_fwd`].
+pub fn relu_bwd(s: &Stream, x: &DeviceTensor, dy: &DeviceTensor, dx: &DeviceTensor) -> Result<()> {
+    f32s("relu_bwd", s, &[x, dy, dx])?;
+    check_numel("relu_bwd", x.numel(), dy)?;
+    check_numel("relu_bwd", x.numel(), dx)?;
+    let n = x.numel();
+    if n == 0 {
+        return Ok(());
+    }
+    // SAFETY: all hold n f32.
+    unsafe {
+        launch::relu_bwd(
+            s,
+            "relu_bwd_f32",
+            Grid::elementwise(s, n),
+            x.ptr(),
+            dy.ptr(),
+            dx.ptr(),
+            n as i64,
+        )
+    }
+}
+
 fn rows_of(op: &'static str, t: &DeviceTensor, c: usize) -> Result<usize> {
     if c == 0 || t.numel() % c != 0 {
         return Err(Error::ShapeMismatch {

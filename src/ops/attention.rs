@@ -1,0 +1,255 @@
+//! The pieces of causal self-attention around its GEMMs, on any device: the permutes
+//! between the token-major layout of the projections and the head-major layout of the
+//! per-head products, and the causal softmax of the scores with its backward.
+//!
+//! | op | from | to |
+//! |---|---|---|
+//! | [`split_qkv`] | `qkv (B, T, 3, H, hd)` (= `(B, T, 3C)`) | `q, k, v (B, H, T, hd)` |
+//! | [`merge_qkv`] | `dq, dk, dv (B, H, T, hd)` | `dqkv (B, T, 3C)` |
+//! | [`merge_heads`] | `yh (B, H, T, hd)` | `y (B, T, C)` |
+//! | [`split_heads`] | `y (B, T, C)` | `yh (B, H, T, hd)` |
+//!
+//! CPU: row copies (the references in [`crate::backend::cpu::kernels`] index element by
+//! element; same results); CUDA: `split_qkv_f32`, `merge_qkv_f32`, `merge_heads_f32`,
+//! `split_heads_f32`, `softmax_causal_*_f32` of `nn.cu`.
+
+use super::{check_f32, output, same_device};
+use crate::backend::cpu::kernels as cpu;
+pub use crate::backend::cpu::kernels::HeadDims;
+#[cfg(feature = "cuda")]
+use crate::backend::Device;
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+fn check_numel(op: &'static str, t: &Tensor, want: usize) -> Result<()> {
+    if t.numel() != want {
+        return Err(Error::ShapeMismatch {
+            op,
+            expected: vec![want],
+            got: t.shape().to_vec(),
+        });
+    }
+    Ok(())
+}
+
+/// `qkv (B, T, 3C)` -> `[q, k, v]`, each `(B, H, T, hd)` (`C = H hd`).
+///
+/// # Errors
+/// `ShapeMismatch` when `qkv` does not hold `3 B T C` elements; device, dtype and CUDA
+/// errors.
+pub fn split_qkv(qkv: &Tensor, d: HeadDims) -> Result<[Tensor; 3]> {
+    let device = same_device("split_qkv", &[qkv])?;
+    check_f32("split_qkv", &[qkv])?;
+    check_numel("split_qkv", qkv, 3 * d.numel())?;
+    let shape = [d.b, d.h, d.t, d.hd];
+    let out = [
+        output(&shape, device)?,
+        output(&shape, device)?,
+        output(&shape, device)?,
+    ];
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(i) = device {
+        let [q, k, v] = &out;
+        crate::backend::cuda::split_qkv(
+            &*super::stream(i)?,
+            &qkv.as_device_tensor()?,
+            &q.as_device_tensor()?,
+            &k.as_device_tensor()?,
+            &v.as_device_tensor()?,
+            d,
+        )?;
+        return Ok(out);
+    }
+    {
+        let HeadDims { b, t, h, hd } = d;
+        let c = h * hd;
+        let src = qkv.f32()?;
+        let (mut q, mut k, mut v) = (out[0].f32_mut()?, out[1].f32_mut()?, out[2].f32_mut()?);
+        for bi in 0..b {
+            for ti in 0..t {
+                let row = &src[(bi * t + ti) * 3 * c..(bi * t + ti + 1) * 3 * c];
+                for hi in 0..h {
+                    let dst = ((bi * h + hi) * t + ti) * hd;
+                    q[dst..dst + hd].copy_from_slice(&row[hi * hd..(hi + 1) * hd]);
+                    k[dst..dst + hd].copy_from_slice(&row[c + hi * hd..c + (hi + 1) * hd]);
+                    v[dst..dst + hd].copy_from_slice(&row[2 * c + hi * hd..2 * c + (hi + 1) * hd]);
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// `dq, dk, dv (B, H, T, hd)` -> `dqkv (B, T, 3C)`, the inverse of [`split_qkv`].
+///
+/// # Errors
+/// As [`split_qkv`].
+pub fn merge_qkv(dq: &Tensor, dk: &Tensor, dv: &Tensor, d: HeadDims) -> Result<Tensor> {
+    let device = same_device("merge_qkv", &[dq, dk, dv])?;
+    check_f32("merge_qkv", &[dq, dk, dv])?;
+    for t in [dq, dk, dv] {
+        check_numel("merge_qkv", t, d.numel())?;
+    }
+    let c = d.h * d.hd;
+    let dqkv = output(&[d.b, d.t, 3 * c], device)?;
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(i) = device {
+        crate::backend::cuda::merge_qkv(
+            &*super::stream(i)?,
+            &dq.as_device_tensor()?,
+            &dk.as_device_tensor()?,
+            &dv.as_device_tensor()?,
+            &dqkv.as_device_tensor()?,
+            d,
+        )?;
+        return Ok(dqkv);
+    }
+    {
+        let HeadDims { b, t, h, hd } = d;
+        let (q, k, v) = (dq.f32()?, dk.f32()?, dv.f32()?);
+        let mut out = dqkv.f32_mut()?;
+        for bi in 0..b {
+            for hi in 0..h {
+                let bh = bi * h + hi;
+                for ti in 0..t {
+                    let src = (bh * t + ti) * hd;
+                    let row = &mut out[(bi * t + ti) * 3 * c..][..3 * c];
+                    row[hi * hd..][..hd].copy_from_slice(&q[src..src + hd]);
+                    row[c + hi * hd..][..hd].copy_from_slice(&k[src..src + hd]);
+                    row[2 * c + hi * hd..][..hd].copy_from_slice(&v[src..src + hd]);
+                }
+            }
+        }
+    }
+    Ok(dqkv)
+}
+
+/// `yh (B, H, T, hd)` -> `y (B, T, C)`: the heads side by side again.
+///
+/// # Errors
+/// As [`split_qkv`].
+pub fn merge_heads(yh: &Tensor, d: HeadDims) -> Result<Tensor> {
+    permute_heads("merge_heads", yh, d, false)
+}
+
+/// `y (B, T, C)` -> `yh (B, H, T, hd)`, the inverse of [`merge_heads`].
+///
+/// # Errors
+/// As [`split_qkv`].
+pub fn split_heads(y: &Tensor, d: HeadDims) -> Result<Tensor> {
+    permute_heads("split_heads", y, d, true)
+}
+
+fn permute_heads(op: &'static str, src: &Tensor, d: HeadDims, split: bool) -> Result<Tensor> {
+    let device = same_device(op, &[src])?;
+    check_f32(op, &[src])?;
+    check_numel(op, src, d.numel())?;
+    let HeadDims { b, t, h, hd } = d;
+    let c = h * hd;
+    let dst = if split {
+        output(&[b, h, t, hd], device)?
+    } else {
+        output(&[b, t, c], device)?
+    };
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(i) = device {
+        crate::backend::cuda::permute_heads(
+            &*super::stream(i)?,
+            &src.as_device_tensor()?,
+            &dst.as_device_tensor()?,
+            d,
+            split,
+        )?;
+        return Ok(dst);
+    }
+    {
+        let (sv, mut dv) = (src.f32()?, dst.f32_mut()?);
+        for bi in 0..b {
+            for hi in 0..h {
+                for ti in 0..t {
+                    let head_major = ((bi * h + hi) * t + ti) * hd;
+                    let token_major = (bi * t + ti) * c + hi * hd;
+                    let (from, to) = if split {
+                        (token_major, head_major)
+                    } else {
+                        (head_major, token_major)
+                    };
+                    dv[to..to + hd].copy_from_slice(&sv[from..from + hd]);
+                }
+            }
+        }
+    }
+    Ok(dst)
+}
+
+/// Causal softmax of attention scores `s (rows, T)` whose row `r` is query `r mod T`
+/// (rows are `(B, H, T)` flattened): `p[j] = exp(s[j] scale - max) / sum` for `j <= t`,
+/// 0 after. Returns `p`, shaped as `s`.
+///
+/// # Errors
+/// `ShapeMismatch` when `s` does not hold a multiple of `T * T` elements; device, dtype and
+/// CUDA errors.
+pub fn softmax_causal(s: &Tensor, t: usize, scale: f32) -> Result<Tensor> {
+    let device = same_device("softmax_causal", &[s])?;
+    check_f32("softmax_causal", &[s])?;
+    check_square_rows("softmax_causal", s, t)?;
+    let p = output(s.shape(), device)?;
+    if s.numel() == 0 {
+        return Ok(p);
+    }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(i) = device {
+        crate::backend::cuda::softmax_causal_fwd(
+            &*super::stream(i)?,
+            &s.as_device_tensor()?,
+            &p.as_device_tensor()?,
+            t,
+            scale,
+        )?;
+        return Ok(p);
+    }
+    cpu::softmax_causal_fwd(&s.f32()?, &mut p.f32_mut()?, t, scale)?;
+    Ok(p)
+}
+
+/// Backward of [`softmax_causal`] in place: `dp` becomes `ds = p (dp - <p, dp>) scale` per
+/// row (0 above the diagonal), the gradient of the scores.
+///
+/// # Errors
+/// `ShapeMismatch` when `p` and `dp` differ; as [`softmax_causal`].
+pub fn softmax_causal_backward_(p: &Tensor, dp: &Tensor, t: usize, scale: f32) -> Result<()> {
+    let _device = same_device("softmax_causal_backward_", &[p, dp])?;
+    check_f32("softmax_causal_backward_", &[p, dp])?;
+    check_square_rows("softmax_causal_backward_", p, t)?;
+    check_numel("softmax_causal_backward_", dp, p.numel())?;
+    if p.shares_storage(dp) {
+        crate::error::bail_arg!("softmax_causal_backward_: dp shares storage with p");
+    }
+    if p.numel() == 0 {
+        return Ok(());
+    }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(i) = _device {
+        let g = dp.as_device_tensor()?;
+        return crate::backend::cuda::softmax_causal_bwd(
+            &*super::stream(i)?,
+            &p.as_device_tensor()?,
+            &g,
+            &g,
+            t,
+            scale,
+        );
+    }
+    cpu::softmax_causal_bwd(&p.f32()?, &mut dp.f32_mut()?, t, scale)
+}
+
+fn check_square_rows(op: &'static str, s: &Tensor, t: usize) -> Result<()> {
+    if (t == 0 && s.numel() != 0) || (t != 0 && s.numel() % (t * t) != 0) {
+        return Err(Error::ShapeMismatch {
+            op,
+            expected: vec![0, t, t],
+            got: s.shape().to_vec(),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,91 @@
+//! Embedding lookup and its gradient on any device (`F.embedding`). CPU:
+//! [`crate::backend::cpu::kernels::embedding_fwd`] / `embedding_bwd` (row copies, rows
+//! added in order); CUDA: `embedding_*_f32` of `nn.cu` (the backward adds repeated ids with
+//! atomics, in any order).
+
+use super::{check_f32, output, same_device};
+use crate::backend::cpu::kernels as cpu;
+#[cfg(feature = "cuda")]
+use crate::backend::Device;
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Tensor};
+
+fn table_dims(op: &'static str, t: &Tensor) -> Result<(usize, usize)> {
+    match t.shape() {
+        [v, c] => Ok((*v, *c)),
+        s => Err(Error::ShapeMismatch {
+            op,
+            expected: vec![0, 0],
+            got: s.to_vec(),
+        }),
+    }
+}
+
+fn check_ids(op: &'static str, ids: &Tensor) -> Result<()> {
+    if ids.dtype() != DType::I32 {
+        return Err(Error::DTypeMismatch {
+            op,
+            expected: DType::I32,
+            got: ids.dtype(),
+        });
+    }
+    Ok(())
+}
+
+/// `out[.., :] = table (V, C)[ids[..], :]` for i32 `ids` of any shape `S`; `out (S.., C)`
+/// is a new f32 tensor on their device. On CUDA this waits for the stream once, to report
+/// a bad id.
+///
+/// # Errors
+/// `InvalidArgument` naming the first id outside `0..V`; `DTypeMismatch` (ids not i32,
+/// table not f32); `ShapeMismatch` (table not 2-D); device and CUDA errors.
+pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    let device = same_device("embedding", &[table, ids])?;
+    check_f32("embedding", &[table])?;
+    check_ids("embedding", ids)?;
+    let (_, c) = table_dims("embedding", table)?;
+    let mut shape = ids.shape().to_vec();
+    shape.push(c);
+    let out = output(&shape, device)?;
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(i) = device {
+        crate::backend::cuda::embedding_fwd(
+            &*super::stream(i)?,
+            &ids.as_device_tensor()?,
+            &table.as_device_tensor()?,
+            &out.as_device_tensor()?,
+        )?;
+        return Ok(out);
+    }
+    cpu::embedding_fwd(&ids.data::<i32>()?, &table.f32()?, c, &mut out.f32_mut()?)?;
+    Ok(out)
+}
+
+/// `grad (V, C)[ids[i], :] += dout[i, :]` (`+=`; repeated ids add up; ids outside `0..V`
+/// are skipped, the forward reported them).
+///
+/// # Errors
+/// `ShapeMismatch` when `dout` does not hold `ids.numel() * C` elements; as [`embedding`].
+pub fn embedding_backward(ids: &Tensor, dout: &Tensor, grad: &Tensor) -> Result<()> {
+    let _device = same_device("embedding_backward", &[ids, dout, grad])?;
+    check_f32("embedding_backward", &[dout, grad])?;
+    check_ids("embedding_backward", ids)?;
+    let (_, c) = table_dims("embedding_backward", grad)?;
+    if dout.numel() != ids.numel() * c {
+        return Err(Error::ShapeMismatch {
+            op: "embedding_backward",
+            expected: vec![ids.numel(), c],
+            got: dout.shape().to_vec(),
+        });
+    }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(i) = _device {
+        return crate::backend::cuda::embedding_bwd(
+            &*super::stream(i)?,
+            &ids.as_device_tensor()?,
+            &dout.as_device_tensor()?,
+            &grad.as_device_tensor()?,
+        );
+    }
+    cpu::embedding_bwd(&ids.data::<i32>()?, &dout.f32()?, c, &mut grad.f32_mut()?)
+}

@@ -1,0 +1,168 @@
+//! Layer normalization over the last dimension on any device (`F.layer_norm` with an
+//! affine weight and bias): the forward, and the backward to the input and parameters.
+//! CPU: [`crate::backend::cpu::kernels::layernorm_fwd`] / `layernorm_bwd` and the parameter
+//! loops of `nn::LayerNorm`; CUDA: `layernorm_*_f32` of `nn.cu`.
+
+use super::{check_f32, output, same_device};
+use crate::backend::cpu::kernels as cpu;
+#[cfg(feature = "cuda")]
+use crate::backend::Device;
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// What [`layer_norm_backward`] needs from the forward, on the input's device.
+#[derive(Debug, Clone)]
+pub struct LayerNormSaved {
+    /// The normalized input `(x - mean) * rstd`, `(rows, C)`.
+    pub xhat: Tensor,
+    /// `1 / sqrt(var + eps)` per row, `(rows)`.
+    pub rstd: Tensor,
+}
+
+fn rows(op: &'static str, x: &Tensor, c: usize) -> Result<usize> {
+    if x.shape().last() != Some(&c) {
+        return Err(Error::ShapeMismatch {
+            op,
+            expected: vec![c],
+            got: x.shape().to_vec(),
+        });
+    }
+    Ok(x.shape()[..x.shape().len() - 1].iter().product())
+}
+
+/// `y = (x - mean) / sqrt(var + eps) * w + b` per row of `x (.., C)` with the biased
+/// variance, `w, b (C)`. Returns `y` (shape of `x`) and what the backward needs.
+///
+/// # Errors
+/// `ShapeMismatch` when `x`'s last dimension or `b` is not `C = w.numel()`; device and dtype
+/// errors; [`Error::Cuda`].
+pub fn layer_norm(
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    eps: f32,
+) -> Result<(Tensor, LayerNormSaved)> {
+    let device = same_device("layer_norm", &[x, w, b])?;
+    check_f32("layer_norm", &[x, w, b])?;
+    let c = w.numel();
+    let n = rows("layer_norm", x, c)?;
+    if b.numel() != c {
+        return Err(Error::ShapeMismatch {
+            op: "layer_norm(bias)",
+            expected: vec![c],
+            got: b.shape().to_vec(),
+        });
+    }
+    let (y, xhat, rstd) = (
+        output(x.shape(), device)?,
+        output(x.shape(), device)?,
+        output(&[n], device)?,
+    );
+    if c == 0 || n == 0 {
+        return Ok((y, LayerNormSaved { xhat, rstd }));
+    }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(i) = device {
+        crate::backend::cuda::layernorm_fwd(
+            &*super::stream(i)?,
+            &x.as_device_tensor()?,
+            &w.as_device_tensor()?,
+            &b.as_device_tensor()?,
+            eps,
+            &y.as_device_tensor()?,
+            &xhat.as_device_tensor()?,
+            &rstd.as_device_tensor()?,
+        )?;
+        return Ok((y, LayerNormSaved { xhat, rstd }));
+    }
+    cpu::layernorm_fwd(
+        &x.f32()?,
+        &w.f32()?,
+        &b.f32()?,
+        eps,
+        &mut y.f32_mut()?,
+        &mut xhat.f32_mut()?,
+        &mut rstd.f32_mut()?,
+    )?;
+    Ok((y, LayerNormSaved { xhat, rstd }))
+}
+
+/// Given `dy` (shape of the forward's `x`), returns `dx = rstd (dy w - mean(dy w) - xhat
+/// mean(dy w xhat))` per row and accumulates `dw += sum_rows dy xhat`, `db += sum_rows dy`
+/// into the gradients given (`None` for a frozen parameter).
+///
+/// # Errors
+/// `ShapeMismatch` when `dy` does not match the saved forward or a gradient is not `(C)`;
+/// device and dtype errors; [`Error::Cuda`].
+pub fn layer_norm_backward(
+    dy: &Tensor,
+    saved: &LayerNormSaved,
+    w: &Tensor,
+    dw: Option<&Tensor>,
+    db: Option<&Tensor>,
+) -> Result<Tensor> {
+    let LayerNormSaved { xhat, rstd } = saved;
+    let mut ts = vec![dy, xhat, rstd, w];
+    ts.extend(dw);
+    ts.extend(db);
+    let device = same_device("layer_norm_backward", &ts)?;
+    check_f32("layer_norm_backward", &ts)?;
+    let c = w.numel();
+    if dy.numel() != xhat.numel() || rstd.numel() * c != xhat.numel() {
+        return Err(Error::ShapeMismatch {
+            op: "LayerNorm.backward",
+            expected: vec![xhat.numel()],
+            got: dy.shape().to_vec(),
+        });
+    }
+    if let Some(g) = dw.into_iter().chain(db).find(|g| g.numel() != c) {
+        return Err(Error::ShapeMismatch {
+            op: "layer_norm_backward(grad)",
+            expected: vec![c],
+            got: g.shape().to_vec(),
+        });
+    }
+    let dx = output(dy.shape(), device)?;
+    if c == 0 || dy.numel() == 0 {
+        return Ok(dx);
+    }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(i) = device {
+        // The kernels write both parameter gradients: a frozen one gets a scratch buffer.
+        let scratch = |g: Option<&Tensor>| match g {
+            Some(g) => Ok(g.clone()),
+            None => Tensor::zeros_on(&[c], crate::tensor::DType::F32, device),
+        };
+        let (dw, db) = (scratch(dw)?, scratch(db)?);
+        crate::backend::cuda::layernorm_bwd(
+            &*super::stream(i)?,
+            &dy.as_device_tensor()?,
+            &xhat.as_device_tensor()?,
+            &rstd.as_device_tensor()?,
+            &w.as_device_tensor()?,
+            &dx.as_device_tensor()?,
+            &dw.as_device_tensor()?,
+            &db.as_device_tensor()?,
+        )?;
+        return Ok(dx);
+    }
+    let (dyv, xh) = (dy.f32()?, xhat.f32()?);
+    // Rows are added into the gradients one after another. One gradient guard at a time:
+    // under FSDP both are views of one flat gradient buffer.
+    if let Some(g) = dw {
+        let mut g = g.f32_mut()?;
+        for (dyr, xr) in dyv.chunks_exact(c).zip(xh.chunks_exact(c)) {
+            for j in 0..c {
+                g[j] += dyr[j] * xr[j];
+            }
+        }
+    }
+    if let Some(g) = db {
+        let mut g = g.f32_mut()?;
+        for dyr in dyv.chunks_exact(c) {
+            crate::backend::cpu::ops::add_(&mut g, dyr);
+        }
+    }
+    cpu::layernorm_bwd(&dyv, &xh, &rstd.f32()?, &w.f32()?, &mut dx.f32_mut()?)?;
+    Ok(dx)
+}

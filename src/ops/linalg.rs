@@ -1,0 +1,260 @@
+//! Matrix products on any device: [`matmul`] (row-major, transposes as flags, `=` or `+=`),
+//! its batched form, [`linear`] (`F.linear`), and the bias row ops of a linear layer.
+//!
+//! CPU: [`crate::backend::cpu::gemm::matmul`] (the `gemm` crate) and plain row loops;
+//! CUDA: cuBLAS (`backend::cuda::gemm_strided_batched`, f32 compute, no TF32) and
+//! the `bias_*` kernels of `nn.cu`. Row reductions and GEMMs sum in another order on the
+//! GPU, so CUDA results agree with the CPU to f32 rounding, not bitwise.
+
+#[cfg(feature = "cuda")]
+use super::output;
+use super::{check_f32, same_device};
+use crate::backend::cpu::gemm;
+pub use crate::backend::cpu::gemm::Transpose;
+#[cfg(feature = "cuda")]
+use crate::backend::Device;
+use crate::error::{bail_arg, Error, Result};
+use crate::tensor::Tensor;
+
+/// Sizes of one product `out (m, n) = op(a) (m, k) @ op(b) (k, n)`: `a` is stored `(m, k)`,
+/// or `(k, m)` when `trans.a`; `b` is stored `(k, n)`, or `(n, k)` when `trans.b`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatmulDims {
+    /// Rows of the output.
+    pub m: usize,
+    /// The summed dimension.
+    pub k: usize,
+    /// Columns of the output.
+    pub n: usize,
+    /// Which operands are stored transposed.
+    pub trans: Transpose,
+}
+
+impl MatmulDims {
+    /// `(m, k, n)` with the operands stored as `trans` says.
+    pub fn new(m: usize, k: usize, n: usize, trans: Transpose) -> MatmulDims {
+        MatmulDims { m, k, n, trans }
+    }
+}
+
+/// `out (m, n) = op(a) @ op(b)`, or `+=` when `accumulate` (`torch.matmul` /
+/// `torch.addmm(out, a, b)`), f32 with f32 accumulation. Only element counts are checked
+/// against `d`: shapes are the caller's business.
+///
+/// # Errors
+/// `DeviceMismatch`, `DTypeMismatch` (not f32), `ShapeMismatch` (counts disagree with `d`),
+/// `InvalidArgument` when `out` shares storage with an input; [`Error::Cuda`].
+pub fn matmul(out: &Tensor, a: &Tensor, b: &Tensor, d: MatmulDims, accumulate: bool) -> Result<()> {
+    matmul_batched(out, a, b, d, 1, accumulate)
+}
+
+/// `batch` independent products over consecutive `(m, k)`, `(k, n)` and `(m, n)` blocks of
+/// `a`, `b` and `out` (`torch.bmm`; attention's per-head products).
+///
+/// # Errors
+/// As [`matmul`], with each tensor holding `batch` blocks.
+pub fn matmul_batched(
+    out: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    d: MatmulDims,
+    batch: usize,
+    accumulate: bool,
+) -> Result<()> {
+    let _device = same_device("matmul", &[out, a, b])?;
+    check_f32("matmul", &[out, a, b])?;
+    let MatmulDims { m, k, n, trans } = d;
+    for (t, want) in [(a, m * k), (b, k * n), (out, m * n)] {
+        if t.numel() != want * batch {
+            return Err(Error::ShapeMismatch {
+                op: "matmul",
+                expected: vec![batch, want],
+                got: t.shape().to_vec(),
+            });
+        }
+    }
+    if out.shares_storage(a) || out.shares_storage(b) {
+        bail_arg!("matmul: the output {out:?} shares storage with an input");
+    }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(i) = _device {
+        use crate::backend::cuda;
+        let g = cuda::GemmShape { m, k, n, trans };
+        if k == 0 && accumulate {
+            return Ok(()); // adds an empty sum
+        }
+        let beta = if accumulate { 1.0 } else { 0.0 };
+        return cuda::gemm_strided_batched(
+            &*super::stream(i)?,
+            &a.as_device_tensor()?,
+            &b.as_device_tensor()?,
+            &out.as_device_tensor()?,
+            g,
+            batch,
+            beta,
+        );
+    }
+    let (mut o, av, bv) = (out.f32_mut()?, a.f32()?, b.f32()?);
+    if batch == 1 {
+        return gemm::matmul(&mut o, &av, &bv, m, k, n, trans, accumulate);
+    }
+    let (mk, kn, mn) = (m * k, k * n, m * n);
+    for i in 0..batch {
+        gemm::matmul(
+            &mut o[i * mn..(i + 1) * mn],
+            &av[i * mk..(i + 1) * mk],
+            &bv[i * kn..(i + 1) * kn],
+            m,
+            k,
+            n,
+            trans,
+            accumulate,
+        )?;
+    }
+    Ok(())
+}
+
+/// `y (.., out) = x (.., in) @ weight (out, in)^T + bias (out)` (`F.linear`), a new f32
+/// tensor on `x`'s device.
+///
+/// # Errors
+/// `ShapeMismatch` when `x`'s last dimension is not `in` or the bias is not `(out)`; as
+/// [`matmul`].
+pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let (o, i) = match weight.shape() {
+        [o, i] => (*o, *i),
+        s => {
+            return Err(Error::ShapeMismatch {
+                op: "linear(weight)",
+                expected: vec![0, 0],
+                got: s.to_vec(),
+            })
+        }
+    };
+    if x.shape().last() != Some(&i) {
+        return Err(Error::ShapeMismatch {
+            op: "linear",
+            expected: vec![i],
+            got: x.shape().to_vec(),
+        });
+    }
+    if let Some(b) = bias.filter(|b| b.numel() != o) {
+        return Err(Error::ShapeMismatch {
+            op: "linear(bias)",
+            expected: vec![o],
+            got: b.shape().to_vec(),
+        });
+    }
+    let mut ts = vec![x, weight];
+    ts.extend(bias);
+    let _device = same_device("linear", &ts)?;
+    check_f32("linear", &ts)?;
+    let n: usize = x.shape()[..x.shape().len() - 1].iter().product();
+    let mut shape = x.shape().to_vec();
+    *shape.last_mut().unwrap_or(&mut 0) = o;
+    let d = MatmulDims::new(n, i, o, Transpose::NT);
+    #[cfg(feature = "cuda")]
+    if _device.is_cuda() {
+        let y = output(&shape, _device)?;
+        matmul(&y, x, weight, d, false)?;
+        if let Some(b) = bias {
+            bias_add_(&y, b)?;
+        }
+        return Ok(y);
+    }
+    // y starts as the bias rows and the product accumulates into it.
+    let mut y = vec![0.0f32; n * o];
+    if let Some(b) = bias {
+        let b = b.f32()?;
+        for row in y.chunks_exact_mut(o.max(1)) {
+            row.copy_from_slice(&b);
+        }
+    }
+    // y (n, o) += x (n, i) @ W^T, W stored (o, i)
+    gemm::matmul(
+        &mut y,
+        &x.f32()?,
+        &weight.f32()?,
+        d.m,
+        d.k,
+        d.n,
+        d.trans,
+        true,
+    )?;
+    Tensor::from_vec(y, &shape)
+}
+
+/// The row count of `t` viewed as `(rows, c)`.
+fn rows_of(op: &'static str, t: &Tensor, c: usize) -> Result<usize> {
+    if (c == 0 && t.numel() != 0) || (c != 0 && t.numel() % c != 0) {
+        return Err(Error::ShapeMismatch {
+            op,
+            expected: vec![0, c],
+            got: t.shape().to_vec(),
+        });
+    }
+    Ok(t.numel().checked_div(c).unwrap_or(0))
+}
+
+/// `y[r, j] += b[j]` over `y (rows, C)` and `b (C)` (adding a bias, or the position
+/// embedding to every sequence of a batch).
+///
+/// # Errors
+/// `ShapeMismatch` when `y`'s size is not a multiple of `C`; `InvalidArgument` when `y`
+/// and `b` share storage; device and dtype errors.
+pub fn bias_add_(y: &Tensor, b: &Tensor) -> Result<()> {
+    let _device = same_device("bias_add_", &[y, b])?;
+    check_f32("bias_add_", &[y, b])?;
+    let c = b.numel();
+    rows_of("bias_add_", y, c)?;
+    if y.shares_storage(b) {
+        bail_arg!("bias_add_: {y:?} shares storage with the bias");
+    }
+    if c == 0 {
+        return Ok(());
+    }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(i) = _device {
+        return crate::backend::cuda::bias_add(
+            &*super::stream(i)?,
+            &y.as_device_tensor()?,
+            &b.as_device_tensor()?,
+        );
+    }
+    let (mut yv, bv) = (y.f32_mut()?, b.f32()?);
+    for row in yv.chunks_exact_mut(c) {
+        crate::backend::cpu::ops::add_(row, &bv);
+    }
+    Ok(())
+}
+
+/// `db[j] += sum_r dy[r, j]` over `dy (rows, C)` and `db (C)`: a bias gradient. The CPU
+/// adds the rows into `db` one after another; CUDA sums each column in order, then adds.
+///
+/// # Errors
+/// As [`bias_add_`].
+pub fn bias_grad(dy: &Tensor, db: &Tensor) -> Result<()> {
+    let _device = same_device("bias_grad", &[dy, db])?;
+    check_f32("bias_grad", &[dy, db])?;
+    let c = db.numel();
+    rows_of("bias_grad", dy, c)?;
+    if dy.shares_storage(db) {
+        bail_arg!("bias_grad: {db:?} shares storage with the gradient it sums");
+    }
+    if c == 0 {
+        return Ok(());
+    }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(i) = _device {
+        return crate::backend::cuda::bias_grad(
+            &*super::stream(i)?,
+            &dy.as_device_tensor()?,
+            &db.as_device_tensor()?,
+        );
+    }
+    let (dyv, mut g) = (dy.f32()?, db.f32_mut()?);
+    for row in dyv.chunks_exact(c) {
+        crate::backend::cpu::ops::add_(&mut g, row);
+    }
+    Ok(())
+}

@@ -1,0 +1,137 @@
+//! Losses on any device, as `(loss, d loss / d input)`: the loss is a host `f32` (so each
+//! waits for the device once), the gradient a new tensor on the input's device.
+//!
+//! | op | CPU | CUDA |
+//! |---|---|---|
+//! | [`cross_entropy`] | one pass per row | `cross_entropy_f32` (row losses + gradient), mean on the host in f64 |
+//! | [`mse_loss`] | one pass | `p - t` with `add_`/`scale_`, `sum_squares` |
+//! | [`sum_loss`] | one pass | the values summed on the host, `fill_` for the gradient |
+
+use super::same_device;
+use crate::backend::cpu::ops::exp;
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Tensor};
+
+/// Mean cross-entropy of `logits (.., V)` f32 against i32 `targets (..)` with the same
+/// leading shape (`F.cross_entropy(logits.view(-1, V), targets.view(-1))`, mean reduction).
+/// Returns the loss and `d loss / d logits = (softmax - onehot) / N`, shape of `logits`.
+///
+/// # Errors
+/// `ShapeMismatch` when the leading shapes differ; `InvalidArgument` for a target outside
+/// `0..V`; `DeviceMismatch` when the two are on different devices.
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<(f32, Tensor)> {
+    let v = logits.shape().last().copied().unwrap_or(0);
+    let n = targets.numel();
+    if targets.dtype() != DType::I32 || n * v != logits.numel() || v == 0 {
+        return Err(Error::ShapeMismatch {
+            op: "cross_entropy",
+            expected: logits.shape()[..logits.shape().len().saturating_sub(1)].to_vec(),
+            got: targets.shape().to_vec(),
+        });
+    }
+    let device = same_device("cross_entropy", &[logits, targets])?;
+    super::check_f32("cross_entropy", &[logits])?;
+    let inv_n = 1.0 / n.max(1) as f32;
+    #[cfg(feature = "cuda")]
+    if let crate::backend::Device::Cuda(i) = device {
+        let losses = super::output(&[n], device)?;
+        let grad = super::output(logits.shape(), device)?;
+        crate::backend::cuda::cross_entropy(
+            &*super::stream(i)?,
+            &logits.as_device_tensor()?,
+            &targets.as_device_tensor()?,
+            inv_n,
+            &losses.as_device_tensor()?,
+            &grad.as_device_tensor()?,
+        )?;
+        let total: f64 = losses.to_vec_f32()?.iter().map(|&l| l as f64).sum();
+        return Ok(((total / n.max(1) as f64) as f32, grad));
+    }
+    let _ = device;
+    let lv = logits.f32()?;
+    let tv = targets.data::<i32>()?;
+    let mut grad = vec![0.0f32; lv.len()];
+    let mut total = 0.0f64;
+    for (i, (row, g)) in lv.chunks_exact(v).zip(grad.chunks_exact_mut(v)).enumerate() {
+        let y = tv[i];
+        if y < 0 || y as usize >= v {
+            crate::error::bail_arg!("cross_entropy: target {y} at position {i} is outside 0..{v}");
+        }
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        let mut sum = 0.0f32;
+        for (gj, &x) in g.iter_mut().zip(row) {
+            *gj = exp(x - max);
+            sum += *gj;
+        }
+        total += (sum.ln() + max - row[y as usize]) as f64;
+        let inv = inv_n / sum;
+        g.iter_mut().for_each(|gj| *gj *= inv);
+        g[y as usize] -= inv_n;
+    }
+    Ok((
+        (total / n.max(1) as f64) as f32,
+        Tensor::from_vec(grad, logits.shape())?,
+    ))
+}
+
+/// Mean squared error `mean((pred - target)^2)` (`F.mse_loss`), and its gradient
+/// `2 (pred - target) / N`.
+///
+/// # Errors
+/// `ShapeMismatch` when the element counts differ; `DeviceMismatch`; `DTypeMismatch` for
+/// non-f32 tensors.
+pub fn mse_loss(pred: &Tensor, target: &Tensor) -> Result<(f32, Tensor)> {
+    if pred.numel() != target.numel() {
+        return Err(Error::ShapeMismatch {
+            op: "mse_loss",
+            expected: pred.shape().to_vec(),
+            got: target.shape().to_vec(),
+        });
+    }
+    let device = same_device("mse_loss", &[pred, target])?;
+    let n = pred.numel().max(1) as f32;
+    if device.is_cuda() {
+        super::check_f32("mse_loss", &[pred, target])?;
+        // d = pred + (-target) is pred - target exactly; the gradient scales it by 2 / N.
+        let d = pred.deep_clone()?;
+        let neg = target.deep_clone()?;
+        super::scale_(&neg, -1.0)?;
+        super::add_(&d, &neg)?;
+        let loss = super::sum_squares(&d)? / n as f64;
+        super::scale_(&d, 2.0 / n)?;
+        return Ok((loss as f32, d));
+    }
+    let (p, t) = (pred.f32()?, target.f32()?);
+    let loss = p
+        .iter()
+        .zip(t.iter())
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum::<f64>()
+        / n as f64;
+    let grad = p
+        .iter()
+        .zip(t.iter())
+        .map(|(a, b)| 2.0 * (a - b) / n)
+        .collect();
+    Ok((loss as f32, Tensor::from_vec(grad, pred.shape())?))
+}
+
+/// `sum(x)` (the loss of the FSDP docs' `model(input).sum()` example) and its gradient, ones.
+///
+/// # Errors
+/// `DTypeMismatch` for a non-f32 tensor; `NotMaterialized` on meta; [`Error::Cuda`].
+pub fn sum_loss(x: &Tensor) -> Result<(f32, Tensor)> {
+    let device = same_device("sum_loss", &[x])?;
+    if device.is_cuda() {
+        super::check_f32("sum_loss", &[x])?;
+        let s = x.to_vec_f32()?.iter().map(|&v| v as f64).sum::<f64>();
+        let ones = super::output(x.shape(), device)?;
+        super::fill_(&ones, 1.0)?;
+        return Ok((s as f32, ones));
+    }
+    let s = x.f32()?.iter().map(|&v| v as f64).sum::<f64>();
+    Ok((
+        s as f32,
+        Tensor::from_vec(vec![1.0f32; x.numel()], x.shape())?,
+    ))
+}
