@@ -10,8 +10,10 @@
 //! | file | ops |
 //! |---|---|
 //! | `elementwise.rs` | `add_`, `scale_`, `fill_`, `sum_squares` |
+//! | `flat.rs` | FSDP's flat buffers: `pack_grad`, `unpack_grad`, `round_to_` |
 
 pub mod elementwise;
+pub mod flat;
 
 pub use elementwise::{add_, fill_, scale_, sum_squares};
 

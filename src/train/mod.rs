@@ -5,7 +5,7 @@
 //! | data loading, splits, world-size-independent batches | `data.rs` |
 //! | FSDP or plain engine, memory figures | `engine.rs` |
 //! | the training loop, config, metrics | `job.rs` |
-//! | `--device` and its availability check | `device.rs` |
+//! | `--device`, its availability check, each rank's GPU, the peak-FLOP/s table for MFU | `device.rs` |
 //! | wrap mode, precision, lr schedule, checkpoint layout | `options.rs` |
 //! | the hidden test-only fault hook `FSDP_FAIL_RANK` | `fault.rs` |
 //! | checkpoints: `--save-dir`, `--save-every`, `--resume` | `resume.rs` |
@@ -20,7 +20,7 @@ mod options;
 mod resume;
 pub mod sample;
 
-pub use device::TrainDevice;
+pub use device::{mfu, peak_flops, TrainDevice};
 pub use job::{
     build_engine, train, CheckpointType, LrSchedule, Observer, Precision, Silent, StepRecord,
     TrainConfig, TrainReport, WrapMode,
