@@ -2,7 +2,7 @@
 //!
 //! | backend | ranks are | tensors | module |
 //! |---|---|---|---|
-//! | `threads` | threads of one process | CPU | [`threads`] |
+//! | `threads` | threads of one process | CPU, or CUDA (one or several GPUs) | [`threads`] |
 //! | `nccl` | one process per GPU | CUDA | CUDA runtime issue |
 //!
 //! | torch.distributed | here | file |

@@ -59,29 +59,33 @@ pub(crate) unsafe fn copy_bytes(
     if bytes == 0 {
         return Ok(());
     }
+    // The devices first (creating one may make its context current), then the stream's
+    // context current for the copy.
+    let peers = if dst_ordinal == src_ordinal {
+        None
+    } else {
+        Some((CudaDevice::get(dst_ordinal)?, CudaDevice::get(src_ordinal)?))
+    };
     s.dev
         .ctx
         .bind_to_thread()
         .map_err(|e| Error::cuda(format!("binding cuda:{}", s.dev.ordinal()), e))?;
-    if dst_ordinal == src_ordinal {
+    match peers {
         // SAFETY: the caller's contract.
-        unsafe { cu::memcpy_dtod_async(dst, src, bytes, s.inner.cu_stream()) }
-            .map_err(|e| Error::cuda("cuMemcpyDtoDAsync (collective)", e))
-    } else {
-        let (dctx, sctx) = (
-            CudaDevice::get(dst_ordinal)?.ctx.cu_ctx(),
-            CudaDevice::get(src_ordinal)?.ctx.cu_ctx(),
-        );
-        // SAFETY: the caller's contract; both contexts are the devices' primary contexts,
-        // alive for the process.
-        unsafe { cu::memcpy_peer_async(dctx, dst, sctx, src, bytes, s.inner.cu_stream()) }.map_err(
-            |e| {
-                Error::cuda(
-                    format!("cuMemcpyPeerAsync cuda:{src_ordinal} -> cuda:{dst_ordinal}"),
-                    e,
-                )
-            },
-        )
+        None => unsafe { cu::memcpy_dtod_async(dst, src, bytes, s.inner.cu_stream()) }
+            .map_err(|e| Error::cuda("cuMemcpyDtoDAsync (collective)", e)),
+        Some((d, sdev)) => {
+            let (dctx, sctx) = (d.ctx.cu_ctx(), sdev.ctx.cu_ctx());
+            // SAFETY: the caller's contract; both contexts are the devices' primary
+            // contexts, alive for the process.
+            unsafe { cu::memcpy_peer_async(dctx, dst, sctx, src, bytes, s.inner.cu_stream()) }
+                .map_err(|e| {
+                    Error::cuda(
+                        format!("cuMemcpyPeerAsync cuda:{src_ordinal} -> cuda:{dst_ordinal}"),
+                        e,
+                    )
+                })
+        }
     }
 }
 
@@ -129,6 +133,11 @@ pub(crate) unsafe fn reduce_ranks(
         DType::F16 => "reduce_ranks_f16",
         DType::I32 => "reduce_ranks_i32",
     };
+    // The tables' host-to-device copies need the stream's context current.
+    s.dev
+        .ctx
+        .bind_to_thread()
+        .map_err(|e| Error::cuda(format!("binding cuda:{}", s.dev.ordinal()), e))?;
     let (src_table, dst_table) = (
         super::ops::upload_table(s, srcs)?,
         super::ops::upload_table(s, dsts)?,

@@ -212,7 +212,7 @@ impl ThreadsGroup {
     }
 
     /// Records that this rank failed; every rank waiting in a collective of this group
-    /// returns [`Error::PeerFailed`](crate::Error::PeerFailed) naming it. The first failure
+    /// returns [`Error::PeerFailed`] naming it. The first failure
     /// recorded is kept. The failure is recorded in every group of the world (ranks named by
     /// world rank).
     pub fn mark_failed(&self, reason: impl Into<String>) {
