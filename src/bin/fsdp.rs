@@ -56,29 +56,11 @@ enum Cmd {
     Bench(BenchArgs),
 }
 
-/// `--preset` values: named model shapes.
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum Preset {
-    /// GPT-2 small's shape (12 layers, width 768, 12 heads, 1024 tokens) with the byte
-    /// vocabulary of 256: about 86M parameters (124M with GPT-2's 50257-token vocabulary).
-    #[value(name = "gpt2-124m")]
-    Gpt2_124m,
-}
-
-impl Preset {
-    /// `(n_layer, n_embd, n_head, seq_len)`, the numbers of `GptConfig::gpt2_124m`.
-    fn shape(self) -> (usize, usize, usize, usize) {
-        match self {
-            Preset::Gpt2_124m => (12, 768, 12, 1024),
-        }
-    }
-}
-
 #[derive(Args, Clone)]
 struct ModelArgs {
     /// A named model shape instead of --n-layer, --n-embd, --n-head and --seq-len.
     #[arg(long, value_enum, conflicts_with_all = ["seq_len", "n_layer", "n_head", "n_embd"])]
-    preset: Option<Preset>,
+    preset: Option<train::Preset>,
     /// Sequence length T (tokens per row).
     #[arg(long, allow_hyphen_values = true, default_value_t = D.seq_len)]
     seq_len: usize,
@@ -270,9 +252,10 @@ enum PrefetchMode {
 }
 
 fn base_config(m: &ModelArgs, data: PathBuf) -> TrainConfig {
-    let (n_layer, n_embd, n_head, seq_len) = m
-        .preset
-        .map_or((m.n_layer, m.n_embd, m.n_head, m.seq_len), Preset::shape);
+    let (n_layer, n_embd, n_head, seq_len) = m.preset.map_or(
+        (m.n_layer, m.n_embd, m.n_head, m.seq_len),
+        train::Preset::shape,
+    );
     TrainConfig {
         data,
         seq_len,
@@ -369,8 +352,9 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
     };
     cfg.validate()?;
     out!(
-        "fsdp train: {} ranks (threads backend), strategy {:?}{}, wrap {}, precision {:?}, {} steps of {} x {} tokens, data {}",
+        "fsdp train: {} ranks (threads backend) on {}, strategy {:?}{}, wrap {}, precision {:?}, {} steps of {} x {} tokens, data {}",
         cfg.world_size,
+        cfg.device,
         cfg.strategy,
         if cfg.strategy.is_hybrid() {
             let n = cfg.ranks_per_node.unwrap_or(cfg.world_size);
@@ -439,52 +423,13 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
             );
         }
     }
-    if let Some((gpus, name, _)) = cfg.device.gpus(cfg.world_size) {
-        print_gpu_summary(&cfg, &report, gpus, &name);
+    for line in train::gpu_summary(&cfg, &report) {
+        out!("{line}");
     }
     if !report.sample.is_empty() {
         out!("--- sample ---\n{}\n--------------", report.sample);
     }
     Ok(())
-}
-
-/// On CUDA: tokens/s (median step, the first step left out as warm-up), MFU against the
-/// GPUs' peak (`fsdp::train::peak_flops`) and every rank's peak device bytes.
-fn print_gpu_summary(cfg: &TrainConfig, report: &train::TrainReport, gpus: usize, name: &str) {
-    let skip = usize::from(report.records.len() > 1);
-    let tps = median(
-        report
-            .records
-            .iter()
-            .skip(skip)
-            .map(|r| r.tokens_per_s)
-            .collect(),
-    );
-    let lp = cfg.mixed_precision != Precision::None;
-    let mfu = fsdp::train::mfu(report.num_params, tps, name, gpus, lp)
-        .map_or("- (GPU not in the peak table)".into(), |m| {
-            format!("{:.1}%", m * 100.0)
-        });
-    out!(
-        "gpu: {gpus} x {name}, {} ranks: {tps:.0} tokens/s (median step), MFU {mfu} (6 x {} params x tokens/s over {} peak)",
-        cfg.world_size,
-        report.num_params,
-        if lp { "bf16/f16 dense" } else { "f32" }
-    );
-    if let Some(r) = report.records.last() {
-        let peaks: Vec<String> = r
-            .ranks
-            .iter()
-            .map(|m| {
-                format!(
-                    "rank {}: {:.1} MiB",
-                    m.rank,
-                    m.device_peak_bytes as f64 / (1u64 << 20) as f64
-                )
-            })
-            .collect();
-        out!("peak device memory per rank: {}", peaks.join(", "));
-    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

@@ -53,6 +53,27 @@ impl TrainDevice {
         }
     }
 
+    /// Whether this is `--device cuda`.
+    pub fn is_cuda(self) -> bool {
+        self == TrainDevice::Cuda
+    }
+
+    /// On CUDA: why `need_bytes` (the job's estimate) does not fit the memory of the GPUs
+    /// `world_size` ranks use; `None` when it fits or on the CPU (checked against host
+    /// memory instead).
+    pub fn memory_problem(self, need_bytes: f64, world_size: usize) -> Option<String> {
+        let (gpus, name, per_gpu) = self.gpus(world_size)?;
+        let have = (gpus * per_gpu) as f64;
+        let gib = (1u64 << 30) as f64;
+        (need_bytes > have).then(|| {
+            format!(
+                "this configuration needs about {:.1} GiB of device memory and {gpus} x {name} have {:.1} GiB; lower --global-batch, --seq-len, --n-embd or --n-layer",
+                need_bytes / gib,
+                have / gib
+            )
+        })
+    }
+
     /// `(GPUs used by `world_size` ranks, name of cuda:0, total memory of cuda:0)`; `None`
     /// on the CPU or without a usable GPU.
     pub fn gpus(self, world_size: usize) -> Option<(usize, String, usize)> {
@@ -99,6 +120,49 @@ pub fn mfu(
 ) -> Option<f64> {
     let peak = peak_flops(gpu_name, low_precision)? * gpus.max(1) as f64;
     Some(6.0 * num_params as f64 * tokens_per_s / peak)
+}
+
+/// The end-of-run lines of a CUDA run (empty on the CPU): tokens/s (median step, the first
+/// left out as warm-up), MFU against the GPUs' peak ([`peak_flops`]; bf16/f16 dense peak
+/// under mixed precision, f32 otherwise) and every rank's peak device bytes.
+pub fn gpu_summary(cfg: &super::TrainConfig, report: &super::TrainReport) -> Vec<String> {
+    let Some((gpus, name, _)) = cfg.device.gpus(cfg.world_size) else {
+        return Vec::new();
+    };
+    let mut tps: Vec<f64> = report
+        .records
+        .iter()
+        .skip(usize::from(report.records.len() > 1))
+        .map(|r| r.tokens_per_s)
+        .collect();
+    tps.sort_by(|a, b| a.total_cmp(b));
+    let tps = tps.get(tps.len() / 2).copied().unwrap_or(f64::NAN);
+    let lp = cfg.mixed_precision != super::Precision::None;
+    let mfu = mfu(report.num_params, tps, &name, gpus, lp).map_or_else(
+        || "- (GPU not in the peak table)".to_string(),
+        |m| format!("{:.1}%", m * 100.0),
+    );
+    let mut out = vec![format!(
+        "gpu: {gpus} x {name}, {} ranks: {tps:.0} tokens/s (median step), MFU {mfu} (6 x {} params x tokens/s over the {} peak)",
+        cfg.world_size,
+        report.num_params,
+        if lp { "bf16/f16 dense" } else { "f32" }
+    )];
+    if let Some(r) = report.records.last() {
+        let peaks: Vec<String> = r
+            .ranks
+            .iter()
+            .map(|m| {
+                format!(
+                    "rank {}: {:.1} MiB",
+                    m.rank,
+                    m.device_peak_bytes as f64 / (1u64 << 20) as f64
+                )
+            })
+            .collect();
+        out.push(format!("peak device memory per rank: {}", peaks.join(", ")));
+    }
+    out
 }
 
 #[cfg(test)]

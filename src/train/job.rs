@@ -16,7 +16,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-pub use super::options::{CheckpointType, LrSchedule, Precision, WrapMode};
+pub use super::options::{CheckpointType, LrSchedule, Precision, Preset, WrapMode};
 
 /// Everything `fsdp train` takes. `Default` is the CLI's defaults, sized for a 2-core CPU.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -328,16 +328,11 @@ impl TrainConfig {
                 ));
             }
         }
-        if let Some((gpus, name, per_gpu)) = self.device.gpus(self.world_size) {
-            let need = self.estimated_memory_bytes();
-            if need > (gpus * per_gpu) as f64 {
-                return bad(format!(
-                    "this configuration needs about {:.1} GiB of device memory and {gpus} x {name} have {:.1} GiB; lower --global-batch, --seq-len, --n-embd or --n-layer",
-                    need / GIB,
-                    (gpus * per_gpu) as f64 / GIB
-                ));
-            }
-        } else if let Some(avail) = available_memory_bytes() {
+        let need = self.estimated_memory_bytes();
+        if let Some(m) = self.device.memory_problem(need, self.world_size) {
+            return bad(m);
+        }
+        if let Some(avail) = available_memory_bytes().filter(|_| !self.device.is_cuda()) {
             let need = self.estimated_memory_bytes();
             if need > avail as f64 {
                 return bad(format!(

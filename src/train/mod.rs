@@ -20,8 +20,8 @@ mod options;
 mod resume;
 pub mod sample;
 
-pub use device::{mfu, peak_flops, TrainDevice};
+pub use device::{gpu_summary, mfu, peak_flops, TrainDevice};
 pub use job::{
-    build_engine, train, CheckpointType, LrSchedule, Observer, Precision, Silent, StepRecord,
-    TrainConfig, TrainReport, WrapMode,
+    build_engine, train, CheckpointType, LrSchedule, Observer, Precision, Preset, Silent,
+    StepRecord, TrainConfig, TrainReport, WrapMode,
 };
