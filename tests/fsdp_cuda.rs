@@ -551,7 +551,7 @@ fn train_job_on_cuda_matches_the_cpu_cuda() {
 /// The harness of the tests above run with the CPU in the GPU's place, so their
 /// bookkeeping is checked on every machine (the CUDA runs add only the device).
 #[test]
-fn the_cuda_tests_pass_on_the_cpu() {
+fn harness_of_the_gpu_tests_on_the_cpu() {
     check_collectives(&[1, 3], &[0, 5], &|_| Device::Cpu);
     parity_on(Device::Cpu);
     clip_on(Device::Cpu);
