@@ -11,6 +11,7 @@
 //! | `cast.cu` | `cast_{src}_{dst}` | [`cast_slice`](crate::backend::cpu::ops::cast_slice) |
 //! | `optim.cu` | `sgd_f32`, `adam_f32` | [`crate::optim`] (`SGD`, `Adam`, `AdamW`) |
 //! | `nn.cu` | `gelu_*`, `relu_*`, `layernorm_*`, `softmax_*`, `cross_entropy_*`, `embedding_*`, `bias_*` | [`crate::backend::cpu::kernels`], [`crate::nn`] |
+//! | `collective.cu` | `reduce_ranks_{dtype}` | the threads backend's host reduction (`distributed::threads`) |
 
 #[cfg(feature = "cuda")]
 mod embedded {

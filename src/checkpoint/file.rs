@@ -49,7 +49,11 @@ fn from_st(d: Dtype) -> Option<DType> {
     }
 }
 
+/// The tensor's bytes; a tensor on a CUDA device is copied to the host first.
 fn bytes_of(t: &Tensor) -> Result<Vec<u8>> {
+    if t.device().is_cuda() {
+        return bytes_of(&t.to_device(crate::backend::Device::Cpu)?);
+    }
     Ok(match t.dtype() {
         DType::F32 => bytemuck::cast_slice(&t.data::<f32>()?).to_vec(),
         DType::BF16 => bytemuck::cast_slice(&t.data::<half::bf16>()?).to_vec(),

@@ -58,7 +58,7 @@ pub trait CollectivesExt: ProcessGroup {
         for o in outputs {
             same_layout("all_gather", input, o, "an output")?;
         }
-        let flat = Tensor::zeros(&[w * input.numel()], input.dtype());
+        let flat = Tensor::zeros_on(&[w * input.numel()], input.dtype(), input.device())?;
         self.all_gather_into_tensor(&flat, input)?;
         for (r, o) in outputs.iter().enumerate() {
             o.copy_from(&flat.view(r * input.numel(), &[input.numel()])?)?;
@@ -76,7 +76,7 @@ pub trait CollectivesExt: ProcessGroup {
             );
         }
         let w = self.size();
-        let flat = Tensor::zeros(&[w * input.numel()], input.dtype());
+        let flat = Tensor::zeros_on(&[w * input.numel()], input.dtype(), input.device())?;
         self.all_gather_into_tensor(&flat, input)?;
         if self.rank() == dst {
             let outputs = outputs.ok_or_else(|| {
@@ -99,7 +99,7 @@ pub trait CollectivesExt: ProcessGroup {
             crate::error::bail_arg!("scatter: src rank {src} is not in a group of {w} ranks");
         }
         let n = output.numel();
-        let flat = Tensor::zeros(&[w * n], output.dtype());
+        let flat = Tensor::zeros_on(&[w * n], output.dtype(), output.device())?;
         if self.rank() == src {
             let inputs = inputs.ok_or_else(|| {
                 Error::InvalidArgument("scatter: the src rank must pass the input list".into())
@@ -126,7 +126,7 @@ pub trait CollectivesExt: ProcessGroup {
             );
         }
         let n = input.numel() / w;
-        let all = Tensor::zeros(&[w * input.numel()], input.dtype());
+        let all = Tensor::zeros_on(&[w * input.numel()], input.dtype(), input.device())?;
         self.all_gather_into_tensor(&all, input)?;
         let me = self.rank();
         for j in 0..w {

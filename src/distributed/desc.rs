@@ -22,6 +22,9 @@ pub(crate) struct Desc {
     pub(crate) in_numel: usize,
     pub(crate) out_numel: usize,
     pub(crate) arg: Arg,
+    /// Whether the tensors are on CUDA devices (a rank on the host and one on a GPU in one
+    /// collective is a mismatch).
+    pub(crate) cuda: bool,
 }
 
 impl std::fmt::Display for Desc {
@@ -36,7 +39,7 @@ impl std::fmt::Display for Desc {
             Arg::Op(op) => write!(f, ", {op:?}")?,
             Arg::Src(src) => write!(f, ", src={src}")?,
         }
-        f.write_str(")")
+        f.write_str(if self.cuda { ", on cuda)" } else { ")" })
     }
 }
 

@@ -2,9 +2,9 @@
 //!
 //! | backend | ranks are | tensors | module |
 //! |---|---|---|---|
-//! | `threads` | threads of one process | CPU | [`threads`] |
+//! | `threads` | threads of one process | CPU, or CUDA (one or several GPUs) | [`threads`] |
 //! | `tcp` (alias `gloo`) | processes (or threads), over TCP | CPU | [`tcp`] |
-//! | `nccl` | one process per GPU | CUDA | CUDA runtime issue (meets through [`TcpStore`]) |
+//! | `nccl` | one process per GPU (or any ranks, one communicator each) | CUDA | [`nccl`] (meets through [`TcpStore`]; `cuda` feature) |
 //!
 //! | torch.distributed | here | file |
 //! |---|---|---|

@@ -2,18 +2,36 @@
 //! order they were issued, and each issue returns a [`Work`] handle to wait on
 //! (`torch.distributed`'s `async_op=True` and `Work.wait()` / `Work.is_completed()`).
 //!
-//! A stream plays the part of a CUDA communication stream on the CPU backend: the rank's
-//! thread goes on computing while the collective runs. Every rank must issue the same
-//! collectives on its streams in the same order (as with NCCL). A stream's collectives are
-//! ordered among themselves only, so a rank must [`synchronize`](CommStream::synchronize)
-//! its stream before it calls a blocking collective on a group the stream also uses
-//! (FSDP does this at the end of every forward and backward).
+//! A stream plays the part of a CUDA communication stream: the rank's thread goes on
+//! computing while the collective runs. Every rank must issue the same collectives on its
+//! streams in the same order (as with NCCL). A stream's collectives are ordered among
+//! themselves only, so a rank must [`synchronize`](CommStream::synchronize) its stream
+//! before it calls a blocking collective on a group the stream also uses (FSDP does this at
+//! the end of every forward and backward).
+//!
+//! # On a CUDA device
+//!
+//! [`CommStream::on_device`] with `Device::Cuda(i)` gives the thread its own CUDA stream
+//! (FSDP's unshard / post-backward stream: its copies and reductions overlap the rank's
+//! compute stream), made its current stream for the thread's life and charged to the
+//! memory account of the rank that created it. Ordering between the two streams:
+//! - at submit, an event is recorded on the submitting thread's current stream and the
+//!   job's stream waits on it before the job runs, so the job sees everything the rank
+//!   queued before submitting (the buffer it fills was zeroed, the gradient computed);
+//! - after the job, the thread synchronizes its stream before the [`Work`] completes, so
+//!   once `wait` returns the results are visible to every stream and the host;
+//! - the tensors given to [`submit_keeping`](CommStream::submit_keeping) (and those of the
+//!   typed collectives) stay alive until then: a buffer the rank drops while the stream
+//!   still reads it is not handed back to the allocator early.
+//!
+//! On the host the same code runs without the events and synchronizations.
 //!
 //! As an NCCL communicator aborts on error, a stream whose job fails runs no further jobs:
 //! they all fail with a copy of that first error, so every wait reports the root cause
 //! (say, the collective mismatch) rather than a later echo of it.
 
 use super::{CollectivesExt, Group, ReduceOp};
+use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use parking_lot::{Condvar, Mutex};
@@ -70,8 +88,9 @@ impl Work {
     }
 
     /// Blocks until the collective finishes and returns its result; its output tensors are
-    /// then complete and its inputs free to reuse. Returns how long it blocked with
-    /// [`wait_timed`](Self::wait_timed).
+    /// then complete and its inputs free to reuse (on a CUDA stream, the job's stream has
+    /// drained, so any stream of the waiter sees the results). Returns how long it blocked
+    /// with [`wait_timed`](Self::wait_timed).
     ///
     /// # Errors
     /// The collective's error (mismatch, timeout naming the missing ranks, a failed peer).
@@ -98,44 +117,146 @@ fn finish(state: &WorkState, result: Result<()>) {
 
 type Job = Box<dyn FnOnce() -> Result<()> + Send>;
 
+/// What a job waits for before it runs: on a CUDA stream, an event recorded on the
+/// submitting thread's current stream at submit time.
+#[cfg(feature = "cuda")]
+type Ready = Option<crate::backend::cuda::Event>;
+#[cfg(not(feature = "cuda"))]
+type Ready = Option<std::convert::Infallible>;
+
+/// One submitted job, with the tensors kept alive until its stream work is done.
+struct Queued {
+    job: Job,
+    state: Arc<WorkState>,
+    ready: Ready,
+    keep: Vec<Tensor>,
+}
+
+/// The device side of a stream thread: its CUDA stream, or nothing on the host.
+struct DeviceSide {
+    #[cfg(feature = "cuda")]
+    stream: Option<(
+        Arc<crate::backend::cuda::Stream>,
+        crate::backend::cuda::StreamGuard,
+    )>,
+}
+
+impl DeviceSide {
+    /// Called on the stream thread: makes the stream (created by [`CommStream::on_device`]
+    /// on the rank's thread) current and charges the thread's allocations to `account`.
+    #[cfg(feature = "cuda")]
+    fn enter(
+        stream: Option<(
+            Arc<crate::backend::cuda::Stream>,
+            Arc<crate::backend::cuda::MemAccount>,
+        )>,
+    ) -> DeviceSide {
+        use crate::backend::cuda;
+        DeviceSide {
+            stream: stream.map(|(s, account)| {
+                cuda::set_rank_account(account);
+                let guard = cuda::use_stream(s.clone());
+                (s, guard)
+            }),
+        }
+    }
+
+    /// Runs one job: wait for the submitter's work, run, drain the stream, then release
+    /// the kept tensors.
+    fn run(&self, q: Queued) -> Result<()> {
+        let Queued {
+            job, ready, keep, ..
+        } = q;
+        #[cfg(feature = "cuda")]
+        if let (Some((s, _)), Some(ev)) = (&self.stream, &ready) {
+            s.wait(ev)?;
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = ready;
+        let r = job();
+        #[cfg(feature = "cuda")]
+        let r = match &self.stream {
+            // Also after an error: nothing queued may outlive the job's buffers.
+            Some((s, _)) => r.and(s.synchronize()),
+            None => r,
+        };
+        drop(keep);
+        r
+    }
+}
+
 /// One rank's communication stream: a thread that runs the submitted jobs (collectives and
 /// the copies and casts around them) one at a time in submission order.
 pub struct CommStream {
-    tx: Option<mpsc::Sender<(Job, Arc<WorkState>)>>,
+    tx: Option<mpsc::Sender<Queued>>,
     thread: Option<JoinHandle<()>>,
     pending: Arc<(Mutex<usize>, Condvar)>,
+    device: Device,
 }
 
 impl std::fmt::Debug for CommStream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CommStream")
+            .field("device", &self.device)
             .field("pending", &*self.pending.0.lock())
             .finish()
     }
 }
 
 impl CommStream {
-    /// Starts a stream thread named `name` (shown in debuggers and panics).
+    /// Starts a host stream thread named `name` (shown in debuggers and panics).
     ///
     /// # Errors
     /// `Io` when the thread cannot be spawned.
     pub fn new(name: &str) -> Result<CommStream> {
-        let (tx, rx) = mpsc::channel::<(Job, Arc<WorkState>)>();
+        Self::on_device(name, Device::Cpu)
+    }
+
+    /// Starts a stream thread named `name` for collectives on `device`: on `Device::Cuda(i)`
+    /// the thread gets its own CUDA stream on that device, charged to the calling thread's
+    /// memory account (call it on the rank's thread; see the module docs for the ordering);
+    /// on the host (or meta) it is [`CommStream::new`].
+    ///
+    /// # Errors
+    /// `Io` when the thread cannot be spawned; [`Error::Cuda`] when the device or its
+    /// stream cannot be had (and without the `cuda` feature for a CUDA device).
+    pub fn on_device(name: &str, device: Device) -> Result<CommStream> {
+        #[cfg(feature = "cuda")]
+        let stream = match device {
+            Device::Cuda(i) => {
+                use crate::backend::cuda;
+                let account = cuda::rank_account();
+                let dev = cuda::CudaDevice::get(i)?;
+                Some((Arc::new(cuda::Stream::new(&dev, account.clone())?), account))
+            }
+            _ => None,
+        };
+        #[cfg(not(feature = "cuda"))]
+        if device.is_cuda() {
+            return Err(crate::backend::cuda::no_cuda_build());
+        }
+        let (tx, rx) = mpsc::channel::<Queued>();
         let pending = Arc::new((Mutex::new(0usize), Condvar::new()));
         let p = pending.clone();
         let thread = std::thread::Builder::new()
             .name(name.to_string())
             .spawn(move || {
+                #[cfg(feature = "cuda")]
+                let side = DeviceSide::enter(stream);
+                #[cfg(not(feature = "cuda"))]
+                let side = DeviceSide {};
                 let mut failed: Option<Error> = None;
-                while let Ok((job, state)) = rx.recv() {
+                while let Ok(q) = rx.recv() {
+                    let state = q.state.clone();
                     if let Some(e) = &failed {
+                        drop(q);
                         finish(&state, Err(e.duplicate()));
                         let mut n = p.0.lock();
                         *n -= 1;
                         p.1.notify_all();
                         continue;
                     }
-                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job))
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| side.run(q)))
                         .unwrap_or_else(|p| {
                             let msg = p
                                 .downcast_ref::<&str>()
@@ -158,15 +279,43 @@ impl CommStream {
             tx: Some(tx),
             thread: Some(thread),
             pending,
+            device,
         })
     }
 
-    /// Queues `job` behind every job submitted before it and returns its handle.
+    /// The device whose collectives this stream runs.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Queues `job` behind every job submitted before it and returns its handle. On a CUDA
+    /// stream, tensors the job captures are dropped when it returns, possibly before its
+    /// queued device work ran: pass them to [`submit_keeping`](Self::submit_keeping).
     pub fn submit(&self, job: impl FnOnce() -> Result<()> + Send + 'static) -> Work {
+        self.submit_keeping(Vec::new(), job)
+    }
+
+    /// [`submit`](Self::submit), keeping clones of `keep` alive until the job and its work
+    /// on the stream are done (the buffers it reads or fills that the rank allocated).
+    pub fn submit_keeping(
+        &self,
+        keep: Vec<Tensor>,
+        job: impl FnOnce() -> Result<()> + Send + 'static,
+    ) -> Work {
+        let ready = match self.record_ready() {
+            Ok(r) => r,
+            Err(e) => return Work::completed(Err(e)),
+        };
         let (work, state) = Work::pending();
         *self.pending.0.lock() += 1;
+        let q = Queued {
+            job: Box::new(job),
+            state: state.clone(),
+            ready,
+            keep,
+        };
         let sent = match &self.tx {
-            Some(tx) => tx.send((Box::new(job), state.clone())).is_ok(),
+            Some(tx) => tx.send(q).is_ok(),
             None => false,
         };
         if !sent {
@@ -177,6 +326,16 @@ impl CommStream {
             );
         }
         work
+    }
+
+    /// On a CUDA stream: an event after the work queued so far on the calling thread's
+    /// current stream of the device.
+    fn record_ready(&self) -> Result<Ready> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(i) = self.device {
+            return Ok(Some(crate::backend::cuda::current_stream(i)?.record()?));
+        }
+        Ok(None)
     }
 
     fn done_one(&self) {
@@ -205,7 +364,8 @@ impl CommStream {
     /// `output` must not be read, nor `input` written, before the `Work` completes.
     pub fn all_gather_into_tensor(&self, pg: &Group, output: &Tensor, input: &Tensor) -> Work {
         let (pg, out, inp) = (pg.clone(), output.clone(), input.clone());
-        self.submit(move || pg.all_gather_into_tensor(&out, &inp))
+        let keep = vec![output.clone(), input.clone()];
+        self.submit_keeping(keep, move || pg.all_gather_into_tensor(&out, &inp))
     }
 
     /// Asynchronous [`ProcessGroup::reduce_scatter_tensor`](super::ProcessGroup::reduce_scatter_tensor).
@@ -217,19 +377,20 @@ impl CommStream {
         op: ReduceOp,
     ) -> Work {
         let (pg, out, inp) = (pg.clone(), output.clone(), input.clone());
-        self.submit(move || pg.reduce_scatter_tensor(&out, &inp, op))
+        let keep = vec![output.clone(), input.clone()];
+        self.submit_keeping(keep, move || pg.reduce_scatter_tensor(&out, &inp, op))
     }
 
     /// Asynchronous [`ProcessGroup::all_reduce`](super::ProcessGroup::all_reduce).
     pub fn all_reduce(&self, pg: &Group, tensor: &Tensor, op: ReduceOp) -> Work {
         let (pg, t) = (pg.clone(), tensor.clone());
-        self.submit(move || pg.all_reduce(&t, op))
+        self.submit_keeping(vec![tensor.clone()], move || pg.all_reduce(&t, op))
     }
 
     /// Asynchronous [`ProcessGroup::broadcast`](super::ProcessGroup::broadcast).
     pub fn broadcast(&self, pg: &Group, tensor: &Tensor, src: usize) -> Work {
         let (pg, t) = (pg.clone(), tensor.clone());
-        self.submit(move || pg.broadcast(&t, src))
+        self.submit_keeping(vec![tensor.clone()], move || pg.broadcast(&t, src))
     }
 
     /// Asynchronous [`ProcessGroup::barrier`](super::ProcessGroup::barrier).
@@ -241,13 +402,14 @@ impl CommStream {
     /// Asynchronous [`CollectivesExt::reduce`].
     pub fn reduce(&self, pg: &Group, tensor: &Tensor, dst: usize, op: ReduceOp) -> Work {
         let (pg, t) = (pg.clone(), tensor.clone());
-        self.submit(move || pg.reduce(&t, dst, op))
+        self.submit_keeping(vec![tensor.clone()], move || pg.reduce(&t, dst, op))
     }
 
     /// Asynchronous [`CollectivesExt::all_gather`] (list form).
     pub fn all_gather(&self, pg: &Group, outputs: &[Tensor], input: &Tensor) -> Work {
         let (pg, outs, inp) = (pg.clone(), outputs.to_vec(), input.clone());
-        self.submit(move || pg.all_gather(&outs, &inp))
+        let keep = outputs.iter().chain([input]).cloned().collect();
+        self.submit_keeping(keep, move || pg.all_gather(&outs, &inp))
     }
 
     /// Asynchronous [`CollectivesExt::gather`].
@@ -259,7 +421,13 @@ impl CommStream {
         dst: usize,
     ) -> Work {
         let (pg, inp, outs) = (pg.clone(), input.clone(), outputs.map(<[Tensor]>::to_vec));
-        self.submit(move || pg.gather(&inp, outs.as_deref(), dst))
+        let keep = outputs
+            .unwrap_or(&[])
+            .iter()
+            .chain([input])
+            .cloned()
+            .collect();
+        self.submit_keeping(keep, move || pg.gather(&inp, outs.as_deref(), dst))
     }
 
     /// Asynchronous [`CollectivesExt::scatter`].
@@ -271,13 +439,20 @@ impl CommStream {
         src: usize,
     ) -> Work {
         let (pg, out, ins) = (pg.clone(), output.clone(), inputs.map(<[Tensor]>::to_vec));
-        self.submit(move || pg.scatter(&out, ins.as_deref(), src))
+        let keep = inputs
+            .unwrap_or(&[])
+            .iter()
+            .chain([output])
+            .cloned()
+            .collect();
+        self.submit_keeping(keep, move || pg.scatter(&out, ins.as_deref(), src))
     }
 
     /// Asynchronous [`CollectivesExt::all_to_all_single`].
     pub fn all_to_all_single(&self, pg: &Group, output: &Tensor, input: &Tensor) -> Work {
         let (pg, out, inp) = (pg.clone(), output.clone(), input.clone());
-        self.submit(move || pg.all_to_all_single(&out, &inp))
+        let keep = vec![output.clone(), input.clone()];
+        self.submit_keeping(keep, move || pg.all_to_all_single(&out, &inp))
     }
 }
 

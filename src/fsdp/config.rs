@@ -92,8 +92,12 @@ pub struct FsdpConfig {
     /// leaves alone: not flattened, not sharded, their gradients not reduced
     /// (`ignored_modules=`). Every rank keeps them whole and steps them itself.
     pub ignored_modules: Vec<String>,
-    /// The device the unit computes on (`device_id=`); `None` or `Some(Device::Cpu)` on the
-    /// CPU backend.
+    /// The device the unit computes on (`device_id=`): `None` or `Some(Device::Cpu)` for
+    /// the CPU backend, `Some(Device::Cuda(i))` to keep the FlatParameter shards, unsharded
+    /// parameters, gradients and mixed-precision copies on that GPU (PyTorch moves the
+    /// module there at wrap time; parameters built on the meta device are materialized
+    /// shard by shard on the host and then moved). The wrapped layers must compute on
+    /// tensors of that device.
     pub device_id: Option<Device>,
     /// Keep parameter and gradient shards in host memory (`cpu_offload=`).
     pub cpu_offload: CpuOffload,
@@ -148,19 +152,33 @@ impl Default for FsdpConfig {
     }
 }
 
-/// Checks `device_id` against the backends this build has.
+/// The device a unit computes on for `device_id` (`None` is the CPU), checked against the
+/// backends this build has. As PyTorch's `device_id`, a CUDA device receives the unit's
+/// FlatParameter shard, its unsharded buffers, gradients and mixed-precision copies
+/// (the shard stays on the host under CPU offload).
 ///
 /// # Errors
-/// `Unsupported` for a CUDA device (the CUDA backend is not built yet) and `Fsdp` for the
-/// meta device (nothing can compute there).
-pub(super) fn check_device(device: Option<Device>) -> Result<()> {
+/// `Fsdp` for the meta device (nothing can compute there); for a CUDA device that is not
+/// usable, the CUDA error prefixed with `device_id cuda:<i>` (no `cuda` feature, no
+/// driver, no such device).
+pub(super) fn check_device(device: Option<Device>) -> Result<Device> {
     match device {
-        None | Some(Device::Cpu) => Ok(()),
+        None | Some(Device::Cpu) => Ok(Device::Cpu),
         Some(Device::Meta) => Err(Error::Fsdp(
-            "device_id meta: FSDP units must compute on a real device (cpu)".into(),
+            "device_id meta: FSDP units must compute on a real device (cpu or cuda:<i>)".into(),
         )),
-        Some(d) => Err(Error::Unsupported(format!(
-            "device_id {d}: this build has only the CPU backend"
-        ))),
+        Some(d @ Device::Cuda(_i)) => {
+            #[cfg(feature = "cuda")]
+            let usable = crate::backend::cuda::CudaDevice::get(_i).map(drop);
+            #[cfg(not(feature = "cuda"))]
+            let usable: Result<()> = Err(crate::backend::cuda::no_cuda_build());
+            usable.map(|()| d).map_err(|e| match e {
+                Error::Cuda { context, message } => Error::Cuda {
+                    context: format!("device_id {d}: {context}"),
+                    message,
+                },
+                e => e,
+            })
+        }
     }
 }

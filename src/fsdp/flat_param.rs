@@ -8,6 +8,7 @@
 //! Unsharding all-gathers the chunks into a `c W` buffer and every parameter becomes a view
 //! `buffer[offset .. offset + numel]` with its shape: nothing is copied to unflatten.
 
+use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
 
@@ -96,6 +97,11 @@ impl FlatParameter {
                 match p.meta_initializer() {
                     // Deferred init: compute only this rank's elements.
                     Some((init, start)) => init.fill(start + (a - info.offset) as u64, dst),
+                    None if p.device().is_cuda() => {
+                        // A parameter already on a GPU: only its part in the chunk comes over.
+                        let part = p.view(a - info.offset, &[b - a])?.to_device(Device::Cpu)?;
+                        dst.copy_from_slice(&part.f32()?);
+                    }
                     None => {
                         let src = p.f32().map_err(|_| Error::NotMaterialized {
                             name: info.fqn.clone(),
@@ -128,6 +134,25 @@ impl FlatParameter {
             unsharded: None,
             unsynced_grad: None,
         })
+    }
+
+    /// Moves this rank's chunk (and its gradient, if any) to `device` (FSDP's
+    /// `device_id`: the shard is computed on the host, then moved). A no-op when already
+    /// there.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the device is unavailable or out of memory.
+    pub(crate) fn move_shard_to(&mut self, device: Device) -> Result<()> {
+        self.local_shard = self.local_shard.to_device(device)?;
+        if let Some(g) = &self.grad_shard {
+            self.grad_shard = Some(g.to_device(device)?);
+        }
+        Ok(())
+    }
+
+    /// The device this rank's chunk lives on.
+    pub fn device(&self) -> Device {
+        self.local_shard.device()
     }
 
     /// Unpadded element count `N`.
@@ -174,7 +199,8 @@ impl FlatParameter {
         &self.infos
     }
 
-    /// This rank's chunk of the values, `(c)` f32.
+    /// This rank's chunk of the values, `(c)` f32, on the unit's device (the host under
+    /// CPU offload).
     pub fn local_shard(&self) -> &Tensor {
         &self.local_shard
     }

@@ -2,7 +2,6 @@
 //! `clip_grad_norm_` (FSDP1 `FullyShardedDataParallel.no_sync` / `.clip_grad_norm_`).
 
 use super::FullyShardedDataParallel;
-use crate::backend::cpu::ops;
 use crate::distributed::ReduceOp;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -78,25 +77,39 @@ impl FullyShardedDataParallel {
         } as f32;
         let coef = (max_norm / (total + 1e-6)).min(1.0);
         for g in &grads {
-            ops::scale_(&mut g.f32_mut()?, coef);
+            // On the gradient's device (a kernel on the current stream for CUDA shards).
+            crate::ops::scale_(g, coef)?;
         }
         Ok(total)
     }
 }
 
 /// `acc` combined with the sum of `|g|^p` (or the max of `|g|` for `p = inf`) over `grads`,
-/// in f64.
+/// in f64. Host gradients are summed element by element into `acc`; a CUDA gradient's
+/// squares are summed on the device for `p = 2` ([`crate::ops::sum_squares`], f64 partials
+/// in a fixed order) and added to `acc`, and copied to the host for other `p`.
 fn norm_accumulate(acc: f64, grads: &[Tensor], norm_type: f32) -> Result<f64> {
     let inf = norm_type == f32::INFINITY;
     let mut acc = acc;
-    for g in grads {
-        for &v in g.f32()?.iter() {
+    let add = |values: &[f32], acc: &mut f64| {
+        for &v in values {
             let a = (v as f64).abs();
-            acc = if inf {
+            *acc = if inf {
                 acc.max(a)
             } else {
-                acc + a.powf(norm_type as f64)
+                *acc + a.powf(norm_type as f64)
             };
+        }
+    };
+    for g in grads {
+        if g.device().is_cuda() {
+            if norm_type == 2.0 {
+                acc += crate::ops::sum_squares(g)?;
+            } else {
+                add(&g.to_vec_f32()?, &mut acc);
+            }
+        } else {
+            add(&g.f32()?, &mut acc);
         }
     }
     Ok(acc)

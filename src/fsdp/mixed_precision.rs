@@ -12,10 +12,11 @@
 //! | reduce-scatter / all-reduce of gradients, pre/post-division | `reduce_dtype` (default `param_dtype`) |
 //! | sharded gradient the optimizer reads | f32, or `param_dtype` values with `keep_low_precision_grads` |
 //!
-//! On the CPU backend the layers compute in f32 on values rounded to `param_dtype` (what a
-//! low-precision GEMM with f32 accumulation reads): parameters after the all-gather, unit
-//! inputs at the unit boundary, and the unsharded gradient before it is reduced. The
-//! collectives move real `param_dtype` / `reduce_dtype` tensors.
+//! The layers compute in f32 on values rounded to `param_dtype` (what a low-precision GEMM
+//! with f32 accumulation reads): parameters after the all-gather, unit inputs at the unit
+//! boundary, and the unsharded gradient before it is reduced, on the CPU and on CUDA alike
+//! (the rounding runs on the tensor's device). The collectives move real `param_dtype` /
+//! `reduce_dtype` tensors.
 
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
@@ -86,21 +87,10 @@ impl MixedPrecision {
 }
 
 /// Rounds every element of an f32 tensor to the nearest `dtype` value, in place (no-op for
-/// f32).
+/// f32), on the tensor's device ([`crate::ops::flat::round_to_`]).
 ///
 /// # Errors
 /// `DTypeMismatch` when `t` is not f32.
 pub(crate) fn round_(t: &Tensor, dtype: DType) -> Result<()> {
-    match dtype {
-        DType::BF16 => t
-            .f32_mut()?
-            .iter_mut()
-            .for_each(|v| *v = half::bf16::from_f32(*v).to_f32()),
-        DType::F16 => t
-            .f32_mut()?
-            .iter_mut()
-            .for_each(|v| *v = half::f16::from_f32(*v).to_f32()),
-        _ => {}
-    }
-    Ok(())
+    crate::ops::flat::round_to_(t, dtype)
 }

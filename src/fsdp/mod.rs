@@ -20,6 +20,15 @@
 //! collectives overlapping compute on a communication stream, CPU offload, deferred init,
 //! FULL / SHARDED / LOCAL state dicts, optimizer state dicts by parameter name and
 //! `summon_full_params` (`state_dict/`; the files are in [`crate::checkpoint`]).
+//!
+//! | state | CPU (`device_id` none or cpu) | CUDA (`device_id = cuda:i`) |
+//! |---|---|---|
+//! | parameter shard (f32 master) | host | `cuda:i` (host under CPU offload) |
+//! | unsharded parameters, flat gradient, low-precision copies | host | `cuda:i` |
+//! | reduced gradient shard | host | `cuda:i` (host under CPU offload) |
+//! | communication stream | a worker thread | a worker thread with its own CUDA stream, ordered by events |
+//! | gradient pack/unpack, rounding | [`crate::ops::flat`] CPU loops | `pack_grad_*`, `unpack_grad_*`, `cast_*` kernels |
+//! | state dicts | host tensors | host tensors (full state dict: on the GPU without `offload_to_cpu`) |
 
 mod config;
 mod flat_param;

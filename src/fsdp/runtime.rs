@@ -18,18 +18,18 @@
 use super::mixed_precision::round_;
 use super::unit::gradient_divide_factors;
 use super::FullyShardedDataParallel;
-use crate::backend::cpu::ops;
+use crate::backend::Device;
 use crate::distributed::{ReduceOp, Work};
 use crate::error::Result;
 use crate::nn::{ChildVisitor, Context, Module};
+use crate::ops::flat;
 use crate::tensor::{DType, Tensor};
-use parking_lot::Mutex;
-use std::sync::Arc;
 
-/// A gradient reduction in flight: its handle and the slot its f32 shard lands in.
+/// A gradient reduction in flight: its handle and the f32 shard it fills (complete once
+/// the handle is).
 pub(super) struct PendingGrad {
     work: Work,
-    out: Arc<Mutex<Option<Tensor>>>,
+    out: Tensor,
 }
 
 impl FullyShardedDataParallel {
@@ -43,16 +43,16 @@ impl FullyShardedDataParallel {
         self.finish_unshard(g)
     }
 
-    /// Issues (or takes) this unit's gather; `None` when already unsharded.
-    fn begin_unshard(&mut self) -> Option<super::scheduler::Gather> {
+    /// Issues (or takes) this unit's gather; `Ok(None)` when already unsharded.
+    fn begin_unshard(&mut self) -> Result<Option<super::scheduler::Gather>> {
         if self.flat.unsharded.is_some() {
-            return None;
+            return Ok(None);
         }
-        Some(self.rs.sched.lock().take_or_issue(self.id))
+        self.rs.sched.lock().take_or_issue(self.id).map(Some)
     }
 
-    fn finish_unshard(&mut self, g: Option<super::scheduler::Gather>) -> Result<()> {
-        let Some(g) = g else { return Ok(()) };
+    fn finish_unshard(&mut self, g: Result<Option<super::scheduler::Gather>>) -> Result<()> {
+        let Some(g) = g? else { return Ok(()) };
         let (r, dt) = g.work.wait_timed();
         self.rs.sched.lock().add_wait(dt);
         if let Err(e) = r {
@@ -88,7 +88,9 @@ impl FullyShardedDataParallel {
     /// Issues the reduction of the flat gradient on the stream: predivide, reduce-scatter
     /// over the shard group (then all-reduce over the replicate group under hybrid
     /// sharding; all-reduce over the world under NoShard), postdivide, all in
-    /// `reduce_dtype`. FSDP1 `_post_backward_hook` / `_reduce_grad`.
+    /// `reduce_dtype`. FSDP1 `_post_backward_hook` / `_reduce_grad`. The f32 shard it
+    /// produces is allocated here, on the compute thread (on the host under CPU offload:
+    /// the device-to-host copy ends the job), so its memory belongs to the compute stream.
     fn issue_reduce(&mut self, flat_grad: Tensor) -> Result<()> {
         // A unit that ran backward twice in one pass: fold the first result in first.
         self.finish_reduce()?;
@@ -108,18 +110,25 @@ impl FullyShardedDataParallel {
             self.rs.replicate_pg.clone(),
         );
         let keep_lp = mp.keep_low_precision_grads.then(|| mp.compute_dtype());
+        let device = self.rs.device;
         let offload = self.rs.sched.lock().offload;
-        let out = Arc::new(Mutex::new(None));
-        let slot = out.clone();
+        let out = Tensor::zeros_on(
+            &[shard_numel],
+            DType::F32,
+            if offload { Device::Cpu } else { device },
+        )?;
+        let dst = out.clone();
+        let keep = vec![flat_grad.clone(), out.clone()];
         let job = move || -> Result<()> {
-            ops::scale_(&mut flat_grad.f32_mut()?, 1.0 / pre);
+            // Predivide fused with the cast to reduce_dtype (in place in f32).
             let input = if rd == DType::F32 {
-                flat_grad
+                flat_grad.clone()
             } else {
-                flat_grad.to_dtype(rd)?
+                Tensor::zeros_on(flat_grad.shape(), rd, device)?
             };
+            flat::pack_grad(&flat_grad, &input, 1.0 / pre)?;
             let reduced = if sharded {
-                let out = Tensor::zeros(&[shard_numel], rd);
+                let out = Tensor::zeros_on(&[shard_numel], rd, device)?;
                 shard_pg.reduce_scatter_tensor(&out, &input, ReduceOp::Sum)?;
                 if let Some(rep) = &rep {
                     rep.all_reduce(&out, ReduceOp::Sum)?;
@@ -129,23 +138,26 @@ impl FullyShardedDataParallel {
                 pg.all_reduce(&input, ReduceOp::Sum)?;
                 input
             };
-            let shard = if rd == DType::F32 {
-                reduced
+            // The postdivide happens in reduce_dtype, then the result is upcast (FSDP1):
+            // straight into the shard, or (offload) into a device buffer copied to it.
+            let shard = if dst.device() == device {
+                dst.clone()
+            } else if rd == DType::F32 {
+                reduced.clone()
             } else {
-                reduced.to_dtype(DType::F32)?
+                Tensor::zeros_on(&[shard_numel], DType::F32, device)?
             };
-            ops::scale_(&mut shard.f32_mut()?, 1.0 / post);
-            // The postdivide happens in reduce_dtype, then the result is upcast (FSDP1).
-            round_(&shard, rd)?;
+            flat::unpack_grad(&reduced, &shard, 1.0 / post)?;
             if let Some(d) = keep_lp {
                 round_(&shard, d)?;
             }
             // CpuOffload: the device-to-host copy of the gradient shard.
-            let shard = if offload { shard.deep_clone()? } else { shard };
-            *slot.lock() = Some(shard);
+            if !shard.same_view(&dst) {
+                dst.copy_from(&shard)?;
+            }
             Ok(())
         };
-        let work = self.rs.sched.lock().stream.submit(job);
+        let work = self.rs.sched.lock().stream.submit_keeping(keep, job);
         self.rs.sched.lock().stats.reductions += 1;
         self.pending_grad = Some(PendingGrad { work, out });
         Ok(())
@@ -160,11 +172,9 @@ impl FullyShardedDataParallel {
         let (r, dt) = p.work.wait_timed();
         self.rs.sched.lock().add_wait(dt);
         r?;
-        let Some(shard) = p.out.lock().take() else {
-            return Ok(());
-        };
+        let shard = p.out;
         match &self.flat.grad_shard {
-            Some(acc) => ops::add_(&mut acc.f32_mut()?, &shard.f32()?),
+            Some(acc) => crate::ops::add_(acc, &shard)?,
             None => {
                 self.rs.mem.lock().grad_shard_bytes += shard.nbytes();
                 self.flat.grad_shard = Some(shard);
@@ -256,7 +266,7 @@ impl Module for FullyShardedDataParallel {
             // backwards under no_sync simply keeps growing.
             let flat_grad = match self.flat.unsynced_grad.take() {
                 Some(g) => g,
-                None => Tensor::zeros(&[self.flat.padded_numel()], DType::F32),
+                None => Tensor::zeros_on(&[self.flat.padded_numel()], DType::F32, self.rs.device)?,
             };
             self.point_params(Some(&flat_grad), true)?;
             let dx = self.module.backward(grad_out, cx);

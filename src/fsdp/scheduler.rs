@@ -12,6 +12,7 @@
 
 use super::flat_param::FlatParameter;
 use super::{MemoryStats, MixedPrecision};
+use crate::backend::Device;
 use crate::distributed::{CommStream, Group, Work};
 use crate::error::Result;
 use crate::tensor::{DType, Tensor};
@@ -74,6 +75,8 @@ pub(super) struct Scheduler {
     pub limit_all_gathers: bool,
     /// Shards live in host memory: copy to the device before gathering.
     pub offload: bool,
+    /// The compute device: gathered buffers are allocated there.
+    pub device: Device,
     /// The rank's memory figures: a gather's buffer counts from the moment it is issued.
     mem: Arc<Mutex<MemoryStats>>,
     units: Vec<UnitComm>,
@@ -104,9 +107,11 @@ impl Scheduler {
         sharded: bool,
         mp: MixedPrecision,
         mem: Arc<Mutex<MemoryStats>>,
+        device: Device,
     ) -> Self {
         Scheduler {
             mem,
+            device,
             stream,
             shard_pg,
             sharded,
@@ -153,13 +158,20 @@ impl Scheduler {
     }
 
     /// Issues the all-gather of unit `id` on the stream: `param_dtype` shard -> `param_dtype`
-    /// full buffer -> f32 values in `full` (under `NoShard`, only the rounded copy).
-    pub fn issue_gather(&mut self, id: usize) -> Gather {
+    /// full buffer -> f32 values in `full` (under `NoShard`, only the rounded copy). `full`
+    /// is allocated on the compute device by the calling (compute) thread; the stream's
+    /// scratch buffers are its own.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`](crate::Error::Cuda) when the buffer cannot be allocated.
+    pub fn issue_gather(&mut self, id: usize) -> Result<Gather> {
         let u = &self.units[id];
-        let full = Tensor::zeros(&[u.padded], DType::F32);
+        let device = self.device;
+        let full = Tensor::zeros_on(&[u.padded], DType::F32, device)?;
         self.mem.lock().on_unshard(full.nbytes());
         self.stats.all_gathers += 1;
         let dtype = self.mp.compute_dtype();
+        let keep = vec![full.clone(), u.shard.clone()];
         let work = if self.offload {
             // CpuOffload: the pre-unshard host-to-device copy, then the gather from it.
             let (pg, shard, out, padded, sharded) = (
@@ -169,10 +181,11 @@ impl Scheduler {
                 u.padded,
                 self.sharded,
             );
-            self.stream.submit(move || {
-                let on_device = shard.to_dtype(dtype)?;
+            self.stream.submit_keeping(keep, move || {
+                let on_device = Tensor::zeros_on(shard.shape(), dtype, device)?;
+                on_device.copy_from(&shard)?;
                 if sharded {
-                    let lp_full = Tensor::zeros(&[padded], dtype);
+                    let lp_full = Tensor::zeros_on(&[padded], dtype, device)?;
                     pg.all_gather_into_tensor(&lp_full, &on_device)?;
                     out.copy_from(&lp_full)
                 } else {
@@ -182,7 +195,7 @@ impl Scheduler {
         } else if !self.sharded {
             // NoShard: the "shard" is the whole flat parameter; make the compute copy.
             let (shard, out) = (u.shard.clone(), full.clone());
-            self.stream.submit(move || {
+            self.stream.submit_keeping(keep, move || {
                 out.copy_from(&shard)?;
                 super::mixed_precision::round_(&out, dtype)
             })
@@ -196,24 +209,29 @@ impl Scheduler {
                 full.clone(),
                 u.padded,
             );
-            self.stream.submit(move || {
+            self.stream.submit_keeping(keep, move || {
                 // FSDP1 `_use_low_precision_shard`: cast the shard, gather low precision.
                 let lp_shard = shard.to_dtype(dtype)?;
-                let lp_full = Tensor::zeros(&[padded], dtype);
+                let lp_full = Tensor::zeros_on(&[padded], dtype, device)?;
                 pg.all_gather_into_tensor(&lp_full, &lp_shard)?;
                 out.copy_from(&lp_full)
             })
         };
-        Gather { work, full }
+        Ok(Gather { work, full })
     }
 
     /// The gather for unit `id`: the prefetched one, or one issued now.
-    pub fn take_or_issue(&mut self, id: usize) -> Gather {
+    ///
+    /// # Errors
+    /// As [`issue_gather`](Self::issue_gather).
+    pub fn take_or_issue(&mut self, id: usize) -> Result<Gather> {
         // Counted as unsharded from now on (the limit sees the gather in flight).
         self.set_unsharded(id, true);
         match self.prefetched.get_mut(id).and_then(Option::take) {
-            Some(g) => g,
-            None => self.issue_gather(id),
+            Some(g) => Ok(g),
+            None => self
+                .issue_gather(id)
+                .inspect_err(|_| self.set_unsharded(id, false)),
         }
     }
 
@@ -236,9 +254,12 @@ impl Scheduler {
         {
             return;
         }
-        let g = self.issue_gather(id);
-        self.stats.prefetched_all_gathers += 1;
-        self.prefetched[id] = Some(g);
+        // A prefetch that cannot even allocate is skipped: the unit gathers on demand
+        // and reports the error then.
+        if let Ok(g) = self.issue_gather(id) {
+            self.stats.prefetched_all_gathers += 1;
+            self.prefetched[id] = Some(g);
+        }
     }
 
     /// Pre-forward of unit `id` (after its own gather was issued): records the order and,

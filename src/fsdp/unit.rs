@@ -5,6 +5,7 @@ use super::flat_param::FlatParameter;
 use super::runtime::PendingGrad;
 use super::scheduler::{RuntimeStats, Scheduler};
 use super::{MemoryStats, MixedPrecision, ShardingStrategy};
+use crate::backend::Device;
 use crate::distributed::Group;
 use crate::error::{Error, Result};
 use crate::nn::{visit_parameters, Module, Parameter};
@@ -34,6 +35,9 @@ pub(super) struct RankState {
     pub(super) param_init_fn: Option<super::ParamInitFn>,
     /// Broadcast rank 0's values of each unit's parameters before flattening.
     pub(super) sync_module_states: bool,
+    /// Where units compute (`device_id`): unsharded parameters, gradients and, unless
+    /// offloaded, the shards live there.
+    pub(super) device: Device,
 }
 
 impl RankState {
@@ -231,6 +235,11 @@ impl FullyShardedDataParallel {
         self.module.as_mut()
     }
 
+    /// The device the units compute on (`device_id`; the CPU by default).
+    pub fn compute_device(&self) -> Device {
+        self.rs.device
+    }
+
     /// The strategy in use.
     pub fn sharding_strategy(&self) -> ShardingStrategy {
         self.rs.strategy
@@ -267,14 +276,15 @@ impl FullyShardedDataParallel {
                 return;
             }
             res = (|| {
-                let full = Tensor::zeros(&[u.flat.padded_numel()], DType::F32);
+                let shard = &u.flat.local_shard;
+                let full = Tensor::zeros_on(&[u.flat.padded_numel()], DType::F32, shard.device())?;
                 if u.rs.strategy.is_sharded() {
-                    u.rs.shard_pg
-                        .all_gather_into_tensor(&full, &u.flat.local_shard)?;
+                    u.rs.shard_pg.all_gather_into_tensor(&full, shard)?;
                 } else {
-                    full.copy_from(&u.flat.local_shard)?;
+                    full.copy_from(shard)?;
                 }
-                let v = full.f32()?;
+                // On the host (a copy when the shards are on a GPU).
+                let v = full.to_vec_f32()?;
                 for i in &u.flat.infos {
                     infos.push((i.fqn.clone(), v[i.offset..i.offset + i.numel].to_vec()));
                 }

@@ -52,8 +52,10 @@ impl FullyShardedDataParallel {
         let (shard_pg, replicate_pg) = shard_and_replicate_groups(&pg, &config)?;
         let mp = config.mixed_precision.unwrap_or_default();
         mp.validate()?;
-        super::config::check_device(config.device_id)?;
-        let stream = CommStream::new(&format!("fsdp-comm-rank{}", pg.world_rank()))?;
+        let device = super::config::check_device(config.device_id)?;
+        // The unshard / post-backward stream: its all-gathers and reductions overlap the
+        // rank's compute (on CUDA, a stream of its own charged to the rank's account).
+        let stream = CommStream::on_device(&format!("fsdp-comm-rank{}", pg.world_rank()), device)?;
         let mem = Arc::new(Mutex::new(MemoryStats::default()));
         let mut sched = Scheduler::new(
             stream,
@@ -61,6 +63,7 @@ impl FullyShardedDataParallel {
             config.sharding_strategy.is_sharded(),
             mp,
             mem.clone(),
+            device,
         );
         sched.backward_prefetch = config.backward_prefetch;
         sched.forward_prefetch = config.forward_prefetch;
@@ -77,6 +80,7 @@ impl FullyShardedDataParallel {
             ignored: Arc::new(config.ignored_modules.clone()),
             param_init_fn: config.param_init_fn.clone(),
             sync_module_states: config.sync_module_states,
+            device,
         };
         let names = module_names(module.as_mut());
         if let Some(bad) = config.ignored_modules.iter().find(|m| !names.contains(m)) {
@@ -192,7 +196,11 @@ impl FullyShardedDataParallel {
         } else {
             (0, 1)
         };
-        let flat = FlatParameter::new(&params, rank, world)?;
+        let mut flat = FlatParameter::new(&params, rank, world)?;
+        if !rs.sched.lock().offload {
+            // device_id: the shard lives on the compute device (on the host under offload).
+            flat.move_shard_to(rs.device)?;
+        }
         // Peak at init: the originals are still alive next to every shard made so far.
         let shards = rs.mem.lock().param_shard_bytes + flat.local_shard.nbytes();
         seen.peak_bytes = seen.peak_bytes.max(seen.live_bytes + shards);

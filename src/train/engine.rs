@@ -1,6 +1,7 @@
 //! What the training loop drives: the model under FSDP, or the same model trained plainly
 //! (the reference FSDP is measured against).
 
+use crate::backend::Device;
 use crate::distributed::{Group, ReduceOp};
 use crate::error::Result;
 use crate::fsdp::FullyShardedDataParallel;
@@ -25,6 +26,54 @@ pub struct RankMemory {
     pub peak_unsharded_units: usize,
     /// Microseconds the rank's compute thread waited on FSDP's collectives in the step.
     pub comm_wait_us: usize,
+    /// On a CUDA device: the most device bytes the rank's memory account (its compute and
+    /// communication streams) held at once so far; absent on the CPU.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub device_peak_bytes: usize,
+}
+
+fn is_zero(v: &usize) -> bool {
+    *v == 0
+}
+
+/// The most device bytes this rank's threads have held at once on `device` (the rank's
+/// memory account, `backend::cuda::rank_account`); 0 on the CPU.
+pub fn device_peak_bytes(device: Device) -> usize {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        return crate::backend::cuda::rank_account().stats().peak;
+    }
+    let _ = device;
+    0
+}
+
+/// Moves every parameter of `m` to `device` (`module.to(device)`); tied parameters stay
+/// one tensor.
+///
+/// # Errors
+/// [`Error::Cuda`](crate::Error::Cuda) when the device is unavailable; `NotMaterialized`
+/// for a meta parameter without an initializer.
+pub fn module_to_device(m: &mut dyn Module, device: Device) -> Result<()> {
+    let mut moved: Vec<(Tensor, Tensor)> = Vec::new();
+    let mut res: Result<()> = Ok(());
+    visit_parameters(m, "", false, &mut |_, p| {
+        if res.is_err() {
+            return;
+        }
+        res = (|| {
+            let Ok(d) = p.data() else { return Ok(()) };
+            let t = match moved.iter().find(|(from, _)| from.same_view(d)) {
+                Some((_, to)) => to.clone(),
+                None => {
+                    let to = d.to_device(device)?;
+                    moved.push((d.clone(), to.clone()));
+                    to
+                }
+            };
+            p.set_data(Some(t))
+        })();
+    });
+    res
 }
 
 impl RankMemory {
@@ -81,12 +130,12 @@ impl Engine {
                 });
                 let mut sq = 0.0f64;
                 for g in &grads {
-                    sq += crate::backend::cpu::ops::sum_squares(&g.f32()?);
+                    sq += crate::ops::sum_squares(g)?;
                 }
                 let total = sq.sqrt() as f32;
                 let coef = (max_norm / (total + 1e-6)).min(1.0);
                 for g in &grads {
-                    crate::backend::cpu::ops::scale_(&mut g.f32_mut()?, coef);
+                    crate::ops::scale_(g, coef)?;
                 }
                 Ok(total)
             }
@@ -106,6 +155,7 @@ impl Engine {
     /// This rank's memory now (call after backward, before `zero_grad`).
     pub fn memory(&mut self, rank: usize, opt: &dyn Optimizer) -> RankMemory {
         let optim_state_bytes = opt.state_bytes();
+        let device_peak_bytes = device_peak_bytes(self.device());
         match self {
             Engine::Fsdp(m) => {
                 let s = m.memory_stats();
@@ -117,6 +167,7 @@ impl Engine {
                     peak_unsharded_param_bytes: s.peak_unsharded_param_bytes,
                     peak_unsharded_units: s.peak_unsharded_units,
                     comm_wait_us: (m.runtime_stats().comm_wait_s * 1e6) as usize,
+                    device_peak_bytes,
                 }
             }
             Engine::Plain(m) => {
@@ -130,8 +181,28 @@ impl Engine {
                     param_shard_bytes: p,
                     grad_shard_bytes: g,
                     optim_state_bytes,
+                    device_peak_bytes,
                     ..RankMemory::default()
                 }
+            }
+        }
+    }
+
+    /// The device the model computes on: FSDP's `device_id`, or where the plain model's
+    /// first parameter lives.
+    pub fn device(&mut self) -> Device {
+        match self {
+            Engine::Fsdp(m) => m.compute_device(),
+            Engine::Plain(m) => {
+                let mut d = Device::Cpu;
+                visit_parameters(m.as_mut(), "", false, &mut |_, p| {
+                    if let Ok(t) = p.data() {
+                        if d == Device::Cpu {
+                            d = t.device();
+                        }
+                    }
+                });
+                d
             }
         }
     }
@@ -154,8 +225,9 @@ pub fn gather_memory(pg: &Group, mine: RankMemory) -> Result<Vec<RankMemory>> {
         mine.peak_unsharded_param_bytes,
         mine.peak_unsharded_units,
         mine.comm_wait_us,
+        mine.device_peak_bytes,
     ];
-    const WORDS: usize = 12;
+    const WORDS: usize = 14;
     let mut words = Vec::with_capacity(WORDS);
     for f in fields {
         words.push((f >> 30) as i32);
@@ -177,6 +249,7 @@ pub fn gather_memory(pg: &Group, mine: RankMemory) -> Result<Vec<RankMemory>> {
                 peak_unsharded_param_bytes: f(3),
                 peak_unsharded_units: f(4),
                 comm_wait_us: f(5),
+                device_peak_bytes: f(6),
             }
         })
         .collect())

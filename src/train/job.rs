@@ -2,6 +2,7 @@
 
 use super::data::{Split, TextDataset, VOCAB_SIZE};
 use super::engine::{gather_counts, gather_memory, mean_over_ranks, Engine, RankMemory};
+use crate::backend::Device;
 use crate::distributed::{launch, Group, LaunchOptions};
 use crate::error::{Error, Result};
 use crate::fsdp::{
@@ -15,7 +16,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-pub use super::options::{CheckpointType, LrSchedule, Precision, WrapMode};
+pub use super::options::{CheckpointType, LrSchedule, Precision, Preset, WrapMode};
 
 /// Everything `fsdp train` takes. `Default` is the CLI's defaults, sized for a 2-core CPU.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -328,7 +329,11 @@ impl TrainConfig {
                 ));
             }
         }
-        if let Some(avail) = available_memory_bytes() {
+        let need = self.estimated_memory_bytes();
+        if let Some(m) = self.device.memory_problem(need, self.world_size) {
+            return bad(m);
+        }
+        if let Some(avail) = available_memory_bytes().filter(|_| !self.device.is_cuda()) {
             let need = self.estimated_memory_bytes();
             if need > avail as f64 {
                 return bad(format!(
@@ -431,8 +436,10 @@ impl TrainConfig {
 /// Builds the model of `cfg` and wraps it as `cfg` says, on this rank: under FSDP the model
 /// is built on the meta device and only this rank's shards are computed.
 pub fn build_engine(cfg: &TrainConfig, pg: Group) -> Result<Engine> {
+    let device = cfg.device.for_rank(pg.rank())?;
     if cfg.no_fsdp {
-        let model: Box<dyn Module> = Box::new(GPT::new(cfg.gpt_config(), cfg.seed)?);
+        let mut model: Box<dyn Module> = Box::new(GPT::new(cfg.gpt_config(), cfg.seed)?);
+        super::engine::module_to_device(model.as_mut(), device)?;
         return Ok(Engine::Plain(model));
     }
     // Deferred init: the model is built on the meta device (shapes and initializers only)
@@ -455,6 +462,7 @@ pub fn build_engine(cfg: &TrainConfig, pg: Group) -> Result<Engine> {
         cpu_offload: CpuOffload {
             offload_params: cfg.cpu_offload,
         },
+        device_id: Some(device),
         ..FsdpConfig::default()
     };
     Ok(Engine::Fsdp(Box::new(FullyShardedDataParallel::new(
@@ -489,21 +497,23 @@ pub fn train(cfg: &TrainConfig, observer: &dyn Observer) -> Result<TrainReport> 
         .ok_or_else(|| Error::Fsdp("rank 0 produced no report".into()))
 }
 
-fn ids_tensor(v: Vec<i32>, rows: usize, t: usize) -> Result<Tensor> {
-    Tensor::from_vec(v, &[rows, t])
+/// Token ids `(rows, t)` i32 on `device` (the batch goes to the rank's GPU once).
+fn ids_tensor(v: Vec<i32>, rows: usize, t: usize, device: Device) -> Result<Tensor> {
+    Tensor::from_vec(v, &[rows, t])?.to_device(device)
 }
 
 /// Mean loss over `cfg.eval_batches` global validation batches.
 fn evaluate(cfg: &TrainConfig, data: &TextDataset, engine: &mut Engine, pg: &Group) -> Result<f32> {
     let rows = cfg.global_batch / cfg.world_size;
     let r0 = pg.rank() * rows;
+    let device = engine.device();
     let mut total = 0.0f32;
     for i in 0..cfg.eval_batches.max(1) {
         let (x, y) = data.batch(Split::Val, cfg.seed, i as u64, r0..r0 + rows, cfg.seq_len);
         let logits = engine
             .module()
-            .forward(&ids_tensor(x, rows, cfg.seq_len)?, &Context::eval())?;
-        let (l, _) = loss::cross_entropy(&logits, &ids_tensor(y, rows, cfg.seq_len)?)?;
+            .forward(&ids_tensor(x, rows, cfg.seq_len, device)?, &Context::eval())?;
+        let (l, _) = loss::cross_entropy(&logits, &ids_tensor(y, rows, cfg.seq_len, device)?)?;
         total += mean_over_ranks(pg, l)?;
     }
     Ok(total / cfg.eval_batches.max(1) as f32)
@@ -522,6 +532,7 @@ pub(super) fn run_rank(
 ) -> Result<TrainReport> {
     let rank = pg.rank();
     let mut engine = build_engine(cfg, pg.clone())?;
+    let device = engine.device();
     let num_params = num_parameters(engine.module());
     let init_peak = match &engine {
         Engine::Fsdp(m) => m.memory_stats().init_peak_bytes,
@@ -561,15 +572,16 @@ pub(super) fn run_rank(
             let cx = Context::train();
             let logits = engine
                 .module()
-                .forward(&ids_tensor(x, micro_rows, t)?, &cx)?;
-            let (lk, dlogits) = loss::cross_entropy(&logits, &ids_tensor(y, micro_rows, t)?)?;
+                .forward(&ids_tensor(x, micro_rows, t, device)?, &cx)?;
+            let (lk, dlogits) =
+                loss::cross_entropy(&logits, &ids_tensor(y, micro_rows, t, device)?)?;
             drop(logits);
             if let Some(f) = fail {
                 f.check(rank, step)?; // test-only (FSDP_FAIL_RANK)
             }
             l += lk / k_total as f32;
             if k_total > 1 {
-                crate::backend::cpu::ops::scale_(&mut dlogits.f32_mut()?, 1.0 / k_total as f32);
+                crate::ops::scale_(&dlogits, 1.0 / k_total as f32)?;
             }
             engine.backward(&dlogits, cfg.no_sync && k + 1 < k_total)?;
         }

@@ -6,7 +6,7 @@
 //! | FSDP or plain engine, memory figures | `engine.rs` |
 //! | the training loop, config, metrics | `job.rs` |
 //! | one rank of a multi-process job (`fsdp launch`, torchrun) | `process.rs` |
-//! | `--device` and its availability check | `device.rs` |
+//! | `--device`, its availability check, each rank's GPU, the peak-FLOP/s table for MFU | `device.rs` |
 //! | wrap mode, precision, lr schedule, checkpoint layout | `options.rs` |
 //! | the hidden test-only fault hook `FSDP_FAIL_RANK` | `fault.rs` |
 //! | checkpoints: `--save-dir`, `--save-every`, `--resume` | `resume.rs` |
@@ -22,9 +22,9 @@ mod process;
 mod resume;
 pub mod sample;
 
-pub use device::TrainDevice;
+pub use device::{gpu_summary, mfu, peak_flops, TrainDevice};
 pub use job::{
-    build_engine, train, CheckpointType, LrSchedule, Observer, Precision, Silent, StepRecord,
-    TrainConfig, TrainReport, WrapMode,
+    build_engine, train, CheckpointType, LrSchedule, Observer, Precision, Preset, Silent,
+    StepRecord, TrainConfig, TrainReport, WrapMode,
 };
 pub use process::{train_rank, RankEnv};

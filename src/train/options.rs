@@ -1,5 +1,5 @@
 //! Options of the main job that are not plain numbers: wrap mode, precision, learning-rate
-//! schedule, checkpoint layout.
+//! schedule, checkpoint layout, model presets.
 
 use super::job::TrainConfig;
 use crate::fsdp::MixedPrecision;
@@ -107,6 +107,25 @@ impl TrainConfig {
                 let min = self.lr / 10.0;
                 min + 0.5 * (self.lr - min) * (1.0 + (std::f32::consts::PI * progress).cos())
             }
+        }
+    }
+}
+
+/// Named model shapes (`--preset`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+pub enum Preset {
+    /// GPT-2 small's shape (12 layers, width 768, 12 heads, 1024 tokens) with the byte
+    /// vocabulary of 256: about 86M parameters (124M with GPT-2's 50257-token vocabulary).
+    /// The numbers of `GptConfig::gpt2_124m`.
+    #[value(name = "gpt2-124m")]
+    Gpt2_124m,
+}
+
+impl Preset {
+    /// `(n_layer, n_embd, n_head, seq_len)`.
+    pub fn shape(self) -> (usize, usize, usize, usize) {
+        match self {
+            Preset::Gpt2_124m => (12, 768, 12, 1024),
         }
     }
 }

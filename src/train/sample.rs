@@ -20,11 +20,13 @@ pub fn generate(
     let key = InitKey::new(seed).child("sample");
     let mut toks: Vec<i32> = prompt.iter().map(|&b| b as i32).collect();
     let mut out = Vec::with_capacity(n);
+    let device = engine.device();
     for i in 0..n {
         let ctx = &toks[toks.len().saturating_sub(block_size)..];
-        let x = Tensor::from_vec(ctx.to_vec(), &[1, ctx.len()])?;
+        let x = Tensor::from_vec(ctx.to_vec(), &[1, ctx.len()])?.to_device(device)?;
         let logits = engine.module().forward(&x, &Context::eval())?;
-        let lv = logits.f32()?;
+        // The logits on the host (a copy from a GPU).
+        let lv = logits.to_vec_f32()?;
         let v = lv.len() / ctx.len();
         let last = &lv[(ctx.len() - 1) * v..];
         let max = last.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));

@@ -35,16 +35,18 @@ pub fn set_rank_account(account: Arc<MemAccount>) {
 
 /// This thread's current stream on `cuda:ordinal`: the one a live [`StreamGuard`] made
 /// current, else the thread's own compute stream (created on first call, charged to
-/// [`rank_account`]).
+/// [`rank_account`]). Binds the device's context to the calling thread.
 ///
 /// # Errors
 /// [`crate::Error::Cuda`] without a driver, for a missing device, or when the stream
 /// cannot be created.
 pub fn current_stream(ordinal: usize) -> Result<Arc<Stream>> {
-    if let Some(s) = OVERRIDE.with(|o| o.borrow().get(&ordinal).cloned()) {
-        return Ok(s);
-    }
-    if let Some(s) = DEFAULT.with(|d| d.borrow().get(&ordinal).cloned()) {
+    let known = OVERRIDE
+        .with(|o| o.borrow().get(&ordinal).cloned())
+        .or_else(|| DEFAULT.with(|d| d.borrow().get(&ordinal).cloned()));
+    if let Some(s) = known {
+        // Ops that follow use raw driver calls on this thread: make the context current.
+        s.bind()?;
         return Ok(s);
     }
     let dev = CudaDevice::get(ordinal)?;

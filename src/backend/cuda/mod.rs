@@ -18,13 +18,16 @@
 //! without a driver gets an [`Error::Cuda`] from [`detect`] or `CudaDevice::get`, never a
 //! panic or a link error.
 //!
-//! Not built yet (issue 5): FSDP on CUDA tensors (the runtime still computes on host
-//! tensors), the threads process group on device buffers, NCCL.
+//! `collective.rs` holds what the threads process group needs on device buffers (the
+//! rank-order reduction kernel of `collective.cu`, copies across devices, waits on peers'
+//! events). Not built yet: NCCL.
 
 use crate::error::{Error, Result};
 
 #[cfg(feature = "cuda")]
 mod blas;
+#[cfg(feature = "cuda")]
+pub(crate) mod collective;
 #[cfg(feature = "cuda")]
 mod context;
 #[cfg(feature = "cuda")]

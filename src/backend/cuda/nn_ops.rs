@@ -478,6 +478,7 @@ pub fn softmax_causal_bwd(
 fn invalid_flag(s: &Stream) -> Result<super::DeviceBuffer> {
     let f = s.alloc_bytes(8)?;
     // SAFETY: the buffer holds 8 bytes.
+    s.bind()?;
     unsafe { cu::memset_d8_async(f.ptr(), 0xff, 8, s.inner.cu_stream()) }
         .map_err(|e| Error::cuda("cuMemsetD8Async", e))?;
     Ok(f)
@@ -487,6 +488,7 @@ fn invalid_flag(s: &Stream) -> Result<super::DeviceBuffer> {
 fn read_flag(s: &Stream, f: &super::DeviceBuffer) -> Result<Option<usize>> {
     let mut v = [0u64; 1];
     // SAFETY: 8 bytes from an 8-byte buffer; synchronized before `v` is read.
+    s.bind()?;
     unsafe { cu::memcpy_dtoh_async(&mut v, f.ptr(), s.inner.cu_stream()) }
         .map_err(|e| Error::cuda("cuMemcpyDtoHAsync", e))?;
     s.synchronize()?;

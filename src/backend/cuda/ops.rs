@@ -77,6 +77,7 @@ pub(crate) fn upload_table<T: Copy>(s: &Stream, table: &[T]) -> Result<DeviceBuf
         // SAFETY: the buffer holds the whole table. cuMemcpyHtoDAsync from pageable memory
         // returns once the source was staged, so `table` may be dropped after it returns;
         // kernels reading the buffer are queued after the copy on the same stream.
+        s.bind()?;
         unsafe { cu::memcpy_htod_async(buf.ptr(), table, s.inner.cu_stream()) }
             .map_err(|e| Error::cuda("cuMemcpyHtoDAsync (kernel argument table)", e))?;
     }
@@ -428,6 +429,7 @@ pub fn sum_squares(s: &Stream, x: &DeviceTensor) -> Result<f64> {
     unsafe { launch::sumsq_partial(s, "sumsq_partial_f32", g, x.ptr(), partial.ptr(), n as i64)? };
     let mut v = vec![0f64; SUMSQ_BLOCKS as usize];
     // SAFETY: the buffer holds SUMSQ_BLOCKS f64; synchronized before `v` is read.
+    s.bind()?;
     unsafe { cu::memcpy_dtoh_async(&mut v, partial.ptr(), s.inner.cu_stream()) }
         .map_err(|e| Error::cuda("cuMemcpyDtoHAsync", e))?;
     s.synchronize()?;

@@ -145,6 +145,16 @@ impl Stream {
         })
     }
 
+    /// Makes this stream's device context current on the calling thread (raw driver calls
+    /// such as `cuMemcpyHtoDAsync` use the thread's current context; a rank or
+    /// communication thread has none until something binds it).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] from the driver.
+    pub(crate) fn bind(&self) -> Result<()> {
+        self.dev.bind_to_thread()
+    }
+
     /// Marks `buf` as used by this stream (see [`DeviceBuffer::record_stream`]).
     pub fn record_use(&self, buf: &DeviceBuffer) {
         buf.record_stream(&self.inner);

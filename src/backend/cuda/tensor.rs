@@ -64,6 +64,7 @@ impl DeviceTensor {
         if t.nbytes() > 0 {
             // SAFETY: the range lies inside the freshly allocated buffer, which outlives the
             // memset because the buffer is only reused by work queued after it on `stream`.
+            stream.bind()?;
             unsafe { cu::memset_d8_async(t.ptr(), 0, t.nbytes(), stream.inner.cu_stream()) }
                 .map_err(|e| Error::cuda("cuMemsetD8Async", e))?;
         }
@@ -92,6 +93,7 @@ impl DeviceTensor {
         if !data.is_empty() {
             // SAFETY: dst holds data.len() elements of T. The copy is synchronized before
             // returning, so `data` outlives it.
+            stream.bind()?;
             unsafe { cu::memcpy_htod_async(t.ptr(), data, stream.inner.cu_stream()) }
                 .map_err(|e| Error::cuda("cuMemcpyHtoDAsync", e))?;
             stream.synchronize()?;
@@ -122,6 +124,7 @@ impl DeviceTensor {
         if !data.is_empty() {
             // SAFETY: the view holds data.len() elements of T; the stream is synchronized
             // before returning, so `data` outlives the copy.
+            stream.bind()?;
             unsafe { cu::memcpy_htod_async(self.ptr(), data, stream.inner.cu_stream()) }
                 .map_err(|e| Error::cuda("cuMemcpyHtoDAsync", e))?;
             stream.synchronize()?;
@@ -159,6 +162,7 @@ impl DeviceTensor {
         if !out.is_empty() {
             // SAFETY: the source range lies in the buffer; the stream is synchronized
             // before `out` is read or dropped.
+            stream.bind()?;
             unsafe { cu::memcpy_dtoh_async(&mut out, self.ptr(), stream.inner.cu_stream()) }
                 .map_err(|e| Error::cuda("cuMemcpyDtoHAsync", e))?;
         }

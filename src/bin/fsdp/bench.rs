@@ -9,6 +9,9 @@ use std::path::PathBuf;
 /// Options of `fsdp bench`.
 #[derive(Args)]
 pub(crate) struct BenchArgs {
+    /// Where to compute: `cpu`, or `cuda` (rank r on cuda:(r % GPUs)).
+    #[arg(long, value_enum, default_value_t = D.device)]
+    device: train::TrainDevice,
     #[arg(long, default_value = "data/tinyshakespeare.txt")]
     data: PathBuf,
     /// Timed steps per configuration (after the warm-up).
@@ -67,6 +70,7 @@ pub(crate) fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
         eval_batches: 1,
         sample_len: 0,
         world_size: 1,
+        device: a.device,
         ..base_config(&a.model, a.data.clone())
     };
     runs.push((

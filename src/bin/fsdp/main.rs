@@ -71,6 +71,9 @@ enum Cmd {
 
 #[derive(Args, Clone)]
 pub(crate) struct ModelArgs {
+    /// A named model shape instead of --n-layer, --n-embd, --n-head and --seq-len.
+    #[arg(long, value_enum, conflicts_with_all = ["seq_len", "n_layer", "n_head", "n_embd"])]
+    preset: Option<train::Preset>,
     /// Sequence length T (tokens per row).
     #[arg(long, allow_hyphen_values = true, default_value_t = D.seq_len)]
     seq_len: usize,
@@ -219,12 +222,16 @@ struct TrainArgs {
 }
 
 pub(crate) fn base_config(m: &ModelArgs, data: PathBuf) -> TrainConfig {
+    let (n_layer, n_embd, n_head, seq_len) = m.preset.map_or(
+        (m.n_layer, m.n_embd, m.n_head, m.seq_len),
+        train::Preset::shape,
+    );
     TrainConfig {
         data,
-        seq_len: m.seq_len,
-        n_layer: m.n_layer,
-        n_head: m.n_head,
-        n_embd: m.n_embd,
+        seq_len,
+        n_layer,
+        n_head,
+        n_embd,
         global_batch: m.global_batch,
         lr: m.lr,
         betas: (m.beta1, m.beta2),
@@ -332,13 +339,14 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         return train::train_rank(&cfg, &e, &train::Silent).map(drop);
     }
     out!(
-        "fsdp train: {} ranks ({}), strategy {:?}{}, wrap {}, precision {:?}, {} steps of {} x {} tokens, data {}",
+        "fsdp train: {} ranks ({}) on {}, strategy {:?}{}, wrap {}, precision {:?}, {} steps of {} x {} tokens, data {}",
         cfg.world_size,
-        if env.is_some() {
-            "processes, tcp backend"
-        } else {
-            "threads backend"
+        match (env.is_some(), cfg.device) {
+            (true, train::TrainDevice::Cuda) => "processes, nccl backend",
+            (true, _) => "processes, tcp backend",
+            _ => "threads backend",
         },
+        cfg.device,
         cfg.strategy,
         if cfg.strategy.is_hybrid() {
             let n = cfg.ranks_per_node.unwrap_or(cfg.world_size);
@@ -412,6 +420,9 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
                 m.comm_wait_us as f64 / 1e3
             );
         }
+    }
+    for line in train::gpu_summary(&cfg, &report) {
+        out!("{line}");
     }
     if !report.sample.is_empty() {
         out!("--- sample ---\n{}\n--------------", report.sample);

@@ -65,6 +65,7 @@ impl TcpGroup {
             in_numel: n,
             out_numel: output.numel(),
             arg: Arg::None,
+            cuda: false,
         };
         self.run(desc, |call| {
             let peers = call.peers();
@@ -105,6 +106,7 @@ impl TcpGroup {
             in_numel: input.numel(),
             out_numel: m,
             arg: Arg::Op(op),
+            cuda: false,
         };
         self.run(desc, |call| {
             let peers = call.peers();
@@ -159,6 +161,7 @@ impl TcpGroup {
             in_numel: len,
             out_numel: len,
             arg: Arg::Op(op),
+            cuda: false,
         };
         self.run(desc, |call| {
             let (rank, w) = (call.mesh.rank, call.mesh.size());
@@ -202,6 +205,7 @@ impl TcpGroup {
             in_numel: len,
             out_numel: len,
             arg: Arg::Src(src),
+            cuda: false,
         };
         self.run(desc, |call| {
             if call.mesh.rank == src {

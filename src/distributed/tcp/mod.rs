@@ -490,6 +490,7 @@ impl ProcessGroup for TcpGroup {
             in_numel: 0,
             out_numel: 0,
             arg: super::desc::Arg::None,
+            cuda: false,
         };
         self.run(desc, |_| Ok(()))
     }

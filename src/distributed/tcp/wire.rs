@@ -223,6 +223,7 @@ pub(super) fn decode_header(b: &[u8]) -> Result<(u64, Desc), String> {
             in_numel: numel(u64_at(19))?,
             out_numel: numel(u64_at(27))?,
             arg,
+            cuda: false,
         },
     ))
 }
@@ -239,6 +240,7 @@ mod tests {
             in_numel: 33,
             out_numel: 33,
             arg: Arg::Src(3),
+            cuda: false,
         };
         assert_eq!(decode_header(&encode_header(7, &d)).unwrap(), (7, d));
         let mut bad = encode_header(7, &d);

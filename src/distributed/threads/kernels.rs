@@ -456,12 +456,9 @@ mod tests {
             in_numel: 2,
             out_numel: 6,
             arg: Arg::None,
+            cuda: false,
         };
-        let arrival = |p: *const i32| Arrival {
-            desc,
-            input: Ptr::of(p),
-            output: Ptr::NULL,
-        };
+        let arrival = |p: *const i32| Arrival::host(desc, Ptr::of(p), Ptr::NULL);
         let peers = [
             arrival(a.as_ptr()),
             arrival(base.wrapping_add(2)),

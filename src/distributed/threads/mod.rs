@@ -43,16 +43,29 @@
 //! `cargo bench --bench collectives` measures these paths against a memcpy of the same
 //! size (bus bandwidth as nccl-tests defines it).
 //!
+//! # CUDA tensors
+//!
+//! When a rank's tensors are on a CUDA device (`device.rs`, `cuda` feature), the same
+//! rendezvous runs with device addresses and a ready event per rank; the data moves by
+//! device-to-device or peer copies and the `reduce_ranks_{dtype}` kernel, with the same
+//! split of the work, the same rank order and the same rounding as above, on the caller's
+//! current stream, which the host synchronizes before departing. Every rank of one
+//! collective must be on a device or every rank on the host ([`Error::CollectiveMismatch`]
+//! otherwise), and one rank's tensors on one device (`DeviceMismatch`).
+//!
 //! Two costs remain: an input that overlaps the output other than as this rank's own chunk
 //! is first copied (one allocation), and tensors are locked for the whole collective, so a
 //! storage that one rank writes must not be passed by another rank of the same collective
 //! (the second rank waits for the lock until the first times out).
 
+#[cfg(feature = "cuda")]
+mod device;
 pub(crate) mod kernels;
 mod rendezvous;
 
 use super::{ProcessGroup, ReduceOp};
-use crate::error::Result;
+use crate::backend::Device;
+use crate::error::{Error, Result};
 use crate::tensor::{DType, Element, Tensor};
 use parking_lot::Mutex;
 use rendezvous::{Arg, Arrival, Desc, Ptr, Shared};
@@ -110,6 +123,55 @@ fn is_chunk_of(part: &Tensor, whole: &Tensor, offset: usize) -> bool {
     part.shares_storage(whole) && part.offset() == whole.offset() + offset
 }
 
+/// Where one rank's tensors of a collective live: host memory (the shared-memory path) or
+/// one CUDA device (`device.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Place {
+    Host,
+    Cuda(usize),
+}
+
+/// The place of `ts`, all on the host or all on one CUDA device.
+///
+/// # Errors
+/// `DeviceMismatch` naming `op` when CUDA tensors are mixed with host tensors or with
+/// tensors of another GPU (a rank's tensors of one collective must share a device; ranks
+/// may be on different GPUs).
+fn place(op: &'static str, ts: &[&Tensor]) -> Result<Place> {
+    let first = ts.first().map_or(Device::Cpu, |t| t.device());
+    for t in ts.iter().skip(1) {
+        let d = t.device();
+        if d != first && (d.is_cuda() || first.is_cuda()) {
+            return Err(Error::DeviceMismatch {
+                op,
+                expected: first.to_string(),
+                got: d.to_string(),
+            });
+        }
+    }
+    Ok(match first {
+        Device::Cuda(i) => Place::Cuda(i),
+        _ => Place::Host,
+    })
+}
+
+/// Without the `cuda` feature no tensor is on a CUDA device; these are never reached.
+#[cfg(not(feature = "cuda"))]
+impl ThreadsGroup {
+    fn all_gather_cuda(&self, _: &Tensor, _: &Tensor, _: usize) -> Result<()> {
+        Err(crate::backend::cuda::no_cuda_build())
+    }
+    fn reduce_scatter_cuda(&self, _: &Tensor, _: &Tensor, _: ReduceOp, _: usize) -> Result<()> {
+        Err(crate::backend::cuda::no_cuda_build())
+    }
+    fn all_reduce_cuda(&self, _: &Tensor, _: ReduceOp, _: usize) -> Result<()> {
+        Err(crate::backend::cuda::no_cuda_build())
+    }
+    fn broadcast_cuda(&self, _: &Tensor, _: usize, _: usize) -> Result<()> {
+        Err(crate::backend::cuda::no_cuda_build())
+    }
+}
+
 impl ThreadsGroup {
     fn handle(rank: usize, shared: Arc<Shared>, world: Arc<World>) -> ThreadsGroup {
         let size = shared.size();
@@ -150,7 +212,7 @@ impl ThreadsGroup {
     }
 
     /// Records that this rank failed; every rank waiting in a collective of this group
-    /// returns [`Error::PeerFailed`](crate::Error::PeerFailed) naming it. The first failure
+    /// returns [`Error::PeerFailed`] naming it. The first failure
     /// recorded is kept. The failure is recorded in every group of the world (ranks named by
     /// world rank).
     pub fn mark_failed(&self, reason: impl Into<String>) {
@@ -170,8 +232,8 @@ impl ThreadsGroup {
         }
     }
 
-    /// Runs one collective with this rank's descriptor and tensor addresses; `exec` moves
-    /// this rank's share of the data once every rank has arrived.
+    /// Runs one collective of host tensors with this rank's descriptor and tensor
+    /// addresses; `exec` moves this rank's share of the data once every rank has arrived.
     fn run(
         &self,
         desc: Desc,
@@ -179,12 +241,20 @@ impl ThreadsGroup {
         output: Ptr,
         exec: impl FnOnce(&[Arrival]),
     ) -> Result<()> {
+        self.run_arrival(Arrival::host(desc, input, output), |peers| {
+            exec(peers);
+            Ok(())
+        })
+    }
+
+    /// Runs one collective with this rank's full arrival (device tensors publish their
+    /// device and ready event too).
+    fn run_arrival(
+        &self,
+        arrival: Arrival,
+        exec: impl FnOnce(&[Arrival]) -> Result<()>,
+    ) -> Result<()> {
         let mut peers = self.peers.lock();
-        let arrival = Arrival {
-            desc,
-            input,
-            output,
-        };
         self.shared.collective(self.rank, arrival, &mut peers, exec)
     }
 
@@ -218,6 +288,7 @@ impl ThreadsGroup {
             in_numel: n,
             out_numel: output.numel(),
             arg: Arg::None,
+            cuda: false,
         };
         self.run(desc, Ptr::of(in_ptr), Ptr::of(out_ptr), |peers| {
             // SAFETY: the descriptors agree, so every peer's input holds `n` elements of `T`
@@ -274,6 +345,7 @@ impl ThreadsGroup {
             in_numel: input.numel(),
             out_numel: m,
             arg: Arg::Op(op),
+            cuda: false,
         };
         self.run(desc, Ptr::of(in_ptr), Ptr::of(out_ptr), |peers| {
             let src = |s: usize| peers[s].input.cast::<T>().wrapping_add(rank * m) as *const T;
@@ -295,6 +367,7 @@ impl ThreadsGroup {
             in_numel: len,
             out_numel: len,
             arg: Arg::Op(op),
+            cuda: false,
         };
         self.run(desc, ptr, ptr, |peers| {
             let w = peers.len();
@@ -329,6 +402,7 @@ impl ThreadsGroup {
             in_numel: len,
             out_numel: len,
             arg: Arg::Src(src),
+            cuda: false,
         };
         self.run(desc, input, output, |peers| {
             if rank != src {
@@ -417,7 +491,10 @@ impl ProcessGroup for ThreadsGroup {
                 input.dtype()
             );
         }
-        dispatch!(input.dtype(), self.all_gather_typed(output, input))
+        match place("all_gather_into_tensor", &[output, input])? {
+            Place::Host => dispatch!(input.dtype(), self.all_gather_typed(output, input)),
+            Place::Cuda(i) => self.all_gather_cuda(output, input, i),
+        }
     }
 
     fn reduce_scatter_tensor(&self, output: &Tensor, input: &Tensor, op: ReduceOp) -> Result<()> {
@@ -436,11 +513,17 @@ impl ProcessGroup for ThreadsGroup {
         if !matches!(op, ReduceOp::Sum | ReduceOp::Avg) {
             crate::error::bail_arg!("reduce_scatter_tensor supports Sum and Avg, got {op:?}");
         }
-        dispatch!(input.dtype(), self.reduce_scatter_typed(output, input, op))
+        match place("reduce_scatter_tensor", &[output, input])? {
+            Place::Host => dispatch!(input.dtype(), self.reduce_scatter_typed(output, input, op)),
+            Place::Cuda(i) => self.reduce_scatter_cuda(output, input, op, i),
+        }
     }
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
-        dispatch!(tensor.dtype(), self.all_reduce_typed(tensor, op))
+        match place("all_reduce", &[tensor])? {
+            Place::Host => dispatch!(tensor.dtype(), self.all_reduce_typed(tensor, op)),
+            Place::Cuda(i) => self.all_reduce_cuda(tensor, op, i),
+        }
     }
 
     fn broadcast(&self, tensor: &Tensor, src: usize) -> Result<()> {
@@ -450,7 +533,10 @@ impl ProcessGroup for ThreadsGroup {
                 self.size()
             );
         }
-        dispatch!(tensor.dtype(), self.broadcast_typed(tensor, src))
+        match place("broadcast", &[tensor])? {
+            Place::Host => dispatch!(tensor.dtype(), self.broadcast_typed(tensor, src)),
+            Place::Cuda(i) => self.broadcast_cuda(tensor, src, i),
+        }
     }
 
     fn barrier(&self) -> Result<()> {
@@ -460,6 +546,7 @@ impl ProcessGroup for ThreadsGroup {
             in_numel: 0,
             out_numel: 0,
             arg: Arg::None,
+            cuda: false,
         };
         self.run(desc, Ptr::NULL, Ptr::NULL, |_| {})
     }

@@ -37,6 +37,18 @@ impl Ptr {
     pub(super) fn cast<T>(self) -> *mut T {
         self.0.cast()
     }
+
+    /// A device address (CUDA tensors publish device pointers, not host ones).
+    #[cfg(feature = "cuda")]
+    pub(super) fn from_addr(addr: u64) -> Ptr {
+        Ptr(addr as usize as *mut u8)
+    }
+
+    /// The address as a device address.
+    #[cfg(feature = "cuda")]
+    pub(super) fn addr(self) -> u64 {
+        self.0 as usize as u64
+    }
 }
 
 /// One rank's part of a collective: what it called and where its tensors are.
@@ -45,6 +57,27 @@ pub(super) struct Arrival {
     pub(super) desc: Desc,
     pub(super) input: Ptr,
     pub(super) output: Ptr,
+    /// CUDA tensors: the device they are on (0 on the host).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(super) ordinal: usize,
+    /// CUDA tensors: an event recorded on the rank's stream after the work that produced
+    /// its input (the driver handle; peers make their streams wait on it before reading);
+    /// NULL on the host.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(super) event: Ptr,
+}
+
+impl Arrival {
+    /// A host rank's arrival (no device, no event).
+    pub(super) fn host(desc: Desc, input: Ptr, output: Ptr) -> Arrival {
+        Arrival {
+            desc,
+            input,
+            output,
+            ordinal: 0,
+            event: Ptr::NULL,
+        }
+    }
 }
 
 struct State {
@@ -164,7 +197,8 @@ impl Shared {
     /// arrived and their descriptors agree, runs `exec` on the arrivals (rank order), and
     /// returns once every member finished its `exec`, so that no rank releases memory a peer
     /// still reads or writes. `peers` is the caller's scratch (no allocation once it has
-    /// room for the group).
+    /// room for the group). An error of `exec` (a CUDA copy that failed) is this rank's
+    /// result; it still departs only with the others.
     pub(super) fn collective<F>(
         &self,
         rank: usize,
@@ -173,7 +207,7 @@ impl Shared {
         exec: F,
     ) -> Result<()>
     where
-        F: FnOnce(&[Arrival]),
+        F: FnOnce(&[Arrival]) -> Result<()>,
     {
         let deadline = Instant::now() + self.timeout;
         let op = arrival.desc.op;
@@ -205,10 +239,7 @@ impl Shared {
         // waiting rank checks it before anything else), so every member reaches `depart`.
         let depart = Depart { shared: self, gen };
         let result = match check {
-            Ok(()) if peers.len() == self.size => {
-                exec(peers);
-                Ok(())
-            }
+            Ok(()) if peers.len() == self.size => exec(peers),
             Ok(()) => Err(Error::Fsdp("internal: incomplete rendezvous".into())),
             Err(detail) => Err(Error::CollectiveMismatch {
                 group_size: self.size,

@@ -2,6 +2,7 @@
 //! elements a rank needs from a full tensor or from sharded pieces.
 
 use super::{dtype_problem, ShardPiece, ShardedTensor};
+use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::fsdp::{FullyShardedDataParallel, ParamInfo};
 use crate::tensor::{DType, Tensor};
@@ -69,11 +70,41 @@ pub(super) fn ignored_params(
     out
 }
 
-/// The padded flat buffer `(c W)` whose chunk on this rank is `chunk`: all-gathered over
-/// the unit's shard group (every rank of it must call this), or a copy under NoShard.
+/// A copy of `t` in host memory (state dicts hold host tensors, whatever device the
+/// parameters and optimizer state live on).
+pub(super) fn host_copy(t: &Tensor) -> Result<Tensor> {
+    if t.device().is_cuda() {
+        t.to_device(Device::Cpu)
+    } else {
+        t.deep_clone()
+    }
+}
+
+/// Overwrites elements `start..start + values.len()` of the f32 tensor `t`, on its device.
+pub(super) fn write_f32(t: &Tensor, start: usize, values: &[f32]) -> Result<()> {
+    if t.device().is_cuda() {
+        let src = Tensor::from_vec(values.to_vec(), &[values.len()])?;
+        return t.view(start, &[values.len()])?.copy_from(&src);
+    }
+    let mut d = t.f32_mut()?;
+    d.get_mut(start..start + values.len())
+        .ok_or_else(|| {
+            Error::Fsdp(format!(
+                "write of {} elements at {start} runs past {} elements",
+                values.len(),
+                t.numel()
+            ))
+        })?
+        .copy_from_slice(values);
+    Ok(())
+}
+
+/// The padded flat buffer `(c W)` whose chunk on this rank is `chunk`, on the chunk's
+/// device: all-gathered over the unit's shard group (every rank of it must call this), or
+/// a copy under NoShard.
 pub(super) fn gather_chunk(u: &FullyShardedDataParallel, chunk: &Tensor) -> Result<Tensor> {
     if u.sharding_strategy().is_sharded() {
-        let full = Tensor::zeros(&[u.flat_param().padded_numel()], DType::F32);
+        let full = Tensor::zeros_on(&[u.flat_param().padded_numel()], DType::F32, chunk.device())?;
         u.shard_group().all_gather_into_tensor(&full, chunk)?;
         Ok(full)
     } else {
@@ -141,6 +172,10 @@ impl Src<'_> {
     /// at hand do not cover them. Call after [`Src::check`] found no problem.
     pub fn read(&self, name: &str, lo: usize, hi: usize) -> Result<Result<Vec<f32>, String>> {
         match self {
+            Src::Full(t) if t.device().is_cuda() => Ok(Ok(t
+                .reshape(&[t.numel()])?
+                .view(lo, &[hi - lo])?
+                .to_vec_f32()?)),
             Src::Full(t) => Ok(Ok(t.f32()?[lo..hi].to_vec())),
             Src::Sharded(s) => read_pieces(name, s, lo, hi),
         }
@@ -166,8 +201,13 @@ fn read_pieces(
         if a > covered {
             break;
         }
-        let v = p.data.f32()?;
-        out[a - lo..b - lo].copy_from_slice(&v[a - p.offset..b - p.offset]);
+        if p.data.device().is_cuda() {
+            let v = p.data.view(a - p.offset, &[b - a])?.to_vec_f32()?;
+            out[a - lo..b - lo].copy_from_slice(&v);
+        } else {
+            let v = p.data.f32()?;
+            out[a - lo..b - lo].copy_from_slice(&v[a - p.offset..b - p.offset]);
+        }
         covered = covered.max(b);
     }
     if covered < hi {

@@ -53,8 +53,10 @@ pub enum StateDictType {
 /// Options of a full state dict (`torch.distributed.fsdp.FullStateDictConfig`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct FullStateDictConfig {
-    /// Copy the gathered tensors to host memory (`offload_to_cpu=True`). On the CPU backend
-    /// every tensor already is in host memory, so this changes nothing there.
+    /// Copy the gathered tensors to host memory (`offload_to_cpu=True`); otherwise they
+    /// stay on the device of the shards. On the CPU backend every tensor already is in host
+    /// memory, so this changes nothing there. (SHARDED and LOCAL state dicts are always
+    /// in host memory.)
     pub offload_to_cpu: bool,
     /// Only rank 0 keeps the result; other ranks take part in the gathers and get an empty
     /// dict (`rank0_only=True`).

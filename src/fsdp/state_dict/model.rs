@@ -1,6 +1,9 @@
 //! `state_dict` and `load_state_dict` of the root unit (FSDP1 `_state_dict_utils.py`).
 
-use super::layout::{gather_chunk, ignored_params, load_error, lookup, unit_metas, Src, UnitMeta};
+use super::layout::{
+    gather_chunk, host_copy, ignored_params, load_error, lookup, unit_metas, write_f32, Src,
+    UnitMeta,
+};
 use super::{
     FullStateDict, FullStateDictConfig, IncompatibleKeys, LocalFlatShard, LocalRange,
     LocalStateDict, ShardPiece, ShardedStateDict, ShardedTensor, StateDict, StateDictConfig,
@@ -70,7 +73,8 @@ impl FullyShardedDataParallel {
 
     /// FULL_STATE_DICT: every parameter whole, f32, under its original name, in
     /// `model.state_dict()` order; with `rank0_only`, empty on every rank but 0. A
-    /// collective over the world.
+    /// collective over the world. With `offload_to_cpu` the tensors are in host memory;
+    /// without, on the device the shards live on (copies, as PyTorch's GPU state dict).
     ///
     /// # Errors
     /// `Fsdp` on a nested unit; a collective's error.
@@ -88,7 +92,15 @@ impl FullyShardedDataParallel {
                 if keep {
                     for (name, idx) in u.slots() {
                         let i = &u.flat_param().param_infos()[*idx];
-                        out.push((name.clone(), full.view(i.offset, &i.shape)?.deep_clone()?));
+                        let v = full.view(i.offset, &i.shape)?;
+                        out.push((
+                            name.clone(),
+                            if config.offload_to_cpu {
+                                host_copy(&v)?
+                            } else {
+                                v.deep_clone()?
+                            },
+                        ));
                     }
                 }
                 Ok(())
@@ -97,7 +109,7 @@ impl FullyShardedDataParallel {
         res?;
         if keep {
             let mut bad: Result<()> = Ok(());
-            self.visit_ignored(&mut |name, p| match p.data().and_then(|d| d.deep_clone()) {
+            self.visit_ignored(&mut |name, p| match p.data().and_then(host_copy) {
                 Ok(t) => out.push((name.to_string(), t)),
                 Err(e) => bad = Err(e),
             });
@@ -134,11 +146,7 @@ impl FullyShardedDataParallel {
                     let pieces = match m.portion(info) {
                         Some((a, b, start)) => vec![ShardPiece {
                             offset: a,
-                            data: u
-                                .flat_param()
-                                .local_shard()
-                                .view(start, &[b - a])?
-                                .deep_clone()?,
+                            data: host_copy(&u.flat_param().local_shard().view(start, &[b - a])?)?,
                             rank,
                         }],
                         None => Vec::new(),
@@ -158,7 +166,7 @@ impl FullyShardedDataParallel {
         let mut bad: Result<()> = Ok(());
         self.visit_ignored(&mut |name, p| match p
             .data()
-            .and_then(|d| d.reshape(&[d.numel()])?.deep_clone())
+            .and_then(|d| host_copy(&d.reshape(&[d.numel()])?))
         {
             Ok(data) => out.push((
                 name.to_string(),
@@ -194,7 +202,7 @@ impl FullyShardedDataParallel {
         self.for_each_unit(&mut |u| {
             if res.is_ok() {
                 let f = u.flat_param();
-                res = f.local_shard().deep_clone().map(|shard| {
+                res = host_copy(f.local_shard()).map(|shard| {
                     flat_params.push((
                         crate::nn::join_name(u.module_name(), "flat_param"),
                         LocalFlatShard {
@@ -208,7 +216,7 @@ impl FullyShardedDataParallel {
         res?;
         let mut params = Vec::new();
         let mut bad: Result<()> = Ok(());
-        self.visit_ignored(&mut |name, p| match p.data().and_then(|d| d.deep_clone()) {
+        self.visit_ignored(&mut |name, p| match p.data().and_then(host_copy) {
             Ok(t) => params.push((name.to_string(), t)),
             Err(e) => bad = Err(e),
         });
@@ -325,23 +333,16 @@ impl FullyShardedDataParallel {
             let w = &writes[k];
             k += 1;
             if res.is_ok() && !w.is_empty() {
-                res = (|| {
-                    let mut chunk = u.flat_param().local_shard().f32_mut()?;
-                    for (start, v) in w {
-                        chunk[*start..start + v.len()].copy_from_slice(v);
-                    }
-                    Ok(())
-                })();
+                res = w
+                    .iter()
+                    .try_for_each(|(start, v)| write_f32(u.flat_param().local_shard(), *start, v));
             }
         });
         res?;
         let mut bad: Result<()> = Ok(());
         self.visit_ignored(&mut |name, p| {
             if let Some((_, v)) = ignored_writes.iter().find(|(n, _)| n == name) {
-                if let Err(e) = p.data().and_then(|d| {
-                    d.f32_mut()?.copy_from_slice(v);
-                    Ok(())
-                }) {
+                if let Err(e) = p.data().and_then(|d| write_f32(d, 0, v)) {
                     bad = Err(e);
                 }
             }

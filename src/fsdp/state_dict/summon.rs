@@ -59,10 +59,12 @@ impl FullyShardedDataParallel {
             k += 1;
             let r = (|| {
                 if write {
+                    // This rank's chunk of the (changed) values, on the shard's device.
                     let (lo, hi) = u.flat_param().shard_range();
-                    let src = full.f32()?;
-                    u.flat_param().local_shard().f32_mut()?[..hi - lo]
-                        .copy_from_slice(&src[lo..hi]);
+                    u.flat_param()
+                        .local_shard()
+                        .view(0, &[hi - lo])?
+                        .copy_from(&full.view(lo, &[hi - lo])?)?;
                 }
                 // Back to what the parameters viewed before: the NoShard flat parameter or
                 // nothing (sharded).

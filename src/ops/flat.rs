@@ -1,0 +1,163 @@
+//! Device-dispatching ops on FSDP's flat buffers: the fused gradient pack/unpack around the
+//! reduce-scatter and the rounding of f32 values to a low-precision dtype.
+//!
+//! | op | CPU reference | CUDA kernel |
+//! |---|---|---|
+//! | [`pack_grad`] | [`crate::backend::cpu::kernels::pack_grad`] | `pack_grad_{dtype}` (`reduce_scatter.cu`) |
+//! | [`unpack_grad`] | [`crate::backend::cpu::kernels::unpack_grad`] | `unpack_grad_{dtype}` |
+//! | [`round_to_`] | `dtype::from_f32(v).to_f32()` per element | `cast_f32_{dtype}` then `cast_{dtype}_f32` |
+//!
+//! The CPU paths are the exact loops FSDP ran before these ops existed, so CPU training is
+//! bit-identical to it.
+
+use super::same_device;
+use crate::backend::cpu::kernels as cpu;
+#[cfg(feature = "cuda")]
+use crate::backend::Device;
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Tensor};
+
+fn check_pair(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
+    if a.numel() != b.numel() {
+        return Err(Error::ShapeMismatch {
+            op,
+            expected: a.shape().to_vec(),
+            got: b.shape().to_vec(),
+        });
+    }
+    if a.shares_storage(b) && !a.same_view(b) {
+        crate::error::bail_arg!("{op}: input and output overlap without being the same view");
+    }
+    Ok(())
+}
+
+fn require(op: &'static str, t: &Tensor, dtype: DType) -> Result<()> {
+    if t.dtype() != dtype {
+        return Err(Error::DTypeMismatch {
+            op,
+            expected: dtype,
+            got: t.dtype(),
+        });
+    }
+    Ok(())
+}
+
+fn require_float(op: &'static str, t: &Tensor) -> Result<()> {
+    if !t.dtype().is_float() {
+        return Err(Error::DTypeMismatch {
+            op,
+            expected: DType::F32,
+            got: t.dtype(),
+        });
+    }
+    Ok(())
+}
+
+/// `out[i] = cast<out.dtype>(grad[i] * scale)`: the predivide (`scale = 1 / pre`) and cast
+/// to `reduce_dtype` of a flat f32 gradient, giving the reduce-scatter input (FSDP1
+/// `_post_backward_hook`: `grad.div_(predivide_factor)` then `.to(reduce_dtype)`). `grad`
+/// `(n)` f32, `out` `(n)` f32/bf16/f16, one device; `out` may be `grad` itself (f32, in
+/// place).
+///
+/// # Errors
+/// `DeviceMismatch`, `ShapeMismatch`, `DTypeMismatch`, `InvalidArgument` (partial overlap),
+/// [`Error::Cuda`].
+pub fn pack_grad(grad: &Tensor, out: &Tensor, scale: f32) -> Result<()> {
+    let _device = same_device("pack_grad", &[grad, out])?;
+    check_pair("pack_grad", grad, out)?;
+    require("pack_grad", grad, DType::F32)?;
+    require_float("pack_grad", out)?;
+    if grad.same_view(out) {
+        return super::scale_(out, scale);
+    }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(i) = _device {
+        return crate::backend::cuda::pack_grad(
+            &*super::stream(i)?,
+            &grad.as_device_tensor()?,
+            &out.as_device_tensor()?,
+            scale,
+        );
+    }
+    let g = grad.f32()?;
+    match out.dtype() {
+        DType::F32 => cpu::pack_grad(&g, &mut out.data_mut::<f32>()?, scale),
+        DType::BF16 => cpu::pack_grad(&g, &mut out.data_mut::<half::bf16>()?, scale),
+        DType::F16 => cpu::pack_grad(&g, &mut out.data_mut::<half::f16>()?, scale),
+        DType::I32 => unreachable!("checked: float"),
+    }
+}
+
+/// `out[i] = f32(cast<x.dtype>(f32(x[i]) * scale))`: the postdivide (`scale = 1 / post`)
+/// in `reduce_dtype` and the upcast of a reduced gradient shard to f32 (FSDP1
+/// `_post_reduce_grad_callback`: `div_(postdivide_factor)` in reduce dtype, then the cast
+/// to the parameter dtype). `x` `(n)` f32/bf16/f16, `out` `(n)` f32, one device; `out` may
+/// be `x` itself (f32, in place).
+///
+/// # Errors
+/// As [`pack_grad`].
+pub fn unpack_grad(x: &Tensor, out: &Tensor, scale: f32) -> Result<()> {
+    let _device = same_device("unpack_grad", &[x, out])?;
+    check_pair("unpack_grad", x, out)?;
+    require("unpack_grad", out, DType::F32)?;
+    require_float("unpack_grad", x)?;
+    if x.same_view(out) {
+        return super::scale_(out, scale);
+    }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(i) = _device {
+        return crate::backend::cuda::unpack_grad(
+            &*super::stream(i)?,
+            &x.as_device_tensor()?,
+            &out.as_device_tensor()?,
+            scale,
+        );
+    }
+    let mut o = out.data_mut::<f32>()?;
+    match x.dtype() {
+        DType::F32 => cpu::unpack_grad(&x.data::<f32>()?, &mut o, scale),
+        DType::BF16 => cpu::unpack_grad(&x.data::<half::bf16>()?, &mut o, scale),
+        DType::F16 => cpu::unpack_grad(&x.data::<half::f16>()?, &mut o, scale),
+        DType::I32 => unreachable!("checked: float"),
+    }
+}
+
+/// Rounds every element of an f32 tensor to the nearest `dtype` value, in place
+/// (round-to-nearest-even; a no-op for f32): what a value becomes after a trip through a
+/// low-precision tensor (`t.to(dtype).to(float32)`).
+///
+/// # Errors
+/// `DTypeMismatch` when `t` is not f32 or `dtype` is i32; [`Error::Cuda`].
+pub fn round_to_(t: &Tensor, dtype: DType) -> Result<()> {
+    if dtype == DType::F32 {
+        return Ok(());
+    }
+    let _device = same_device("round_to_", &[t])?;
+    require("round_to_", t, DType::F32)?;
+    if !dtype.is_float() {
+        return Err(Error::DTypeMismatch {
+            op: "round_to_",
+            expected: DType::BF16,
+            got: dtype,
+        });
+    }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(_) = _device {
+        // Two casts on the current stream through a low-precision temporary.
+        let low = Tensor::zeros_on(t.shape(), dtype, _device)?;
+        low.copy_from(t)?;
+        return t.copy_from(&low);
+    }
+    match dtype {
+        DType::BF16 => t
+            .f32_mut()?
+            .iter_mut()
+            .for_each(|v| *v = half::bf16::from_f32(*v).to_f32()),
+        DType::F16 => t
+            .f32_mut()?
+            .iter_mut()
+            .for_each(|v| *v = half::f16::from_f32(*v).to_f32()),
+        _ => {}
+    }
+    Ok(())
+}
