@@ -36,7 +36,6 @@ use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
 use cudarc::nccl::{result as nccl, sys};
 use parking_lot::Mutex;
-use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -116,7 +115,7 @@ pub struct NcclGroup {
     prefix: String,
     comm: Mutex<Comm>,
     seq: Mutex<u64>,
-    created: Mutex<HashMap<Vec<usize>, usize>>,
+    created: crate::distributed::subgroups::NewGroupCounter,
 }
 
 impl std::fmt::Debug for NcclGroup {
@@ -210,7 +209,7 @@ impl NcclGroup {
             prefix,
             comm: Mutex::new(Comm { raw, failure: None }),
             seq: Mutex::new(0),
-            created: Mutex::new(HashMap::new()),
+            created: Default::default(),
         })
     }
 
@@ -474,25 +473,14 @@ impl ProcessGroup for NcclGroup {
     }
 
     fn new_group(&self, ranks: &[usize]) -> Result<Option<Group>> {
-        let mut members = ranks.to_vec();
-        members.sort_unstable();
-        members.dedup();
-        let world = self.members.len();
-        if self.members.len() != self.size
-            || members.is_empty()
-            || members.len() != ranks.len()
-            || members.iter().any(|&r| r >= world)
+        if self.members.len() != self.size || self.members.iter().enumerate().any(|(i, &m)| i != m)
         {
             crate::error::bail_arg!(
-                "new_group: ranks {ranks:?} must be distinct world ranks in 0..{world}, at least one (and new_group is called on the world group)"
+                "new_group: call it on the world group (this group has ranks {:?})",
+                self.members
             );
         }
-        let nth = {
-            let mut c = self.created.lock();
-            let n = c.entry(members.clone()).or_insert(0);
-            *n += 1;
-            *n - 1
-        };
+        let (members, nth) = self.created.next(ranks, self.size)?;
         let Some(local) = members.iter().position(|&r| r == self.world_rank) else {
             return Ok(None);
         };

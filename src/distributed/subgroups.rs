@@ -55,3 +55,36 @@ pub fn new_subgroups(
     })?;
     Ok((mine, all))
 }
+
+/// What every backend's `new_group` needs before it builds anything: the checked, sorted
+/// member list and how many groups of exactly these members this rank created before (the
+/// members' calls are matched in order by that count, as torch matches `new_group` calls).
+#[derive(Debug, Default)]
+pub(crate) struct NewGroupCounter {
+    created: parking_lot::Mutex<std::collections::HashMap<Vec<usize>, usize>>,
+}
+
+impl NewGroupCounter {
+    /// `(sorted members, nth group of these members)` for `ranks` of a world of
+    /// `world_size`.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for an empty list, repeated ranks or ranks outside the world.
+    pub(crate) fn next(&self, ranks: &[usize], world_size: usize) -> Result<(Vec<usize>, usize)> {
+        let mut members = ranks.to_vec();
+        members.sort_unstable();
+        members.dedup();
+        if members.is_empty()
+            || members.len() != ranks.len()
+            || members.iter().any(|&r| r >= world_size)
+        {
+            crate::error::bail_arg!(
+                "new_group: ranks {ranks:?} must be distinct world ranks in 0..{world_size}, at least one"
+            );
+        }
+        let mut created = self.created.lock();
+        let n = created.entry(members.clone()).or_insert(0);
+        *n += 1;
+        Ok((members, *n - 1))
+    }
+}

@@ -9,10 +9,7 @@ use crate::distributed::ReduceOp;
 use crate::error::Result;
 use crate::tensor::{Element, Tensor};
 
-/// True when `part` is the `part.numel()` elements of `whole` starting `offset` elements in.
-fn is_chunk_of(part: &Tensor, whole: &Tensor, offset: usize) -> bool {
-    part.shares_storage(whole) && part.offset() == whole.offset() + offset
-}
+use crate::distributed::threads::is_chunk_of;
 
 fn bytes<T: Element>(v: &[T]) -> &[u8] {
     bytemuck::cast_slice(v)
@@ -112,29 +109,10 @@ impl TcpGroup {
             let peers = call.peers();
             let w = call.mesh.size();
             // In place, one write lock covers input and output.
-            let mut whole = if in_place {
-                Some(input.data_mut::<T>()?)
-            } else {
-                None
-            };
-            let inp = if in_place {
-                None
-            } else {
-                Some(input.data::<T>()?)
-            };
-            let mut out = if in_place {
-                None
-            } else {
-                Some(output.data_mut::<T>()?)
-            };
-            let (in_ptr, out_ptr) = match (&mut whole, &inp, &mut out) {
-                (Some(w), _, _) => {
-                    let p = w.as_mut_ptr();
-                    (p as *const T, p.wrapping_add(rank * m))
-                }
-                (None, Some(i), Some(o)) => (i.as_ptr(), o.as_mut_ptr()),
-                _ => return Err(crate::Error::Fsdp("internal: reduce_scatter guards".into())),
-            };
+            let mut guards = crate::distributed::threads::kernels::InOutGuards::<T>::lock(
+                input, output, in_place,
+            )?;
+            let (in_ptr, out_ptr) = guards.ptrs(rank * m);
             for &p in &peers {
                 // SAFETY: the input holds `w * m` elements (checked by the caller), locked
                 // above; chunk `p < w` is in bounds and nothing writes it during the send.

@@ -53,7 +53,6 @@ use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
 use mesh::{Mesh, MeshSpec, WorldFailure};
 use parking_lot::Mutex;
-use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -82,7 +81,7 @@ pub struct TcpGroup {
     state: Mutex<OpState>,
     /// This rank's `new_group` calls so far, per rank list (the n-th call by every member
     /// builds the same group).
-    created: Mutex<HashMap<Vec<usize>, usize>>,
+    created: crate::distributed::subgroups::NewGroupCounter,
 }
 
 struct OpState {
@@ -227,7 +226,7 @@ impl TcpGroup {
                 seq: 0,
                 broken: None,
             }),
-            created: Mutex::new(HashMap::new()),
+            created: Default::default(),
         });
         let mut groups = world.groups.lock();
         groups.retain(|g| g.strong_count() > 0);
@@ -407,23 +406,7 @@ impl ProcessGroup for TcpGroup {
 
     fn new_group(&self, ranks: &[usize]) -> Result<Option<Group>> {
         let world_size = self.world.size;
-        let mut members = ranks.to_vec();
-        members.sort_unstable();
-        members.dedup();
-        if members.is_empty()
-            || members.len() != ranks.len()
-            || members.iter().any(|&r| r >= world_size)
-        {
-            crate::error::bail_arg!(
-                "new_group: ranks {ranks:?} must be distinct world ranks in 0..{world_size}, at least one"
-            );
-        }
-        let nth = {
-            let mut created = self.created.lock();
-            let n = created.entry(members.clone()).or_insert(0);
-            *n += 1;
-            *n - 1
-        };
+        let (members, nth) = self.created.next(ranks, world_size)?;
         if !members.contains(&self.world.rank) {
             return Ok(None);
         }

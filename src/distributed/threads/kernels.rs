@@ -348,6 +348,55 @@ pub(crate) fn split(len: usize, n: usize, rank: usize, align: usize) -> (usize, 
     ((lo * align).min(len), (hi * align).min(len))
 }
 
+/// The host locks of a reduce-scatter whose output may be chunk `rank` of its input (in
+/// place): one write lock over the whole input then, else a read lock on the input and a
+/// write lock on the output. Shared by the `threads` and `tcp` backends.
+pub(crate) struct InOutGuards<'a, T: Element> {
+    whole: Option<parking_lot::MappedRwLockWriteGuard<'a, [T]>>,
+    inp: Option<parking_lot::MappedRwLockReadGuard<'a, [T]>>,
+    out: Option<parking_lot::MappedRwLockWriteGuard<'a, [T]>>,
+}
+
+impl<'a, T: Element> InOutGuards<'a, T> {
+    /// Locks `input` and `output` (only `input` when `in_place`).
+    ///
+    /// # Errors
+    /// Those of `Tensor::data`/`data_mut` (dtype, device, meta).
+    pub(crate) fn lock(
+        input: &'a crate::tensor::Tensor,
+        output: &'a crate::tensor::Tensor,
+        in_place: bool,
+    ) -> crate::error::Result<Self> {
+        Ok(if in_place {
+            InOutGuards {
+                whole: Some(input.data_mut::<T>()?),
+                inp: None,
+                out: None,
+            }
+        } else {
+            InOutGuards {
+                whole: None,
+                inp: Some(input.data::<T>()?),
+                out: Some(output.data_mut::<T>()?),
+            }
+        })
+    }
+
+    /// `(input, output)` addresses; in place the output is the input's chunk at element
+    /// `out_offset`. Valid while the guards live.
+    pub(crate) fn ptrs(&mut self, out_offset: usize) -> (*const T, *mut T) {
+        match (&mut self.whole, &self.inp, &mut self.out) {
+            (Some(w), _, _) => {
+                let p = w.as_mut_ptr();
+                (p as *const T, p.wrapping_add(out_offset))
+            }
+            (None, Some(i), Some(o)) => (i.as_ptr(), o.as_mut_ptr()),
+            // `lock` builds one of the two shapes above.
+            _ => (std::ptr::null(), std::ptr::null_mut()),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -101,7 +101,7 @@ pub struct ThreadsGroup {
     world: Arc<World>,
     /// This rank's `new_group` calls so far, per rank list (the n-th call by every member
     /// yields the same group, as `torch.distributed.new_group` requires the same order).
-    created: Mutex<HashMap<Vec<usize>, usize>>,
+    created: crate::distributed::subgroups::NewGroupCounter,
     /// Scratch for the peers' arrivals of the running collective (capacity: group size).
     peers: Mutex<Vec<Arrival>>,
 }
@@ -119,7 +119,7 @@ macro_rules! dispatch {
 }
 
 /// True when `part` is the `part.numel()` elements of `whole` starting `offset` elements in.
-fn is_chunk_of(part: &Tensor, whole: &Tensor, offset: usize) -> bool {
+pub(crate) fn is_chunk_of(part: &Tensor, whole: &Tensor, offset: usize) -> bool {
     part.shares_storage(whole) && part.offset() == whole.offset() + offset
 }
 
@@ -179,7 +179,7 @@ impl ThreadsGroup {
             rank,
             shared,
             world,
-            created: Mutex::new(HashMap::new()),
+            created: Default::default(),
             peers: Mutex::new(Vec::with_capacity(size)),
         }
     }
@@ -315,29 +315,8 @@ impl ThreadsGroup {
             input
         };
         // In place, one write lock covers input and output.
-        let mut whole = if in_place {
-            Some(input.data_mut::<T>()?)
-        } else {
-            None
-        };
-        let inp = if in_place {
-            None
-        } else {
-            Some(input.data::<T>()?)
-        };
-        let mut out = if in_place {
-            None
-        } else {
-            Some(output.data_mut::<T>()?)
-        };
-        let (in_ptr, out_ptr) = match (&mut whole, &inp, &mut out) {
-            (Some(w), _, _) => {
-                let p = w.as_mut_ptr();
-                (p as *const T, p.wrapping_add(rank * m))
-            }
-            (None, Some(i), Some(o)) => (i.as_ptr(), o.as_mut_ptr()),
-            _ => return Err(crate::Error::Fsdp("internal: reduce_scatter guards".into())),
-        };
+        let mut guards = kernels::InOutGuards::<T>::lock(input, output, in_place)?;
+        let (in_ptr, out_ptr) = guards.ptrs(rank * m);
         let stream = !in_place && m * std::mem::size_of::<T>() >= kernels::STREAM_MIN_BYTES;
         let desc = Desc {
             op: "reduce_scatter_tensor",
@@ -438,23 +417,7 @@ impl ProcessGroup for ThreadsGroup {
 
     fn new_group(&self, ranks: &[usize]) -> Result<Option<super::Group>> {
         let world_size = self.world.groups.lock().all[0].size();
-        let mut members = ranks.to_vec();
-        members.sort_unstable();
-        members.dedup();
-        if members.is_empty()
-            || members.len() != ranks.len()
-            || members.iter().any(|&r| r >= world_size)
-        {
-            crate::error::bail_arg!(
-                "new_group: ranks {ranks:?} must be distinct world ranks in 0..{world_size}, at least one"
-            );
-        }
-        let nth = {
-            let mut created = self.created.lock();
-            let n = created.entry(members.clone()).or_insert(0);
-            *n += 1;
-            *n - 1
-        };
+        let (members, nth) = self.created.next(ranks, world_size)?;
         let me = self.world_rank();
         let Some(local) = members.iter().position(|&r| r == me) else {
             return Ok(None);
