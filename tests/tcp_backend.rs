@@ -4,6 +4,7 @@
 //! early exits, failures and missing ranks end every rank with an error naming the culprit.
 
 mod common;
+use common::{free_port, on_threads};
 
 use fsdp::distributed::{
     abort_process_group, destroy_process_group, get_backend, init_device_mesh, init_process_group,
@@ -11,17 +12,7 @@ use fsdp::distributed::{
 };
 use fsdp::tensor::{DType, Tensor};
 use fsdp::Error;
-use std::net::TcpListener;
 use std::time::Duration;
-
-/// A port nothing listens on right now.
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// What torchrun sets for rank `rank` of `world` (one node).
 fn env(port: u16, world: usize, rank: usize) -> Vec<(&'static str, String)> {
@@ -39,24 +30,6 @@ fn opts(backend: &str, port: u16, world: usize, rank: usize, timeout_s: f64) -> 
     InitOptions::new(backend)
         .with_env(env(port, world, rank))
         .with_timeout(Duration::from_secs_f64(timeout_s))
-}
-
-/// Runs `f(rank)` on `n` threads (as `n` processes would run) and returns every result.
-fn on_threads<T: Send>(
-    n: usize,
-    f: impl Fn(usize) -> fsdp::Result<T> + Sync,
-) -> Vec<fsdp::Result<T>> {
-    std::thread::scope(|s| {
-        let hs: Vec<_> = (0..n)
-            .map(|r| {
-                let f = &f;
-                s.spawn(move || f(r))
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| h.join().expect("rank thread panicked"))
-            .collect()
-    })
 }
 
 /// `f(world group)` on `world` tcp ranks; each rank destroys its group afterwards.

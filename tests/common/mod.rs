@@ -160,3 +160,31 @@ pub fn sgd(lr: f32) -> fsdp::optim::SGD {
         ..Default::default()
     })
 }
+
+/// Runs `f(rank)` on `n` threads (as `n` processes would run) and returns every thread's
+/// result in rank order.
+pub fn on_threads<T: Send>(
+    n: usize,
+    f: impl Fn(usize) -> fsdp::Result<T> + Sync,
+) -> Vec<fsdp::Result<T>> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                let f = &f;
+                s.spawn(move || f(r))
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("rank thread panicked"))
+            .collect()
+    })
+}
+
+/// A localhost port nothing listens on right now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}

@@ -1,6 +1,7 @@
 //! init_process_group from torchrun-like variables (maps, never the real process env: tests
 //! run in parallel), the per-thread default group, and their error cases.
 
+use crate::common::on_threads;
 use fsdp::distributed::{
     default_group, destroy_process_group, get_backend, get_local_world_size, get_node_local_rank,
     get_rank, get_world_size, init_process_group, is_initialized, launch, InitOptions,
@@ -9,24 +10,6 @@ use fsdp::distributed::{
 use fsdp::tensor::Tensor;
 use fsdp::Error;
 use std::time::{Duration, Instant};
-
-/// Runs `f(rank)` on `n` threads and returns every thread's result in rank order.
-fn on_threads<T: Send>(
-    n: usize,
-    f: impl Fn(usize) -> fsdp::Result<T> + Sync,
-) -> Vec<fsdp::Result<T>> {
-    std::thread::scope(|s| {
-        let hs: Vec<_> = (0..n)
-            .map(|r| {
-                let f = &f;
-                s.spawn(move || f(r))
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| h.join().expect("rank thread panicked"))
-            .collect()
-    })
-}
 
 /// What torchrun sets for rank `rank` of `world` on nodes of `per_node` ranks.
 fn torchrun_env(

@@ -67,11 +67,7 @@ fn nccl_world_of_one_is_exact_or_refused_clearly() {
 #[test]
 fn init_process_group_nccl_joins_a_world_of_one_or_says_what_is_missing() {
     use fsdp::distributed::{destroy_process_group, init_process_group, InitOptions};
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = crate::common::free_port();
     let opts = InitOptions::new("nccl").with_env([
         ("WORLD_SIZE", "1".to_string()),
         ("RANK", "0".to_string()),
