@@ -68,3 +68,53 @@ pub(crate) fn check_descs(
         differing.join(", ")
     ))
 }
+
+/// The local argument checks of `all_gather_into_tensor` (torch's): the output holds `w`
+/// inputs of the same dtype.
+///
+/// # Errors
+/// `InvalidArgument` naming the rank, shapes and dtypes.
+pub(crate) fn check_all_gather(
+    rank: usize,
+    w: usize,
+    output: &crate::tensor::Tensor,
+    input: &crate::tensor::Tensor,
+) -> crate::error::Result<()> {
+    if output.numel() != w * input.numel() || output.dtype() != input.dtype() {
+        crate::error::bail_arg!(
+            "all_gather_into_tensor on rank {rank}: output {:?} {} must hold {w} x input {:?} {}",
+            output.shape(),
+            output.dtype(),
+            input.shape(),
+            input.dtype()
+        );
+    }
+    Ok(())
+}
+
+/// The local argument checks of `reduce_scatter_tensor`: the input holds `w` outputs of the
+/// same dtype, and the op is `Sum` or `Avg`.
+///
+/// # Errors
+/// `InvalidArgument` naming the rank, shapes, dtypes or op.
+pub(crate) fn check_reduce_scatter(
+    rank: usize,
+    w: usize,
+    output: &crate::tensor::Tensor,
+    input: &crate::tensor::Tensor,
+    op: ReduceOp,
+) -> crate::error::Result<()> {
+    if input.numel() != w * output.numel() || output.dtype() != input.dtype() {
+        crate::error::bail_arg!(
+            "reduce_scatter_tensor on rank {rank}: input {:?} {} must hold {w} x output {:?} {}",
+            input.shape(),
+            input.dtype(),
+            output.shape(),
+            output.dtype()
+        );
+    }
+    if !matches!(op, ReduceOp::Sum | ReduceOp::Avg) {
+        crate::error::bail_arg!("reduce_scatter_tensor supports Sum and Avg, got {op:?}");
+    }
+    Ok(())
+}

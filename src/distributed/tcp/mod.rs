@@ -418,37 +418,18 @@ impl ProcessGroup for TcpGroup {
     }
 
     fn all_gather_into_tensor(&self, output: &Tensor, input: &Tensor) -> Result<()> {
-        let w = self.size();
-        if output.numel() != w * input.numel() || output.dtype() != input.dtype() {
-            crate::error::bail_arg!(
-                "all_gather_into_tensor on rank {}: output {:?} {} must hold {} x input {:?} {}",
-                self.rank(),
-                output.shape(),
-                output.dtype(),
-                w,
-                input.shape(),
-                input.dtype()
-            );
-        }
+        crate::distributed::desc::check_all_gather(self.rank(), self.size(), output, input)?;
         dispatch!(input.dtype(), self.all_gather_typed(output, input))
     }
 
     fn reduce_scatter_tensor(&self, output: &Tensor, input: &Tensor, op: ReduceOp) -> Result<()> {
-        let w = self.size();
-        if input.numel() != w * output.numel() || output.dtype() != input.dtype() {
-            crate::error::bail_arg!(
-                "reduce_scatter_tensor on rank {}: input {:?} {} must hold {} x output {:?} {}",
-                self.rank(),
-                input.shape(),
-                input.dtype(),
-                w,
-                output.shape(),
-                output.dtype()
-            );
-        }
-        if !matches!(op, ReduceOp::Sum | ReduceOp::Avg) {
-            crate::error::bail_arg!("reduce_scatter_tensor supports Sum and Avg, got {op:?}");
-        }
+        crate::distributed::desc::check_reduce_scatter(
+            self.rank(),
+            self.size(),
+            output,
+            input,
+            op,
+        )?;
         dispatch!(input.dtype(), self.reduce_scatter_typed(output, input, op))
     }
 
