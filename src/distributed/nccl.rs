@@ -341,7 +341,10 @@ impl NcclGroup {
         let mut last_peer_check = start;
         let mut pause = Duration::from_micros(20);
         loop {
-            if done.is_complete() {
+            // `query`, not `is_complete`: the latter reads a CUDA error (say, a kernel queued
+            // before the collective faulted) as "not done", and the loop would then spin
+            // until the group timeout and report a misleading Timeout.
+            if done.query()? {
                 return done.synchronize();
             }
             let mut status = sys::ncclResult_t::ncclSuccess;

@@ -115,16 +115,18 @@ pub(crate) unsafe fn launch(
     g: Grid,
     args: &[Arg],
 ) -> Result<()> {
+    // Bind first: looking the kernel up (`cuModuleGetFunction` on a module that another
+    // thread loaded) is a driver call too and needs this device's context current.
+    s.dev
+        .ctx
+        .bind_to_thread()
+        .map_err(|e| Error::cuda(format!("binding cuda:{}", s.dev.ordinal()), e))?;
     let f = s.dev.function(module, name)?;
     let mut slots: Vec<u64> = args.iter().map(|a| a.slot()).collect();
     let mut params: Vec<*mut c_void> = slots
         .iter_mut()
         .map(|p| p as *mut u64 as *mut c_void)
         .collect();
-    s.dev
-        .ctx
-        .bind_to_thread()
-        .map_err(|e| Error::cuda(format!("binding cuda:{}", s.dev.ordinal()), e))?;
     // SAFETY: the caller guarantees the arguments match the kernel; `params` points into
     // `slots`, which outlive the call (the driver copies parameters at launch).
     unsafe {

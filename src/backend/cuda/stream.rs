@@ -51,6 +51,18 @@ impl Event {
         self.inner.is_complete()
     }
 
+    /// As [`Event::is_complete`], but an error of that work (a faulting kernel, a sticky
+    /// context error) is returned instead of reading as "not finished yet", so a poll loop
+    /// fails at once rather than spinning until its timeout.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] with the first asynchronous error of that work.
+    pub fn query(&self) -> Result<bool> {
+        self.inner
+            .try_is_complete()
+            .map_err(|e| Error::cuda("querying a CUDA event", e))
+    }
+
     /// Milliseconds between `self` and a later event `end` (both recorded with timing,
     /// as [`Stream::record`] does).
     ///
