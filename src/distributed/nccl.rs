@@ -235,13 +235,17 @@ impl NcclGroup {
         )?))
     }
 
-    /// Records that this rank failed (`reason`) where every peer's watchdog looks, and
-    /// aborts the communicator so its own pending work ends.
+    /// Records that this rank failed (`reason`) where every peer's watchdog looks (they
+    /// stop within a second, naming this rank), and marks the communicator failed so that
+    /// it is aborted, not destroyed, when dropped. Never blocks on a collective in flight:
+    /// that one ends by its own watchdog.
     pub(crate) fn mark_failed(&self, reason: String) {
         let _ = self
             .store
             .set(&failure_key(self.world_rank), reason.as_bytes());
-        let mut comm = self.comm.lock();
+        let Some(mut comm) = self.comm.try_lock() else {
+            return;
+        };
         if comm.failure.is_none() {
             comm.failure = Some(Error::PeerFailed {
                 failed_rank: self.world_rank,
