@@ -65,12 +65,17 @@ impl Tensor {
         #[cfg(feature = "cuda")]
         {
             match (self.device(), src.device()) {
-                (Device::Cuda(a), Device::Cuda(b)) if a == b => {
+                (Device::Cuda(a), Device::Cuda(b))
+                    if a == b
+                        && (src.dtype() == self.dtype()
+                            || (src.dtype() != DType::I32 && self.dtype() != DType::I32)) =>
+                {
                     let s = cuda::current_stream(a)?;
                     cuda::cast(&s, &src.as_device_tensor()?, &self.as_device_tensor()?)
                 }
                 (Device::Cuda(a), Device::Cuda(_)) => {
-                    // Across devices: through the host (the collectives of ranks on
+                    // Across devices, or an integer <-> float cast (no kernel): through the
+                    // host (the collectives of ranks on
                     // several GPUs use device-to-device copies of their own).
                     let host = src.to_device(Device::Cpu)?;
                     let _ = a;
