@@ -527,6 +527,11 @@ fn bad_checkpoint_options_are_one_line_errors() {
             vec!["--keep-last", "0", "--save-dir", "/tmp/x"],
             "--keep-last must be at least 1",
         ),
+        // Refused before training, not at the first save.
+        (
+            vec!["--save-dir", "/proc/no-such-dir/ck"],
+            "cannot create or write checkpoints there",
+        ),
     ] {
         let out = run(&args);
         let err = String::from_utf8_lossy(&out.stderr);

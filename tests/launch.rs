@@ -282,3 +282,61 @@ fn bad_launch_arguments_are_clear_errors() {
         "{err}"
     );
 }
+
+/// Processes whose command line holds `token`.
+fn processes_with(token: &str) -> usize {
+    std::fs::read_dir("/proc")
+        .map(|d| {
+            d.filter_map(|e| std::fs::read(e.ok()?.path().join("cmdline")).ok())
+                .filter(|c| String::from_utf8_lossy(c).contains(token))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+#[cfg(unix)]
+#[test]
+fn sigterm_to_the_launcher_reaches_every_rank() {
+    let dir = tmp_dir("sigterm");
+    let data = corpus(&dir);
+    // A unique data path marks this job's processes.
+    let job = small_job(&data, 1_000_000);
+    let child = fsdp()
+        .args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            "0",
+            "--",
+            "fsdp",
+        ])
+        .args(&job)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until both ranks run (the launcher's own command line holds the path too).
+    let start = std::time::Instant::now();
+    while processes_with(&data) < 3 && start.elapsed().as_secs() < 60 {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!(processes_with(&data), 3, "launcher and 2 ranks running");
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("received SIGTERM"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let start = std::time::Instant::now();
+    while processes_with(&data) > 0 && start.elapsed().as_secs() < 10 {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!(
+        processes_with(&data),
+        0,
+        "ranks left running after the launcher"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

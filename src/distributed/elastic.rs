@@ -45,7 +45,7 @@ pub struct ElasticLaunchConfig {
     pub node_rank: usize,
     /// Where rank 0 hosts the rendezvous store (`--master-addr`), default `127.0.0.1`.
     pub master_addr: String,
-    /// The store's port (`--master-port`); `None` picks a free one (one node only).
+    /// The store's port (`--master-port`); `None` or 0 picks a free one (one node only).
     pub master_port: Option<u16>,
 }
 
@@ -83,7 +83,7 @@ impl ElasticLaunchConfig {
         if self.master_addr.trim().is_empty() {
             crate::error::bail_arg!("--master-addr must not be empty");
         }
-        if self.nnodes > 1 && self.master_port.is_none() {
+        if self.nnodes > 1 && self.master_port.unwrap_or(0) == 0 {
             crate::error::bail_arg!(
                 "--nnodes {} needs --master-port (and --master-addr, node 0's address): every node must name the same store",
                 self.nnodes
@@ -171,9 +171,13 @@ fn describe(status: &ExitStatus) -> String {
 /// when a child exits non-zero (the others are then stopped).
 pub fn elastic_launch(cfg: &ElasticLaunchConfig, program: &OsStr, args: &[OsString]) -> Result<()> {
     cfg.validate()?;
+    // Before any child exists, so no signal can end the launcher and leave ranks behind.
+    super::signals::catch_int_term();
+    // Port 0 means "any free port", as when none is given (validate refused it for
+    // several nodes, which must agree on one).
     let port = match cfg.master_port {
-        Some(p) => p,
-        None => free_port(&cfg.master_addr)?,
+        Some(p) if p != 0 => p,
+        _ => free_port(&cfg.master_addr)?,
     };
     let dir = std::env::temp_dir().join(format!(
         "fsdp-launch-{}-{}",
@@ -236,7 +240,17 @@ fn run(
         }
     }
     let mut grace_end: Option<Instant> = None;
+    let mut forwarded: Option<i32> = None;
     loop {
+        if let (Some(sig), None) = (super::signals::caught(), forwarded) {
+            // Pass SIGINT/SIGTERM on to every rank still running, then give them the grace
+            // period before they are killed (torchrun does the same).
+            for p in procs.iter().filter(|p| p.exit.is_none()) {
+                super::signals::send(p.child.id(), sig);
+            }
+            forwarded = Some(sig);
+            grace_end = Some(Instant::now() + GRACE);
+        }
         for p in procs.iter_mut().filter(|p| p.exit.is_none()) {
             if let Ok(Some(st)) = p.child.try_wait() {
                 p.exit = Some((st, Instant::now()));
@@ -253,6 +267,18 @@ fn run(
             break;
         }
         std::thread::sleep(POLL);
+    }
+    if let Some(sig) = forwarded {
+        return Err(Error::io(
+            "fsdp launch",
+            std::io::Error::new(
+                std::io::ErrorKind::Interrupted,
+                format!(
+                    "received {}: passed it on to every rank and stopped the job",
+                    super::signals::name(sig)
+                ),
+            ),
+        ));
     }
     match root_cause(&procs) {
         None => Ok(()),

@@ -36,6 +36,7 @@ mod mesh;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 mod rendezvous;
+mod signals;
 pub mod store;
 mod subgroups;
 pub mod tcp;

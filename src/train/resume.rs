@@ -68,6 +68,17 @@ pub(super) fn validate(cfg: &TrainConfig) -> Result<()> {
                 d.display()
             ));
         }
+        // Found now, not after the first `--save-every` steps of training: the directory
+        // can be created and written.
+        let probe = d.join(format!(".fsdp-write-probe-{}", std::process::id()));
+        let written = std::fs::create_dir_all(d).and_then(|()| std::fs::write(&probe, b""));
+        let _ = std::fs::remove_file(&probe);
+        if let Err(e) = written {
+            return bad(format!(
+                "--save-dir {}: cannot create or write checkpoints there: {e}",
+                d.display()
+            ));
+        }
     }
     if let Some(r) = &cfg.resume {
         let info = read_checkpoint_info(r)?;

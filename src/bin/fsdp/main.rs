@@ -446,9 +446,18 @@ fn main() -> ExitCode {
             }
             // One line naming the problem (clap's first line), not a usage page.
             let text = e.to_string();
-            let first = text.lines().next().unwrap_or("invalid arguments");
+            let mut lines = text.lines();
+            let mut first = lines.next().unwrap_or("invalid arguments").to_string();
+            if first.ends_with(':') {
+                // "the following required arguments were not provided:" lists them below.
+                let listed: Vec<&str> = lines
+                    .take_while(|l| !l.trim().is_empty())
+                    .map(str::trim)
+                    .collect();
+                first = format!("{first} {}", listed.join(", "));
+            }
             let values = match e.get(clap::error::ContextKind::ValidValue) {
-                Some(clap::error::ContextValue::Strings(v)) => {
+                Some(clap::error::ContextValue::Strings(v)) if !v.is_empty() => {
                     format!(" (possible values: {})", v.join(", "))
                 }
                 _ => String::new(),
@@ -465,7 +474,10 @@ fn main() -> ExitCode {
     match res {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            err!("error: {who}{e}");
+            let msg = e.to_string();
+            // Library errors that already say where they come from keep one prefix.
+            let who = if msg.starts_with(who) { "" } else { who };
+            err!("error: {who}{msg}");
             // Under fsdp launch or torchrun, the launcher reads it (torch's @record).
             fsdp::distributed::record_error(&e);
             ExitCode::FAILURE
