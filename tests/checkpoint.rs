@@ -219,6 +219,23 @@ fn truncated_corrupted_and_mismatched_checkpoints_are_refused_before_any_change(
         "{e}"
     );
 
+    // An index naming a file outside its directory: refused before opening it.
+    let d = tmp_dir("escape");
+    save_small(&d, StateDictType::Full, 2, 8);
+    let idx = d.join("index.json");
+    let text = std::fs::read_to_string(&idx).unwrap();
+    let name = text
+        .split('"')
+        .find(|s| s.ends_with(".safetensors"))
+        .unwrap()
+        .to_string();
+    std::fs::write(&idx, text.replace(&name, "../../../../etc/passwd")).unwrap();
+    let e = load_err(&d);
+    assert!(
+        e.contains("'../../../../etc/passwd'") && e.contains("not a plain file name"),
+        "{e}"
+    );
+
     // Wrong shapes (a wider model), unexpected and missing keys (more or fewer layers):
     // each named with what was expected.
     let d = tmp_dir("wider");

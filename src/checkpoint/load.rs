@@ -250,6 +250,19 @@ fn read_data_file(dir: &Path, index: &Index, f: usize) -> Result<TensorFile> {
         path: dir.join(INDEX_FILE).display().to_string(),
         detail: format!("a piece refers to file #{f}, which the index does not list"),
     })?;
+    // The index names files of its own directory only: no path can reach outside it.
+    let plain = Path::new(&fe.name)
+        .file_name()
+        .is_some_and(|n| n == std::ffi::OsStr::new(&fe.name));
+    if !plain || fe.name.starts_with('.') {
+        return Err(Error::Checkpoint {
+            path: dir.join(INDEX_FILE).display().to_string(),
+            detail: format!(
+                "lists file '{}', which is not a plain file name in the checkpoint directory",
+                fe.name
+            ),
+        });
+    }
     let p = dir.join(&fe.name);
     let bad = |detail: String| Error::Checkpoint {
         path: p.display().to_string(),
