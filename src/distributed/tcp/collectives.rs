@@ -49,13 +49,8 @@ impl TcpGroup {
         let (rank, n) = (self.mesh.rank, input.numel());
         let size = std::mem::size_of::<T>();
         let in_place = is_chunk_of(input, output, rank * n);
-        let copy;
-        let input = if input.shares_storage(output) && !in_place {
-            copy = input.deep_clone()?;
-            &copy
-        } else {
-            input
-        };
+        let input = crate::distributed::threads::unaliased(input, output, in_place)?;
+        let input: &Tensor = &input;
         let desc = Desc {
             op: "all_gather_into_tensor",
             dtype: T::DTYPE,
@@ -90,13 +85,8 @@ impl TcpGroup {
         let (rank, m) = (self.mesh.rank, output.numel());
         let size = std::mem::size_of::<T>();
         let in_place = is_chunk_of(output, input, rank * m);
-        let copy;
-        let input = if input.shares_storage(output) && !in_place {
-            copy = input.deep_clone()?;
-            &copy
-        } else {
-            input
-        };
+        let input = crate::distributed::threads::unaliased(input, output, in_place)?;
+        let input: &Tensor = &input;
         let desc = Desc {
             op: "reduce_scatter_tensor",
             dtype: T::DTYPE,

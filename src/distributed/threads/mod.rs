@@ -118,6 +118,22 @@ macro_rules! dispatch {
     };
 }
 
+/// The input a collective reads: `input` itself, or a copy when it overlaps `output`
+/// other than as this rank's own chunk (`in_place`): one lock covers the storage, and
+/// peers must not read what this rank is writing.
+/// Allocates nothing unless it copies.
+pub(crate) fn unaliased<'a>(
+    input: &'a Tensor,
+    output: &Tensor,
+    in_place: bool,
+) -> Result<std::borrow::Cow<'a, Tensor>> {
+    Ok(if input.shares_storage(output) && !in_place {
+        std::borrow::Cow::Owned(input.deep_clone()?)
+    } else {
+        std::borrow::Cow::Borrowed(input)
+    })
+}
+
 /// True when `part` is the `part.numel()` elements of `whole` starting `offset` elements in.
 pub(crate) fn is_chunk_of(part: &Tensor, whole: &Tensor, offset: usize) -> bool {
     part.shares_storage(whole) && part.offset() == whole.offset() + offset
@@ -263,13 +279,8 @@ impl ThreadsGroup {
         let in_place = is_chunk_of(input, output, rank * n);
         // An input that overlaps the output elsewhere is read from a copy: one lock covers
         // the storage, and peers must not read what this rank is writing.
-        let copy;
-        let input = if input.shares_storage(output) && !in_place {
-            copy = input.deep_clone()?;
-            &copy
-        } else {
-            input
-        };
+        let input = unaliased(input, output, in_place)?;
+        let input: &Tensor = &input;
         // The guards live until the collective returned: every peer is done with them.
         let mut out = output.data_mut::<T>()?;
         let inp = if in_place {
@@ -307,13 +318,8 @@ impl ThreadsGroup {
     ) -> Result<()> {
         let (rank, m) = (self.rank, output.numel());
         let in_place = is_chunk_of(output, input, rank * m);
-        let copy;
-        let input = if input.shares_storage(output) && !in_place {
-            copy = input.deep_clone()?;
-            &copy
-        } else {
-            input
-        };
+        let input = unaliased(input, output, in_place)?;
+        let input: &Tensor = &input;
         // In place, one write lock covers input and output.
         let mut guards = kernels::InOutGuards::<T>::lock(input, output, in_place)?;
         let (in_ptr, out_ptr) = guards.ptrs(rank * m);
