@@ -688,4 +688,20 @@ fn resuming_with_options_that_change_the_trajectory_is_refused_naming_them() {
     .unwrap_err()
     .to_string();
     assert!(err.contains("warm-up (3 steps; checkpoint: 0"), "{err}");
+    // Every differing option is named, with values as a user writes them.
+    let err = resume(TrainConfig {
+        lr: base.lr * 2.0,
+        seed: base.seed + 1,
+        optimizer: fsdp::optim::OptimizerKind::Sgd,
+        ..base.clone()
+    })
+    .unwrap_err()
+    .to_string();
+    for want in [
+        format!("--lr {} (checkpoint: {})", base.lr * 2.0, base.lr),
+        format!("--seed {} (checkpoint: {}", base.seed + 1, base.seed),
+        "--optimizer sgd (checkpoint: ".to_string(),
+    ] {
+        assert!(err.contains(&want), "{want} in: {err}");
+    }
 }

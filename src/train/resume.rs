@@ -90,24 +90,26 @@ pub(super) fn validate(cfg: &TrainConfig) -> Result<()> {
                 cfg.steps
             ));
         }
+        // The data order is a function of (seed, step): a different seed is one more
+        // difference to name, listed with the others.
+        let mut diffs = Vec::new();
         let seed = info.extra.get("seed").and_then(|s| s.as_u64());
         if seed != Some(cfg.seed) {
-            return bad(format!(
-                "--resume {}: the checkpoint was trained with --seed {}; pass it to continue the same data order (got --seed {})",
-                r.display(),
-                seed.map_or("?".into(), |s| s.to_string()),
-                cfg.seed
+            diffs.push(format!(
+                "--seed {} (checkpoint: {}; it fixes the data order)",
+                cfg.seed,
+                seed.map_or("?".into(), |s| s.to_string())
             ));
         }
         if let Some(old) = info.extra.get("config") {
-            let diffs = trajectory_differences(old, cfg);
-            if !diffs.is_empty() {
-                return bad(format!(
-                    "--resume {}: {} differ from the checkpoint's run, so training would not continue it; pass the run's values",
-                    r.display(),
-                    diffs.join(", ")
-                ));
-            }
+            diffs.extend(trajectory_differences(old, cfg));
+        }
+        if !diffs.is_empty() {
+            return bad(format!(
+                "--resume {}: options differ from the checkpoint's run, so training would not continue it; pass the run's values: {}",
+                r.display(),
+                diffs.join(", ")
+            ));
         }
         if !info.has_optim {
             return Err(Error::Checkpoint {
@@ -147,7 +149,7 @@ fn trajectory_differences(old: &serde_json::Value, cfg: &TrainConfig) -> Vec<Str
     ] {
         if let (Some(a), Some(b)) = (old.get(key), new.get(key)) {
             if a != b {
-                out.push(format!("{flag} {b} (checkpoint: {a})"));
+                out.push(format!("{flag} {} (checkpoint: {})", shown(b), shown(a)));
             }
         }
     }
@@ -169,6 +171,20 @@ fn trajectory_differences(old: &serde_json::Value, cfg: &TrainConfig) -> Vec<Str
         }
     }
     out
+}
+
+/// An option's value as a user writes it: f32 values without f64 noise (`0.001`, not
+/// `0.0010000000474974513`), enum names lowercase (`adamw`), no value as `none`.
+fn shown(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::Null => "none".into(),
+        serde_json::Value::Number(n) if n.is_f64() => n
+            .as_f64()
+            .map_or_else(|| n.to_string(), |x| (x as f32).to_string()),
+        serde_json::Value::String(s) => s.to_ascii_lowercase(),
+        serde_json::Value::Array(a) => a.iter().map(shown).collect::<Vec<_>>().join("/"),
+        other => other.to_string(),
+    }
 }
 
 /// The step a checkpoint of this job was saved after.
