@@ -118,3 +118,17 @@ pub(crate) fn check_reduce_scatter(
     }
     Ok(())
 }
+
+/// Calls `$self.$f::<T>(args)` with `T` the Rust type of `$dtype`: the typed body of a
+/// collective, picked by the tensors' dtype (both host backends).
+macro_rules! dispatch {
+    ($dtype:expr, $self:ident . $f:ident ( $($arg:expr),* )) => {
+        match $dtype {
+            $crate::tensor::DType::F32 => $self.$f::<f32>($($arg),*),
+            $crate::tensor::DType::BF16 => $self.$f::<half::bf16>($($arg),*),
+            $crate::tensor::DType::F16 => $self.$f::<half::f16>($($arg),*),
+            $crate::tensor::DType::I32 => $self.$f::<i32>($($arg),*),
+        }
+    };
+}
+pub(crate) use dispatch;

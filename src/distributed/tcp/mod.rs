@@ -371,17 +371,7 @@ impl Drop for TcpGroup {
     }
 }
 
-/// Calls `$self.$f::<T>(args)` with `T` the Rust type of `$dtype`.
-macro_rules! dispatch {
-    ($dtype:expr, $self:ident . $f:ident ( $($arg:expr),* )) => {
-        match $dtype {
-            DType::F32 => $self.$f::<f32>($($arg),*),
-            DType::BF16 => $self.$f::<half::bf16>($($arg),*),
-            DType::F16 => $self.$f::<half::f16>($($arg),*),
-            DType::I32 => $self.$f::<i32>($($arg),*),
-        }
-    };
-}
+use crate::distributed::desc::dispatch;
 
 impl ProcessGroup for TcpGroup {
     fn rank(&self) -> usize {

@@ -106,17 +106,7 @@ pub struct ThreadsGroup {
     peers: Mutex<Vec<Arrival>>,
 }
 
-/// Calls `$self.$f::<T>(args)` with `T` the Rust type of `$dtype`.
-macro_rules! dispatch {
-    ($dtype:expr, $self:ident . $f:ident ( $($arg:expr),* )) => {
-        match $dtype {
-            DType::F32 => $self.$f::<f32>($($arg),*),
-            DType::BF16 => $self.$f::<half::bf16>($($arg),*),
-            DType::F16 => $self.$f::<half::f16>($($arg),*),
-            DType::I32 => $self.$f::<i32>($($arg),*),
-        }
-    };
-}
+use crate::distributed::desc::dispatch;
 
 /// The input a collective reads: `input` itself, or a copy when it overlaps `output`
 /// other than as this rank's own chunk (`in_place`): one lock covers the storage, and
