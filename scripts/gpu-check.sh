@@ -155,20 +155,7 @@ data="$root/data/tinyshakespeare.txt"; [ -f "$data" ] || data="$root/data/gpu-ch
 # worst difference.
 compare() {
   local r
-  r="$(python3 - "$2" "$3" <<'PY'
-import json, os, sys
-def losses(p):
-    if not os.path.exists(p):
-        return []
-    return [json.loads(l)["loss"] for l in open(p) if l.strip()]
-a, b = losses(sys.argv[1]), losses(sys.argv[2])
-if not a or len(a) != len(b):
-    print(f"FAIL steps {len(a)} vs {len(b)}"); sys.exit()
-worst = max(range(len(a)), key=lambda i: abs(a[i] - b[i]) / max(abs(b[i]), 1e-12))
-rel = abs(a[worst] - b[worst]) / max(abs(b[worst]), 1e-12)
-print(f"{'PASS' if rel <= 1e-4 else 'FAIL'} worst relative difference {rel:.2e} at step {worst + 1} ({a[worst]:.6f} vs {b[worst]:.6f}; first {a[0]:.4f}, last {a[-1]:.4f})")
-PY
-)"
+  r="$(python3 "$root/scripts/compare_curves.py" "$2" "$3")"
   say "$1: ${r:-FAIL (no result)}"
   case "$r" in PASS*) ;; *) fail=1 ;; esac
 }

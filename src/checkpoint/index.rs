@@ -2,6 +2,7 @@
 //! Written last, atomically, by rank 0: a directory without a readable index is not a
 //! checkpoint (a save that did not finish), and an index only names complete files.
 
+use crate::distributed::staged;
 use crate::distributed::Group;
 use crate::error::{Error, Result};
 use crate::fsdp::StateDictType;
@@ -123,7 +124,7 @@ pub(super) fn all_gather_bytes(pg: &Group, bytes: &[u8]) -> Result<Vec<Vec<u8>>>
     let w = pg.size();
     let len = Tensor::from_vec(vec![bytes.len() as i32], &[1])?;
     let lens = Tensor::zeros(&[w], DType::I32);
-    pg.all_gather_into_tensor(&lens, &len)?;
+    staged::all_gather_into_tensor(pg.as_ref(), &lens, &len)?;
     let lens: Vec<usize> = lens.data::<i32>()?.iter().map(|&l| l as usize).collect();
     let max = lens.iter().copied().max().unwrap_or(0);
     // One byte per i32 word: manifests are small.
@@ -133,7 +134,7 @@ pub(super) fn all_gather_bytes(pg: &Group, bytes: &[u8]) -> Result<Vec<Vec<u8>>>
     }
     let mine = Tensor::from_vec(words, &[max])?;
     let all = Tensor::zeros(&[w * max], DType::I32);
-    pg.all_gather_into_tensor(&all, &mine)?;
+    staged::all_gather_into_tensor(pg.as_ref(), &all, &mine)?;
     let v = all.data::<i32>()?;
     Ok((0..w)
         .map(|r| {
@@ -149,7 +150,7 @@ pub(super) fn all_gather_bytes(pg: &Group, bytes: &[u8]) -> Result<Vec<Vec<u8>>>
 pub(super) fn first_failed(pg: &Group, ok: bool) -> Result<Option<usize>> {
     let mine = if ok { i32::MAX } else { pg.rank() as i32 };
     let t = Tensor::from_vec(vec![mine], &[1])?;
-    pg.all_reduce(&t, crate::distributed::ReduceOp::Min)?;
+    staged::all_reduce(pg.as_ref(), &t, crate::distributed::ReduceOp::Min)?;
     let v = t.data::<i32>()?[0];
     Ok((v != i32::MAX).then_some(v as usize))
 }

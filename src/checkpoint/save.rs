@@ -9,6 +9,7 @@ use super::index::{
     all_gather_bytes, read_index, Entry, FileEntry, Index, OptimIndex, PieceRef, FORMAT,
     INDEX_FILE, VERSION,
 };
+use crate::distributed::staged;
 use crate::error::{Error, Result};
 use crate::fsdp::{
     FullStateDictConfig, FullyShardedDataParallel, OptimStateDict, StateDict, StateDictConfig,
@@ -68,7 +69,7 @@ pub fn save_checkpoint(
     // Rank 0 prepares the directory and picks the generation; everyone learns both.
     let prep = if rank == 0 { prepare(dir) } else { Ok(0) };
     let word = Tensor::from_vec(vec![prep.as_ref().map_or(-1, |&g| g as i32)], &[1])?;
-    pg.broadcast(&word, 0)?;
+    staged::broadcast(pg.as_ref(), &word, 0)?;
     let generation = word.data::<i32>()?[0];
     prep?;
     if generation < 0 {

@@ -37,6 +37,7 @@ mod mesh;
 pub mod nccl;
 mod rendezvous;
 mod signals;
+pub mod staged;
 pub mod store;
 mod subgroups;
 pub mod tcp;
@@ -88,6 +89,13 @@ pub trait ProcessGroup: Send + Sync {
     fn size(&self) -> usize;
     /// Backend name (`"threads"`, `"tcp"`, `"nccl"`).
     fn backend(&self) -> &'static str;
+
+    /// The device every tensor of this group's collectives must be on, or `None` when any
+    /// device works (threads, tcp). NCCL takes only its own GPU's tensors, as in PyTorch;
+    /// [`staged`] moves host tensors there and back for the small bookkeeping collectives.
+    fn collective_device(&self) -> Option<crate::backend::Device> {
+        None
+    }
 
     /// This rank's index in the whole world (equal to `rank()` on the world group).
     fn world_rank(&self) -> usize {

@@ -471,6 +471,10 @@ impl ProcessGroup for NcclGroup {
         "nccl"
     }
 
+    fn collective_device(&self) -> Option<Device> {
+        Some(Device::Cuda(self.ordinal))
+    }
+
     fn world_rank(&self) -> usize {
         self.world_rank
     }

@@ -2,6 +2,7 @@
 //! `clip_grad_norm_` (FSDP1 `FullyShardedDataParallel.no_sync` / `.clip_grad_norm_`).
 
 use super::FullyShardedDataParallel;
+use crate::distributed::staged;
 use crate::distributed::ReduceOp;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -57,8 +58,8 @@ impl FullyShardedDataParallel {
         // would count each sqrt(replicas) times too many); under NoShard every rank holds all.
         let total = if self.sharding_strategy().is_sharded() {
             let t = Tensor::from_vec(vec![local as f32], &[1])?;
-            self.shard_group()
-                .all_reduce(&t, if inf { ReduceOp::Max } else { ReduceOp::Sum })?;
+            let op = if inf { ReduceOp::Max } else { ReduceOp::Sum };
+            staged::all_reduce(self.shard_group().as_ref(), &t, op)?;
             let v = t.f32()?[0] as f64;
             v
         } else {

@@ -8,6 +8,7 @@ use super::scheduler::Scheduler;
 use super::unit::RankState;
 use super::{AutoWrapPolicy, FsdpConfig, FullyShardedDataParallel, MemoryStats};
 use crate::backend::Device;
+use crate::distributed::staged;
 use crate::distributed::{CommStream, DeviceMesh, Group};
 use crate::error::{Error, Result};
 use crate::nn::{join_name, visit_parameters, Module, Sequential};
@@ -145,7 +146,7 @@ impl FullyShardedDataParallel {
                 }
                 res = match p.data() {
                     Ok(d) if d.device() == Device::Meta => Ok(()),
-                    Ok(d) => rs.pg.broadcast(d, 0),
+                    Ok(d) => staged::broadcast(rs.pg.as_ref(), d, 0),
                     Err(_) => Err(Error::NotMaterialized {
                         name: name.to_string(),
                         state: "sync_module_states",

@@ -2,6 +2,7 @@
 //! (the reference FSDP is measured against).
 
 use crate::backend::Device;
+use crate::distributed::staged;
 use crate::distributed::{Group, ReduceOp};
 use crate::error::Result;
 use crate::fsdp::FullyShardedDataParallel;
@@ -235,7 +236,7 @@ pub fn gather_memory(pg: &Group, mine: RankMemory) -> Result<Vec<RankMemory>> {
     }
     let local = Tensor::from_vec(words, &[WORDS])?;
     let all = Tensor::zeros(&[WORDS * pg.size()], DType::I32);
-    pg.all_gather_into_tensor(&all, &local)?;
+    staged::all_gather_into_tensor(pg.as_ref(), &all, &local)?;
     let v = all.data::<i32>()?;
     Ok(v.chunks_exact(WORDS)
         .enumerate()
@@ -262,7 +263,7 @@ pub fn gather_counts(pg: &Group, mine: usize) -> Result<Vec<usize>> {
         &[2],
     )?;
     let all = Tensor::zeros(&[2 * pg.size()], DType::I32);
-    pg.all_gather_into_tensor(&all, &local)?;
+    staged::all_gather_into_tensor(pg.as_ref(), &all, &local)?;
     let v = all.data::<i32>()?;
     Ok(v.chunks_exact(2)
         .map(|w| ((w[0] as usize) << 30) | w[1] as usize)
@@ -272,7 +273,7 @@ pub fn gather_counts(pg: &Group, mine: usize) -> Result<Vec<usize>> {
 /// Mean of a per-rank scalar over the group.
 pub fn mean_over_ranks(pg: &Group, v: f32) -> Result<f32> {
     let t = Tensor::from_vec(vec![v], &[1])?;
-    pg.all_reduce(&t, ReduceOp::Avg)?;
+    staged::all_reduce(pg.as_ref(), &t, ReduceOp::Avg)?;
     let out = t.f32()?[0];
     Ok(out)
 }

@@ -3,6 +3,7 @@
 
 use super::{dtype_problem, ShardPiece, ShardedTensor};
 use crate::backend::Device;
+use crate::distributed::staged;
 use crate::error::{Error, Result};
 use crate::fsdp::{FullyShardedDataParallel, ParamInfo};
 use crate::tensor::{DType, Tensor};
@@ -105,7 +106,7 @@ pub(super) fn write_f32(t: &Tensor, start: usize, values: &[f32]) -> Result<()> 
 pub(super) fn gather_chunk(u: &FullyShardedDataParallel, chunk: &Tensor) -> Result<Tensor> {
     if u.sharding_strategy().is_sharded() {
         let full = Tensor::zeros_on(&[u.flat_param().padded_numel()], DType::F32, chunk.device())?;
-        u.shard_group().all_gather_into_tensor(&full, chunk)?;
+        staged::all_gather_into_tensor(u.shard_group().as_ref(), &full, chunk)?;
         Ok(full)
     } else {
         chunk.deep_clone()

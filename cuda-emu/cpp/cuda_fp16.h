@@ -1,0 +1,3 @@
+// Stand-in for CUDA's cuda_fp16.h when kernels/*.cu are compiled as host C++.
+#pragma once
+#include "cuda_emu.h"

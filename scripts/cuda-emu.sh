@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Runs fsdp's CUDA code paths on this CPU through cuda-emu (cuda-emu/: a stand-in for
+# libcuda, libcublas and libnccl that runs kernels/*.cu compiled as host C++), so they are
+# exercised in CI without a GPU:
+#   1. the CUDA variants of the test suites (kernels, layers, ops, FSDP on cuda, the
+#      threads backend on device buffers, NCCL at world size 1) against the CPU;
+#   2. `fsdp train --device cuda` loss curves against `--device cpu`: world size 1, 2 ranks
+#      on 2 emulated devices (peer copies), mixed precision, CPU offload, and one process
+#      under `fsdp launch` (NCCL).
+# Each check prints PASS or FAIL; the script exits 1 when one failed. A test that skips its
+# CUDA variant counts as a failure here (the emulated devices must be found).
+#   usage: scripts/cuda-emu.sh [tests|curves]   (default: both)
+# What the emulator cannot show (concurrency between streams, the device's own rounding of
+# logf/expf, NCCL across ranks) is written in cuda-emu/src/lib.rs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root="$(pwd)"
+what="${1:-all}"
+case "$what" in all | tests | curves) ;; *) echo "usage: scripts/cuda-emu.sh [tests|curves]" >&2; exit 2 ;; esac
+
+NVCC="$(scripts/install_nvcc.sh | tail -n 1)" || { echo "FAIL: no nvcc (scripts/install_nvcc.sh)"; exit 1; }
+export NVCC
+cargo build -p cuda-emu --release || { echo "FAIL: building cuda-emu"; exit 1; }
+lib="$root/target/cuda-emu/lib"
+mkdir -p "$lib"
+for n in libcuda.so libcuda.so.1 libcublas.so libcublas.so.13 libnccl.so libnccl.so.2; do
+  ln -sf ../../release/libcuda_emu.so "$lib/$n"
+done
+export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# CUDA_EMU_DEVICES (emulated GPUs) fixes one count for every check; by default the tests
+# run with 2 and with 1, the training curves with 2.
+[ -n "${CUDA_EMU_DEVICES:-}" ] && CUDA_EMU_DEVICES_SET="$CUDA_EMU_DEVICES"
+export CUDA_EMU_DEVICES="${CUDA_EMU_DEVICES:-2}"
+out="$root/target/cuda-emu"
+fail=0
+
+if [ "$what" != curves ]; then
+  tests="kernels kernels_nn ops_device nn_device fsdp_cuda distributed"
+  args=""; for t in $tests; do args="$args --test $t"; done
+  # Two emulated GPUs (ranks spread over devices: peer copies) and one (every rank on
+  # cuda:0, as on a lent H200), unless CUDA_EMU_DEVICES names one count.
+  for devices in ${CUDA_EMU_DEVICES_SET:-2 1}; do
+    log="$out/tests-$devices.log"
+    echo "== CUDA tests on cuda-emu ($devices emulated device(s))"
+    # shellcheck disable=SC2086
+    if CUDA_EMU_DEVICES=$devices cargo test --features cuda $args -- --nocapture >"$log" 2>&1; then
+      echo "PASS cuda tests, $devices device(s): $(grep -c '_cuda \.\.\. ok\|nccl.* \.\.\. ok' "$log") CUDA variants ok"
+    else
+      echo "FAIL cuda tests, $devices device(s) (log: $log):"; grep -E "FAILED|panicked|cuda-emu:" "$log" | head -n 20; fail=1
+    fi
+    # A skip for want of a driver or device means the emulator was not found; a test that
+    # needs two GPUs may skip on one.
+    if grep "skipping" "$log" | grep -qv ": one GPU"; then
+      echo "FAIL cuda tests: CUDA variants skipped on the emulator:"; grep "skipping" "$log" | grep -v ": one GPU" | head -n 5; fail=1
+    fi
+  done
+fi
+
+if [ "$what" != tests ]; then
+  echo "== fsdp train --device cuda on cuda-emu"
+  cargo build --features cuda --bin fsdp || { echo "FAIL: building fsdp --features cuda"; exit 1; }
+  fsdp="$root/target/debug/fsdp"
+  data="$root/data/tinyshakespeare.txt"
+  [ -s "$data" ] || scripts/get_data.sh >/dev/null 2>&1 || true
+  if [ ! -s "$data" ]; then
+    data="$out/text.txt"; python3 -c "print('the king and queen of rome shall speak\n' * 3000)" >"$data"
+  fi
+  small="--data $data --steps 8 --n-layer 2 --n-embd 32 --n-head 2 --seq-len 32 --global-batch 4 --eval-every 0 --sample-len 0 --log-every 0"
+  run() { # run NAME ARGS...: one training, its metrics in $out/NAME.jsonl
+    local name="$1"; shift
+    if ! "$@" $small --metrics "$out/$name.jsonl" >"$out/$name.log" 2>&1; then
+      echo "FAIL $name: $(tail -n 3 "$out/$name.log")"; fail=1
+    fi
+  }
+  check() { # check TITLE A B [REL]
+    local r; r="$(python3 scripts/compare_curves.py "$out/$2.jsonl" "$out/$3.jsonl" "${4:-1e-4}")"
+    echo "$r" | sed "s/^\(PASS\|FAIL\)/\1 $1:/"
+    case "$r" in PASS*) ;; *) fail=1 ;; esac
+  }
+  rm -f "$out"/*.jsonl
+  run cpu-ws1 "$fsdp" train --device cpu --world-size 1
+  run cuda-ws1 "$fsdp" train --device cuda --world-size 1
+  run cpu-ws2 "$fsdp" train --device cpu --world-size 2
+  run cuda-ws2 "$fsdp" train --device cuda --world-size 2
+  run cpu-ws2-zero2 "$fsdp" train --device cpu --world-size 2 --strategy shard-grad-op
+  run cuda-ws2-zero2 "$fsdp" train --device cuda --world-size 2 --strategy shard-grad-op
+  run cpu-ws2-bf16 "$fsdp" train --device cpu --world-size 2 --mixed-precision bf16
+  run cuda-ws2-bf16 "$fsdp" train --device cuda --world-size 2 --mixed-precision bf16
+  run cuda-ws2-offload "$fsdp" train --device cuda --world-size 2 --cpu-offload
+  run nccl-ws1 "$fsdp" launch --nproc-per-node 1 --master-port 0 -- "$fsdp" train --device cuda --world-size 1
+  check "cuda vs cpu, world size 1 (f32)" cuda-ws1 cpu-ws1
+  check "cuda vs cpu, 2 ranks on $CUDA_EMU_DEVICES device(s) (f32)" cuda-ws2 cpu-ws2
+  check "cuda vs cpu, 2 ranks, shard-grad-op" cuda-ws2-zero2 cpu-ws2-zero2
+  check "cuda vs cpu, 2 ranks, bf16 mixed precision" cuda-ws2-bf16 cpu-ws2-bf16 1e-2
+  check "cuda with cpu offload vs cuda, 2 ranks" cuda-ws2-offload cuda-ws2
+  check "nccl (fsdp launch, 1 process) vs threads, cuda" nccl-ws1 cuda-ws1
+fi
+
+echo "== cuda-emu: $([ $fail -eq 0 ] && echo passed || echo FAILED) (logs in $out)"
+exit $fail
