@@ -107,7 +107,7 @@ fn main() {
         for n in &names {
             writeln!(w, "  EMU_KERNEL({n}),").unwrap();
         }
-        w.push_str("  EmuKernel{nullptr, nullptr, nullptr},\n};\n");
+        w.push_str("  EmuKernel{nullptr, nullptr, nullptr, 0, nullptr},\n};\n");
         let file = out.join(format!("emu_{stem}.cpp"));
         fs::write(&file, w).expect("writing a kernel table");
         build.file(&file);

@@ -2,11 +2,14 @@
 # Runs fsdp's CUDA code paths on this CPU through cuda-emu (cuda-emu/: a stand-in for
 # libcuda, libcublas and libnccl that runs kernels/*.cu compiled as host C++), so they are
 # exercised in CI without a GPU:
+#   0. the emulator's own tests;
 #   1. the CUDA variants of the test suites (kernels, layers, ops, FSDP on cuda, the
 #      threads backend on device buffers, NCCL at world size 1) against the CPU;
 #   2. `fsdp train --device cuda` loss curves against `--device cpu`: world size 1, 2 ranks
 #      on 2 emulated devices (peer copies), mixed precision, CPU offload, and one process
 #      under `fsdp launch` (NCCL).
+# Stream work is deferred until something forces it (cuda-emu/src/queue.rs), so a missing
+# event wait fails the checks; CUDA_EMU_SCHEDULE=eager runs work when issued instead.
 # Each check prints PASS or FAIL; the script exits 1 when one failed. A test that skips its
 # CUDA variant counts as a failure here (the emulated devices must be found).
 #   usage: scripts/cuda-emu.sh [tests|curves]   (default: both)
@@ -35,6 +38,10 @@ out="$root/target/cuda-emu"
 fail=0
 
 if [ "$what" != curves ]; then
+  echo "== cuda-emu's own tests (its bf16/f16 conversions against the half crate)"
+  if cargo test -q -p cuda-emu --release >"$out/emu-self.log" 2>&1; then echo "PASS cuda-emu self-tests"; else
+    echo "FAIL cuda-emu self-tests (log: $out/emu-self.log)"; tail -n 15 "$out/emu-self.log"; fail=1
+  fi
   tests="kernels kernels_nn ops_device nn_device fsdp_cuda distributed"
   args=""; for t in $tests; do args="$args --test $t"; done
   # Two emulated GPUs (ranks spread over devices: peer copies) and one (every rank on

@@ -13,6 +13,8 @@ struct EmuKernel {
   const char* name;
   void (*call)(void** params);  // runs the kernel body once, for the current thread/block
   int (*check)(void** params);  // 0 when every pointer argument is null or device memory
+  size_t nparams;                // parameters of the kernel
+  const size_t* sizes;           // their sizes in bytes (each at most 8)
 };
 
 namespace emu {
@@ -43,6 +45,17 @@ int check_with(void (*)(A...), void** p, std::index_sequence<I...>) {
 
 }  // namespace emu
 
+namespace emu {
+template <typename... A>
+struct Sizes {
+  static constexpr size_t value[sizeof...(A) + 1] = {sizeof(A)..., 0};
+};
+template <typename... A>
+constexpr const size_t* sizes(void (*)(A...)) {
+  return Sizes<std::remove_cv_t<A>...>::value;
+}
+}  // namespace emu
+
 #define EMU_KERNEL(NAME)                                                                     \
   EmuKernel {                                                                                \
     #NAME,                                                                                   \
@@ -51,7 +64,8 @@ int check_with(void (*)(A...), void** p, std::index_sequence<I...>) {
         },                                                                                   \
         [](void** p) {                                                                       \
           return emu::check_with(&NAME, p, std::make_index_sequence<emu::arity(&NAME)>{});  \
-        }                                                                                    \
+        },                                                                                   \
+        emu::arity(&NAME), emu::sizes(&NAME)                                                 \
   }
 
 namespace emu {

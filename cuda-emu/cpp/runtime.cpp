@@ -198,6 +198,12 @@ extern "C" int emu_check_pointers(const EmuKernel* kernel, void** params) {
   return kernel->check(params);
 }
 
+// The parameter sizes of `kernel` (`*n` of them), for copying its arguments at launch.
+extern "C" const size_t* emu_param_sizes(const EmuKernel* kernel, size_t* n) {
+  *n = kernel->nparams;
+  return kernel->sizes;
+}
+
 // A fault while a kernel runs (most often past the end of a buffer: each allocation ends at
 // an inaccessible page) is named before the process dies; other faults go to the handler
 // that was there before (Rust's stack-overflow report).
@@ -230,3 +236,9 @@ struct InstallSegv {
   }
 } install_segv;
 }  // namespace
+
+// The 16-bit conversions of cuda_emu.h, for the crate's tests against the `half` crate.
+extern "C" uint16_t emu_test_f32_to_f16(float v) { return __float2half_rn(v).bits; }
+extern "C" float emu_test_f16_to_f32(uint16_t h) { return __half2float(__half{h}); }
+extern "C" uint16_t emu_test_f32_to_bf16(float v) { return __float2bfloat16_rn(v).bits; }
+extern "C" float emu_test_bf16_to_f32(uint16_t h) { return __bfloat162float(__nv_bfloat16{h}); }

@@ -224,53 +224,59 @@ pub unsafe extern "C" fn cublasGemmStridedBatchedEx(
     }
     // SAFETY: host scalars (the default pointer mode), f32 for an f32 compute type.
     let (alpha, beta) = unsafe { (*(alpha as *const f32), *(beta as *const f32)) };
-    // op(A) as m rows of k and op(B)^T as n rows of k, in f32: each C element is then one
-    // contiguous dot product (summed over k in order).
-    let mut ra = vec![0.0f32; m * k];
-    let mut rb = vec![0.0f32; n * k];
-    for bi in 0..batch {
-        for i in 0..m {
-            for p in 0..k {
-                let ai = if transa == 0 {
-                    i + p * lda
-                } else {
-                    p + i * lda
-                };
-                // SAFETY: inside the range checked by `covered`.
-                ra[i * k + p] = unsafe { ta.load(a, bi * sa + ai) };
-            }
-        }
-        for j in 0..n {
-            for p in 0..k {
-                let bj = if transb == 0 {
-                    p + j * ldb
-                } else {
-                    j + p * ldb
-                };
-                // SAFETY: inside the range checked by `covered`.
-                rb[j * k + p] = unsafe { tb.load(b, bi * sb + bj) };
-            }
-        }
-        for j in 0..n {
-            let col = &rb[j * k..(j + 1) * k];
+    // Deferred to the handle's stream like any device work; the matrices are read when it runs.
+    let (a, b, c) = (a as usize, b as usize, c as usize);
+    let run = move || {
+        let (a, b, c) = (a as *const c_void, b as *const c_void, c as *mut c_void);
+        // op(A) as m rows of k and op(B)^T as n rows of k, in f32: each C element is then one
+        // contiguous dot product (summed over k in order).
+        let mut ra = vec![0.0f32; m * k];
+        let mut rb = vec![0.0f32; n * k];
+        for bi in 0..batch {
             for i in 0..m {
-                let row = &ra[i * k..(i + 1) * k];
-                let mut acc = 0.0f32;
                 for p in 0..k {
-                    acc += row[p] * col[p];
-                }
-                let ci = bi * sc + i + j * ldc;
-                let v = if beta == 0.0 {
-                    alpha * acc
-                } else {
+                    let ai = if transa == 0 {
+                        i + p * lda
+                    } else {
+                        p + i * lda
+                    };
                     // SAFETY: inside the range checked by `covered`.
-                    alpha * acc + beta * unsafe { tc.load(c, ci) }
-                };
-                // SAFETY: as above.
-                unsafe { tc.store(c, ci, v) };
+                    ra[i * k + p] = unsafe { ta.load(a, bi * sa + ai) };
+                }
+            }
+            for j in 0..n {
+                for p in 0..k {
+                    let bj = if transb == 0 {
+                        p + j * ldb
+                    } else {
+                        j + p * ldb
+                    };
+                    // SAFETY: inside the range checked by `covered`.
+                    rb[j * k + p] = unsafe { tb.load(b, bi * sb + bj) };
+                }
+            }
+            for j in 0..n {
+                let col = &rb[j * k..(j + 1) * k];
+                for i in 0..m {
+                    let row = &ra[i * k..(i + 1) * k];
+                    let mut acc = 0.0f32;
+                    for p in 0..k {
+                        acc += row[p] * col[p];
+                    }
+                    let ci = bi * sc + i + j * ldc;
+                    let v = if beta == 0.0 {
+                        alpha * acc
+                    } else {
+                        // SAFETY: inside the range checked by `covered`.
+                        alpha * acc + beta * unsafe { tc.load(c, ci) }
+                    };
+                    // SAFETY: as above.
+                    unsafe { tc.store(c, ci, v) };
+                }
             }
         }
-    }
+    };
+    crate::queue::issue(stream as usize, dev, crate::queue::Work::new(run));
     SUCCESS
 }
 

@@ -3,8 +3,10 @@
 //! emulated device; every operation runs synchronously when issued.
 
 use crate::memory;
+use crate::queue::{self, Mark, Work};
 use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 pub type CUresult = c_uint;
@@ -85,7 +87,11 @@ struct StreamObj {
 }
 struct EventObj {
     device: c_int,
-    at: Option<Instant>,
+    /// The stream work the last record marked (None: nothing was pending, or never recorded).
+    mark: Option<Mark>,
+    recorded: bool,
+    /// When the recorded point ran (for cuEventElapsedTime).
+    at: Arc<Mutex<Option<Instant>>>,
 }
 struct ModuleObj {
     device: c_int,
@@ -261,7 +267,7 @@ pub unsafe extern "C" fn cuCtxGetDevice(d: *mut c_int) -> CUresult {
 
 #[no_mangle]
 pub extern "C" fn cuCtxSynchronize() -> CUresult {
-    try_cu!(current());
+    queue::synchronize_device(try_cu!(current()));
     SUCCESS
 }
 
@@ -297,6 +303,10 @@ pub extern "C" fn cuMemFree_v2(ptr: u64) -> CUresult {
     if ptr == 0 {
         return SUCCESS;
     }
+    // cuMemFree waits for the device's work, which may still use the memory.
+    if let Some(d) = memory::device_of(ptr as usize, 0) {
+        queue::synchronize_device(d);
+    }
     if memory::free(ptr as usize) {
         SUCCESS
     } else {
@@ -329,12 +339,21 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
     if bytes == 0 {
         return SUCCESS;
     }
-    try_cu!(device_range(dst, bytes));
+    let dev = try_cu!(device_range(dst, bytes));
     if src.is_null() {
         return INVALID_VALUE;
     }
-    // SAFETY: dst checked against the allocation table; src is the caller's host buffer.
-    unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+    // From pageable host memory the driver stages the source before returning: copy it now.
+    // SAFETY: src is the caller's host buffer of `bytes` bytes.
+    let data = unsafe { std::slice::from_raw_parts(src as *const u8, bytes) }.to_vec();
+    queue::issue(
+        stream as usize,
+        dev,
+        Work::new(move || {
+            // SAFETY: dst was checked against the allocation table; a free drains first.
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst as *mut u8, bytes) }
+        }),
+    );
     SUCCESS
 }
 
@@ -345,7 +364,7 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
     bytes: usize,
     stream: *mut c_void,
 ) -> CUresult {
-    try_cu!(unsafe { on_stream(stream) });
+    let dev = try_cu!(unsafe { on_stream(stream) });
     if bytes == 0 {
         return SUCCESS;
     }
@@ -353,6 +372,8 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
     if dst.is_null() {
         return INVALID_VALUE;
     }
+    // To pageable host memory the copy is synchronous: the stream's work first, then it.
+    queue::synchronize(stream as usize, dev);
     // SAFETY: src checked; dst is the caller's host buffer.
     unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
     SUCCESS
@@ -365,14 +386,13 @@ pub unsafe extern "C" fn cuMemcpyDtoDAsync_v2(
     bytes: usize,
     stream: *mut c_void,
 ) -> CUresult {
-    try_cu!(unsafe { on_stream(stream) });
+    let dev = try_cu!(unsafe { on_stream(stream) });
     if bytes == 0 {
         return SUCCESS;
     }
     try_cu!(device_range(dst, bytes));
     try_cu!(device_range(src, bytes));
-    // SAFETY: both ranges checked.
-    unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+    queue::issue(stream as usize, dev, copy_work(dst, src, bytes));
     SUCCESS
 }
 
@@ -400,7 +420,7 @@ pub unsafe extern "C" fn cuMemcpyPeerAsync(
     bytes: usize,
     stream: *mut c_void,
 ) -> CUresult {
-    try_cu!(unsafe { on_stream(stream) });
+    let dev = try_cu!(unsafe { on_stream(stream) });
     let (Some(dd), Some(sd)) = (ctx_device(dst_ctx), ctx_device(src_ctx)) else {
         return INVALID_CONTEXT;
     };
@@ -410,8 +430,7 @@ pub unsafe extern "C" fn cuMemcpyPeerAsync(
     if try_cu!(device_range(dst, bytes)) != dd || try_cu!(device_range(src, bytes)) != sd {
         return INVALID_VALUE;
     }
-    // SAFETY: both ranges checked.
-    unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+    queue::issue(stream as usize, dev, copy_work(dst, src, bytes));
     SUCCESS
 }
 
@@ -422,13 +441,14 @@ pub unsafe extern "C" fn cuMemsetD8Async(
     n: usize,
     stream: *mut c_void,
 ) -> CUresult {
-    try_cu!(unsafe { on_stream(stream) });
+    let dev = try_cu!(unsafe { on_stream(stream) });
     if n == 0 {
         return SUCCESS;
     }
     try_cu!(device_range(dst, n));
-    // SAFETY: range checked.
-    unsafe { std::ptr::write_bytes(dst as *mut u8, value, n) };
+    // SAFETY: range checked at issue; a free drains the device first.
+    let w = Work::new(move || unsafe { std::ptr::write_bytes(dst as *mut u8, value, n) });
+    queue::issue(stream as usize, dev, w);
     SUCCESS
 }
 
@@ -439,7 +459,7 @@ pub unsafe extern "C" fn cuMemsetD32Async(
     n: usize,
     stream: *mut c_void,
 ) -> CUresult {
-    try_cu!(unsafe { on_stream(stream) });
+    let dev = try_cu!(unsafe { on_stream(stream) });
     if n == 0 {
         return SUCCESS;
     }
@@ -447,14 +467,27 @@ pub unsafe extern "C" fn cuMemsetD32Async(
     if dst % 4 != 0 {
         return INVALID_VALUE;
     }
-    for i in 0..n {
-        // SAFETY: range and alignment checked.
-        unsafe { (dst as *mut u32).add(i).write(value) };
-    }
+    let w = Work::new(move || {
+        for i in 0..n {
+            // SAFETY: range and alignment checked at issue; a free drains the device first.
+            unsafe { (dst as *mut u32).add(i).write(value) };
+        }
+    });
+    queue::issue(stream as usize, dev, w);
     SUCCESS
 }
 
 // ---- streams and events ------------------------------------------------------------------
+
+/// A deferred device-to-device copy of ranges checked at issue.
+fn copy_work(dst: u64, src: u64, bytes: usize) -> Work {
+    // SAFETY: both ranges were checked at issue; a free drains the device first.
+    Work::new(move || unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) })
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamCreate(stream: *mut *mut c_void, _flags: c_uint) -> CUresult {
@@ -481,6 +514,8 @@ pub unsafe extern "C" fn cuStreamDestroy_v2(stream: *mut c_void) -> CUresult {
     if stream.is_null() {
         return INVALID_HANDLE;
     }
+    // Pending work still completes.
+    queue::destroy(stream as usize);
     // SAFETY: made by cuStreamCreate, destroyed once.
     drop(unsafe { Box::from_raw(stream as *mut StreamObj) });
     SUCCESS
@@ -488,14 +523,15 @@ pub unsafe extern "C" fn cuStreamDestroy_v2(stream: *mut c_void) -> CUresult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamSynchronize(stream: *mut c_void) -> CUresult {
-    try_cu!(unsafe { stream_device(stream) });
+    let dev = try_cu!(unsafe { stream_device(stream) });
+    queue::synchronize(stream as usize, dev);
     SUCCESS
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamQuery(stream: *mut c_void) -> CUresult {
-    try_cu!(unsafe { stream_device(stream) });
-    SUCCESS
+    // A poll lets the "device" make progress: the stream's work runs, then it is idle.
+    unsafe { cuStreamSynchronize(stream) }
 }
 
 #[no_mangle]
@@ -504,9 +540,13 @@ pub unsafe extern "C" fn cuStreamWaitEvent(
     event: *mut c_void,
     _flags: c_uint,
 ) -> CUresult {
-    try_cu!(unsafe { on_stream(stream) });
+    let dev = try_cu!(unsafe { on_stream(stream) });
     if event.is_null() {
         return INVALID_HANDLE;
+    }
+    // SAFETY: made by cuEventCreate. An event with nothing pending at its record: no wait.
+    if let Some(m) = unsafe { (*(event as *const EventObj)).mark } {
+        queue::wait(stream as usize, dev, m);
     }
     SUCCESS
 }
@@ -514,12 +554,13 @@ pub unsafe extern "C" fn cuStreamWaitEvent(
 #[no_mangle]
 pub unsafe extern "C" fn cuEventCreate(event: *mut *mut c_void, _flags: c_uint) -> CUresult {
     let device = try_cu!(current());
-    unsafe {
-        out(
-            event,
-            Box::into_raw(Box::new(EventObj { device, at: None })) as *mut c_void,
-        )
-    }
+    let e = EventObj {
+        device,
+        mark: None,
+        recorded: false,
+        at: Arc::new(Mutex::new(None)),
+    };
+    unsafe { out(event, Box::into_raw(Box::new(e)) as *mut c_void) }
 }
 
 #[no_mangle]
@@ -533,7 +574,16 @@ pub unsafe extern "C" fn cuEventRecord(event: *mut c_void, stream: *mut c_void) 
     if e.device != sd {
         return INVALID_HANDLE;
     }
-    e.at = Some(Instant::now());
+    // The time is taken when the stream reaches this point, as on the device.
+    let at = e.at.clone();
+    *lock(&at) = None;
+    queue::issue(
+        stream as usize,
+        sd,
+        Work::new(move || *lock(&at) = Some(Instant::now())),
+    );
+    e.mark = queue::mark(stream as usize);
+    e.recorded = true;
     SUCCESS
 }
 
@@ -547,19 +597,21 @@ pub unsafe extern "C" fn cuEventRecordWithFlags(
 }
 
 #[no_mangle]
-pub extern "C" fn cuEventSynchronize(event: *mut c_void) -> CUresult {
+pub unsafe extern "C" fn cuEventSynchronize(event: *mut c_void) -> CUresult {
     if event.is_null() {
         return INVALID_HANDLE;
+    }
+    // SAFETY: made by cuEventCreate.
+    if let Some(m) = unsafe { (*(event as *const EventObj)).mark } {
+        queue::complete(m);
     }
     SUCCESS
 }
 
 #[no_mangle]
-pub extern "C" fn cuEventQuery(event: *mut c_void) -> CUresult {
-    if event.is_null() {
-        return INVALID_HANDLE;
-    }
-    SUCCESS
+pub unsafe extern "C" fn cuEventQuery(event: *mut c_void) -> CUresult {
+    // A poll lets the "device" make progress: the work up to the event runs, then it is done.
+    unsafe { cuEventSynchronize(event) }
 }
 
 #[no_mangle]
@@ -582,13 +634,17 @@ pub unsafe extern "C" fn cuEventElapsedTime_v2(
         return INVALID_HANDLE;
     }
     // SAFETY: made by cuEventCreate.
-    let (a, b) = unsafe {
-        (
-            (*(start as *const EventObj)).at,
-            (*(end as *const EventObj)).at,
-        )
+    let (start, end) = unsafe { (&*(start as *const EventObj), &*(end as *const EventObj)) };
+    if !start.recorded || !end.recorded {
+        return INVALID_HANDLE;
+    }
+    let time = |e: &EventObj| {
+        if let Some(m) = e.mark {
+            queue::complete(m);
+        }
+        *lock(&e.at)
     };
-    match (a, b) {
+    match (time(start), time(end)) {
         (Some(a), Some(b)) => unsafe {
             out(ms, b.saturating_duration_since(a).as_secs_f32() * 1e3)
         },
@@ -610,6 +666,7 @@ pub unsafe extern "C" fn cuEventElapsedTime(
 extern "C" {
     fn emu_find_kernel(name: *const c_char) -> *const c_void;
     fn emu_check_pointers(kernel: *const c_void, params: *mut *mut c_void) -> c_int;
+    fn emu_param_sizes(kernel: *const c_void, n: *mut usize) -> *const usize;
     fn emu_launch(
         kernel: *const c_void,
         gx: c_uint,
@@ -705,10 +762,56 @@ pub unsafe extern "C" fn cuLaunchKernel(
     if unsafe { emu_check_pointers(func.kernel, params) } != 0 {
         return INVALID_VALUE;
     }
-    match unsafe { emu_launch(func.kernel, gx, gy, gz, bx, by, bz, params) } {
-        0 => SUCCESS,
-        _ => INVALID_VALUE,
+    // The device's limits (the runtime checks them again when the launch runs).
+    let block_ok = (1..=1024).contains(&bx) && by == 1 && bz == 1;
+    let grid_ok = gx >= 1
+        && gx <= i32::MAX as c_uint
+        && (1..=65535).contains(&gy)
+        && (1..=65535).contains(&gz);
+    if !block_ok || !grid_ok {
+        return INVALID_VALUE;
     }
+    // The driver copies the argument values at launch: keep them, one 8-byte slot each.
+    let mut n = 0usize;
+    // SAFETY: a kernel of the table; `sizes` has `n` entries.
+    let sizes = unsafe { std::slice::from_raw_parts(emu_param_sizes(func.kernel, &mut n), n) };
+    let mut slots = vec![0u64; n];
+    for (i, (&size, slot)) in sizes.iter().zip(slots.iter_mut()).enumerate() {
+        // SAFETY: params[i] points at a value of the kernel's parameter i (the caller's
+        // contract); at most 8 bytes are read, into an 8-byte slot.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                *params.add(i) as *const u8,
+                slot as *mut u64 as *mut u8,
+                size.min(8),
+            )
+        };
+    }
+    let kernel = func.kernel as usize;
+    let run = move || {
+        let mut slots = slots;
+        let mut ptrs: Vec<*mut c_void> = slots
+            .iter_mut()
+            .map(|s| s as *mut u64 as *mut c_void)
+            .collect();
+        // SAFETY: geometry and pointers were checked at issue, and the memory stays allocated
+        // until the device's work has run (a free drains it first).
+        let r = unsafe {
+            emu_launch(
+                kernel as *const c_void,
+                gx,
+                gy,
+                gz,
+                bx,
+                by,
+                bz,
+                ptrs.as_mut_ptr(),
+            )
+        };
+        assert_eq!(r, 0, "cuda-emu: a launch checked at issue was refused");
+    };
+    queue::issue(stream as usize, dev, Work::new(run));
+    SUCCESS
 }
 
 // ---- errors ------------------------------------------------------------------------------

@@ -203,8 +203,10 @@ unsafe fn one_rank(
             &format!("{op}: a buffer is not {bytes} bytes of device memory of cuda:{device}"),
         );
     }
-    // SAFETY: both ranges checked.
-    unsafe { std::ptr::copy(send as *const u8, recv as *mut u8, bytes) };
+    let (send, recv) = (send as usize, recv as usize);
+    // SAFETY: both ranges checked at issue; a free drains the device first.
+    let copy = move || unsafe { std::ptr::copy(send as *const u8, recv as *mut u8, bytes) };
+    crate::queue::issue(stream as usize, device, crate::queue::Work::new(copy));
     SUCCESS
 }
 

@@ -3,6 +3,7 @@
 
 use fsdp::backend::Device;
 use fsdp::distributed::nccl::{self, NcclGroup};
+use fsdp::distributed::staged;
 use fsdp::distributed::{ProcessGroup, ReduceOp, Store, TcpStore};
 use fsdp::tensor::{DType, Tensor};
 use std::sync::Arc;
@@ -62,6 +63,18 @@ fn nccl_world_of_one_is_exact_or_refused_clearly() {
     let host = Tensor::zeros(&[4], DType::F32);
     let e = g.all_reduce(&host, ReduceOp::Sum).unwrap_err();
     assert!(e.to_string().contains("expected a tensor on cuda:0"), "{e}");
+
+    // The bookkeeping collectives of training and checkpoints (host tensors) go through
+    // `staged`, which moves them to the group's GPU and back.
+    assert_eq!(g.collective_device(), Some(dev));
+    let host = Tensor::from_vec(vec![3i32, -7, 11], &[3]).unwrap();
+    staged::all_reduce(&g, &host, ReduceOp::Max).unwrap();
+    assert_eq!(*host.data::<i32>().unwrap(), [3, -7, 11]);
+    staged::broadcast(&g, &host, 0).unwrap();
+    assert_eq!(*host.data::<i32>().unwrap(), [3, -7, 11]);
+    let all = Tensor::zeros(&[3], DType::I32);
+    staged::all_gather_into_tensor(&g, &all, &host).unwrap();
+    assert_eq!(*all.data::<i32>().unwrap(), [3, -7, 11]);
 }
 
 #[test]

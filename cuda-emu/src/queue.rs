@@ -1,0 +1,200 @@
+//! Stream queues: how the emulator keeps the device's asynchrony visible.
+//!
+//! On a GPU, work issued to a stream runs later, in stream order, and work on two streams is
+//! ordered only by events. The emulator defers every stream-ordered operation (kernel,
+//! copy, memset, GEMM, collective) into its stream's queue and runs it only when something
+//! forces it: a host synchronization (stream, event, context, a copy to pageable host
+//! memory, a free), or a stream waiting on an event recorded on another stream. So work
+//! reads what an ordering through events guarantees and nothing more: a missing event wait
+//! reads stale or never-written memory (fresh allocations are `0xff`), and the tests fail.
+//!
+//! `CUDA_EMU_SCHEDULE=eager` runs each operation when it is issued instead (the order of
+//! issue), to tell an ordering bug from an arithmetic one.
+//!
+//! Everything runs under one lock: kernels of different streams never overlap here.
+
+use std::collections::{HashMap, VecDeque};
+use std::ffi::c_int;
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+/// A deferred operation. Runs on whichever thread forces it, under the scheduler's lock.
+pub struct Work(Box<dyn FnOnce() + 'static>);
+// SAFETY: the closures capture device addresses and copied argument values; they touch
+// only emulated device memory (valid until freed, and a free drains the device first).
+unsafe impl Send for Work {}
+
+impl Work {
+    pub fn new(f: impl FnOnce() + 'static) -> Work {
+        Work(Box::new(f))
+    }
+}
+
+enum Item {
+    Run(Work),
+    /// Run `stream`'s work up to and including item `seq` first (cuStreamWaitEvent).
+    Wait {
+        stream: usize,
+        seq: u64,
+    },
+}
+
+struct StreamQueue {
+    device: c_int,
+    /// Sequence number the next item gets; items `< done` have run.
+    next: u64,
+    done: u64,
+    items: VecDeque<(u64, Item)>,
+}
+
+#[derive(Default)]
+struct Scheduler {
+    streams: HashMap<usize, StreamQueue>,
+}
+
+/// A point in a stream's work: after its first `seq + 1` items (`cuEventRecord`).
+#[derive(Clone, Copy, Debug)]
+pub struct Mark {
+    pub stream: usize,
+    pub seq: u64,
+}
+
+static SCHED: Mutex<Option<Scheduler>> = Mutex::new(None);
+
+fn lock() -> MutexGuard<'static, Option<Scheduler>> {
+    SCHED.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn eager() -> bool {
+    static EAGER: OnceLock<bool> = OnceLock::new();
+    *EAGER.get_or_init(|| std::env::var("CUDA_EMU_SCHEDULE").is_ok_and(|v| v == "eager"))
+}
+
+impl Scheduler {
+    /// Runs `stream`'s items with sequence numbers `<= upto`.
+    fn drain(&mut self, stream: usize, upto: u64) {
+        loop {
+            let Some(q) = self.streams.get_mut(&stream) else {
+                return;
+            };
+            match q.items.front() {
+                Some((seq, _)) if *seq <= upto => {}
+                _ => return,
+            }
+            let (seq, item) = q.items.pop_front().expect("front checked");
+            q.done = seq + 1;
+            match item {
+                Item::Run(w) => (w.0)(),
+                Item::Wait { stream: s, seq } => self.drain(s, seq),
+            }
+        }
+    }
+
+    fn drain_device(&mut self, device: c_int) {
+        let keys: Vec<usize> = self
+            .streams
+            .iter()
+            .filter(|(_, q)| q.device == device)
+            .map(|(k, _)| *k)
+            .collect();
+        for k in keys {
+            self.drain(k, u64::MAX);
+        }
+    }
+
+    fn push(&mut self, stream: usize, device: c_int, item: Item) -> u64 {
+        let q = self.streams.entry(stream).or_insert(StreamQueue {
+            device,
+            next: 0,
+            done: 0,
+            items: VecDeque::new(),
+        });
+        let seq = q.next;
+        q.next += 1;
+        q.items.push_back((seq, item));
+        seq
+    }
+}
+
+fn with<R>(f: impl FnOnce(&mut Scheduler) -> R) -> R {
+    let mut g = lock();
+    f(g.get_or_insert_with(Scheduler::default))
+}
+
+/// Issues `work` on `stream` of `device` (stream 0: the legacy default stream, which waits
+/// for the device's other work and runs at once).
+pub fn issue(stream: usize, device: c_int, work: Work) {
+    with(|s| {
+        if stream == 0 {
+            s.drain_device(device);
+            (work.0)();
+            return;
+        }
+        s.push(stream, device, Item::Run(work));
+        if eager() {
+            s.drain(stream, u64::MAX);
+        }
+    })
+}
+
+/// Makes `stream` wait for `mark` (`cuStreamWaitEvent`).
+pub fn wait(stream: usize, device: c_int, mark: Mark) {
+    with(|s| {
+        if stream == 0 {
+            s.drain_device(device);
+            s.drain(mark.stream, mark.seq);
+            return;
+        }
+        s.push(
+            stream,
+            device,
+            Item::Wait {
+                stream: mark.stream,
+                seq: mark.seq,
+            },
+        );
+        if eager() {
+            s.drain(stream, u64::MAX);
+        }
+    })
+}
+
+/// The point after everything issued to `stream` so far, or None when that is nothing
+/// pending (`cuEventRecord`).
+pub fn mark(stream: usize) -> Option<Mark> {
+    with(|s| {
+        let q = s.streams.get(&stream)?;
+        (q.next > q.done).then(|| Mark {
+            stream,
+            seq: q.next - 1,
+        })
+    })
+}
+
+/// Runs everything up to `mark` (`cuEventSynchronize`, `cuEventQuery`).
+pub fn complete(mark: Mark) {
+    with(|s| s.drain(mark.stream, mark.seq))
+}
+
+/// Runs everything issued to `stream` (`cuStreamSynchronize`); 0 means the whole device.
+pub fn synchronize(stream: usize, device: c_int) {
+    with(|s| {
+        if stream == 0 {
+            s.drain_device(device)
+        } else {
+            s.drain(stream, u64::MAX)
+        }
+    })
+}
+
+/// Runs everything issued on `device` (`cuCtxSynchronize`, `cuMemFree`).
+pub fn synchronize_device(device: c_int) {
+    with(|s| s.drain_device(device))
+}
+
+/// Runs `stream`'s work and forgets it (`cuStreamDestroy`: pending work still completes).
+pub fn destroy(stream: usize) {
+    with(|s| {
+        s.drain(stream, u64::MAX);
+        s.streams.remove(&stream);
+    })
+}
