@@ -38,12 +38,11 @@ pub unsafe extern "C" fn cublasCreate_v2(h: *mut *mut c_void) -> Status {
 
 #[no_mangle]
 pub unsafe extern "C" fn cublasDestroy_v2(h: *mut c_void) -> Status {
-    if h.is_null() {
-        return NOT_INITIALIZED;
-    }
     // SAFETY: made by cublasCreate_v2, destroyed once.
-    drop(unsafe { Box::from_raw(h as *mut Handle) });
-    SUCCESS
+    match unsafe { driver::free_handle::<Handle>(h) } {
+        true => SUCCESS,
+        false => NOT_INITIALIZED,
+    }
 }
 
 #[no_mangle]
@@ -149,6 +148,30 @@ fn covered(
     memory::device_of(p as usize, last * t.size()) == Some(dev)
 }
 
+/// Reads `out.len() / k` vectors of `k` elements of a column-major matrix at `p + base` into
+/// `out` (vector `o`, element `q` at `out[o * k + q]`), as f32: element `(o, q)` is stored at
+/// `o + q * ld` when `o_fastest`, else at `q + o * ld`.
+///
+/// # Safety
+/// Every element read lies in device memory the caller checked.
+unsafe fn pack(
+    t: Ty,
+    p: *const c_void,
+    base: usize,
+    ld: usize,
+    o_fastest: bool,
+    out: &mut [f32],
+    k: usize,
+) {
+    for (o, v) in out.chunks_exact_mut(k.max(1)).enumerate() {
+        for (q, x) in v.iter_mut().enumerate() {
+            let at = if o_fastest { o + q * ld } else { q + o * ld };
+            // SAFETY: forwarded from the caller.
+            *x = unsafe { t.load(p, base + at) };
+        }
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 #[no_mangle]
 pub unsafe extern "C" fn cublasGemmStridedBatchedEx(
@@ -233,27 +256,10 @@ pub unsafe extern "C" fn cublasGemmStridedBatchedEx(
         let mut ra = vec![0.0f32; m * k];
         let mut rb = vec![0.0f32; n * k];
         for bi in 0..batch {
-            for i in 0..m {
-                for p in 0..k {
-                    let ai = if transa == 0 {
-                        i + p * lda
-                    } else {
-                        p + i * lda
-                    };
-                    // SAFETY: inside the range checked by `covered`.
-                    ra[i * k + p] = unsafe { ta.load(a, bi * sa + ai) };
-                }
-            }
-            for j in 0..n {
-                for p in 0..k {
-                    let bj = if transb == 0 {
-                        p + j * ldb
-                    } else {
-                        j + p * ldb
-                    };
-                    // SAFETY: inside the range checked by `covered`.
-                    rb[j * k + p] = unsafe { tb.load(b, bi * sb + bj) };
-                }
+            // SAFETY: inside the ranges checked by `covered`.
+            unsafe {
+                pack(ta, a, bi * sa, lda, transa == 0, &mut ra, k);
+                pack(tb, b, bi * sb, ldb, transb != 0, &mut rb, k);
             }
             for j in 0..n {
                 let col = &rb[j * k..(j + 1) * k];

@@ -110,6 +110,19 @@ unsafe fn stream_device(stream: *mut c_void) -> Result<c_int, CUresult> {
     Ok(unsafe { (*(stream as *const StreamObj)).device })
 }
 
+/// Frees a handle made with `Box::into_raw`; false for a null one.
+///
+/// # Safety
+/// `h` is null or a live handle of type `T`, freed once.
+pub(crate) unsafe fn free_handle<T>(h: *mut c_void) -> bool {
+    if h.is_null() {
+        return false;
+    }
+    // SAFETY: forwarded from the caller.
+    drop(unsafe { Box::from_raw(h as *mut T) });
+    true
+}
+
 /// Checks a stream-ordered operation: a current context, and a stream of its device.
 unsafe fn on_stream(stream: *mut c_void) -> Result<c_int, CUresult> {
     let dev = current()?;
@@ -616,12 +629,11 @@ pub unsafe extern "C" fn cuEventQuery(event: *mut c_void) -> CUresult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuEventDestroy_v2(event: *mut c_void) -> CUresult {
-    if event.is_null() {
-        return INVALID_HANDLE;
+    // SAFETY: made by cuEventCreate, destroyed once (its recorded work still runs).
+    match unsafe { free_handle::<EventObj>(event) } {
+        true => SUCCESS,
+        false => INVALID_HANDLE,
     }
-    // SAFETY: made by cuEventCreate, destroyed once.
-    drop(unsafe { Box::from_raw(event as *mut EventObj) });
-    SUCCESS
 }
 
 #[no_mangle]
@@ -699,12 +711,11 @@ pub unsafe extern "C" fn cuModuleLoadData(
 
 #[no_mangle]
 pub unsafe extern "C" fn cuModuleUnload(module: *mut c_void) -> CUresult {
-    if module.is_null() {
-        return INVALID_HANDLE;
-    }
     // SAFETY: made by cuModuleLoadData, unloaded once. Its functions are leaked on purpose.
-    drop(unsafe { Box::from_raw(module as *mut ModuleObj) });
-    SUCCESS
+    match unsafe { free_handle::<ModuleObj>(module) } {
+        true => SUCCESS,
+        false => INVALID_HANDLE,
+    }
 }
 
 #[no_mangle]

@@ -82,12 +82,11 @@ pub unsafe extern "C" fn ncclCommInitRank(
 
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommDestroy(comm: *mut c_void) -> NcclResult {
-    if comm.is_null() {
-        return INVALID_ARGUMENT;
-    }
     // SAFETY: made by ncclCommInitRank, destroyed once.
-    drop(unsafe { Box::from_raw(comm as *mut Comm) });
-    SUCCESS
+    match unsafe { driver::free_handle::<Comm>(comm) } {
+        true => SUCCESS,
+        false => INVALID_ARGUMENT,
+    }
 }
 
 #[no_mangle]
@@ -210,8 +209,22 @@ unsafe fn one_rank(
     SUCCESS
 }
 
-fn check_op(op: c_int) -> bool {
-    (0..=4).contains(&op) // sum, prod, max, min, avg: all the identity on one rank
+/// A reduction of one rank: the identity for sum, prod, max, min and avg (0..=4).
+#[allow(clippy::too_many_arguments)]
+unsafe fn reduction(
+    op: c_int,
+    comm: *mut c_void,
+    send: *const c_void,
+    recv: *mut c_void,
+    count: usize,
+    dtype: c_int,
+    stream: *mut c_void,
+    name: &str,
+) -> NcclResult {
+    if !(0..=4).contains(&op) {
+        return fail(INVALID_ARGUMENT, &format!("{name}: unknown reduction {op}"));
+    }
+    unsafe { one_rank(comm, send, recv, count, dtype, stream, name) }
 }
 
 #[no_mangle]
@@ -236,10 +249,18 @@ pub unsafe extern "C" fn ncclReduceScatter(
     comm: *mut c_void,
     stream: *mut c_void,
 ) -> NcclResult {
-    if !check_op(op) {
-        return fail(INVALID_ARGUMENT, "ncclReduceScatter: unknown reduction");
+    unsafe {
+        reduction(
+            op,
+            comm,
+            send,
+            recv,
+            count,
+            dtype,
+            stream,
+            "ncclReduceScatter",
+        )
     }
-    unsafe { one_rank(comm, send, recv, count, dtype, stream, "ncclReduceScatter") }
 }
 
 #[no_mangle]
@@ -252,10 +273,7 @@ pub unsafe extern "C" fn ncclAllReduce(
     comm: *mut c_void,
     stream: *mut c_void,
 ) -> NcclResult {
-    if !check_op(op) {
-        return fail(INVALID_ARGUMENT, "ncclAllReduce: unknown reduction");
-    }
-    unsafe { one_rank(comm, send, recv, count, dtype, stream, "ncclAllReduce") }
+    unsafe { reduction(op, comm, send, recv, count, dtype, stream, "ncclAllReduce") }
 }
 
 #[no_mangle]
