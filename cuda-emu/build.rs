@@ -11,12 +11,40 @@ use std::fs;
 use std::path::PathBuf;
 use std::process::Command;
 
-fn kernel_names(preprocessed: &str) -> Vec<String> {
-    let mut names = Vec::new();
-    let mut rest = preprocessed;
-    while let Some(at) = rest.find("extern \"C\"") {
-        rest = &rest[at + "extern \"C\"".len()..];
-        let t = rest.trim_start();
+/// The end (exclusive) of the bracketed group opening at `open` (`(`/`{`), or None.
+fn matching(text: &str, open: usize, l: u8, r: u8) -> Option<usize> {
+    let mut depth = 0usize;
+    for (k, &c) in text.as_bytes()[open..].iter().enumerate() {
+        if c == l {
+            depth += 1;
+        } else if c == r {
+            depth -= 1;
+            if depth == 0 {
+                return Some(open + k + 1);
+            }
+        }
+    }
+    None
+}
+
+/// What, in a kernel body, makes threads of a block wait for each other (cuda_emu.h).
+const BARRIERS: [&str; 6] = [
+    "__syncthreads",
+    "__shfl",
+    "block_sum",
+    "block_max",
+    "warp_sum",
+    "warp_max",
+];
+
+/// The `extern "C"` kernels of a preprocessed `.cu`: name, and whether the body reaches a
+/// barrier (those run as fibers; the others as plain calls, one per thread).
+fn kernels_of(preprocessed: &str) -> Vec<(String, bool)> {
+    let mut found = Vec::new();
+    let mut at = 0;
+    while let Some(k) = preprocessed[at..].find("extern \"C\"") {
+        at += k + "extern \"C\"".len();
+        let t = preprocessed[at..].trim_start();
         let Some(t) = t.strip_prefix("void") else {
             continue;
         };
@@ -29,14 +57,21 @@ fn kernel_names(preprocessed: &str) -> Vec<String> {
             .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
             .collect();
         // emu_* are the runtime's own C functions (cuda_emu.h), not kernels.
-        if !name.is_empty()
-            && !name.starts_with("emu_")
-            && t[name.len()..].trim_start().starts_with('(')
+        if name.is_empty()
+            || name.starts_with("emu_")
+            || !t[name.len()..].trim_start().starts_with('(')
         {
-            names.push(name);
+            continue;
         }
+        let start = preprocessed.len() - t.len() + name.len();
+        let open = start + preprocessed[start..].find('(').expect("checked above");
+        let body = matching(preprocessed, open, b'(', b')')
+            .and_then(|end| Some(end + preprocessed[end..].find('{')?))
+            .and_then(|b| Some(&preprocessed[b..matching(preprocessed, b, b'{', b'}')?]))
+            .unwrap_or_else(|| panic!("kernel {name}: no body found"));
+        found.push((name, BARRIERS.iter().any(|m| body.contains(m))));
     }
-    names
+    found
 }
 
 fn main() {
@@ -101,13 +136,13 @@ fn main() {
                 String::from_utf8_lossy(&pre.stderr)
             );
         }
-        let names = kernel_names(&String::from_utf8_lossy(&pre.stdout));
+        let names = kernels_of(&String::from_utf8_lossy(&pre.stdout));
         let mut w = format!("#include \"{}\"\n#include \"registry.h\"\n", src.display());
         writeln!(w, "extern \"C\" const EmuKernel emu_table_{stem}[] = {{").unwrap();
-        for n in &names {
-            writeln!(w, "  EMU_KERNEL({n}),").unwrap();
+        for (n, barriers) in &names {
+            writeln!(w, "  EMU_KERNEL({n}, {}),", *barriers as u8).unwrap();
         }
-        w.push_str("  EmuKernel{nullptr, nullptr, nullptr, 0, nullptr},\n};\n");
+        w.push_str("  EmuKernel{nullptr, nullptr, nullptr, 0, nullptr, 0},\n};\n");
         let file = out.join(format!("emu_{stem}.cpp"));
         fs::write(&file, w).expect("writing a kernel table");
         build.file(&file);

@@ -4,6 +4,7 @@
 // - fsdp_exp / fsdp_erf: the same polynomials as the CPU reference
 //   (backend::cpu::ops::exp, nn::activation::erf), so GELU and softmax match it bitwise
 //   (build.rs compiles with --fmad=false: no a*b+c contraction, like Rust)
+// - ROW_KERNEL: the launch bound of the one-block-per-row kernels
 // - warp/block sum and max reductions (blockDim.x a multiple of 32, at most 1024)
 #pragma once
 #include <cuda_fp16.h>
@@ -17,6 +18,12 @@
 #else
 #define FSDP_BF16 0
 #endif
+
+// Row kernels (one block per row) are launched with up to 1024 threads (row_block in
+// src/backend/cuda/nn_ops.rs): promise the compiler that bound, so it keeps to the 64
+// registers per thread a 1024-thread block may use instead of failing the launch with
+// CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (ptxas reports 24 to 30 today).
+#define ROW_KERNEL __launch_bounds__(1024)
 
 __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

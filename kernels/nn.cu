@@ -87,7 +87,7 @@ extern "C" __global__ void bias_grad_f32(const float* __restrict__ dy, float* __
   }
 }
 
-extern "C" __global__ void layernorm_fwd_f32(const float* __restrict__ x, const float* __restrict__ w,
+extern "C" __global__ void ROW_KERNEL layernorm_fwd_f32(const float* __restrict__ x, const float* __restrict__ w,
                                              const float* __restrict__ b, float* __restrict__ y,
                                              float* __restrict__ xhat, float* __restrict__ rstd,
                                              int64_t rows, int64_t c, float eps) {
@@ -113,7 +113,7 @@ extern "C" __global__ void layernorm_fwd_f32(const float* __restrict__ x, const 
   }
 }
 
-extern "C" __global__ void layernorm_bwd_f32(const float* __restrict__ dy, const float* __restrict__ xhat,
+extern "C" __global__ void ROW_KERNEL layernorm_bwd_f32(const float* __restrict__ dy, const float* __restrict__ xhat,
                                              const float* __restrict__ rstd, const float* __restrict__ w,
                                              float* __restrict__ dx, int64_t rows, int64_t c) {
   __shared__ float shared[32];
@@ -192,7 +192,7 @@ extern "C" __global__ void split_heads_f32(const float* __restrict__ y, float* _
   }
 }
 
-extern "C" __global__ void softmax_causal_fwd_f32(const float* __restrict__ s, float* __restrict__ p,
+extern "C" __global__ void ROW_KERNEL softmax_causal_fwd_f32(const float* __restrict__ s, float* __restrict__ p,
                                                   int64_t rows, int64_t T, float scale) {
   __shared__ float shared[32];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -212,7 +212,7 @@ extern "C" __global__ void softmax_causal_fwd_f32(const float* __restrict__ s, f
 }
 
 // No __restrict__ on dp/ds: the runtime computes ds in place of dp.
-extern "C" __global__ void softmax_causal_bwd_f32(const float* __restrict__ p, const float* dp,
+extern "C" __global__ void ROW_KERNEL softmax_causal_bwd_f32(const float* __restrict__ p, const float* dp,
                                                   float* ds, int64_t rows, int64_t T, float scale) {
   __shared__ float shared[32];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -228,7 +228,7 @@ extern "C" __global__ void softmax_causal_bwd_f32(const float* __restrict__ p, c
   }
 }
 
-extern "C" __global__ void cross_entropy_f32(const float* __restrict__ logits,
+extern "C" __global__ void ROW_KERNEL cross_entropy_f32(const float* __restrict__ logits,
                                              const int32_t* __restrict__ targets,
                                              float* __restrict__ losses, float* __restrict__ dlogits,
                                              int64_t n, int64_t V, float inv_n,

@@ -45,12 +45,16 @@ if [ "$what" != curves ]; then
   tests="kernels kernels_nn ops_device nn_device fsdp_cuda distributed"
   args=""; for t in $tests; do args="$args --test $t"; done
   # Two emulated GPUs (ranks spread over devices: peer copies) and one (every rank on
-  # cuda:0, as on a lent H200), unless CUDA_EMU_DEVICES names one count.
+  # cuda:0, as on a lent H200), unless CUDA_EMU_DEVICES names one count. The one-GPU pass
+  # runs without the caching allocator (FSDP_CUDA_NO_CACHING=1): every tensor ends at an
+  # inaccessible page and is unmapped when freed, so out-of-bounds reads and use after free
+  # fault at once.
   for devices in ${CUDA_EMU_DEVICES_SET:-2 1}; do
     log="$out/tests-$devices.log"
-    echo "== CUDA tests on cuda-emu ($devices emulated device(s))"
+    nocache=0; [ "$devices" = 1 ] && nocache=1
+    echo "== CUDA tests on cuda-emu ($devices emulated device(s), FSDP_CUDA_NO_CACHING=$nocache)"
     # shellcheck disable=SC2086
-    if CUDA_EMU_DEVICES=$devices cargo test --features cuda $args -- --nocapture >"$log" 2>&1; then
+    if CUDA_EMU_DEVICES=$devices FSDP_CUDA_NO_CACHING=$nocache cargo test --features cuda $args -- --nocapture >"$log" 2>&1; then
       echo "PASS cuda tests, $devices device(s): $(grep -c '_cuda \.\.\. ok\|nccl.* \.\.\. ok' "$log") CUDA variants ok"
     else
       echo "FAIL cuda tests, $devices device(s) (log: $log):"; grep -E "FAILED|panicked|cuda-emu:" "$log" | head -n 20; fail=1

@@ -6,13 +6,13 @@
 // Execution model (runtime.cpp): a launch runs its blocks one after another on the calling
 // thread; within a block each CUDA thread is a fiber (our own stack switch, runtime.cpp) that runs until it reaches
 // a barrier (__syncthreads, or a warp shuffle, which exchanges through the block) or ends.
-// A block whose threads never reach a barrier (found out on the first block) runs the rest
-// of the grid as plain calls. `__shared__` variables are `static thread_local`: one copy per
+// A kernel whose body has no barrier (build.rs reads it) runs each thread as a plain call. `__shared__` variables are `static thread_local`: one copy per
 // OS thread, shared by the fibers of the block that thread is running.
 //
 // Semantics kept from the device: f32 arithmetic without contraction (compiled with
 // -ffp-contract=off, as build.rs passes --fmad=false to nvcc), round-to-nearest-even
-// conversions to bf16/f16 (NaN stays NaN, overflow goes to infinity), atomics.
+// conversions to bf16/f16 (any NaN becomes the canonical 0x7fff, overflow goes to
+// infinity), atomics.
 // Not kept: the device's ulp errors of logf/expf (the host libm's are used), and any
 // concurrency between threads or streams (everything is sequential).
 #pragma once
@@ -27,6 +27,7 @@ using std::isnan;
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#define __launch_bounds__(...)
 #define __shared__ static thread_local
 
 struct dim3 {
@@ -72,7 +73,7 @@ inline float emu_u2f(uint32_t u) {
 inline float __bfloat162float(__nv_bfloat16 h) { return emu_u2f((uint32_t)h.bits << 16); }
 inline __nv_bfloat16 __float2bfloat16_rn(float f) {
   uint32_t u = emu_f2u(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return __nv_bfloat16{(uint16_t)((u >> 16) | 0x40)};  // quiet NaN
+  if ((u & 0x7fffffffu) > 0x7f800000u) return __nv_bfloat16{0x7fff};  // the device's canonical NaN
   u += 0x7fffu + ((u >> 16) & 1u);
   return __nv_bfloat16{(uint16_t)(u >> 16)};
 }
@@ -93,7 +94,7 @@ inline __half __float2half_rn(float f) {
   uint32_t u = emu_f2u(f);
   uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
   uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return __half{(uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu))};  // NaN
+  if (a > 0x7f800000u) return __half{0x7fff};  // the device's canonical NaN
   if (a >= 0x477ff000u) return __half{(uint16_t)(sign | 0x7c00u)};  // rounds to >= 65536: inf
   if (a < 0x38800000u) {  // below 2^-14: subnormal half (or zero), round to nearest even
     float v = emu_u2f(a) * 16777216.0f;  // in units of 2^-24, exact (power-of-two scale)
@@ -116,10 +117,14 @@ inline float __int_as_float(int i) { return emu_u2f((uint32_t)i); }
 // array of shuffle k again at shuffle k + 2, after the barrier of shuffle k + 1, which every
 // lane reaches only after reading shuffle k.
 extern "C" uint64_t* emu_shuffle_slots(void);  // the slots of this thread's next shuffle
+// Aborts naming the kernel: a full-mask shuffle in a block with a partial warp names lanes
+// that do not exist (undefined on the device).
+extern "C" void emu_partial_warp_shuffle(void);
 
 template <typename T>
 inline T __shfl_xor_sync(unsigned int /*mask*/, T v, int lane_mask) {
   static_assert(sizeof(T) <= 8, "shuffle of a value wider than 8 bytes");
+  if (blockDim.x % 32 != 0) emu_partial_warp_shuffle();
   uint64_t* slots = emu_shuffle_slots();
   uint64_t bits = 0;
   memcpy(&bits, &v, sizeof(T));

@@ -15,6 +15,7 @@ struct EmuKernel {
   int (*check)(void** params);  // 0 when every pointer argument is null or device memory
   size_t nparams;                // parameters of the kernel
   const size_t* sizes;           // their sizes in bytes (each at most 8)
+  int barriers;                  // the body reaches a barrier: run its threads as fibers
 };
 
 namespace emu {
@@ -56,7 +57,7 @@ constexpr const size_t* sizes(void (*)(A...)) {
 }
 }  // namespace emu
 
-#define EMU_KERNEL(NAME)                                                                     \
+#define EMU_KERNEL(NAME, BARRIERS)                                                                     \
   EmuKernel {                                                                                \
     #NAME,                                                                                   \
         [](void** p) {                                                                       \
@@ -65,7 +66,7 @@ constexpr const size_t* sizes(void (*)(A...)) {
         [](void** p) {                                                                       \
           return emu::check_with(&NAME, p, std::make_index_sequence<emu::arity(&NAME)>{});  \
         },                                                                                   \
-        emu::arity(&NAME), emu::sizes(&NAME)                                                 \
+        emu::arity(&NAME), emu::sizes(&NAME), BARRIERS                                       \
   }
 
 namespace emu {

@@ -59,7 +59,6 @@ struct Block {
   const EmuKernel* kernel = nullptr;
   void** params = nullptr;
   bool fibers = false;         // running as fibers (barriers allowed)
-  bool saw_barrier = false;    // some thread of this launch reached a barrier
   unsigned current = 0;        // the fiber running now
   void* scheduler = nullptr;   // the scheduler's saved stack pointer
   std::vector<Fiber> threads;
@@ -135,11 +134,10 @@ void run_block_as_fibers(unsigned nthreads) {
 
 extern "C" void emu_barrier(void) {
   Block& block = this_block();
-  block.saw_barrier = true;
   if (!block.fibers) {
     fprintf(stderr,
-            "cuda-emu: kernel %s reached a barrier in a block after the first block ran "
-            "without any; the emulator cannot run this grid\n",
+            "cuda-emu: kernel %s reached a barrier, but build.rs found none in its body (add the "
+            "helper that waits to BARRIERS in cuda-emu/build.rs)\n",
             block.kernel ? block.kernel->name : "?");
     abort();
   }
@@ -163,31 +161,27 @@ extern "C" int emu_launch(const EmuKernel* kernel, unsigned gx, unsigned gy, uns
     return 1;
   block.kernel = kernel;
   block.params = params;
-  block.saw_barrier = false;
   blockDim.x = bx;
   blockDim.y = blockDim.z = 1;
   gridDim.x = gx;
   gridDim.y = gy;
   gridDim.z = gz;
   threadIdx.y = threadIdx.z = 0;
-  bool first = true;
+  block.fibers = kernel->barriers != 0;
   for (unsigned z = 0; z < gz; ++z)
     for (unsigned y = 0; y < gy; ++y)
       for (unsigned x = 0; x < gx; ++x) {
         blockIdx.x = x;
         blockIdx.y = y;
         blockIdx.z = z;
-        if (first || block.saw_barrier) {
-          block.fibers = true;
+        if (block.fibers) {
           run_block_as_fibers(bx);
         } else {
-          block.fibers = false;
           for (unsigned t = 0; t < bx; ++t) {
             threadIdx.x = t;
             kernel->call(params);
           }
         }
-        first = false;
       }
   block.fibers = false;
   block.kernel = nullptr;
@@ -242,3 +236,10 @@ extern "C" uint16_t emu_test_f32_to_f16(float v) { return __float2half_rn(v).bit
 extern "C" float emu_test_f16_to_f32(uint16_t h) { return __half2float(__half{h}); }
 extern "C" uint16_t emu_test_f32_to_bf16(float v) { return __float2bfloat16_rn(v).bits; }
 extern "C" float emu_test_bf16_to_f32(uint16_t h) { return __bfloat162float(__nv_bfloat16{h}); }
+
+extern "C" void emu_partial_warp_shuffle(void) {
+  const Block* block = tls_block;
+  fprintf(stderr, "cuda-emu: kernel %s shuffles with %u threads per block, not a multiple of 32\n",
+          block && block->kernel ? block->kernel->name : "?", blockDim.x);
+  abort();
+}

@@ -217,6 +217,10 @@ pub unsafe extern "C" fn cublasGemmStridedBatchedEx(
     let (Some(ta), Some(tb), Some(tc)) = (ty(a_type), ty(b_type), ty(c_type)) else {
         return NOT_SUPPORTED;
     };
+    // The 32F-compute rows of cuBLAS's table: equal input types; output of that type or f32.
+    if ta != tb || (tc != ta && tc != Ty::F32) {
+        return NOT_SUPPORTED;
+    }
     if m < 0 || n < 0 || k < 0 || batch < 0 || stride_a < 0 || stride_b < 0 || stride_c < 0 {
         return INVALID_VALUE;
     }

@@ -18,6 +18,7 @@ pub const INVALID_DEVICE: CUresult = 101;
 pub const INVALID_CONTEXT: CUresult = 201;
 pub const INVALID_HANDLE: CUresult = 400;
 pub const NOT_FOUND: CUresult = 500;
+pub const NOT_READY: CUresult = 600;
 
 /// Emulated devices: `CUDA_EMU_DEVICES` (default 2, at most 8).
 fn device_count() -> c_int {
@@ -90,6 +91,8 @@ struct EventObj {
     /// The stream work the last record marked (None: nothing was pending, or never recorded).
     mark: Option<Mark>,
     recorded: bool,
+    /// Created without CU_EVENT_DISABLE_TIMING.
+    timing: bool,
     /// When the recorded point ran (for cuEventElapsedTime).
     at: Arc<Mutex<Option<Instant>>>,
 }
@@ -543,8 +546,13 @@ pub unsafe extern "C" fn cuStreamSynchronize(stream: *mut c_void) -> CUresult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamQuery(stream: *mut c_void) -> CUresult {
-    // A poll lets the "device" make progress: the stream's work runs, then it is idle.
-    unsafe { cuStreamSynchronize(stream) }
+    // As cuEventQuery: NOT_READY while work is pending, which the poll then runs.
+    let dev = try_cu!(unsafe { stream_device(stream) });
+    if queue::mark(stream as usize).is_none() {
+        return SUCCESS;
+    }
+    queue::synchronize(stream as usize, dev);
+    NOT_READY
 }
 
 #[no_mangle]
@@ -565,12 +573,13 @@ pub unsafe extern "C" fn cuStreamWaitEvent(
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuEventCreate(event: *mut *mut c_void, _flags: c_uint) -> CUresult {
+pub unsafe extern "C" fn cuEventCreate(event: *mut *mut c_void, flags: c_uint) -> CUresult {
     let device = try_cu!(current());
     let e = EventObj {
         device,
         mark: None,
         recorded: false,
+        timing: flags & 0x2 == 0, // CU_EVENT_DISABLE_TIMING
         at: Arc::new(Mutex::new(None)),
     };
     unsafe { out(event, Box::into_raw(Box::new(e)) as *mut c_void) }
@@ -623,8 +632,19 @@ pub unsafe extern "C" fn cuEventSynchronize(event: *mut c_void) -> CUresult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuEventQuery(event: *mut c_void) -> CUresult {
-    // A poll lets the "device" make progress: the work up to the event runs, then it is done.
-    unsafe { cuEventSynchronize(event) }
+    if event.is_null() {
+        return INVALID_HANDLE;
+    }
+    // Work still pending answers NOT_READY, as a busy device would; the poll also lets the
+    // "device" make progress (the work runs), so the next poll answers SUCCESS.
+    // SAFETY: made by cuEventCreate.
+    match unsafe { (*(event as *const EventObj)).mark } {
+        Some(m) if !queue::is_complete(m) => {
+            queue::complete(m);
+            NOT_READY
+        }
+        _ => SUCCESS,
+    }
 }
 
 #[no_mangle]
@@ -647,7 +667,7 @@ pub unsafe extern "C" fn cuEventElapsedTime_v2(
     }
     // SAFETY: made by cuEventCreate.
     let (start, end) = unsafe { (&*(start as *const EventObj), &*(end as *const EventObj)) };
-    if !start.recorded || !end.recorded {
+    if !start.recorded || !end.recorded || !start.timing || !end.timing {
         return INVALID_HANDLE;
     }
     let time = |e: &EventObj| {
@@ -837,6 +857,7 @@ fn error_text(e: CUresult) -> (&'static CStr, &'static CStr) {
         INVALID_CONTEXT => (c"CUDA_ERROR_INVALID_CONTEXT", c"invalid device context"),
         INVALID_HANDLE => (c"CUDA_ERROR_INVALID_HANDLE", c"invalid resource handle"),
         NOT_FOUND => (c"CUDA_ERROR_NOT_FOUND", c"named symbol not found"),
+        NOT_READY => (c"CUDA_ERROR_NOT_READY", c"device not ready"),
         _ => (c"CUDA_ERROR_UNKNOWN", c"unknown error"),
     }
 }

@@ -86,9 +86,12 @@ pub fn device_of(ptr: usize, len: usize) -> Option<i32> {
     (ptr.checked_add(len)? <= end).then_some(a.device)
 }
 
-/// Whether `ptr` is null or points into (or one past the end of) a live allocation.
+/// Whether `ptr` is null or points into (or one past the end of) a live allocation of the
+/// current context's device: a kernel reading another GPU's memory faults without peer
+/// access, which fsdp never enables (it copies between devices instead).
 #[no_mangle]
 pub extern "C" fn emu_pointer_ok(ptr: *const libc::c_void) -> libc::c_int {
     let p = ptr as usize;
-    (p == 0 || device_of(p, 0).is_some()) as libc::c_int
+    (p == 0 || (device_of(p, 0).is_some() && device_of(p, 0) == crate::driver::current_device()))
+        as libc::c_int
 }

@@ -170,6 +170,15 @@ pub fn mark(stream: usize) -> Option<Mark> {
     })
 }
 
+/// Whether the work up to `mark` has run.
+pub fn is_complete(mark: Mark) -> bool {
+    with(|s| {
+        s.streams
+            .get(&mark.stream)
+            .is_none_or(|q| q.done > mark.seq)
+    })
+}
+
 /// Runs everything up to `mark` (`cuEventSynchronize`, `cuEventQuery`).
 pub fn complete(mark: Mark) {
     with(|s| s.drain(mark.stream, mark.seq))

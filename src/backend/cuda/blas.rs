@@ -3,7 +3,8 @@
 //! `A (m, k)` or, transposed, stored `(k, m)`; `B (k, n)` or stored `(n, k)`.
 //!
 //! Dtypes: f32 in and out (plain f32 compute: no TF32, so results match the CPU to f32
-//! rounding), or bf16/f16 inputs with f32 accumulation and an f32, bf16 or f16 output.
+//! rounding), or bf16/f16 inputs with f32 accumulation and an f32 output or one of the
+//! inputs' type (cuBLAS supports no other mix under `CUBLAS_COMPUTE_32F`).
 //!
 //! Row-major to cuBLAS's column-major: a row-major `C` is the column-major `C^T`, and
 //! `C^T = op(B)^T op(A)^T`, so B goes first, `m` and `n` swap, and each leading dimension
@@ -71,15 +72,20 @@ fn plan(
             });
         }
     }
-    if a.dtype() != b.dtype() || (a.dtype() == DType::F32 && c.dtype() != DType::F32) {
+    // cuBLAS's table for CUBLAS_COMPUTE_32F: f32 x f32 -> f32, and bf16 x bf16 or f16 x f16
+    // -> the same type or f32; any other mix is CUBLAS_STATUS_NOT_SUPPORTED.
+    if a.dtype() != b.dtype() {
         return Err(Error::DTypeMismatch {
             op,
             expected: a.dtype(),
-            got: if a.dtype() != b.dtype() {
-                b.dtype()
-            } else {
-                c.dtype()
-            },
+            got: b.dtype(),
+        });
+    }
+    if c.dtype() != a.dtype() && c.dtype() != DType::F32 {
+        return Err(Error::DTypeMismatch {
+            op,
+            expected: a.dtype(),
+            got: c.dtype(),
         });
     }
     let big = [m, k, n].into_iter().any(|d| d > i32::MAX as usize);

@@ -12,6 +12,11 @@
 //! Sizes are rounded up to 512 B below 1 MiB and to 2 MiB above (few distinct classes, at
 //! most 2 MiB of slack per large block, the granularity the driver maps anyway).
 //!
+//! `FSDP_CUDA_NO_CACHING=1` turns the cache off (PyTorch's
+//! `PYTORCH_NO_CUDA_MEMORY_CACHING`): every buffer is its own `cuMemAlloc` of exactly its
+//! size and is freed at once (the driver's free waits for the device). Slow; for finding
+//! out-of-bounds accesses and use after free (`scripts/cuda-emu.sh` runs a pass with it).
+//!
 //! [`MemAccount`]: bytes held by one rank (or any owner); every buffer is charged to one,
 //! so several ranks sharing a GPU (the threads backend) each see their own figures.
 
@@ -92,6 +97,12 @@ fn round_size(bytes: usize) -> usize {
     } else {
         bytes.div_ceil(LARGE) * LARGE
     }
+}
+
+/// `FSDP_CUDA_NO_CACHING=1`: no cache, exact sizes (see the module docs).
+fn no_caching() -> bool {
+    static NO_CACHING: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *NO_CACHING.get_or_init(|| std::env::var("FSDP_CUDA_NO_CACHING").is_ok_and(|v| v == "1"))
 }
 
 /// The id the pool keys a stream by: its driver handle.
@@ -178,9 +189,18 @@ impl Pool {
         stream: &Arc<CudaStream>,
         account: &Arc<MemAccount>,
     ) -> Result<DeviceBuffer> {
-        let size = round_size(bytes);
+        let size = if no_caching() {
+            bytes.max(1)
+        } else {
+            round_size(bytes)
+        };
         let key = (stream_id(stream), size);
-        let ptr = match self.take_cached(key) {
+        let cached = if no_caching() {
+            None
+        } else {
+            self.take_cached(key)
+        };
+        let ptr = match cached {
             Some(p) => p,
             None => {
                 let p = self.malloc(size)?;
@@ -255,6 +275,18 @@ impl DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
+        if no_caching() {
+            self.account.release(self.bytes);
+            self.pool.account.release(self.bytes);
+            // The driver's free waits for the device's work on the block. An error leaks it.
+            if self.pool.ctx.bind_to_thread().is_ok() {
+                // SAFETY: the context is current; no other buffer refers to the block.
+                if unsafe { cu::free_sync(self.ptr) }.is_ok() {
+                    self.pool.reserved.fetch_sub(self.key.1, Ordering::Relaxed);
+                }
+            }
+            return;
+        }
         // Errors here cannot be returned: an event that fails to record leaves the block
         // out of the cache (leaked until the process ends) rather than risking reuse.
         let mut pending = Vec::new();
