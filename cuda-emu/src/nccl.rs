@@ -203,6 +203,14 @@ unsafe fn one_rank(
         );
     }
     let (send, recv) = (send as usize, recv as usize);
+    // NCCL defines in place only as send == recv (the rank's chunk, rank 0 here); any other
+    // overlap is undefined there: refused here, so fsdp's copies around it are tested.
+    if send != recv && send < recv + bytes && recv < send + bytes {
+        return fail(
+            INVALID_ARGUMENT,
+            &format!("{op}: send and receive buffers overlap without being in place"),
+        );
+    }
     // SAFETY: both ranges checked at issue; a free drains the device first.
     let copy = move || unsafe { std::ptr::copy(send as *const u8, recv as *mut u8, bytes) };
     crate::queue::issue(stream as usize, device, crate::queue::Work::new(copy));

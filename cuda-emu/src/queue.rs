@@ -9,7 +9,10 @@
 //! reads stale or never-written memory (fresh allocations are `0xff`), and the tests fail.
 //!
 //! `CUDA_EMU_SCHEDULE=eager` runs each operation when it is issued instead (the order of
-//! issue), to tell an ordering bug from an arithmetic one.
+//! issue), to tell an ordering bug from an arithmetic one. `CUDA_EMU_SEED=N` adds seeded
+//! random progress: at one issue in four, some stream with pending work runs it all, as a
+//! GPU advances its streams in an order of its own. That exposes the other half of the
+//! races: a stream overwriting memory another stream has not finished reading.
 //!
 //! Everything runs under one lock: kernels of different streams never overlap here.
 
@@ -64,6 +67,24 @@ fn lock() -> MutexGuard<'static, Option<Scheduler>> {
     SCHED.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// The next draw of `CUDA_EMU_SEED`'s generator (xorshift64*), or None without a seed.
+fn draw() -> Option<u64> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static STATE: OnceLock<Option<AtomicU64>> = OnceLock::new();
+    let state = STATE
+        .get_or_init(|| {
+            let seed = std::env::var("CUDA_EMU_SEED").ok()?.parse::<u64>().ok()?;
+            Some(AtomicU64::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1))
+        })
+        .as_ref()?;
+    let mut x = state.load(Ordering::Relaxed);
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    state.store(x, Ordering::Relaxed);
+    Some(x.wrapping_mul(0x2545_f491_4f6c_dd1d))
+}
+
 fn eager() -> bool {
     static EAGER: OnceLock<bool> = OnceLock::new();
     *EAGER.get_or_init(|| std::env::var("CUDA_EMU_SCHEDULE").is_ok_and(|v| v == "eager"))
@@ -87,6 +108,27 @@ impl Scheduler {
                 Item::Wait { stream: s, seq } => self.drain(s, seq),
             }
         }
+    }
+
+    /// With `CUDA_EMU_SEED`: at one call in four, runs all the work of one stream picked
+    /// at random among those with work pending.
+    fn random_progress(&mut self) {
+        let Some(r) = draw() else { return };
+        if r % 4 != 0 {
+            return;
+        }
+        let mut busy: Vec<usize> = self
+            .streams
+            .iter()
+            .filter(|(_, q)| !q.items.is_empty())
+            .map(|(k, _)| *k)
+            .collect();
+        if busy.is_empty() {
+            return;
+        }
+        busy.sort_unstable(); // HashMap order is not reproducible; the seed's choice is
+        let pick = busy[(r / 4) as usize % busy.len()];
+        self.drain(pick, u64::MAX);
     }
 
     fn drain_device(&mut self, device: c_int) {
@@ -133,6 +175,7 @@ pub fn issue(stream: usize, device: c_int, work: Work) {
         if eager() {
             s.drain(stream, u64::MAX);
         }
+        s.random_progress();
     })
 }
 
@@ -155,6 +198,7 @@ pub fn wait(stream: usize, device: c_int, mark: Mark) {
         if eager() {
             s.drain(stream, u64::MAX);
         }
+        s.random_progress();
     })
 }
 

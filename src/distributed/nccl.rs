@@ -29,6 +29,7 @@
 //! timeout naming the ranks that did not enter (or, for differing sizes, as corrupt data);
 //! run the same job on the `threads` backend to get the exact mismatch.
 
+use super::threads::{is_chunk_of, unaliased};
 use super::{Group, ProcessGroup, ReduceOp, Store};
 use crate::backend::cuda::{self as cu, Stream};
 use crate::backend::Device;
@@ -514,6 +515,11 @@ impl ProcessGroup for NcclGroup {
         self.check_tensors(op, &[output, input])?;
         same_dtype(op, output, input)?;
         numel_is(op, output, input.numel() * self.size)?;
+        // NCCL defines one overlap only, in place (input = this rank's chunk of output);
+        // any other overlapping input is copied first.
+        let in_place = is_chunk_of(input, output, self.rank * input.numel());
+        let input = unaliased(input, output, in_place)?;
+        let input: &Tensor = &input;
         let (src, dst, n, dt) = (
             ptr(input)?,
             ptr(output)?,
@@ -535,6 +541,10 @@ impl ProcessGroup for NcclGroup {
         if !matches!(op, ReduceOp::Sum | ReduceOp::Avg) {
             crate::error::bail_arg!("reduce_scatter_tensor: op {op:?}; only Sum and Avg");
         }
+        // In place for NCCL is output = this rank's chunk of input; other overlaps are copied.
+        let in_place = is_chunk_of(output, input, self.rank * output.numel());
+        let input = unaliased(input, output, in_place)?;
+        let input: &Tensor = &input;
         let (src, dst, n) = (ptr(input)?, ptr(output)?, output.numel());
         let (dt, rop) = (nccl_dtype(input.dtype()), nccl_op(op));
         self.run(name, |comm, s| {

@@ -64,6 +64,18 @@ fn nccl_world_of_one_is_exact_or_refused_clearly() {
     let e = g.all_reduce(&host, ReduceOp::Sum).unwrap_err();
     assert!(e.to_string().contains("expected a tensor on cuda:0"), "{e}");
 
+    // Overlapping input and output that are not NCCL's in-place layout: copied first.
+    let buf = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], &[4])
+        .unwrap()
+        .to_device(dev)
+        .unwrap();
+    let (out, input) = (buf.view(0, &[3]).unwrap(), buf.view(1, &[3]).unwrap());
+    g.all_gather_into_tensor(&out, &input).unwrap();
+    assert_eq!(buf.to_vec_f32().unwrap(), vec![2.0, 3.0, 4.0, 4.0]);
+    g.reduce_scatter_tensor(&input, &out, ReduceOp::Sum)
+        .unwrap();
+    assert_eq!(buf.to_vec_f32().unwrap(), vec![2.0, 2.0, 3.0, 4.0]);
+
     // The bookkeeping collectives of training and checkpoints (host tensors) go through
     // `staged`, which moves them to the group's GPU and back.
     assert_eq!(g.collective_device(), Some(dev));
