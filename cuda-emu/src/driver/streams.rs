@@ -1,0 +1,195 @@
+//! Streams and events: creation, synchronization, waits, queries, timing.
+
+use super::*;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamCreate(stream: *mut *mut c_void, _flags: c_uint) -> CUresult {
+    let device = try_cu!(current());
+    unsafe {
+        out(
+            stream,
+            Box::into_raw(Box::new(StreamObj { device })) as *mut c_void,
+        )
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamCreateWithPriority(
+    stream: *mut *mut c_void,
+    flags: c_uint,
+    _p: c_int,
+) -> CUresult {
+    unsafe { cuStreamCreate(stream, flags) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamDestroy_v2(stream: *mut c_void) -> CUresult {
+    if stream.is_null() {
+        return INVALID_HANDLE;
+    }
+    // Pending work still completes.
+    queue::destroy(stream as usize);
+    // SAFETY: made by cuStreamCreate, destroyed once.
+    drop(unsafe { Box::from_raw(stream as *mut StreamObj) });
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamSynchronize(stream: *mut c_void) -> CUresult {
+    let dev = try_cu!(unsafe { stream_device(stream) });
+    queue::synchronize(stream as usize, dev);
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamQuery(stream: *mut c_void) -> CUresult {
+    // As cuEventQuery: NOT_READY while work is pending, which the poll then runs.
+    let dev = try_cu!(unsafe { stream_device(stream) });
+    if queue::mark(stream as usize).is_none() {
+        return SUCCESS;
+    }
+    queue::synchronize(stream as usize, dev);
+    NOT_READY
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamWaitEvent(
+    stream: *mut c_void,
+    event: *mut c_void,
+    _flags: c_uint,
+) -> CUresult {
+    let dev = try_cu!(unsafe { on_stream(stream) });
+    if event.is_null() {
+        return INVALID_HANDLE;
+    }
+    // SAFETY: made by cuEventCreate. An event with nothing pending at its record: no wait.
+    if let Some(m) = unsafe { (*(event as *const EventObj)).mark } {
+        queue::wait(stream as usize, dev, m);
+    }
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuEventCreate(event: *mut *mut c_void, flags: c_uint) -> CUresult {
+    let device = try_cu!(current());
+    let e = EventObj {
+        device,
+        mark: None,
+        recorded: false,
+        timing: flags & 0x2 == 0, // CU_EVENT_DISABLE_TIMING
+        at: Arc::new(Mutex::new(None)),
+    };
+    unsafe { out(event, Box::into_raw(Box::new(e)) as *mut c_void) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuEventRecord(event: *mut c_void, stream: *mut c_void) -> CUresult {
+    if event.is_null() {
+        return INVALID_HANDLE;
+    }
+    let sd = try_cu!(unsafe { stream_device(stream) });
+    // SAFETY: made by cuEventCreate.
+    let e = unsafe { &mut *(event as *mut EventObj) };
+    if e.device != sd {
+        return INVALID_HANDLE;
+    }
+    // The time is taken when the stream reaches this point, as on the device.
+    let at = e.at.clone();
+    *lock(&at) = None;
+    queue::issue(
+        stream as usize,
+        sd,
+        Work::new(move || *lock(&at) = Some(Instant::now())),
+    );
+    e.mark = queue::mark(stream as usize);
+    e.recorded = true;
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuEventRecordWithFlags(
+    event: *mut c_void,
+    stream: *mut c_void,
+    _f: c_uint,
+) -> CUresult {
+    unsafe { cuEventRecord(event, stream) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuEventSynchronize(event: *mut c_void) -> CUresult {
+    if event.is_null() {
+        return INVALID_HANDLE;
+    }
+    // SAFETY: made by cuEventCreate.
+    if let Some(m) = unsafe { (*(event as *const EventObj)).mark } {
+        queue::complete(m);
+    }
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuEventQuery(event: *mut c_void) -> CUresult {
+    if event.is_null() {
+        return INVALID_HANDLE;
+    }
+    // Work still pending answers NOT_READY, as a busy device would; the poll also lets the
+    // "device" make progress (the work runs), so the next poll answers SUCCESS.
+    // SAFETY: made by cuEventCreate.
+    match unsafe { (*(event as *const EventObj)).mark } {
+        Some(m) if !queue::is_complete(m) => {
+            queue::complete(m);
+            NOT_READY
+        }
+        _ => SUCCESS,
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuEventDestroy_v2(event: *mut c_void) -> CUresult {
+    // SAFETY: made by cuEventCreate, destroyed once (its recorded work still runs).
+    match unsafe { free_handle::<EventObj>(event) } {
+        true => SUCCESS,
+        false => INVALID_HANDLE,
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuEventElapsedTime_v2(
+    ms: *mut f32,
+    start: *mut c_void,
+    end: *mut c_void,
+) -> CUresult {
+    if start.is_null() || end.is_null() {
+        return INVALID_HANDLE;
+    }
+    // SAFETY: made by cuEventCreate.
+    let (start, end) = unsafe { (&*(start as *const EventObj), &*(end as *const EventObj)) };
+    if !start.recorded || !end.recorded || !start.timing || !end.timing {
+        return INVALID_HANDLE;
+    }
+    let time = |e: &EventObj| {
+        if let Some(m) = e.mark {
+            queue::complete(m);
+        }
+        *lock(&e.at)
+    };
+    match (time(start), time(end)) {
+        (Some(a), Some(b)) => unsafe {
+            out(ms, b.saturating_duration_since(a).as_secs_f32() * 1e3)
+        },
+        _ => INVALID_HANDLE,
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuEventElapsedTime(
+    ms: *mut f32,
+    start: *mut c_void,
+    end: *mut c_void,
+) -> CUresult {
+    unsafe { cuEventElapsedTime_v2(ms, start, end) }
+}
