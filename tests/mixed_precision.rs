@@ -91,7 +91,11 @@ fn reference(model: Model, d: DType) -> Vec<(String, Vec<f32>)> {
             let r = round(&t.to_vec_f32().unwrap(), d);
             t.f32_mut().unwrap().copy_from_slice(&r);
         });
-        step_loss(model, m.as_mut(), step, 0, ROWS, Some(d)).unwrap();
+        {
+            // GEMM operands in `d`, as inside an FSDP unit.
+            let _lp = fsdp::ops::autocast(Some(d));
+            step_loss(model, m.as_mut(), step, 0, ROWS, Some(d)).unwrap();
+        }
         let mut i = 0;
         visit_parameters(m.as_mut(), "", false, &mut |_, p| {
             p.data()
@@ -160,7 +164,7 @@ fn max_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f32 {
 #[test]
 fn bf16_forward_computes_on_rounded_parameters_and_inputs_exactly() {
     // One unit: FSDP's forward output must be bitwise the f32 forward of the model whose
-    // parameters and input were rounded to bf16.
+    // parameters, input and GEMM operands were rounded to bf16.
     let x = values(7, 4 * 7);
     let outs = launch(&LaunchOptions::new(2), |pg| {
         let cfg = FsdpConfig {
@@ -178,7 +182,7 @@ fn bf16_forward_computes_on_rounded_parameters_and_inputs_exactly() {
         let r = round(&t.to_vec_f32().unwrap(), DType::BF16);
         t.f32_mut().unwrap().copy_from_slice(&r);
     });
-    let want = plain
+    let want_without_autocast = plain
         .forward(
             &Tensor::from_vec(round(&x, DType::BF16), &[4, 7]).unwrap(),
             &Context::eval(),
@@ -186,6 +190,17 @@ fn bf16_forward_computes_on_rounded_parameters_and_inputs_exactly() {
         .unwrap()
         .to_vec_f32()
         .unwrap();
+    let want = {
+        let _lp = fsdp::ops::autocast(Some(DType::BF16));
+        plain
+            .forward(
+                &Tensor::from_vec(round(&x, DType::BF16), &[4, 7]).unwrap(),
+                &Context::eval(),
+            )
+            .unwrap()
+            .to_vec_f32()
+            .unwrap()
+    };
     let unrounded = build(Model::Uneven)
         .forward(
             &Tensor::from_vec(x.clone(), &[4, 7]).unwrap(),
@@ -198,6 +213,8 @@ fn bf16_forward_computes_on_rounded_parameters_and_inputs_exactly() {
         assert_eq!(o, &want);
     }
     assert_ne!(want, unrounded, "bf16 rounding must change the output");
+    // The hidden activations' rounding in the second and third GEMMs shows too.
+    assert_ne!(want, want_without_autocast, "bf16 GEMM operands must change the output");
 }
 
 #[test]

@@ -109,6 +109,71 @@ device_test!(matmul_matches_the_cpu_gemm, |dev| {
     Ok(())
 });
 
+fn bf16(v: &[f32]) -> Vec<f32> {
+    v.iter()
+        .map(|x| half::bf16::from_f32(*x).to_f32())
+        .collect()
+}
+
+device_test!(autocast_gemms_read_bf16_operands_with_f32_sums, |dev| {
+    // Under autocast(bf16) a product is the f32-accumulated product of the operands rounded
+    // to bf16 (on CUDA a bf16 x bf16 -> f32 cuBLAS GEMM): within f32 summation rounding of
+    // the f64 product of the rounded operands, and clearly off the unrounded one.
+    let (m, k, n, batch) = (5usize, 67usize, 3usize, 2usize);
+    let (a, b) = (values(21, batch * m * k), values(22, batch * k * n));
+    let (ad, bd) = (
+        tensor_on(a.clone(), &[batch, m * k], dev),
+        tensor_on(b.clone(), &[batch, k * n], dev),
+    );
+    let d = MatmulDims::new(m, k, n, Transpose::NN);
+    let out = tensor_on(vec![0.0; batch * m * n], &[batch, m, n], dev);
+    {
+        let _lp = ops::autocast(Some(DType::BF16));
+        assert_eq!(ops::gemm_dtype(), Some(DType::BF16));
+        ops::matmul_batched(&out, &ad, &bd, d, batch, false)?;
+    }
+    assert_eq!(ops::gemm_dtype(), None, "the scope ends with its guard");
+    let (ar, br) = (bf16(&a), bf16(&b));
+    let per = |x: &[f32], y: &[f32]| -> Vec<f32> {
+        (0..batch)
+            .flat_map(|i| {
+                naive_matmul(
+                    &x[i * m * k..(i + 1) * m * k],
+                    &y[i * k * n..(i + 1) * k * n],
+                    m,
+                    k,
+                    n,
+                    Transpose::NN,
+                )
+            })
+            .collect()
+    };
+    let (want, exact) = (per(&ar, &br), per(&a, &b));
+    close("autocast matmul vs rounded operands", dev, &out, &want, 1e-5);
+    let got = out.to_vec_f32()?;
+    let off = got.iter().zip(&exact).map(|(g, e)| (g - e).abs()).fold(0.0, f32::max);
+    assert!(off > 1e-4, "bf16 operands must show against f32 ones (max diff {off})");
+    // F.linear too, its bias added in f32; outside the scope it is f32 again.
+    let (x, w, bias) = (values(23, 4 * k), values(24, 3 * k), values(25, 3));
+    let (xt, wt, bt) = (
+        tensor_on(x.clone(), &[4, k], dev),
+        tensor_on(w.clone(), &[3, k], dev),
+        tensor_on(bias.clone(), &[3], dev),
+    );
+    let y = {
+        let _lp = ops::autocast(Some(DType::BF16));
+        ops::linear(&xt, &wt, Some(&bt))?
+    };
+    let mut want = naive_matmul(&bf16(&x), &bf16(&w), 4, k, 3, Transpose::NT);
+    want.iter_mut().enumerate().for_each(|(i, v)| *v += bias[i % 3]);
+    close("autocast linear", dev, &y, &want, 1e-5);
+    let y32 = ops::linear(&xt, &wt, Some(&bt))?;
+    let mut want = naive_matmul(&x, &w, 4, k, 3, Transpose::NT);
+    want.iter_mut().enumerate().for_each(|(i, v)| *v += bias[i % 3]);
+    close("linear after the scope", dev, &y32, &want, 1e-5);
+    Ok(())
+});
+
 device_test!(linear_and_bias_ops_match_the_references, |dev| {
     let (n, i, o) = (5usize, 7usize, 3usize);
     let (x, w, b) = (values(5, n * i), values(6, o * i), values(7, o));

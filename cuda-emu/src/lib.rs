@@ -24,6 +24,9 @@
 //! forces it, so a missing event wait between two streams (or ranks) reads stale memory and
 //! the tests fail. `CUDA_EMU_SCHEDULE=eager` runs each operation when issued instead.
 //!
+//! Its environment variables (`CUDA_EMU_DEVICES`, `CUDA_EMU_SCHEDULE`, `CUDA_EMU_SEED`) are
+//! listed in `env.rs`; a bad value is named in one warning line on stderr.
+//!
 //! What it cannot show: true concurrency (forced work runs one operation at a time, under one
 //! lock), the device's own rounding of `logf`/`expf` (the host libm is used), performance,
 //! and NCCL across ranks (communicators have one rank). The kernel sources are compiled
@@ -32,6 +35,7 @@
 
 mod blas;
 mod driver;
+mod env;
 mod memory;
 mod nccl;
 mod queue;

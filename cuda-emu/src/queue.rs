@@ -73,7 +73,7 @@ fn draw() -> Option<u64> {
     static STATE: OnceLock<Option<AtomicU64>> = OnceLock::new();
     let state = STATE
         .get_or_init(|| {
-            let seed = std::env::var("CUDA_EMU_SEED").ok()?.parse::<u64>().ok()?;
+            let seed = crate::env::seed()?;
             Some(AtomicU64::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1))
         })
         .as_ref()?;
@@ -86,8 +86,7 @@ fn draw() -> Option<u64> {
 }
 
 fn eager() -> bool {
-    static EAGER: OnceLock<bool> = OnceLock::new();
-    *EAGER.get_or_init(|| std::env::var("CUDA_EMU_SCHEDULE").is_ok_and(|v| v == "eager"))
+    crate::env::eager()
 }
 
 impl Scheduler {

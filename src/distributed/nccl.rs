@@ -50,8 +50,39 @@ pub fn is_available() -> bool {
     unsafe { sys::is_culib_present() }
 }
 
-fn nccl_err(context: impl Into<String>, e: nccl::NcclError) -> Error {
-    Error::cuda(context, format!("NCCL error {:?}", e.0))
+/// What NCCL says about result `code`: the code, its description (`ncclGetErrorString`)
+/// and the last error message for `comm` (`ncclGetLastError`; null asks for the
+/// process-wide one), which is where NCCL says what was wrong with the call.
+fn nccl_message(code: sys::ncclResult_t, comm: sys::ncclComm_t) -> String {
+    let text = |p: *const std::ffi::c_char| {
+        // SAFETY: NCCL returns null or a NUL-terminated string that lives at least until
+        // the next NCCL call on this thread; it is copied at once.
+        (!p.is_null())
+            .then(|| {
+                unsafe { std::ffi::CStr::from_ptr(p) }
+                    .to_string_lossy()
+                    .trim()
+                    .to_string()
+            })
+            .filter(|s| !s.is_empty())
+    };
+    // SAFETY: plain queries; `comm` is null or a live communicator.
+    let desc = text(unsafe { sys::ncclGetErrorString(code) });
+    let last = text(unsafe { sys::ncclGetLastError(comm) });
+    let mut msg = format!("NCCL error {code:?}");
+    for part in [desc, last].into_iter().flatten() {
+        if !msg.contains(&part) {
+            msg.push_str(": ");
+            msg.push_str(&part);
+        }
+    }
+    msg
+}
+
+/// An NCCL failure of the call named by `context` as an [`Error::Cuda`], with
+/// [`nccl_message`]'s text.
+fn nccl_err(context: impl Into<String>, e: nccl::NcclError, comm: sys::ncclComm_t) -> Error {
+    Error::cuda(context, nccl_message(e.0, comm))
 }
 
 fn require_nccl() -> Result<()> {
@@ -71,7 +102,8 @@ fn require_nccl() -> Result<()> {
 /// [`Error::Cuda`] without libnccl or when NCCL cannot create one.
 pub fn unique_id() -> Result<[u8; UNIQUE_ID_BYTES]> {
     require_nccl()?;
-    let id = nccl::get_uniqueid().map_err(|e| nccl_err("ncclGetUniqueId", e))?;
+    let id =
+        nccl::get_uniqueid().map_err(|e| nccl_err("ncclGetUniqueId", e, std::ptr::null_mut()))?;
     Ok(id.internal.map(|c| c as u8))
 }
 
@@ -197,6 +229,7 @@ impl NcclGroup {
             nccl_err(
                 format!("ncclCommInitRank (rank {rank} of {size} on cuda:{ordinal})"),
                 e,
+                std::ptr::null_mut(),
             )
         })?;
         Ok(NcclGroup {
@@ -319,7 +352,7 @@ impl NcclGroup {
         )?;
         let cu_stream = stream.inner.cu_stream() as sys::cudaStream_t;
         if let Err(e) = issue(comm.raw, cu_stream) {
-            let err = nccl_err(format!("{op} on rank {}", self.world_rank), e);
+            let err = nccl_err(format!("{op} on rank {}", self.world_rank), e, comm.raw);
             comm.failure = Some(err.duplicate());
             return Err(err);
         }
@@ -364,7 +397,7 @@ impl NcclGroup {
                         .first()
                         .copied()
                         .unwrap_or(self.world_rank),
-                    reason: format!("NCCL reported {status:?} during {op}"),
+                    reason: format!("{} during {op}", nccl_message(status, raw)),
                 });
             }
             if last_peer_check.elapsed() > Duration::from_secs(1) {
@@ -607,5 +640,22 @@ impl ProcessGroup for NcclGroup {
         // As ProcessGroupNCCL: an all-reduce of one element on the device.
         let t = Tensor::zeros_on(&[1], DType::F32, self.device())?;
         self.all_reduce(&t, ReduceOp::Sum)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The message carries NCCL's own description of the code (skipped without libnccl).
+    #[test]
+    fn nccl_message_says_what_the_code_means() {
+        if !is_available() {
+            eprintln!("skipped: no libnccl");
+            return;
+        }
+        let msg = nccl_message(sys::ncclResult_t::ncclInvalidUsage, std::ptr::null_mut());
+        assert!(msg.starts_with("NCCL error ncclInvalidUsage: "), "{msg}");
+        assert!(msg.contains("invalid usage"), "{msg}");
     }
 }

@@ -8,14 +8,19 @@
 //! | sharded parameters (what the optimizer steps on) | f32, always |
 //! | all-gather of parameters (bytes on the wire) | `param_dtype` |
 //! | parameters and floating-point unit inputs during forward/backward | `param_dtype` values |
+//! | GEMM operands (linear layers, attention products), forward and backward | `param_dtype`, f32 accumulation |
 //! | gradients as computed | `param_dtype` values |
 //! | reduce-scatter / all-reduce of gradients, pre/post-division | `reduce_dtype` (default `param_dtype`) |
 //! | sharded gradient the optimizer reads | f32, or `param_dtype` values with `keep_low_precision_grads` |
 //!
-//! The layers compute in f32 on values rounded to `param_dtype` (what a low-precision GEMM
-//! with f32 accumulation reads): parameters after the all-gather, unit inputs at the unit
-//! boundary, and the unsharded gradient before it is reduced, on the CPU and on CUDA alike
-//! (the rounding runs on the tensor's device). The collectives move real `param_dtype` /
+//! The layers compute in f32 on values rounded to `param_dtype`: parameters after the
+//! all-gather, unit inputs at the unit boundary, and the unsharded gradient before it is
+//! reduced, on the CPU and on CUDA alike (the rounding runs on the tensor's device). Every
+//! GEMM of a unit reads both operands as `param_dtype` with f32 accumulation, as a
+//! `param_dtype` module's `F.linear`/`bmm` does: each unit's forward and backward run in an
+//! [`crate::ops::autocast`] scope (on CUDA a cuBLAS bf16/f16 tensor-core GEMM, on the CPU
+//! the f32 GEMM of rounded copies). Elementwise ops, LayerNorm, softmax and the loss stay
+//! f32, as they would under `torch.autocast`. The collectives move real `param_dtype` /
 //! `reduce_dtype` tensors.
 
 use crate::error::{Error, Result};

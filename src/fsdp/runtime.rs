@@ -241,6 +241,8 @@ impl Module for FullyShardedDataParallel {
         self.rs.sched.lock().on_pre_forward(self.id, self.is_root);
         let y = self.finish_unshard(g).and_then(|()| {
             let cast = self.cast_input(x)?;
+            // The unit's GEMMs read param_dtype operands (see `ops::autocast`).
+            let _lp = crate::ops::autocast(self.rs.mp.param_dtype);
             self.module.forward(cast.as_ref().unwrap_or(x), cx)
         });
         self.rs.sched.lock().on_post_forward(self.id);
@@ -269,7 +271,10 @@ impl Module for FullyShardedDataParallel {
                 None => Tensor::zeros_on(&[self.flat.padded_numel()], DType::F32, self.rs.device)?,
             };
             self.point_params(Some(&flat_grad), true)?;
-            let dx = self.module.backward(grad_out, cx);
+            let dx = {
+                let _lp = crate::ops::autocast(self.rs.mp.param_dtype);
+                self.module.backward(grad_out, cx)
+            };
             self.point_params(None, true)?;
             self.reshard()?;
             let dx = dx?;

@@ -8,6 +8,7 @@
 
 #[cfg(feature = "cuda")]
 use super::output;
+use super::autocast::gemm_dtype;
 use super::{check_f32, same_device};
 use crate::backend::cpu::gemm;
 pub use crate::backend::cpu::gemm::Transpose;
@@ -38,7 +39,8 @@ impl MatmulDims {
 }
 
 /// `out (m, n) = op(a) @ op(b)`, or `+=` when `accumulate` (`torch.matmul` /
-/// `torch.addmm(out, a, b)`), f32 with f32 accumulation. Only element counts are checked
+/// `torch.addmm(out, a, b)`), f32 with f32 accumulation; inside an
+/// [`autocast`](super::autocast::autocast) scope the operands are read as its bf16/f16. Only element counts are checked
 /// against `d`: shapes are the caller's business.
 ///
 /// # Errors
@@ -84,6 +86,11 @@ pub fn matmul_batched(
             return Ok(()); // adds an empty sum
         }
         let beta = if accumulate { 1.0 } else { 0.0 };
+        // Under autocast: bf16/f16 copies of both operands, cuBLAS lp x lp -> f32.
+        let (a, b) = match gemm_dtype() {
+            Some(lp) => (a.to_dtype(lp)?, b.to_dtype(lp)?),
+            None => (a.clone(), b.clone()),
+        };
         return cuda::gemm_strided_batched(
             &*super::stream(i)?,
             &a.as_device_tensor()?,
@@ -94,6 +101,7 @@ pub fn matmul_batched(
             beta,
         );
     }
+    let (a, b) = (cpu_operand(a)?, cpu_operand(b)?);
     let (mut o, av, bv) = (out.f32_mut()?, a.f32()?, b.f32()?);
     if batch == 1 {
         return gemm::matmul(&mut o, &av, &bv, m, k, n, trans, accumulate);
@@ -171,6 +179,7 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
         }
     }
     // y (n, o) += x (n, i) @ W^T, W stored (o, i)
+    let (x, weight) = (cpu_operand(x)?, cpu_operand(weight)?);
     gemm::matmul(
         &mut y,
         &x.f32()?,
@@ -182,6 +191,19 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
         true,
     )?;
     Tensor::from_vec(y, &shape)
+}
+
+/// A CPU GEMM operand as the product reads it: `t` itself, or inside an
+/// [`autocast`](super::autocast::autocast) scope a copy rounded to its dtype.
+fn cpu_operand(t: &Tensor) -> Result<Tensor> {
+    match gemm_dtype() {
+        None => Ok(t.clone()),
+        Some(lp) => {
+            let c = t.deep_clone()?;
+            super::flat::round_to_(&c, lp)?;
+            Ok(c)
+        }
+    }
 }
 
 /// The row count of `t` viewed as `(rows, c)`.

@@ -16,6 +16,7 @@
 //! |---|---|---|
 //! | `elementwise.rs` | [`add_`], [`add`], [`scale_`], [`fill_`], [`sum_squares`] | `Tensor.add_`, `+`, `mul_`, `fill_` |
 //! | `linalg.rs` | [`matmul`], [`matmul_batched`], [`linear`], [`bias_add_`], [`bias_grad`] | `addmm`, `bmm`, `F.linear` |
+//! | `autocast.rs` | [`autocast()`], [`gemm_dtype`]: bf16/f16 GEMM operands in a scope | `torch.autocast` (for GEMMs) |
 //! | `activation.rs` | [`pointwise`], [`pointwise_backward`] ([`Pointwise::Relu`], [`Pointwise::Gelu`]) | `F.relu`, `F.gelu` |
 //! | `layernorm.rs` | [`layer_norm`], [`layer_norm_backward`] | `F.layer_norm` |
 //! | `attention.rs` | [`split_qkv`], [`merge_qkv`], [`split_heads`], [`merge_heads`], [`softmax_causal`], [`softmax_causal_backward_`] | the permutes and masked softmax of `scaled_dot_product_attention` |
@@ -29,6 +30,7 @@
 
 pub mod activation;
 pub mod attention;
+pub mod autocast;
 pub mod elementwise;
 pub mod embedding;
 pub mod flat;
@@ -37,6 +39,7 @@ pub mod linalg;
 pub mod loss;
 
 pub use activation::{pointwise, pointwise_backward, Pointwise};
+pub use autocast::{autocast, gemm_dtype, AutocastGuard};
 pub use attention::{
     merge_heads, merge_qkv, softmax_causal, softmax_causal_backward_, split_heads, split_qkv,
     HeadDims,

@@ -143,7 +143,7 @@ pub fn gpu_summary(cfg: &super::TrainConfig, report: &super::TrainReport) -> Vec
         |m| format!("{:.1}%", m * 100.0),
     );
     let mut out = vec![format!(
-        "gpu: {gpus} x {name}, {} ranks: {tps:.0} tokens/s (median step), MFU {mfu} (6 x {} params x tokens/s over the {} peak)",
+        "gpu: {gpus} x {name}, world size {}: {tps:.0} tokens/s (median step), MFU {mfu} (6 x {} params x tokens/s over the {} peak)",
         cfg.world_size,
         report.num_params,
         if lp { "bf16/f16 dense" } else { "f32" }

@@ -27,13 +27,9 @@ pub const INVALID_HANDLE: CUresult = 400;
 pub const NOT_FOUND: CUresult = 500;
 pub const NOT_READY: CUresult = 600;
 
-/// Emulated devices: `CUDA_EMU_DEVICES` (default 2, at most 8).
+/// Emulated devices: `CUDA_EMU_DEVICES` (default 2, at most 8; 0: no GPU), see `crate::env`.
 fn device_count() -> c_int {
-    std::env::var("CUDA_EMU_DEVICES")
-        .ok()
-        .and_then(|v| v.parse::<c_int>().ok())
-        .unwrap_or(2)
-        .clamp(0, 8)
+    crate::env::devices()
 }
 
 /// Memory each emulated device reports, bytes.
@@ -45,7 +41,7 @@ const SMS: c_int = 2;
 struct Ctx {
     device: c_int,
 }
-static CONTEXTS: [Ctx; 8] = [
+static CONTEXTS: [Ctx; crate::env::MAX_DEVICES as usize] = [
     Ctx { device: 0 },
     Ctx { device: 1 },
     Ctx { device: 2 },

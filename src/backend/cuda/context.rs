@@ -50,7 +50,7 @@ pub(crate) fn detect() -> Result<Vec<DeviceInfo>> {
     if n <= 0 {
         return Err(Error::cuda(
             "no CUDA device",
-            "the driver loaded but reports no device (CUDA_VISIBLE_DEVICES?)",
+            "the driver loaded but reports no device: check CUDA_VISIBLE_DEVICES (under cuda-emu, CUDA_EMU_DEVICES)",
         ));
     }
     (0..n as usize)
