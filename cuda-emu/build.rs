@@ -28,13 +28,14 @@ fn matching(text: &str, open: usize, l: u8, r: u8) -> Option<usize> {
 }
 
 /// What, in a kernel body, makes threads of a block wait for each other (cuda_emu.h).
-const BARRIERS: [&str; 6] = [
+const BARRIERS: [&str; 7] = [
     "__syncthreads",
     "__shfl",
     "block_sum",
     "block_max",
     "warp_sum",
     "warp_max",
+    "column_sums",
 ];
 
 /// The `extern "C"` kernels of a preprocessed `.cu`: name, and whether the body reaches a

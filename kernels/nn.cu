@@ -12,14 +12,21 @@
 //   As nn::activation::{relu, relu_grad}: bitwise equal.
 // bias_add_f32(y (rows, C), b (C), rows, C)   y[r, j] += b[j]                    (+=)
 // bias_grad_f32(dy (rows, C), db (C), rows, C) db[j] += sum_r dy[r, j]           (+=)
-//   One thread per column, rows summed in order (deterministic).
+//   Column sums (column_sums below): deterministic, in a fixed order of the rows.
 // layernorm_fwd_f32(x, w (C), b (C), y, xhat, rstd (rows), rows, C, eps)
 //   mean, biased var over the last dim; rstd = 1 / sqrt(var + eps);
 //   xhat = (x - mean) rstd; y = xhat w + b          (y, xhat (rows, C), rstd: =; xhat may be null)
 // layernorm_bwd_f32(dy, xhat, rstd, w, dx, rows, C)
 //   dx = rstd (dy w - mean(dy w) - xhat mean(dy w xhat))                           (=)
 // layernorm_bwd_params_f32(dy, xhat, dw, db, rows, C)
-//   dw[j] += sum_r dy xhat; db[j] += sum_r dy   (one thread per column, deterministic) (+=)
+//   dw[j] += sum_r dy xhat; db[j] += sum_r dy   (column sums, deterministic)      (+=)
+//
+// Column sums (bias_grad_f32, layernorm_bwd_params_f32): 1024-thread blocks, block b
+// owning columns 32b .. 32b+31. Thread t reads column 32b + t % 32 at rows t / 32,
+// t / 32 + 32, ... (so each warp reads 128 contiguous bytes of a row), summing them in row
+// order; the 32 partial sums of a column are then added in order of t / 32. The order
+// depends only on the row count, never on the device: every run gives the same bits.
+// Launch: grid (ceil(C / 32), 1, 1), block 1024 (COLUMN_TILE * COLUMN_ROWS).
 // split_qkv_f32(qkv (B, T, 3, H, hd), q, k, v (B, H, T, hd), B, T, H, hd)          (=)
 // merge_qkv_f32(dq, dk, dv (B, H, T, hd), dqkv (B, T, 3, H, hd), B, T, H, hd)     (=)
 // merge_heads_f32(yh (B, H, T, hd), y (B, T, H, hd), B, T, H, hd)                  (=)
@@ -78,13 +85,46 @@ extern "C" __global__ void bias_add_f32(float* __restrict__ y, const float* __re
   GRID_STRIDE_LOOP(i, rows * c) { y[i] = y[i] + b[i % c]; }
 }
 
-extern "C" __global__ void bias_grad_f32(const float* __restrict__ dy, float* __restrict__ db,
-                                         int64_t rows, int64_t c) {
-  GRID_STRIDE_LOOP(j, c) {
-    float acc = 0.0f;
-    for (int64_t r = 0; r < rows; ++r) acc += dy[r * c + j];
-    db[j] = db[j] + acc;
+#define COLUMN_TILE 32
+#define COLUMN_ROWS 32
+
+// sum_r a[r, j] (and sum_r a[r, j] b[r, j] when b is not null) for this block's columns,
+// added into out_a[j] (and out_ab[j]). Every thread of the block must call it.
+__device__ __forceinline__ void column_sums(const float* __restrict__ a,
+                                            const float* __restrict__ b,
+                                            float* __restrict__ out_a,
+                                            float* __restrict__ out_ab, int64_t rows,
+                                            int64_t c) {
+  __shared__ float part_a[COLUMN_ROWS][COLUMN_TILE + 1];
+  __shared__ float part_ab[COLUMN_ROWS][COLUMN_TILE + 1];
+  const int x = threadIdx.x % COLUMN_TILE, y = threadIdx.x / COLUMN_TILE;
+  const int64_t j = (int64_t)blockIdx.x * COLUMN_TILE + x;
+  float sa = 0.0f, sab = 0.0f;
+  if (j < c) {
+    for (int64_t r = y; r < rows; r += COLUMN_ROWS) {
+      float v = a[r * c + j];
+      sa += v;
+      if (b != nullptr) sab += v * b[r * c + j];
+    }
   }
+  part_a[y][x] = sa;
+  part_ab[y][x] = sab;
+  __syncthreads();
+  if (y == 0 && j < c) {
+    float ta = 0.0f, tab = 0.0f;
+    for (int k = 0; k < COLUMN_ROWS; ++k) {
+      ta += part_a[k][x];
+      tab += part_ab[k][x];
+    }
+    out_a[j] = out_a[j] + ta;
+    if (out_ab != nullptr) out_ab[j] = out_ab[j] + tab;
+  }
+}
+
+extern "C" __global__ void ROW_KERNEL bias_grad_f32(const float* __restrict__ dy,
+                                                    float* __restrict__ db, int64_t rows,
+                                                    int64_t c) {
+  column_sums(dy, nullptr, db, nullptr, rows, c);
 }
 
 extern "C" __global__ void ROW_KERNEL layernorm_fwd_f32(const float* __restrict__ x, const float* __restrict__ w,
@@ -135,20 +175,12 @@ extern "C" __global__ void ROW_KERNEL layernorm_bwd_f32(const float* __restrict_
   }
 }
 
-extern "C" __global__ void layernorm_bwd_params_f32(const float* __restrict__ dy,
-                                                    const float* __restrict__ xhat,
-                                                    float* __restrict__ dw, float* __restrict__ db,
-                                                    int64_t rows, int64_t c) {
-  GRID_STRIDE_LOOP(j, c) {
-    float aw = 0.0f, ab = 0.0f;
-    for (int64_t r = 0; r < rows; ++r) {
-      float d = dy[r * c + j];
-      aw += d * xhat[r * c + j];
-      ab += d;
-    }
-    dw[j] = dw[j] + aw;
-    db[j] = db[j] + ab;
-  }
+extern "C" __global__ void ROW_KERNEL layernorm_bwd_params_f32(const float* __restrict__ dy,
+                                                               const float* __restrict__ xhat,
+                                                               float* __restrict__ dw,
+                                                               float* __restrict__ db,
+                                                               int64_t rows, int64_t c) {
+  column_sums(dy, xhat, db, dw, rows, c);
 }
 
 // (B, T, 3, H, hd) <-> 3 x (B, H, T, hd); i walks the head-major layout.

@@ -23,7 +23,14 @@ const ATOL: f32 = 1e-5;
 const RTOL: f32 = 1e-4;
 
 backend_test!(layernorm_matches_the_module, |b| {
-    for (rows, c) in [(1usize, 1usize), (3, 7), (5, 64), (17, 129), (2, 1031)] {
+    for (rows, c) in [
+        (1usize, 1usize),
+        (3, 7),
+        (5, 64),
+        (17, 129),
+        (2, 1031),
+        (75, 70),
+    ] {
         let mut ln = fsdp::nn::LayerNorm::new(c)?;
         let (w, bias) = (values(10, c), values(11, c));
         ln.weight

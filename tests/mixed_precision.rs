@@ -214,7 +214,10 @@ fn bf16_forward_computes_on_rounded_parameters_and_inputs_exactly() {
     }
     assert_ne!(want, unrounded, "bf16 rounding must change the output");
     // The hidden activations' rounding in the second and third GEMMs shows too.
-    assert_ne!(want, want_without_autocast, "bf16 GEMM operands must change the output");
+    assert_ne!(
+        want, want_without_autocast,
+        "bf16 GEMM operands must change the output"
+    );
 }
 
 #[test]

@@ -149,10 +149,23 @@ device_test!(autocast_gemms_read_bf16_operands_with_f32_sums, |dev| {
             .collect()
     };
     let (want, exact) = (per(&ar, &br), per(&a, &b));
-    close("autocast matmul vs rounded operands", dev, &out, &want, 1e-5);
+    close(
+        "autocast matmul vs rounded operands",
+        dev,
+        &out,
+        &want,
+        1e-5,
+    );
     let got = out.to_vec_f32()?;
-    let off = got.iter().zip(&exact).map(|(g, e)| (g - e).abs()).fold(0.0, f32::max);
-    assert!(off > 1e-4, "bf16 operands must show against f32 ones (max diff {off})");
+    let off = got
+        .iter()
+        .zip(&exact)
+        .map(|(g, e)| (g - e).abs())
+        .fold(0.0, f32::max);
+    assert!(
+        off > 1e-4,
+        "bf16 operands must show against f32 ones (max diff {off})"
+    );
     // F.linear too, its bias added in f32; outside the scope it is f32 again.
     let (x, w, bias) = (values(23, 4 * k), values(24, 3 * k), values(25, 3));
     let (xt, wt, bt) = (
@@ -165,11 +178,15 @@ device_test!(autocast_gemms_read_bf16_operands_with_f32_sums, |dev| {
         ops::linear(&xt, &wt, Some(&bt))?
     };
     let mut want = naive_matmul(&bf16(&x), &bf16(&w), 4, k, 3, Transpose::NT);
-    want.iter_mut().enumerate().for_each(|(i, v)| *v += bias[i % 3]);
+    want.iter_mut()
+        .enumerate()
+        .for_each(|(i, v)| *v += bias[i % 3]);
     close("autocast linear", dev, &y, &want, 1e-5);
     let y32 = ops::linear(&xt, &wt, Some(&bt))?;
     let mut want = naive_matmul(&x, &w, 4, k, 3, Transpose::NT);
-    want.iter_mut().enumerate().for_each(|(i, v)| *v += bias[i % 3]);
+    want.iter_mut()
+        .enumerate()
+        .for_each(|(i, v)| *v += bias[i % 3]);
     close("linear after the scope", dev, &y32, &want, 1e-5);
     Ok(())
 });
@@ -188,7 +205,7 @@ device_test!(linear_and_bias_ops_match_the_references, |dev| {
         .for_each(|(k, v)| *v += b[k % o]);
     close("linear", dev, &y, &want, 1e-5);
     assert_eq!(y.shape(), [n, o]);
-    for (rows, c) in [(0usize, 3usize), (1, 1), (13, 7)] {
+    for (rows, c) in [(0usize, 3usize), (1, 1), (13, 7), (75, 70), (64, 32)] {
         let (yv, bv, db0) = (values(8, rows * c), values(9, c), values(10, c));
         let (yt, dbt) = (
             tensor_on(yv.clone(), &[rows, c], dev),

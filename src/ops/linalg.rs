@@ -6,9 +6,9 @@
 //! the `bias_*` kernels of `nn.cu`. Row reductions and GEMMs sum in another order on the
 //! GPU, so CUDA results agree with the CPU to f32 rounding, not bitwise.
 
+use super::autocast::gemm_dtype;
 #[cfg(feature = "cuda")]
 use super::output;
-use super::autocast::gemm_dtype;
 use super::{check_f32, same_device};
 use crate::backend::cpu::gemm;
 pub use crate::backend::cpu::gemm::Transpose;

@@ -39,11 +39,11 @@ pub mod linalg;
 pub mod loss;
 
 pub use activation::{pointwise, pointwise_backward, Pointwise};
-pub use autocast::{autocast, gemm_dtype, AutocastGuard};
 pub use attention::{
     merge_heads, merge_qkv, softmax_causal, softmax_causal_backward_, split_heads, split_qkv,
     HeadDims,
 };
+pub use autocast::{autocast, gemm_dtype, AutocastGuard};
 pub use elementwise::{add, add_, fill_, scale_, sum_squares};
 pub use embedding::{embedding, embedding_backward};
 pub use layernorm::{layer_norm, layer_norm_backward, LayerNormSaved};

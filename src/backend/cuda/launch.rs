@@ -88,6 +88,15 @@ impl Grid {
         }
     }
 
+    /// Column sums over `(rows, c)` (`column_sums` in `nn.cu`): one 1024-thread block per 32
+    /// columns.
+    pub fn columns(c: usize) -> Grid {
+        Grid {
+            grid: (c.div_ceil(32).clamp(1, i32::MAX as usize) as u32, 1, 1),
+            block: 1024,
+        }
+    }
+
     /// Multi-tensor launch: `segments` along y (at most 65535; kernels stride over the
     /// rest), x sized for the longest segment.
     pub fn segments(s: &Stream, segments: usize, longest: usize) -> Grid {

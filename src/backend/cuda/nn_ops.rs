@@ -159,7 +159,8 @@ pub fn bias_add(s: &Stream, y: &DeviceTensor, b: &DeviceTensor) -> Result<()> {
     }
 }
 
-/// `db[j] += sum_r dy[r, j]` (`bias_grad_f32`, rows summed in order: deterministic).
+/// `db[j] += sum_r dy[r, j]` (`bias_grad_f32`: 32 columns per 1024-thread block, a fixed
+/// summation order, so deterministic).
 ///
 /// # Errors
 /// As [`bias_add`].
@@ -174,7 +175,7 @@ pub fn bias_grad(s: &Stream, dy: &DeviceTensor, db: &DeviceTensor) -> Result<()>
         launch::bias(
             s,
             "bias_grad_f32",
-            Grid::elementwise(s, db.numel()),
+            Grid::columns(db.numel()),
             dy.ptr(),
             db.ptr(),
             rows as i64,
@@ -272,7 +273,7 @@ pub fn layernorm_bwd(
         launch::layernorm_bwd_params(
             s,
             "layernorm_bwd_params_f32",
-            Grid::elementwise(s, c),
+            Grid::columns(c),
             dy.ptr(),
             xhat.ptr(),
             dw.ptr(),
