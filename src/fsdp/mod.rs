@@ -38,6 +38,7 @@ mod mixed_precision;
 mod runtime;
 mod scheduler;
 mod state_dict;
+mod streams;
 mod unit;
 mod wrap;
 mod wrapping;

@@ -12,8 +12,9 @@
 //!           [root: wait for every unit's reduction and accumulate it into the sharded grad]
 //! ```
 //!
-//! All collectives of a rank go through its one communication stream, in issue order, so
-//! every rank issues the same sequence and the compute thread overlaps them.
+//! Gathers go on the rank's unshard stream and reductions on its post-backward stream
+//! (`streams.rs`), each in issue order, so every rank issues the same sequence on each and
+//! the compute thread overlaps both.
 
 use super::mixed_precision::round_;
 use super::unit::gradient_divide_factors;
@@ -104,9 +105,10 @@ impl FullyShardedDataParallel {
         let (pre, post) = gradient_divide_factors(self.rs.pg.size());
         let shard_numel = self.flat.shard_numel();
         let sharded = self.rs.strategy.is_sharded();
+        // The reduce-scatter's communicator: not the one the unshard stream gathers on.
         let (pg, shard_pg, rep) = (
             self.rs.pg.clone(),
-            self.rs.shard_pg.clone(),
+            self.rs.sched.lock().streams.reduce_pg.clone(),
             self.rs.replicate_pg.clone(),
         );
         let keep_lp = mp.keep_low_precision_grads.then(|| mp.compute_dtype());
@@ -157,7 +159,13 @@ impl FullyShardedDataParallel {
             }
             Ok(())
         };
-        let work = self.rs.sched.lock().stream.submit_keeping(keep, job);
+        let work = self
+            .rs
+            .sched
+            .lock()
+            .streams
+            .post_backward()
+            .submit_keeping(keep, job);
         self.rs.sched.lock().stats.reductions += 1;
         self.pending_grad = Some(PendingGrad { work, out });
         Ok(())
@@ -201,7 +209,7 @@ impl FullyShardedDataParallel {
     fn drain_stream(&mut self) -> Result<()> {
         let mut s = self.rs.sched.lock();
         let r = s.drain_prefetches();
-        let dt = s.stream.synchronize();
+        let dt = s.streams.synchronize();
         s.add_wait(dt);
         r
     }

@@ -11,9 +11,10 @@
 //! same prefetch decisions and issues the same collectives in the same order.
 
 use super::flat_param::FlatParameter;
+use super::streams::Streams;
 use super::{MemoryStats, MixedPrecision};
 use crate::backend::Device;
-use crate::distributed::{CommStream, Group, Work};
+use crate::distributed::{Group, Work};
 use crate::error::Result;
 use crate::tensor::{DType, Tensor};
 use parking_lot::Mutex;
@@ -66,7 +67,8 @@ pub(super) struct Gather {
 
 /// One rank's scheduling state, shared by all its units.
 pub(super) struct Scheduler {
-    pub stream: CommStream,
+    /// The rank's unshard, post-backward and pre-unshard streams.
+    pub streams: Streams,
     pub shard_pg: Group,
     pub sharded: bool,
     pub mp: MixedPrecision,
@@ -102,7 +104,7 @@ pub(super) struct Scheduler {
 
 impl Scheduler {
     pub fn new(
-        stream: CommStream,
+        streams: Streams,
         shard_pg: Group,
         sharded: bool,
         mp: MixedPrecision,
@@ -112,7 +114,7 @@ impl Scheduler {
         Scheduler {
             mem,
             device,
-            stream,
+            streams,
             shard_pg,
             sharded,
             mp,
@@ -172,18 +174,24 @@ impl Scheduler {
         self.stats.all_gathers += 1;
         let dtype = self.mp.compute_dtype();
         let keep = vec![full.clone(), u.shard.clone()];
+        let unshard = &self.streams.unshard;
         let work = if self.offload {
-            // CpuOffload: the pre-unshard host-to-device copy, then the gather from it.
-            let (pg, shard, out, padded, sharded) = (
-                self.shard_pg.clone(),
-                u.shard.clone(),
-                full.clone(),
-                u.padded,
-                self.sharded,
-            );
-            self.stream.submit_keeping(keep, move || {
-                let on_device = Tensor::zeros_on(shard.shape(), dtype, device)?;
-                on_device.copy_from(&shard)?;
+            // CpuOffload: the host-to-device copy (and cast to param_dtype) on the
+            // pre-unshard stream, then the gather from it on the unshard stream, which
+            // waits for the copy: the compute thread does not.
+            let on_device = Tensor::zeros_on(u.shard.shape(), dtype, device)?;
+            let h2d = {
+                let (shard, dst) = (u.shard.clone(), on_device.clone());
+                let pre = self.streams.pre_unshard.as_ref().unwrap_or(unshard);
+                pre.submit_keeping(vec![u.shard.clone(), on_device.clone()], move || {
+                    dst.copy_from(&shard)
+                })
+            };
+            let (pg, out, padded, sharded) =
+                (self.shard_pg.clone(), full.clone(), u.padded, self.sharded);
+            let keep = vec![full.clone(), on_device.clone()];
+            unshard.submit_keeping(keep, move || {
+                h2d.wait()?;
                 if sharded {
                     let lp_full = Tensor::zeros_on(&[padded], dtype, device)?;
                     pg.all_gather_into_tensor(&lp_full, &on_device)?;
@@ -195,13 +203,12 @@ impl Scheduler {
         } else if !self.sharded {
             // NoShard: the "shard" is the whole flat parameter; make the compute copy.
             let (shard, out) = (u.shard.clone(), full.clone());
-            self.stream.submit_keeping(keep, move || {
+            unshard.submit_keeping(keep, move || {
                 out.copy_from(&shard)?;
                 super::mixed_precision::round_(&out, dtype)
             })
         } else if dtype == DType::F32 {
-            self.stream
-                .all_gather_into_tensor(&self.shard_pg, &full, &u.shard)
+            unshard.all_gather_into_tensor(&self.shard_pg, &full, &u.shard)
         } else {
             let (pg, shard, out, padded) = (
                 self.shard_pg.clone(),
@@ -209,7 +216,7 @@ impl Scheduler {
                 full.clone(),
                 u.padded,
             );
-            self.stream.submit_keeping(keep, move || {
+            unshard.submit_keeping(keep, move || {
                 // FSDP1 `_use_low_precision_shard`: cast the shard, gather low precision.
                 let lp_shard = shard.to_dtype(dtype)?;
                 let lp_full = Tensor::zeros_on(&[padded], dtype, device)?;

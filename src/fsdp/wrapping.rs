@@ -5,11 +5,12 @@
 
 use super::flat_param::FlatParameter;
 use super::scheduler::Scheduler;
+use super::streams::Streams;
 use super::unit::RankState;
 use super::{AutoWrapPolicy, FsdpConfig, FullyShardedDataParallel, MemoryStats};
 use crate::backend::Device;
 use crate::distributed::staged;
-use crate::distributed::{CommStream, DeviceMesh, Group};
+use crate::distributed::{DeviceMesh, Group};
 use crate::error::{Error, Result};
 use crate::nn::{join_name, visit_parameters, Module, Sequential};
 use crate::tensor::Tensor;
@@ -54,12 +55,21 @@ impl FullyShardedDataParallel {
         let mp = config.mixed_precision.unwrap_or_default();
         mp.validate()?;
         let device = super::config::check_device(config.device_id)?;
-        // The unshard / post-backward stream: its all-gathers and reductions overlap the
-        // rank's compute (on CUDA, a stream of its own charged to the rank's account).
-        let stream = CommStream::on_device(&format!("fsdp-comm-rank{}", pg.world_rank()), device)?;
+        // The unshard, post-backward and pre-unshard streams: their all-gathers, copies
+        // and reductions overlap the rank's compute (on CUDA, streams of their own charged
+        // to the rank's account).
+        let sharded = config.sharding_strategy.is_sharded();
+        let streams = Streams::new(
+            pg.world_rank(),
+            device,
+            &pg,
+            &shard_pg,
+            sharded,
+            config.cpu_offload.offload_params,
+        )?;
         let mem = Arc::new(Mutex::new(MemoryStats::default()));
         let mut sched = Scheduler::new(
-            stream,
+            streams,
             shard_pg.clone(),
             config.sharding_strategy.is_sharded(),
             mp,
