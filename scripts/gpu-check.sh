@@ -8,11 +8,21 @@
 #   scripts/gpu-check.sh prepare   # here (no GPU needed): build everything with
 #                                  # --features cuda (release) into .gpu-bin/ (ignored),
 #                                  # for a GPU machine without cargo; carry .gpu-bin there
-#   scripts/gpu-check.sh           # on the GPU machine: build with cargo when it has one,
-#                                  # else run .gpu-bin/; exit 1 when a check failed
+#   scripts/gpu-check.sh           # on the GPU machine: run .gpu-bin/ when it is there
+#                                  # (the lent machine reaches no network, so cargo could
+#                                  # not fetch crates or nvcc), else build with cargo;
+#                                  # exit 1 when a check failed
 #
 # Each step has its own timeout; a step that fails is reported and the rest still run.
 # What is not checked on one GPU is listed under NOT CHECKED HERE in the summary.
+# Settings (environment): OUT (summary and logs; default target/gpu-check), BUDGET_S,
+# GPU_CHECK_BUILD=cargo (build with cargo even when .gpu-bin/ is there). Rehearsal knobs,
+# for running this script on the CPU through cuda-emu (scripts/cuda-emu.sh) before a GPU is
+# lent, left unset on the GPU:
+#   GPU_CHECK_MODEL          model arguments of the two throughput runs (default
+#                            "--preset gpt2-124m"; e.g. "--n-layer 2 --n-embd 64 --n-head 4
+#                            --seq-len 64" on the emulator, where GPT-2 small is far too slow)
+#   GPU_CHECK_TIMEOUT_SCALE  integer factor on every step's own timeout (default 1)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root="$(pwd)"
@@ -35,16 +45,21 @@ if [ "${1:-}" = "prepare" ]; then
   nvcc="$(scripts/install_nvcc.sh | tail -n 1)"
   export NVCC="$nvcc"
   rm -rf "$bin" && mkdir -p "$bin"
+  # cargo's messages (JSON) on stdout, its errors on stderr, shown.
   for t in $CUDA_TESTS; do
     if [ ! -f "tests/$t.rs" ]; then echo "prepare: no tests/$t.rs, skipped"; continue; fi
-    exe="$(cargo test --release --features cuda --test "$t" --no-run --message-format=json 2>/dev/null | exe_of test)"
+    exe="$(cargo test --release --features cuda --test "$t" --no-run --message-format=json | exe_of test)"
+    [ -x "$exe" ] || { echo "prepare: no executable for tests/$t.rs" >&2; exit 1; }
     cp "$exe" "$bin/test-$t"
   done
-  exe="$(cargo bench --features cuda --bench kernels --no-run --message-format=json 2>/dev/null | exe_of bench)"
+  exe="$(cargo bench --features cuda --bench kernels --no-run --message-format=json | exe_of bench)"
+  [ -x "$exe" ] || { echo "prepare: no executable for benches/kernels.rs" >&2; exit 1; }
   cp "$exe" "$bin/bench-kernels"
   cargo build --release --features cuda --bin fsdp
   cp target/release/fsdp "$bin/fsdp"
   strip "$bin"/* || true
+  # What it was built from, for the summary (the GPU machine may have no git).
+  echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD -- src kernels tests benches build.rs Cargo.toml Cargo.lock 2>/dev/null || echo ' + uncommitted changes'), prepared $(date -u +%FT%TZ)" >"$bin/PREPARED"
   du -sh "$bin"
   echo "prepared $bin: carry it (run's carry: [\".gpu-bin\"]) and run scripts/gpu-check.sh there"
   exit 0
@@ -56,14 +71,18 @@ summary="$out/summary.txt"
 : >"$summary"
 fail=0
 budget="${BUDGET_S:-450}"
+scale="${GPU_CHECK_TIMEOUT_SCALE:-1}"
+model="${GPU_CHECK_MODEL:---preset gpt2-124m}"
 say() { echo "$*" | tee -a "$summary"; }
 step() { # step NAME TIMEOUT_S 'SHELL COMMAND': runs, logs to $out/NAME.log, records PASS/FAIL
   local name="$1" t="$2" cmd="$3"
   local left=$((budget - SECONDS))
   if [ "$left" -lt 15 ]; then say "SKIPPED $name (time budget of $budget s spent)"; fail=1; return 1; fi
+  t=$((t * scale))
   [ "$t" -gt "$left" ] && t="$left"
   local start=$SECONDS
-  timeout "$t" bash -c "$cmd" >"$out/$name.log" 2>&1
+  # -k: a process that ignores TERM (stuck in the driver) is killed 10 s later.
+  timeout -k 10 "$t" bash -c "$cmd" >"$out/$name.log" 2>&1
   local rc=$?
   if [ $rc -eq 0 ]; then say "PASS $name ($((SECONDS - start)) s)"; else
     say "FAIL $name (exit $rc after $((SECONDS - start)) s of at most $t; last lines:)"
@@ -76,29 +95,47 @@ step() { # step NAME TIMEOUT_S 'SHELL COMMAND': runs, logs to $out/NAME.log, rec
 say "== gpu-check $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), budget $budget s"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | sed 's/^/gpu: /' | tee -a "$summary"
 
-# cuBLAS from CUDA's pip wheels (the image's PyTorch ships them) when not on the path.
-if ! ldconfig -p 2>/dev/null | grep -q libcublas.so; then
-  libdir="$(python3 - <<'PY' 2>/dev/null
+# on_lib_path NAME: a file NAME in a folder of LD_LIBRARY_PATH (searched before ldconfig's).
+on_lib_path() {
+  local d IFS=:
+  for d in ${LD_LIBRARY_PATH:-}; do [ -n "$d" ] && [ -e "$d/$1" ] && return 0; done
+  return 1
+}
+# in_ldconfig PATTERN: ldconfig's cache lists a library matching PATTERN. (Not `| grep -q`:
+# under pipefail, ldconfig killed by SIGPIPE when grep stops early would read as not found.)
+in_ldconfig() { ldconfig -p 2>/dev/null | grep -E "$1" >/dev/null; }
+# pip_lib GLOB: the first file matching GLOB under nvidia/ of python3's site-packages and
+# path (CUDA's pip wheels, which the image's PyTorch ships), or in /usr/local/cuda.
+pip_lib() {
+  python3 - "$1" <<'PY' 2>/dev/null
 import glob, site, sys
-for d in site.getsitepackages() + [site.getusersitepackages()]:
-    for f in glob.glob(d + "/nvidia/**/libcublas.so*", recursive=True):
-        print(f.rsplit("/", 1)[0]); sys.exit()
-PY
-)"
-  [ -n "$libdir" ] && export LD_LIBRARY_PATH="$libdir:${LD_LIBRARY_PATH:-}" && say "cublas: $libdir"
-fi
-
-# NCCL from the pip wheel (nvidia-nccl-cu13/cu12 ship libnccl.so.2 only; cudarc opens
-# libnccl.so): a folder with that link, on the library path.
-if ! ldconfig -p 2>/dev/null | grep -q "libnccl.so "; then
-  nccl="$(python3 - <<'PY' 2>/dev/null
-import glob, site, sys
-for d in site.getsitepackages() + [site.getusersitepackages()]:
-    for f in sorted(glob.glob(d + "/nvidia/**/libnccl.so*", recursive=True)):
+dirs = site.getsitepackages() + [site.getusersitepackages()] + sys.path[1:]
+for d in dict.fromkeys(dirs):
+    for f in sorted(glob.glob(d + "/nvidia/**/" + sys.argv[1], recursive=True)):
+        print(f); sys.exit()
+for d in ("/usr/local/cuda/lib64", "/usr/local/cuda/targets/x86_64-linux/lib"):
+    for f in sorted(glob.glob(d + "/" + sys.argv[1])):
         print(f); sys.exit()
 PY
-)"
-  [ -z "$nccl" ] && nccl="$(ldconfig -p 2>/dev/null | grep -o '/[^ ]*libnccl.so.2$' | head -n 1)"
+}
+
+# cuBLAS (cudarc opens libcublas.so, .so.13 or .so.12) when neither the library path nor
+# ldconfig has it.
+if ! on_lib_path libcublas.so && ! on_lib_path libcublas.so.13 && ! on_lib_path libcublas.so.12 &&
+  ! in_ldconfig 'libcublas\.so'; then
+  f="$(pip_lib 'libcublas.so*')"
+  if [ -n "$f" ]; then
+    export LD_LIBRARY_PATH="${f%/*}:${LD_LIBRARY_PATH:-}" && say "cublas: ${f%/*}"
+  else
+    say "cublas: no libcublas found (the GEMM checks will say so)"
+  fi
+fi
+
+# NCCL (nvidia-nccl-cu13/cu12 ship libnccl.so.2 only; cudarc opens libnccl.so, not .so.2):
+# a folder with that link, on the library path.
+if ! on_lib_path libnccl.so && ! in_ldconfig 'libnccl\.so '; then
+  nccl="$(pip_lib 'libnccl.so*')"
+  [ -z "$nccl" ] && nccl="$(ldconfig -p 2>/dev/null | grep -o '/[^ ]*libnccl\.so\.2$' | head -n 1)"
   if [ -n "$nccl" ]; then
     mkdir -p "$out/lib" && ln -sf "$nccl" "$out/lib/libnccl.so"
     export LD_LIBRARY_PATH="$out/lib:${LD_LIBRARY_PATH:-}" && say "nccl: $nccl"
@@ -109,7 +146,13 @@ fi
 
 tests=""
 for t in $CUDA_TESTS; do [ -f "tests/$t.rs" ] && tests="$tests $t"; done
-if command -v cargo >/dev/null 2>&1; then
+if [ -x "$bin/fsdp" ] && [ "${GPU_CHECK_BUILD:-}" != cargo ]; then
+  say "build: prebuilt $bin ($(cat "$bin/PREPARED" 2>/dev/null || echo 'no PREPARED stamp'); scripts/gpu-check.sh prepare)"
+  tests=""; for t in $CUDA_TESTS; do [ -x "$bin/test-$t" ] && tests="$tests $t"; done
+  test_cmd="$bin/test-%s --nocapture --test-threads 1 %s"
+  bench_cmd="$bin/bench-kernels --bench"
+  fsdp_bin="$bin/fsdp"
+elif command -v cargo >/dev/null 2>&1; then
   say "build: cargo (--features cuda, release)"
   # Exported once: build.rs reruns (and recompiles every kernel) when NVCC changes.
   NVCC="$(timeout 120 scripts/install_nvcc.sh | tail -n 1)"; export NVCC
@@ -119,12 +162,6 @@ if command -v cargo >/dev/null 2>&1; then
   test_cmd="cargo test --release --features cuda --test %s -- --nocapture --test-threads 1 %s"
   bench_cmd="cargo bench --features cuda --bench kernels"
   fsdp_bin="$root/target/release/fsdp"
-elif [ -x "$bin/fsdp" ]; then
-  say "build: prebuilt $bin (scripts/gpu-check.sh prepare)"
-  tests=""; for t in $CUDA_TESTS; do [ -x "$bin/test-$t" ] && tests="$tests $t"; done
-  test_cmd="$bin/test-%s --nocapture --test-threads 1 %s"
-  bench_cmd="$bin/bench-kernels --bench"
-  fsdp_bin="$bin/fsdp"
 else
   say "FAIL build: no cargo here and no $bin (run 'scripts/gpu-check.sh prepare' where cargo is, carry .gpu-bin)"
   exit 1
@@ -141,20 +178,39 @@ for t in $tests; do
   step "test-$t" "$to" "$(printf "$test_cmd" "$t" "$filter")"
   # A test that needs two GPUs skips on a one-GPU machine (said, not failed); any other
   # skip means the driver or device was not found.
-  if grep "skipping" "$out/test-$t.log" | grep -q ": one GPU"; then
-    say "note test-$t: $(grep "skipping" "$out/test-$t.log" | grep -c ": one GPU") test(s) need two GPUs and skipped"
+  skips="$(grep "skipping" "$out/test-$t.log")"
+  one="$(grep ": one GPU" <<<"$skips")"; other="$(grep -v ": one GPU" <<<"$skips")"
+  if [ -n "$one" ]; then
+    say "note test-$t: $(wc -l <<<"$one") test(s) need two GPUs and skipped"
+    sed 's/^.*skipping/    skipping/' <<<"$one" >>"$summary"
   fi
-  if grep "skipping" "$out/test-$t.log" | grep -qv ": one GPU"; then
-    say "FAIL test-$t: tests skipped on a GPU machine:"; grep "skipping" "$out/test-$t.log" | grep -v -m3 ": one GPU" | tee -a "$summary"; fail=1
+  if [ -n "$other" ]; then
+    say "FAIL test-$t: tests skipped on a GPU machine:"; head -n 3 <<<"$other" | tee -a "$summary"; fail=1
   fi
-  grep -E "^test .*($filter|nccl.*) \.\.\. (ok|FAILED)" "$out/test-$t.log" | sed 's/^/    /' >>"$summary"
+  # One line per test run; with --nocapture a test's own output (a skip notice, a panic)
+  # comes between "test NAME ... " and its result, which is put back on the NAME's line.
+  results="$(awk '
+    /^test .* \.\.\. / { i = index($0, " ... "); name = substr($0, 6, i - 6); r = substr($0, i + 5)
+      if (r ~ /^(ok|FAILED|ignored)$/) print "test " name " ... " r; else pending = name; next }
+    pending != "" && /^(ok|FAILED|ignored)$/ { print "test " pending " ... " $0; pending = "" }
+    END { if (pending != "") print "test " pending " ... no result (killed?)" }' "$out/test-$t.log")"
+  if [ -z "$results" ]; then
+    say "FAIL test-$t: no test matching '$filter' ran"; fail=1
+  else
+    say "test-$t: $(grep -c ' \.\.\. ok$' <<<"$results") of $(wc -l <<<"$results") tests ok"
+    sed 's/^/    /' <<<"$results" >>"$summary"
+  fi
 done
 step bench-kernels 120 "$bench_cmd"
 grep -E "^BW " "$out/bench-kernels.log" | tee -a "$summary"
 
-mkdir -p "$root/data"
-[ -f "$root/data/tinyshakespeare.txt" ] || python3 -c "print('the king and queen of rome shall speak\n' * 3000)" >"$root/data/gpu-check.txt"
-data="$root/data/tinyshakespeare.txt"; [ -f "$data" ] || data="$root/data/gpu-check.txt"
+# data/ is ignored by git, so it does not travel to a lent machine: a generated corpus there.
+data="$root/data/tinyshakespeare.txt"
+if [ ! -s "$data" ]; then
+  data="$out/gpu-check.txt"
+  python3 -c "print('the king and queen of rome shall speak\n' * 3000)" >"$data"
+fi
+say "data: $data ($(wc -c <"$data") bytes)"
 
 # compare NAME A.jsonl B.jsonl: per-step losses within relative 1e-4; PASS/FAIL with the
 # worst difference.
@@ -181,9 +237,10 @@ step "curve-nccl-ws1" 90 "\"$fsdp_bin\" launch --nproc-per-node 1 -- \"$fsdp_bin
 compare "loss curve nccl (fsdp launch, 1 process) vs threads (cuda, ws 1)" "$out/curve-nccl-ws1.jsonl" "$out/curve-cuda-ws1.jsonl"
 
 # GPT-2 small's shape in bf16: tokens/s, MFU and peak device memory per rank.
+label="gpt2-124m"; [ "$model" = "--preset gpt2-124m" ] || label="model '$model'"
 for ws in 1 4; do
-  if step "gpt2-ws$ws" 100 "\"$fsdp_bin\" train --device cuda --preset gpt2-124m --mixed-precision bf16 --world-size $ws --global-batch 8 --steps 6 --eval-every 0 --sample-len 0 --log-every 1 --data \"$data\""; then
-    grep -E "^(gpu:|peak device memory)" "$out/gpt2-ws$ws.log" | sed "s/^/gpt2-124m bf16 ws=$ws: /" | tee -a "$summary"
+  if step "gpt2-ws$ws" 100 "\"$fsdp_bin\" train --device cuda $model --mixed-precision bf16 --world-size $ws --global-batch 8 --steps 6 --eval-every 0 --sample-len 0 --log-every 1 --data \"$data\""; then
+    grep -E "^(gpu:|peak device memory)" "$out/gpt2-ws$ws.log" | sed "s/^/$label bf16 ws=$ws: /" | tee -a "$summary"
   fi
 done
 

@@ -346,8 +346,12 @@ impl Module for RepeatedHead {
 
 #[test]
 fn a_rank_that_calls_the_head_three_times_is_named() {
-    // Trunk and head are FSDP units of equal size: rank 2's extra head all-gathers line up
-    // with the others' backward until the kinds of collective differ.
+    // Trunk and head are FSDP units of equal size. Rank 2's extra head all-gathers wait on
+    // the unshard stream's communicator while the others reduce-scatter on the
+    // post-backward stream's (src/fsdp/streams.rs), where rank 2 never arrives (its extra
+    // gathers may first pair with the others' backward gathers, so which collective times
+    // out first varies): the group timeout ends it on every rank, and the errors of the
+    // ranks that ran the program as written name rank 2 among those that never arrived.
     let (ended, _, elapsed) = run(3, TIMEOUT, |pg| {
         let k = InitKey::new(5);
         let model = RepeatedHead {
@@ -366,13 +370,27 @@ fn a_rank_that_calls_the_head_three_times_is_named() {
         m.backward(&dy, &Context::train())?;
         Ok(())
     });
-    assert_prompt(elapsed);
-    assert_blamed(
-        &ended,
-        &[0, 1, 2],
-        "CollectiveMismatch",
-        &[2],
-        "but rank 2 called",
-    );
+    assert!(elapsed < TIMEOUT * 2, "took {elapsed:?}");
+    let missing = |text: &str| -> Vec<usize> {
+        let Some(at) = text.find("ranks [") else {
+            return Vec::new();
+        };
+        let list = &text[at + 7..];
+        list[..list.find(']').unwrap_or(0)]
+            .split(", ")
+            .filter_map(|r| r.parse().ok())
+            .collect()
+    };
+    for (r, e) in ended.iter().enumerate() {
+        match e {
+            Ended::Err { text, .. } => {
+                assert!(text.contains("timed out"), "rank {r}: {text}");
+                if r != 2 {
+                    assert!(missing(text).contains(&2), "rank {r}: {text}");
+                }
+            }
+            other => panic!("rank {r}: expected a timeout, got {other:?}"),
+        }
+    }
     a_new_world_still_works();
 }

@@ -5,7 +5,8 @@
 //! | [`FullyShardedDataParallel`]: the unit, its state and accessors | `unit.rs` | `fully_sharded_data_parallel.py` |
 //! | construction: auto-wrap, deferred init (`param_init_fn`), tied parameters, `ignored_modules`, `sync_module_states` | `wrapping.rs` | `_init_utils.py`, `wrap.py` |
 //! | forward/backward hooks: unshard, reshard, gradient reduction | `runtime.rs` | `_runtime_utils.py` |
-//! | prefetch order, the per-rank communication stream, [`BackwardPrefetch`], `limit_all_gathers`, [`RuntimeStats`] | `scheduler.rs` | `_exec_order_utils.py`, `_limiter_utils.py` |
+//! | prefetch order, [`BackwardPrefetch`], `limit_all_gathers`, [`RuntimeStats`] | `scheduler.rs` | `_exec_order_utils.py`, `_limiter_utils.py` |
+//! | the per-rank unshard, post-backward and pre-unshard streams | `streams.rs` | `_init_streams` in `_runtime_utils.py` |
 //! | [`MixedPrecision`] | `mixed_precision.rs` | `api.MixedPrecision` |
 //! | [`FlatParameter`] | `flat_param.rs` | `_flat_param.py` |
 //! | [`ShardingStrategy`], [`FsdpConfig`], [`CpuOffload`] | `config.rs` | `api.py` |
@@ -17,7 +18,8 @@
 //! Every strategy (hybrid ones over [`hybrid_groups`], explicit groups or a
 //! [`DeviceMesh`](crate::distributed::DeviceMesh)), nested units through auto-wrap policies,
 //! FSDP1's gradient pre/post-division, mixed precision, backward/forward prefetch with
-//! collectives overlapping compute on a communication stream, CPU offload, deferred init,
+//! collectives overlapping compute on the unshard and post-backward streams, CPU offload,
+//! deferred init,
 //! FULL / SHARDED / LOCAL state dicts, optimizer state dicts by parameter name and
 //! `summon_full_params` (`state_dict/`; the files are in [`crate::checkpoint`]).
 //!
@@ -26,7 +28,7 @@
 //! | parameter shard (f32 master) | host | `cuda:i` (host under CPU offload) |
 //! | unsharded parameters, flat gradient, low-precision copies | host | `cuda:i` |
 //! | reduced gradient shard | host | `cuda:i` (host under CPU offload) |
-//! | communication stream | a worker thread | a worker thread with its own CUDA stream, ordered by events |
+//! | unshard / post-backward / pre-unshard streams | a worker thread each | a worker thread each, with its own CUDA stream, ordered by events |
 //! | gradient pack/unpack, rounding | [`crate::ops::flat`] CPU loops | `pack_grad_*`, `unpack_grad_*`, `cast_*` kernels |
 //! | state dicts | host tensors | host tensors (full state dict: on the GPU without `offload_to_cpu`) |
 
