@@ -200,6 +200,8 @@ for t in $tests; do
     say "test-$t: $(grep -c ' \.\.\. ok$' <<<"$results") of $(wc -l <<<"$results") tests ok"
     sed 's/^/    /' <<<"$results" >>"$summary"
   fi
+  # What a failed test said (the panic's place and message), which the tail above misses.
+  grep -A1 "panicked at" "$out/test-$t.log" | grep -v '^--$' | head -n 6 | sed 's/^/    /' >>"$summary"
 done
 step bench-kernels 120 "$bench_cmd"
 grep -E "^BW " "$out/bench-kernels.log" | tee -a "$summary"
