@@ -155,6 +155,8 @@ fn clip_grad_norm_matches_unsharded_and_is_identical_on_every_rank() {
         }
         sgd().step(&pg).unwrap();
         let want = named_values(reference.as_mut());
+        // At one rank every strategy must clip by the very same norm (same bits).
+        let mut one_rank: Vec<(bool, ShardingStrategy, f32)> = Vec::new();
         for (strategy, per_unit) in configs() {
             for world in 1..=4 {
                 let got = launch(&LaunchOptions::new(world), |pg| {
@@ -178,6 +180,20 @@ fn clip_grad_norm_matches_unsharded_and_is_identical_on_every_rank() {
                 );
                 for ((n, g), (_, w)) in got[0].1.iter().zip(&want) {
                     assert_close(&format!("{what} {n}"), g, w, 1e-6, 1e-5);
+                }
+                if world == 1 {
+                    one_rank.push((per_unit, strategy, got[0].0));
+                }
+            }
+        }
+        for &(per_unit, strategy, norm) in &one_rank {
+            for &(p2, s2, n2) in &one_rank {
+                if p2 == per_unit {
+                    assert_eq!(
+                        norm.to_bits(),
+                        n2.to_bits(),
+                        "p={norm_type} per_unit {per_unit}: {strategy:?} {norm} vs {s2:?} {n2} at one rank"
+                    );
                 }
             }
         }

@@ -63,7 +63,9 @@ impl FullyShardedDataParallel {
             let v = t.f32()?[0] as f64;
             v
         } else {
-            local
+            // Rounded to f32 as the reduction's input is, so that at one rank every
+            // strategy clips by the same coefficient.
+            local as f32 as f64
         };
         // Ignored modules' parameters are whole on every rank: their local gradients count
         // once, without a reduction (as FSDP1 counts its non-sharded parameters).
