@@ -69,6 +69,8 @@ out="${OUT:-$root/target/gpu-check}"
 mkdir -p "$out"
 summary="$out/summary.txt"
 : >"$summary"
+tmp="$(mktemp -d)"  # the libnccl.so link and a generated corpus: not results, kept out of $out
+trap 'rm -rf "$tmp"' EXIT
 fail=0
 budget="${BUDGET_S:-450}"
 scale="${GPU_CHECK_TIMEOUT_SCALE:-1}"
@@ -137,8 +139,8 @@ if ! on_lib_path libnccl.so && ! in_ldconfig 'libnccl\.so '; then
   nccl="$(pip_lib 'libnccl.so*')"
   [ -z "$nccl" ] && nccl="$(ldconfig -p 2>/dev/null | grep -o '/[^ ]*libnccl\.so\.2$' | head -n 1)"
   if [ -n "$nccl" ]; then
-    mkdir -p "$out/lib" && ln -sf "$nccl" "$out/lib/libnccl.so"
-    export LD_LIBRARY_PATH="$out/lib:${LD_LIBRARY_PATH:-}" && say "nccl: $nccl"
+    ln -sf "$nccl" "$tmp/libnccl.so"
+    export LD_LIBRARY_PATH="$tmp:${LD_LIBRARY_PATH:-}" && say "nccl: $nccl"
   else
     say "nccl: no libnccl found (the NCCL checks will say so)"
   fi
@@ -197,7 +199,7 @@ for t in $tests; do
   if [ -z "$results" ]; then
     say "FAIL test-$t: no test matching '$filter' ran"; fail=1
   else
-    say "test-$t: $(grep -c ' \.\.\. ok$' <<<"$results") of $(wc -l <<<"$results") tests ok"
+    say "test-$t: $(grep -c ' \.\.\. ok$' <<<"$results") of $(wc -l <<<"$results") tests ok ($(grep -c . <<<"$skips") of them skipped)"
     sed 's/^/    /' <<<"$results" >>"$summary"
   fi
   # What a failed test said (the panic's place and message), which the tail above misses.
@@ -205,11 +207,17 @@ for t in $tests; do
 done
 step bench-kernels 120 "$bench_cmd"
 grep -E "^BW " "$out/bench-kernels.log" | tee -a "$summary"
+# The benchmark returns 0 when it found no GPU (it says "skipping") or a kernel failed.
+if ! grep -E "^BW " "$out/bench-kernels.log" >/dev/null || grep -E "^BW .* failed: |^skipping|^kernel benchmarks at" "$out/bench-kernels.log" >/dev/null; then
+  say "FAIL bench-kernels: no bandwidth table, or a kernel failed:"
+  grep -E "^BW .* failed: |^skipping|^kernel benchmarks at" "$out/bench-kernels.log" | head -n 3 | tee -a "$summary"
+  fail=1
+fi
 
 # data/ is ignored by git, so it does not travel to a lent machine: a generated corpus there.
 data="$root/data/tinyshakespeare.txt"
 if [ ! -s "$data" ]; then
-  data="$out/gpu-check.txt"
+  data="$tmp/gpu-check.txt"
   python3 -c "print('the king and queen of rome shall speak\n' * 3000)" >"$data"
 fi
 say "data: $data ($(wc -c <"$data") bytes)"
