@@ -99,6 +99,10 @@ fn norm_accumulate(acc: f64, grads: &[Tensor], norm_type: f32) -> Result<f64> {
             let a = (v as f64).abs();
             *acc = if inf {
                 acc.max(a)
+            } else if norm_type == 2.0 {
+                // The usual case, without a pow call per element (the same value: a * a
+                // is exact in f64 for an f32 a, and pow(a, 2) is correctly rounded).
+                *acc + a * a
             } else {
                 *acc + a.powf(norm_type as f64)
             };
