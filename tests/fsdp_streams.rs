@@ -119,13 +119,12 @@ fn params(m: &mut dyn Module) -> Vec<(String, Vec<f32>)> {
     out
 }
 
+/// Full parameters by name.
+type Params = Vec<(String, Vec<f32>)>;
+
 /// Trains the small GPT (one unit per block) on `WORLD` recording ranks; returns rank 0's
 /// full parameters and every rank's calls.
-fn train(
-    dup: bool,
-    strategy: ShardingStrategy,
-    offload: bool,
-) -> (Vec<(String, Vec<f32>)>, Vec<Vec<Call>>) {
+fn train(dup: bool, strategy: ShardingStrategy, offload: bool) -> (Params, Vec<Vec<Call>>) {
     let out = launch(&LaunchOptions::new(WORLD), |pg| {
         let log = Arc::new(Mutex::new(Vec::new()));
         let rec: Group = Arc::new(Recording {
