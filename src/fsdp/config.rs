@@ -122,7 +122,7 @@ pub type ParamInitFn =
 ///
 /// With `offload_params`, each unit's parameter shard and gradient shard stay in host
 /// memory and the optimizer steps there; unshard first copies the shard to the compute
-/// device (on the communication stream, ahead of use when prefetching) and the reduced
+/// device (on the pre-unshard stream, ahead of use when prefetching) and the reduced
 /// gradient shard is copied back to the host. On the CPU backend the "device" copy is a
 /// separate staging buffer, so the data path and its numbers are exercised without a GPU.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

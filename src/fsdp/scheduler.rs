@@ -1,6 +1,6 @@
 //! The per-rank scheduler: which unit to all-gather ahead of use (prefetch), on the rank's
-//! communication stream, so that gathers overlap compute (FSDP1 `_exec_order_utils.py`,
-//! `_runtime_utils._prefetch_handle`, `limit_all_gathers`).
+//! unshard stream (`streams.rs`), so that gathers overlap compute (FSDP1
+//! `_exec_order_utils.py`, `_runtime_utils._prefetch_handle`, `limit_all_gathers`).
 //!
 //! Execution order is learned as FSDP1 does: every forward records the order in which units
 //! finish their forward (post-forward order). Forward prefetch follows the previous

@@ -27,7 +27,8 @@ pub(super) struct RankState {
     pub(super) strategy: ShardingStrategy,
     pub(super) mem: Arc<Mutex<MemoryStats>>,
     pub(super) mp: MixedPrecision,
-    /// Prefetch decisions and the communication stream, shared by the rank's units.
+    /// Prefetch decisions and the unshard / post-backward / pre-unshard streams, shared by
+    /// the rank's units.
     pub(super) sched: Arc<Mutex<Scheduler>>,
     /// Fully qualified names of the ignored modules.
     pub(super) ignored: Arc<Vec<String>>,
