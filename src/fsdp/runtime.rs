@@ -74,7 +74,7 @@ impl FullyShardedDataParallel {
     pub fn reshard(&mut self) -> Result<()> {
         if !self.rs.strategy.is_sharded()
             && !self.rs.mp.is_low_precision()
-            && !self.rs.sched.lock().offload
+            && !self.rs.sched.lock().offload()
         {
             return Ok(());
         }
@@ -106,14 +106,13 @@ impl FullyShardedDataParallel {
         let shard_numel = self.flat.shard_numel();
         let sharded = self.rs.strategy.is_sharded();
         // The reduce-scatter's communicator: not the one the unshard stream gathers on.
-        let (pg, shard_pg, rep) = (
-            self.rs.pg.clone(),
-            self.rs.sched.lock().streams.reduce_pg.clone(),
-            self.rs.replicate_pg.clone(),
-        );
+        let (shard_pg, offload) = {
+            let s = self.rs.sched.lock();
+            (s.streams.reduce_pg.clone(), s.offload())
+        };
+        let (pg, rep) = (self.rs.pg.clone(), self.rs.replicate_pg.clone());
         let keep_lp = mp.keep_low_precision_grads.then(|| mp.compute_dtype());
         let device = self.rs.device;
-        let offload = self.rs.sched.lock().offload;
         let out = Tensor::zeros_on(
             &[shard_numel],
             DType::F32,

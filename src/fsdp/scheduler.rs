@@ -75,8 +75,6 @@ pub(super) struct Scheduler {
     pub backward_prefetch: Option<BackwardPrefetch>,
     pub forward_prefetch: bool,
     pub limit_all_gathers: bool,
-    /// Shards live in host memory: copy to the device before gathering.
-    pub offload: bool,
     /// The compute device: gathered buffers are allocated there.
     pub device: Device,
     /// The rank's memory figures: a gather's buffer counts from the moment it is issued.
@@ -120,7 +118,6 @@ impl Scheduler {
             mp,
             backward_prefetch: None,
             forward_prefetch: false,
-            offload: false,
             limit_all_gathers: false,
             units: Vec::new(),
             prefetched: Vec::new(),
@@ -133,6 +130,11 @@ impl Scheduler {
             pending_backward: false,
             summoning: false,
         }
+    }
+
+    /// Shards live in host memory (`CpuOffload`): the pre-unshard stream exists for them.
+    pub fn offload(&self) -> bool {
+        self.streams.pre_unshard.is_some()
     }
 
     /// Registers a unit; returns its id.
@@ -175,14 +177,13 @@ impl Scheduler {
         let dtype = self.mp.compute_dtype();
         let keep = vec![full.clone(), u.shard.clone()];
         let unshard = &self.streams.unshard;
-        let work = if self.offload {
+        let work = if let Some(pre) = &self.streams.pre_unshard {
             // CpuOffload: the host-to-device copy (and cast to param_dtype) on the
             // pre-unshard stream, then the gather from it on the unshard stream, which
             // waits for the copy: the compute thread does not.
             let on_device = Tensor::zeros_on(u.shard.shape(), dtype, device)?;
             let h2d = {
                 let (shard, dst) = (u.shard.clone(), on_device.clone());
-                let pre = self.streams.pre_unshard.as_ref().unwrap_or(unshard);
                 pre.submit_keeping(vec![u.shard.clone(), on_device.clone()], move || {
                     dst.copy_from(&shard)
                 })

@@ -60,6 +60,8 @@ impl Streams {
         let pre_unshard = offload
             .then(|| CommStream::on_device(&name("pre-unshard"), device))
             .transpose()?;
+        // A group of one needs no second communicator: its collectives wait for no peer, and
+        // each backend serializes a rank's calls on one group handle.
         let reduce_pg = if sharded && shard_pg.size() > 1 {
             second_communicator(pg, shard_pg)?
         } else {
@@ -103,11 +105,10 @@ impl Streams {
 /// this once per root, in the same order, as `new_group` requires); `None` when the
 /// backend has no `new_group` here.
 fn second_communicator(world: &Group, g: &Group) -> Result<Option<Group>> {
-    let ranks = g.ranks();
-    match world.new_group(&ranks) {
-        Ok(Some(dup)) => Ok(Some(dup)),
-        // Not a member can only mean `world` is not the world the ranks are numbered in.
-        Ok(None) => Ok(None),
+    // `None` (not a member) can only mean `world` is not the world the ranks are numbered
+    // in: no second communicator then either.
+    match world.new_group(&g.ranks()) {
+        Ok(dup) => Ok(dup),
         Err(crate::error::Error::Unsupported(_) | crate::error::Error::InvalidArgument(_)) => {
             Ok(None)
         }

@@ -79,7 +79,6 @@ impl FullyShardedDataParallel {
         sched.backward_prefetch = config.backward_prefetch;
         sched.forward_prefetch = config.forward_prefetch;
         sched.limit_all_gathers = config.limit_all_gathers;
-        sched.offload = config.cpu_offload.offload_params;
         let rs = RankState {
             pg,
             shard_pg,
@@ -208,7 +207,7 @@ impl FullyShardedDataParallel {
             (0, 1)
         };
         let mut flat = FlatParameter::new(&params, rank, world)?;
-        if !rs.sched.lock().offload {
+        if !rs.sched.lock().offload() {
             // device_id: the shard lives on the compute device (on the host under offload).
             flat.move_shard_to(rs.device)?;
         }
@@ -232,7 +231,7 @@ impl FullyShardedDataParallel {
         };
         // The originals now live in the FlatParameter: free them (sharded state).
         unit.point_params(None, false)?;
-        if !rs.strategy.is_sharded() && !rs.mp.is_low_precision() && !rs.sched.lock().offload {
+        if !rs.strategy.is_sharded() && !rs.mp.is_low_precision() && !rs.sched.lock().offload() {
             // NoShard: the "shard" is the whole flat parameter; parameters view it for good
             // (with low-precision compute, unshard makes a rounded copy instead).
             let full = unit.flat.local_shard.clone();
@@ -244,7 +243,7 @@ impl FullyShardedDataParallel {
         {
             let mut m = rs.mem.lock();
             m.param_shard_bytes += unit.flat.local_shard.nbytes();
-            m.cpu_offload = rs.sched.lock().offload;
+            m.cpu_offload = rs.sched.lock().offload();
         }
         Ok(unit)
     }
