@@ -231,9 +231,7 @@ impl FullyShardedDataParallel {
         if !mp.is_low_precision() || x.dtype() != DType::F32 {
             return Ok(None);
         }
-        let y = x.deep_clone()?;
-        round_(&y, mp.compute_dtype())?;
-        Ok(Some(y))
+        flat::rounded(x, mp.compute_dtype()).map(Some)
     }
 }
 

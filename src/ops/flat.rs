@@ -122,6 +122,17 @@ pub fn unpack_grad(x: &Tensor, out: &Tensor, scale: f32) -> Result<()> {
     }
 }
 
+/// A copy of the f32 tensor `t` with every element rounded to `dtype` ([`round_to_`] on a
+/// copy: `t.to(dtype).to(float32)`).
+///
+/// # Errors
+/// As [`round_to_`]; [`Error::Cuda`] when the copy cannot be allocated.
+pub fn rounded(t: &Tensor, dtype: DType) -> Result<Tensor> {
+    let c = t.deep_clone()?;
+    round_to_(&c, dtype)?;
+    Ok(c)
+}
+
 /// Rounds every element of an f32 tensor to the nearest `dtype` value, in place
 /// (round-to-nearest-even; a no-op for f32): what a value becomes after a trip through a
 /// low-precision tensor (`t.to(dtype).to(float32)`).

@@ -40,8 +40,8 @@ impl MatmulDims {
 
 /// `out (m, n) = op(a) @ op(b)`, or `+=` when `accumulate` (`torch.matmul` /
 /// `torch.addmm(out, a, b)`), f32 with f32 accumulation; inside an
-/// [`autocast`](super::autocast::autocast) scope the operands are read as its bf16/f16. Only element counts are checked
-/// against `d`: shapes are the caller's business.
+/// [`autocast`](super::autocast::autocast) scope the operands are read as its bf16/f16.
+/// Only element counts are checked against `d`: shapes are the caller's business.
 ///
 /// # Errors
 /// `DeviceMismatch`, `DTypeMismatch` (not f32), `ShapeMismatch` (counts disagree with `d`),
@@ -198,11 +198,7 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
 fn cpu_operand(t: &Tensor) -> Result<Tensor> {
     match gemm_dtype() {
         None => Ok(t.clone()),
-        Some(lp) => {
-            let c = t.deep_clone()?;
-            super::flat::round_to_(&c, lp)?;
-            Ok(c)
-        }
+        Some(lp) => super::flat::rounded(t, lp),
     }
 }
 
