@@ -4,7 +4,10 @@
 mod common;
 
 use fsdp::distributed::{launch, Group, LaunchOptions};
-use fsdp::fsdp::{transformer_auto_wrap_policy, FsdpConfig, FullyShardedDataParallel, ParamInitFn};
+use fsdp::fsdp::{
+    transformer_auto_wrap_policy, FsdpConfig, FullyShardedDataParallel, ParamInitFn,
+    ShardingStrategy,
+};
 use fsdp::nn::{
     materialize, on_meta_device, visit_parameters, GptConfig, InitKey, Linear, Module, Parameter,
     Sequential, GPT,
@@ -229,4 +232,141 @@ fn a_meta_parameter_without_an_initializer_needs_a_param_init_fn() {
         err.contains("0.0.weight") && err.contains("param_init_fn"),
         "{err}"
     );
+}
+
+/// Every strategy, with the hybrid ones split into nodes as the other tests do.
+fn fsdp_config(strategy: ShardingStrategy, world: usize) -> FsdpConfig {
+    FsdpConfig {
+        sharding_strategy: strategy,
+        ranks_per_node: strategy
+            .is_hybrid()
+            .then(|| common::hybrid_ranks_per_node(world)),
+        auto_wrap_policy: Some(transformer_auto_wrap_policy(["Block"])),
+        ..Default::default()
+    }
+}
+
+const STRATEGIES: [ShardingStrategy; 5] = [
+    ShardingStrategy::FullShard,
+    ShardingStrategy::ShardGradOp,
+    ShardingStrategy::NoShard,
+    ShardingStrategy::HybridShard,
+    ShardingStrategy::HybridShardZero2,
+];
+
+#[test]
+fn sync_module_states_makes_every_rank_rank_0s_whatever_each_built() {
+    // PyTorch's pattern for loading a checkpoint once: rank 0 builds the model with real
+    // values, the others on the meta device (here from another seed, so that only rank 0's
+    // values can explain the result). And the reverse, and all on meta. Every layout, every
+    // strategy, nested units (one per Block): bitwise rank 0's values (seed 7) everywhere.
+    let want = bits(&eager());
+    #[derive(Clone, Copy, Debug)]
+    enum Layout {
+        Rank0Eager,
+        Rank0Meta,
+        AllMeta,
+    }
+    for world in [2, 4] {
+        for strategy in STRATEGIES {
+            for layout in [Layout::Rank0Eager, Layout::Rank0Meta, Layout::AllMeta] {
+                let out = launch(&LaunchOptions::new(world), |pg: Group| {
+                    let r0 = pg.rank() == 0;
+                    let model = match (layout, r0) {
+                        (Layout::Rank0Eager, true) => GPT::new(gpt_config(), 7)?,
+                        (Layout::Rank0Eager, false) => {
+                            on_meta_device(|| GPT::new(gpt_config(), 99))?
+                        }
+                        (Layout::Rank0Meta, true) | (Layout::AllMeta, _) => {
+                            on_meta_device(|| GPT::new(gpt_config(), 7))?
+                        }
+                        (Layout::Rank0Meta, false) => GPT::new(gpt_config(), 99)?,
+                    };
+                    let cfg = FsdpConfig {
+                        sync_module_states: true,
+                        ..fsdp_config(strategy, world)
+                    };
+                    let mut f = FullyShardedDataParallel::new(Box::new(model), pg, cfg)?;
+                    f.full_parameters()
+                })
+                .unwrap_or_else(|e| panic!("world {world} {strategy:?} {layout:?}: {e}"));
+                for (rank, got) in out.iter().enumerate() {
+                    assert_eq!(
+                        bits(got),
+                        want,
+                        "world {world} {strategy:?} {layout:?} rank {rank}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Root -> [Sequential(Linear(4,4), Linear(4,4)), Linear(4,2)] with blank meta parameters,
+/// the two inner Linears wrapped as units; the root owns the last Linear.
+fn nested_blank_model_config(strategy: ShardingStrategy, init: ParamInitFn) -> FsdpConfig {
+    FsdpConfig {
+        sharding_strategy: strategy,
+        ranks_per_node: strategy.is_hybrid().then_some(1),
+        auto_wrap_policy: Some(fsdp::fsdp::AutoWrapPolicy::Custom(Arc::new(
+            |m: &dyn Module, n| m.type_name() == "Linear" && n == 20,
+        ))),
+        param_init_fn: Some(init),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn param_init_fn_never_reaches_into_a_unit_already_wrapped() {
+    // A reset_parameters()-style init: it rewrites every parameter it can see, in place
+    // when it has values, with values that say which call wrote them. Under NoShard a
+    // nested unit's parameters are live views of its FlatParameter, so an init of the root
+    // that could see them would overwrite them (and count them twice).
+    let mut results = Vec::new();
+    for strategy in STRATEGIES {
+        let out = launch(&LaunchOptions::new(2), |pg: Group| {
+            let touched: Arc<Mutex<Vec<usize>>> = Arc::default();
+            let t = touched.clone();
+            let init: ParamInitFn = Arc::new(move |m: &mut dyn Module| {
+                let mut t = t.lock().unwrap();
+                let call = t.len();
+                let mut n = 0;
+                visit_parameters(m, "", false, &mut |_, p| {
+                    let v: Vec<f32> = (0..p.numel())
+                        .map(|i| (call * 1000) as f32 + i as f32 * 0.5)
+                        .collect();
+                    let new = Tensor::from_vec(v, p.shape()).unwrap();
+                    match p.data() {
+                        Ok(d) if d.device() != fsdp::backend::Device::Meta => {
+                            d.copy_from(&new).unwrap()
+                        }
+                        Ok(_) => p.set_data(Some(new)).unwrap(),
+                        Err(_) => {}
+                    }
+                    n += p.numel();
+                });
+                t.push(n);
+                Ok(())
+            });
+            let cfg = nested_blank_model_config(strategy, init);
+            let mut f = FullyShardedDataParallel::new(blank_meta_model(), pg, cfg)?;
+            let touched = touched.lock().unwrap().clone();
+            Ok((touched, f.full_parameters()?))
+        })
+        .unwrap();
+        for (rank, (touched, params)) in out.iter().enumerate() {
+            // Two nested units of 20 elements, then the root's own 10: 50 in all, once each.
+            assert_eq!(touched, &vec![20, 20, 10], "{strategy:?} rank {rank}");
+            assert_eq!(params.len(), 6);
+        }
+        results.push((strategy, out[0].1.clone()));
+    }
+    // The same values under every strategy: call k wrote k * 1000 + i / 2.
+    for (strategy, params) in &results {
+        assert_eq!(bits(params), bits(&results[0].1), "{strategy:?}");
+        let by_name: HashMap<&str, &Vec<f32>> =
+            params.iter().map(|(n, v)| (n.as_str(), v)).collect();
+        assert_eq!(by_name["0.1.bias"][0], 1000.0, "{strategy:?}");
+        assert_eq!(by_name["1.weight"][3], 2001.5, "{strategy:?}");
+    }
 }

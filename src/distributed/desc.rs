@@ -2,6 +2,7 @@
 //! by the `threads` and `tcp` backends so that both check the same fields and word a
 //! mismatch the same way.
 
+use super::fingerprint::Fingerprint;
 use super::ReduceOp;
 use crate::tensor::DType;
 
@@ -14,7 +15,7 @@ pub(crate) enum Arg {
     Src(usize),
 }
 
-/// One rank's call: op, dtype, element counts and argument.
+/// One rank's call: op, dtype, element counts, argument, and what the caller says it is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Desc {
     pub(crate) op: &'static str,
@@ -25,6 +26,9 @@ pub(crate) struct Desc {
     /// Whether the tensors are on CUDA devices (a rank on the host and one on a GPU in one
     /// collective is a mismatch).
     pub(crate) cuda: bool,
+    /// What the call is for (the [`fingerprint::current`](super::fingerprint::current) of
+    /// the calling thread when it entered the collective).
+    pub(crate) tag: Option<Fingerprint>,
 }
 
 impl std::fmt::Display for Desc {
@@ -39,7 +43,11 @@ impl std::fmt::Display for Desc {
             Arg::Op(op) => write!(f, ", {op:?}")?,
             Arg::Src(src) => write!(f, ", src={src}")?,
         }
-        f.write_str(if self.cuda { ", on cuda)" } else { ")" })
+        f.write_str(if self.cuda { ", on cuda)" } else { ")" })?;
+        match &self.tag {
+            Some(fp) => write!(f, " for {fp}"),
+            None => Ok(()),
+        }
     }
 }
 

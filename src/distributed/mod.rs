@@ -30,6 +30,7 @@
 mod composite;
 mod desc;
 pub mod elastic;
+pub mod fingerprint;
 mod init;
 mod launch;
 mod mesh;

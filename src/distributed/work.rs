@@ -26,6 +26,9 @@
 //!
 //! On the host the same code runs without the events and synchronizations.
 //!
+//! A job runs under the [`fingerprint`](super::fingerprint) its submitter had at submit
+//! time, so the collectives it calls say what the rank was doing when it issued them.
+//!
 //! As an NCCL communicator aborts on error, a stream whose job fails runs no further jobs:
 //! they all fail with a copy of that first error, so every wait reports the root cause
 //! (say, the collective mismatch) rather than a later echo of it.
@@ -308,8 +311,13 @@ impl CommStream {
         };
         let (work, state) = Work::pending();
         *self.pending.0.lock() += 1;
+        // The job's collectives say what the submitter was doing (see `fingerprint`).
+        let tag = super::fingerprint::current();
         let q = Queued {
-            job: Box::new(job),
+            job: Box::new(move || {
+                let _tag = super::fingerprint::enter(tag);
+                job()
+            }),
             state: state.clone(),
             ready,
             keep,

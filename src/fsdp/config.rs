@@ -73,10 +73,16 @@ pub struct FsdpConfig {
     /// world size.
     pub hybrid_groups: Option<(Group, Group)>,
     /// Broadcast rank 0's parameters to every rank before sharding
-    /// (`sync_module_states=True`), so ranks may build the model with different values.
+    /// (`sync_module_states=True`), so ranks may build the model with different values, or
+    /// on the meta device while rank 0 holds real values (load a checkpoint on rank 0 only):
+    /// the ranks agree on which parameters any of them holds values of, and those become
+    /// rank 0's everywhere, bitwise. Parameters every rank holds on the meta device are
+    /// left to deferred init.
     pub sync_module_states: bool,
-    /// Hybrid strategies only, without `hybrid_groups`: ranks per node (`--ranks-per-node`);
-    /// default the whole world (one node). See [`hybrid_groups`](super::hybrid_groups).
+    /// Hybrid strategies only, without `hybrid_groups` or `device_mesh`: ranks per node
+    /// (`--ranks-per-node`). A hybrid strategy needs one of the three (as FSDP1 raises
+    /// `ValueError` without a process group or device mesh). See
+    /// [`hybrid_groups`](super::hybrid_groups).
     pub ranks_per_node: Option<usize>,
     /// Low-precision compute and communication (`mixed_precision=`); `None`: f32.
     pub mixed_precision: Option<MixedPrecision>,
@@ -103,7 +109,9 @@ pub struct FsdpConfig {
     pub cpu_offload: CpuOffload,
     /// Materializes a unit's module whose parameters are on the meta device, before FSDP
     /// flattens it (`param_init_fn=`): called once per unit that has meta parameters, on
-    /// that unit's module (nested units are already wrapped). Without it, meta parameters
+    /// that unit's module, with the nested units (already wrapped) taken out of the tree
+    /// for the call, so it initializes only what the unit owns and every module is
+    /// initialized exactly once under every strategy (PyTorch #104189). Without it, meta parameters
     /// built with an initializer ([`on_meta_device`](crate::nn::on_meta_device)) are
     /// computed shard by shard, so no rank ever holds a whole unit.
     pub param_init_fn: Option<ParamInitFn>,

@@ -2,6 +2,7 @@
 //! `clip_grad_norm_` (FSDP1 `FullyShardedDataParallel.no_sync` / `.clip_grad_norm_`).
 
 use super::FullyShardedDataParallel;
+use crate::distributed::fingerprint::Phase;
 use crate::distributed::staged;
 use crate::distributed::ReduceOp;
 use crate::error::{Error, Result};
@@ -59,6 +60,7 @@ impl FullyShardedDataParallel {
         let total = if self.sharding_strategy().is_sharded() {
             let t = Tensor::from_vec(vec![local as f32], &[1])?;
             let op = if inf { ReduceOp::Max } else { ReduceOp::Sum };
+            let _tag = self.fingerprint(Phase::ClipGradNorm);
             staged::all_reduce(self.shard_group().as_ref(), &t, op)?;
             let v = t.f32()?[0] as f64;
             v

@@ -3,10 +3,12 @@
 //! | concept | file | PyTorch |
 //! |---|---|---|
 //! | [`FullyShardedDataParallel`]: the unit, its state and accessors | `unit.rs` | `fully_sharded_data_parallel.py` |
-//! | construction: auto-wrap, deferred init (`param_init_fn`), tied parameters, `ignored_modules`, `sync_module_states` | `wrapping.rs` | `_init_utils.py`, `wrap.py` |
+//! | construction: auto-wrap, tied parameters, `ignored_modules` | `wrapping.rs` | `_init_utils.py`, `wrap.py` |
+//! | a unit's parameters before flattening: `param_init_fn` (nested units out of reach), `sync_module_states` | `materialize.rs` | `_init_utils.py` |
 //! | forward/backward hooks: unshard, reshard, gradient reduction | `runtime.rs` | `_runtime_utils.py` |
 //! | prefetch order, [`BackwardPrefetch`], `limit_all_gathers`, [`RuntimeStats`] | `scheduler.rs` | `_exec_order_utils.py`, `_limiter_utils.py` |
 //! | the per-rank unshard, post-backward and pre-unshard streams | `streams.rs` | `_init_streams` in `_runtime_utils.py` |
+//! | the step, micro-batch and pass each collective is for (its fingerprint, checked across ranks) | `progress.rs` | `TORCH_DISTRIBUTED_DEBUG=DETAIL` |
 //! | [`MixedPrecision`] | `mixed_precision.rs` | `api.MixedPrecision` |
 //! | [`FlatParameter`] | `flat_param.rs` | `_flat_param.py` |
 //! | [`ShardingStrategy`], [`FsdpConfig`], [`CpuOffload`] | `config.rs` | `api.py` |
@@ -35,8 +37,10 @@
 mod config;
 mod flat_param;
 mod grad;
+mod materialize;
 mod memory;
 mod mixed_precision;
+mod progress;
 mod runtime;
 mod scheduler;
 mod state_dict;

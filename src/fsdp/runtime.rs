@@ -158,14 +158,13 @@ impl FullyShardedDataParallel {
             }
             Ok(())
         };
-        let work = self
-            .rs
-            .sched
-            .lock()
-            .streams
-            .post_backward()
-            .submit_keeping(keep, job);
-        self.rs.sched.lock().stats.reductions += 1;
+        let work = {
+            let mut s = self.rs.sched.lock();
+            // The reduction's collectives name the unit and the forward calls it covers.
+            let _tag = super::progress::enter(s.progress.reduce(self.id));
+            s.stats.reductions += 1;
+            s.streams.post_backward().submit_keeping(keep, job)
+        };
         self.pending_grad = Some(PendingGrad { work, out });
         Ok(())
     }
@@ -242,6 +241,9 @@ impl Module for FullyShardedDataParallel {
 
     fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
         self.check_not_summoning("forward")?;
+        if self.is_root {
+            self.rs.sched.lock().progress.begin_forward(cx.grad_enabled);
+        }
         let g = self.begin_unshard();
         self.rs.sched.lock().on_pre_forward(self.id, self.is_root);
         let y = self.finish_unshard(g).and_then(|()| {
@@ -256,6 +258,7 @@ impl Module for FullyShardedDataParallel {
             self.reshard()?;
         }
         if self.is_root {
+            self.rs.sched.lock().progress.end_pass(false);
             self.drain_stream()?;
             if cx.grad_enabled && y.is_ok() {
                 self.rs.sched.lock().pending_backward = true;
@@ -266,6 +269,9 @@ impl Module for FullyShardedDataParallel {
 
     fn backward(&mut self, grad_out: &Tensor, cx: &Context) -> Result<Tensor> {
         self.check_not_summoning("backward")?;
+        if self.is_root {
+            self.rs.sched.lock().progress.begin_backward();
+        }
         let g = self.begin_unshard();
         let next = self.rs.sched.lock().on_pre_backward(self.id, self.is_root);
         let result = self.finish_unshard(g).and_then(|()| {
@@ -294,7 +300,11 @@ impl Module for FullyShardedDataParallel {
         if self.is_root {
             // Even after an error: nothing may stay in flight on the stream.
             let fin = self.finalize_backward();
-            self.rs.sched.lock().pending_backward = false;
+            {
+                let mut s = self.rs.sched.lock();
+                s.pending_backward = false;
+                s.progress.end_pass(true);
+            }
             let dx = result?;
             fin?;
             return Ok(dx);

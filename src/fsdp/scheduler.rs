@@ -11,6 +11,7 @@
 //! same prefetch decisions and issues the same collectives in the same order.
 
 use super::flat_param::FlatParameter;
+use super::progress::{self, Progress};
 use super::streams::Streams;
 use super::{MemoryStats, MixedPrecision};
 use crate::backend::Device;
@@ -90,6 +91,9 @@ pub(super) struct Scheduler {
     post_fwd: Vec<usize>,
     bwd_cursor: usize,
     pub stats: RuntimeStats,
+    /// The step, micro-batch and pass the rank is in: what its collectives say they are
+    /// for.
+    pub progress: Progress,
     /// A root forward with grad enabled has run and its backward has not finished: the
     /// parameters gathered for that backward (or regathered by it) must not change, so
     /// state-dict loading and `summon_full_params` refuse to run (FSDP1's
@@ -127,6 +131,7 @@ impl Scheduler {
             post_fwd: Vec::new(),
             bwd_cursor: 0,
             stats: RuntimeStats::default(),
+            progress: Progress::default(),
             pending_backward: false,
             summoning: false,
         }
@@ -137,8 +142,9 @@ impl Scheduler {
         self.streams.pre_unshard.is_some()
     }
 
-    /// Registers a unit; returns its id.
-    pub fn register(&mut self, flat: &FlatParameter) -> usize {
+    /// Registers the unit of module `name`; returns its id.
+    pub fn register(&mut self, flat: &FlatParameter, name: &str) -> usize {
+        self.progress.register(self.units.len(), name);
         self.units.push(UnitComm {
             shard: flat.local_shard.clone(),
             padded: flat.padded_numel(),
@@ -169,6 +175,8 @@ impl Scheduler {
     /// # Errors
     /// [`Error::Cuda`](crate::Error::Cuda) when the buffer cannot be allocated.
     pub fn issue_gather(&mut self, id: usize) -> Result<Gather> {
+        // The gather's collectives name the unit and the pass it is for.
+        let _tag = progress::enter(self.progress.gather(id));
         let u = &self.units[id];
         let device = self.device;
         let full = Tensor::zeros_on(&[u.padded], DType::F32, device)?;
@@ -273,6 +281,7 @@ impl Scheduler {
     /// Pre-forward of unit `id` (after its own gather was issued): records the order and,
     /// with `forward_prefetch`, prefetches the unit that came next last iteration.
     pub fn on_pre_forward(&mut self, id: usize, is_root: bool) {
+        self.progress.entered_forward(id);
         if is_root {
             self.prev_pre_fwd = std::mem::take(&mut self.pre_fwd);
             self.post_fwd.clear();
@@ -295,6 +304,7 @@ impl Scheduler {
     /// backward reaches next and its place in the backward order (if known), and prefetches
     /// it under `BackwardPre`.
     pub fn on_pre_backward(&mut self, id: usize, is_root: bool) -> Option<(usize, usize)> {
+        self.progress.entered_backward(id);
         if is_root {
             self.bwd_cursor = 0;
         }

@@ -6,6 +6,7 @@ use super::runtime::PendingGrad;
 use super::scheduler::{RuntimeStats, Scheduler};
 use super::{MemoryStats, MixedPrecision, ShardingStrategy};
 use crate::backend::Device;
+use crate::distributed::fingerprint::Phase;
 use crate::distributed::Group;
 use crate::error::{Error, Result};
 use crate::nn::{visit_parameters, Module, Parameter};
@@ -130,6 +131,12 @@ impl FullyShardedDataParallel {
         Ok(())
     }
 
+    /// Until the guard drops, this thread's collectives say they are `phase` of this unit
+    /// (see `distributed::fingerprint`).
+    pub(super) fn fingerprint(&self, phase: Phase) -> crate::distributed::fingerprint::Entered {
+        super::progress::enter(self.rs.sched.lock().progress.other(self.id, phase))
+    }
+
     /// Every unit of this rank (self first, then nested units in pre-order).
     pub fn for_each_unit(&mut self, f: &mut dyn FnMut(&mut FullyShardedDataParallel)) {
         f(self);
@@ -140,7 +147,12 @@ impl FullyShardedDataParallel {
     /// one per run of trainable elements (frozen parameters and padding excluded, so they
     /// are never updated, not even by weight decay), then the trainable parameters of the
     /// ignored modules, whole. The same list at every step.
+    ///
+    /// Also marks the end of a step for the fingerprints of FSDP's collectives: the first
+    /// call after a backward (or the first [`zero_grad`](Self::zero_grad)) starts the next
+    /// step (see `distributed::fingerprint`), so every rank must call it alike.
     pub fn optimizer_params(&mut self) -> Vec<ParamGrad> {
+        self.rs.sched.lock().progress.step_boundary();
         let mut out = Vec::new();
         self.for_each_unit(&mut |u| {
             for &(start, len) in &u.flat.trainable_runs {
@@ -182,8 +194,10 @@ impl FullyShardedDataParallel {
     }
 
     /// Drops every sharded gradient, and the ignored modules' gradients
-    /// (`zero_grad(set_to_none=True)`, PyTorch's default).
+    /// (`zero_grad(set_to_none=True)`, PyTorch's default). Ends the step as
+    /// [`optimizer_params`](Self::optimizer_params) does.
     pub fn zero_grad(&mut self) {
+        self.rs.sched.lock().progress.step_boundary();
         let mem = self.rs.mem.clone();
         self.for_each_unit(&mut |u| {
             if let Some(g) = u.flat.grad_shard.take() {
@@ -280,6 +294,7 @@ impl FullyShardedDataParallel {
                 let shard = &u.flat.local_shard;
                 let full = Tensor::zeros_on(&[u.flat.padded_numel()], DType::F32, shard.device())?;
                 if u.rs.strategy.is_sharded() {
+                    let _tag = u.fingerprint(Phase::StateDict);
                     u.rs.shard_pg.all_gather_into_tensor(&full, shard)?;
                 } else {
                     full.copy_from(shard)?;

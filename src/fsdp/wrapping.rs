@@ -9,7 +9,6 @@ use super::streams::Streams;
 use super::unit::RankState;
 use super::{AutoWrapPolicy, FsdpConfig, FullyShardedDataParallel, MemoryStats};
 use crate::backend::Device;
-use crate::distributed::staged;
 use crate::distributed::{DeviceMesh, Group};
 use crate::error::{Error, Result};
 use crate::nn::{join_name, visit_parameters, Module, Sequential};
@@ -134,36 +133,22 @@ impl FullyShardedDataParallel {
             v
         };
         let before = own(module.as_mut());
+        let before_bytes = materialized_bytes(&before);
         if let Some(init) = &rs.param_init_fn {
             if before.iter().any(|t| t.device() == Device::Meta) {
-                // FSDP1 `_materialize_with_param_init_fn`: the user's init for this module.
-                init(module.as_mut())?;
-                let after = materialized_bytes(&own(module.as_mut()));
-                seen.live_bytes += after.saturating_sub(materialized_bytes(&before));
-                seen.peak_bytes = seen.peak_bytes.max(seen.live_bytes);
+                // FSDP1 `_materialize_with_param_init_fn`: the user's init for this module,
+                // nested units out of its reach.
+                super::materialize::call_param_init_fn(module.as_mut(), prefix, init)?;
             }
         }
         drop(before);
         if rs.sync_module_states {
-            // Rank 0's values everywhere, before flattening (FSDP1
-            // `_sync_module_params_and_buffers`). Meta parameters with an initializer are
-            // computed identically on every rank and need no broadcast.
-            let mut res: Result<()> = Ok(());
-            visit_parameters(module.as_mut(), prefix, true, &mut |name, p| {
-                if res.is_err() || rs.is_ignored(name) {
-                    return;
-                }
-                res = match p.data() {
-                    Ok(d) if d.device() == Device::Meta => Ok(()),
-                    Ok(d) => staged::broadcast(rs.pg.as_ref(), d, 0),
-                    Err(_) => Err(Error::NotMaterialized {
-                        name: name.to_string(),
-                        state: "sync_module_states",
-                    }),
-                };
-            });
-            res?;
+            // Rank 0's values everywhere, before flattening.
+            super::materialize::sync_module_states(module.as_mut(), prefix, rs)?;
         }
+        let after = materialized_bytes(&own(module.as_mut()));
+        seen.live_bytes += after.saturating_sub(before_bytes);
+        seen.peak_bytes = seen.peak_bytes.max(seen.live_bytes);
         let mut params: Vec<(String, Tensor, bool)> = Vec::new();
         let mut slots: Vec<(String, usize)> = Vec::new();
         let mut bad: Result<()> = Ok(());
@@ -217,7 +202,7 @@ impl FullyShardedDataParallel {
         let own_bytes =
             materialized_bytes(&params.iter().map(|(_, t, _)| t.clone()).collect::<Vec<_>>());
         drop(params);
-        let id = rs.sched.lock().register(&flat);
+        let id = rs.sched.lock().register(&flat, prefix);
         let mut unit = FullyShardedDataParallel {
             module,
             flat,
@@ -272,7 +257,7 @@ pub fn hybrid_groups(world: &Group, ranks_per_node: usize) -> Result<(Group, Gro
 
 /// The groups a root on world `pg` shards and replicates over: `pg` itself without hybrid
 /// sharding; else `config.hybrid_groups`, the dims (1, 0) of `config.device_mesh`, or
-/// [`hybrid_groups`] with `config.ranks_per_node` (default the whole world).
+/// [`hybrid_groups`] with `config.ranks_per_node` (one of the three is required).
 fn shard_and_replicate_groups(pg: &Group, config: &FsdpConfig) -> Result<(Group, Option<Group>)> {
     let mesh = config.device_mesh.as_ref();
     if !config.sharding_strategy.is_hybrid() {
@@ -285,7 +270,18 @@ fn shard_and_replicate_groups(pg: &Group, config: &FsdpConfig) -> Result<(Group,
         return Ok((pg.clone(), None));
     }
     let (s, r) = match (&config.hybrid_groups, mesh) {
-        (None, None) => hybrid_groups(pg, config.ranks_per_node.unwrap_or(pg.size()))?,
+        (None, None) => match config.ranks_per_node {
+            Some(n) => hybrid_groups(pg, n)?,
+            // FSDP1 raises ValueError here too ("requires explicit specification of
+            // process group or device_mesh"): guessing a node size would run FullShard
+            // (one node) or a split the user never asked for.
+            None => {
+                return Err(Error::Fsdp(format!(
+                    "{:?} needs to know which ranks share a node: set FsdpConfig::ranks_per_node, pass (shard, replicate) groups in hybrid_groups, or a 2-D device_mesh (replicate, shard)",
+                    config.sharding_strategy
+                )))
+            }
+        },
         (Some(groups), None) => groups.clone(),
         (None, Some(m)) if m.ndim() == 2 && config.ranks_per_node.is_none() => {
             (m.get_group(1)?, m.get_group(0)?)

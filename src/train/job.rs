@@ -454,7 +454,13 @@ pub fn build_engine(cfg: &TrainConfig, pg: Group) -> Result<Engine> {
             WrapMode::Size(n) => Some(size_based_auto_wrap_policy(n)),
             WrapMode::None => None,
         },
-        ranks_per_node: cfg.ranks_per_node,
+        // Hybrid without --ranks-per-node: the ranks of this node (LOCAL_WORLD_SIZE under
+        // `fsdp launch`; the whole world for thread ranks).
+        ranks_per_node: cfg.ranks_per_node.or_else(|| {
+            cfg.strategy
+                .is_hybrid()
+                .then(|| crate::distributed::get_local_world_size().unwrap_or(pg.size()))
+        }),
         mixed_precision: cfg.mixed_precision.policy(),
         backward_prefetch: cfg.backward_prefetch,
         forward_prefetch: cfg.forward_prefetch,

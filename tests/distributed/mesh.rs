@@ -276,10 +276,15 @@ fn hybrid_sharding_over_a_mesh_equals_hybrid_groups() {
         let e_both = train_two_steps(pg.clone(), hybrid(Some(mesh), Some(2)))
             .unwrap_err()
             .to_string();
-        Ok((via_mesh, via_nodes, e_strategy, e_1d, e_both))
+        // Nothing says which ranks share a node: an error (FSDP1's ValueError), not a
+        // silent FullShard over the whole world.
+        let e_none = train_two_steps(pg.clone(), hybrid(None, None))
+            .unwrap_err()
+            .to_string();
+        Ok((via_mesh, via_nodes, e_strategy, e_1d, e_both, e_none))
     })
     .unwrap();
-    for (r, (via_mesh, via_nodes, e_strategy, e_1d, e_both)) in out.iter().enumerate() {
+    for (r, (via_mesh, via_nodes, e_strategy, e_1d, e_both, e_none)) in out.iter().enumerate() {
         let bits = |v: &Vec<f32>| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(via_mesh), bits(via_nodes), "rank {r}");
         assert_eq!(bits(via_mesh), bits(&out[0].0), "replicas agree, rank {r}");
@@ -293,5 +298,9 @@ fn hybrid_sharding_over_a_mesh_equals_hybrid_groups() {
             "{e_1d}"
         );
         assert!(e_both.contains("with ranks_per_node"), "{e_both}");
+        for way in ["ranks_per_node", "hybrid_groups", "device_mesh"] {
+            assert!(e_none.contains(way), "{e_none}");
+        }
+        assert!(e_none.starts_with("fsdp: HybridShard needs"), "{e_none}");
     }
 }

@@ -58,6 +58,7 @@ impl TcpGroup {
             out_numel: output.numel(),
             arg: Arg::None,
             cuda: false,
+            tag: None,
         };
         self.run(desc, |call| {
             let peers = call.peers();
@@ -94,6 +95,7 @@ impl TcpGroup {
             out_numel: m,
             arg: Arg::Op(op),
             cuda: false,
+            tag: None,
         };
         self.run(desc, |call| {
             let peers = call.peers();
@@ -130,6 +132,7 @@ impl TcpGroup {
             out_numel: len,
             arg: Arg::Op(op),
             cuda: false,
+            tag: None,
         };
         self.run(desc, |call| {
             let (rank, w) = (call.mesh.rank, call.mesh.size());
@@ -174,6 +177,7 @@ impl TcpGroup {
             out_numel: len,
             arg: Arg::Src(src),
             cuda: false,
+            tag: None,
         };
         self.run(desc, |call| {
             if call.mesh.rank == src {

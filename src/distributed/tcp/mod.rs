@@ -276,6 +276,10 @@ impl TcpGroup {
 
     /// Runs one collective: exchanges and checks the headers, then `data` moves the data.
     fn run<R>(&self, desc: Desc, data: impl FnOnce(&Call<'_>) -> Result<R>) -> Result<R> {
+        let desc = Desc {
+            tag: super::fingerprint::current(),
+            ..desc
+        };
         let mut st = self.state.lock();
         if let Some(e) = self.mesh.world_failure() {
             return Err(e);
@@ -445,6 +449,7 @@ impl ProcessGroup for TcpGroup {
             out_numel: 0,
             arg: super::desc::Arg::None,
             cuda: false,
+            tag: None,
         };
         self.run(desc, |_| Ok(()))
     }

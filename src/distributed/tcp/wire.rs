@@ -4,6 +4,7 @@
 //! handshake = MAGIC | group tag: u64 | group size: u32 | sender group rank: u32 | BYTE_ORDER: u32
 //! frame     = kind: u8 | len: u64 | payload (len bytes)
 //! header    = seq: u64 | op: u8 | dtype: u8 | arg kind: u8 | arg: u64 | in_numel: u64 | out_numel: u64
+//!             | fingerprint (see `distributed::fingerprint`): has: u8 | unit: u64 | phase: u8 | step: u32 | micro-batch: u32 | call: u32
 //! ```
 //!
 //! All integers little-endian. Tensor payloads are the elements' bytes in the host's order;
@@ -13,12 +14,13 @@
 //! group ([`destroy_process_group`](crate::distributed::destroy_process_group)).
 
 use crate::distributed::desc::{Arg, Desc};
+use crate::distributed::fingerprint;
 use crate::distributed::ReduceOp;
 use crate::tensor::DType;
 use std::io::{self, Read, Write};
 
 /// First bytes of a handshake.
-pub(super) const MAGIC: &[u8; 13] = b"fsdp-tcp-pg/1";
+pub(super) const MAGIC: &[u8; 13] = b"fsdp-tcp-pg/2";
 /// Bytes of a handshake.
 pub(super) const HANDSHAKE_LEN: usize = MAGIC.len() + 8 + 4 + 4 + 4;
 /// Written in host order: reads back as this value only on a host of the same order.
@@ -33,7 +35,7 @@ pub(super) mod kind {
 }
 
 /// Bytes of a header payload.
-pub(super) const HEADER_LEN: usize = 8 + 1 + 1 + 1 + 8 + 8 + 8;
+pub(super) const HEADER_LEN: usize = 8 + 1 + 1 + 1 + 8 + 8 + 8 + fingerprint::WIRE_LEN;
 
 /// Payloads are read in steps of at most this many bytes, so that memory grows with the
 /// bytes that actually arrive, not with a length a peer claims.
@@ -181,6 +183,7 @@ pub(super) fn encode_header(seq: u64, d: &Desc) -> [u8; HEADER_LEN] {
     b[11..19].copy_from_slice(&av.to_le_bytes());
     b[19..27].copy_from_slice(&(d.in_numel as u64).to_le_bytes());
     b[27..35].copy_from_slice(&(d.out_numel as u64).to_le_bytes());
+    b[35..].copy_from_slice(&fingerprint::encode(d.tag));
     b
 }
 
@@ -224,6 +227,7 @@ pub(super) fn decode_header(b: &[u8]) -> Result<(u64, Desc), String> {
             out_numel: numel(u64_at(27))?,
             arg,
             cuda: false,
+            tag: fingerprint::decode(&b[35..])?,
         },
     ))
 }
@@ -241,8 +245,20 @@ mod tests {
             out_numel: 33,
             arg: Arg::Src(3),
             cuda: false,
+            tag: Some(fingerprint::Fingerprint {
+                unit: fingerprint::Name::new("blocks.1"),
+                phase: fingerprint::Phase::Backward,
+                step: 3,
+                micro_batch: 1,
+                call: 2,
+            }),
         };
         assert_eq!(decode_header(&encode_header(7, &d)).unwrap(), (7, d));
+        let untagged = Desc { tag: None, ..d };
+        assert_eq!(
+            decode_header(&encode_header(7, &untagged)).unwrap(),
+            (7, untagged)
+        );
         let mut bad = encode_header(7, &d);
         bad[8] = 99;
         assert!(decode_header(&bad)

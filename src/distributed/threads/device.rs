@@ -92,6 +92,7 @@ fn desc(op: &'static str, dtype: DType, in_numel: usize, out_numel: usize, arg: 
         out_numel,
         arg,
         cuda: true,
+        tag: None,
     }
 }
 

@@ -506,6 +506,7 @@ mod tests {
             out_numel: 6,
             arg: Arg::None,
             cuda: false,
+            tag: None,
         };
         let arrival = |p: *const i32| Arrival::host(desc, Ptr::of(p), Ptr::NULL);
         let peers = [

@@ -290,6 +290,7 @@ impl ThreadsGroup {
             out_numel: output.numel(),
             arg: Arg::None,
             cuda: false,
+            tag: None,
         };
         self.run(desc, Ptr::of(in_ptr), Ptr::of(out_ptr), |peers| {
             // SAFETY: the descriptors agree, so every peer's input holds `n` elements of `T`
@@ -321,6 +322,7 @@ impl ThreadsGroup {
             out_numel: m,
             arg: Arg::Op(op),
             cuda: false,
+            tag: None,
         };
         self.run(desc, Ptr::of(in_ptr), Ptr::of(out_ptr), |peers| {
             let src = |s: usize| peers[s].input.cast::<T>().wrapping_add(rank * m) as *const T;
@@ -343,6 +345,7 @@ impl ThreadsGroup {
             out_numel: len,
             arg: Arg::Op(op),
             cuda: false,
+            tag: None,
         };
         self.run(desc, ptr, ptr, |peers| {
             let w = peers.len();
@@ -378,6 +381,7 @@ impl ThreadsGroup {
             out_numel: len,
             arg: Arg::Src(src),
             cuda: false,
+            tag: None,
         };
         self.run(desc, input, output, |peers| {
             if rank != src {
@@ -481,6 +485,7 @@ impl ProcessGroup for ThreadsGroup {
             out_numel: 0,
             arg: Arg::None,
             cuda: false,
+            tag: None,
         };
         self.run(desc, Ptr::NULL, Ptr::NULL, |_| {})
     }

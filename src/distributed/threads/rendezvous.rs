@@ -209,8 +209,10 @@ impl Shared {
     where
         F: FnOnce(&[Arrival]) -> Result<()>,
     {
+        let mut arrival = arrival;
+        arrival.desc.tag = crate::distributed::fingerprint::current();
         let deadline = Instant::now() + self.timeout;
-        let op = arrival.desc.op;
+        let desc = arrival.desc;
         let mut st = self.state.lock();
         if let Some(e) = peer_failed(&st) {
             return Err(e);
@@ -223,7 +225,7 @@ impl Shared {
             self.wake();
         }
         while st.ready.is_none() {
-            if let Err(e) = self.wait_for_peers(&mut st, op, rank, deadline) {
+            if let Err(e) = self.wait_for_peers(&mut st, &desc, rank, deadline) {
                 // Withdraw, so that no peer ever reads this rank's (soon released) memory.
                 st.slots[rank] = None;
                 st.arrived -= 1;
@@ -255,7 +257,7 @@ impl Shared {
     fn wait_for_peers(
         &self,
         st: &mut MutexGuard<'_, State>,
-        op: &'static str,
+        desc: &Desc,
         rank: usize,
         deadline: Instant,
     ) -> Result<()> {
@@ -265,8 +267,10 @@ impl Shared {
         if let Some(gone) = (0..self.size).find(|&r| st.slots[r].is_none() && st.exited[r]) {
             let gone = self.members[gone];
             let missing = self.missing(st);
+            let what = desc.tag.map(|fp| format!(" for {fp}")).unwrap_or_default();
             let why = format!(
-                "rank {gone} exited without calling {op} (ranks {missing:?} never arrived)"
+                "rank {gone} exited without calling {}{what} (ranks {missing:?} never arrived)",
+                desc.op
             );
             st.failure = Some((gone, why.clone()));
             self.wake();
@@ -281,7 +285,7 @@ impl Shared {
         if self.cv.wait_until(st, deadline).timed_out() && st.ready.is_none() {
             let missing = self.missing(st);
             let err = Error::Timeout {
-                op: op.to_string(),
+                op: desc.op.to_string(),
                 rank: self.members[rank],
                 timeout_s: self.timeout.as_secs_f64(),
                 missing_ranks: missing.clone(),

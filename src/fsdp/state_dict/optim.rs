@@ -11,6 +11,7 @@ use super::layout::{gather_chunk, ignored_params, load_error, lookup, unit_metas
 use super::{
     FullStateDict, ShardPiece, ShardedStateDict, ShardedTensor, StateDict, StateDictConfig,
 };
+use crate::distributed::fingerprint::Phase;
 use crate::distributed::staged;
 use crate::distributed::ReduceOp;
 use crate::error::{Error, Result};
@@ -203,6 +204,7 @@ impl FullyShardedDataParallel {
                 }
                 let step_of = if full.is_some() && u.sharding_strategy().is_sharded() {
                     let t = Tensor::from_vec(local, &[m.infos.len()])?;
+                    let _tag = u.fingerprint(Phase::StateDict);
                     staged::all_reduce(u.shard_group().as_ref(), &t, ReduceOp::Max)?;
                     let v = t.data::<i32>()?.to_vec();
                     v
