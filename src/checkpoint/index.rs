@@ -12,8 +12,11 @@ use std::path::Path;
 
 /// `format` of every index.
 pub const FORMAT: &str = "fsdp-checkpoint";
-/// The layout version this crate writes and reads.
-pub const VERSION: u32 = 1;
+/// The newest layout version this crate writes; it reads every version from 1 to this.
+/// Version 2 adds [`Index::rank_extra`] and is written only when a save has per-rank
+/// state; an index without it is written as version 1, which earlier builds read too (an
+/// earlier build refuses a version-2 index instead of dropping the per-rank state).
+pub const VERSION: u32 = 2;
 /// The index's file name inside a checkpoint directory.
 pub const INDEX_FILE: &str = "index.json";
 
@@ -40,6 +43,13 @@ pub struct Index {
     pub optim: Option<OptimIndex>,
     /// Caller's data (the training loop's step, seed and config).
     pub extra: serde_json::Value,
+    /// Each rank's own value given to
+    /// [`save_checkpoint_with_rank_extra`](super::save_checkpoint_with_rank_extra) (a
+    /// data-loader position, an RNG state), in data-parallel rank order: `world_size`
+    /// entries. `None` (absent from the JSON) when the save had no per-rank state, and in
+    /// every version-1 index.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank_extra: Option<Vec<serde_json::Value>>,
 }
 
 /// One data file.
@@ -95,8 +105,9 @@ pub struct OptimIndex {
 ///
 /// # Errors
 /// `Checkpoint` naming the directory when there is no index (not a checkpoint, or a save
-/// that did not finish), when it does not parse, or when it is of another format or
-/// version.
+/// that did not finish), when it does not parse, when it is of another format or of a
+/// version outside `1..=VERSION`, or when its `rank_extra` does not hold one value per
+/// rank of `world_size`.
 pub fn read_index(dir: &Path) -> Result<Index> {
     let p = dir.join(INDEX_FILE);
     let bad = |detail: String| Error::Checkpoint {
@@ -110,11 +121,21 @@ pub fn read_index(dir: &Path) -> Result<Index> {
     })?;
     let index: Index = serde_json::from_str(&text)
         .map_err(|e| bad(format!("the index is corrupted or truncated: {e}")))?;
-    if index.format != FORMAT || index.version != VERSION {
+    if index.format != FORMAT || !(1..=VERSION).contains(&index.version) {
         return Err(bad(format!(
-            "format '{}' version {}; this build reads '{FORMAT}' version {VERSION}",
+            "format '{}' version {}; this build reads '{FORMAT}' versions 1 to {VERSION}",
             index.format, index.version
         )));
+    }
+    if let Some(r) = &index.rank_extra {
+        if r.len() != index.world_size || index.version < 2 {
+            return Err(bad(format!(
+                "the index is corrupted: version {} with per-rank extra state of {} ranks at world size {}",
+                index.version,
+                r.len(),
+                index.world_size
+            )));
+        }
     }
     Ok(index)
 }

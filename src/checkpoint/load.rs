@@ -17,6 +17,30 @@ use std::path::{Path, PathBuf};
 /// The pointer file of a save directory: the name of its newest checkpoint directory.
 pub const LATEST_FILE: &str = "latest";
 
+/// Which per-rank extra value (see
+/// [`save_checkpoint_with_rank_extra`](super::save_checkpoint_with_rank_extra)) each rank
+/// gets back on load, in [`CheckpointInfo::rank_extra`]. A checkpoint without per-rank
+/// state (saved by [`save_checkpoint`](super::save_checkpoint), or by an earlier build)
+/// gives `None` under every choice, at any world size.
+///
+/// Per-rank values cannot be resharded (which rank of 3 continues rank 1 of 2's data
+/// stream is the caller's decision), so loading them at another world size is refused
+/// unless the caller says what to do instead, as torchtitan's data loader refuses a
+/// checkpoint of another data-parallel degree.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum RankExtra {
+    /// Each rank gets the value it saved (rank `r` the value of rank `r`). The default,
+    /// and what [`load_checkpoint`] does; at another world size than the saved one it is
+    /// a `Checkpoint` error naming both sizes, before anything is modified.
+    #[default]
+    Own,
+    /// Every rank gets rank 0's value, at any world size (e.g. a seed from which each
+    /// rank re-derives its state).
+    Rank0,
+    /// The per-rank values are not read: `None` on every rank, at any world size.
+    Ignore,
+}
+
 /// What a loaded checkpoint said about itself.
 #[derive(Debug, Clone)]
 pub struct CheckpointInfo {
@@ -30,6 +54,13 @@ pub struct CheckpointInfo {
     pub has_optim: bool,
     /// The caller's data given at save time.
     pub extra: serde_json::Value,
+    /// Whether the checkpoint holds per-rank extra state (one value per rank of
+    /// `world_size`).
+    pub has_rank_extra: bool,
+    /// This rank's per-rank value as the load's [`RankExtra`] chose it; `None` when the
+    /// checkpoint has none, under [`RankExtra::Ignore`], and from
+    /// [`read_checkpoint_info`] (which reads no rank's value; see [`read_rank_extra`]).
+    pub rank_extra: Option<serde_json::Value>,
 }
 
 impl CheckpointInfo {
@@ -40,8 +71,55 @@ impl CheckpointInfo {
             world_size: index.world_size,
             has_optim: index.optim.is_some(),
             extra: index.extra.clone(),
+            has_rank_extra: index.rank_extra.is_some(),
+            rank_extra: None,
         }
     }
+}
+
+/// The per-rank value `how` gives to `rank` of a world of `world_size` from `index`.
+fn pick_rank_extra(
+    dir: &Path,
+    index: &Index,
+    rank: usize,
+    world_size: usize,
+    how: RankExtra,
+) -> Result<Option<serde_json::Value>> {
+    let Some(values) = &index.rank_extra else {
+        return Ok(None);
+    };
+    match how {
+        RankExtra::Ignore => Ok(None),
+        RankExtra::Rank0 => Ok(values.first().cloned()),
+        RankExtra::Own if world_size != index.world_size => Err(Error::Checkpoint {
+            path: dir.display().to_string(),
+            detail: format!(
+                "holds per-rank extra state saved at world size {}, and this load is at world size {world_size}: per-rank values do not reshard; load with RankExtra::Rank0 (every rank gets rank 0's value) or RankExtra::Ignore (none)",
+                index.world_size
+            ),
+        }),
+        RankExtra::Own => values.get(rank).cloned().map(Some).ok_or_else(|| Error::Checkpoint {
+            path: dir.display().to_string(),
+            detail: format!("holds no per-rank extra state for rank {rank}"),
+        }),
+    }
+}
+
+/// Rank `rank`'s per-rank value (see [`RankExtra`]) of the checkpoint `path` stands for,
+/// read from its index alone: no collective and no model needed (restore a data loader
+/// before building the model). [`load_checkpoint_with`] returns the same value.
+///
+/// # Errors
+/// As [`read_index`]; `Checkpoint` naming both world sizes for [`RankExtra::Own`] when
+/// `world_size` differs from the saved one and the checkpoint has per-rank state.
+pub fn read_rank_extra(
+    path: &Path,
+    rank: usize,
+    world_size: usize,
+    how: RankExtra,
+) -> Result<Option<serde_json::Value>> {
+    let dir = resolve_checkpoint(path)?;
+    pick_rank_extra(&dir, &read_index(&dir)?, rank, world_size, how)
 }
 
 /// The checkpoint directory `path` stands for: `path` itself when it holds an
@@ -91,21 +169,43 @@ pub fn read_checkpoint_info(path: &Path) -> Result<CheckpointInfo> {
 /// parameter must be in the checkpoint with its shape, f32, and nothing else may be.
 /// Nothing is modified on any rank unless every rank's part checked out.
 ///
+/// Per-rank extra state: each rank gets its own value back in
+/// [`CheckpointInfo::rank_extra`] ([`RankExtra::Own`]), so a checkpoint with per-rank
+/// state loads only at its own world size here; [`load_checkpoint_with`] chooses
+/// otherwise.
+///
 /// # Errors
 /// `Checkpoint` naming the file that is missing, truncated (its size against the
-/// index's), corrupted (checksum) or lacks a tensor the index lists; `StateDict` naming
-/// each parameter with a wrong shape or dtype, missing or unexpected; `StateDict` when the
-/// optimizer is of another kind or the checkpoint has no optimizer state; on the other
-/// ranks, `PeerFailed` naming the first rank that failed.
+/// index's), corrupted (checksum) or lacks a tensor the index lists; `Checkpoint` naming
+/// both world sizes when the checkpoint has per-rank extra state saved at another world
+/// size; `StateDict` naming each parameter with a wrong shape or dtype, missing or
+/// unexpected; `StateDict` when the optimizer is of another kind or the checkpoint has no
+/// optimizer state; on the other ranks, `PeerFailed` naming the first rank that failed.
 pub fn load_checkpoint(
     path: &Path,
     model: &mut FullyShardedDataParallel,
     optim: Option<&mut dyn Optimizer>,
 ) -> Result<CheckpointInfo> {
+    load_checkpoint_with(path, model, optim, RankExtra::Own)
+}
+
+/// [`load_checkpoint`] with the per-rank extra state handled as `rank_extra` says:
+/// [`RankExtra::Own`] (each rank its own value; same world size only), [`RankExtra::Rank0`]
+/// (rank 0's value everywhere) or [`RankExtra::Ignore`] (none). The model and optimizer
+/// load at any world size and strategy either way.
+///
+/// # Errors
+/// As [`load_checkpoint`]; the world-size error only under [`RankExtra::Own`].
+pub fn load_checkpoint_with(
+    path: &Path,
+    model: &mut FullyShardedDataParallel,
+    optim: Option<&mut dyn Optimizer>,
+    rank_extra: RankExtra,
+) -> Result<CheckpointInfo> {
     let pg = model.process_group().clone();
-    let staged = stage(path, model, optim.as_deref());
+    let staged = stage(path, model, optim.as_deref(), rank_extra);
     let failed = first_failed(&pg, staged.is_ok())?;
-    let (dir, index, sd, ost) = staged?;
+    let (dir, index, sd, ost, mine) = staged?;
     if let Some(r) = failed {
         // An echo of that rank's own error, which `launch` reports as the root cause.
         return Err(Error::PeerFailed {
@@ -120,19 +220,33 @@ pub fn load_checkpoint(
     if let (Some(o), Some(st)) = (optim, ost) {
         o.load_state_dict(&st)?;
     }
-    Ok(CheckpointInfo::of(&dir, &index))
+    Ok(CheckpointInfo {
+        rank_extra: mine,
+        ..CheckpointInfo::of(&dir, &index)
+    })
 }
 
-type Staged = (PathBuf, Index, StateDict, Option<OptimizerState>);
+/// What `stage` found: the directory, its index, the model's state dict, the optimizer's
+/// state and this rank's per-rank value.
+type Staged = (
+    PathBuf,
+    Index,
+    StateDict,
+    Option<OptimizerState>,
+    Option<serde_json::Value>,
+);
 
 /// Reads and checks everything this rank needs; modifies nothing.
 fn stage(
     path: &Path,
     model: &mut FullyShardedDataParallel,
     optim: Option<&dyn Optimizer>,
+    how: RankExtra,
 ) -> Result<Staged> {
     let dir = resolve_checkpoint(path)?;
     let index = read_index(&dir)?;
+    let pg = model.process_group();
+    let mine = pick_rank_extra(&dir, &index, pg.rank(), pg.size(), how)?;
     let ranges: HashMap<String, Option<(usize, usize)>> = model
         .state_dict_ranges()
         .into_iter()
@@ -241,7 +355,7 @@ fn stage(
         }
         _ => None,
     };
-    Ok((dir, index, sd, ost))
+    Ok((dir, index, sd, ost, mine))
 }
 
 /// Reads data file `f` of the index, checking its size and checksum against the index.

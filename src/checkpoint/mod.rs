@@ -9,9 +9,32 @@
 //!
 //! The index lists every data file with its size and checksum, every tensor's global shape
 //! and where each piece of it lies (file, key, element offset, count), the optimizer's
-//! kind, hyperparameters and steps, and the caller's `extra` JSON. Any checkpoint loads at
-//! any world size and strategy ([`load_checkpoint`]): each rank reads only the files with
+//! kind, hyperparameters and steps, the caller's `extra` JSON, and optionally each rank's
+//! own JSON value (`rank_extra`). Any checkpoint's model and optimizer state loads at any
+//! world size and strategy ([`load_checkpoint`]): each rank reads only the files with
 //! pieces it needs.
+//!
+//! `index.json` ([`Index`]):
+//!
+//! | field | holds |
+//! |---|---|
+//! | `format`, `version` | `"fsdp-checkpoint"`; 1, or 2 when `rank_extra` is present (this build reads both; earlier builds read 1 and refuse 2) |
+//! | `state_dict_type`, `world_size`, `generation` | how it was saved, the data-parallel world size then, the save counter that names the data files |
+//! | `files` | `[{name, bytes, checksum}]` |
+//! | `model` | parameter name -> `{shape, pieces: [{file, key, offset, numel, rank}]}` (a zero-size parameter has its shape and no pieces) |
+//! | `optim` | `{kind, hyperparams, steps, buffers: buffer -> parameter -> entry}`, or `null` |
+//! | `extra` | the caller's JSON value, one for the whole checkpoint ([`save_checkpoint`]'s `extra`; `fsdp train` keeps its step, seed and config there) |
+//! | `rank_extra` | version 2 only: `world_size` JSON values, rank `r`'s at position `r` ([`save_checkpoint_with_rank_extra`]: a data-loader position, an RNG state) |
+//!
+//! Per-rank state (`torch.distributed.checkpoint`'s per-rank stateful objects): every rank
+//! passes its own value to [`save_checkpoint_with_rank_extra`]; the values reach rank 0
+//! with the file manifests and are written in the index, so they are as crash-safe as the
+//! rest. On load each rank gets its own value back ([`CheckpointInfo::rank_extra`]); at
+//! another world size the values cannot be resharded, so [`load_checkpoint`] refuses such
+//! a checkpoint naming both world sizes, and [`load_checkpoint_with`] takes a
+//! [`RankExtra`] saying to give every rank rank 0's value or none instead. An index without
+//! `rank_extra` (version 1, every checkpoint of earlier builds) loads as before, with no
+//! per-rank value.
 //!
 //! Crash safety ([`write_atomic`]): every file is written to a temporary file in the same
 //! directory, fsynced, renamed into place, and the directory fsynced. Data files of a new
@@ -25,8 +48,8 @@
 //! | `atomic.rs` | [`write_atomic`], the hidden `FSDP_CKPT_STALL` test hook |
 //! | `file.rs` | one safetensors file with a checksum: [`write_tensors`], [`read_tensors`] |
 //! | `index.rs` | [`Index`] and its parts |
-//! | `save.rs` | [`save_checkpoint`] |
-//! | `load.rs` | [`load_checkpoint`], [`resolve_checkpoint`] |
+//! | `save.rs` | [`save_checkpoint`], [`save_checkpoint_with_rank_extra`] |
+//! | `load.rs` | [`load_checkpoint`], [`load_checkpoint_with`], [`RankExtra`], [`read_rank_extra`], [`resolve_checkpoint`] |
 
 mod atomic;
 mod file;
@@ -40,9 +63,10 @@ pub use index::{
     read_index, Entry, FileEntry, Index, OptimIndex, PieceRef, FORMAT, INDEX_FILE, VERSION,
 };
 pub use load::{
-    load_checkpoint, read_checkpoint_info, resolve_checkpoint, CheckpointInfo, LATEST_FILE,
+    load_checkpoint, load_checkpoint_with, read_checkpoint_info, read_rank_extra,
+    resolve_checkpoint, CheckpointInfo, RankExtra, LATEST_FILE,
 };
-pub use save::save_checkpoint;
+pub use save::{save_checkpoint, save_checkpoint_with_rank_extra};
 
 use crate::error::Result;
 use crate::fsdp::FullStateDict;

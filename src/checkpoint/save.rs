@@ -33,6 +33,9 @@ struct Manifest {
     pieces: Vec<(String, String, usize, String, usize, usize)>,
     /// Optimizer kind, hyperparameters and the steps this rank knows.
     optim: Option<OptimMeta>,
+    /// This rank's own extra value, when the save has per-rank state.
+    #[serde(default)]
+    rank_extra: Option<serde_json::Value>,
 }
 
 /// `(kind, hyperparameters, steps)` of an optimizer state dict.
@@ -57,6 +60,41 @@ pub fn save_checkpoint(
     optim: Option<&dyn Optimizer>,
     ty: StateDictType,
     extra: serde_json::Value,
+) -> Result<()> {
+    save(dir, model, optim, ty, extra, None)
+}
+
+/// [`save_checkpoint`] plus per-rank state: each rank passes its own `rank_extra` (a
+/// data-loader position, an RNG state: what `torch.distributed.checkpoint` saves per rank
+/// for a stateful object whose state differs between ranks), and every rank's value is
+/// kept, in the index, in rank order (index version 2). The values travel to rank 0 with
+/// the file manifests and become durable with the index, atomically: a crash never
+/// leaves a checkpoint with some ranks' values. Meant for small JSON values (each byte
+/// is gathered as a 4-byte word); tensors belong in the model or optimizer state. Load
+/// them back with [`load_checkpoint_with`](super::load_checkpoint_with): each rank gets
+/// its own value at the same world size; see [`RankExtra`](super::RankExtra) for another.
+///
+/// # Errors
+/// As [`save_checkpoint`]; `Checkpoint` on every rank when some ranks called
+/// [`save_checkpoint`] for the same save (no per-rank value) and others this function.
+pub fn save_checkpoint_with_rank_extra(
+    dir: &Path,
+    model: &mut FullyShardedDataParallel,
+    optim: Option<&dyn Optimizer>,
+    ty: StateDictType,
+    extra: serde_json::Value,
+    rank_extra: serde_json::Value,
+) -> Result<()> {
+    save(dir, model, optim, ty, extra, Some(rank_extra))
+}
+
+fn save(
+    dir: &Path,
+    model: &mut FullyShardedDataParallel,
+    optim: Option<&dyn Optimizer>,
+    ty: StateDictType,
+    extra: serde_json::Value,
+    rank_extra: Option<serde_json::Value>,
 ) -> Result<()> {
     if ty == StateDictType::Local {
         return Err(Error::Unsupported(
@@ -94,7 +132,7 @@ pub fn save_checkpoint(
         StateDictType::Full => rank == 0,
         _ => model.shard_replica_rank() == 0,
     };
-    let manifest = if writer {
+    let mut manifest = if writer {
         write_files(dir, rank, generation, &sd, osd.as_ref()).unwrap_or_else(|e| Manifest {
             error: Some(e.to_string()),
             ..Manifest::default()
@@ -102,6 +140,8 @@ pub fn save_checkpoint(
     } else {
         Manifest::default()
     };
+    // Every rank's value, writer or not (replicas under hybrid sharding write no file).
+    manifest.rank_extra = rank_extra;
     let bytes = serde_json::to_vec(&manifest).map_err(|e| Error::Data(e.to_string()))?;
     let all = all_gather_bytes(&pg, &bytes)?;
     let result = if rank == 0 {
@@ -261,8 +301,10 @@ fn write_index(
         model: BTreeMap::new(),
         optim: None,
         extra,
+        rank_extra: None,
     };
     let mut optim: Option<OptimIndex> = None;
+    let mut rank_extra: Vec<Option<serde_json::Value>> = Vec::new();
     for (r, bytes) in manifests.iter().enumerate() {
         let m: Manifest = serde_json::from_slice(bytes)
             .map_err(|e| Error::Data(format!("rank {r}'s checkpoint manifest: {e}")))?;
@@ -274,6 +316,7 @@ fn write_index(
                 ),
             });
         }
+        rank_extra.push(m.rank_extra);
         let base = index.files.len();
         index.files.extend(m.files);
         if let Some((kind, hyper, steps)) = m.optim {
@@ -314,6 +357,10 @@ fn write_index(
         }
     }
     index.optim = optim;
+    index.rank_extra = gather_rank_extra(dir, rank_extra)?;
+    if index.rank_extra.is_none() {
+        index.version = 1; // the layout earlier builds read (see `VERSION`)
+    }
     let text = serde_json::to_vec_pretty(&index).map_err(|e| Error::Data(e.to_string()))?;
     super::atomic::write_atomic(&dir.join(INDEX_FILE), &text)?;
     // The new index is durable: earlier generations' files are garbage now.
@@ -327,6 +374,30 @@ fn write_index(
         }
     }
     sync_dir(dir)
+}
+
+/// Every rank's per-rank value, or `None` when no rank gave one.
+///
+/// # Errors
+/// `Checkpoint` when some ranks gave one and others did not.
+fn gather_rank_extra(
+    dir: &Path,
+    values: Vec<Option<serde_json::Value>>,
+) -> Result<Option<Vec<serde_json::Value>>> {
+    let given = values.iter().filter(|v| v.is_some()).count();
+    if given == 0 {
+        return Ok(None);
+    }
+    if given < values.len() {
+        let without: Vec<usize> = (0..values.len()).filter(|&r| values[r].is_none()).collect();
+        return Err(Error::Checkpoint {
+            path: dir.display().to_string(),
+            detail: format!(
+                "ranks {without:?} saved no per-rank extra state while the others did (call save_checkpoint_with_rank_extra on every rank); the index was not replaced"
+            ),
+        });
+    }
+    Ok(Some(values.into_iter().flatten().collect()))
 }
 
 fn section_map<'a>(

@@ -11,13 +11,12 @@ use crate::tensor::{DType, Tensor};
 /// shape. Device tensors: [`crate::ops::embedding()`].
 ///
 /// # Errors
-/// `InvalidArgument` naming the first id outside `0..V`; `DeviceMismatch` for a table on a
-/// device.
+/// `InvalidArgument` naming the first id outside `0..V` (also for a table of width 0);
+/// `DeviceMismatch` for a table on a device; `ShapeMismatch` for a table that is not 2-D.
 pub fn embedding_lookup(table: &Tensor, ids: &[i32]) -> Result<Vec<f32>> {
-    let c = table.shape().get(1).copied().unwrap_or(0);
-    let mut out = vec![0.0f32; ids.len() * c];
-    crate::backend::cpu::kernels::embedding_fwd(ids, &table.f32()?, c, &mut out)?;
-    Ok(out)
+    let n = ids.len();
+    let out = ops::embedding(table, &Tensor::from_vec(ids.to_vec(), &[n])?)?;
+    out.to_vec_f32()
 }
 
 /// `grad[ids[i], :] += dout[i, :]` (accumulate; repeated ids add up, in order; ids outside

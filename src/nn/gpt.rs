@@ -37,7 +37,9 @@ impl GptConfig {
     }
 }
 
-/// Input i32 token ids `(B, T)`, `T <= block_size`; output f32 logits `(B, T, V)`.
+/// Input i32 token ids `(B, T)`, `T <= block_size`; output f32 logits `(B, T, V)`. An
+/// empty batch (`B = 0` or `T = 0`) gives empty logits and leaves the gradients unchanged,
+/// as nanoGPT's model does.
 /// Parameters: `wte.weight (V, C)` (also the output projection), `wpe.weight (block_size,
 /// C)`, `blocks.{i}.*`, `ln_f.*`. Embeddings and projections init N(0, 0.02^2).
 pub struct GPT {
@@ -113,10 +115,10 @@ impl Module for GPT {
             ..
         } = self.config;
         let (b, t) = match ids.shape() {
-            [b, t] if ids.dtype() == DType::I32 && *t <= block_size && *t > 0 => (*b, *t),
+            [b, t] if ids.dtype() == DType::I32 && *t <= block_size => (*b, *t),
             s => {
                 crate::error::bail_arg!(
-                    "GPT.forward takes i32 token ids (B, T) with 0 < T <= {block_size}, got {s:?} {}",
+                    "GPT.forward takes i32 token ids (B, T) with T <= {block_size}, got {s:?} {}",
                     ids.dtype()
                 )
             }

@@ -8,6 +8,13 @@ use crate::tensor::Tensor;
 /// Affine map over the last dimension. `weight: (out, in)`, `bias: (out)`; input
 /// `(.., in)` -> output `(.., out)`, f32. Default init as PyTorch: weight and bias
 /// `U(-1/sqrt(in), 1/sqrt(in))`.
+///
+/// Zero sizes work as in PyTorch: `Linear(in, 0)` maps `(.., in)` to `(.., 0)` and its
+/// input gradient is zeros; `Linear(0, out)` maps `(.., 0)` to the bias broadcast over the
+/// rows (zeros without a bias), its weight gradient is `(out, 0)` and its bias gradient
+/// the row sum of the output gradient; a batch of zero rows gives zero-row outputs and
+/// leaves the parameter gradients unchanged. With `in = 0` the bias starts at zeros
+/// (`nn.Linear.reset_parameters`: bound `1/sqrt(fan_in)` if `fan_in > 0`, else 0).
 pub struct Linear {
     /// `(out_features, in_features)` f32 (`nn.Linear.weight`).
     pub weight: Parameter,
@@ -27,10 +34,13 @@ impl Linear {
             key.uniform("weight", &[out_features, in_features], bound)?,
         );
         let bias = if bias {
-            Some(Parameter::new(
-                "bias",
-                key.uniform("bias", &[out_features], bound)?,
-            ))
+            // PyTorch's bias bound is 0 when fan_in is 0: the bias starts at zeros.
+            let b = if in_features == 0 {
+                InitKey::constant(&[out_features], 0.0)?
+            } else {
+                key.uniform("bias", &[out_features], bound)?
+            };
+            Some(Parameter::new("bias", b))
         } else {
             None
         };
@@ -63,16 +73,17 @@ impl Linear {
         Ok(l)
     }
 
-    fn rows(&self, x: &Tensor, op: &'static str, width: usize) -> Result<usize> {
-        let last = x.shape().last().copied().unwrap_or(0);
-        if last != width || x.shape().is_empty() {
-            return Err(Error::ShapeMismatch {
+    /// The row count of `t (.., width)`: the product of its leading dimensions (not
+    /// `numel / width`, which loses the rows when `width` is 0).
+    fn rows(&self, t: &Tensor, op: &'static str, width: usize) -> Result<usize> {
+        match t.shape().split_last() {
+            Some((&last, lead)) if last == width => Ok(lead.iter().product()),
+            _ => Err(Error::ShapeMismatch {
                 op,
                 expected: vec![width],
-                got: x.shape().to_vec(),
-            });
+                got: t.shape().to_vec(),
+            }),
         }
-        Ok(x.numel() / width.max(1))
     }
 }
 
@@ -96,7 +107,18 @@ impl Module for Linear {
             .saved_x
             .take()
             .ok_or(Error::NoSavedForward { module: "Linear" })?;
-        let n = self.rows(dy, "Linear.backward", self.out_features)?;
+        // Rows come from the saved input: with out = 0 the gradient has no elements to
+        // count them by.
+        let n = self.rows(&x, "Linear.backward", self.in_features)?;
+        if self.rows(dy, "Linear.backward", self.out_features)? != n {
+            let mut want = x.shape().to_vec();
+            *want.last_mut().unwrap_or(&mut 0) = self.out_features;
+            return Err(Error::ShapeMismatch {
+                op: "Linear.backward",
+                expected: want,
+                got: dy.shape().to_vec(),
+            });
+        }
         let (i, o) = (self.in_features, self.out_features);
         // dx (n, i) = dy (n, o) @ W (o, i)
         let dx = ops::output(x.shape(), x.device())?;

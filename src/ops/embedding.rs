@@ -34,7 +34,7 @@ fn check_ids(op: &'static str, ids: &Tensor) -> Result<()> {
 
 /// `out[.., :] = table (V, C)[ids[..], :]` for i32 `ids` of any shape `S`; `out (S.., C)`
 /// is a new f32 tensor on their device. On CUDA this waits for the stream once, to report
-/// a bad id.
+/// a bad id. A table of width `C = 0` gives `(S.., 0)` (ids still checked against `V`).
 ///
 /// # Errors
 /// `InvalidArgument` naming the first id outside `0..V`; `DTypeMismatch` (ids not i32,
@@ -43,10 +43,27 @@ pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     let device = same_device("embedding", &[table, ids])?;
     check_f32("embedding", &[table])?;
     check_ids("embedding", ids)?;
-    let (_, c) = table_dims("embedding", table)?;
+    let (v, c) = table_dims("embedding", table)?;
     let mut shape = ids.shape().to_vec();
     shape.push(c);
     let out = output(&shape, device)?;
+    if c == 0 {
+        // Nothing to copy, but a bad id is still an error (as `F.embedding` on a (V, 0)
+        // table): check the ids on the host, where the kernels cannot (they find V as
+        // the table's size over C).
+        let host = ids.to_device(crate::backend::Device::Cpu)?;
+        let bad = host
+            .data::<i32>()?
+            .iter()
+            .position(|&id| id < 0 || id as usize >= v);
+        if let Some(i) = bad {
+            let id = host.data::<i32>()?[i];
+            crate::error::bail_arg!(
+                "embedding: token id {id} at position {i} is outside the vocabulary 0..{v}"
+            );
+        }
+        return Ok(out);
+    }
     #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = device {
         crate::backend::cuda::embedding_fwd(

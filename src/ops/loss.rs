@@ -16,22 +16,43 @@ use crate::tensor::{DType, Tensor};
 /// leading shape (`F.cross_entropy(logits.view(-1, V), targets.view(-1))`, mean reduction).
 /// Returns the loss and `d loss / d logits = (softmax - onehot) / N`, shape of `logits`.
 ///
+/// An empty batch (`N = 0`, any `V`) gives a NaN loss, as PyTorch's mean over no elements
+/// does, and an empty gradient of `logits`' shape. With `V = 0` classes and `N > 0` rows
+/// every target is out of range: an error.
+///
 /// # Errors
-/// `ShapeMismatch` when the leading shapes differ; `InvalidArgument` for a target outside
-/// `0..V`; `DeviceMismatch` when the two are on different devices.
+/// `ShapeMismatch` when the leading shapes' sizes differ (or `logits` is 0-d);
+/// `InvalidArgument` for a target outside `0..V`; `DeviceMismatch` when the two are on
+/// different devices.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<(f32, Tensor)> {
-    let v = logits.shape().last().copied().unwrap_or(0);
+    let (v, lead) = match logits.shape().split_last() {
+        Some((&v, lead)) => (v, lead),
+        None => (0, &[][..]),
+    };
     let n = targets.numel();
-    if targets.dtype() != DType::I32 || n * v != logits.numel() || v == 0 {
+    if targets.dtype() != DType::I32
+        || logits.shape().is_empty()
+        || lead.iter().product::<usize>() != n
+    {
         return Err(Error::ShapeMismatch {
             op: "cross_entropy",
-            expected: logits.shape()[..logits.shape().len().saturating_sub(1)].to_vec(),
+            expected: lead.to_vec(),
             got: targets.shape().to_vec(),
         });
     }
     let device = same_device("cross_entropy", &[logits, targets])?;
     super::check_f32("cross_entropy", &[logits])?;
-    let inv_n = 1.0 / n.max(1) as f32;
+    if n == 0 {
+        // PyTorch: the mean over an empty batch is 0/0 = NaN; nothing to differentiate.
+        return Ok((f32::NAN, super::output(logits.shape(), device)?));
+    }
+    if v == 0 {
+        let y = targets
+            .to_device(crate::backend::Device::Cpu)?
+            .data::<i32>()?[0];
+        crate::error::bail_arg!("cross_entropy: target {y} at position 0 is outside 0..0");
+    }
+    let inv_n = 1.0 / n as f32;
     #[cfg(feature = "cuda")]
     if let crate::backend::Device::Cuda(i) = device {
         let losses = super::output(&[n], device)?;
@@ -75,7 +96,8 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<(f32, Tensor)>
 }
 
 /// Mean squared error `mean((pred - target)^2)` (`F.mse_loss`), and its gradient
-/// `2 (pred - target) / N`.
+/// `2 (pred - target) / N`. Empty tensors give a NaN loss (PyTorch's mean over no
+/// elements) and an empty gradient.
 ///
 /// # Errors
 /// `ShapeMismatch` when the element counts differ; `DeviceMismatch`; `DTypeMismatch` for
@@ -89,7 +111,11 @@ pub fn mse_loss(pred: &Tensor, target: &Tensor) -> Result<(f32, Tensor)> {
         });
     }
     let device = same_device("mse_loss", &[pred, target])?;
-    let n = pred.numel().max(1) as f32;
+    if pred.numel() == 0 {
+        super::check_f32("mse_loss", &[pred, target])?;
+        return Ok((f32::NAN, super::output(pred.shape(), device)?));
+    }
+    let n = pred.numel() as f32;
     if device.is_cuda() {
         super::check_f32("mse_loss", &[pred, target])?;
         // d = pred + (-target) is pred - target exactly; the gradient scales it by 2 / N.
@@ -117,6 +143,7 @@ pub fn mse_loss(pred: &Tensor, target: &Tensor) -> Result<(f32, Tensor)> {
 }
 
 /// `sum(x)` (the loss of the FSDP docs' `model(input).sum()` example) and its gradient, ones.
+/// An empty tensor sums to `+0.0` (as `torch.sum`).
 ///
 /// # Errors
 /// `DTypeMismatch` for a non-f32 tensor; `NotMaterialized` on meta; [`Error::Cuda`].
@@ -124,12 +151,13 @@ pub fn sum_loss(x: &Tensor) -> Result<(f32, Tensor)> {
     let device = same_device("sum_loss", &[x])?;
     if device.is_cuda() {
         super::check_f32("sum_loss", &[x])?;
-        let s = x.to_vec_f32()?.iter().map(|&v| v as f64).sum::<f64>();
+        let s = x.to_vec_f32()?.iter().fold(0.0f64, |s, &v| s + v as f64);
         let ones = super::output(x.shape(), device)?;
         super::fill_(&ones, 1.0)?;
         return Ok((s as f32, ones));
     }
-    let s = x.f32()?.iter().map(|&v| v as f64).sum::<f64>();
+    // A fold from +0.0: `Sum` starts at -0.0, so an empty sum would print as -0.
+    let s = x.f32()?.iter().fold(0.0f64, |s, &v| s + v as f64);
     Ok((
         s as f32,
         Tensor::from_vec(vec![1.0f32; x.numel()], x.shape())?,

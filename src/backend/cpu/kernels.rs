@@ -461,13 +461,18 @@ pub fn cross_entropy(
     Ok(())
 }
 
-/// `embedding_fwd_f32`: `out[i, :] = table (V, C)[ids[i], :]` (=).
+/// `embedding_fwd_f32`: `out[i, :] = table (V, C)[ids[i], :]` (=). With `C = 0` there is
+/// nothing to copy and `V` cannot be read off the slices, so the ids go unchecked, as in
+/// the CUDA op; [`crate::ops::embedding()`] checks them against the table's shape.
 ///
 /// # Errors
 /// `InvalidArgument` naming the first id outside `0..V`.
 pub fn embedding_fwd(ids: &[i32], table: &[f32], c: usize, out: &mut [f32]) -> Result<()> {
     check_len("embedding_fwd", ids.len() * c, out.len())?;
-    let v = table.len().checked_div(c).unwrap_or(0);
+    if c == 0 {
+        return Ok(());
+    }
+    let v = table.len() / c;
     for (i, &id) in ids.iter().enumerate() {
         if id < 0 || id as usize >= v {
             bail_arg!("embedding: token id {id} at position {i} is outside the vocabulary 0..{v}");

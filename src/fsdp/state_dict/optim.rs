@@ -23,7 +23,9 @@ use crate::tensor::Tensor;
 /// the optimizer kind and hyperparameters, each parameter's step, and each per-element
 /// buffer (`exp_avg`, `exp_avg_sq`, `momentum_buffer`) as a full or sharded state dict
 /// keyed by parameter name. Parameters without state (frozen ones, or before the first
-/// step) have no entries.
+/// step) have no entries. A trainable zero-size parameter has empty buffers of its shape
+/// and the step of the others whenever any parameter has state, as PyTorch's optimizers
+/// keep state for every parameter with a gradient.
 #[derive(Debug, Clone)]
 pub struct OptimStateDict {
     /// `"SGD"`, `"Adam"` or `"AdamW"`.
@@ -132,6 +134,58 @@ fn positions(metas: &[UnitMeta], ignored: &[(String, Vec<usize>, bool)]) -> Vec<
     out
 }
 
+/// Zero-size parameters hold no element of any chunk, so no optimizer run has their
+/// state. PyTorch's optimizers keep state for every parameter with a gradient, a zero-size
+/// one included (`exp_avg` of shape `(8, 0)`): when this rank has state for any parameter,
+/// each of `empties` gets empty buffers of its shape and the largest step, and every
+/// buffer's entries are put back in parameter order.
+fn add_zero_size_state(
+    metas: &[UnitMeta],
+    empties: &[(String, Vec<usize>)],
+    steps: &mut Vec<(String, u64)>,
+    bufs: &mut [Vec<(String, Tensor)>],
+    pieces: &mut [Vec<(String, ShardedTensor)>],
+) {
+    let any = bufs.iter().any(|b| !b.is_empty()) || pieces.iter().any(|p| !p.is_empty());
+    if empties.is_empty() || !any {
+        return;
+    }
+    let step = steps.iter().map(|s| s.1).max();
+    let order: Vec<&str> = metas
+        .iter()
+        .flat_map(|m| m.slots.iter().map(|(n, _)| n.as_str()))
+        .collect();
+    let at = |n: &str| order.iter().position(|o| *o == n).unwrap_or(order.len());
+    for (name, shape) in empties {
+        if let Some(s) = step {
+            steps.push((name.clone(), s));
+        }
+        for b in bufs.iter_mut().filter(|b| !b.is_empty()) {
+            b.push((
+                name.clone(),
+                Tensor::zeros(shape, crate::tensor::DType::F32),
+            ));
+        }
+        for p in pieces.iter_mut().filter(|p| !p.is_empty()) {
+            // No rank holds a piece of a zero-size parameter: the entry is its shape.
+            p.push((
+                name.clone(),
+                ShardedTensor {
+                    global_shape: shape.clone(),
+                    pieces: Vec::new(),
+                },
+            ));
+        }
+    }
+    steps.sort_by_key(|(n, _)| at(n));
+    for b in bufs.iter_mut() {
+        b.sort_by_key(|(n, _)| at(n));
+    }
+    for p in pieces.iter_mut() {
+        p.sort_by_key(|(n, _)| at(n));
+    }
+}
+
 /// The run of `runs` holding chunk element `at`, as an index into `positions`.
 fn run_at(pos: &[Position], unit: usize, at: usize) -> Option<usize> {
     pos.iter().position(|p| {
@@ -184,6 +238,8 @@ impl FullyShardedDataParallel {
         let mut bufs: Vec<Vec<(String, Tensor)>> = vec![Vec::new(); names.len()];
         let mut pieces: Vec<Vec<(String, ShardedTensor)>> = vec![Vec::new(); names.len()];
         let state_at = |i: usize| st.tensors.get(i).and_then(Option::as_ref);
+        // Trainable zero-size parameters, (name, shape): no run covers them (see below).
+        let mut empties: Vec<(String, Vec<usize>)> = Vec::new();
         let mut k = 0;
         let mut res: Result<()> = Ok(());
         self.for_each_unit(&mut |u| {
@@ -193,6 +249,14 @@ impl FullyShardedDataParallel {
                 return;
             }
             res = (|| {
+                if keep {
+                    for (name, idx) in &m.slots {
+                        let i = &m.infos[*idx];
+                        if i.numel == 0 && i.requires_grad {
+                            empties.push((name.clone(), i.shape.clone()));
+                        }
+                    }
+                }
                 // Each parameter's step on this rank (-1: no state here).
                 let mut local: Vec<i32> = vec![-1; m.infos.len()];
                 for (i, info) in m.infos.iter().enumerate() {
@@ -265,6 +329,7 @@ impl FullyShardedDataParallel {
             })();
         });
         res?;
+        add_zero_size_state(&metas, &empties, &mut steps, &mut bufs, &mut pieces);
         // Ignored modules' parameters: whole, their own state.
         for (pi, p) in pos.iter().enumerate() {
             let (Position::Ignored { name, numel }, Some(t), true) = (p, state_at(pi), keep) else {
