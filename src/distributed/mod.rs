@@ -48,7 +48,9 @@ mod work;
 
 pub use auth::{JobAuth, JobSecret};
 pub use composite::CollectivesExt;
-pub use elastic::{elastic_launch, record_error, ElasticLaunchConfig};
+pub use elastic::{
+    elastic_launch, launcher_reports_errors, record_error, record_message, ElasticLaunchConfig,
+};
 pub use init::{
     abort_process_group, default_group, destroy_process_group, get_backend, get_local_world_size,
     get_node_local_rank, get_rank, get_world_size, init_process_group, is_initialized, InitOptions,
