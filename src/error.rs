@@ -138,6 +138,17 @@ pub enum Error {
         /// What is wrong with it and what was expected.
         detail: String,
     },
+    /// A connection of the rendezvous was refused, by either side: the store or peer
+    /// belongs to another job (its job id differs), or one side could not prove the job
+    /// secret (see `distributed::JobAuth`). Never carries the secret.
+    #[error("{context}: {reason}")]
+    Refused {
+        /// Who refused whom, e.g. `"TCPStore at 127.0.0.1:29500 (rank 1)"`.
+        context: String,
+        /// Why, e.g. `"it belongs to job 'a', not to this rank's job 'b': another job holds
+        /// this port"`.
+        reason: String,
+    },
     /// Operating-system I/O.
     #[error("{context}: {source}")]
     Io {
@@ -209,6 +220,10 @@ impl Error {
             Error::Checkpoint { path, detail } => Error::Checkpoint {
                 path: path.clone(),
                 detail: detail.clone(),
+            },
+            Error::Refused { context, reason } => Error::Refused {
+                context: context.clone(),
+                reason: reason.clone(),
             },
             Error::Io { context, source } => Error::Io {
                 context: context.clone(),

@@ -216,19 +216,50 @@ fn children_get_torchruns_variables() {
         "1",
         "--master-port",
         "1",
+        "--rdzv-id",
+        "my-job",
         "--",
         "sh",
         "-c",
-        "echo $RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $GROUP_RANK $MASTER_ADDR $MASTER_PORT",
-    ]));
+        "echo $RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $GROUP_RANK $MASTER_ADDR $MASTER_PORT $FSDP_JOB_ID $TORCHELASTIC_RUN_ID ${#FSDP_JOB_SECRET}",
+    ])
+    .env("FSDP_JOB_SECRET", "a secret of 24 characters"));
     let mut lines: Vec<&str> = out.lines().collect();
     lines.sort_unstable();
-    assert_eq!(lines, ["2 0 6 2 1 127.0.0.1 1", "3 1 6 2 1 127.0.0.1 1"]);
+    assert_eq!(
+        lines,
+        [
+            "2 0 6 2 1 127.0.0.1 1 my-job my-job 25",
+            "3 1 6 2 1 127.0.0.1 1 my-job my-job 25"
+        ]
+    );
+    // One node without a secret or an id: a fresh random secret (64 hex digits) and an id
+    // derived from it, the same for every rank and different for every launch.
+    let job = || {
+        let out = ok(fsdp().args([
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            "echo $FSDP_JOB_ID $FSDP_JOB_SECRET",
+        ]));
+        let lines: Vec<String> = out.lines().map(str::to_string).collect();
+        assert_eq!(lines.len(), 2, "{out}");
+        assert_eq!(lines[0], lines[1], "both ranks get the same job");
+        let (id, secret) = lines[0].split_once(' ').unwrap();
+        assert!(id.starts_with("job-") && id.len() == 20, "{id}");
+        assert_eq!(secret.len(), 64);
+        assert!(secret.chars().all(|c| c.is_ascii_hexdigit()));
+        lines[0].clone()
+    };
+    assert_ne!(job(), job());
 }
 
 #[test]
 fn bad_launch_arguments_are_clear_errors() {
-    let cases: [(&[&str], &str); 6] = [
+    let cases: [(&[&str], &str); 8] = [
         (
             &["--nproc-per-node", "0", "--", "true"],
             "--nproc-per-node must be at least 1",
@@ -262,6 +293,14 @@ fn bad_launch_arguments_are_clear_errors() {
             &["--nproc-per-node", "x", "--", "true"],
             "invalid value 'x'",
         ),
+        (
+            &["--nnodes", "2", "--master-port", "5", "--", "true"],
+            "--nnodes 2 needs a job secret shared by every node: set FSDP_JOB_SECRET",
+        ),
+        (
+            &["--rdzv-id", "a b", "--", "true"],
+            "job id 'a b' holds ' '",
+        ),
     ];
     for (args, want) in cases {
         let out = run(fsdp().arg("launch").args(args));
@@ -278,9 +317,210 @@ fn bad_launch_arguments_are_clear_errors() {
         .env("MASTER_PORT", "1"));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("--world-size 3 differs from WORLD_SIZE=2"),
+        err.starts_with(
+            "[rank 0] error: invalid argument: --world-size 3 differs from WORLD_SIZE=2"
+        ),
+        "one line, prefixed with the rank: {err}"
+    );
+    // A short secret is refused without being shown.
+    let out = run(fsdp()
+        .args(["launch", "--", "true"])
+        .env("FSDP_JOB_SECRET", "tiny-secret"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("must be at least 16 characters; this one has 11"),
         "{err}"
     );
+    assert!(!err.contains("tiny-secret"), "{err}");
+}
+
+/// The lines of `stderr` that report an error.
+fn error_lines(stderr: &str) -> Vec<&str> {
+    stderr.lines().filter(|l| l.contains("error")).collect()
+}
+
+#[test]
+fn failing_ranks_give_one_clean_line_per_distinct_error() {
+    // Every rank fails alike: one line, naming the ranks.
+    let out = run(fsdp().args([
+        "launch",
+        "--nproc-per-node",
+        "4",
+        "--",
+        "fsdp",
+        "train",
+        "--data",
+        "/nonexistent/corpus.txt",
+    ]));
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    let lines = error_lines(&err);
+    assert_eq!(lines.len(), 1, "{err}");
+    let l = lines[0];
+    assert!(
+        l.starts_with("error: fsdp launch: rank ") && l.contains(" failed: exit code 1"),
+        "{l}"
+    );
+    assert!(
+        l.contains("cannot read data file '/nonexistent/corpus.txt'"),
+        "{l}"
+    );
+    let root: usize = l["error: fsdp launch: rank ".len()..]
+        .split(' ')
+        .next()
+        .and_then(|r| r.parse().ok())
+        .unwrap();
+    let others: Vec<String> = (0..4)
+        .filter(|&r| r != root)
+        .map(|r| r.to_string())
+        .collect();
+    assert!(
+        l.ends_with(&format!(
+            "; ranks {} failed with the same error",
+            others.join(", ")
+        )),
+        "{l}"
+    );
+    assert!(!err.contains("error: error:"), "{err}");
+    // Arguments that do not parse: clap's reason reaches the summary (exit code 2).
+    let out = run(fsdp().args([
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--",
+        "fsdp",
+        "train",
+        "--bogus-option",
+    ]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let lines = error_lines(&err);
+    assert_eq!(lines.len(), 1, "{err}");
+    assert!(
+        lines[0].contains(" failed: exit code 2 (")
+            && lines[0].contains("unexpected argument '--bogus-option' found")
+            && lines[0].ends_with("failed with the same error"),
+        "{err}"
+    );
+    // Ranks that fail differently: the root cause in the summary, every other rank's own
+    // error on one line of its own.
+    let bin = env!("CARGO_BIN_EXE_fsdp");
+    let out = run(fsdp().args([
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        &format!("exec {bin} train --data /nonexistent/rank-$RANK.txt"),
+    ]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let lines = error_lines(&err);
+    assert_eq!(lines.len(), 2, "{err}");
+    let root = if lines[1].contains("rank 0 failed") {
+        0
+    } else {
+        1
+    };
+    let other = 1 - root;
+    assert_eq!(
+        lines[0],
+        format!(
+            "[rank {other}] error: data: cannot read data file '/nonexistent/rank-{other}.txt': No such file or directory (os error 2) (run scripts/get_data.sh to fetch tinyshakespeare)"
+        ),
+        "{err}"
+    );
+    assert!(
+        lines[1].starts_with(&format!(
+            "error: fsdp launch: rank {root} failed: exit code 1"
+        )) && lines[1].contains(&format!("/nonexistent/rank-{root}.txt"))
+            && lines[1].ends_with(&format!("(ranks [{other}] also ended)")),
+        "{err}"
+    );
+}
+
+#[test]
+fn two_jobs_on_one_port_never_mix_exactly_one_fails_naming_the_port() {
+    let dir = tmp_dir("two-jobs");
+    let data = corpus(&dir);
+    // Long enough (a few seconds) that the two jobs overlap.
+    let mut job = small_job(&data, 1000);
+    let at = job.iter().position(|a| a == "--log-every").unwrap();
+    job[at + 1] = "100".into();
+    let expected = printed_losses(&ok(fsdp().args(&job).args(["--world-size", "2"])));
+    assert_eq!(expected.len(), 11);
+    for _ in 0..2 {
+        let port = common::free_port().to_string();
+        let start = || {
+            fsdp()
+                .args(["launch", "--nproc-per-node", "2", "--master-port", &port])
+                .args(["--", "fsdp"])
+                .args(&job)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        };
+        let (a, b) = (start(), start());
+        let outs = [a.wait_with_output().unwrap(), b.wait_with_output().unwrap()];
+        let ok: Vec<&Output> = outs.iter().filter(|o| o.status.success()).collect();
+        let failed: Vec<&Output> = outs.iter().filter(|o| !o.status.success()).collect();
+        assert_eq!(
+            (ok.len(), failed.len()),
+            (1, 1),
+            "exactly one job fails: {:?}",
+            outs.iter()
+                .map(|o| String::from_utf8_lossy(&o.stderr).into_owned())
+                .collect::<Vec<_>>()
+        );
+        // The other ran to completion, as alone.
+        let stdout = String::from_utf8_lossy(&ok[0].stdout);
+        assert_eq!(printed_losses(&stdout), expected, "{stdout}");
+        let err = String::from_utf8_lossy(&failed[0].stderr);
+        assert!(!err.contains("panicked"), "{err}");
+        let last = err.trim_end().lines().last().unwrap_or_default();
+        assert!(
+            last.starts_with("error: fsdp launch: rank ")
+                && last.contains(&format!(":{port}"))
+                && last.contains("another job"),
+            "{err}"
+        );
+        assert!(printed_losses(&String::from_utf8_lossy(&failed[0].stdout)).is_empty());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn an_unreachable_master_addr_fails_within_seconds_naming_it() {
+    let dir = tmp_dir("unreachable");
+    let data = corpus(&dir);
+    // A TEST-NET-3 address (never this machine's) and a name that never resolves.
+    for addr in ["203.0.113.1", "no-such-host.invalid"] {
+        let t = std::time::Instant::now();
+        let out = run(fsdp()
+            .args(["launch", "--nproc-per-node", "2", "--master-addr", addr])
+            .args(["--", "fsdp"])
+            .args(small_job(&data, 2)));
+        let secs = t.elapsed().as_secs_f64();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        let last = err.trim_end().lines().last().unwrap_or_default();
+        assert!(secs < 15.0, "{addr}: {secs:.1} s: {err}");
+        assert!(
+            last.starts_with("error: fsdp launch: rank ") && last.contains(addr),
+            "{err}"
+        );
+        // Rank 0 cannot host the store there; rank 1 may find no route to it first.
+        let wants: &[&str] = if addr.starts_with("203") {
+            &[
+                "203.0.113.1 is not an address of this machine",
+                "cannot reach the store at 203.0.113.1:",
+            ]
+        } else {
+            &["'no-such-host.invalid' does not resolve"]
+        };
+        assert!(wants.iter().any(|w| last.contains(w)), "{err}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Processes whose command line holds `token`.

@@ -2,7 +2,9 @@
 //! threads (as separate processes would use it), timeouts that name the key and the rank,
 //! bad bytes that give errors rather than panics, and clients that wait for a late server.
 
-use fsdp::distributed::{PrefixStore, Store, TcpStore, TcpStoreServer};
+mod common;
+
+use fsdp::distributed::{JobAuth, JobSecret, PrefixStore, Store, TcpStore, TcpStoreServer};
 use fsdp::Error;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -170,7 +172,9 @@ fn bad_bytes_to_the_server_are_refused_and_others_are_still_served() {
     // A greeted client that then sends an unknown opcode is dropped too.
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(LONG)).unwrap();
-    let magic = b"fsdp-tcpstore/1";
+    let (accepted, why) = common::raw_handshake(&mut s, "store rank 1", "", b"").unwrap();
+    assert!(accepted, "an open store accepts a client without id: {why}");
+    let magic = b"fsdp-tcpstore/2";
     let mut hello = vec![(1 + 4 + magic.len()) as u8, 0, 0, 0, 0];
     hello.extend_from_slice(&(magic.len() as u32).to_le_bytes());
     hello.extend_from_slice(magic);
@@ -231,4 +235,146 @@ fn prefix_stores_keep_users_apart() {
     a.wait(&["id"]).unwrap();
     assert!(b.delete_key("id").unwrap());
     assert_eq!(a.num_keys().unwrap(), 2, "num_keys counts the whole store");
+}
+
+/// A SET, a GET and a DELETE request, framed as a client after the handshake sends them.
+fn raw_requests() -> Vec<u8> {
+    let frame = |body: Vec<u8>| {
+        let mut f = (body.len() as u32).to_le_bytes().to_vec();
+        f.extend(body);
+        f
+    };
+    let field = |b: &[u8]| {
+        let mut f = (b.len() as u32).to_le_bytes().to_vec();
+        f.extend_from_slice(b);
+        f
+    };
+    let mut out = Vec::new();
+    out.extend(frame([vec![1], field(b"k"), field(b"evil")].concat()));
+    out.extend(frame(
+        [vec![2], field(b"k"), 0u64.to_le_bytes().to_vec()].concat(),
+    ));
+    out.extend(frame([vec![6], field(b"k")].concat()));
+    out
+}
+
+#[test]
+fn a_secured_store_serves_only_clients_of_its_job_that_prove_the_secret() {
+    let k1 = JobSecret::new("the first job secret, 32 chars..").unwrap();
+    let k2 = JobSecret::new("another job secret, also long...").unwrap();
+    let job = |id: &str, k: Option<&JobSecret>| JobAuth::new(id, k.cloned()).unwrap();
+    let m = TcpStore::with_auth("127.0.0.1", 0, 0, true, LONG, job("job-a", Some(&k1))).unwrap();
+    let port = m.port();
+    m.set("k", b"the value").unwrap();
+    let member =
+        TcpStore::connect_with_auth("127.0.0.1", port, 1, LONG, job("job-a", Some(&k1))).unwrap();
+    assert_eq!(member.get("k").unwrap(), b"the value");
+    // Refused at connect, before any request: a wrong secret (twice), none, another job.
+    let refused =
+        |auth: JobAuth| match TcpStore::connect_with_auth("127.0.0.1", port, 7, LONG, auth) {
+            Err(e @ Error::Refused { .. }) => e.to_string(),
+            other => panic!("expected a refusal, got {other:?}"),
+        };
+    for _ in 0..2 {
+        let e = refused(job("job-a", Some(&k2)));
+        assert!(
+            e.starts_with(&format!("TCPStore at 127.0.0.1:{port} (rank 7): "))
+                && e.contains("it could not prove this job's secret: the secrets differ"),
+            "{e}"
+        );
+    }
+    let e = refused(job("job-a", None));
+    assert!(
+        e.contains("it requires the job secret and this rank has none (FSDP_JOB_SECRET is not set"),
+        "{e}"
+    );
+    let e = refused(job("job-b", Some(&k1)));
+    assert!(
+        e.contains("it belongs to job 'job-a', not to this rank's job 'job-b': another job holds this address"),
+        "{e}"
+    );
+    // A client that skips the handshake, or fakes a proof, cannot set, get or delete.
+    for fake in [None, Some([0u8; 32])] {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.set_read_timeout(Some(LONG)).unwrap();
+        if let Some(proof) = fake {
+            let (accepted, why) =
+                common::raw_handshake(&mut s, "store rank 9", "job-a", &proof).unwrap();
+            assert!(!accepted);
+            assert_eq!(why, "its proof of the job secret is wrong (another secret)");
+        }
+        let _ = s.write_all(&raw_requests());
+        let mut reply = Vec::new();
+        let _ = s.read_to_end(&mut reply);
+        assert!(
+            !String::from_utf8_lossy(&reply).contains("the value"),
+            "{reply:?}"
+        );
+    }
+    assert_eq!(member.get("k").unwrap(), b"the value");
+    assert_eq!(m.num_keys().unwrap(), 1);
+    // Each refused peer is logged once, naming it and why, never with the secret.
+    let log = m.server().unwrap().refused();
+    let count = |want: &str| log.iter().filter(|l| l.contains(want)).count();
+    let head = format!("fsdp: TCPStore at 127.0.0.1:{port}: refused a connection from 127.0.0.1:");
+    assert!(log.iter().all(|l| l.starts_with(&head)), "{log:?}");
+    assert_eq!(
+        count("(store rank 7, job 'job-a'): its proof of the job secret is wrong"),
+        1,
+        "{log:?}"
+    );
+    assert_eq!(
+        count("(store rank 9, job 'job-a'): its proof of the job secret is wrong"),
+        1
+    );
+    assert_eq!(
+        count("(store rank 7, job 'job-a'): it has no job secret and this job requires one"),
+        1
+    );
+    assert_eq!(
+        count("(store rank 7, job 'job-b'): it is of job 'job-b', not of this job 'job-a'"),
+        1
+    );
+    assert_eq!(count("it does not speak the fsdp handshake"), 1, "{log:?}");
+    assert_eq!(log.len(), 5, "{log:?}");
+    for l in &log {
+        assert!(!l.contains(k1.expose()) && !l.contains(k2.expose()), "{l}");
+    }
+    // A client with a secret refuses a store without one: it is not its job's.
+    let open = master();
+    let e = TcpStore::connect_with_auth("127.0.0.1", open.port(), 1, LONG, job("", Some(&k1)))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("it runs without a job secret but this rank has one"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_store_host_that_is_not_this_machine_is_an_error_within_seconds() {
+    // TEST-NET-3: never an address of this machine. The server is up (on every interface),
+    // so there is nothing to wait for.
+    let t = std::time::Instant::now();
+    let e = TcpStore::new("203.0.113.1", 0, 0, true, Duration::from_secs(300)).unwrap_err();
+    assert!(t.elapsed() < Duration::from_secs(15), "{:?}", t.elapsed());
+    let msg = e.to_string();
+    assert!(
+        msg.starts_with("TCPStore: rank 0 hosts the store on port ")
+            && msg.contains(" but cannot reach it at 203.0.113.1:")
+            && msg.contains("; 203.0.113.1 is not an address of this machine (MASTER_ADDR / --master-addr must name the machine where rank 0 runs)"),
+        "{msg}"
+    );
+    // A port in use: the message says another job may hold it.
+    let held = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = held.local_addr().unwrap().port();
+    let e = TcpStore::new("127.0.0.1", port, 0, true, LONG)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&format!(
+            "TCPStore: port {port} on 127.0.0.1 is in use (another job holds it"
+        )),
+        "{e}"
+    );
 }

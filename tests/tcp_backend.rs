@@ -8,7 +8,8 @@ use common::{free_port, on_threads};
 
 use fsdp::distributed::{
     abort_process_group, destroy_process_group, get_backend, init_device_mesh, init_process_group,
-    launch, new_subgroups, Group, InitOptions, LaunchOptions, ReduceOp,
+    launch, new_subgroups, Group, InitOptions, JobAuth, JobSecret, LaunchOptions, ReduceOp, Store,
+    TcpStore,
 };
 use fsdp::tensor::{DType, Tensor};
 use fsdp::Error;
@@ -378,4 +379,84 @@ fn a_rank_that_never_calls_a_collective_is_named_in_the_timeout() {
             other => panic!("rank {r}: {other:?}"),
         }
     }
+}
+
+#[test]
+fn a_rank_of_another_job_is_refused_naming_both_job_ids() {
+    let port = free_port();
+    let res = on_threads(2, |r| {
+        let job = if r == 0 { "job-a" } else { "job-b" };
+        init_process_group(opts("tcp", port, 2, r, 3.0).with_job(job, None)).map(drop)
+    });
+    match &res[1] {
+        Err(e @ Error::Refused { .. }) => assert!(
+            e.to_string().contains(&format!(
+                "TCPStore at 127.0.0.1:{port} (rank 1): it belongs to job 'job-a', not to this rank's job 'job-b': another job holds this address"
+            )),
+            "{e}"
+        ),
+        other => panic!("rank 1: {other:?}"),
+    }
+    // Rank 0's world never saw it.
+    match &res[0] {
+        Err(Error::Timeout { missing_ranks, .. }) => assert_eq!(missing_ranks, &vec![1]),
+        other => panic!("rank 0: {other:?}"),
+    }
+    // Job ids from the environment, torchrun's name too: equal ids meet.
+    let port = free_port();
+    let sums = on_threads(2, |r| {
+        let mut env = env(port, 2, r);
+        env.push(("TORCHELASTIC_RUN_ID", "run-7".into()));
+        let pg = init_process_group(
+            InitOptions::new("tcp")
+                .with_env(env)
+                .with_timeout(Duration::from_secs(20)),
+        )?;
+        let t = Tensor::from_vec(vec![r as f32 + 1.0], &[1])?;
+        pg.all_reduce(&t, ReduceOp::Sum)?;
+        destroy_process_group()?;
+        t.to_vec_f32()
+    });
+    for s in sums {
+        assert_eq!(s.unwrap(), vec![3.0]);
+    }
+}
+
+#[test]
+fn a_mesh_peer_that_cannot_prove_the_job_secret_is_refused() {
+    let port = free_port();
+    let secret = JobSecret::new("the secret of job-m, 32 chars...").unwrap();
+    let job = |r: usize| opts("tcp", port, 2, r, 20.0).with_job("job-m", Some(secret.clone()));
+    let sum = |pg: Group, r: usize| -> fsdp::Result<Vec<f32>> {
+        let t = Tensor::from_vec(vec![r as f32 + 1.0, 10.0], &[2])?;
+        pg.all_reduce(&t, ReduceOp::Sum)?;
+        destroy_process_group()?;
+        t.to_vec_f32()
+    };
+    std::thread::scope(|scope| {
+        let rank0 = scope.spawn(|| sum(init_process_group(job(0))?, 0));
+        // An outsider that learned rank 0's mesh address (here through the store) dials it
+        // as rank 1, without the secret, before rank 1 does.
+        let auth = JobAuth::new("job-m", Some(secret.clone())).unwrap();
+        let store =
+            TcpStore::connect_with_auth("127.0.0.1", port, 9, Duration::from_secs(20), auth)
+                .unwrap();
+        let addr = String::from_utf8(store.get("pg/world/addr/0").unwrap()).unwrap();
+        // Rank 0 accepts once every rank published its address, in the order they
+        // connected: both outsiders first.
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        // One that skips the job handshake and speaks the mesh's own is dropped.
+        let mut raw = std::net::TcpStream::connect(&addr).unwrap();
+        use std::io::Write;
+        let _ = raw.write_all(b"fsdp-tcp-pg/1 and then some bytes");
+        let rank1 = scope.spawn(|| sum(init_process_group(job(1))?, 1));
+        let (accepted, why) =
+            common::raw_handshake(&mut s, "mesh rank 1", "job-m", &[1u8; 32]).unwrap();
+        assert!(!accepted);
+        assert_eq!(why, "its proof of the job secret is wrong (another secret)");
+        // The real rank 1 still joins, and the world computes as usual.
+        assert_eq!(rank0.join().unwrap().unwrap(), vec![3.0, 20.0]);
+        assert_eq!(rank1.join().unwrap().unwrap(), vec![3.0, 20.0]);
+    });
 }

@@ -3,20 +3,27 @@
 //! `torch/distributed/elastic/multiprocessing/`; static rendezvous, no restarts).
 //!
 //! Each child gets `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`
-//! (the node rank), `ROLE_RANK`, `MASTER_ADDR`, `MASTER_PORT` and `TORCHELASTIC_ERROR_FILE`,
-//! and shares the launcher's stdout and stderr (nothing is prefixed). When a child exits
-//! non-zero the others get a short grace period to exit on their own (they usually fail
-//! too, naming the first), then are killed, and [`elastic_launch`] returns an error naming
-//! the root cause: the failed rank, its exit status and its error, as torchrun's
-//! `ChildFailedError` summary does.
+//! (the node rank), `ROLE_RANK`, `MASTER_ADDR`, `MASTER_PORT`, `TORCHELASTIC_ERROR_FILE`,
+//! the job id (`FSDP_JOB_ID`, also as torchrun's `TORCHELASTIC_RUN_ID`) and the job secret
+//! (`FSDP_JOB_SECRET`, see [Note: job auth] in [`auth`](super::auth)), and shares the
+//! launcher's stdout and stderr (nothing is prefixed). When a child exits non-zero the others
+//! get a short grace period to exit on their own (they usually fail too, naming the first),
+//! then are killed, and [`elastic_launch`] returns an error naming the root cause: the failed
+//! rank, its exit status and its error, and the ranks that failed with the same error, as
+//! torchrun's `ChildFailedError` summary does; other ranks' own errors are printed before it,
+//! one line each (`[rank 2] error: ...`).
 //!
 //! Only the direct children are stopped (`SIGKILL`), not processes they started in turn;
 //! they stay in the launcher's process group, so a Ctrl-C in the terminal reaches them all.
 //!
 //! A child that is a Rust program using this crate reports its error with [`record_error`]
 //! (torch's `@record`): the launcher reads it from `TORCHELASTIC_ERROR_FILE`, and prefers a
-//! rank's own error over peers that only echo its failure (`PeerFailed`).
+//! rank's own error over peers that only echo its failure (`PeerFailed`). Children see
+//! `FSDP_LAUNCHER_REPORTS_ERRORS=1` ([`launcher_reports_errors`]): `fsdp` ranks then leave
+//! the printing of a recorded error to the launcher, so that N ranks failing alike give one
+//! line, not N interleaved ones.
 
+use super::auth::{JobSecret, JOB_ID_VAR, JOB_SECRET_VAR, RUN_ID_VAR};
 use crate::error::{Error, Result};
 use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
@@ -25,6 +32,10 @@ use std::time::{Duration, Instant};
 
 /// The variable naming the file where a child records its error (torchrun's name).
 pub const ERROR_FILE_VAR: &str = "TORCHELASTIC_ERROR_FILE";
+
+/// Set to `1` by `fsdp launch` for its children: the launcher prints the errors they
+/// record (see [`launcher_reports_errors`]).
+pub const REPORTS_ERRORS_VAR: &str = "FSDP_LAUNCHER_REPORTS_ERRORS";
 
 /// How long the other children may take to exit on their own after one failed, before they
 /// are killed: long enough for peers to notice the failure in their next collective.
@@ -47,6 +58,14 @@ pub struct ElasticLaunchConfig {
     pub master_addr: String,
     /// The store's port (`--master-port`); `None` or 0 picks a free one (one node only).
     pub master_port: Option<u16>,
+    /// The job id (`--rdzv-id`), checked at rendezvous: a rank never joins another job's
+    /// world. `None`: derived from the job secret (so random on one node, and the same on
+    /// every node that shares the secret).
+    pub job_id: Option<String>,
+    /// The job secret every connection of the rendezvous proves (`FSDP_JOB_SECRET` or
+    /// `--job-secret-file`). `None`: a fresh random one, on one node; several nodes must
+    /// share one, so there it is required.
+    pub job_secret: Option<JobSecret>,
 }
 
 impl Default for ElasticLaunchConfig {
@@ -57,6 +76,8 @@ impl Default for ElasticLaunchConfig {
             node_rank: 0,
             master_addr: "127.0.0.1".into(),
             master_port: None,
+            job_id: None,
+            job_secret: None,
         }
     }
 }
@@ -88,6 +109,19 @@ impl ElasticLaunchConfig {
                 "--nnodes {} needs --master-port (and --master-addr, node 0's address): every node must name the same store",
                 self.nnodes
             );
+        }
+        if self.nnodes > 1 && self.job_secret.is_none() {
+            crate::error::bail_arg!(
+                "--nnodes {} needs a job secret shared by every node: set {JOB_SECRET_VAR} to the same random text (at least {} characters) on each node, or pass --job-secret-file",
+                self.nnodes,
+                super::auth::MIN_SECRET_LEN
+            );
+        }
+        if let Some(id) = &self.job_id {
+            if id.is_empty() {
+                crate::error::bail_arg!("--rdzv-id must not be empty");
+            }
+            super::auth::check_job_id(id)?;
         }
         Ok(())
     }
@@ -188,7 +222,16 @@ pub fn elastic_launch(cfg: &ElasticLaunchConfig, program: &OsStr, args: &[OsStri
     ));
     std::fs::create_dir_all(&dir)
         .map_err(|e| Error::io(format!("fsdp launch: creating '{}'", dir.display()), e))?;
-    let res = run(cfg, port, &dir, &resolve_program(program), args);
+    let secret = match &cfg.job_secret {
+        Some(k) => k.clone(),
+        None => JobSecret::generate()?,
+    };
+    let job_id = cfg
+        .job_id
+        .clone()
+        .unwrap_or_else(|| secret.derived_job_id());
+    let job = (job_id.as_str(), &secret);
+    let res = run(cfg, port, job, &dir, &resolve_program(program), args);
     let _ = std::fs::remove_dir_all(&dir);
     res
 }
@@ -196,6 +239,7 @@ pub fn elastic_launch(cfg: &ElasticLaunchConfig, program: &OsStr, args: &[OsStri
 fn run(
     cfg: &ElasticLaunchConfig,
     port: u16,
+    (job_id, secret): (&str, &JobSecret),
     dir: &Path,
     program: &OsStr,
     args: &[OsString],
@@ -216,6 +260,10 @@ fn run(
             .env("MASTER_ADDR", &cfg.master_addr)
             .env("MASTER_PORT", port.to_string())
             .env(ERROR_FILE_VAR, &error_file)
+            .env(REPORTS_ERRORS_VAR, "1")
+            .env(JOB_ID_VAR, job_id)
+            .env(RUN_ID_VAR, job_id)
+            .env(JOB_SECRET_VAR, secret.expose())
             .stdin(Stdio::null())
             .spawn();
         match spawned {
@@ -282,37 +330,78 @@ fn run(
     }
     match root_cause(&procs) {
         None => Ok(()),
-        Some(p) => {
-            let (status, _) = p.exit.unwrap_or((ExitStatus::default(), Instant::now()));
-            let rec = read_recorded(&p.error_file);
-            let others: Vec<usize> = procs
-                .iter()
-                .filter(|q| {
-                    q.rank != p.rank && (q.killed || q.exit.is_some_and(|(s, _)| !s.success()))
-                })
-                .map(|q| q.rank)
-                .collect();
-            let mut reason = format!(
-                "{} (local rank {}, pid {})",
-                describe(&status),
-                p.local_rank,
-                p.child.id()
-            );
-            if let Some(r) = rec {
-                reason.push_str(": ");
-                reason.push_str(r.message.trim());
+        Some(p) => Err(summarize(&procs, p)),
+    }
+}
+
+/// The error naming the root cause `p`; first prints, one line each, the own errors of
+/// other ranks that differ from it (`[rank 2] error: ...`). Ranks that recorded `p`'s very
+/// error are named once; echoes of a peer's failure, silent and killed ranks are counted
+/// as stopped.
+fn summarize(procs: &[Proc], p: &Proc) -> Error {
+    let (status, _) = p.exit.unwrap_or((ExitStatus::default(), Instant::now()));
+    let msg = read_recorded(&p.error_file).map(|r| r.message.trim().to_string());
+    let (mut same, mut stopped) = (Vec::new(), Vec::new());
+    let mut distinct: Vec<(String, Vec<usize>)> = Vec::new();
+    for q in procs.iter().filter(|q| q.rank != p.rank) {
+        let failed = q.exit.is_some_and(|(s, _)| !s.success());
+        if !q.killed && !failed {
+            continue;
+        }
+        match read_recorded(&q.error_file).filter(|_| !q.killed) {
+            Some(r) if Some(r.message.trim()) == msg.as_deref() => same.push(q.rank),
+            Some(r) if r.peer_failed.is_none() => {
+                let m = r.message.trim().to_string();
+                match distinct.iter_mut().find(|(d, _)| *d == m) {
+                    Some((_, ranks)) => ranks.push(q.rank),
+                    None => distinct.push((m, vec![q.rank])),
+                }
             }
-            if !others.is_empty() {
-                reason.push_str(&format!(
-                    "; the job was stopped (ranks {others:?} also ended)"
-                ));
-            }
-            Err(Error::PeerFailed {
-                failed_rank: p.rank,
-                reason,
-            })
+            _ => stopped.push(q.rank),
         }
     }
+    for (m, ranks) in &distinct {
+        let line = format!("{} error: {m}\n", rank_tag(ranks));
+        // One write: the line cannot interleave with a child's output.
+        eprint!("{line}");
+    }
+    let mut reason = format!(
+        "{} (local rank {}, pid {})",
+        describe(&status),
+        p.local_rank,
+        p.child.id()
+    );
+    if let Some(m) = msg {
+        reason.push_str(": ");
+        reason.push_str(&m);
+    }
+    if !same.is_empty() {
+        reason.push_str(&format!("; {} failed with the same error", list(&same)));
+    }
+    let mut ended: Vec<usize> = distinct.into_iter().flat_map(|(_, r)| r).collect();
+    ended.extend(stopped);
+    ended.sort_unstable();
+    if !ended.is_empty() {
+        reason.push_str(&format!(
+            "; the job was stopped (ranks {ended:?} also ended)"
+        ));
+    }
+    Error::PeerFailed {
+        failed_rank: p.rank,
+        reason,
+    }
+}
+
+/// `[rank 2]` or `[ranks 2, 3]`.
+fn rank_tag(ranks: &[usize]) -> String {
+    format!("[{}]", list(ranks))
+}
+
+/// `rank 2` or `ranks 2, 3`.
+fn list(ranks: &[usize]) -> String {
+    let names: Vec<String> = ranks.iter().map(usize::to_string).collect();
+    let s = if ranks.len() == 1 { "" } else { "s" };
+    format!("rank{s} {}", names.join(", "))
 }
 
 /// Kills every child still running and reaps it.
@@ -351,25 +440,40 @@ fn root_cause(procs: &[Proc]) -> Option<&Proc> {
     own.or(silent).or(failed.first()).copied()
 }
 
+/// Whether this process was started by `fsdp launch`, which prints the errors its
+/// children record with [`record_error`] (one line for ranks that fail alike): a child whose
+/// error was recorded need not print it.
+pub fn launcher_reports_errors() -> bool {
+    std::env::var_os(ERROR_FILE_VAR).is_some()
+        && std::env::var(REPORTS_ERRORS_VAR).is_ok_and(|v| v == "1")
+}
+
 /// Records `err` where the launcher reads it (`TORCHELASTIC_ERROR_FILE`), if this process
-/// was started by one (torch's `@record`); does nothing otherwise. Best effort.
-pub fn record_error(err: &Error) {
-    let Some(path) = std::env::var_os(ERROR_FILE_VAR) else {
-        return;
-    };
+/// was started by one (torch's `@record`); does nothing otherwise. Best effort: whether it
+/// was recorded.
+pub fn record_error(err: &Error) -> bool {
     let peer_failed = match err {
         Error::PeerFailed { failed_rank, .. } => Some(*failed_rank),
         _ => None,
     };
+    record_message(&err.to_string(), peer_failed)
+}
+
+/// Records `message` as [`record_error`] does, for a failure that is not an [`Error`]
+/// (arguments that do not parse); `peer_failed` names the rank it only echoes, if any.
+pub fn record_message(message: &str, peer_failed: Option<usize>) -> bool {
+    let Some(path) = std::env::var_os(ERROR_FILE_VAR) else {
+        return false;
+    };
     let rank = std::env::var("RANK").ok();
     // torchrun reads `message` (a string) and `timestamp` (seconds) from this file too.
     let body = serde_json::json!({
-        "message": err.to_string(),
+        "message": message,
         "timestamp": std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
         "peer_failed": peer_failed,
         "rank": rank,
     });
-    let _ = std::fs::write(path, body.to_string());
+    std::fs::write(path, body.to_string()).is_ok()
 }

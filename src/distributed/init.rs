@@ -90,6 +90,14 @@ pub struct InitOptions {
     /// `Some(map)` is that map alone (a launcher giving each rank thread its own `RANK`,
     /// or a test).
     pub env: Option<HashMap<String, String>>,
+    /// The job this rank belongs to (torchrun's `rdzv_id`), checked at rendezvous by the
+    /// `tcp` and `nccl` backends: a rank never joins a world of another job id. `None` reads
+    /// `FSDP_JOB_ID`, else `TORCHELASTIC_RUN_ID`, else no id (which matches only no id).
+    pub job_id: Option<String>,
+    /// The job's secret, which every connection of the rendezvous must prove (see
+    /// [`JobAuth`](super::JobAuth)); `None` reads `FSDP_JOB_SECRET`, and without it the
+    /// store and mesh are open, as c10d's. `fsdp launch` always sets one.
+    pub job_secret: Option<super::JobSecret>,
 }
 
 impl InitOptions {
@@ -104,6 +112,8 @@ impl InitOptions {
             local_world_size: None,
             timeout: super::threads::DEFAULT_TIMEOUT,
             env: None,
+            job_id: None,
+            job_secret: None,
         }
     }
 
@@ -136,6 +146,33 @@ impl InitOptions {
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
+    }
+
+    /// Sets the job id and secret (instead of `FSDP_JOB_ID` and `FSDP_JOB_SECRET`).
+    pub fn with_job(mut self, job_id: &str, secret: Option<super::JobSecret>) -> Self {
+        self.job_id = Some(job_id.to_string());
+        self.job_secret = secret;
+        self
+    }
+
+    /// The job id and secret: explicit, else from the environment.
+    fn job(&self) -> Result<super::JobAuth> {
+        use super::auth::{JOB_ID_VAR, JOB_SECRET_VAR, RUN_ID_VAR};
+        let id = match &self.job_id {
+            Some(id) => id.clone(),
+            None => match self.var(JOB_ID_VAR)? {
+                Some(id) => id,
+                None => self.var(RUN_ID_VAR)?.unwrap_or_default(),
+            },
+        };
+        let secret = match &self.job_secret {
+            Some(k) => Some(k.clone()),
+            None => match self.var(JOB_SECRET_VAR)? {
+                Some(k) if !k.is_empty() => Some(super::JobSecret::new(k)?),
+                _ => None,
+            },
+        };
+        super::JobAuth::new(id.trim(), secret)
     }
 
     fn var(&self, name: &str) -> Result<Option<String>> {
@@ -175,7 +212,9 @@ impl InitOptions {
     /// `Unsupported` for `mpi` and `ucc`, and for `nccl` in a build without the `cuda` feature;
     /// `InvalidArgument` for an unknown backend or init method, a missing required variable
     /// (`WORLD_SIZE`, `RANK`, and for `env://` `MASTER_ADDR`, `MASTER_PORT`) or a bad value,
-    /// naming the variable and the value, and for ranks out of range.
+    /// naming the variable and the value, and for ranks out of range; `InvalidArgument` for
+    /// a bad job id (`FSDP_JOB_ID`) or a job secret shorter than 16 characters
+    /// (`FSDP_JOB_SECRET`, never shown).
     pub fn resolve(&self) -> Result<Rendezvous> {
         let backend = self.backend.trim().to_ascii_lowercase();
         let backend = match backend.as_str() {
@@ -280,6 +319,11 @@ impl InitOptions {
             ),
         };
         Ok(Rendezvous {
+            job: if backend == "threads" {
+                super::JobAuth::default()
+            } else {
+                self.job()?
+            },
             backend,
             key,
             world_size,
@@ -308,6 +352,9 @@ pub struct Rendezvous {
     pub local_world_size: Option<usize>,
     /// Rendezvous and collective timeout.
     pub timeout: Duration,
+    /// The job id and secret the `tcp` and `nccl` backends check at rendezvous (the open,
+    /// id-less job on `threads`).
+    pub job: super::JobAuth,
 }
 
 /// A default group, by backend: what leaving or failing it takes differs.

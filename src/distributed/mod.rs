@@ -12,6 +12,7 @@
 //! | `torchrun` for in-process ranks | [`launch`] | `launch.rs` |
 //! | `torchrun` (processes), `elastic_launch`, `@record` | [`elastic_launch`], [`record_error`], `fsdp launch` | `elastic.rs` |
 //! | `TCPStore`, `PrefixStore`, `Store` | [`TcpStore`], [`TcpStoreServer`], [`PrefixStore`], [`Store`] | `store/` |
+//! | `--rdzv-id` (and beyond torch: a job secret proved at every connect) | [`JobAuth`], [`JobSecret`] | `auth.rs` |
 //! | `ProcessGroup`, collectives | [`ProcessGroup`], [`CollectivesExt`] | `mod.rs`, `composite.rs`, `desc.rs`, `threads/`, `tcp/` |
 //! | `ProcessGroupGloo` | [`TcpGroup`] | `tcp/` |
 //! | `new_group`, `new_subgroups`, `get_process_group_ranks` | [`ProcessGroup::new_group`], [`new_subgroups`], [`get_process_group_ranks`] | `subgroups.rs` |
@@ -27,6 +28,7 @@
 //! [`Error::Timeout`]: crate::Error::Timeout
 //! [`Error::PeerFailed`]: crate::Error::PeerFailed
 
+pub mod auth;
 mod composite;
 mod desc;
 pub mod elastic;
@@ -45,8 +47,11 @@ pub mod tcp;
 pub mod threads;
 mod work;
 
+pub use auth::{JobAuth, JobSecret};
 pub use composite::CollectivesExt;
-pub use elastic::{elastic_launch, record_error, ElasticLaunchConfig};
+pub use elastic::{
+    elastic_launch, launcher_reports_errors, record_error, record_message, ElasticLaunchConfig,
+};
 pub use init::{
     abort_process_group, default_group, destroy_process_group, get_backend, get_local_world_size,
     get_node_local_rank, get_rank, get_world_size, init_process_group, is_initialized, InitOptions,

@@ -188,3 +188,57 @@ pub fn free_port() -> u16 {
         .unwrap()
         .port()
 }
+
+/// The dialer's side of the job handshake (`distributed/auth.rs`) done by hand, as a
+/// process outside the job would: says it is `role` of job `job_id`, answers the challenge
+/// with `proof` (any bytes: it does not know the secret) and returns the acceptor's verdict
+/// (accepted, reason).
+pub fn raw_handshake(
+    s: &mut std::net::TcpStream,
+    role: &str,
+    job_id: &str,
+    proof: &[u8],
+) -> std::io::Result<(bool, String)> {
+    use std::io::{Read, Write};
+    fn msg(fields: &[&[u8]]) -> Vec<u8> {
+        let mut body = Vec::new();
+        for f in fields {
+            body.extend_from_slice(&(f.len() as u32).to_le_bytes());
+            body.extend_from_slice(f);
+        }
+        let mut out = (body.len() as u32).to_le_bytes().to_vec();
+        out.extend_from_slice(&body);
+        out
+    }
+    fn read(s: &mut std::net::TcpStream) -> std::io::Result<Vec<Vec<u8>>> {
+        let mut len = [0u8; 4];
+        s.read_exact(&mut len)?;
+        let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+        s.read_exact(&mut body)?;
+        let (mut rest, mut fields) = (&body[..], Vec::new());
+        while rest.len() >= 4 {
+            let n = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
+            fields.push(rest[4..4 + n].to_vec());
+            rest = &rest[4 + n..];
+        }
+        Ok(fields)
+    }
+    s.write_all(&msg(&[
+        b"fsdp-auth/1",
+        role.as_bytes(),
+        job_id.as_bytes(),
+        &[7u8; 32],
+    ]))?;
+    let challenge = read(s)?;
+    assert_eq!(
+        challenge.len(),
+        5,
+        "challenge: magic, job id, secured, nonce, proof"
+    );
+    s.write_all(&msg(&[proof]))?;
+    let verdict = read(s)?;
+    Ok((
+        verdict[0] == [1],
+        String::from_utf8_lossy(&verdict[1]).into_owned(),
+    ))
+}

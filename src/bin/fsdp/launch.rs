@@ -1,8 +1,10 @@
 //! `fsdp launch`: torchrun's command line; the work is `fsdp::distributed::elastic_launch`.
 
 use clap::Args;
-use fsdp::distributed::{elastic_launch, ElasticLaunchConfig};
+use fsdp::distributed::auth::JOB_SECRET_VAR;
+use fsdp::distributed::{elastic_launch, ElasticLaunchConfig, JobSecret};
 use std::ffi::OsString;
+use std::path::PathBuf;
 
 /// Options of `fsdp launch` (torchrun's names; the underscore spellings work too).
 #[derive(Args)]
@@ -32,6 +34,14 @@ pub(crate) struct LaunchArgs {
     /// Port of the rendezvous store (default: a free port; required with --nnodes > 1).
     #[arg(long, alias = "master_port")]
     master_port: Option<u16>,
+    /// The job id, checked at rendezvous: a rank never joins another job's world (default:
+    /// derived from the job secret; give every node the same).
+    #[arg(long, alias = "rdzv_id", visible_alias = "job-id", value_name = "ID")]
+    rdzv_id: Option<String>,
+    /// A file holding the job secret every connection of the job proves (default: the
+    /// FSDP_JOB_SECRET variable, else a fresh random one; several nodes must share one).
+    #[arg(long, value_name = "FILE")]
+    job_secret_file: Option<PathBuf>,
     /// The program to run on every rank and its arguments, after `--` (`fsdp` is this
     /// executable).
     #[arg(last = true, required = true, value_name = "PROGRAM [ARGS]")]
@@ -46,6 +56,8 @@ pub(crate) fn run_launch(a: LaunchArgs) -> fsdp::Result<()> {
         node_rank: a.node_rank,
         master_addr: a.master_addr,
         master_port: a.master_port,
+        job_id: a.rdzv_id,
+        job_secret: job_secret(a.job_secret_file.as_deref())?,
     };
     let Some((program, args)) = a.command.split_first() else {
         return Err(fsdp::Error::InvalidArgument(
@@ -53,4 +65,19 @@ pub(crate) fn run_launch(a: LaunchArgs) -> fsdp::Result<()> {
         ));
     };
     elastic_launch(&cfg, program, args)
+}
+
+/// The job secret from `--job-secret-file` (its text, less surrounding white space), else
+/// from `FSDP_JOB_SECRET`; never printed.
+fn job_secret(file: Option<&std::path::Path>) -> fsdp::Result<Option<JobSecret>> {
+    if let Some(f) = file {
+        let text = std::fs::read_to_string(f).map_err(|e| {
+            fsdp::Error::io(format!("reading --job-secret-file '{}'", f.display()), e)
+        })?;
+        return JobSecret::new(text.trim()).map(Some);
+    }
+    match std::env::var(JOB_SECRET_VAR) {
+        Ok(k) if !k.is_empty() => JobSecret::new(k).map(Some),
+        _ => Ok(None),
+    }
 }

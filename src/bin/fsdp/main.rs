@@ -28,14 +28,6 @@ macro_rules! out {
     }};
 }
 
-/// `eprintln!` that ignores write errors, like `out!`.
-macro_rules! err {
-    ($($t:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), $($t)*);
-    }};
-}
-
 mod bench;
 mod launch;
 
@@ -462,25 +454,61 @@ fn main() -> ExitCode {
                 }
                 _ => String::new(),
             };
-            err!("{first}{values}");
+            // Under fsdp launch the launcher reports it (one line for ranks failing alike).
+            let line = format!("{first}{values}");
+            let recorded = fsdp::distributed::record_message(
+                line.strip_prefix("error: ").unwrap_or(&line),
+                None,
+            );
+            report(&line, recorded);
             return ExitCode::from(2);
         }
     };
     let (res, who) = match cli.cmd {
         Cmd::Train(a) => (run_train(a), ""),
         Cmd::Bench(a) => (run_bench(a), ""),
-        Cmd::Launch(a) => (run_launch(a), "fsdp launch: "),
+        Cmd::Launch(a) => (run_launch(a), LAUNCHER),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             let msg = e.to_string();
-            // Library errors that already say where they come from keep one prefix.
-            let who = if msg.starts_with(who) { "" } else { who };
-            err!("error: {who}{msg}");
+            if who == LAUNCHER {
+                // Library errors that already say where they come from keep one prefix.
+                let who = if msg.starts_with(who) { "" } else { who };
+                write_line(&format!("error: {who}{msg}"));
+                return ExitCode::FAILURE;
+            }
             // Under fsdp launch or torchrun, the launcher reads it (torch's @record).
-            fsdp::distributed::record_error(&e);
+            let recorded = fsdp::distributed::record_error(&e);
+            report(&format!("error: {msg}"), recorded);
             ExitCode::FAILURE
         }
     }
+}
+
+/// What `fsdp launch` prefixes its errors with.
+const LAUNCHER: &str = "fsdp launch: ";
+
+/// Prints a rank's failure `line` on stderr, prefixed with its rank under a launcher
+/// (`[rank 1] error: ...`); nothing when `fsdp launch` reports the `recorded` error itself
+/// (one line for ranks that fail alike).
+fn report(line: &str, recorded: bool) {
+    if recorded && fsdp::distributed::launcher_reports_errors() {
+        return;
+    }
+    let rank = std::env::var("RANK").ok().filter(|r| !r.trim().is_empty());
+    match rank {
+        Some(r) if std::env::var_os("WORLD_SIZE").is_some() => {
+            write_line(&format!("[rank {}] {line}", r.trim()))
+        }
+        _ => write_line(line),
+    }
+}
+
+/// `line` and a newline on stderr in one write, so that the lines of processes sharing
+/// stderr (the ranks of a launch) never interleave; write errors are ignored, as `err!`.
+fn write_line(line: &str) {
+    use std::io::Write as _;
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
 }

@@ -3,10 +3,11 @@
 
 use super::protocol::{op, read_frame, status, write_frame, Decoder, Encoder, MAGIC, MAX_KEY};
 use super::{Store, TcpStoreServer};
+use crate::distributed::auth::JobAuth;
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
 use std::io;
-use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -62,15 +63,14 @@ impl std::fmt::Debug for TcpStore {
 
 impl TcpStore {
     /// `TCPStore(host, port, is_master=is_master, timeout=timeout)` for rank `rank` (named in
-    /// errors). With `is_master`, first starts a server on `host:port` (port 0: a free port,
-    /// see [`port`](Self::port)) that lives as long as this client. Then connects, retrying
-    /// while the server is not up yet (another process may start it later), until `timeout`.
-    /// `timeout` also bounds every later `get` and `wait`.
+    /// errors), open to any client (no job id, no secret). With `is_master`, first starts a
+    /// server on `host:port` (port 0: a free port, see [`port`](Self::port)) that lives as
+    /// long as this client. Then connects, retrying while the server is not up yet (another
+    /// process may start it later), until `timeout`. `timeout` also bounds every later `get`
+    /// and `wait`.
     ///
     /// # Errors
-    /// `Timeout` naming the address and `rank` when no server answered within `timeout`;
-    /// `InvalidArgument` for a host that does not resolve; `Io` when the server cannot bind
-    /// its port or the peer is not an fsdp store.
+    /// As [`with_auth`](Self::with_auth).
     pub fn new(
         host: &str,
         port: u16,
@@ -78,57 +78,195 @@ impl TcpStore {
         is_master: bool,
         timeout: Duration,
     ) -> Result<TcpStore> {
-        let server = if is_master {
-            Some(Arc::new(TcpStoreServer::bind(host, port)?))
-        } else {
-            None
-        };
-        let port = server.as_ref().map_or(port, |s| s.port());
-        let mut store = Self::connect(host, port, rank, timeout)?;
-        store.server = server;
+        Self::with_auth(host, port, rank, is_master, timeout, JobAuth::default())
+    }
+
+    /// As [`new`](Self::new), for job `auth` (see [`JobAuth`]): the server (with
+    /// `is_master`) refuses clients of another job or without its secret, and this client
+    /// refuses a server of another job or that cannot prove the secret.
+    ///
+    /// Connecting retries while nothing listens at `host:port` (connection refused: rank 0
+    /// is not up yet) or nothing answers, until `timeout`; an address with no route to it is
+    /// an error at once. With `is_master` the server is up before this client connects, so
+    /// it connects once, within 5 s: a `host` that does not lead back to this machine is an
+    /// error at once.
+    ///
+    /// # Errors
+    /// `Timeout` naming the address and `rank` when no server answered within `timeout`;
+    /// `InvalidArgument` for a host that does not resolve; `Io` naming the address when it
+    /// cannot be reached, when the server cannot bind its port (in use: another job holds
+    /// it), or when the peer is not an fsdp store; `Refused` when the server belongs to
+    /// another job, or one side cannot prove the job secret.
+    pub fn with_auth(
+        host: &str,
+        port: u16,
+        rank: usize,
+        is_master: bool,
+        timeout: Duration,
+        auth: JobAuth,
+    ) -> Result<TcpStore> {
+        if !is_master {
+            return Self::connect_with_auth(host, port, rank, timeout, auth);
+        }
+        let server = Arc::new(TcpStoreServer::bind_with_auth(host, port, auth.clone())?);
+        let mut store = Self::reach_own(host, server.port(), rank, timeout, &auth, &server)?;
+        store.server = Some(server);
         Ok(store)
     }
 
-    /// A client of the server at `host:port` (see [`new`](Self::new) with `is_master`
+    /// A client of the open server at `host:port` (see [`new`](Self::new) with `is_master`
     /// false).
     ///
     /// # Errors
-    /// As [`new`](Self::new).
+    /// As [`with_auth`](Self::with_auth).
     pub fn connect(host: &str, port: u16, rank: usize, timeout: Duration) -> Result<TcpStore> {
+        Self::connect_with_auth(host, port, rank, timeout, JobAuth::default())
+    }
+
+    /// A client of job `auth` of the server at `host:port` (see
+    /// [`with_auth`](Self::with_auth) with `is_master` false).
+    ///
+    /// # Errors
+    /// As [`with_auth`](Self::with_auth).
+    pub fn connect_with_auth(
+        host: &str,
+        port: u16,
+        rank: usize,
+        timeout: Duration,
+        auth: JobAuth,
+    ) -> Result<TcpStore> {
         let addr = format!("{host}:{port}");
         let deadline = Instant::now() + timeout;
         let mut backoff = Duration::from_millis(5);
+        let mut last: Option<io::Error> = None;
         let stream = loop {
-            let targets: Vec<SocketAddr> = (host, port)
-                .to_socket_addrs()
-                .map_err(|e| {
-                    Error::InvalidArgument(format!("TCPStore host '{host}' does not resolve: {e}"))
-                })?
-                .collect();
-            let now = Instant::now();
-            let left = deadline.saturating_duration_since(now);
-            let attempt = targets.iter().find_map(|a| {
-                TcpStream::connect_timeout(
-                    a,
-                    left.clamp(Duration::from_millis(1), Duration::from_secs(2)),
-                )
-                .ok()
-            });
-            if let Some(s) = attempt {
+            let targets = resolve(host, port)?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            let mut no_route: Option<io::Error> = None;
+            let mut reached = None;
+            for a in &targets {
+                match TcpStream::connect_timeout(a, left.clamp(Duration::from_millis(1), ATTEMPT)) {
+                    Ok(s) => {
+                        reached = Some(s);
+                        break;
+                    }
+                    Err(e) if unreachable(&e) => no_route = Some(e),
+                    Err(e) => last = Some(e),
+                }
+            }
+            if let Some(s) = reached {
                 break s;
             }
+            // Every address has no route to it: no retry will find one.
+            if let (Some(e), None) = (no_route, &last) {
+                return Err(Error::io(
+                    format!(
+                        "TCPStore: rank {rank} cannot reach the store at {addr} (check MASTER_ADDR / --master-addr)"
+                    ),
+                    e,
+                ));
+            }
             if Instant::now() + backoff >= deadline {
+                let why = match last.as_ref().map(io::Error::kind) {
+                    Some(io::ErrorKind::ConnectionRefused) => {
+                        "nothing listens there (connection refused): rank 0 never started its store"
+                    }
+                    Some(io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock) => {
+                        "no answer (every attempt timed out): a wrong address, a host that is down, or a firewall"
+                    }
+                    _ => "no server answered",
+                };
                 return Err(Error::Timeout {
-                    op: format!("connecting to the TCPStore at {addr} (no server answered)"),
+                    op: format!("connecting to the TCPStore at {addr} ({why})"),
                     rank,
                     timeout_s: timeout.as_secs_f64(),
                     missing_ranks: Vec::new(),
                 });
             }
+            last = None;
             std::thread::sleep(backoff);
             backoff = (backoff * 2).min(Duration::from_millis(100));
         };
+        Ok(Self::greet(stream, addr, port, rank, timeout, &auth, timeout)?.0)
+    }
+
+    /// Rank 0's client of the server it hosts, through `host` as every rank will: the
+    /// server is up, so one attempt within [`HOSTING_PROBE`] tells whether `host` leads back
+    /// to this machine (its address, or a NAT that forwards to it).
+    fn reach_own(
+        host: &str,
+        port: u16,
+        rank: usize,
+        timeout: Duration,
+        auth: &JobAuth,
+        server: &TcpStoreServer,
+    ) -> Result<TcpStore> {
+        let addr = format!("{host}:{port}");
+        let targets = resolve(host, port)?;
+        let probe = timeout.min(HOSTING_PROBE);
+        let mut why: Option<io::Error> = None;
+        for a in &targets {
+            let attempt = TcpStream::connect_timeout(a, probe)
+                .map_err(|e| Error::io("connecting", e))
+                .and_then(|s| Self::greet(s, addr.clone(), port, rank, timeout, auth, probe));
+            match attempt {
+                Ok((store, instance)) if instance == server.instance() => return Ok(store),
+                Ok(_) => {
+                    why = Some(io::Error::other(
+                        "it leads to another fsdp store, not the one this rank hosts",
+                    ))
+                }
+                Err(Error::Io { source, .. }) => why = Some(source),
+                Err(e) => why = Some(io::Error::other(e.to_string())),
+            }
+        }
+        let local = targets.iter().any(|a| is_local(a.ip()));
+        let hint = if local {
+            String::new()
+        } else {
+            format!(
+                "; {host} is not an address of this machine (MASTER_ADDR / --master-addr must name the machine where rank 0 runs)"
+            )
+        };
+        Err(Error::io(
+            format!("TCPStore: rank {rank} hosts the store on port {port} but cannot reach it at {addr}{hint}"),
+            why.unwrap_or_else(|| io::ErrorKind::AddrNotAvailable.into()),
+        ))
+    }
+
+    /// Passes the job handshake and the store greeting on a fresh connection, each reply
+    /// awaited for at most `reply_within`; returns the client and the server's instance id.
+    fn greet(
+        mut stream: TcpStream,
+        addr: String,
+        port: u16,
+        rank: usize,
+        timeout: Duration,
+        auth: &JobAuth,
+        reply_within: Duration,
+    ) -> Result<(TcpStore, Vec<u8>)> {
         let _ = stream.set_nodelay(true);
+        let within = Some(reply_within.max(Duration::from_millis(1)));
+        let _ = stream.set_read_timeout(within);
+        let _ = stream.set_write_timeout(within);
+        let peer = format!("TCPStore at {addr} (rank {rank})");
+        crate::distributed::auth::dial(&mut stream, auth, &format!("store rank {rank}"), &peer)
+            .map_err(|e| match e {
+                Error::Io { source, .. }
+                    if matches!(
+                        source.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    Error::Timeout {
+                        op: format!("{peer}: the job handshake (the server did not answer)"),
+                        rank,
+                        timeout_s: reply_within.as_secs_f64(),
+                        missing_ranks: Vec::new(),
+                    }
+                }
+                e => e,
+            })?;
         let store = TcpStore {
             conn: Mutex::new(Conn {
                 stream,
@@ -140,13 +278,21 @@ impl TcpStore {
             timeout,
             server: None,
         };
-        let reply = store.request("greeting", Encoder::new(op::HELLO).bytes(MAGIC), timeout)?;
+        let reply = store.request(
+            "greeting",
+            Encoder::new(op::HELLO).bytes(MAGIC),
+            reply_within,
+        )?;
         let mut d = Decoder::new(&reply);
-        let ok = d.bytes("greeting").ok() == Some(MAGIC) && d.finish().is_ok();
-        if !ok {
-            return Err(store.protocol_error("greeting", "the server is not an fsdp TCPStore"));
+        let greeting = d.bytes("greeting").ok() == Some(MAGIC);
+        let instance = d.bytes("instance id").map(<[u8]>::to_vec);
+        match (greeting, instance, d.finish()) {
+            (true, Ok(id), Ok(())) => Ok((store, id)),
+            _ => Err(store.protocol_error(
+                "greeting",
+                "the server is not an fsdp TCPStore of this version",
+            )),
         }
-        Ok(store)
     }
 
     /// The server's port (the one the OS picked when hosting with port 0).
@@ -162,6 +308,12 @@ impl TcpStore {
     /// Whether this client hosts the server.
     pub fn is_master(&self) -> bool {
         self.server.is_some()
+    }
+
+    /// The server this client hosts (with `is_master`), e.g. for its
+    /// [`refused`](TcpStoreServer::refused) connections.
+    pub fn server(&self) -> Option<&TcpStoreServer> {
+        self.server.as_deref()
     }
 
     /// The local address of the connection to the server: the interface through which this
@@ -282,6 +434,37 @@ impl TcpStore {
         let v = f(&mut d).and_then(|v| d.finish().map(|()| v));
         v.map_err(|e| self.protocol_error(what, &e.to_string()))
     }
+}
+
+/// Longest rank 0 tries to reach the server it hosts (see `reach_own`).
+const HOSTING_PROBE: Duration = Duration::from_secs(5);
+
+/// Longest one connection attempt waits for an answer.
+const ATTEMPT: Duration = Duration::from_secs(2);
+
+fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>> {
+    Ok((host, port)
+        .to_socket_addrs()
+        .map_err(|e| {
+            Error::InvalidArgument(format!("TCPStore host '{host}' does not resolve: {e}"))
+        })?
+        .collect())
+}
+
+/// A connect error no retry cures: there is no route to the address.
+fn unreachable(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::HostUnreachable
+            | io::ErrorKind::NetworkUnreachable
+            | io::ErrorKind::NetworkDown
+            | io::ErrorKind::AddrNotAvailable
+    )
+}
+
+/// Whether `ip` is an address of this machine (one it can listen on).
+fn is_local(ip: IpAddr) -> bool {
+    ip.is_loopback() || ip.is_unspecified() || TcpListener::bind(SocketAddr::new(ip, 0)).is_ok()
 }
 
 fn millis(d: Duration) -> u64 {

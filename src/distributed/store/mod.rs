@@ -14,10 +14,17 @@
 //! | [`TcpStoreServer`] | `server.rs` |
 //! | the length-prefixed binary protocol | `protocol.rs` |
 //!
+//! Every connection starts with the job handshake of [`auth`](crate::distributed::auth)
+//! ([Note: job auth]): a store made with a [`JobAuth`](crate::distributed::JobAuth) serves
+//! only clients of that job id that prove its secret, and its clients check the server the
+//! same way; [`TcpStore::new`] and [`TcpStoreServer::bind`] are the open store of a job
+//! without id or secret, as c10d's.
+//!
 //! Errors: a `get` or `wait` that outlives the store's timeout is [`Error::Timeout`] naming
 //! the keys and the waiting rank; a client retries connecting while the server is not up
-//! yet, until the timeout; bad bytes on the wire (either side) are errors, never panics: the
-//! server drops such a client and serves the others.
+//! yet (connection refused, or no answer), until the timeout, and fails at once when there
+//! is no route to the address; bad bytes on the wire (either side) are errors, never panics:
+//! the server drops such a client and serves the others.
 //!
 //! [`Error::Timeout`]: crate::Error::Timeout
 
@@ -208,9 +215,13 @@ impl<S: Store + ?Sized> Store for Arc<S> {
 /// `tcp://HOST:PORT`): rank 0 hosts it, every rank connects (what both the `tcp` and the
 /// `nccl` backends meet through). `what` names the call in errors.
 ///
+/// The ranks must belong to one job (`rv.job`: the same job id, and secret when secured).
+///
 /// # Errors
 /// `InvalidArgument` when the key is not `HOST:PORT`; `Timeout` naming rank 0 when its
-/// store cannot be reached in time; `Io` when rank 0 cannot host it.
+/// store cannot be reached in time; `Io` when rank 0 cannot host it (its port is in use, or
+/// the address is not this machine's) or the address cannot be reached; `Refused` when the
+/// store belongs to another job or a side cannot prove the job secret.
 pub(crate) fn connect_for(
     rv: &crate::distributed::Rendezvous,
     what: &str,
@@ -225,18 +236,23 @@ pub(crate) fn connect_for(
         ),
     };
     let is_master = rv.rank == 0;
-    let store = TcpStore::new(host, port, rv.rank, is_master, rv.timeout).map_err(|e| match e {
-        Error::Timeout { timeout_s, .. } => Error::Timeout {
-            op: format!("{what}: connecting to the store rank 0 hosts"),
-            rank: rv.rank,
-            timeout_s,
-            missing_ranks: vec![0],
-        },
-        Error::Io { context, source } if is_master => Error::Io {
-            context: format!("{what}: rank 0 hosts the store: {context}"),
-            source,
-        },
-        e => e,
-    })?;
+    let store = TcpStore::with_auth(host, port, rv.rank, is_master, rv.timeout, rv.job.clone())
+        .map_err(|e| match e {
+            Error::Timeout { op, timeout_s, .. } => Error::Timeout {
+                op: format!("{what}: {op}"),
+                rank: rv.rank,
+                timeout_s,
+                missing_ranks: vec![0],
+            },
+            Error::Io { context, source } => Error::Io {
+                context: format!("{what}: {context}"),
+                source,
+            },
+            Error::Refused { context, reason } => Error::Refused {
+                context: format!("{what}: {context}"),
+                reason,
+            },
+            e => e,
+        })?;
     Ok(Arc::new(store))
 }

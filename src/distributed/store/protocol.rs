@@ -1,6 +1,7 @@
 //! The store's wire format: length-prefixed frames over one TCP stream per client.
 //!
 //! ```text
+//! (after the job handshake of `distributed/auth.rs`, which every connection passes first)
 //! frame    = len: u32 LE (bytes of body, at most MAX_FRAME) | body
 //! request  = op: u8 | fields        reply = status: u8 | fields
 //! string   = len: u32 LE | bytes    (keys: UTF-8, at most MAX_KEY bytes)
@@ -8,7 +9,7 @@
 //!
 //! | op | request fields | reply on success |
 //! |---|---|---|
-//! | `HELLO` | [`MAGIC`] bytes | [`MAGIC`] bytes |
+//! | `HELLO` | [`MAGIC`] bytes | [`MAGIC`] bytes, the server's instance id (16 bytes) |
 //! | `SET` | key, value | - |
 //! | `GET` | key, wait_ms: u64 | value (`TIMEOUT` when still missing after `wait_ms`) |
 //! | `ADD` | key, delta: i64 | new value: i64 |
@@ -25,7 +26,7 @@ use std::io::{self, Read, Write};
 
 /// First bytes a client sends and the server echoes: tells an fsdp store from any other
 /// server listening on the port.
-pub(super) const MAGIC: &[u8] = b"fsdp-tcpstore/1";
+pub(super) const MAGIC: &[u8] = b"fsdp-tcpstore/2";
 
 /// Largest frame body accepted (1 GiB): larger lengths are bad input.
 pub(super) const MAX_FRAME: usize = 1 << 30;

@@ -1,11 +1,16 @@
 //! The store server: one thread accepting clients, one thread per client serving its
 //! requests in order against a shared key-value map (c10d's `TCPStoreBackend`, with threads
 //! instead of an event loop: a store serves tens of clients, each mostly idle).
+//!
+//! Every connection first passes the job handshake (`distributed/auth.rs`, [Note: job
+//! auth]): a client of another job, or one that cannot prove the job secret, is refused
+//! before it can read or change a key, and the refusal is logged once per peer.
 
 use super::protocol::{op, read_frame, status, write_frame, Decoder, Encoder, MAGIC};
+use crate::distributed::auth::{self, JobAuth};
 use crate::error::{Error, Result};
 use parking_lot::{Condvar, Mutex};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,6 +21,12 @@ use std::time::{Duration, Instant};
 /// Longest a `WAIT` or `GET` may block in the server, whatever the client asks.
 const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
 
+/// How long a new connection may take to pass the job handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Distinct refusals remembered (and logged); later ones are dropped silently.
+const MAX_REFUSALS: usize = 1024;
+
 /// What the server threads share.
 struct Shared {
     map: Mutex<HashMap<String, Vec<u8>>>,
@@ -25,6 +36,31 @@ struct Shared {
     /// A clone of every open client stream by connection number, to shut them down on
     /// stop; each serving thread removes its own when its client leaves.
     conns: Mutex<HashMap<u64, TcpStream>>,
+    /// The job a client must belong to (and prove, when secured).
+    auth: JobAuth,
+    /// Random per server: tells a client that hosts this server that it reached it.
+    instance: [u8; 16],
+    /// `host:port` as bound, for log lines.
+    name: String,
+    /// Refusal log lines so far, and what was logged (peer IP, role, reason), to log each
+    /// refused peer once.
+    refused: Mutex<(Vec<String>, HashSet<String>)>,
+}
+
+impl Shared {
+    /// Logs the refusal of `peer` on stderr once per (peer IP, dialer, reason).
+    fn refuse(&self, peer: Option<SocketAddr>, r: &auth::Refusal) {
+        let who = format!("fsdp: TCPStore at {}", self.name);
+        let shown = peer.map_or_else(|| "an unknown address".into(), |p| p.to_string());
+        let key = format!("{:?}|{:?}|{}", peer.map(|p| p.ip()), r.dialer, r.reason);
+        let mut g = self.refused.lock();
+        if g.1.len() >= MAX_REFUSALS || !g.1.insert(key) {
+            return;
+        }
+        let line = r.line(&who, &shown);
+        auth::log(&line);
+        g.0.push(line);
+    }
 }
 
 /// A running store server (`c10d::TCPStore` with `is_master=True` hosts one). Clients
@@ -46,14 +82,26 @@ impl std::fmt::Debug for TcpStoreServer {
 
 impl TcpStoreServer {
     /// Starts a server listening on `host:port` (port 0: one the OS picks, see
-    /// [`local_addr`](Self::local_addr)). When `host` resolves to no address of this machine
-    /// (a name that points elsewhere, as behind NAT) it listens on every interface instead,
-    /// as c10d does.
+    /// [`local_addr`](Self::local_addr)) for clients without a job id or secret (an open
+    /// store, as c10d's). When `host` resolves to no address of this machine (a name that
+    /// points elsewhere, as behind NAT) it listens on every interface instead, as c10d does.
     ///
     /// # Errors
     /// `InvalidArgument` when `host` does not resolve; `Io` when the port cannot be bound
     /// (in use, or not permitted), naming it.
     pub fn bind(host: &str, port: u16) -> Result<TcpStoreServer> {
+        Self::bind_with_auth(host, port, JobAuth::default())
+    }
+
+    /// As [`bind`](Self::bind), for the clients of job `auth` only: a client of another job
+    /// id, or (when `auth` has a secret) one that cannot prove it, is refused at connect,
+    /// before it can read or change any key; each refusal is logged on stderr once per peer
+    /// (`refused a connection from ADDR: ...`, never with the secret) and kept in
+    /// [`refused`](Self::refused).
+    ///
+    /// # Errors
+    /// As [`bind`](Self::bind); `Io` when the OS random source fails.
+    pub fn bind_with_auth(host: &str, port: u16, auth: JobAuth) -> Result<TcpStoreServer> {
         let addrs: Vec<SocketAddr> = (host, port)
             .to_socket_addrs()
             .map_err(|e| {
@@ -77,6 +125,14 @@ impl TcpStoreServer {
                 TcpListener::bind((Ipv4Addr::UNSPECIFIED, port))
                     .map_err(|e| Error::io(format!("TCPStore: binding port {port}"), e))?
             }
+            (None, Some(e)) if e.kind() == io::ErrorKind::AddrInUse => {
+                return Err(Error::io(
+                    format!(
+                        "TCPStore: port {port} on {host} is in use (another job holds it, or another program; give each job its own --master-port / MASTER_PORT)"
+                    ),
+                    e,
+                ))
+            }
             (None, e) => {
                 return Err(Error::io(
                     format!("TCPStore: listening on {host}:{port}"),
@@ -92,6 +148,10 @@ impl TcpStoreServer {
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
             conns: Mutex::new(HashMap::new()),
+            auth,
+            instance: auth::instance_id()?,
+            name: format!("{host}:{}", addr.port()),
+            refused: Mutex::new((Vec::new(), HashSet::new())),
         });
         let sh = shared.clone();
         let accept = std::thread::Builder::new()
@@ -113,6 +173,17 @@ impl TcpStoreServer {
     /// The port the server listens on.
     pub fn port(&self) -> u16 {
         self.addr.port()
+    }
+
+    /// The refusals logged so far, one line each: `fsdp: TCPStore at HOST:PORT: refused a
+    /// connection from ADDR (ROLE, job 'ID'): REASON`.
+    pub fn refused(&self) -> Vec<String> {
+        self.shared.refused.lock().0.clone()
+    }
+
+    /// This server's random instance id (a hosting client checks it reached this server).
+    pub(super) fn instance(&self) -> [u8; 16] {
+        self.shared.instance
     }
 }
 
@@ -175,9 +246,21 @@ fn accept_loop(listener: TcpListener, sh: Arc<Shared>) {
     }
 }
 
-/// Serves one client until it disconnects, sends bad bytes, or the server stops.
+/// Serves one client until it disconnects, sends bad bytes, or the server stops; a client
+/// that does not pass the job handshake is refused before its first request.
 fn serve(mut stream: TcpStream, sh: &Shared) {
     let _ = stream.set_nodelay(true);
+    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+    let _ = stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT));
+    if let Err(r) = auth::accept(&mut stream, &sh.auth, "store") {
+        if !sh.stop.load(Ordering::SeqCst) {
+            sh.refuse(stream.peer_addr().ok(), &r);
+        }
+        let _ = stream.shutdown(std::net::Shutdown::Both);
+        return;
+    }
+    let _ = stream.set_read_timeout(None);
+    let _ = stream.set_write_timeout(None);
     let mut greeted = false;
     loop {
         let body = match read_frame(&mut stream) {
@@ -195,7 +278,7 @@ fn serve(mut stream: TcpStream, sh: &Shared) {
             handle(sh, &body)
         } else {
             greeted = true;
-            hello(&body)
+            hello(&body, &sh.instance)
         };
         match reply {
             Ok(r) => {
@@ -217,7 +300,7 @@ fn reply_error(stream: &mut TcpStream, msg: &str) -> io::Result<()> {
     write_frame(stream, &Encoder::new(status::ERROR).bytes(msg.as_bytes()).0)
 }
 
-fn hello(body: &[u8]) -> io::Result<Vec<u8>> {
+fn hello(body: &[u8], instance: &[u8; 16]) -> io::Result<Vec<u8>> {
     let mut d = Decoder::new(body);
     let code = d.u8("opcode")?;
     let magic = d.bytes("greeting")?;
@@ -228,7 +311,7 @@ fn hello(body: &[u8]) -> io::Result<Vec<u8>> {
             "the first message must be the fsdp store greeting",
         ));
     }
-    Ok(Encoder::new(status::OK).bytes(MAGIC).0)
+    Ok(Encoder::new(status::OK).bytes(MAGIC).bytes(instance).0)
 }
 
 fn wait_ms(d: &mut Decoder<'_>) -> io::Result<Duration> {

@@ -4,8 +4,9 @@
 //! Set-up (every member): bind a listener on the interface that reaches the store, publish
 //! `addr/<group rank>` in the group's [`PrefixStore`](crate::distributed::PrefixStore),
 //! wait for every member's address, connect to every lower rank (handshake, ack) and accept
-//! every higher one. A connection whose handshake is not this group's is dropped (a stray
-//! client); a rank claimed twice or a different group size is an error.
+//! every higher one. A connection that fails the job handshake (`mesh_auth.rs`) is refused
+//! and logged, one whose handshake is not this group's is dropped (a stray client); a rank
+//! claimed twice or a different group size is an error.
 //!
 //! Because every peer's stream is always being read, a rank can write any amount to any
 //! peer without waiting for that peer to read: no collective can deadlock on full socket
@@ -13,7 +14,7 @@
 //! rank waits, whatever it waits for.
 
 use super::wire::{self, kind, Handshake, Payload, BYTE_ORDER, HANDSHAKE_LEN};
-use crate::distributed::Store;
+use crate::distributed::{JobAuth, Store};
 use crate::error::{Error, Result};
 use parking_lot::{Condvar, Mutex};
 use std::collections::VecDeque;
@@ -111,14 +112,16 @@ pub(super) struct MeshSpec<'a> {
     /// The interface to listen on and advertise.
     pub(super) ip: IpAddr,
     pub(super) timeout: Duration,
+    /// The job every connection must prove it belongs to.
+    pub(super) job: &'a JobAuth,
 }
 
 impl MeshSpec<'_> {
-    fn me(&self) -> usize {
+    pub(super) fn me(&self) -> usize {
         self.members[self.rank]
     }
 
-    fn timeout_err(&self, missing: Vec<usize>) -> Error {
+    pub(super) fn timeout_err(&self, missing: Vec<usize>) -> Error {
         Error::Timeout {
             op: self.what.clone(),
             rank: self.me(),
@@ -186,6 +189,7 @@ pub(super) fn connect(spec: MeshSpec<'_>, failure: Arc<WorldFailure>) -> Result<
             .ok_or_else(|| spec.timeout_err(vec![spec.members[p]]))?;
         let _ = s.set_nodelay(true);
         let _ = s.set_read_timeout(Some(remaining(deadline)));
+        super::mesh_auth::dial(&spec, &mut s, p, &peer)?;
         s.write_all(&hello(me).encode())
             .map_err(|e| spec.io(format!("greeting rank {}", spec.members[p]), e))?;
         let ack = read_handshake(&mut s).map_err(|e| {
@@ -321,6 +325,7 @@ fn accept_higher(
     listener
         .set_nonblocking(true)
         .map_err(|e| spec.io("configuring the listener".into(), e))?;
+    let mut gate = super::mesh_auth::Gate::default();
     while streams[me + 1..].iter().any(Option::is_none) {
         if Instant::now() >= deadline {
             let missing = (me + 1..n)
@@ -329,8 +334,8 @@ fn accept_higher(
                 .collect();
             return Err(spec.timeout_err(missing));
         }
-        let mut s = match listener.accept() {
-            Ok((s, _)) => s,
+        let (mut s, from) = match listener.accept() {
+            Ok(a) => a,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(1));
                 continue;
@@ -341,6 +346,9 @@ fn accept_higher(
         let _ = s.set_nonblocking(false);
         let _ = s.set_nodelay(true);
         let _ = s.set_read_timeout(Some(remaining(deadline).min(Duration::from_secs(2))));
+        if !gate.pass(spec, &mut s, from) {
+            continue;
+        }
         // A connection that is not a peer of this group (a stray client, a port scan) is
         // dropped and the wait goes on.
         let Ok(Some(h)) = read_handshake(&mut s) else {

@@ -9,7 +9,9 @@
 //! connects to it (retrying until the timeout while rank 0 is not up), rank 0 publishes the
 //! world size, and the ranks connect a full mesh of TCP streams (`TCP_NODELAY`) through
 //! addresses exchanged in the store (`mesh.rs`). [`ProcessGroup::new_group`] builds one more
-//! mesh among the members, through the same store under a prefix naming the group.
+//! mesh among the members, through the same store under a prefix naming the group. Every
+//! store and mesh connection first passes the job handshake ([Note: job auth] in
+//! [`auth`](crate::distributed::auth)): the job id, and the job secret when there is one.
 //!
 //! # Collectives
 //! Every collective first sends a header (sequence number in the group, op, dtype, element
@@ -44,6 +46,7 @@
 
 mod collectives;
 mod mesh;
+mod mesh_auth;
 mod wire;
 
 use super::desc::{check_descs, Desc};
@@ -67,6 +70,8 @@ struct World {
     rank: usize,
     ip: IpAddr,
     timeout: Duration,
+    /// The job every mesh connection must prove it belongs to (as the store's).
+    job: super::JobAuth,
     failure: Arc<WorldFailure>,
     /// Every group of this rank in the world, to abort or leave them all at once.
     groups: Mutex<Vec<Weak<TcpGroup>>>,
@@ -188,6 +193,7 @@ impl TcpGroup {
             size: rv.world_size,
             rank: rv.rank,
             timeout: rv.timeout,
+            job: rv.job.clone(),
             failure: Arc::new(WorldFailure::default()),
             groups: Mutex::new(Vec::new()),
         });
@@ -216,6 +222,7 @@ impl TcpGroup {
                 members,
                 ip: world.ip,
                 timeout: world.timeout,
+                job: &world.job,
             },
             world.failure.clone(),
         )?;
