@@ -57,7 +57,7 @@ use crate::tensor::{DType, Tensor};
 use mesh::{Mesh, MeshSpec, WorldFailure};
 use parking_lot::Mutex;
 use std::net::IpAddr;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// What every group of one rank's world shares.
@@ -73,15 +73,21 @@ struct World {
     /// The job every mesh connection must prove it belongs to (as the store's).
     job: super::JobAuth,
     failure: Arc<WorldFailure>,
-    /// Every group of this rank in the world, to abort or leave them all at once.
-    groups: Mutex<Vec<Weak<TcpGroup>>>,
+    /// The connections of every group this rank built in the world, to abort or leave them
+    /// all at once. A subgroup's stay open after its last handle drops, until the world
+    /// ends, aborts or leaves (PyTorch's groups live until `destroy_process_group`): a rank
+    /// that fails after dropping a subgroup (an FSDP model freed on its way out) then still
+    /// tells the peers waiting in it why, instead of only that it left.
+    meshes: Mutex<Vec<Arc<Mesh>>>,
 }
 
 /// One rank's handle to a group of the `tcp` backend. The world group comes from
 /// [`init_process_group`](crate::distributed::init_process_group) (or [`TcpGroup::init`]);
 /// subgroups from [`ProcessGroup::new_group`].
 pub struct TcpGroup {
-    mesh: Mesh,
+    mesh: Arc<Mesh>,
+    /// The world group (its drop says `BYE` at once), not a subgroup.
+    is_world: bool,
     world: Arc<World>,
     state: Mutex<OpState>,
     /// This rank's `new_group` calls so far, per rank list (the n-th call by every member
@@ -195,7 +201,7 @@ impl TcpGroup {
             timeout: rv.timeout,
             job: rv.job.clone(),
             failure: Arc::new(WorldFailure::default()),
-            groups: Mutex::new(Vec::new()),
+            meshes: Mutex::new(Vec::new()),
         });
         Self::build(world, "pg/world".into(), what, (0..rv.world_size).collect())
     }
@@ -213,6 +219,7 @@ impl TcpGroup {
             .position(|&m| m == world.rank)
             .ok_or_else(|| Error::Fsdp("internal: building a group this rank is not in".into()))?;
         let store = PrefixStore::new(prefix.clone(), world.store.clone());
+        let is_world = prefix == "pg/world";
         let mesh = mesh::connect(
             MeshSpec {
                 store: &store,
@@ -226,8 +233,11 @@ impl TcpGroup {
             },
             world.failure.clone(),
         )?;
+        let mesh = Arc::new(mesh);
+        world.meshes.lock().push(mesh.clone());
         let group = Arc::new(TcpGroup {
             mesh,
+            is_world,
             world: world.clone(),
             state: Mutex::new(OpState {
                 seq: 0,
@@ -235,9 +245,6 @@ impl TcpGroup {
             }),
             created: Default::default(),
         });
-        let mut groups = world.groups.lock();
-        groups.retain(|g| g.strong_count() > 0);
-        groups.push(Arc::downgrade(&group));
         Ok(group)
     }
 
@@ -252,13 +259,13 @@ impl TcpGroup {
         &self.mesh.members
     }
 
-    fn live_groups(&self) -> Vec<Arc<TcpGroup>> {
-        self.world
-            .groups
-            .lock()
-            .iter()
-            .filter_map(Weak::upgrade)
-            .collect()
+    /// Closes every mesh of the world with `farewell`, and forgets those no handle uses.
+    fn close_all(&self, farewell: (u8, &[u8])) {
+        let mut meshes = self.world.meshes.lock();
+        for m in meshes.iter() {
+            m.close(Some(farewell));
+        }
+        meshes.retain(|m| Arc::strong_count(m) > 1);
     }
 
     /// Records that this rank failed: every group of its world sends `ABORT` with `reason`
@@ -267,18 +274,14 @@ impl TcpGroup {
     pub fn mark_failed(&self, reason: impl Into<String>) {
         let reason = reason.into();
         self.world.failure.record(self.world.rank, reason.clone());
-        for g in self.live_groups() {
-            g.mesh.close(Some((wire::kind::ABORT, reason.as_bytes())));
-        }
+        self.close_all((wire::kind::ABORT, reason.as_bytes()));
     }
 
     /// Records that this rank calls no more collectives (`destroy_process_group`): every
     /// group of its world says `BYE` to its peers, whose waiting collectives fail at once
     /// naming this rank, and closes.
     pub fn mark_exited(&self) {
-        for g in self.live_groups() {
-            g.mesh.close(Some((wire::kind::BYE, &[])));
-        }
+        self.close_all((wire::kind::BYE, &[]));
     }
 
     /// Runs one collective: exchanges and checks the headers, then `data` moves the data.
@@ -377,8 +380,12 @@ impl TcpGroup {
 }
 
 impl Drop for TcpGroup {
+    /// The world group says `BYE` at once; a subgroup's connections stay with the world
+    /// (see `World::meshes`) and close with it.
     fn drop(&mut self) {
-        self.mesh.close(Some((wire::kind::BYE, &[])));
+        if self.is_world {
+            self.mesh.close(Some((wire::kind::BYE, &[])));
+        }
     }
 }
 
