@@ -476,6 +476,7 @@ pub fn build_engine(cfg: &TrainConfig, pg: Group) -> Result<Engine> {
 /// Bad options or data before any compute; a rank's failure (named) during training.
 pub fn train(cfg: &TrainConfig, observer: &dyn Observer) -> Result<TrainReport> {
     cfg.validate()?;
+    crate::distributed::check_thread_ranks(cfg.world_size, "--world-size")?;
     let fail = super::fault::FailAt::from_env(cfg.world_size, cfg.steps)?;
     let data = TextDataset::load(&cfg.data, cfg.seq_len)?;
     let mut metrics = match &cfg.metrics {
