@@ -329,20 +329,7 @@ impl TrainConfig {
                 ));
             }
         }
-        let need = self.estimated_memory_bytes();
-        if let Some(m) = self.device.memory_problem(need, self.world_size) {
-            return bad(m);
-        }
-        if let Some(avail) = available_memory_bytes().filter(|_| !self.device.is_cuda()) {
-            let need = self.estimated_memory_bytes();
-            if need > avail as f64 {
-                return bad(format!(
-                    "this configuration needs about {:.1} GiB of memory and {:.1} GiB are available; lower --n-embd, --n-layer, --seq-len, --global-batch or --world-size",
-                    need / GIB,
-                    avail as f64 / GIB
-                ));
-            }
-        }
+        self.check_memory()?;
         super::resume::validate(self)?;
         if let Some(n) = self.ranks_per_node {
             if !self.strategy.is_hybrid() {
@@ -365,8 +352,6 @@ impl TrainConfig {
         Ok(())
     }
 }
-
-const GIB: f64 = (1u64 << 30) as f64;
 
 /// Longest `--sample-len`: generation runs one forward pass per byte.
 const MAX_SAMPLE_LEN: usize = 100_000;
@@ -396,41 +381,6 @@ fn is_fifo(p: &std::path::Path) -> bool {
 #[cfg(not(unix))]
 fn is_fifo(_: &std::path::Path) -> bool {
     false
-}
-
-/// `MemAvailable` of /proc/meminfo, where there is one.
-fn available_memory_bytes() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}
-
-impl TrainConfig {
-    /// A generous estimate of the process's peak bytes (all ranks together): the model
-    /// (whole with `--no-fsdp`; under FSDP only shards, thanks to deferred init), f32
-    /// parameter, gradient and Adam shards, plus the activations a forward saves for
-    /// backward (about 19 C floats per token and layer, the attention probabilities
-    /// `H T` per token and layer, and the logits and their gradient), plus a per-rank
-    /// thread overhead.
-    pub fn estimated_memory_bytes(&self) -> f64 {
-        let (c, l, t, h) = (
-            self.n_embd as f64,
-            self.n_layer as f64,
-            self.seq_len as f64,
-            self.n_head as f64,
-        );
-        let v = VOCAB_SIZE as f64;
-        let params = v * c + t * c + l * (12.0 * c * c + 13.0 * c) + 2.0 * c;
-        let init = if self.no_fsdp { params } else { 0.0 };
-        let state = 4.0 * params;
-        let tokens = (self.global_batch as f64) * t;
-        let activations = tokens * (l * (19.0 * c + h * t) + 2.0 * v);
-        // Each rank is a thread with its own stack and allocator heaps: ~16 MiB measured
-        // (1024 ranks of a tiny model held 10.4 GB).
-        let per_rank = 16.0 * (1u64 << 20) as f64 * self.world_size as f64;
-        1.5 * 4.0 * (init + state + activations) + per_rank
-    }
 }
 
 /// Builds the model of `cfg` and wraps it as `cfg` says, on this rank: under FSDP the model

@@ -5,6 +5,7 @@
 //! | data loading, splits, world-size-independent batches | `data.rs` |
 //! | FSDP or plain engine, memory figures | `engine.rs` |
 //! | the training loop, config, metrics | `job.rs` |
+//! | the memory estimate and the check against available memory | `memory.rs` |
 //! | one rank of a multi-process job (`fsdp launch`, torchrun) | `process.rs` |
 //! | `--device`, its availability check, each rank's GPU, the peak-FLOP/s table for MFU | `device.rs` |
 //! | wrap mode, precision, lr schedule, checkpoint layout | `options.rs` |
@@ -17,6 +18,7 @@ mod device;
 pub mod engine;
 mod fault;
 mod job;
+mod memory;
 mod options;
 mod process;
 mod resume;
@@ -27,4 +29,5 @@ pub use job::{
     build_engine, train, CheckpointType, LrSchedule, Observer, Precision, Preset, Silent,
     StepRecord, TrainConfig, TrainReport, WrapMode,
 };
+pub use memory::MemoryEstimate;
 pub use process::{train_rank, RankEnv};
