@@ -314,6 +314,8 @@ fn device_cuda_without_a_gpu_is_one_line_and_a_non_zero_exit() {
 
 /// Runs `fsdp ARGS` to its end and returns (success, stderr, peak resident bytes of the
 /// process, from `wait4`'s `ru_maxrss`).
+// The child is reaped by wait4, which also returns its resource usage.
+#[allow(clippy::zombie_processes)]
 fn run_measuring_peak(args: &[String]) -> (bool, String, u64) {
     use std::io::Read;
     let mut child = fsdp()

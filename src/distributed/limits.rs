@@ -47,6 +47,7 @@ pub fn thread_limit() -> Option<u64> {
         rlim_max: 0,
     };
     // SAFETY: getrlimit writes one `rlimit` through a valid pointer to a local.
+    #[allow(clippy::unnecessary_cast)] // rlim_t is u64 on Linux, not on every target
     let nproc = (unsafe { libc::getrlimit(libc::RLIMIT_NPROC, &mut rl) } == 0
         && rl.rlim_cur != libc::RLIM_INFINITY)
         .then_some(rl.rlim_cur as u64);
