@@ -705,3 +705,55 @@ fn resuming_with_options_that_change_the_trajectory_is_refused_naming_them() {
         assert!(err.contains(&want), "{want} in: {err}");
     }
 }
+
+/// Steps of a metrics file: the `step` of every line.
+fn metric_steps(path: &Path) -> Vec<(u64, String)> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["step"].as_u64().unwrap(), l.to_string())
+        })
+        .collect()
+}
+
+/// `--resume --metrics FILE` keeps the records of the steps before the resumed one, drops
+/// the later ones (trained again) and appends.
+#[test]
+fn resuming_keeps_the_metrics_of_the_steps_before_the_resumed_one() {
+    let data = corpus_file("metrics-resume");
+    let save = tmp_dir("metrics-resume");
+    let metrics = save.with_file_name(format!(
+        "fsdp-ckpt-{}-metrics-resume.jsonl",
+        std::process::id()
+    ));
+    let run = TrainConfig {
+        steps: 4,
+        save_every: 2,
+        save_dir: Some(save.clone()),
+        metrics: Some(metrics.clone()),
+        ..small_job(data.clone(), 2)
+    };
+    train(&run, &Silent).unwrap();
+    let before = metric_steps(&metrics);
+    assert_eq!(before.iter().map(|s| s.0).collect::<Vec<_>>(), [1, 2, 3, 4]);
+    train(
+        &TrainConfig {
+            steps: 5,
+            save_dir: None,
+            save_every: 0,
+            resume: Some(save.join("step-00000002")),
+            ..run
+        },
+        &Silent,
+    )
+    .unwrap();
+    let after = metric_steps(&metrics);
+    assert_eq!(
+        after.iter().map(|s| s.0).collect::<Vec<_>>(),
+        [1, 2, 3, 4, 5]
+    );
+    assert_eq!(after[..2], before[..2]);
+    let _ = std::fs::remove_file(&metrics);
+}

@@ -429,14 +429,14 @@ pub fn train(cfg: &TrainConfig, observer: &dyn Observer) -> Result<TrainReport> 
     crate::distributed::check_thread_ranks(cfg.world_size, "--world-size")?;
     let fail = super::fault::FailAt::from_env(cfg.world_size, cfg.steps)?;
     let data = TextDataset::load(&cfg.data, cfg.seq_len)?;
-    let mut metrics = match &cfg.metrics {
-        Some(p) => Some(
-            std::fs::File::create(p)
-                .map_err(|e| Error::io(format!("creating metrics file '{}'", p.display()), e))?,
-        ),
+    let metrics = match &cfg.metrics {
+        Some(p) => Some(super::metrics::open_metrics(
+            p,
+            super::resume::resumed_step(cfg)?,
+        )?),
         None => None,
     };
-    let metrics_lock = parking_lot::Mutex::new(metrics.take());
+    let metrics_lock = parking_lot::Mutex::new(metrics);
     let reports = launch(&LaunchOptions::new(cfg.world_size), |pg| {
         let report = run_rank(cfg, &data, pg.clone(), observer, &metrics_lock, fail)?;
         Ok((pg.rank() == 0).then_some(report))

@@ -11,6 +11,7 @@
 //! | wrap mode, precision, lr schedule, checkpoint layout | `options.rs` |
 //! | the hidden test-only fault hook `FSDP_FAIL_RANK` | `fault.rs` |
 //! | checkpoints: `--save-dir`, `--save-every`, `--resume` | `resume.rs` |
+//! | the `--metrics` file, kept up to the resumed step | `metrics.rs` |
 //! | generation | `sample.rs` |
 
 pub mod data;
@@ -19,6 +20,7 @@ pub mod engine;
 mod fault;
 mod job;
 mod memory;
+mod metrics;
 mod options;
 mod process;
 mod resume;

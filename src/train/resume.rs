@@ -122,6 +122,18 @@ pub(super) fn validate(cfg: &TrainConfig) -> Result<()> {
     Ok(())
 }
 
+/// The step the run resumes after (`--resume`'s checkpoint's), `None` for a fresh run.
+///
+/// # Errors
+/// As [`read_checkpoint_info`]; `Checkpoint` when the index has no step.
+pub(super) fn resumed_step(cfg: &TrainConfig) -> Result<Option<usize>> {
+    let Some(r) = &cfg.resume else {
+        return Ok(None);
+    };
+    let info = read_checkpoint_info(r)?;
+    checkpoint_step(&info.extra, &info.dir).map(Some)
+}
+
 /// The options that shape the model or the training trajectory on which `cfg` differs
 /// from the run recorded in a checkpoint (`old`, the saved `TrainConfig` as JSON), as
 /// `--flag new (checkpoint: old)`. World size, strategy, wrapping, prefetch, offload and
