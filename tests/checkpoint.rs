@@ -526,6 +526,8 @@ fn fsdp_train_killed_during_a_save_resumes_from_the_previous_checkpoint() {
 #[test]
 fn bad_checkpoint_options_are_one_line_errors() {
     let data = corpus_file("ckpt-cli");
+    let held = tmp_dir("ckpt-cli-held");
+    std::fs::write(held.join("notes.txt"), "mine").unwrap();
     let run = |extra: &[&str]| {
         Command::new(env!("CARGO_BIN_EXE_fsdp"))
             .arg("train")
@@ -548,6 +550,11 @@ fn bad_checkpoint_options_are_one_line_errors() {
         (
             vec!["--save-dir", "/proc/no-such-dir/ck"],
             "cannot create or write checkpoints there",
+        ),
+        (vec!["--overwrite"], "--overwrite needs --save-dir"),
+        (
+            vec!["--save-dir", held.to_str().unwrap()],
+            "is not empty (it holds notes.txt)",
         ),
     ] {
         let out = run(&args);
@@ -704,6 +711,131 @@ fn resuming_with_options_that_change_the_trajectory_is_refused_naming_them() {
     ] {
         assert!(err.contains(&want), "{want} in: {err}");
     }
+}
+
+/// A fresh run refuses a save directory holding another run's checkpoints (they would
+/// mix, `latest` would jump between runs and rotation would delete the wrong ones),
+/// naming the way out; `--overwrite` deletes only the checkpoints `fsdp` wrote there.
+#[test]
+fn a_save_dir_of_another_run_is_refused_and_overwrite_keeps_other_files() {
+    let data = corpus_file("save-dir-reuse");
+    let save = tmp_dir("save-dir-reuse");
+    let first = TrainConfig {
+        steps: 4,
+        save_every: 2,
+        save_dir: Some(save.clone()),
+        ..small_job(data.clone(), 2)
+    };
+    train(&first, &Silent).unwrap();
+    std::fs::write(save.join("notes.txt"), "keep me").unwrap();
+    std::fs::write(save.join("step-00000004").join("README"), "mine too").unwrap();
+    let second = TrainConfig {
+        steps: 3,
+        save_every: 3,
+        seed: 7,
+        save_dir: Some(save.clone()),
+        ..small_job(data.clone(), 2)
+    };
+    let err = train(&second, &Silent).unwrap_err().to_string();
+    for want in [
+        format!("--save-dir {} is not empty", save.display()),
+        format!("--resume {}", save.display()),
+        "--overwrite".to_string(),
+    ] {
+        assert!(err.contains(&want), "'{want}' in: {err}");
+    }
+    assert_eq!(
+        std::fs::read_to_string(save.join("latest")).unwrap().trim(),
+        "step-00000004"
+    );
+    // Resuming the run saved there is what the directory is for.
+    TrainConfig {
+        steps: 6,
+        resume: Some(save.clone()),
+        ..first.clone()
+    }
+    .validate()
+    .unwrap();
+    train(
+        &TrainConfig {
+            overwrite: true,
+            ..second
+        },
+        &Silent,
+    )
+    .unwrap();
+    let mut left: Vec<String> = std::fs::read_dir(&save)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    // step-00000004 keeps the user's file, and nothing of the old checkpoint.
+    assert_eq!(
+        left,
+        ["latest", "notes.txt", "step-00000003", "step-00000004"],
+        "{left:?}"
+    );
+    let old: Vec<_> = std::fs::read_dir(save.join("step-00000004"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(old, [std::ffi::OsString::from("README")]);
+    assert_eq!(
+        std::fs::read_to_string(save.join("latest")).unwrap().trim(),
+        "step-00000003"
+    );
+}
+
+/// `--keep-last` deletes only this run's older checkpoints: a checkpoint of another run
+/// in the same directory stays, however old.
+#[test]
+fn rotation_deletes_only_this_runs_checkpoints() {
+    let data = corpus_file("rotation");
+    let save = tmp_dir("rotation");
+    let other = tmp_dir("rotation-other");
+    train(
+        &TrainConfig {
+            steps: 1,
+            save_dir: Some(other.clone()),
+            ..small_job(data.clone(), 1)
+        },
+        &Silent,
+    )
+    .unwrap();
+    let run = TrainConfig {
+        steps: 4,
+        save_every: 2,
+        keep_last: 1,
+        save_dir: Some(save.clone()),
+        ..small_job(data.clone(), 1)
+    };
+    train(&run, &Silent).unwrap();
+    // Another run's checkpoint lands in the directory (copied by hand).
+    let foreign = save.join("step-00000001");
+    std::fs::create_dir(&foreign).unwrap();
+    for e in std::fs::read_dir(other.join("step-00000001")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), foreign.join(e.file_name())).unwrap();
+    }
+    train(
+        &TrainConfig {
+            steps: 8,
+            resume: Some(save.clone()),
+            ..run
+        },
+        &Silent,
+    )
+    .unwrap();
+    let mut left: Vec<String> = std::fs::read_dir(&save)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(
+        left,
+        ["latest", "step-00000001", "step-00000008"],
+        "{left:?}"
+    );
 }
 
 /// Steps of a metrics file: the `step` of every line.

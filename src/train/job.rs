@@ -109,6 +109,10 @@ pub struct TrainConfig {
     /// and the step, so training continues at the next step with that step's batch, at any
     /// world size and strategy.
     pub resume: Option<PathBuf>,
+    /// Start over in a `save_dir` that holds files (`--overwrite`): the checkpoints `fsdp
+    /// train` wrote there are deleted before training (other files stay). Without it a
+    /// non-empty `save_dir` is refused unless `resume` continues the run saved there.
+    pub overwrite: bool,
 }
 
 impl Default for TrainConfig {
@@ -158,6 +162,7 @@ impl Default for TrainConfig {
             keep_last: 2,
             checkpoint_type: CheckpointType::Sharded,
             resume: None,
+            overwrite: false,
         }
     }
 }
@@ -429,6 +434,7 @@ pub fn train(cfg: &TrainConfig, observer: &dyn Observer) -> Result<TrainReport> 
     crate::distributed::check_thread_ranks(cfg.world_size, "--world-size")?;
     let fail = super::fault::FailAt::from_env(cfg.world_size, cfg.steps)?;
     let data = TextDataset::load(&cfg.data, cfg.seq_len)?;
+    start_outputs(cfg)?;
     let metrics = match &cfg.metrics {
         Some(p) => Some(super::metrics::open_metrics(
             p,
@@ -446,6 +452,18 @@ pub fn train(cfg: &TrainConfig, observer: &dyn Observer) -> Result<TrainReport> 
         .flatten()
         .next()
         .ok_or_else(|| Error::Fsdp("rank 0 produced no report".into()))
+}
+
+/// Once per job, before training (rank 0 of a multi-process job): `--overwrite` clears
+/// the save directory's checkpoints.
+///
+/// # Errors
+/// `Io` naming a checkpoint file that could not be removed.
+pub(super) fn start_outputs(cfg: &TrainConfig) -> Result<()> {
+    match &cfg.save_dir {
+        Some(d) if cfg.overwrite => super::save_dir::clear_checkpoints(d),
+        _ => Ok(()),
+    }
 }
 
 /// Token ids `(rows, t)` i32 on `device` (the batch goes to the rank's GPU once).
@@ -494,15 +512,19 @@ pub(super) fn run_rank(
         observer.on_start(num_params);
     }
     let mut opt = optim::build(cfg.optimizer, cfg.lr, cfg.betas);
-    let first_step = match &cfg.resume {
+    let (first_step, run_id) = match &cfg.resume {
         Some(dir) => {
-            let (step, dir) = super::resume::resume(dir, &mut engine, opt.as_mut())?;
+            let (step, dir, id) = super::resume::resume(dir, &mut engine, opt.as_mut())?;
             if rank == 0 {
                 observer.on_resume(step, &dir);
             }
-            step + 1
+            (step + 1, id)
         }
-        None => 1,
+        None => (1, None),
+    };
+    // A resumed run keeps its id, so rotation goes on deleting its older checkpoints.
+    let run = super::resume::RunRecord {
+        run_id: run_id.unwrap_or_else(super::save_dir::new_run_id),
     };
     let t = cfg.seq_len;
     let start = Instant::now();
@@ -573,7 +595,7 @@ pub(super) fn run_rank(
             observer.on_step(&rec);
             records.push(rec);
         }
-        if let Some(dir) = super::resume::save_if_due(cfg, step, &mut engine, opt.as_ref())? {
+        if let Some(dir) = super::resume::save_if_due(cfg, step, &mut engine, opt.as_ref(), &run)? {
             if rank == 0 {
                 observer.on_checkpoint(step, &dir);
             }

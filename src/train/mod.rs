@@ -11,6 +11,7 @@
 //! | wrap mode, precision, lr schedule, checkpoint layout | `options.rs` |
 //! | the hidden test-only fault hook `FSDP_FAIL_RANK` | `fault.rs` |
 //! | checkpoints: `--save-dir`, `--save-every`, `--resume` | `resume.rs` |
+//! | the save directory: one run per directory, `--overwrite`, rotation by run id | `save_dir.rs` |
 //! | the `--metrics` file, kept up to the resumed step | `metrics.rs` |
 //! | generation | `sample.rs` |
 
@@ -25,6 +26,7 @@ mod options;
 mod process;
 mod resume;
 pub mod sample;
+mod save_dir;
 
 pub use device::{gpu_summary, mfu, peak_flops, TrainDevice};
 pub use job::{

@@ -71,6 +71,9 @@ pub fn train_rank(
     cfg.validate()?;
     let fail = super::fault::FailAt::from_env(cfg.world_size, cfg.steps)?;
     let data = TextDataset::load(&cfg.data, cfg.seq_len)?;
+    if env.rank == 0 {
+        super::job::start_outputs(cfg)?;
+    }
     let backend = match cfg.device {
         TrainDevice::Cpu => "tcp",
         TrainDevice::Cuda => "nccl",

@@ -12,6 +12,7 @@
 use super::engine::Engine;
 use super::job::TrainConfig;
 use super::options::CheckpointType;
+use super::save_dir::{self, run_id_of};
 use crate::checkpoint::{
     load_checkpoint, read_checkpoint_info, save_checkpoint, write_atomic, LATEST_FILE,
 };
@@ -19,6 +20,14 @@ use crate::error::{Error, Result};
 use crate::fsdp::StateDictType;
 use crate::optim::Optimizer;
 use std::path::{Path, PathBuf};
+
+/// What every checkpoint of a run records about the run beyond the config: its id (kept
+/// across resumes; rotation deletes only this run's checkpoints).
+#[derive(Debug, Clone)]
+pub(super) struct RunRecord {
+    /// See [`save_dir`](super::save_dir).
+    pub run_id: String,
+}
 
 /// Name of the checkpoint directory of `step` inside a save directory.
 pub(super) fn step_dir_name(step: usize) -> String {
@@ -61,6 +70,7 @@ pub(super) fn validate(cfg: &TrainConfig) -> Result<()> {
     if cfg.no_fsdp && (cfg.save_dir.is_some() || cfg.resume.is_some()) {
         return bad("--save-dir and --resume save and load FSDP state; drop --no-fsdp".into());
     }
+    save_dir::validate(cfg)?;
     if let Some(d) = &cfg.save_dir {
         if d.exists() && !d.is_dir() {
             return bad(format!(
@@ -70,7 +80,7 @@ pub(super) fn validate(cfg: &TrainConfig) -> Result<()> {
         }
         // Found now, not after the first `--save-every` steps of training: the directory
         // can be created and written.
-        let probe = d.join(format!(".fsdp-write-probe-{}", std::process::id()));
+        let probe = d.join(format!("{}{}", save_dir::PROBE_PREFIX, std::process::id()));
         let written = std::fs::create_dir_all(d).and_then(|()| std::fs::write(&probe, b""));
         let _ = std::fs::remove_file(&probe);
         if let Err(e) = written {
@@ -211,20 +221,21 @@ fn checkpoint_step(extra: &serde_json::Value, dir: &Path) -> Result<usize> {
         })
 }
 
-/// Loads the checkpoint `path` stands for into the model and optimizer; returns its step
-/// and directory. A collective.
+/// Loads the checkpoint `path` stands for into the model and optimizer; returns its step,
+/// directory and run id (`None` in checkpoints saved before runs had ids). A collective.
 pub(super) fn resume(
     path: &Path,
     engine: &mut Engine,
     opt: &mut dyn Optimizer,
-) -> Result<(usize, PathBuf)> {
+) -> Result<(usize, PathBuf, Option<String>)> {
     let Engine::Fsdp(m) = engine else {
         return Err(Error::InvalidArgument(
             "--resume needs FSDP; drop --no-fsdp".into(),
         ));
     };
     let info = load_checkpoint(path, m, Some(opt))?;
-    Ok((checkpoint_step(&info.extra, &info.dir)?, info.dir))
+    let step = checkpoint_step(&info.extra, &info.dir)?;
+    Ok((step, info.dir, run_id_of(&info.extra)))
 }
 
 /// Saves a checkpoint of `step` when one is due (every `save_every` steps and after the
@@ -234,6 +245,7 @@ pub(super) fn save_if_due(
     step: usize,
     engine: &mut Engine,
     opt: &dyn Optimizer,
+    run: &RunRecord,
 ) -> Result<Option<PathBuf>> {
     let Some(root) = &cfg.save_dir else {
         return Ok(None);
@@ -262,6 +274,7 @@ pub(super) fn save_if_due(
         },
         "world_size": cfg.world_size,
         "strategy": cfg.strategy,
+        "run_id": run.run_id,
         "config": config,
     });
     let ty = match cfg.checkpoint_type {
@@ -272,26 +285,7 @@ pub(super) fn save_if_due(
     if m.process_group().rank() == 0 {
         // Every rank's files and the index are durable: move the pointer, then prune.
         write_atomic(&root.join(LATEST_FILE), format!("{name}\n").as_bytes())?;
-        prune(root, cfg.keep_last, &name);
+        save_dir::prune(root, cfg.keep_last, &name, &run.run_id);
     }
     Ok(Some(dir))
-}
-
-/// Removes all but the newest `keep` step directories (never `current`), best effort.
-fn prune(root: &Path, keep: usize, current: &str) {
-    let Ok(rd) = std::fs::read_dir(root) else {
-        return;
-    };
-    let mut steps: Vec<String> = rd
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with("step-") && n[5..].parse::<u64>().is_ok())
-        .collect();
-    steps.sort();
-    let n = steps.len();
-    for old in steps.iter().take(n.saturating_sub(keep)) {
-        if old != current {
-            let _ = std::fs::remove_dir_all(root.join(old));
-        }
-    }
 }
