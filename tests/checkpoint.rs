@@ -889,3 +889,44 @@ fn resuming_keeps_the_metrics_of_the_steps_before_the_resumed_one() {
     assert_eq!(after[..2], before[..2]);
     let _ = std::fs::remove_file(&metrics);
 }
+
+/// `--resume` with another `--data` file is refused naming both files; a copy of the
+/// same data elsewhere is recognized by its checksum.
+#[test]
+fn resuming_with_another_data_file_is_refused_and_a_copy_is_accepted() {
+    let data = corpus_file("data-resume");
+    let save = tmp_dir("data-resume");
+    let base = TrainConfig {
+        steps: 2,
+        save_dir: Some(save.clone()),
+        ..small_job(data.clone(), 1)
+    };
+    train(&base, &Silent).unwrap();
+    let resume = |d: &Path| {
+        TrainConfig {
+            steps: 4,
+            save_dir: None,
+            resume: Some(save.clone()),
+            data: d.to_path_buf(),
+            ..base.clone()
+        }
+        .validate()
+    };
+    let other = save.join("other.txt");
+    let mut text = std::fs::read_to_string(&data).unwrap();
+    text.replace_range(..3, "THE");
+    std::fs::write(&other, &text).unwrap();
+    let err = resume(&other).unwrap_err().to_string();
+    assert!(
+        err.contains(&format!(
+            "--data {} (checkpoint: {}; the contents differ",
+            other.display(),
+            data.display()
+        )),
+        "{err}"
+    );
+    let copy = save.join("copy.txt");
+    std::fs::copy(&data, &copy).unwrap();
+    resume(&copy).unwrap();
+    resume(&data).unwrap();
+}

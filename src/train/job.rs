@@ -525,6 +525,7 @@ pub(super) fn run_rank(
     // A resumed run keeps its id, so rotation goes on deleting its older checkpoints.
     let run = super::resume::RunRecord {
         run_id: run_id.unwrap_or_else(super::save_dir::new_run_id),
+        data: super::resume::data_record(&cfg.data, data),
     };
     let t = cfg.seq_len;
     let start = Instant::now();

@@ -9,6 +9,7 @@
 //! seed and the next step, both in the checkpoint's index (`extra.rng`). The learning rate
 //! is a function of the step and the config.
 
+use super::data::TextDataset;
 use super::engine::Engine;
 use super::job::TrainConfig;
 use super::options::CheckpointType;
@@ -22,11 +23,36 @@ use crate::optim::Optimizer;
 use std::path::{Path, PathBuf};
 
 /// What every checkpoint of a run records about the run beyond the config: its id (kept
-/// across resumes; rotation deletes only this run's checkpoints).
+/// across resumes; rotation deletes only this run's checkpoints) and its data file.
 #[derive(Debug, Clone)]
 pub(super) struct RunRecord {
     /// See [`save_dir`](super::save_dir).
     pub run_id: String,
+    /// `extra.data`: the data file's path, size and checksum ([`data_record`]).
+    pub data: serde_json::Value,
+}
+
+/// The checksum recorded for the data file: name of the algorithm, as stored in
+/// `extra.data.checksum_algorithm`.
+const DATA_CHECKSUM: &str = "crc32 (IEEE 802.3, crc32fast)";
+
+/// `extra.data` of a run on `data` read from `path`: path, bytes and [`DATA_CHECKSUM`] of
+/// the content (the tokens are the file's bytes), so a resumed run can tell a copy of the
+/// same data from another file.
+pub(super) fn data_record(path: &Path, data: &TextDataset) -> serde_json::Value {
+    let mut h = crc32fast::Hasher::new();
+    let mut buf = Vec::with_capacity(1 << 16);
+    for chunk in data.train.chunks(1 << 16).chain(data.val.chunks(1 << 16)) {
+        buf.clear();
+        buf.extend(chunk.iter().map(|&t| t as u8));
+        h.update(&buf);
+    }
+    serde_json::json!({
+        "path": path.to_string_lossy(),
+        "bytes": data.train.len() + data.val.len(),
+        "checksum": format!("{:08x}", h.finalize()),
+        "checksum_algorithm": DATA_CHECKSUM,
+    })
 }
 
 /// Name of the checkpoint directory of `step` inside a save directory.
@@ -114,6 +140,7 @@ pub(super) fn validate(cfg: &TrainConfig) -> Result<()> {
         if let Some(old) = info.extra.get("config") {
             diffs.extend(trajectory_differences(old, cfg));
         }
+        diffs.extend(data_difference(&info.extra, cfg));
         if !diffs.is_empty() {
             return bad(format!(
                 "--resume {}: options differ from the checkpoint's run, so training would not continue it; pass the run's values: {}",
@@ -142,6 +169,37 @@ pub(super) fn resumed_step(cfg: &TrainConfig) -> Result<Option<usize>> {
     };
     let info = read_checkpoint_info(r)?;
     checkpoint_step(&info.extra, &info.dir).map(Some)
+}
+
+/// `--data` as a difference from the checkpoint's run, when its content differs from the
+/// data file recorded there (same checksum: the same data, wherever it lies now).
+/// Checkpoints without a checksum compare the paths.
+fn data_difference(extra: &serde_json::Value, cfg: &TrainConfig) -> Option<String> {
+    let old = extra.get("data");
+    let old_path = old
+        .and_then(|d| d.get("path"))
+        .or_else(|| extra.get("config").and_then(|c| c.get("data")))
+        .and_then(|p| p.as_str())?;
+    let recorded = old
+        .filter(|d| d.get("checksum_algorithm").and_then(|a| a.as_str()) == Some(DATA_CHECKSUM))
+        .and_then(|d| d.get("checksum"))
+        .and_then(|c| c.as_str());
+    let new_path = cfg.data.to_string_lossy();
+    match recorded {
+        Some(want) => {
+            // Unreadable: the data loader reports it, naming the file.
+            let bytes = std::fs::read(&cfg.data).ok()?;
+            let got = format!("{:08x}", crc32fast::hash(&bytes));
+            (got != want).then(|| {
+                format!(
+                    "--data {new_path} (checkpoint: {old_path}; the contents differ: crc32 {got}, checkpoint {want})"
+                )
+            })
+        }
+        None => (new_path != old_path).then(|| {
+            format!("--data {new_path} (checkpoint: {old_path}; it recorded no checksum to recognize a copy)")
+        }),
+    }
 }
 
 /// The options that shape the model or the training trajectory on which `cfg` differs
@@ -275,6 +333,7 @@ pub(super) fn save_if_due(
         "world_size": cfg.world_size,
         "strategy": cfg.strategy,
         "run_id": run.run_id,
+        "data": run.data,
         "config": config,
     });
     let ty = match cfg.checkpoint_type {
