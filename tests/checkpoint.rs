@@ -930,3 +930,74 @@ fn resuming_with_another_data_file_is_refused_and_a_copy_is_accepted() {
     resume(&copy).unwrap();
     resume(&data).unwrap();
 }
+
+/// An edited `index.json` (`world_size`, `step`) is refused naming the field, both values
+/// and the index, instead of being trusted.
+#[test]
+fn an_edited_index_is_refused_naming_the_field_and_both_values() {
+    let data = corpus_file("edited-index");
+    let save = tmp_dir("edited-index");
+    let base = TrainConfig {
+        steps: 4,
+        save_dir: Some(save.clone()),
+        ..small_job(data.clone(), 2)
+    };
+    train(&base, &Silent).unwrap();
+    let saved = save.join("step-00000004");
+    // A copy of the checkpoint under `name` with its index edited by `edit`.
+    let edited = |name: &str, edit: &dyn Fn(&mut serde_json::Value)| {
+        let dir = save.join("copies").join(name);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        for e in std::fs::read_dir(&saved).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
+        }
+        let p = dir.join("index.json");
+        let mut v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+        edit(&mut v);
+        std::fs::write(&p, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+        let err = TrainConfig {
+            steps: 8,
+            save_dir: None,
+            resume: Some(dir.clone()),
+            ..base.clone()
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains(&p.display().to_string()), "{err}");
+        err
+    };
+    let err = edited("ws1", &|v| v["world_size"] = 1.into());
+    assert!(
+        err.contains(
+            "world_size 1 disagrees with file 'rank-00001-g1.safetensors', written by rank 1"
+        ),
+        "{err}"
+    );
+    let err = edited("ws4", &|v| v["world_size"] = 4.into());
+    assert!(
+        err.contains("world_size 4 disagrees with extra.world_size 2"),
+        "{err}"
+    );
+    let err = edited("step-00000004", &|v| v["extra"]["step"] = 2.into());
+    assert!(
+        err.contains("step 2 disagrees with the directory name step-00000004 (step 4)"),
+        "{err}"
+    );
+    let err = edited("renamed", &|v| v["extra"]["step"] = 2.into());
+    assert!(
+        err.contains("step 2 disagrees with rng.next_step 5"),
+        "{err}"
+    );
+    let err = edited("renamed", &|v| {
+        v["extra"]["step"] = 2.into();
+        v["extra"]["rng"]["next_step"] = 3.into();
+    });
+    assert!(
+        err.contains("step 2 disagrees with the optimizer's step count 4"),
+        "{err}"
+    );
+}

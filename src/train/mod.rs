@@ -12,6 +12,7 @@
 //! | the hidden test-only fault hook `FSDP_FAIL_RANK` | `fault.rs` |
 //! | checkpoints: `--save-dir`, `--save-every`, `--resume` | `resume.rs` |
 //! | the save directory: one run per directory, `--overwrite`, rotation by run id | `save_dir.rs` |
+//! | cross-checks of a checkpoint's step and world size against its other records | `recorded.rs` |
 //! | the `--metrics` file, kept up to the resumed step | `metrics.rs` |
 //! | generation | `sample.rs` |
 
@@ -24,6 +25,7 @@ mod memory;
 mod metrics;
 mod options;
 mod process;
+mod recorded;
 mod resume;
 pub mod sample;
 mod save_dir;

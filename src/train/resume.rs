@@ -15,7 +15,7 @@ use super::job::TrainConfig;
 use super::options::CheckpointType;
 use super::save_dir::{self, run_id_of};
 use crate::checkpoint::{
-    load_checkpoint, read_checkpoint_info, save_checkpoint, write_atomic, LATEST_FILE,
+    load_checkpoint, read_checkpoint_info, read_index, save_checkpoint, write_atomic, LATEST_FILE,
 };
 use crate::error::{Error, Result};
 use crate::fsdp::StateDictType;
@@ -155,6 +155,7 @@ pub(super) fn validate(cfg: &TrainConfig) -> Result<()> {
                     .into(),
             });
         }
+        super::recorded::check(&info.dir, &read_index(&info.dir)?, step, cfg)?;
     }
     Ok(())
 }
