@@ -311,3 +311,162 @@ fn device_cuda_without_a_gpu_is_one_line_and_a_non_zero_exit() {
         String::from_utf8_lossy(&out.stdout)
     );
 }
+
+/// Runs `fsdp ARGS` to its end and returns (success, stderr, peak resident bytes of the
+/// process, from `wait4`'s `ru_maxrss`).
+// The child is reaped by wait4, which also returns its resource usage.
+#[allow(clippy::zombie_processes)]
+fn run_measuring_peak(args: &[String]) -> (bool, String, u64) {
+    use std::io::Read;
+    let mut child = fsdp()
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut status = 0;
+    // SAFETY: an all-zero rusage is a valid value; wait4 writes through valid pointers.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    let pid = child.id() as libc::pid_t;
+    // SAFETY: `pid` is our child, not yet reaped; `status` and `usage` are locals.
+    let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+    assert_eq!(r, pid, "wait4: {}", std::io::Error::last_os_error());
+    let mut err = String::new();
+    let _ = child.stderr.take().unwrap().read_to_string(&mut err);
+    let ok = libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0;
+    // ru_maxrss is in KiB on Linux.
+    (ok, err, usage.ru_maxrss as u64 * 1024)
+}
+
+/// The `fsdp train` arguments that give `cfg` (the fields the memory sizes vary).
+fn train_args(cfg: &fsdp::train::TrainConfig) -> Vec<String> {
+    let mut a: Vec<String> = vec!["train".into(), "--data".into()];
+    a.push(cfg.data.to_str().unwrap().into());
+    for (flag, v) in [
+        ("--world-size", cfg.world_size),
+        ("--steps", cfg.steps),
+        ("--global-batch", cfg.global_batch),
+        ("--seq-len", cfg.seq_len),
+        ("--n-layer", cfg.n_layer),
+        ("--n-embd", cfg.n_embd),
+        ("--n-head", cfg.n_head),
+        ("--grad-accum", cfg.grad_accum),
+        ("--eval-every", cfg.eval_every),
+        ("--sample-len", cfg.sample_len),
+    ] {
+        a.push(flag.into());
+        a.push(v.to_string());
+    }
+    let strategy = clap::ValueEnum::to_possible_value(&cfg.strategy).unwrap();
+    a.extend(["--strategy".into(), strategy.get_name().to_string()]);
+    a.extend([
+        "--wrap".into(),
+        cfg.wrap.to_string(),
+        "--log-every".into(),
+        "0".into(),
+    ]);
+    if cfg.no_sync {
+        a.push("--no-sync".into());
+    }
+    if cfg.mixed_precision != fsdp::train::Precision::None {
+        a.extend(["--mixed-precision".into(), "bf16".into()]);
+    }
+    a
+}
+
+/// The estimate behind the memory check bounds the real peak: the run's peak resident
+/// bytes are at most the estimate, and the estimate at most 3x the peak, over sequence
+/// lengths (attention's T x T scores per head), batch, width, depth, world size,
+/// gradient accumulation (evaluation batches larger than micro-batches), no_sync, bf16,
+/// no-shard and unwrapped models.
+#[test]
+fn memory_estimate_bounds_the_measured_peak() {
+    use fsdp::fsdp::ShardingStrategy;
+    use fsdp::train::{Precision, TrainConfig, WrapMode};
+    let data = tmp("memory.txt", common::corpus(40_000).as_bytes());
+    let job = |world_size, n_layer, n_embd, n_head, seq_len, global_batch| TrainConfig {
+        data: data.clone(),
+        world_size,
+        n_layer,
+        n_embd,
+        n_head,
+        seq_len,
+        global_batch,
+        steps: 2,
+        eval_every: 0,
+        sample_len: 0,
+        ..TrainConfig::default()
+    };
+    let cases = [
+        job(1, 1, 32, 2, 1500, 1),
+        job(4, 1, 32, 2, 1000, 4),
+        TrainConfig {
+            grad_accum: 2,
+            ..job(2, 2, 32, 2, 1000, 4)
+        },
+        TrainConfig {
+            mixed_precision: Precision::Bf16,
+            ..job(2, 1, 32, 2, 1000, 2)
+        },
+        job(1, 2, 384, 6, 64, 8),
+        TrainConfig {
+            strategy: ShardingStrategy::NoShard,
+            ..job(2, 4, 128, 4, 256, 8)
+        },
+        TrainConfig {
+            grad_accum: 2,
+            ..job(2, 4, 128, 4, 256, 8)
+        },
+        TrainConfig {
+            grad_accum: 2,
+            no_sync: true,
+            wrap: WrapMode::None,
+            ..job(2, 4, 128, 4, 256, 8)
+        },
+        job(16, 1, 16, 2, 16, 16),
+    ];
+    let mib = |b: f64| b / (1u64 << 20) as f64;
+    let mut report = Vec::new();
+    for cfg in &cases {
+        let args = train_args(cfg);
+        let (ok, err, peak) = run_measuring_peak(&args);
+        assert!(ok, "{args:?}: {err}");
+        let est = cfg.estimated_memory_bytes();
+        let line = format!(
+            "estimate {:.1} MiB, measured peak {:.1} MiB ({:.2}x): {}",
+            mib(est),
+            mib(peak as f64),
+            est / peak as f64,
+            args[4..].join(" ")
+        );
+        eprintln!("{line}");
+        report.push((est, peak as f64, line));
+    }
+    for (est, peak, line) in &report {
+        assert!(peak <= est, "the run outgrew the estimate: {line}");
+        assert!(*est <= 3.0 * peak, "the estimate is too loose: {line}");
+    }
+}
+
+/// The field failure of issue 16: 20000-token rows on 4 ranks, estimated at 18 GiB while
+/// the run died at 24 GB. Each rank holds at least two (T, T) f32 matrices per head at
+/// once (the probabilities saved for backward and the scores or their gradient).
+#[test]
+fn memory_estimate_counts_the_attention_matrices_of_long_rows() {
+    let cfg = fsdp::train::TrainConfig {
+        n_layer: 1,
+        n_embd: 32,
+        n_head: 2,
+        seq_len: 20_000,
+        global_batch: 4,
+        ..fsdp::train::TrainConfig::default()
+    };
+    let per_matrix = 2.0 * 20_000f64 * 20_000.0 * 4.0; // H T^2 f32, one row per rank
+    let est = cfg.estimate_memory();
+    assert!(
+        est.total >= 4.0 * 2.0 * per_matrix,
+        "{:.1} GiB",
+        est.total / (1u64 << 30) as f64
+    );
+    assert!(est.attention_per_rank >= 2.0 * per_matrix, "{est:?}");
+}

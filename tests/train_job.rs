@@ -354,3 +354,59 @@ fn prefetch_flags_keep_the_losses_and_bf16_stays_close_to_f32() {
         }
     }
 }
+
+/// Child-process entry: prints what `LaunchOptions::from_env_or(2)`, the examples' way to
+/// read `WORLD_SIZE`, made of the variable. A no-op in a normal test run.
+#[test]
+fn world_size_env_child_entry() {
+    if std::env::var_os("FSDP_TEST_WORLD_SIZE_CHILD").is_none() {
+        return;
+    }
+    match fsdp::distributed::LaunchOptions::from_env_or(2) {
+        Ok(o) => println!("CHILD ok {}", o.world_size),
+        Err(e) => println!("CHILD error: {e}"),
+    }
+}
+
+/// The examples read `WORLD_SIZE` through `LaunchOptions::from_env_or`; a million thread
+/// ranks is refused there, naming the variable and the limit, as `fsdp train
+/// --world-size` refuses it (one shared check).
+#[test]
+fn world_size_beyond_the_machine_is_refused_for_examples_and_train() {
+    let child = |ws: &str| {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "world_size_env_child_entry", "--nocapture"])
+            .env("FSDP_TEST_WORLD_SIZE_CHILD", "1")
+            .env("WORLD_SIZE", ws)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        stdout
+            .lines()
+            .find(|l| l.starts_with("CHILD"))
+            .unwrap_or_else(|| panic!("no CHILD line: {stdout}"))
+            .to_string()
+    };
+    assert_eq!(child("3"), "CHILD ok 3");
+    let err = child("1000000");
+    assert!(
+        err.contains("WORLD_SIZE=1000000") && err.contains("at most"),
+        "{err}"
+    );
+    let shared = fsdp::distributed::check_thread_ranks(1_000_000, "--world-size")
+        .unwrap_err()
+        .to_string();
+    assert!(shared.contains("--world-size 1000000"), "{shared}");
+    fsdp::distributed::check_thread_ranks(4, "--world-size").unwrap();
+    let data = corpus_file("huge-world");
+    let err = train(
+        &TrainConfig {
+            global_batch: 1_000_000,
+            ..small(data, 1_000_000)
+        },
+        &Silent,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("--world-size"), "{err}");
+}

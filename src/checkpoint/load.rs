@@ -157,10 +157,13 @@ pub fn resolve_checkpoint(path: &Path) -> Result<PathBuf> {
 /// Reads only the index of the checkpoint `path` stands for (see [`resolve_checkpoint`]).
 ///
 /// # Errors
-/// As [`resolve_checkpoint`] and [`read_index`].
+/// As [`resolve_checkpoint`] and [`read_index`]; `Checkpoint` when the index's
+/// `world_size`, `generation` or layout disagrees with the files it lists.
 pub fn read_checkpoint_info(path: &Path) -> Result<CheckpointInfo> {
     let dir = resolve_checkpoint(path)?;
-    Ok(CheckpointInfo::of(&dir, &read_index(&dir)?))
+    let index = read_index(&dir)?;
+    super::verify::check_index_files(&dir, &index)?;
+    Ok(CheckpointInfo::of(&dir, &index))
 }
 
 /// Loads the checkpoint `path` stands for (see [`resolve_checkpoint`]) into `model` and,
@@ -245,6 +248,7 @@ fn stage(
 ) -> Result<Staged> {
     let dir = resolve_checkpoint(path)?;
     let index = read_index(&dir)?;
+    super::verify::check_index_files(&dir, &index)?;
     let pg = model.process_group();
     let mine = pick_rank_extra(&dir, &index, pg.rank(), pg.size(), how)?;
     let ranges: HashMap<String, Option<(usize, usize)>> = model

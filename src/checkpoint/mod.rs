@@ -50,12 +50,14 @@
 //! | `index.rs` | [`Index`] and its parts |
 //! | `save.rs` | [`save_checkpoint`], [`save_checkpoint_with_rank_extra`] |
 //! | `load.rs` | [`load_checkpoint`], [`load_checkpoint_with`], [`RankExtra`], [`read_rank_extra`], [`resolve_checkpoint`] |
+//! | `verify.rs` | cross-checks of an index against its files' names (world size, generation) |
 
 mod atomic;
 mod file;
 mod index;
 mod load;
 mod save;
+mod verify;
 
 pub use atomic::{sync_dir, write_atomic};
 pub use file::{checksum, parse_tensors, read_tensors, serialize, write_tensors, TensorFile};

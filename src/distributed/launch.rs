@@ -20,13 +20,18 @@ impl LaunchOptions {
     /// `WORLD_SIZE` ranks when that variable is set (torchrun's name), else `default`.
     ///
     /// # Errors
-    /// `InvalidArgument` when `WORLD_SIZE` is not a positive integer.
+    /// `InvalidArgument` when `WORLD_SIZE` is not a positive integer, or names more thread
+    /// ranks than this machine holds ([`check_thread_ranks`](super::check_thread_ranks), the
+    /// limit `fsdp train --world-size` has too).
     pub fn from_env_or(default: usize) -> Result<Self> {
         match std::env::var("WORLD_SIZE") {
             Err(_) => Ok(Self::new(default)),
             Ok(v) if v.trim().is_empty() => Ok(Self::new(default)),
             Ok(v) => match v.trim().parse::<usize>() {
-                Ok(n) if n > 0 => Ok(Self::new(n)),
+                Ok(n) if n > 0 => {
+                    super::check_thread_ranks(n, "WORLD_SIZE")?;
+                    Ok(Self::new(n))
+                }
                 _ => Err(Error::InvalidArgument(format!(
                     "WORLD_SIZE must be a positive integer, got '{v}'"
                 ))),

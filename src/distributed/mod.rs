@@ -35,6 +35,7 @@ pub mod elastic;
 pub mod fingerprint;
 mod init;
 mod launch;
+mod limits;
 mod mesh;
 #[cfg(feature = "cuda")]
 pub mod nccl;
@@ -58,6 +59,10 @@ pub use init::{
     Rendezvous, TORCHRUN_ENV_VARS,
 };
 pub use launch::{launch, LaunchOptions};
+pub use limits::{
+    available_memory_bytes, check_thread_ranks, thread_limit, thread_rank_bytes, RANK_BASE_BYTES,
+    THREADS_PER_RANK,
+};
 pub use mesh::{init_device_mesh, DeviceMesh, MeshDim};
 pub use store::{PrefixStore, Store, TcpStore, TcpStoreServer};
 pub use subgroups::{get_process_group_ranks, new_subgroups};

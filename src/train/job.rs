@@ -109,6 +109,10 @@ pub struct TrainConfig {
     /// and the step, so training continues at the next step with that step's batch, at any
     /// world size and strategy.
     pub resume: Option<PathBuf>,
+    /// Start over in a `save_dir` that holds files (`--overwrite`): the checkpoints `fsdp
+    /// train` wrote there are deleted before training (other files stay). Without it a
+    /// non-empty `save_dir` is refused unless `resume` continues the run saved there.
+    pub overwrite: bool,
 }
 
 impl Default for TrainConfig {
@@ -158,6 +162,7 @@ impl Default for TrainConfig {
             keep_last: 2,
             checkpoint_type: CheckpointType::Sharded,
             resume: None,
+            overwrite: false,
         }
     }
 }
@@ -329,20 +334,7 @@ impl TrainConfig {
                 ));
             }
         }
-        let need = self.estimated_memory_bytes();
-        if let Some(m) = self.device.memory_problem(need, self.world_size) {
-            return bad(m);
-        }
-        if let Some(avail) = available_memory_bytes().filter(|_| !self.device.is_cuda()) {
-            let need = self.estimated_memory_bytes();
-            if need > avail as f64 {
-                return bad(format!(
-                    "this configuration needs about {:.1} GiB of memory and {:.1} GiB are available; lower --n-embd, --n-layer, --seq-len, --global-batch or --world-size",
-                    need / GIB,
-                    avail as f64 / GIB
-                ));
-            }
-        }
+        self.check_memory()?;
         super::resume::validate(self)?;
         if let Some(n) = self.ranks_per_node {
             if !self.strategy.is_hybrid() {
@@ -365,8 +357,6 @@ impl TrainConfig {
         Ok(())
     }
 }
-
-const GIB: f64 = (1u64 << 30) as f64;
 
 /// Longest `--sample-len`: generation runs one forward pass per byte.
 const MAX_SAMPLE_LEN: usize = 100_000;
@@ -396,41 +386,6 @@ fn is_fifo(p: &std::path::Path) -> bool {
 #[cfg(not(unix))]
 fn is_fifo(_: &std::path::Path) -> bool {
     false
-}
-
-/// `MemAvailable` of /proc/meminfo, where there is one.
-fn available_memory_bytes() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}
-
-impl TrainConfig {
-    /// A generous estimate of the process's peak bytes (all ranks together): the model
-    /// (whole with `--no-fsdp`; under FSDP only shards, thanks to deferred init), f32
-    /// parameter, gradient and Adam shards, plus the activations a forward saves for
-    /// backward (about 19 C floats per token and layer, the attention probabilities
-    /// `H T` per token and layer, and the logits and their gradient), plus a per-rank
-    /// thread overhead.
-    pub fn estimated_memory_bytes(&self) -> f64 {
-        let (c, l, t, h) = (
-            self.n_embd as f64,
-            self.n_layer as f64,
-            self.seq_len as f64,
-            self.n_head as f64,
-        );
-        let v = VOCAB_SIZE as f64;
-        let params = v * c + t * c + l * (12.0 * c * c + 13.0 * c) + 2.0 * c;
-        let init = if self.no_fsdp { params } else { 0.0 };
-        let state = 4.0 * params;
-        let tokens = (self.global_batch as f64) * t;
-        let activations = tokens * (l * (19.0 * c + h * t) + 2.0 * v);
-        // Each rank is a thread with its own stack and allocator heaps: ~16 MiB measured
-        // (1024 ranks of a tiny model held 10.4 GB).
-        let per_rank = 16.0 * (1u64 << 20) as f64 * self.world_size as f64;
-        1.5 * 4.0 * (init + state + activations) + per_rank
-    }
 }
 
 /// Builds the model of `cfg` and wraps it as `cfg` says, on this rank: under FSDP the model
@@ -482,16 +437,18 @@ pub fn build_engine(cfg: &TrainConfig, pg: Group) -> Result<Engine> {
 /// Bad options or data before any compute; a rank's failure (named) during training.
 pub fn train(cfg: &TrainConfig, observer: &dyn Observer) -> Result<TrainReport> {
     cfg.validate()?;
+    crate::distributed::check_thread_ranks(cfg.world_size, "--world-size")?;
     let fail = super::fault::FailAt::from_env(cfg.world_size, cfg.steps)?;
     let data = TextDataset::load(&cfg.data, cfg.seq_len)?;
-    let mut metrics = match &cfg.metrics {
-        Some(p) => Some(
-            std::fs::File::create(p)
-                .map_err(|e| Error::io(format!("creating metrics file '{}'", p.display()), e))?,
-        ),
+    start_outputs(cfg)?;
+    let metrics = match &cfg.metrics {
+        Some(p) => Some(super::metrics::open_metrics(
+            p,
+            super::resume::resumed_step(cfg)?,
+        )?),
         None => None,
     };
-    let metrics_lock = parking_lot::Mutex::new(metrics.take());
+    let metrics_lock = parking_lot::Mutex::new(metrics);
     let reports = launch(&LaunchOptions::new(cfg.world_size), |pg| {
         let report = run_rank(cfg, &data, pg.clone(), observer, &metrics_lock, fail)?;
         Ok((pg.rank() == 0).then_some(report))
@@ -501,6 +458,18 @@ pub fn train(cfg: &TrainConfig, observer: &dyn Observer) -> Result<TrainReport> 
         .flatten()
         .next()
         .ok_or_else(|| Error::Fsdp("rank 0 produced no report".into()))
+}
+
+/// Once per job, before training (rank 0 of a multi-process job): `--overwrite` clears
+/// the save directory's checkpoints.
+///
+/// # Errors
+/// `Io` naming a checkpoint file that could not be removed.
+pub(super) fn start_outputs(cfg: &TrainConfig) -> Result<()> {
+    match &cfg.save_dir {
+        Some(d) if cfg.overwrite => super::save_dir::clear_checkpoints(d),
+        _ => Ok(()),
+    }
 }
 
 /// Token ids `(rows, t)` i32 on `device` (the batch goes to the rank's GPU once).
@@ -549,15 +518,20 @@ pub(super) fn run_rank(
         observer.on_start(num_params);
     }
     let mut opt = optim::build(cfg.optimizer, cfg.lr, cfg.betas);
-    let first_step = match &cfg.resume {
+    let (first_step, run_id) = match &cfg.resume {
         Some(dir) => {
-            let (step, dir) = super::resume::resume(dir, &mut engine, opt.as_mut())?;
+            let (step, dir, id) = super::resume::resume(dir, &mut engine, opt.as_mut())?;
             if rank == 0 {
                 observer.on_resume(step, &dir);
             }
-            step + 1
+            (step + 1, id)
         }
-        None => 1,
+        None => (1, None),
+    };
+    // A resumed run keeps its id, so rotation goes on deleting its older checkpoints.
+    let run = super::resume::RunRecord {
+        run_id: run_id.unwrap_or_else(super::save_dir::new_run_id),
+        data: super::resume::data_record(&cfg.data, data),
     };
     let t = cfg.seq_len;
     let start = Instant::now();
@@ -628,7 +602,7 @@ pub(super) fn run_rank(
             observer.on_step(&rec);
             records.push(rec);
         }
-        if let Some(dir) = super::resume::save_if_due(cfg, step, &mut engine, opt.as_ref())? {
+        if let Some(dir) = super::resume::save_if_due(cfg, step, &mut engine, opt.as_ref(), &run)? {
             if rank == 0 {
                 observer.on_checkpoint(step, &dir);
             }

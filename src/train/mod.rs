@@ -5,11 +5,15 @@
 //! | data loading, splits, world-size-independent batches | `data.rs` |
 //! | FSDP or plain engine, memory figures | `engine.rs` |
 //! | the training loop, config, metrics | `job.rs` |
+//! | the memory estimate and the check against available memory | `memory.rs` |
 //! | one rank of a multi-process job (`fsdp launch`, torchrun) | `process.rs` |
 //! | `--device`, its availability check, each rank's GPU, the peak-FLOP/s table for MFU | `device.rs` |
 //! | wrap mode, precision, lr schedule, checkpoint layout | `options.rs` |
 //! | the hidden test-only fault hook `FSDP_FAIL_RANK` | `fault.rs` |
 //! | checkpoints: `--save-dir`, `--save-every`, `--resume` | `resume.rs` |
+//! | the save directory: one run per directory, `--overwrite`, rotation by run id | `save_dir.rs` |
+//! | cross-checks of a checkpoint's step and world size against its other records | `recorded.rs` |
+//! | the `--metrics` file, kept up to the resumed step | `metrics.rs` |
 //! | generation | `sample.rs` |
 
 pub mod data;
@@ -17,14 +21,19 @@ mod device;
 pub mod engine;
 mod fault;
 mod job;
+mod memory;
+mod metrics;
 mod options;
 mod process;
+mod recorded;
 mod resume;
 pub mod sample;
+mod save_dir;
 
 pub use device::{gpu_summary, mfu, peak_flops, TrainDevice};
 pub use job::{
     build_engine, train, CheckpointType, LrSchedule, Observer, Precision, Preset, Silent,
     StepRecord, TrainConfig, TrainReport, WrapMode,
 };
+pub use memory::MemoryEstimate;
 pub use process::{train_rank, RankEnv};

@@ -9,7 +9,7 @@ use super::TrainDevice;
 use crate::distributed::{
     abort_process_group, destroy_process_group, init_process_group, InitOptions,
 };
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// This process's place in a multi-process job, from torchrun's variables.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,6 +71,9 @@ pub fn train_rank(
     cfg.validate()?;
     let fail = super::fault::FailAt::from_env(cfg.world_size, cfg.steps)?;
     let data = TextDataset::load(&cfg.data, cfg.seq_len)?;
+    if env.rank == 0 {
+        super::job::start_outputs(cfg)?;
+    }
     let backend = match cfg.device {
         TrainDevice::Cpu => "tcp",
         TrainDevice::Cuda => "nccl",
@@ -80,13 +83,13 @@ pub fn train_rank(
         // As the thread launcher does: ranks on one machine share its cores.
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         crate::backend::cpu::gemm::set_num_threads((cores / env.local_world_size).max(1));
-        let metrics =
-            match (&cfg.metrics, pg.rank()) {
-                (Some(p), 0) => Some(std::fs::File::create(p).map_err(|e| {
-                    Error::io(format!("creating metrics file '{}'", p.display()), e)
-                })?),
-                _ => None,
-            };
+        let metrics = match (&cfg.metrics, pg.rank()) {
+            (Some(p), 0) => Some(super::metrics::open_metrics(
+                p,
+                super::resume::resumed_step(cfg)?,
+            )?),
+            _ => None,
+        };
         let metrics = parking_lot::Mutex::new(metrics);
         run_rank(cfg, &data, pg.clone(), observer, &metrics, fail)
     })();

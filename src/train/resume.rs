@@ -9,16 +9,51 @@
 //! seed and the next step, both in the checkpoint's index (`extra.rng`). The learning rate
 //! is a function of the step and the config.
 
+use super::data::TextDataset;
 use super::engine::Engine;
 use super::job::TrainConfig;
 use super::options::CheckpointType;
+use super::save_dir::{self, run_id_of};
 use crate::checkpoint::{
-    load_checkpoint, read_checkpoint_info, save_checkpoint, write_atomic, LATEST_FILE,
+    load_checkpoint, read_checkpoint_info, read_index, save_checkpoint, write_atomic, LATEST_FILE,
 };
 use crate::error::{Error, Result};
 use crate::fsdp::StateDictType;
 use crate::optim::Optimizer;
 use std::path::{Path, PathBuf};
+
+/// What every checkpoint of a run records about the run beyond the config: its id (kept
+/// across resumes; rotation deletes only this run's checkpoints) and its data file.
+#[derive(Debug, Clone)]
+pub(super) struct RunRecord {
+    /// See [`save_dir`](super::save_dir).
+    pub run_id: String,
+    /// `extra.data`: the data file's path, size and checksum ([`data_record`]).
+    pub data: serde_json::Value,
+}
+
+/// The checksum recorded for the data file: name of the algorithm, as stored in
+/// `extra.data.checksum_algorithm`.
+const DATA_CHECKSUM: &str = "crc32 (IEEE 802.3, crc32fast)";
+
+/// `extra.data` of a run on `data` read from `path`: path, bytes and [`DATA_CHECKSUM`] of
+/// the content (the tokens are the file's bytes), so a resumed run can tell a copy of the
+/// same data from another file.
+pub(super) fn data_record(path: &Path, data: &TextDataset) -> serde_json::Value {
+    let mut h = crc32fast::Hasher::new();
+    let mut buf = Vec::with_capacity(1 << 16);
+    for chunk in data.train.chunks(1 << 16).chain(data.val.chunks(1 << 16)) {
+        buf.clear();
+        buf.extend(chunk.iter().map(|&t| t as u8));
+        h.update(&buf);
+    }
+    serde_json::json!({
+        "path": path.to_string_lossy(),
+        "bytes": data.train.len() + data.val.len(),
+        "checksum": format!("{:08x}", h.finalize()),
+        "checksum_algorithm": DATA_CHECKSUM,
+    })
+}
 
 /// Name of the checkpoint directory of `step` inside a save directory.
 pub(super) fn step_dir_name(step: usize) -> String {
@@ -61,6 +96,7 @@ pub(super) fn validate(cfg: &TrainConfig) -> Result<()> {
     if cfg.no_fsdp && (cfg.save_dir.is_some() || cfg.resume.is_some()) {
         return bad("--save-dir and --resume save and load FSDP state; drop --no-fsdp".into());
     }
+    save_dir::validate(cfg)?;
     if let Some(d) = &cfg.save_dir {
         if d.exists() && !d.is_dir() {
             return bad(format!(
@@ -70,7 +106,7 @@ pub(super) fn validate(cfg: &TrainConfig) -> Result<()> {
         }
         // Found now, not after the first `--save-every` steps of training: the directory
         // can be created and written.
-        let probe = d.join(format!(".fsdp-write-probe-{}", std::process::id()));
+        let probe = d.join(format!("{}{}", save_dir::PROBE_PREFIX, std::process::id()));
         let written = std::fs::create_dir_all(d).and_then(|()| std::fs::write(&probe, b""));
         let _ = std::fs::remove_file(&probe);
         if let Err(e) = written {
@@ -104,6 +140,7 @@ pub(super) fn validate(cfg: &TrainConfig) -> Result<()> {
         if let Some(old) = info.extra.get("config") {
             diffs.extend(trajectory_differences(old, cfg));
         }
+        diffs.extend(data_difference(&info.extra, cfg));
         if !diffs.is_empty() {
             return bad(format!(
                 "--resume {}: options differ from the checkpoint's run, so training would not continue it; pass the run's values: {}",
@@ -118,8 +155,52 @@ pub(super) fn validate(cfg: &TrainConfig) -> Result<()> {
                     .into(),
             });
         }
+        super::recorded::check(&info.dir, &read_index(&info.dir)?, step, cfg)?;
     }
     Ok(())
+}
+
+/// The step the run resumes after (`--resume`'s checkpoint's), `None` for a fresh run.
+///
+/// # Errors
+/// As [`read_checkpoint_info`]; `Checkpoint` when the index has no step.
+pub(super) fn resumed_step(cfg: &TrainConfig) -> Result<Option<usize>> {
+    let Some(r) = &cfg.resume else {
+        return Ok(None);
+    };
+    let info = read_checkpoint_info(r)?;
+    checkpoint_step(&info.extra, &info.dir).map(Some)
+}
+
+/// `--data` as a difference from the checkpoint's run, when its content differs from the
+/// data file recorded there (same checksum: the same data, wherever it lies now).
+/// Checkpoints without a checksum compare the paths.
+fn data_difference(extra: &serde_json::Value, cfg: &TrainConfig) -> Option<String> {
+    let old = extra.get("data");
+    let old_path = old
+        .and_then(|d| d.get("path"))
+        .or_else(|| extra.get("config").and_then(|c| c.get("data")))
+        .and_then(|p| p.as_str())?;
+    let recorded = old
+        .filter(|d| d.get("checksum_algorithm").and_then(|a| a.as_str()) == Some(DATA_CHECKSUM))
+        .and_then(|d| d.get("checksum"))
+        .and_then(|c| c.as_str());
+    let new_path = cfg.data.to_string_lossy();
+    match recorded {
+        Some(want) => {
+            // Unreadable: the data loader reports it, naming the file.
+            let bytes = std::fs::read(&cfg.data).ok()?;
+            let got = format!("{:08x}", crc32fast::hash(&bytes));
+            (got != want).then(|| {
+                format!(
+                    "--data {new_path} (checkpoint: {old_path}; the contents differ: crc32 {got}, checkpoint {want})"
+                )
+            })
+        }
+        None => (new_path != old_path).then(|| {
+            format!("--data {new_path} (checkpoint: {old_path}; it recorded no checksum to recognize a copy)")
+        }),
+    }
 }
 
 /// The options that shape the model or the training trajectory on which `cfg` differs
@@ -199,20 +280,21 @@ fn checkpoint_step(extra: &serde_json::Value, dir: &Path) -> Result<usize> {
         })
 }
 
-/// Loads the checkpoint `path` stands for into the model and optimizer; returns its step
-/// and directory. A collective.
+/// Loads the checkpoint `path` stands for into the model and optimizer; returns its step,
+/// directory and run id (`None` in checkpoints saved before runs had ids). A collective.
 pub(super) fn resume(
     path: &Path,
     engine: &mut Engine,
     opt: &mut dyn Optimizer,
-) -> Result<(usize, PathBuf)> {
+) -> Result<(usize, PathBuf, Option<String>)> {
     let Engine::Fsdp(m) = engine else {
         return Err(Error::InvalidArgument(
             "--resume needs FSDP; drop --no-fsdp".into(),
         ));
     };
     let info = load_checkpoint(path, m, Some(opt))?;
-    Ok((checkpoint_step(&info.extra, &info.dir)?, info.dir))
+    let step = checkpoint_step(&info.extra, &info.dir)?;
+    Ok((step, info.dir, run_id_of(&info.extra)))
 }
 
 /// Saves a checkpoint of `step` when one is due (every `save_every` steps and after the
@@ -222,6 +304,7 @@ pub(super) fn save_if_due(
     step: usize,
     engine: &mut Engine,
     opt: &dyn Optimizer,
+    run: &RunRecord,
 ) -> Result<Option<PathBuf>> {
     let Some(root) = &cfg.save_dir else {
         return Ok(None);
@@ -250,6 +333,8 @@ pub(super) fn save_if_due(
         },
         "world_size": cfg.world_size,
         "strategy": cfg.strategy,
+        "run_id": run.run_id,
+        "data": run.data,
         "config": config,
     });
     let ty = match cfg.checkpoint_type {
@@ -260,26 +345,7 @@ pub(super) fn save_if_due(
     if m.process_group().rank() == 0 {
         // Every rank's files and the index are durable: move the pointer, then prune.
         write_atomic(&root.join(LATEST_FILE), format!("{name}\n").as_bytes())?;
-        prune(root, cfg.keep_last, &name);
+        save_dir::prune(root, cfg.keep_last, &name, &run.run_id);
     }
     Ok(Some(dir))
-}
-
-/// Removes all but the newest `keep` step directories (never `current`), best effort.
-fn prune(root: &Path, keep: usize, current: &str) {
-    let Ok(rd) = std::fs::read_dir(root) else {
-        return;
-    };
-    let mut steps: Vec<String> = rd
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with("step-") && n[5..].parse::<u64>().is_ok())
-        .collect();
-    steps.sort();
-    let n = steps.len();
-    for old in steps.iter().take(n.saturating_sub(keep)) {
-        if old != current {
-            let _ = std::fs::remove_dir_all(root.join(old));
-        }
-    }
 }

@@ -207,6 +207,10 @@ struct TrainArgs {
     /// --world-size and --strategy; pass the run's other options unchanged.
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// Start over in a --save-dir that holds another run's checkpoints: delete the
+    /// checkpoints fsdp wrote there first (other files are kept).
+    #[arg(long)]
+    overwrite: bool,
     #[command(flatten)]
     fsdp: FsdpArgs,
     #[command(flatten)]
@@ -323,6 +327,7 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         keep_last: a.keep_last,
         checkpoint_type: a.checkpoint_type,
         resume: a.resume.clone(),
+        overwrite: a.overwrite,
         ..base_config(&a.model, a.data.clone())
     };
     cfg.validate()?;
