@@ -2,6 +2,7 @@
 //! by FSDP (or by a param_init_fn), identical for every world size and to eager init.
 
 mod common;
+use common::STRATEGIES;
 
 use fsdp::distributed::{launch, Group, LaunchOptions};
 use fsdp::fsdp::{
@@ -34,11 +35,7 @@ fn bits(v: &[(String, Vec<f32>)]) -> Vec<(String, Vec<u32>)> {
 
 fn eager() -> Vec<(String, Vec<f32>)> {
     let mut m = GPT::new(gpt_config(), 7).unwrap();
-    let mut out = Vec::new();
-    visit_parameters(&mut m, "", false, &mut |n, p| {
-        out.push((n.to_string(), p.data().unwrap().to_vec_f32().unwrap()))
-    });
-    out
+    common::named_values(&mut m)
 }
 
 #[test]
@@ -245,14 +242,6 @@ fn fsdp_config(strategy: ShardingStrategy, world: usize) -> FsdpConfig {
         ..Default::default()
     }
 }
-
-const STRATEGIES: [ShardingStrategy; 5] = [
-    ShardingStrategy::FullShard,
-    ShardingStrategy::ShardGradOp,
-    ShardingStrategy::NoShard,
-    ShardingStrategy::HybridShard,
-    ShardingStrategy::HybridShardZero2,
-];
 
 #[test]
 fn sync_module_states_makes_every_rank_rank_0s_whatever_each_built() {

@@ -287,11 +287,7 @@ fn reference() -> Vec<(String, Vec<f32>)> {
         o.step(&fsdp::optim::parameters(m.as_mut())).unwrap();
         fsdp::nn::zero_grad(m.as_mut());
     }
-    let mut out = Vec::new();
-    visit_parameters(m.as_mut(), "", false, &mut |n, p| {
-        out.push((n.to_string(), p.data().unwrap().to_vec_f32().unwrap()))
-    });
-    out
+    common::named_values(m.as_mut())
 }
 
 fn fsdp_config(strategy: ShardingStrategy, world: usize, dev: Device) -> FsdpConfig {
@@ -436,11 +432,7 @@ fn clip_grad_norm_on_cuda_matches_the_cpu_cuda() {
 fn state_dicts_on(dev: Device) {
     let original: Vec<(String, Vec<f32>)> = {
         let mut m = gpt(3);
-        let mut out = Vec::new();
-        visit_parameters(m.as_mut(), "", false, &mut |n, p| {
-            out.push((n.to_string(), p.data().unwrap().to_vec_f32().unwrap()))
-        });
-        out
+        common::named_values(m.as_mut())
     };
     let dir = std::env::temp_dir().join(format!("fsdp-cuda-ckpt-{}-{dev}", std::process::id()));
     for world in [1, 2, 4] {

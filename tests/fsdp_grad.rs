@@ -1,6 +1,7 @@
 //! `no_sync` gradient accumulation and `clip_grad_norm_` against unsharded training.
 
 mod common;
+use common::named_values;
 
 use common::{assert_close, values};
 use fsdp::distributed::{launch, LaunchOptions};
@@ -35,14 +36,6 @@ fn micro_step(m: &mut dyn Module, micro: usize, lo: usize, hi: usize) -> fsdp::R
 
 fn sgd() -> fsdp::optim::SGD {
     common::sgd(0.1)
-}
-
-fn named_values(m: &mut dyn Module) -> Vec<(String, Vec<f32>)> {
-    let mut out = Vec::new();
-    visit_parameters(m, "", false, &mut |n, p| {
-        out.push((n.to_string(), p.data().unwrap().to_vec_f32().unwrap()))
-    });
-    out
 }
 
 fn unsharded_params_and_grads(m: &mut dyn Module) -> (Vec<ParamGrad>, Vec<f32>) {

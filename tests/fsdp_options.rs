@@ -2,6 +2,7 @@
 //! device_id, each against its unsharded value.
 
 mod common;
+use common::named_values as named;
 
 use common::{assert_close, values};
 use fsdp::backend::Device;
@@ -139,14 +140,6 @@ fn mse_rows(
     )?;
     m.backward(&g, &Context::train())?;
     Ok(())
-}
-
-fn named(m: &mut dyn Module) -> Vec<(String, Vec<f32>)> {
-    let mut v = Vec::new();
-    visit_parameters(m, "", false, &mut |n, p| {
-        v.push((n.to_string(), p.data().unwrap().to_vec_f32().unwrap()))
-    });
-    v
 }
 
 #[test]

@@ -135,11 +135,7 @@ fn reference(case: &dyn Case, opt: Opt) -> Vec<(String, Vec<f32>)> {
         o.step(&fsdp::optim::parameters(m.as_mut())).unwrap();
         fsdp::nn::zero_grad(m.as_mut());
     }
-    let mut out = Vec::new();
-    visit_parameters(m.as_mut(), "", false, &mut |n, p| {
-        out.push((n.to_string(), p.data().unwrap().to_vec_f32().unwrap()))
-    });
-    out
+    common::named_values(m.as_mut())
 }
 
 fn sharded(

@@ -4,6 +4,7 @@
 //! stream. Every variant trains to the same parameters as unsharded training.
 
 mod common;
+use common::named_values as params;
 
 use common::assert_close;
 use fsdp::distributed::{launch, Group, LaunchOptions, ProcessGroup, ReduceOp};
@@ -11,7 +12,7 @@ use fsdp::fsdp::{
     transformer_auto_wrap_policy, CpuOffload, FsdpConfig, FullyShardedDataParallel,
     ShardingStrategy,
 };
-use fsdp::nn::{visit_parameters, Module};
+use fsdp::nn::Module;
 use fsdp::optim::Optimizer;
 use fsdp::tensor::Tensor;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -109,14 +110,6 @@ const STEPS: usize = 3;
 
 fn step(m: &mut dyn Module, step: usize, lo: usize, hi: usize) -> fsdp::Result<()> {
     common::gpt_step(m, step, lo, hi)
-}
-
-fn params(m: &mut dyn Module) -> Vec<(String, Vec<f32>)> {
-    let mut out = Vec::new();
-    visit_parameters(m, "", false, &mut |n, p| {
-        out.push((n.to_string(), p.data().unwrap().to_vec_f32().unwrap()))
-    });
-    out
 }
 
 /// Full parameters by name.

@@ -7,6 +7,7 @@
 //! an empty batch takes part and adds nothing.
 
 mod common;
+use common::STRATEGIES;
 #[path = "common/zero_models.rs"]
 mod zero_models;
 
@@ -24,14 +25,6 @@ use fsdp::nn::{loss, visit_parameters, Context, InitKey, Linear, Module, Sequent
 use fsdp::optim::{AdamConfig, AdamW, Optimizer, SgdConfig, SGD};
 use std::path::PathBuf;
 use zero_models::{batch, with_empty_branch, EMPTY_PARAMS};
-
-const STRATEGIES: [ShardingStrategy; 5] = [
-    ShardingStrategy::FullShard,
-    ShardingStrategy::ShardGradOp,
-    ShardingStrategy::NoShard,
-    ShardingStrategy::HybridShard,
-    ShardingStrategy::HybridShardZero2,
-];
 
 fn optimizer(adamw: bool) -> Box<dyn Optimizer> {
     if adamw {
@@ -82,11 +75,7 @@ fn reference(adamw: bool) -> Vec<(String, Vec<f32>)> {
         o.step(&fsdp::optim::parameters(m.as_mut())).unwrap();
         fsdp::nn::zero_grad(m.as_mut());
     }
-    let mut out = Vec::new();
-    visit_parameters(m.as_mut(), "", false, &mut |n, p| {
-        out.push((n.to_string(), p.data().unwrap().to_vec_f32().unwrap()))
-    });
-    out
+    common::named_values(m.as_mut())
 }
 
 /// `(name, shape)` of every parameter of [`with_empty_branch`] (with the bias).

@@ -2,6 +2,7 @@
 //! reference with the same rounding, and the exact values of a reduction in f32 vs bf16.
 
 mod common;
+use common::named_values;
 
 use common::{assert_close, values};
 use fsdp::distributed::{launch, LaunchOptions};
@@ -69,14 +70,6 @@ fn step_loss(
         Model::Gpt => common::gpt_step(m, step, lo, hi)?,
     }
     Ok(())
-}
-
-fn named_values(m: &mut dyn Module) -> Vec<(String, Vec<f32>)> {
-    let mut out = Vec::new();
-    visit_parameters(m, "", false, &mut |n, p| {
-        out.push((n.to_string(), p.data().unwrap().to_vec_f32().unwrap()))
-    });
-    out
 }
 
 /// Unsharded training with `param_dtype` compute emulated by hand: parameters and input

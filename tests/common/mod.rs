@@ -242,3 +242,21 @@ pub fn raw_handshake(
         String::from_utf8_lossy(&verdict[1]).into_owned(),
     ))
 }
+
+/// Every sharding strategy, in PyTorch's order.
+pub const STRATEGIES: [fsdp::fsdp::ShardingStrategy; 5] = [
+    fsdp::fsdp::ShardingStrategy::FullShard,
+    fsdp::fsdp::ShardingStrategy::ShardGradOp,
+    fsdp::fsdp::ShardingStrategy::NoShard,
+    fsdp::fsdp::ShardingStrategy::HybridShard,
+    fsdp::fsdp::ShardingStrategy::HybridShardZero2,
+];
+
+/// `(name, values)` of every parameter below `m`, in `named_parameters()` order.
+pub fn named_values(m: &mut dyn fsdp::nn::Module) -> Vec<(String, Vec<f32>)> {
+    let mut out = Vec::new();
+    fsdp::nn::visit_parameters(m, "", false, &mut |n, p| {
+        out.push((n.to_string(), p.data().unwrap().to_vec_f32().unwrap()))
+    });
+    out
+}
