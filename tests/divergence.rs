@@ -126,14 +126,7 @@ fn run<T: Send>(
         Backend::Tcp => {
             let port = common::free_port();
             common::on_threads(world, |r| {
-                let env = vec![
-                    ("RANK", r.to_string()),
-                    ("WORLD_SIZE", world.to_string()),
-                    ("LOCAL_RANK", r.to_string()),
-                    ("LOCAL_WORLD_SIZE", world.to_string()),
-                    ("MASTER_ADDR", "127.0.0.1".to_string()),
-                    ("MASTER_PORT", port.to_string()),
-                ];
+                let env = common::torchrun_env(port, world, r);
                 let pg = init_process_group(
                     InitOptions::new("tcp").with_env(env).with_timeout(TIMEOUT),
                 )?;

@@ -4,7 +4,7 @@
 //! early exits, failures and missing ranks end every rank with an error naming the culprit.
 
 mod common;
-use common::{free_port, on_threads};
+use common::{free_port, on_threads, torchrun_env as env};
 
 use fsdp::distributed::{
     abort_process_group, destroy_process_group, get_backend, init_device_mesh, init_process_group,
@@ -14,18 +14,6 @@ use fsdp::distributed::{
 use fsdp::tensor::{DType, Tensor};
 use fsdp::Error;
 use std::time::Duration;
-
-/// What torchrun sets for rank `rank` of `world` (one node).
-fn env(port: u16, world: usize, rank: usize) -> Vec<(&'static str, String)> {
-    vec![
-        ("RANK", rank.to_string()),
-        ("WORLD_SIZE", world.to_string()),
-        ("LOCAL_RANK", rank.to_string()),
-        ("LOCAL_WORLD_SIZE", world.to_string()),
-        ("MASTER_ADDR", "127.0.0.1".to_string()),
-        ("MASTER_PORT", port.to_string()),
-    ]
-}
 
 fn opts(backend: &str, port: u16, world: usize, rank: usize, timeout_s: f64) -> InitOptions {
     InitOptions::new(backend)

@@ -260,3 +260,15 @@ pub fn named_values(m: &mut dyn fsdp::nn::Module) -> Vec<(String, Vec<f32>)> {
     });
     out
 }
+
+/// What torchrun sets for rank `rank` of `world` on one node, meeting at 127.0.0.1:`port`.
+pub fn torchrun_env(port: u16, world: usize, rank: usize) -> Vec<(&'static str, String)> {
+    vec![
+        ("RANK", rank.to_string()),
+        ("WORLD_SIZE", world.to_string()),
+        ("LOCAL_RANK", rank.to_string()),
+        ("LOCAL_WORLD_SIZE", world.to_string()),
+        ("MASTER_ADDR", "127.0.0.1".to_string()),
+        ("MASTER_PORT", port.to_string()),
+    ]
+}
