@@ -28,8 +28,8 @@ pub struct ParamInfo {
 }
 
 /// One unit's flattened parameters: the metadata, this rank's shard of the values (the f32
-/// master copy the optimizer updates), its sharded gradient, and the unsharded buffers
-/// while they exist.
+/// master copy the optimizer updates) and its sharded gradient. The gathered full buffer,
+/// while it exists, belongs to the rank's scheduler (its `ParamState`).
 #[derive(Debug)]
 pub struct FlatParameter {
     pub(crate) infos: Vec<ParamInfo>,
@@ -45,8 +45,6 @@ pub struct FlatParameter {
     /// optimizer steps on. Frozen parameters and padding are left out, so weight decay
     /// never touches them.
     pub(crate) trainable_runs: Vec<(usize, usize)>,
-    /// The gathered, padded values `(c W)` while unsharded.
-    pub(crate) unsharded: Option<Tensor>,
     /// The padded flat gradient `(c W)` accumulated under `no_sync`, reduced by the next
     /// synchronized backward (FSDP1 keeps the unsharded gradient the same way).
     pub(crate) unsynced_grad: Option<Tensor>,
@@ -131,7 +129,6 @@ impl FlatParameter {
             shard_numel,
             local_shard: Tensor::from_vec(local, &[shard_numel])?,
             grad_shard: None,
-            unsharded: None,
             unsynced_grad: None,
         })
     }

@@ -5,8 +5,9 @@
 //! | [`FullyShardedDataParallel`]: the unit, its state and accessors | `unit.rs` | `fully_sharded_data_parallel.py` |
 //! | construction: auto-wrap, tied parameters, `ignored_modules` | `wrapping.rs` | `_init_utils.py`, `wrap.py` |
 //! | a unit's parameters before flattening: `param_init_fn` (nested units out of reach), `sync_module_states` | `materialize.rs` | `_init_utils.py` |
-//! | forward/backward hooks: unshard, reshard, gradient reduction | `runtime.rs` | `_runtime_utils.py` |
-//! | prefetch order, [`BackwardPrefetch`], `limit_all_gathers`, [`RuntimeStats`] | `scheduler.rs` | `_exec_order_utils.py`, `_limiter_utils.py` |
+//! | forward/backward hooks: unshard, reshard, the end of backward | `runtime.rs` | `_runtime_utils.py` |
+//! | a unit's all-gather and gradient reduction (predivide, reduce-scatter, all-reduce, postdivide, offload copies) | `collectives.rs` | `_runtime_utils.py`, FSDP2 `_fsdp_collectives.py` |
+//! | each unit's sharded / gathering / unsharded state, prefetch order, [`BackwardPrefetch`], `limit_all_gathers`, [`RuntimeStats`] | `scheduler.rs` | `_exec_order_utils.py`, `_limiter_utils.py`, FSDP2 `ShardedState` |
 //! | the per-rank unshard, post-backward and pre-unshard streams | `streams.rs` | `_init_streams` in `_runtime_utils.py` |
 //! | the step, micro-batch and pass each collective is for (its fingerprint, checked across ranks) | `progress.rs` | `TORCH_DISTRIBUTED_DEBUG=DETAIL` |
 //! | [`MixedPrecision`] | `mixed_precision.rs` | `api.MixedPrecision` |
@@ -34,6 +35,7 @@
 //! | gradient pack/unpack, rounding | [`crate::ops::flat`] CPU loops | `pack_grad_*`, `unpack_grad_*`, `cast_*` kernels |
 //! | state dicts | host tensors | host tensors (full state dict: on the GPU without `offload_to_cpu`) |
 
+mod collectives;
 mod config;
 mod flat_param;
 mod grad;

@@ -1,9 +1,10 @@
-//! Where a rank is in training, as the [`Fingerprint`]s of its FSDP collectives say it:
-//! the step, the micro-batch, the pass (forward, backward) and how many times each unit
-//! entered it. Every rank that runs the same program computes the same fingerprints, so a
-//! rank that took another path (a unit applied more often, a skipped micro-batch, a step
-//! taken earlier) fails at its next collective with both calls named, instead of pairing
-//! the wrong collectives (see `distributed::fingerprint`).
+//! Where a rank is in training: its [`Pass`] (FSDP's `TrainingState`), whether a forward
+//! still owes its backward, and, for the [`Fingerprint`]s of its FSDP collectives, the
+//! step, the micro-batch and how many times each unit entered the pass. Every rank that
+//! runs the same program computes the same fingerprints, so a rank that took another path
+//! (a unit applied more often, a skipped micro-batch, a step taken earlier) fails at its
+//! next collective with both calls named, instead of pairing the wrong collectives (see
+//! `distributed::fingerprint`).
 //!
 //! Steps are counted from what FSDP sees of the optimizer: the first `optimizer_params()`
 //! or `zero_grad()` after a backward ends a step (PyTorch's loop calls both once per step,
@@ -11,19 +12,38 @@
 
 use crate::distributed::fingerprint::{self, Fingerprint, Name, Phase};
 
+/// What the rank's root is doing (FSDP1's and FSDP2's `TrainingState`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) enum Pass {
+    /// Between passes: optimizer steps, state dicts, checkpoints.
+    #[default]
+    Idle,
+    /// Inside the root's forward; `grad`: activations are saved for a backward.
+    Forward { grad: bool },
+    /// Inside the root's backward.
+    Backward,
+    /// Inside `summon_full_params` (FSDP1 `SUMMON_FULL_PARAMS`): no forward or backward.
+    Summoning,
+}
+
 /// The training position of one rank's FSDP units.
 #[derive(Debug, Default)]
 pub(super) struct Progress {
+    pass: Pass,
+    /// A root forward with grad enabled has run and its backward has not finished: the
+    /// parameters that backward uses must not change, so state-dict loading and
+    /// `summon_full_params` refuse to run (FSDP1's `FORWARD_BACKWARD`). A forward without
+    /// grad in between leaves it set.
+    owes_backward: bool,
     step: u32,
     micro_batch: u32,
     /// A root backward ran since the step began.
     grads_pending: bool,
-    /// The root pass under way: `Forward`/`NoGradForward` during the root's forward,
-    /// `Backward` during its backward, `None` between them (state dicts, summoning).
-    pass: Option<Phase>,
-    /// Each unit's name, and how often it entered forward and backward in the current pass.
+    /// Each unit's name, and how often it entered the last forward with grad, the last
+    /// forward without grad, and the current backward.
     names: Vec<Name>,
     forward_calls: Vec<u32>,
+    no_grad_calls: Vec<u32>,
     backward_calls: Vec<u32>,
 }
 
@@ -33,44 +53,65 @@ impl Progress {
         debug_assert_eq!(id, self.names.len());
         self.names.push(Name::new(name));
         self.forward_calls.push(0);
+        self.no_grad_calls.push(0);
         self.backward_calls.push(0);
     }
 
-    /// The root's forward begins: counts of forward calls start again.
-    pub fn begin_forward(&mut self, grad_enabled: bool) {
-        self.pass = Some(if grad_enabled {
-            Phase::Forward
-        } else {
-            Phase::NoGradForward
-        });
-        self.forward_calls.iter_mut().for_each(|c| *c = 0);
+    /// The pass under way.
+    pub fn pass(&self) -> Pass {
+        self.pass
+    }
+
+    /// Whether a forward with grad still waits for its backward.
+    pub fn owes_backward(&self) -> bool {
+        self.owes_backward
+    }
+
+    /// The root's forward begins: counts of its calls start again.
+    pub fn begin_forward(&mut self, grad: bool) {
+        self.pass = Pass::Forward { grad };
+        self.calls_mut().iter_mut().for_each(|c| *c = 0);
+    }
+
+    /// The call counts of the pass under way.
+    fn calls_mut(&mut self) -> &mut Vec<u32> {
+        match self.pass {
+            Pass::Forward { grad: false } => &mut self.no_grad_calls,
+            Pass::Backward => &mut self.backward_calls,
+            _ => &mut self.forward_calls,
+        }
+    }
+
+    /// The root's forward ended; `ok` when it succeeded.
+    pub fn end_forward(&mut self, ok: bool) {
+        if self.pass == (Pass::Forward { grad: true }) && ok {
+            self.owes_backward = true;
+        }
+        self.pass = Pass::Idle;
     }
 
     /// The root's backward begins.
     pub fn begin_backward(&mut self) {
-        self.pass = Some(Phase::Backward);
+        self.pass = Pass::Backward;
         self.backward_calls.iter_mut().for_each(|c| *c = 0);
     }
 
-    /// The root's pass ended; `backward` says it was a backward (a micro-batch is done).
-    pub fn end_pass(&mut self, backward: bool) {
-        if backward {
-            self.micro_batch += 1;
-            self.grads_pending = true;
-        }
-        self.pass = None;
+    /// The root's backward ended (successfully or not): a micro-batch is done.
+    pub fn end_backward(&mut self) {
+        self.micro_batch += 1;
+        self.grads_pending = true;
+        self.owes_backward = false;
+        self.pass = Pass::Idle;
     }
 
-    /// Unit `id` entered forward (after its gather was issued).
-    pub fn entered_forward(&mut self, id: usize) {
-        if let Some(c) = self.forward_calls.get_mut(id) {
-            *c += 1;
-        }
+    /// `summon_full_params` begins (`true`) or ends.
+    pub fn set_summoning(&mut self, on: bool) {
+        self.pass = if on { Pass::Summoning } else { Pass::Idle };
     }
 
-    /// Unit `id` entered backward (after its gather was issued).
-    pub fn entered_backward(&mut self, id: usize) {
-        if let Some(c) = self.backward_calls.get_mut(id) {
+    /// Unit `id` entered the pass under way (after its gather was issued).
+    pub fn entered(&mut self, id: usize) {
+        if let Some(c) = self.calls_mut().get_mut(id) {
             *c += 1;
         }
     }
@@ -100,15 +141,18 @@ impl Progress {
     pub fn gather(&self, id: usize) -> Fingerprint {
         let at = |v: &[u32]| v.get(id).copied().unwrap_or(0);
         match self.pass {
-            Some(Phase::Backward) => {
-                self.fingerprint(id, Phase::Backward, at(&self.backward_calls))
+            Pass::Backward => self.fingerprint(id, Phase::Backward, at(&self.backward_calls)),
+            Pass::Forward { grad: true } => {
+                self.fingerprint(id, Phase::Forward, at(&self.forward_calls))
             }
-            Some(p) => self.fingerprint(id, p, at(&self.forward_calls)),
-            None => self.fingerprint(id, Phase::StateDict, 0),
+            Pass::Forward { grad: false } => {
+                self.fingerprint(id, Phase::NoGradForward, at(&self.no_grad_calls))
+            }
+            Pass::Idle | Pass::Summoning => self.fingerprint(id, Phase::StateDict, 0),
         }
     }
 
-    /// The reduction of unit `id`'s gradient (how many forward calls it covers).
+    /// The reduction of unit `id`'s gradient (how many forward calls with grad it covers).
     pub fn reduce(&self, id: usize) -> Fingerprint {
         let calls = self.forward_calls.get(id).copied().unwrap_or(0);
         self.fingerprint(id, Phase::Reduce, calls)
@@ -138,23 +182,42 @@ mod tests {
         p.step_boundary(); // nothing ran yet: still step 0
         p.begin_forward(true);
         assert_eq!(p.gather(1).call, 0);
-        p.entered_forward(1);
-        p.entered_forward(1);
+        p.entered(1);
+        p.entered(1);
         let g = p.gather(1);
         assert_eq!(
             (g.phase, g.call, g.step, g.micro_batch),
             (Phase::Forward, 2, 0, 0)
         );
-        p.end_pass(false);
+        p.end_forward(true);
+        assert!(p.owes_backward());
+        // A forward without grad in between: the backward is still owed.
+        p.begin_forward(false);
+        p.entered(1);
+        assert_eq!(p.gather(1).call, 1);
+        p.end_forward(true);
+        assert!(p.owes_backward());
         p.begin_backward();
         assert_eq!(p.gather(1).phase, Phase::Backward);
-        assert_eq!(p.reduce(1).call, 2);
-        p.end_pass(true);
-        assert_eq!(p.gather(1).phase, Phase::StateDict);
+        assert_eq!(
+            p.reduce(1).call,
+            2,
+            "the forward without grad is not counted"
+        );
+        p.end_backward();
+        assert!(!p.owes_backward());
+        assert_eq!(
+            (p.pass(), p.gather(1).phase),
+            (Pass::Idle, Phase::StateDict)
+        );
         p.begin_forward(false);
         let g = p.gather(0);
         assert_eq!((g.phase, g.micro_batch), (Phase::NoGradForward, 1));
-        p.end_pass(false);
+        p.end_forward(true);
+        assert!(!p.owes_backward());
+        p.set_summoning(true);
+        assert_eq!(p.pass(), Pass::Summoning);
+        p.set_summoning(false);
         p.step_boundary();
         p.step_boundary(); // a second call in the same step changes nothing
         let g = p.other(0, Phase::ClipGradNorm);

@@ -16,22 +16,13 @@
 //! (`streams.rs`), each in issue order, so every rank issues the same sequence on each and
 //! the compute thread overlaps both.
 
-use super::mixed_precision::round_;
-use super::unit::gradient_divide_factors;
+use super::collectives::Gather;
+use super::progress::Pass;
 use super::FullyShardedDataParallel;
-use crate::backend::Device;
-use crate::distributed::{ReduceOp, Work};
 use crate::error::Result;
 use crate::nn::{ChildVisitor, Context, Module};
 use crate::ops::flat;
 use crate::tensor::{DType, Tensor};
-
-/// A gradient reduction in flight: its handle and the f32 shard it fills (complete once
-/// the handle is).
-pub(super) struct PendingGrad {
-    work: Work,
-    out: Tensor,
-}
 
 impl FullyShardedDataParallel {
     /// All-gathers the FlatParameter (or takes the prefetched gather) and points the
@@ -45,146 +36,40 @@ impl FullyShardedDataParallel {
     }
 
     /// Issues (or takes) this unit's gather; `Ok(None)` when already unsharded.
-    fn begin_unshard(&mut self) -> Result<Option<super::scheduler::Gather>> {
-        if self.flat.unsharded.is_some() {
-            return Ok(None);
-        }
-        self.rs.sched.lock().take_or_issue(self.id).map(Some)
+    fn begin_unshard(&mut self) -> Result<Option<Gather>> {
+        self.rs.sched.lock().take_or_issue(self.id)
     }
 
-    fn finish_unshard(&mut self, g: Result<Option<super::scheduler::Gather>>) -> Result<()> {
+    fn finish_unshard(&mut self, g: Result<Option<Gather>>) -> Result<()> {
         let Some(g) = g? else { return Ok(()) };
         let (r, dt) = g.work.wait_timed();
-        self.rs.sched.lock().add_wait(dt);
-        if let Err(e) = r {
-            self.rs.mem.lock().on_reshard(g.full.nbytes());
-            self.rs.sched.lock().set_unsharded(self.id, false);
-            return Err(e);
+        {
+            let mut s = self.rs.sched.lock();
+            s.add_wait(dt);
+            match r {
+                Ok(()) => s.set_unsharded(self.id, g.full.clone()),
+                Err(e) => {
+                    s.gather_failed(self.id, g.full.nbytes());
+                    return Err(e);
+                }
+            }
         }
-        self.point_params(Some(&g.full), false)?;
-        self.flat.unsharded = Some(g.full);
-        Ok(())
+        self.point_params(Some(&g.full), false)
     }
 
     /// Frees the unsharded buffer; parameters become unmaterialized. FSDP1 `_reshard`.
-    /// A no-op under `NoShard` in f32 (parameters view the whole flat parameter for good).
+    /// A no-op for a unit that never frees its parameters (NoShard in f32 without
+    /// offload: they view the whole flat parameter for good).
     ///
     /// # Errors
     /// `Fsdp` when the module's parameters changed since wrapping.
     pub fn reshard(&mut self) -> Result<()> {
-        if !self.rs.strategy.is_sharded()
-            && !self.rs.mp.is_low_precision()
-            && !self.rs.sched.lock().offload()
-        {
+        if self.rs.keeps_unsharded() {
             return Ok(());
         }
-        if let Some(full) = self.flat.unsharded.take() {
+        let freed = self.rs.sched.lock().reshard(self.id);
+        if freed.is_some() {
             self.point_params(None, false)?;
-            self.rs.mem.lock().on_reshard(full.nbytes());
-            self.rs.sched.lock().set_unsharded(self.id, false);
-        }
-        Ok(())
-    }
-
-    /// Issues the reduction of the flat gradient on the stream: predivide, reduce-scatter
-    /// over the shard group (then all-reduce over the replicate group under hybrid
-    /// sharding; all-reduce over the world under NoShard), postdivide, all in
-    /// `reduce_dtype`. FSDP1 `_post_backward_hook` / `_reduce_grad`. The f32 shard it
-    /// produces is allocated here, on the compute thread (on the host under CPU offload:
-    /// the device-to-host copy ends the job), so its memory belongs to the compute stream.
-    fn issue_reduce(&mut self, flat_grad: Tensor) -> Result<()> {
-        // A unit that ran backward twice in one pass: fold the first result in first.
-        self.finish_reduce()?;
-        let mp = self.rs.mp;
-        if mp.is_low_precision() {
-            // The gradient of low-precision compute is a low-precision tensor.
-            round_(&flat_grad, mp.compute_dtype())?;
-        }
-        let rd = mp.reduce_dtype();
-        // Averaging is over the whole data-parallel world, hybrid or not.
-        let (pre, post) = gradient_divide_factors(self.rs.pg.size());
-        let shard_numel = self.flat.shard_numel();
-        let sharded = self.rs.strategy.is_sharded();
-        // The reduce-scatter's communicator: not the one the unshard stream gathers on.
-        let (shard_pg, offload) = {
-            let s = self.rs.sched.lock();
-            (s.streams.reduce_pg.clone(), s.offload())
-        };
-        let (pg, rep) = (self.rs.pg.clone(), self.rs.replicate_pg.clone());
-        let keep_lp = mp.keep_low_precision_grads.then(|| mp.compute_dtype());
-        let device = self.rs.device;
-        let out = Tensor::zeros_on(
-            &[shard_numel],
-            DType::F32,
-            if offload { Device::Cpu } else { device },
-        )?;
-        let dst = out.clone();
-        let keep = vec![flat_grad.clone(), out.clone()];
-        let job = move || -> Result<()> {
-            // Predivide fused with the cast to reduce_dtype (in place in f32).
-            let input = if rd == DType::F32 {
-                flat_grad.clone()
-            } else {
-                Tensor::zeros_on(flat_grad.shape(), rd, device)?
-            };
-            flat::pack_grad(&flat_grad, &input, 1.0 / pre)?;
-            let reduced = if sharded {
-                let out = Tensor::zeros_on(&[shard_numel], rd, device)?;
-                shard_pg.reduce_scatter_tensor(&out, &input, ReduceOp::Sum)?;
-                if let Some(rep) = &rep {
-                    rep.all_reduce(&out, ReduceOp::Sum)?;
-                }
-                out
-            } else {
-                pg.all_reduce(&input, ReduceOp::Sum)?;
-                input
-            };
-            // The postdivide happens in reduce_dtype, then the result is upcast (FSDP1):
-            // straight into the shard, or (offload) into a device buffer copied to it.
-            let shard = if dst.device() == device {
-                dst.clone()
-            } else if rd == DType::F32 {
-                reduced.clone()
-            } else {
-                Tensor::zeros_on(&[shard_numel], DType::F32, device)?
-            };
-            flat::unpack_grad(&reduced, &shard, 1.0 / post)?;
-            if let Some(d) = keep_lp {
-                round_(&shard, d)?;
-            }
-            // CpuOffload: the device-to-host copy of the gradient shard.
-            if !shard.same_view(&dst) {
-                dst.copy_from(&shard)?;
-            }
-            Ok(())
-        };
-        let work = {
-            let mut s = self.rs.sched.lock();
-            // The reduction's collectives name the unit and the forward calls it covers.
-            let _tag = super::progress::enter(s.progress.reduce(self.id));
-            s.stats.reductions += 1;
-            s.streams.post_backward().submit_keeping(keep, job)
-        };
-        self.pending_grad = Some(PendingGrad { work, out });
-        Ok(())
-    }
-
-    /// Waits for this unit's reduction in flight, if any, and accumulates its shard into
-    /// the sharded gradient.
-    pub(super) fn finish_reduce(&mut self) -> Result<()> {
-        let Some(p) = self.pending_grad.take() else {
-            return Ok(());
-        };
-        let (r, dt) = p.work.wait_timed();
-        self.rs.sched.lock().add_wait(dt);
-        r?;
-        let shard = p.out;
-        match &self.flat.grad_shard {
-            Some(acc) => crate::ops::add_(acc, &shard)?,
-            None => {
-                self.rs.mem.lock().grad_shard_bytes += shard.nbytes();
-                self.flat.grad_shard = Some(shard);
-            }
         }
         Ok(())
     }
@@ -215,7 +100,7 @@ impl FullyShardedDataParallel {
     /// `Fsdp` error when called inside `summon_full_params` (FSDP1 refuses forward and
     /// backward there too).
     fn check_not_summoning(&self, what: &str) -> Result<()> {
-        if self.rs.sched.lock().summoning {
+        if self.rs.sched.lock().progress.pass() == Pass::Summoning {
             return Err(crate::error::Error::Fsdp(format!(
                 "{what} called inside summon_full_params on unit '{}': full parameters are gathered for reading/writing only; run {what} after the closure returns",
                 self.module_name()
@@ -258,11 +143,8 @@ impl Module for FullyShardedDataParallel {
             self.reshard()?;
         }
         if self.is_root {
-            self.rs.sched.lock().progress.end_pass(false);
+            self.rs.sched.lock().progress.end_forward(y.is_ok());
             self.drain_stream()?;
-            if cx.grad_enabled && y.is_ok() {
-                self.rs.sched.lock().pending_backward = true;
-            }
         }
         y
     }
@@ -300,11 +182,7 @@ impl Module for FullyShardedDataParallel {
         if self.is_root {
             // Even after an error: nothing may stay in flight on the stream.
             let fin = self.finalize_backward();
-            {
-                let mut s = self.rs.sched.lock();
-                s.pending_backward = false;
-                s.progress.end_pass(true);
-            }
+            self.rs.sched.lock().progress.end_backward();
             let dx = result?;
             fin?;
             return Ok(dx);

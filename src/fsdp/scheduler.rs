@@ -10,14 +10,15 @@
 //! dropped at the end of the pass. Every rank runs the same program, so every rank makes the
 //! same prefetch decisions and issues the same collectives in the same order.
 
+use super::collectives::Gather;
 use super::flat_param::FlatParameter;
-use super::progress::{self, Progress};
+use super::progress::Progress;
 use super::streams::Streams;
 use super::{MemoryStats, MixedPrecision};
 use crate::backend::Device;
-use crate::distributed::{Group, Work};
+use crate::distributed::Group;
 use crate::error::Result;
-use crate::tensor::{DType, Tensor};
+use crate::tensor::Tensor;
 use parking_lot::Mutex;
 use std::sync::Arc;
 use std::time::Duration;
@@ -53,17 +54,33 @@ pub struct RuntimeStats {
 }
 
 /// Everything needed to all-gather one unit without touching the unit.
-struct UnitComm {
-    shard: Tensor,
-    padded: usize,
+pub(super) struct UnitComm {
+    pub shard: Tensor,
+    pub padded: usize,
     is_root: bool,
 }
 
-/// A gather in flight (or done) whose buffer no unit has taken yet.
-pub(super) struct Gather {
-    pub work: Work,
-    /// `(c W)` f32 values (rounded to `param_dtype` under mixed precision).
-    pub full: Tensor,
+/// Where one unit's full parameters are: the one record of it, kept by the rank's
+/// scheduler so that prefetching can move a unit it does not own (FSDP2's `ShardedState`,
+/// with the gather in flight made explicit).
+///
+/// ```text
+/// Sharded --prefetch--> Prefetched --take--> Gathering --wait ok--> Unsharded
+///    |                      |                    |                      |
+///    +--------take----------+-----> Gathering    +--wait failed--> Sharded
+/// Unsharded --reshard--> Sharded;  Prefetched --unused at the end of a pass--> Sharded
+/// ```
+/// A unit that never frees its parameters (NoShard in f32 without offload) is `Unsharded`
+/// from construction on, viewing its FlatParameter's whole "shard".
+pub(super) enum ParamState {
+    /// Only the local shard exists.
+    Sharded,
+    /// A prefetched all-gather, in flight or done, that no unit has taken yet.
+    Prefetched(Gather),
+    /// The unit took its gather and waits for it (its buffer already counts as unsharded).
+    Gathering,
+    /// The parameters view this gathered buffer, `(c W)`.
+    Unsharded(Tensor),
 }
 
 /// One rank's scheduling state, shared by all its units.
@@ -79,11 +96,10 @@ pub(super) struct Scheduler {
     /// The compute device: gathered buffers are allocated there.
     pub device: Device,
     /// The rank's memory figures: a gather's buffer counts from the moment it is issued.
-    mem: Arc<Mutex<MemoryStats>>,
-    units: Vec<UnitComm>,
-    prefetched: Vec<Option<Gather>>,
-    /// Units currently unsharded (gathered and not yet resharded).
-    unsharded: Vec<bool>,
+    pub(super) mem: Arc<Mutex<MemoryStats>>,
+    pub(super) units: Vec<UnitComm>,
+    /// Each unit's full parameters (see [`ParamState`]).
+    states: Vec<ParamState>,
     /// This iteration's pre-forward order so far, and the previous iteration's.
     pre_fwd: Vec<usize>,
     prev_pre_fwd: Vec<usize>,
@@ -94,14 +110,6 @@ pub(super) struct Scheduler {
     /// The step, micro-batch and pass the rank is in: what its collectives say they are
     /// for.
     pub progress: Progress,
-    /// A root forward with grad enabled has run and its backward has not finished: the
-    /// parameters gathered for that backward (or regathered by it) must not change, so
-    /// state-dict loading and `summon_full_params` refuse to run (FSDP1's
-    /// `TrainingState.FORWARD_BACKWARD`).
-    pub pending_backward: bool,
-    /// Inside `summon_full_params`: forward and backward refuse to run
-    /// (FSDP1's `TrainingState.SUMMON_FULL_PARAMS`).
-    pub summoning: bool,
 }
 
 impl Scheduler {
@@ -124,16 +132,13 @@ impl Scheduler {
             forward_prefetch: false,
             limit_all_gathers: false,
             units: Vec::new(),
-            prefetched: Vec::new(),
-            unsharded: Vec::new(),
+            states: Vec::new(),
             pre_fwd: Vec::new(),
             prev_pre_fwd: Vec::new(),
             post_fwd: Vec::new(),
             bwd_cursor: 0,
             stats: RuntimeStats::default(),
             progress: Progress::default(),
-            pending_backward: false,
-            summoning: false,
         }
     }
 
@@ -150,8 +155,7 @@ impl Scheduler {
             padded: flat.padded_numel(),
             is_root: false,
         });
-        self.prefetched.push(None);
-        self.unsharded.push(false);
+        self.states.push(ParamState::Sharded);
         self.units.len() - 1
     }
 
@@ -161,101 +165,81 @@ impl Scheduler {
         }
     }
 
-    pub fn set_unsharded(&mut self, id: usize, on: bool) {
-        if let Some(u) = self.unsharded.get_mut(id) {
-            *u = on;
+    /// The buffer unit `id`'s parameters view, while it is unsharded.
+    pub fn full(&self, id: usize) -> Option<Tensor> {
+        match self.states.get(id) {
+            Some(ParamState::Unsharded(t)) => Some(t.clone()),
+            _ => None,
         }
     }
 
-    /// Issues the all-gather of unit `id` on the stream: `param_dtype` shard -> `param_dtype`
-    /// full buffer -> f32 values in `full` (under `NoShard`, only the rounded copy). `full`
-    /// is allocated on the compute device by the calling (compute) thread; the stream's
-    /// scratch buffers are its own.
+    /// Unit `id` views `full` from now on (its gather completed, or it never shards).
+    pub fn set_unsharded(&mut self, id: usize, full: Tensor) {
+        if let Some(s) = self.states.get_mut(id) {
+            *s = ParamState::Unsharded(full);
+        }
+    }
+
+    /// Unit `id`'s gather failed: sharded again, its buffer no longer counted.
+    pub fn gather_failed(&mut self, id: usize, bytes: usize) {
+        if let Some(s) = self.states.get_mut(id) {
+            *s = ParamState::Sharded;
+            self.mem.lock().on_reshard(bytes);
+        }
+    }
+
+    /// Frees unit `id`'s gathered buffer: returns it when the unit was unsharded.
+    pub fn reshard(&mut self, id: usize) -> Option<Tensor> {
+        let s = self.states.get_mut(id)?;
+        match std::mem::replace(s, ParamState::Sharded) {
+            ParamState::Unsharded(full) => {
+                self.mem.lock().on_reshard(full.nbytes());
+                Some(full)
+            }
+            other => {
+                *s = other;
+                None
+            }
+        }
+    }
+
+    /// The gather unit `id` waits for next: the prefetched one, or one issued now; `None`
+    /// when the unit is unsharded already. The unit is `Gathering` until it reports the
+    /// wait's outcome ([`set_unsharded`](Self::set_unsharded) or
+    /// [`gather_failed`](Self::gather_failed)).
     ///
     /// # Errors
-    /// [`Error::Cuda`](crate::Error::Cuda) when the buffer cannot be allocated.
-    pub fn issue_gather(&mut self, id: usize) -> Result<Gather> {
-        // The gather's collectives name the unit and the pass it is for.
-        let _tag = progress::enter(self.progress.gather(id));
-        let u = &self.units[id];
-        let device = self.device;
-        let full = Tensor::zeros_on(&[u.padded], DType::F32, device)?;
-        self.mem.lock().on_unshard(full.nbytes());
-        self.stats.all_gathers += 1;
-        let dtype = self.mp.compute_dtype();
-        let keep = vec![full.clone(), u.shard.clone()];
-        let unshard = &self.streams.unshard;
-        let work = if let Some(pre) = &self.streams.pre_unshard {
-            // CpuOffload: the host-to-device copy (and cast to param_dtype) on the
-            // pre-unshard stream, then the gather from it on the unshard stream, which
-            // waits for the copy: the compute thread does not.
-            let on_device = Tensor::zeros_on(u.shard.shape(), dtype, device)?;
-            let h2d = {
-                let (shard, dst) = (u.shard.clone(), on_device.clone());
-                pre.submit_keeping(vec![u.shard.clone(), on_device.clone()], move || {
-                    dst.copy_from(&shard)
-                })
-            };
-            let (pg, out, padded, sharded) =
-                (self.shard_pg.clone(), full.clone(), u.padded, self.sharded);
-            let keep = vec![full.clone(), on_device.clone()];
-            unshard.submit_keeping(keep, move || {
-                h2d.wait()?;
-                if sharded {
-                    let lp_full = Tensor::zeros_on(&[padded], dtype, device)?;
-                    pg.all_gather_into_tensor(&lp_full, &on_device)?;
-                    out.copy_from(&lp_full)
-                } else {
-                    out.copy_from(&on_device)
-                }
-            })
-        } else if !self.sharded {
-            // NoShard: the "shard" is the whole flat parameter; make the compute copy.
-            let (shard, out) = (u.shard.clone(), full.clone());
-            unshard.submit_keeping(keep, move || {
-                out.copy_from(&shard)?;
-                super::mixed_precision::round_(&out, dtype)
-            })
-        } else if dtype == DType::F32 {
-            unshard.all_gather_into_tensor(&self.shard_pg, &full, &u.shard)
-        } else {
-            let (pg, shard, out, padded) = (
-                self.shard_pg.clone(),
-                u.shard.clone(),
-                full.clone(),
-                u.padded,
-            );
-            unshard.submit_keeping(keep, move || {
-                // FSDP1 `_use_low_precision_shard`: cast the shard, gather low precision.
-                let lp_shard = shard.to_dtype(dtype)?;
-                let lp_full = Tensor::zeros_on(&[padded], dtype, device)?;
-                pg.all_gather_into_tensor(&lp_full, &lp_shard)?;
-                out.copy_from(&lp_full)
-            })
+    /// As [`issue_gather`](Self::issue_gather); `Fsdp` for a unit already waiting.
+    pub fn take_or_issue(&mut self, id: usize) -> Result<Option<Gather>> {
+        let Some(s) = self.states.get_mut(id) else {
+            return Err(crate::Error::Fsdp(format!("internal: no FSDP unit {id}")));
         };
-        Ok(Gather { work, full })
+        let g = match std::mem::replace(s, ParamState::Gathering) {
+            ParamState::Prefetched(g) => g,
+            ParamState::Sharded => match self.issue_gather(id) {
+                Ok(g) => g,
+                Err(e) => {
+                    self.states[id] = ParamState::Sharded;
+                    return Err(e);
+                }
+            },
+            ParamState::Unsharded(t) => {
+                self.states[id] = ParamState::Unsharded(t);
+                return Ok(None);
+            }
+            ParamState::Gathering => {
+                return Err(crate::Error::Fsdp(format!(
+                    "internal: FSDP unit {id} gathered twice at once"
+                )))
+            }
+        };
+        Ok(Some(g))
     }
 
-    /// The gather for unit `id`: the prefetched one, or one issued now.
-    ///
-    /// # Errors
-    /// As [`issue_gather`](Self::issue_gather).
-    pub fn take_or_issue(&mut self, id: usize) -> Result<Gather> {
-        // Counted as unsharded from now on (the limit sees the gather in flight).
-        self.set_unsharded(id, true);
-        match self.prefetched.get_mut(id).and_then(Option::take) {
-            Some(g) => Ok(g),
-            None => self
-                .issue_gather(id)
-                .inspect_err(|_| self.set_unsharded(id, false)),
-        }
-    }
-
+    /// Units besides the root whose full parameters exist or are on their way.
     fn unsharded_nonroot(&self) -> usize {
         (0..self.units.len())
-            .filter(|&i| {
-                !self.units[i].is_root && (self.unsharded[i] || self.prefetched[i].is_some())
-            })
+            .filter(|&i| !self.units[i].is_root && !matches!(self.states[i], ParamState::Sharded))
             .count()
     }
 
@@ -263,9 +247,7 @@ impl Scheduler {
     /// unsharded units (two, besides the root) is reached.
     fn prefetch(&mut self, id: usize) {
         if !self.sharded
-            || id >= self.units.len()
-            || self.unsharded[id]
-            || self.prefetched[id].is_some()
+            || !matches!(self.states.get(id), Some(ParamState::Sharded))
             || (self.limit_all_gathers && self.unsharded_nonroot() >= 2)
         {
             return;
@@ -274,14 +256,14 @@ impl Scheduler {
         // and reports the error then.
         if let Ok(g) = self.issue_gather(id) {
             self.stats.prefetched_all_gathers += 1;
-            self.prefetched[id] = Some(g);
+            self.states[id] = ParamState::Prefetched(g);
         }
     }
 
     /// Pre-forward of unit `id` (after its own gather was issued): records the order and,
     /// with `forward_prefetch`, prefetches the unit that came next last iteration.
     pub fn on_pre_forward(&mut self, id: usize, is_root: bool) {
-        self.progress.entered_forward(id);
+        self.progress.entered(id);
         if is_root {
             self.prev_pre_fwd = std::mem::take(&mut self.pre_fwd);
             self.post_fwd.clear();
@@ -304,7 +286,7 @@ impl Scheduler {
     /// backward reaches next and its place in the backward order (if known), and prefetches
     /// it under `BackwardPre`.
     pub fn on_pre_backward(&mut self, id: usize, is_root: bool) -> Option<(usize, usize)> {
-        self.progress.entered_backward(id);
+        self.progress.entered(id);
         if is_root {
             self.bwd_cursor = 0;
         }
@@ -340,8 +322,11 @@ impl Scheduler {
     /// Waits for and drops every prefetch nobody used; returns the first error among them.
     pub fn drain_prefetches(&mut self) -> Result<()> {
         let mut first = Ok(());
-        for slot in self.prefetched.iter_mut() {
-            if let Some(g) = slot.take() {
+        for state in self.states.iter_mut() {
+            if !matches!(state, ParamState::Prefetched(_)) {
+                continue;
+            }
+            if let ParamState::Prefetched(g) = std::mem::replace(state, ParamState::Sharded) {
                 self.stats.unused_prefetches += 1;
                 self.mem.lock().on_reshard(g.full.nbytes());
                 let (r, dt) = g.work.wait_timed();

@@ -1,8 +1,8 @@
 //! The FSDP unit: a `Module` that owns one FlatParameter; construction, wrapping and
 //! accessors. The hooks around forward and backward are in `runtime.rs`.
 
+use super::collectives::PendingGrad;
 use super::flat_param::FlatParameter;
-use super::runtime::PendingGrad;
 use super::scheduler::{RuntimeStats, Scheduler};
 use super::{MemoryStats, MixedPrecision, ShardingStrategy};
 use crate::backend::Device;
@@ -43,6 +43,12 @@ pub(super) struct RankState {
 }
 
 impl RankState {
+    /// Whether units never free their full parameters: NoShard in f32 without offload,
+    /// where the parameters view the whole flat parameter (the "shard") for good.
+    pub(super) fn keeps_unsharded(&self) -> bool {
+        !self.strategy.is_sharded() && !self.mp.is_low_precision() && !self.sched.lock().offload()
+    }
+
     /// Whether the parameter or module `fqn` lies inside an ignored module.
     pub(super) fn is_ignored(&self, fqn: &str) -> bool {
         self.ignored.iter().any(|m| {

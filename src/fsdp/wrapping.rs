@@ -216,12 +216,12 @@ impl FullyShardedDataParallel {
         };
         // The originals now live in the FlatParameter: free them (sharded state).
         unit.point_params(None, false)?;
-        if !rs.strategy.is_sharded() && !rs.mp.is_low_precision() && !rs.sched.lock().offload() {
+        if rs.keeps_unsharded() {
             // NoShard: the "shard" is the whole flat parameter; parameters view it for good
             // (with low-precision compute, unshard makes a rounded copy instead).
             let full = unit.flat.local_shard.clone();
             unit.point_params(Some(&full), false)?;
-            unit.flat.unsharded = Some(full);
+            rs.sched.lock().set_unsharded(unit.id, full);
         }
         // The originals are freed (FSDP held the last reference to them).
         seen.live_bytes = seen.live_bytes.saturating_sub(own_bytes);

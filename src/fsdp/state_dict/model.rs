@@ -35,12 +35,12 @@ impl FullyShardedDataParallel {
     /// new values there would be ignored by (or would corrupt) the pending backward.
     pub(crate) fn check_idle(&self, what: &str) -> Result<()> {
         let s = self.rs.sched.lock();
-        if s.pending_backward {
+        if s.progress.owes_backward() {
             return Err(Error::Fsdp(format!(
                 "{what} between a forward and its backward: the pending backward would compute gradients for parameters other than those the forward used; call it before the forward or after the backward (a forward under Context::eval() leaves nothing pending)"
             )));
         }
-        if s.summoning {
+        if s.progress.pass() == crate::fsdp::progress::Pass::Summoning {
             return Err(Error::Fsdp(format!(
                 "{what} inside summon_full_params: modify the parameters through the module there, or call {what} after the closure returns"
             )));

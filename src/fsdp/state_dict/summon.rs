@@ -44,9 +44,9 @@ impl FullyShardedDataParallel {
         });
         let out = match res {
             Ok(()) => {
-                self.rs.sched.lock().summoning = true;
+                self.rs.sched.lock().progress.set_summoning(true);
                 let out = f(self);
-                self.rs.sched.lock().summoning = false;
+                self.rs.sched.lock().progress.set_summoning(false);
                 out
             }
             Err(e) => Err(e),
@@ -68,7 +68,7 @@ impl FullyShardedDataParallel {
                 }
                 // Back to what the parameters viewed before: the NoShard flat parameter or
                 // nothing (sharded).
-                let prev = u.flat.unsharded.clone();
+                let prev = u.rs.sched.lock().full(u.id);
                 u.point_params(prev.as_ref(), false)?;
                 u.rs.mem.lock().on_reshard(full.nbytes());
                 Ok(())

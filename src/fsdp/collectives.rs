@@ -1,0 +1,207 @@
+//! A unit's two collective mechanisms: the all-gather that unshards its FlatParameter
+//! (on the unshard stream, after the pre-unshard stream's host-to-device copy under CPU
+//! offload) and the reduction of its flat gradient (on the post-backward stream): FSDP1's
+//! `_unshard` / `_reduce_grad` in `_runtime_utils.py`, FSDP2's `_fsdp_collectives.py`.
+//! Both allocate their output on the compute thread and hand the stream job everything it
+//! reads, so the job never touches the unit; the buffers travel with the job's `Work`.
+
+use super::mixed_precision::round_;
+use super::progress;
+use super::scheduler::Scheduler;
+use super::unit::gradient_divide_factors;
+use super::FullyShardedDataParallel;
+use crate::backend::Device;
+use crate::distributed::{ReduceOp, Work};
+use crate::error::Result;
+use crate::ops::flat;
+use crate::tensor::{DType, Tensor};
+
+/// An all-gather in flight (or done): its handle and the buffer it fills.
+pub(super) struct Gather {
+    pub work: Work,
+    /// `(c W)` f32 values (rounded to `param_dtype` under mixed precision).
+    pub full: Tensor,
+}
+
+impl Scheduler {
+    /// Issues the all-gather of unit `id` on the stream: `param_dtype` shard -> `param_dtype`
+    /// full buffer -> f32 values in `full` (under `NoShard`, only the rounded copy). `full`
+    /// is allocated on the compute device by the calling (compute) thread; the stream's
+    /// scratch buffers are its own.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`](crate::Error::Cuda) when the buffer cannot be allocated.
+    pub fn issue_gather(&mut self, id: usize) -> Result<Gather> {
+        // The gather's collectives name the unit and the pass it is for.
+        let _tag = progress::enter(self.progress.gather(id));
+        let u = &self.units[id];
+        let device = self.device;
+        let full = Tensor::zeros_on(&[u.padded], DType::F32, device)?;
+        self.mem.lock().on_unshard(full.nbytes());
+        self.stats.all_gathers += 1;
+        let dtype = self.mp.compute_dtype();
+        let keep = vec![full.clone(), u.shard.clone()];
+        let unshard = &self.streams.unshard;
+        let work = if let Some(pre) = &self.streams.pre_unshard {
+            // CpuOffload: the host-to-device copy (and cast to param_dtype) on the
+            // pre-unshard stream, then the gather from it on the unshard stream, which
+            // waits for the copy: the compute thread does not.
+            let on_device = Tensor::zeros_on(u.shard.shape(), dtype, device)?;
+            let h2d = {
+                let (shard, dst) = (u.shard.clone(), on_device.clone());
+                pre.submit_keeping(vec![u.shard.clone(), on_device.clone()], move || {
+                    dst.copy_from(&shard)
+                })
+            };
+            let (pg, out, padded, sharded) =
+                (self.shard_pg.clone(), full.clone(), u.padded, self.sharded);
+            let keep = vec![full.clone(), on_device.clone()];
+            unshard.submit_keeping(keep, move || {
+                h2d.wait()?;
+                if sharded {
+                    let lp_full = Tensor::zeros_on(&[padded], dtype, device)?;
+                    pg.all_gather_into_tensor(&lp_full, &on_device)?;
+                    out.copy_from(&lp_full)
+                } else {
+                    out.copy_from(&on_device)
+                }
+            })
+        } else if !self.sharded {
+            // NoShard: the "shard" is the whole flat parameter; make the compute copy.
+            let (shard, out) = (u.shard.clone(), full.clone());
+            unshard.submit_keeping(keep, move || {
+                out.copy_from(&shard)?;
+                super::mixed_precision::round_(&out, dtype)
+            })
+        } else if dtype == DType::F32 {
+            unshard.all_gather_into_tensor(&self.shard_pg, &full, &u.shard)
+        } else {
+            let (pg, shard, out, padded) = (
+                self.shard_pg.clone(),
+                u.shard.clone(),
+                full.clone(),
+                u.padded,
+            );
+            unshard.submit_keeping(keep, move || {
+                // FSDP1 `_use_low_precision_shard`: cast the shard, gather low precision.
+                let lp_shard = shard.to_dtype(dtype)?;
+                let lp_full = Tensor::zeros_on(&[padded], dtype, device)?;
+                pg.all_gather_into_tensor(&lp_full, &lp_shard)?;
+                out.copy_from(&lp_full)
+            })
+        };
+        Ok(Gather { work, full })
+    }
+}
+
+/// A gradient reduction in flight: its handle and the f32 shard it fills (complete once
+/// the handle is).
+pub(super) struct PendingGrad {
+    work: Work,
+    out: Tensor,
+}
+
+impl FullyShardedDataParallel {
+    /// Issues the reduction of the flat gradient on the stream: predivide, reduce-scatter
+    /// over the shard group (then all-reduce over the replicate group under hybrid
+    /// sharding; all-reduce over the world under NoShard), postdivide, all in
+    /// `reduce_dtype`. FSDP1 `_post_backward_hook` / `_reduce_grad`. The f32 shard it
+    /// produces is allocated here, on the compute thread (on the host under CPU offload:
+    /// the device-to-host copy ends the job), so its memory belongs to the compute stream.
+    pub(super) fn issue_reduce(&mut self, flat_grad: Tensor) -> Result<()> {
+        // A unit that ran backward twice in one pass: fold the first result in first.
+        self.finish_reduce()?;
+        let mp = self.rs.mp;
+        if mp.is_low_precision() {
+            // The gradient of low-precision compute is a low-precision tensor.
+            round_(&flat_grad, mp.compute_dtype())?;
+        }
+        let rd = mp.reduce_dtype();
+        // Averaging is over the whole data-parallel world, hybrid or not.
+        let (pre, post) = gradient_divide_factors(self.rs.pg.size());
+        let shard_numel = self.flat.shard_numel();
+        let sharded = self.rs.strategy.is_sharded();
+        // The reduce-scatter's communicator: not the one the unshard stream gathers on.
+        let (shard_pg, offload) = {
+            let s = self.rs.sched.lock();
+            (s.streams.reduce_pg.clone(), s.offload())
+        };
+        let (pg, rep) = (self.rs.pg.clone(), self.rs.replicate_pg.clone());
+        let keep_lp = mp.keep_low_precision_grads.then(|| mp.compute_dtype());
+        let device = self.rs.device;
+        let out = Tensor::zeros_on(
+            &[shard_numel],
+            DType::F32,
+            if offload { Device::Cpu } else { device },
+        )?;
+        let dst = out.clone();
+        let keep = vec![flat_grad.clone(), out.clone()];
+        let job = move || -> Result<()> {
+            // Predivide fused with the cast to reduce_dtype (in place in f32).
+            let input = if rd == DType::F32 {
+                flat_grad.clone()
+            } else {
+                Tensor::zeros_on(flat_grad.shape(), rd, device)?
+            };
+            flat::pack_grad(&flat_grad, &input, 1.0 / pre)?;
+            let reduced = if sharded {
+                let out = Tensor::zeros_on(&[shard_numel], rd, device)?;
+                shard_pg.reduce_scatter_tensor(&out, &input, ReduceOp::Sum)?;
+                if let Some(rep) = &rep {
+                    rep.all_reduce(&out, ReduceOp::Sum)?;
+                }
+                out
+            } else {
+                pg.all_reduce(&input, ReduceOp::Sum)?;
+                input
+            };
+            // The postdivide happens in reduce_dtype, then the result is upcast (FSDP1):
+            // straight into the shard, or (offload) into a device buffer copied to it.
+            let shard = if dst.device() == device {
+                dst.clone()
+            } else if rd == DType::F32 {
+                reduced.clone()
+            } else {
+                Tensor::zeros_on(&[shard_numel], DType::F32, device)?
+            };
+            flat::unpack_grad(&reduced, &shard, 1.0 / post)?;
+            if let Some(d) = keep_lp {
+                round_(&shard, d)?;
+            }
+            // CpuOffload: the device-to-host copy of the gradient shard.
+            if !shard.same_view(&dst) {
+                dst.copy_from(&shard)?;
+            }
+            Ok(())
+        };
+        let work = {
+            let mut s = self.rs.sched.lock();
+            // The reduction's collectives name the unit and the forward calls it covers.
+            let _tag = super::progress::enter(s.progress.reduce(self.id));
+            s.stats.reductions += 1;
+            s.streams.post_backward().submit_keeping(keep, job)
+        };
+        self.pending_grad = Some(PendingGrad { work, out });
+        Ok(())
+    }
+
+    /// Waits for this unit's reduction in flight, if any, and accumulates its shard into
+    /// the sharded gradient.
+    pub(super) fn finish_reduce(&mut self) -> Result<()> {
+        let Some(p) = self.pending_grad.take() else {
+            return Ok(());
+        };
+        let (r, dt) = p.work.wait_timed();
+        self.rs.sched.lock().add_wait(dt);
+        r?;
+        let shard = p.out;
+        match &self.flat.grad_shard {
+            Some(acc) => crate::ops::add_(acc, &shard)?,
+            None => {
+                self.rs.mem.lock().grad_shard_bytes += shard.nbytes();
+                self.flat.grad_shard = Some(shard);
+            }
+        }
+        Ok(())
+    }
+}
