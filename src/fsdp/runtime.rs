@@ -119,70 +119,233 @@ impl FullyShardedDataParallel {
     }
 }
 
+/// A unit between [`pre_backward`](FullyShardedDataParallel::pre_backward) and
+/// [`post_backward`](FullyShardedDataParallel::post_backward): the unit backward reaches
+/// next (for `BackwardPost` prefetch) and the flat gradient its parameters' grads view.
+pub(super) struct InBackward {
+    next: Option<(usize, usize)>,
+    flat_grad: Tensor,
+}
+
+/// The hooks, for a host that runs a unit's compute itself (FSDP2's `fully_shard` hooks;
+/// FSDP1's `_pre_forward`, `_post_forward`, `_pre_backward_hook`, `_post_backward_hook`
+/// and `_post_backward_final_callback`). The `Module` implementation below is these hooks
+/// around the wrapped module's forward and backward; a host that brings its own tensors
+/// and autograd calls them in the same order:
+///
+/// ```text
+/// forward, units in the host's order (outer before inner):
+///     u.pre_forward(grad)  -> compute with u.param_views()  -> u.post_forward(ok)
+/// backward, in reverse:
+///     u.pre_backward()     -> write or add d loss / d param into u.grad_views()
+///                          -> u.post_backward(ok)
+/// once, after the root's post_backward:  root.finish_backward()
+/// ```
+/// The root's forward encloses every other unit's (its `pre_forward` first, its
+/// `post_forward` last), as its backward does.
+impl FullyShardedDataParallel {
+    /// Before this unit's forward: all-gathers its parameters (or takes the prefetched
+    /// gather) and prefetches the next unit (`forward_prefetch`); the root first starts a
+    /// new iteration. `grad_enabled`: the forward saves activations for a backward (false
+    /// is `torch.no_grad()`: the parameters are freed again after it). On error the unit
+    /// is sharded again and needs no `post_forward`.
+    ///
+    /// # Errors
+    /// `Fsdp` inside `summon_full_params` or between this unit's `pre_forward` and
+    /// `post_forward`; the all-gather's error.
+    pub fn pre_forward(&mut self, grad_enabled: bool) -> Result<()> {
+        self.check_not_summoning("forward")?;
+        if self.forward_grad.is_some() {
+            return Err(self.out_of_order("pre_forward", "its post_forward"));
+        }
+        if self.is_root {
+            self.rs.sched.lock().progress.begin_forward(grad_enabled);
+        }
+        let g = self.begin_unshard();
+        self.rs.sched.lock().on_pre_forward(self.id, self.is_root);
+        self.forward_grad = Some(grad_enabled);
+        if let Err(e) = self.finish_unshard(g) {
+            self.post_forward(false)?;
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// After this unit's forward (`ok`: it succeeded): frees the gathered parameters when
+    /// the strategy reshards after forward (FullShard, HybridShard; not the root), without
+    /// grad, or after a failure; the root then waits for its streams.
+    ///
+    /// # Errors
+    /// `Fsdp` without a `pre_forward` first; a collective's error found at the end of the
+    /// root's forward.
+    pub fn post_forward(&mut self, ok: bool) -> Result<()> {
+        let Some(grad) = self.forward_grad.take() else {
+            return Err(self.out_of_order("post_forward", "pre_forward"));
+        };
+        self.rs.sched.lock().on_post_forward(self.id);
+        let free = !grad || !ok || (!self.is_root && self.rs.strategy.reshard_after_forward());
+        if free {
+            self.reshard()?;
+        }
+        if self.is_root {
+            self.rs.sched.lock().progress.end_forward(ok);
+            self.drain_stream()?;
+        }
+        Ok(())
+    }
+
+    /// Before this unit's backward: gathers its parameters again if the forward freed them
+    /// (prefetching the next unit under `BackwardPre`) and points every parameter's grad
+    /// at its view of a zeroed flat gradient buffer (under `no_sync`, at the gradient
+    /// accumulated so far), into which the backward adds (`+=`) d loss / d param.
+    ///
+    /// # Errors
+    /// `Fsdp` inside `summon_full_params` or twice without `post_backward`; the
+    /// all-gather's error; `Cuda` when the buffer cannot be allocated.
+    pub fn pre_backward(&mut self) -> Result<()> {
+        self.check_not_summoning("backward")?;
+        if self.in_backward.is_some() {
+            return Err(self.out_of_order("pre_backward", "its post_backward"));
+        }
+        if self.is_root {
+            self.rs.sched.lock().progress.begin_backward();
+        }
+        let g = self.begin_unshard();
+        let next = self.rs.sched.lock().on_pre_backward(self.id, self.is_root);
+        self.finish_unshard(g)?;
+        // Layers accumulate (+=) into their grad views, so a gradient kept from backwards
+        // under no_sync simply keeps growing.
+        let flat_grad = match self.flat.unsynced_grad.take() {
+            Some(g) => g,
+            None => Tensor::zeros_on(&[self.flat.padded_numel()], DType::F32, self.rs.device)?,
+        };
+        self.point_params(Some(&flat_grad), true)?;
+        self.in_backward = Some(InBackward { next, flat_grad });
+        Ok(())
+    }
+
+    /// After this unit's backward (`ok`: it succeeded): frees the gathered parameters,
+    /// prefetches the next unit under `BackwardPost`, and issues the reduction of the
+    /// flat gradient on the post-backward stream (under `no_sync`, keeps it instead).
+    ///
+    /// # Errors
+    /// `Fsdp` without a `pre_backward` first; `Cuda` when the reduction's buffers cannot
+    /// be allocated.
+    pub fn post_backward(&mut self, ok: bool) -> Result<()> {
+        let Some(InBackward { next, flat_grad }) = self.in_backward.take() else {
+            return Err(self.out_of_order("post_backward", "pre_backward"));
+        };
+        self.point_params(None, true)?;
+        self.reshard()?;
+        if !ok {
+            return Ok(());
+        }
+        self.rs.sched.lock().on_post_backward(next);
+        if self.sync_grads {
+            self.issue_reduce(flat_grad)
+        } else {
+            self.flat.unsynced_grad = Some(flat_grad);
+            Ok(())
+        }
+    }
+
+    /// Once per backward, on the root after its `post_backward` (also after a failed
+    /// backward: nothing may stay in flight): waits for every unit's reduction and
+    /// accumulates it into the sharded gradients, drops unused prefetches.
+    ///
+    /// # Errors
+    /// `Fsdp` on a nested unit; the first reduction's error.
+    pub fn finish_backward(&mut self) -> Result<()> {
+        if !self.is_root {
+            return Err(crate::error::Error::Fsdp(format!(
+                "finish_backward called on unit '{}': it ends the whole backward and belongs to the root",
+                self.module_name()
+            )));
+        }
+        let fin = self.finalize_backward();
+        self.rs.sched.lock().progress.end_backward();
+        fin
+    }
+
+    /// `(name, full parameter)` of this unit's parameters while it is unsharded (between
+    /// `pre_forward` and `post_forward`, `pre_backward` and `post_backward`), in
+    /// `named_parameters()` order; tied parameters once per name.
+    ///
+    /// # Errors
+    /// `NotMaterialized` while the unit is sharded.
+    pub fn param_views(&mut self) -> Result<Vec<(String, Tensor)>> {
+        self.views(false)
+    }
+
+    /// `(name, gradient)` of this unit's trainable parameters between `pre_backward` and
+    /// `post_backward`: views of the flat gradient buffer, f32 of the parameters' shapes,
+    /// into which the host adds d loss / d param (tied parameters share one view).
+    ///
+    /// # Errors
+    /// `Fsdp` outside `pre_backward` .. `post_backward`.
+    pub fn grad_views(&mut self) -> Result<Vec<(String, Tensor)>> {
+        if self.in_backward.is_none() {
+            return Err(self.out_of_order("grad_views", "pre_backward"));
+        }
+        self.views(true)
+    }
+
+    fn views(&mut self, grads: bool) -> Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::new();
+        let mut res: Result<()> = Ok(());
+        let (prefix, rs) = (self.prefix.clone(), self.rs.clone());
+        crate::nn::visit_parameters(self.module.as_mut(), &prefix, true, &mut |name, p| {
+            if res.is_err() || rs.is_ignored(name) {
+                return;
+            }
+            if grads {
+                out.extend(p.grad().map(|g| (name.to_string(), g.clone())));
+            } else {
+                match p.data() {
+                    Ok(d) => out.push((name.to_string(), d.clone())),
+                    Err(e) => res = Err(e),
+                }
+            }
+        });
+        res.map(|()| out)
+    }
+
+    fn out_of_order(&self, call: &str, needs: &str) -> crate::error::Error {
+        crate::error::Error::Fsdp(format!(
+            "{call} on unit '{}' without {needs} first: each unit's hooks go pre_forward, post_forward, then pre_backward, post_backward",
+            self.module_name()
+        ))
+    }
+}
+
 impl Module for FullyShardedDataParallel {
     fn type_name(&self) -> &'static str {
         "FullyShardedDataParallel"
     }
 
     fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
-        self.check_not_summoning("forward")?;
-        if self.is_root {
-            self.rs.sched.lock().progress.begin_forward(cx.grad_enabled);
-        }
-        let g = self.begin_unshard();
-        self.rs.sched.lock().on_pre_forward(self.id, self.is_root);
-        let y = self.finish_unshard(g).and_then(|()| {
-            let cast = self.cast_input(x)?;
+        self.pre_forward(cx.grad_enabled)?;
+        let y = self.cast_input(x).and_then(|cast| {
             // The unit's GEMMs read param_dtype operands (see `ops::autocast`).
             let _lp = crate::ops::autocast(self.rs.mp.param_dtype);
             self.module.forward(cast.as_ref().unwrap_or(x), cx)
         });
-        self.rs.sched.lock().on_post_forward(self.id);
-        let free = !cx.grad_enabled || (!self.is_root && self.rs.strategy.reshard_after_forward());
-        if free || y.is_err() {
-            self.reshard()?;
-        }
-        if self.is_root {
-            self.rs.sched.lock().progress.end_forward(y.is_ok());
-            self.drain_stream()?;
-        }
+        self.post_forward(y.is_ok())?;
         y
     }
 
     fn backward(&mut self, grad_out: &Tensor, cx: &Context) -> Result<Tensor> {
         self.check_not_summoning("backward")?;
-        if self.is_root {
-            self.rs.sched.lock().progress.begin_backward();
-        }
-        let g = self.begin_unshard();
-        let next = self.rs.sched.lock().on_pre_backward(self.id, self.is_root);
-        let result = self.finish_unshard(g).and_then(|()| {
-            // Layers accumulate (+=) into their grad views, so a gradient kept from
-            // backwards under no_sync simply keeps growing.
-            let flat_grad = match self.flat.unsynced_grad.take() {
-                Some(g) => g,
-                None => Tensor::zeros_on(&[self.flat.padded_numel()], DType::F32, self.rs.device)?,
-            };
-            self.point_params(Some(&flat_grad), true)?;
+        let result = self.pre_backward().and_then(|()| {
             let dx = {
                 let _lp = crate::ops::autocast(self.rs.mp.param_dtype);
                 self.module.backward(grad_out, cx)
             };
-            self.point_params(None, true)?;
-            self.reshard()?;
-            let dx = dx?;
-            self.rs.sched.lock().on_post_backward(next);
-            if self.sync_grads {
-                self.issue_reduce(flat_grad)?;
-            } else {
-                self.flat.unsynced_grad = Some(flat_grad);
-            }
-            Ok(dx)
+            self.post_backward(dx.is_ok())?;
+            dx
         });
         if self.is_root {
-            // Even after an error: nothing may stay in flight on the stream.
-            let fin = self.finalize_backward();
-            self.rs.sched.lock().progress.end_backward();
+            let fin = self.finish_backward();
             let dx = result?;
             fin?;
             return Ok(dx);

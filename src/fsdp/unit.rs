@@ -82,6 +82,10 @@ pub struct FullyShardedDataParallel {
     /// False inside [`FullyShardedDataParallel::no_sync`]: backward accumulates the
     /// unsharded gradient locally instead of reducing it.
     pub(super) sync_grads: bool,
+    /// Between `pre_forward` and `post_forward`: whether that forward saves activations.
+    pub(super) forward_grad: Option<bool>,
+    /// Between `pre_backward` and `post_backward`.
+    pub(super) in_backward: Option<super::runtime::InBackward>,
 }
 
 /// FSDP1's gradient divide factors for a data-parallel world of `dp` ranks

@@ -213,6 +213,8 @@ impl FullyShardedDataParallel {
             id,
             pending_grad: None,
             slots,
+            forward_grad: None,
+            in_backward: None,
         };
         // The originals now live in the FlatParameter: free them (sharded state).
         unit.point_params(None, false)?;
