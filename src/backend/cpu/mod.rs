@@ -6,3 +6,5 @@
 pub mod gemm;
 pub mod kernels;
 pub mod ops;
+pub mod parallel;
+pub mod simd;
