@@ -14,7 +14,7 @@
 //! `split_heads_f32`, `softmax_causal_*_f32` of `nn.cu`.
 
 use super::{check_f32, output, same_device};
-use crate::backend::cpu::kernels as cpu;
+use crate::backend::cpu::fast;
 pub use crate::backend::cpu::kernels::HeadDims;
 use crate::backend::cpu::parallel as par;
 #[cfg(feature = "cuda")]
@@ -249,7 +249,7 @@ pub fn softmax_causal(s: &Tensor, t: usize, scale: f32) -> Result<Tensor> {
         let sv: &[f32] = &sv;
         // Parts own whole (T, T) score matrices; each row is the reference loop.
         par::rows_mut(&mut p.f32_mut()?, s.numel() / (t * t), t * t, 1, |r, p| {
-            cpu::softmax_causal_fwd(&sv[r.start * t * t..r.end * t * t], p, t, scale)
+            fast::softmax_causal_fwd(&sv[r.start * t * t..r.end * t * t], p, t, scale)
         })?;
     }
     Ok(p)
@@ -290,7 +290,7 @@ pub fn softmax_causal_backward_(p: &Tensor, dp: &Tensor, t: usize, scale: f32) -
         p.numel() / (t * t),
         t * t,
         1,
-        |r, dp| cpu::softmax_causal_bwd(&pv[r.start * t * t..r.end * t * t], dp, t, scale),
+        |r, dp| fast::softmax_causal_bwd(&pv[r.start * t * t..r.end * t * t], dp, t, scale),
     )
 }
 

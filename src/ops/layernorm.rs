@@ -1,10 +1,11 @@
 //! Layer normalization over the last dimension on any device (`F.layer_norm` with an
 //! affine weight and bias): the forward, and the backward to the input and parameters.
-//! CPU: [`crate::backend::cpu::kernels::layernorm_fwd`] / `layernorm_bwd` and the parameter
-//! loops of `nn::LayerNorm`; CUDA: `layernorm_*_f32` of `nn.cu`.
+//! CPU: [`crate::backend::cpu::fast::layernorm_fwd`] / `layernorm_bwd` (the references in
+//! `backend::cpu::kernels` with 8 rows interleaved, same bits) over blocks of rows in
+//! parallel, and column-split parameter loops; CUDA: `layernorm_*_f32` of `nn.cu`.
 
 use super::{check_f32, output, same_device};
-use crate::backend::cpu::kernels as cpu;
+use crate::backend::cpu::fast;
 use crate::backend::cpu::parallel as par;
 #[cfg(feature = "cuda")]
 use crate::backend::Device;
@@ -88,7 +89,7 @@ pub fn layer_norm(
             n,
             par::HEAVY_GRAIN / c,
             |r, y, xhat, rstd| {
-                cpu::layernorm_fwd(&xs[r.start * c..r.end * c], ws, bs, eps, y, xhat, rstd)
+                fast::layernorm_fwd(&xs[r.start * c..r.end * c], ws, bs, eps, y, xhat, rstd)
             },
         )?;
     }
@@ -180,7 +181,7 @@ pub fn layer_norm_backward(
     let (rs, ws): (&[f32], &[f32]) = (&rv, &wv);
     par::rows_mut(&mut dx.f32_mut()?, n, c, par::HEAVY_GRAIN / c, |r, dx| {
         let span = r.start * c..r.end * c;
-        cpu::layernorm_bwd(&dys[span.clone()], &xhs[span], &rs[r], ws, dx)
+        fast::layernorm_bwd(&dys[span.clone()], &xhs[span], &rs[r], ws, dx)
     })?;
     Ok(dx)
 }

@@ -8,7 +8,7 @@
 //! | [`sum_loss`] | one pass | the values summed on the host, `fill_` for the gradient |
 
 use super::same_device;
-use crate::backend::cpu::kernels as cpu;
+use crate::backend::cpu::fast;
 use crate::backend::cpu::parallel as par;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
@@ -86,7 +86,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<(f32, Tensor)>
             (&mut losses, 1),
             n,
             par::HEAVY_GRAIN / v,
-            |r, g, l| cpu::cross_entropy(&ls[r.start * v..r.end * v], &ts[r], inv_n, l, g),
+            |r, g, l| fast::cross_entropy(&ls[r.start * v..r.end * v], &ts[r], inv_n, l, g),
         )?;
     }
     let total = losses.iter().fold(0.0f64, |t, &l| t + l as f64);

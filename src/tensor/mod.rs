@@ -139,7 +139,7 @@ impl Tensor {
                 got: vec![data.len()],
             });
         }
-        pool::count_allocation();
+        pool::count_allocation(data.len());
         let buf = T::into_buffer(data);
         Ok(Self::from_buffer(buf, shape))
     }

@@ -4,8 +4,7 @@
 //!
 //! [`allocations`] counts the CPU tensor buffers that came from the heap (not from the
 //! pool) since the process started; tests and `fsdp bench` read it per step. The pool
-//! keeps at most [`POOL_BYTES`] and takes only buffers of at least [`POOL_MIN_LEN`]
-//! elements (small ones are cheap for the allocator).
+//! keeps at most [`POOL_BYTES`].
 //!
 //! A pooled buffer is handed out either zeroed ([`take_f32`] with `zeroed`) or holding a
 //! previous tensor's values, for an op that overwrites every element of its output
@@ -20,8 +19,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// of the 8 x 256, seq 128 configuration with room to spare.
 pub const POOL_BYTES: usize = 1 << 30;
 
-/// Shortest buffer (elements) the pool keeps: 4 KiB of f32.
-pub const POOL_MIN_LEN: usize = 1024;
+/// Shortest buffer (elements) the pool keeps (an empty one is no allocation).
+pub const POOL_MIN_LEN: usize = 1;
 
 static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
 static REUSES: AtomicU64 = AtomicU64::new(0);
@@ -55,9 +54,11 @@ pub fn clear() {
     *POOL.lock() = None;
 }
 
-/// Counts a buffer that came from the heap.
-pub(crate) fn count_allocation() {
-    ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+/// Counts a buffer of `len` elements that came from the heap (an empty one did not).
+pub(crate) fn count_allocation(len: usize) {
+    if len > 0 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 /// An f32 buffer of `len` elements: a pooled one when there is one (zeroed when `zeroed`,
@@ -77,7 +78,7 @@ pub(crate) fn take_f32(len: usize, zeroed: bool) -> Vec<f32> {
             return v;
         }
     }
-    count_allocation();
+    count_allocation(len);
     vec![0.0; len]
 }
 

@@ -49,7 +49,7 @@ impl Buffer {
         if dtype == DType::F32 {
             return Buffer::F32(super::pool::take_f32(len, true));
         }
-        super::pool::count_allocation();
+        super::pool::count_allocation(len);
         match dtype {
             DType::F32 => Buffer::F32(vec![0.0; len]),
             DType::BF16 => Buffer::BF16(vec![bf16::ZERO; len]),
