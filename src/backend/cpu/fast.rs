@@ -268,6 +268,9 @@ mod tests {
             .collect()
     }
 
+    type LayerNormFwd =
+        fn(&[f32], &[f32], &[f32], f32, &mut [f32], &mut [f32], &mut [f32]) -> Result<()>;
+
     fn bits(v: &[f32]) -> Vec<u32> {
         v.iter().map(|x| x.to_bits()).collect()
     }
@@ -277,15 +280,7 @@ mod tests {
         for (rows, c) in [(19, 7), (8, 128), (3, 5), (0, 4), (33, 64)] {
             let (x, dy) = (data(rows * c, 1), data(rows * c, 2));
             let (w, b) = (data(c, 3), data(c, 4));
-            let run = |fwd: fn(
-                &[f32],
-                &[f32],
-                &[f32],
-                f32,
-                &mut [f32],
-                &mut [f32],
-                &mut [f32],
-            ) -> Result<()>| {
+            let run = |fwd: LayerNormFwd| {
                 let (mut y, mut xh, mut rs) =
                     (vec![0.0; rows * c], vec![0.0; rows * c], vec![0.0; rows]);
                 fwd(&x, &w, &b, 1e-5, &mut y, &mut xh, &mut rs).unwrap();

@@ -55,20 +55,35 @@ macro_rules! multiversion {
 }
 pub(crate) use multiversion;
 
+/// The widest copy this CPU runs: 4 (AVX-512 F, VL, BW, DQ with AVX2 and FMA), 3 (AVX2
+/// and FMA) or 0 (baseline); detected once per process.
+#[cfg(target_arch = "x86_64")]
+fn level() -> u8 {
+    use std::arch::is_x86_feature_detected as has;
+    static LEVEL: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        let v3 = has!("avx2") && has!("fma");
+        let v4 = v3 && has!("avx512f") && has!("avx512vl") && has!("avx512bw") && has!("avx512dq");
+        if v4 {
+            4
+        } else if v3 {
+            3
+        } else {
+            0
+        }
+    })
+}
+
 /// True when the CPU runs the AVX-512 copies (F, VL, BW, DQ, with AVX2 and FMA).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 pub fn has_avx512() -> bool {
-    std::arch::is_x86_feature_detected!("avx512f")
-        && std::arch::is_x86_feature_detected!("avx512vl")
-        && std::arch::is_x86_feature_detected!("avx512bw")
-        && std::arch::is_x86_feature_detected!("avx512dq")
-        && has_avx2()
+    level() == 4
 }
 
 /// True when the CPU runs the AVX2 copies (AVX2 and FMA).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 pub fn has_avx2() -> bool {
-    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    level() >= 3
 }
