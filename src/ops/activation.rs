@@ -1,15 +1,15 @@
 //! Pointwise activations on any device: `y = f(x)` and `dx = dy * f'(x)` for ReLU and
-//! exact (erf) GELU. CPU: the scalar functions of [`crate::nn`] in a loop; CUDA:
+//! exact (erf) GELU. CPU: the reference loops of [`crate::backend::cpu::kernels`] (the
+//! scalar functions of [`crate::nn`]) over contiguous pieces, in parallel; CUDA:
 //! `relu_*_f32` / `gelu_*_f32` of `nn.cu`, which use the same polynomials and round alike
 //! (bitwise equal).
 
-#[cfg(feature = "cuda")]
-use super::output;
 use super::{check_f32, same_device};
+use crate::backend::cpu::kernels as cpu;
+use crate::backend::cpu::parallel as par;
 #[cfg(feature = "cuda")]
 use crate::backend::Device;
 use crate::error::{Error, Result};
-use crate::nn::{gelu, gelu_grad, relu, relu_grad};
 use crate::tensor::Tensor;
 
 /// Which pointwise function.
@@ -41,7 +41,7 @@ pub fn pointwise(f: Pointwise, x: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {
         use crate::backend::cuda;
-        let y = output(x.shape(), _device)?;
+        let y = super::output(x.shape(), _device)?;
         let (s, xd, yd) = (
             super::stream(i)?,
             x.as_device_tensor()?,
@@ -53,13 +53,17 @@ pub fn pointwise(f: Pointwise, x: &Tensor) -> Result<Tensor> {
         }
         return Ok(y);
     }
-    let xv = x.f32()?;
-    // One monomorphic loop per function, so each inlines and vectorizes.
-    let y: Vec<f32> = match f {
-        Pointwise::Relu => xv.iter().map(|&v| relu(v)).collect(),
-        Pointwise::Gelu => xv.iter().map(|&v| gelu(v)).collect(),
-    };
-    Tensor::from_vec(y, x.shape())
+    let y = super::output(x.shape(), _device)?;
+    {
+        let (xv, mut yv) = (x.f32()?, y.f32_mut()?);
+        let xs: &[f32] = &xv;
+        // Elementwise: any split gives the same bits.
+        par::chunks_mut(&mut yv, par::HEAVY_GRAIN, |r, out| match f {
+            Pointwise::Relu => cpu::relu_fwd(&xs[r], out),
+            Pointwise::Gelu => cpu::gelu_fwd(&xs[r], out),
+        })?;
+    }
+    Ok(y)
 }
 
 /// `dx = dy * f'(x)`, a new f32 tensor of `x`'s shape on its device.
@@ -79,7 +83,7 @@ pub fn pointwise_backward(f: Pointwise, x: &Tensor, dy: &Tensor) -> Result<Tenso
     #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {
         use crate::backend::cuda;
-        let dx = output(x.shape(), _device)?;
+        let dx = super::output(x.shape(), _device)?;
         let s = super::stream(i)?;
         let (xd, gd, dxd) = (
             x.as_device_tensor()?,
@@ -92,11 +96,14 @@ pub fn pointwise_backward(f: Pointwise, x: &Tensor, dy: &Tensor) -> Result<Tenso
         }
         return Ok(dx);
     }
-    let (xv, gv) = (x.f32()?, dy.f32()?);
-    let pairs = xv.iter().zip(gv.iter());
-    let dx: Vec<f32> = match f {
-        Pointwise::Relu => pairs.map(|(&x, &g)| g * relu_grad(x)).collect(),
-        Pointwise::Gelu => pairs.map(|(&x, &g)| g * gelu_grad(x)).collect(),
-    };
-    Tensor::from_vec(dx, x.shape())
+    let dx = super::output(x.shape(), _device)?;
+    {
+        let (xv, gv, mut dxv) = (x.f32()?, dy.f32()?, dx.f32_mut()?);
+        let (xs, gs): (&[f32], &[f32]) = (&xv, &gv);
+        par::chunks_mut(&mut dxv, par::HEAVY_GRAIN, |r, out| match f {
+            Pointwise::Relu => cpu::relu_bwd(&xs[r.clone()], &gs[r], out),
+            Pointwise::Gelu => cpu::gelu_bwd(&xs[r.clone()], &gs[r], out),
+        })?;
+    }
+    Ok(dx)
 }

@@ -14,8 +14,9 @@
 //! `split_heads_f32`, `softmax_causal_*_f32` of `nn.cu`.
 
 use super::{check_f32, output, same_device};
-use crate::backend::cpu::kernels as cpu;
+use crate::backend::cpu::fast;
 pub use crate::backend::cpu::kernels::HeadDims;
+use crate::backend::cpu::parallel as par;
 #[cfg(feature = "cuda")]
 use crate::backend::Device;
 use crate::error::{Error, Result};
@@ -64,18 +65,32 @@ pub fn split_qkv(qkv: &Tensor, d: HeadDims) -> Result<[Tensor; 3]> {
         let HeadDims { b, t, h, hd } = d;
         let c = h * hd;
         let src = qkv.f32()?;
+        let src: &[f32] = &src;
         let (mut q, mut k, mut v) = (out[0].f32_mut()?, out[1].f32_mut()?, out[2].f32_mut()?);
-        for bi in 0..b {
-            for ti in 0..t {
-                let row = &src[(bi * t + ti) * 3 * c..(bi * t + ti + 1) * 3 * c];
-                for hi in 0..h {
-                    let dst = ((bi * h + hi) * t + ti) * hd;
-                    q[dst..dst + hd].copy_from_slice(&row[hi * hd..(hi + 1) * hd]);
-                    k[dst..dst + hd].copy_from_slice(&row[c + hi * hd..c + (hi + 1) * hd]);
-                    v[dst..dst + hd].copy_from_slice(&row[2 * c + hi * hd..2 * c + (hi + 1) * hd]);
+        let per_b = h * t * hd;
+        // Parts own whole sequences (copies: any split gives the same result).
+        par::rows_mut3(
+            (&mut q, per_b),
+            (&mut k, per_b),
+            (&mut v, per_b),
+            b,
+            par::ELEMENTWISE_GRAIN / (3 * per_b).max(1),
+            |r, q, k, v| {
+                for (j, bi) in r.enumerate() {
+                    for ti in 0..t {
+                        let row = &src[(bi * t + ti) * 3 * c..(bi * t + ti + 1) * 3 * c];
+                        for hi in 0..h {
+                            let dst = (j * h + hi) * t * hd + ti * hd;
+                            q[dst..dst + hd].copy_from_slice(&row[hi * hd..(hi + 1) * hd]);
+                            k[dst..dst + hd].copy_from_slice(&row[c + hi * hd..c + (hi + 1) * hd]);
+                            v[dst..dst + hd]
+                                .copy_from_slice(&row[2 * c + hi * hd..2 * c + (hi + 1) * hd]);
+                        }
+                    }
                 }
-            }
-        }
+                Ok(())
+            },
+        )?;
     }
     Ok(out)
 }
@@ -107,19 +122,29 @@ pub fn merge_qkv(dq: &Tensor, dk: &Tensor, dv: &Tensor, d: HeadDims) -> Result<T
     {
         let HeadDims { b, t, h, hd } = d;
         let (q, k, v) = (dq.f32()?, dk.f32()?, dv.f32()?);
+        let (q, k, v): (&[f32], &[f32], &[f32]) = (&q, &k, &v);
         let mut out = dqkv.f32_mut()?;
-        for bi in 0..b {
-            for hi in 0..h {
-                let bh = bi * h + hi;
-                for ti in 0..t {
-                    let src = (bh * t + ti) * hd;
-                    let row = &mut out[(bi * t + ti) * 3 * c..][..3 * c];
-                    row[hi * hd..][..hd].copy_from_slice(&q[src..src + hd]);
-                    row[c + hi * hd..][..hd].copy_from_slice(&k[src..src + hd]);
-                    row[2 * c + hi * hd..][..hd].copy_from_slice(&v[src..src + hd]);
+        par::rows_mut(
+            &mut out,
+            b,
+            t * 3 * c,
+            par::ELEMENTWISE_GRAIN / (3 * t * c).max(1),
+            |r, out| {
+                for (j, bi) in r.enumerate() {
+                    for hi in 0..h {
+                        let bh = bi * h + hi;
+                        for ti in 0..t {
+                            let src = (bh * t + ti) * hd;
+                            let row = &mut out[(j * t + ti) * 3 * c..][..3 * c];
+                            row[hi * hd..][..hd].copy_from_slice(&q[src..src + hd]);
+                            row[c + hi * hd..][..hd].copy_from_slice(&k[src..src + hd]);
+                            row[2 * c + hi * hd..][..hd].copy_from_slice(&v[src..src + hd]);
+                        }
+                    }
                 }
-            }
-        }
+                Ok(())
+            },
+        )?;
     }
     Ok(dqkv)
 }
@@ -164,20 +189,31 @@ fn permute_heads(op: &'static str, src: &Tensor, d: HeadDims, split: bool) -> Re
     }
     {
         let (sv, mut dv) = (src.f32()?, dst.f32_mut()?);
-        for bi in 0..b {
-            for hi in 0..h {
-                for ti in 0..t {
-                    let head_major = ((bi * h + hi) * t + ti) * hd;
-                    let token_major = (bi * t + ti) * c + hi * hd;
-                    let (from, to) = if split {
-                        (token_major, head_major)
-                    } else {
-                        (head_major, token_major)
-                    };
-                    dv[to..to + hd].copy_from_slice(&sv[from..from + hd]);
+        let sv: &[f32] = &sv;
+        par::rows_mut(
+            &mut dv,
+            b,
+            t * c,
+            par::ELEMENTWISE_GRAIN / (t * c).max(1),
+            |r, dv| {
+                let base = r.start * t * c;
+                for bi in r {
+                    for hi in 0..h {
+                        for ti in 0..t {
+                            let head_major = ((bi * h + hi) * t + ti) * hd;
+                            let token_major = (bi * t + ti) * c + hi * hd;
+                            let (from, to) = if split {
+                                (token_major, head_major)
+                            } else {
+                                (head_major, token_major)
+                            };
+                            dv[to - base..to - base + hd].copy_from_slice(&sv[from..from + hd]);
+                        }
+                    }
                 }
-            }
-        }
+                Ok(())
+            },
+        )?;
     }
     Ok(dst)
 }
@@ -208,7 +244,14 @@ pub fn softmax_causal(s: &Tensor, t: usize, scale: f32) -> Result<Tensor> {
         )?;
         return Ok(p);
     }
-    cpu::softmax_causal_fwd(&s.f32()?, &mut p.f32_mut()?, t, scale)?;
+    {
+        let sv = s.f32()?;
+        let sv: &[f32] = &sv;
+        // Parts own whole (T, T) score matrices; each row is the reference loop.
+        par::rows_mut(&mut p.f32_mut()?, s.numel() / (t * t), t * t, 1, |r, p| {
+            fast::softmax_causal_fwd(&sv[r.start * t * t..r.end * t * t], p, t, scale)
+        })?;
+    }
     Ok(p)
 }
 
@@ -240,7 +283,15 @@ pub fn softmax_causal_backward_(p: &Tensor, dp: &Tensor, t: usize, scale: f32) -
             scale,
         );
     }
-    cpu::softmax_causal_bwd(&p.f32()?, &mut dp.f32_mut()?, t, scale)
+    let pv = p.f32()?;
+    let pv: &[f32] = &pv;
+    par::rows_mut(
+        &mut dp.f32_mut()?,
+        p.numel() / (t * t),
+        t * t,
+        1,
+        |r, dp| fast::softmax_causal_bwd(&pv[r.start * t * t..r.end * t * t], dp, t, scale),
+    )
 }
 
 fn check_square_rows(op: &'static str, s: &Tensor, t: usize) -> Result<()> {

@@ -2,6 +2,8 @@
 //! CPU references: [`crate::backend::cpu::ops`]; CUDA: `reduce_scatter.cu`, `flat_param.cu`.
 
 use super::same_device;
+use crate::backend::cpu::ops as cpu_ops;
+use crate::backend::cpu::parallel as par;
 #[cfg(feature = "cuda")]
 use crate::backend::Device;
 use crate::error::{Error, Result};
@@ -47,8 +49,12 @@ pub fn add_(dst: &Tensor, src: &Tensor) -> Result<()> {
     }
     match dst.dtype() {
         DType::F32 => {
-            crate::backend::cpu::ops::add_(&mut dst.f32_mut()?, &src.f32()?);
-            Ok(())
+            let sv = src.f32()?;
+            let ss: &[f32] = &sv;
+            par::chunks_mut(&mut dst.f32_mut()?, par::ELEMENTWISE_GRAIN, |r, d| {
+                cpu_ops::add_(d, &ss[r]);
+                Ok(())
+            })
         }
         DType::BF16 => crate::backend::cpu::kernels::sum_into(
             &mut dst.data_mut::<half::bf16>()?,
@@ -72,7 +78,24 @@ pub fn add_(dst: &Tensor, src: &Tensor) -> Result<()> {
 /// As [`add_`].
 pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     numel_eq("add", a, b)?;
-    same_device("add", &[a, b])?;
+    let device = same_device("add", &[a, b])?;
+    if device == crate::backend::Device::Cpu
+        && a.dtype() == DType::F32
+        && b.dtype() == DType::F32
+        && !a.shares_storage(b)
+    {
+        // One pass: out[i] = a[i] + b[i], into a pooled buffer.
+        let out = super::output(a.shape(), device)?;
+        {
+            let (av, bv) = (a.f32()?, b.f32()?);
+            let (as_, bs): (&[f32], &[f32]) = (&av, &bv);
+            par::chunks_mut(&mut out.f32_mut()?, par::ELEMENTWISE_GRAIN, |r, o| {
+                cpu_ops::add_into(o, &as_[r.clone()], &bs[r]);
+                Ok(())
+            })?;
+        }
+        return Ok(out);
+    }
     let out = a.deep_clone()?;
     add_(&out, b)?;
     Ok(out)
@@ -88,8 +111,10 @@ pub fn scale_(t: &Tensor, alpha: f32) -> Result<()> {
     if let Device::Cuda(i) = _device {
         return crate::backend::cuda::scale(&*super::stream(i)?, &t.as_device_tensor()?, alpha);
     }
-    crate::backend::cpu::ops::scale_(&mut t.f32_mut()?, alpha);
-    Ok(())
+    par::chunks_mut(&mut t.f32_mut()?, par::ELEMENTWISE_GRAIN, |_, d| {
+        cpu_ops::scale_(d, alpha);
+        Ok(())
+    })
 }
 
 /// `t[i] = value` (rounded to the dtype; truncated toward zero for i32) (`Tensor.fill_`).

@@ -5,6 +5,7 @@
 
 use super::{check_f32, output, same_device};
 use crate::backend::cpu::kernels as cpu;
+use crate::backend::cpu::parallel as par;
 #[cfg(feature = "cuda")]
 use crate::backend::Device;
 use crate::error::{Error, Result};
@@ -74,7 +75,21 @@ pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
         )?;
         return Ok(out);
     }
-    cpu::embedding_fwd(&ids.data::<i32>()?, &table.f32()?, c, &mut out.f32_mut()?)?;
+    let (iv, tv) = (ids.data::<i32>()?, table.f32()?);
+    if let Some(i) = iv.iter().position(|&id| id < 0 || id as usize >= v) {
+        let id = iv[i];
+        crate::error::bail_arg!(
+            "embedding: token id {id} at position {i} is outside the vocabulary 0..{v}"
+        );
+    }
+    let (is, ts): (&[i32], &[f32]) = (&iv, &tv);
+    par::rows_mut(
+        &mut out.f32_mut()?,
+        is.len(),
+        c,
+        par::ELEMENTWISE_GRAIN / c,
+        |r, o| cpu::embedding_fwd(&is[r], ts, c, o),
+    )?;
     Ok(out)
 }
 

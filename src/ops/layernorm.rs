@@ -1,10 +1,12 @@
 //! Layer normalization over the last dimension on any device (`F.layer_norm` with an
 //! affine weight and bias): the forward, and the backward to the input and parameters.
-//! CPU: [`crate::backend::cpu::kernels::layernorm_fwd`] / `layernorm_bwd` and the parameter
-//! loops of `nn::LayerNorm`; CUDA: `layernorm_*_f32` of `nn.cu`.
+//! CPU: [`crate::backend::cpu::fast::layernorm_fwd`] / `layernorm_bwd` (the references in
+//! `backend::cpu::kernels` with 8 rows interleaved, same bits) over blocks of rows in
+//! parallel, and column-split parameter loops; CUDA: `layernorm_*_f32` of `nn.cu`.
 
 use super::{check_f32, output, same_device};
-use crate::backend::cpu::kernels as cpu;
+use crate::backend::cpu::fast;
+use crate::backend::cpu::parallel as par;
 #[cfg(feature = "cuda")]
 use crate::backend::Device;
 use crate::error::{Error, Result};
@@ -75,15 +77,22 @@ pub fn layer_norm(
         )?;
         return Ok((y, LayerNormSaved { xhat, rstd }));
     }
-    cpu::layernorm_fwd(
-        &x.f32()?,
-        &w.f32()?,
-        &b.f32()?,
-        eps,
-        &mut y.f32_mut()?,
-        &mut xhat.f32_mut()?,
-        &mut rstd.f32_mut()?,
-    )?;
+    {
+        let (xv, wv, bv) = (x.f32()?, w.f32()?, b.f32()?);
+        let (xs, ws, bs): (&[f32], &[f32], &[f32]) = (&xv, &wv, &bv);
+        let (mut yv, mut xh, mut rs) = (y.f32_mut()?, xhat.f32_mut()?, rstd.f32_mut()?);
+        // Whole rows per part: each row is the reference loop.
+        par::rows_mut3(
+            (&mut yv, c),
+            (&mut xh, c),
+            (&mut rs, 1),
+            n,
+            par::HEAVY_GRAIN / c,
+            |r, y, xhat, rstd| {
+                fast::layernorm_fwd(&xs[r.start * c..r.end * c], ws, bs, eps, y, xhat, rstd)
+            },
+        )?;
+    }
     Ok((y, LayerNormSaved { xhat, rstd }))
 }
 
@@ -147,22 +156,32 @@ pub fn layer_norm_backward(
         return Ok(dx);
     }
     let (dyv, xh) = (dy.f32()?, xhat.f32()?);
-    // Rows are added into the gradients one after another. One gradient guard at a time:
-    // under FSDP both are views of one flat gradient buffer.
+    let (dys, xhs): (&[f32], &[f32]) = (&dyv, &xh);
+    // Rows are added into the gradients one after another; parts own columns, so every
+    // element sees the same additions in the same order for any thread count. One gradient
+    // guard at a time: under FSDP both are views of one flat gradient buffer.
     if let Some(g) = dw {
-        let mut g = g.f32_mut()?;
-        for (dyr, xr) in dyv.chunks_exact(c).zip(xh.chunks_exact(c)) {
-            for j in 0..c {
-                g[j] += dyr[j] * xr[j];
+        par::cols_mut(&mut g.f32_mut()?, 16, |cols, g| {
+            for (dyr, xr) in dys.chunks_exact(c).zip(xhs.chunks_exact(c)) {
+                crate::backend::cpu::ops::add_mul_(g, &dyr[cols.clone()], &xr[cols.clone()]);
             }
-        }
+            Ok(())
+        })?;
     }
     if let Some(g) = db {
-        let mut g = g.f32_mut()?;
-        for dyr in dyv.chunks_exact(c) {
-            crate::backend::cpu::ops::add_(&mut g, dyr);
-        }
+        par::cols_mut(&mut g.f32_mut()?, 16, |cols, g| {
+            for dyr in dys.chunks_exact(c) {
+                crate::backend::cpu::ops::add_(g, &dyr[cols.clone()]);
+            }
+            Ok(())
+        })?;
     }
-    cpu::layernorm_bwd(&dyv, &xh, &rstd.f32()?, &w.f32()?, &mut dx.f32_mut()?)?;
+    let n = rstd.numel();
+    let (rv, wv) = (rstd.f32()?, w.f32()?);
+    let (rs, ws): (&[f32], &[f32]) = (&rv, &wv);
+    par::rows_mut(&mut dx.f32_mut()?, n, c, par::HEAVY_GRAIN / c, |r, dx| {
+        let span = r.start * c..r.end * c;
+        fast::layernorm_bwd(&dys[span.clone()], &xhs[span], &rs[r], ws, dx)
+    })?;
     Ok(dx)
 }

@@ -7,11 +7,10 @@
 //! GPU, so CUDA results agree with the CPU to f32 rounding, not bitwise.
 
 use super::autocast::gemm_dtype;
-#[cfg(feature = "cuda")]
-use super::output;
 use super::{check_f32, same_device};
 use crate::backend::cpu::gemm;
 pub use crate::backend::cpu::gemm::Transpose;
+use crate::backend::cpu::parallel as par;
 #[cfg(feature = "cuda")]
 use crate::backend::Device;
 use crate::error::{bail_arg, Error, Result};
@@ -107,19 +106,24 @@ pub fn matmul_batched(
         return gemm::matmul(&mut o, &av, &bv, m, k, n, trans, accumulate);
     }
     let (mk, kn, mn) = (m * k, k * n, m * n);
-    for i in 0..batch {
-        gemm::matmul(
-            &mut o[i * mn..(i + 1) * mn],
-            &av[i * mk..(i + 1) * mk],
-            &bv[i * kn..(i + 1) * kn],
-            m,
-            k,
-            n,
-            trans,
-            accumulate,
-        )?;
-    }
-    Ok(())
+    let (avs, bvs): (&[f32], &[f32]) = (&av, &bv);
+    // Products are independent: parts own whole products, each one GEMM as without threads
+    // (the gemm crate's result does not depend on its thread count).
+    par::rows_mut(&mut o, batch, mn, 1, |r, o| {
+        for (j, i) in r.enumerate() {
+            gemm::matmul(
+                &mut o[j * mn..(j + 1) * mn],
+                &avs[i * mk..(i + 1) * mk],
+                &bvs[i * kn..(i + 1) * kn],
+                m,
+                k,
+                n,
+                trans,
+                accumulate,
+            )?;
+        }
+        Ok(())
+    })
 }
 
 /// `y (.., out) = x (.., in) @ weight (out, in)^T + bias (out)` (`F.linear`), a new f32
@@ -163,34 +167,48 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     let d = MatmulDims::new(n, i, o, Transpose::NT);
     #[cfg(feature = "cuda")]
     if _device.is_cuda() {
-        let y = output(&shape, _device)?;
+        let y = super::output(&shape, _device)?;
         matmul(&y, x, weight, d, false)?;
         if let Some(b) = bias {
             bias_add_(&y, b)?;
         }
         return Ok(y);
     }
-    // y starts as the bias rows and the product accumulates into it.
-    let mut y = vec![0.0f32; n * o];
-    if let Some(b) = bias {
-        let b = b.f32()?;
-        for row in y.chunks_exact_mut(o.max(1)) {
-            row.copy_from_slice(&b);
-        }
+    // y starts as the bias rows (zeros without one) and the product accumulates into it.
+    let y = super::output(&shape, _device)?;
+    {
+        let mut yv = y.f32_mut()?;
+        let bv = bias.map(|b| b.f32()).transpose()?;
+        let bs: Option<&[f32]> = bv.as_deref();
+        par::rows_mut(
+            &mut yv,
+            n,
+            o,
+            par::ELEMENTWISE_GRAIN / o.max(1),
+            |_, rows| {
+                match bs {
+                    Some(b) => rows
+                        .chunks_exact_mut(o.max(1))
+                        .for_each(|row| row.copy_from_slice(b)),
+                    None => rows.fill(0.0),
+                }
+                Ok(())
+            },
+        )?;
+        // y (n, o) += x (n, i) @ W^T, W stored (o, i)
+        let (x, weight) = (cpu_operand(x)?, cpu_operand(weight)?);
+        gemm::matmul(
+            &mut yv,
+            &x.f32()?,
+            &weight.f32()?,
+            d.m,
+            d.k,
+            d.n,
+            d.trans,
+            true,
+        )?;
     }
-    // y (n, o) += x (n, i) @ W^T, W stored (o, i)
-    let (x, weight) = (cpu_operand(x)?, cpu_operand(weight)?);
-    gemm::matmul(
-        &mut y,
-        &x.f32()?,
-        &weight.f32()?,
-        d.m,
-        d.k,
-        d.n,
-        d.trans,
-        true,
-    )?;
-    Tensor::from_vec(y, &shape)
+    Ok(y)
 }
 
 /// A CPU GEMM operand as the product reads it: `t` itself, or inside an
@@ -240,10 +258,14 @@ pub fn bias_add_(y: &Tensor, b: &Tensor) -> Result<()> {
         );
     }
     let (mut yv, bv) = (y.f32_mut()?, b.f32()?);
-    for row in yv.chunks_exact_mut(c) {
-        crate::backend::cpu::ops::add_(row, &bv);
-    }
-    Ok(())
+    let bs: &[f32] = &bv;
+    let rows = yv.len() / c;
+    par::rows_mut(&mut yv, rows, c, par::ELEMENTWISE_GRAIN / c, |_, y| {
+        for row in y.chunks_exact_mut(c) {
+            crate::backend::cpu::ops::add_(row, bs);
+        }
+        Ok(())
+    })
 }
 
 /// `db[j] += sum_r dy[r, j]` over `dy (rows, C)` and `db (C)`: a bias gradient. The CPU
@@ -271,8 +293,13 @@ pub fn bias_grad(dy: &Tensor, db: &Tensor) -> Result<()> {
         );
     }
     let (dyv, mut g) = (dy.f32()?, db.f32_mut()?);
-    for row in dyv.chunks_exact(c) {
-        crate::backend::cpu::ops::add_(&mut g, row);
-    }
-    Ok(())
+    let dys: &[f32] = &dyv;
+    // Parts own columns and add every row in order ([Note: determinism across thread
+    // counts] in `backend::cpu::parallel`).
+    par::cols_mut(&mut g, 16, |cols, g| {
+        for row in dys.chunks_exact(c) {
+            crate::backend::cpu::ops::add_(g, &row[cols.clone()]);
+        }
+        Ok(())
+    })
 }

@@ -8,7 +8,8 @@
 //! | [`sum_loss`] | one pass | the values summed on the host, `fill_` for the gradient |
 
 use super::same_device;
-use crate::backend::cpu::ops::exp;
+use crate::backend::cpu::fast;
+use crate::backend::cpu::parallel as par;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
 
@@ -68,31 +69,28 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<(f32, Tensor)>
         let total: f64 = losses.to_vec_f32()?.iter().map(|&l| l as f64).sum();
         return Ok(((total / n.max(1) as f64) as f32, grad));
     }
-    let _ = device;
     let lv = logits.f32()?;
     let tv = targets.data::<i32>()?;
-    let mut grad = vec![0.0f32; lv.len()];
-    let mut total = 0.0f64;
-    for (i, (row, g)) in lv.chunks_exact(v).zip(grad.chunks_exact_mut(v)).enumerate() {
+    if let Some(i) = tv.iter().position(|&y| y < 0 || y as usize >= v) {
         let y = tv[i];
-        if y < 0 || y as usize >= v {
-            crate::error::bail_arg!("cross_entropy: target {y} at position {i} is outside 0..{v}");
-        }
-        let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-        let mut sum = 0.0f32;
-        for (gj, &x) in g.iter_mut().zip(row) {
-            *gj = exp(x - max);
-            sum += *gj;
-        }
-        total += (sum.ln() + max - row[y as usize]) as f64;
-        let inv = inv_n / sum;
-        g.iter_mut().for_each(|gj| *gj *= inv);
-        g[y as usize] -= inv_n;
+        crate::error::bail_arg!("cross_entropy: target {y} at position {i} is outside 0..{v}");
     }
-    Ok((
-        (total / n.max(1) as f64) as f32,
-        Tensor::from_vec(grad, logits.shape())?,
-    ))
+    let grad = super::output(logits.shape(), device)?;
+    let mut losses = vec![0.0f32; n];
+    {
+        let (ls, ts): (&[f32], &[i32]) = (&lv, &tv);
+        // Whole rows per part, each the reference loop; the row losses are then summed in
+        // row order, so the loss has the same bits for any thread count.
+        par::rows_mut2(
+            (&mut grad.f32_mut()?, v),
+            (&mut losses, 1),
+            n,
+            par::HEAVY_GRAIN / v,
+            |r, g, l| fast::cross_entropy(&ls[r.start * v..r.end * v], &ts[r], inv_n, l, g),
+        )?;
+    }
+    let total = losses.iter().fold(0.0f64, |t, &l| t + l as f64);
+    Ok(((total / n.max(1) as f64) as f32, grad))
 }
 
 /// Mean squared error `mean((pred - target)^2)` (`F.mse_loss`), and its gradient

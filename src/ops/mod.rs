@@ -97,8 +97,9 @@ pub(crate) fn check_f32(op: &'static str, ts: &[&Tensor]) -> Result<()> {
     }
 }
 
-/// A new f32 tensor of `shape` on `device` that the calling op overwrites entirely: zeros
-/// on the CPU, uninitialized memory on CUDA (no memset to wait for).
+/// A new f32 tensor of `shape` on `device` that the calling op overwrites entirely: on the
+/// CPU a buffer from the [pool](crate::tensor::pool) (stale values, no zero fill), on CUDA
+/// uninitialized memory (no memset to wait for).
 ///
 /// # Errors
 /// [`Error::Cuda`] when the device is unavailable or out of memory.
@@ -107,6 +108,9 @@ pub(crate) fn output(shape: &[usize], device: Device) -> Result<Tensor> {
     if let Device::Cuda(i) = device {
         let t = crate::backend::cuda::DeviceTensor::empty(&*stream(i)?, shape, DType::F32)?;
         return Ok(Tensor::from_device_tensor(t));
+    }
+    if device == Device::Cpu {
+        return Ok(Tensor::scratch_f32(shape));
     }
     Tensor::zeros_on(shape, DType::F32, device)
 }

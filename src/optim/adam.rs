@@ -104,26 +104,68 @@ fn adam_step(
             continue;
         }
         let g = grad.f32()?;
+        let g: &[f32] = &g;
         let mut p = pg.param.f32_mut()?;
         let (mut m, mut v) = (st.m.f32_mut()?, st.v.f32_mut()?);
         let bc1 = 1.0 - (b1 as f64).powi(st.step as i32);
         let bc2 = 1.0 - (b2 as f64).powi(st.step as i32);
-        let step_size = (c.lr as f64 / bc1) as f32;
-        let bc2_sqrt = bc2.sqrt() as f32;
-        for i in 0..p.len() {
-            let mut gi = g[i];
-            if decoupled {
-                p[i] *= 1.0 - c.lr * c.weight_decay;
-            } else if c.weight_decay != 0.0 {
-                gi += c.weight_decay * p[i];
-            }
-            m[i] = b1 * m[i] + (1.0 - b1) * gi;
-            v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
-            let denom = v[i].sqrt() / bc2_sqrt + c.eps;
-            p[i] -= step_size * m[i] / denom;
-        }
+        let h = AdamScalars {
+            b1,
+            b2,
+            step_size: (c.lr as f64 / bc1) as f32,
+            bc2_sqrt: bc2.sqrt() as f32,
+            eps: c.eps,
+            lr_wd: c.lr * c.weight_decay,
+            wd: c.weight_decay,
+            decoupled,
+        };
+        let len = p.len();
+        // Elementwise, one pass over p, g, m, v: any split gives the same bits.
+        crate::backend::cpu::parallel::rows_mut3(
+            (&mut p, 1),
+            (&mut m, 1),
+            (&mut v, 1),
+            len,
+            crate::backend::cpu::parallel::HEAVY_GRAIN,
+            |r, p, m, v| {
+                adam_update(&h, &g[r], p, m, v);
+                Ok(())
+            },
+        )?;
     }
     fused::adam(&on_device, c, decoupled)
+}
+
+/// The scalars of one Adam/AdamW update.
+struct AdamScalars {
+    b1: f32,
+    b2: f32,
+    step_size: f32,
+    bc2_sqrt: f32,
+    eps: f32,
+    lr_wd: f32,
+    wd: f32,
+    decoupled: bool,
+}
+
+crate::backend::cpu::simd::multiversion! {
+    /// The CPU reference update of one contiguous piece (the loop `optim.cu`'s `adam_f32`
+    /// reproduces), in place on `p`, `m`, `v`.
+    fn adam_update(h: &AdamScalars, g: &[f32], p: &mut [f32], m: &mut [f32], v: &mut [f32]) {
+        let (b1, b2) = (h.b1, h.b2);
+        for (((p, m), v), &g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
+            let mut gi = g;
+            if h.decoupled {
+                *p *= 1.0 - h.lr_wd;
+            } else if h.wd != 0.0 {
+                gi += h.wd * *p;
+            }
+            *m = b1 * *m + (1.0 - b1) * gi;
+            *v = b2 * *v + (1.0 - b2) * gi * gi;
+            let denom = v.sqrt() / h.bc2_sqrt + h.eps;
+            *p -= h.step_size * *m / denom;
+        }
+    }
 }
 
 /// Adam with L2 weight decay added to the gradient:

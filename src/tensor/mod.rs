@@ -7,6 +7,7 @@
 
 mod device;
 mod dtype;
+pub mod pool;
 mod storage;
 
 pub use dtype::{DType, Element};
@@ -58,9 +59,16 @@ impl Tensor {
         }
     }
 
-    /// Zero-filled CPU tensor.
+    /// Zero-filled CPU tensor (an f32 one from the [buffer pool](pool) when it can).
     pub fn zeros(shape: &[usize], dtype: DType) -> Tensor {
         Self::from_buffer(Buffer::zeros(dtype, numel_of(shape)), shape)
+    }
+
+    /// A CPU f32 tensor whose every element the caller overwrites: a pooled buffer holding
+    /// stale values when one of that length is free, else a new zeroed one (see
+    /// [`pool`]). Never uninitialized memory.
+    pub(crate) fn scratch_f32(shape: &[usize]) -> Tensor {
+        Self::from_buffer(Buffer::F32(pool::take_f32(numel_of(shape), false)), shape)
     }
 
     /// A tensor on `Device::Meta`: shape and dtype, no memory. Reading it is an error.
@@ -131,6 +139,7 @@ impl Tensor {
                 got: vec![data.len()],
             });
         }
+        pool::count_allocation(data.len());
         let buf = T::into_buffer(data);
         Ok(Self::from_buffer(buf, shape))
     }
@@ -298,7 +307,11 @@ impl Tensor {
     /// A new tensor of `dtype` on the same device with these values
     /// (round-to-nearest-even when narrowing).
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
-        let out = Tensor::zeros_on(&self.shape, dtype, self.device())?;
+        let out = if self.device() == Device::Cpu && dtype == DType::F32 {
+            Tensor::scratch_f32(&self.shape) // copy_from overwrites every element
+        } else {
+            Tensor::zeros_on(&self.shape, dtype, self.device())?
+        };
         out.copy_from(self)?;
         Ok(out)
     }

@@ -46,6 +46,10 @@ pub enum Buffer {
 impl Buffer {
     /// Zero-filled CPU buffer of `len` elements.
     pub fn zeros(dtype: DType, len: usize) -> Buffer {
+        if dtype == DType::F32 {
+            return Buffer::F32(super::pool::take_f32(len, true));
+        }
+        super::pool::count_allocation(len);
         match dtype {
             DType::F32 => Buffer::F32(vec![0.0; len]),
             DType::BF16 => Buffer::BF16(vec![bf16::ZERO; len]),
@@ -86,7 +90,8 @@ impl Buffer {
     }
 }
 
-/// One allocation: a buffer behind a lock, on a device.
+/// One allocation: a buffer behind a lock, on a device. A CPU f32 buffer goes back to the
+/// [buffer pool](super::pool) when the last view of it drops.
 #[derive(Debug)]
 pub struct Storage {
     pub(crate) buf: parking_lot::RwLock<Buffer>,
@@ -105,6 +110,14 @@ impl Storage {
         Storage {
             buf: parking_lot::RwLock::new(buf),
             device,
+        }
+    }
+}
+
+impl Drop for Storage {
+    fn drop(&mut self) {
+        if let Buffer::F32(v) = self.buf.get_mut() {
+            super::pool::give_back(std::mem::take(v));
         }
     }
 }

@@ -4,24 +4,9 @@
 //! stored `a (k, m)`; likewise `op(b)` is `b (k, n)` or the stored `b (n, k)`. Transposes
 //! are expressed as strides: nothing is copied.
 
+/// The calling thread's CPU budget, which GEMMs obey too (see [`super::parallel`]).
+pub use super::parallel::{num_threads, set_num_threads};
 use crate::error::{Error, Result};
-use std::cell::Cell;
-
-thread_local! {
-    /// Threads a GEMM on this thread may use. Each rank of the threads backend is one OS
-    /// thread, so ranks sharing a machine split its cores instead of oversubscribing them.
-    static GEMM_THREADS: Cell<usize> = const { Cell::new(1) };
-}
-
-/// Sets how many threads GEMMs issued from the calling thread may use (at least 1).
-pub fn set_num_threads(n: usize) {
-    GEMM_THREADS.with(|c| c.set(n.max(1)));
-}
-
-/// Threads GEMMs on the calling thread use.
-pub fn num_threads() -> usize {
-    GEMM_THREADS.with(|c| c.get())
-}
 
 /// Which operand is transposed, as stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -8,6 +8,7 @@
 //! functions reproduce the loops of the modules in `src/nn/` (tests check they agree).
 
 use super::ops::exp;
+use super::simd::multiversion;
 use crate::error::{bail_arg, Error, Result};
 use crate::nn::{gelu, gelu_grad, relu, relu_grad};
 use crate::tensor::Element;
@@ -129,42 +130,50 @@ pub fn sum_into<T: Element>(acc: &mut [T], x: &[T]) -> Result<()> {
     Ok(())
 }
 
-/// `gelu_fwd_f32`: `y = gelu(x)` (=).
-pub fn gelu_fwd(x: &[f32], y: &mut [f32]) -> Result<()> {
-    check_len("gelu_fwd", x.len(), y.len())?;
-    for (o, &v) in y.iter_mut().zip(x) {
-        *o = gelu(v);
+multiversion! {
+    /// `gelu_fwd_f32`: `y = gelu(x)` (=).
+    pub fn gelu_fwd(x: &[f32], y: &mut [f32]) -> Result<()> {
+        check_len("gelu_fwd", x.len(), y.len())?;
+        for (o, &v) in y.iter_mut().zip(x) {
+            *o = gelu(v);
+        }
+        Ok(())
     }
-    Ok(())
 }
 
-/// `gelu_bwd_f32`: `dx = dy * gelu'(x)` (=).
-pub fn gelu_bwd(x: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<()> {
-    check_len("gelu_bwd", x.len(), dy.len())?;
-    check_len("gelu_bwd", x.len(), dx.len())?;
-    for i in 0..x.len() {
-        dx[i] = dy[i] * gelu_grad(x[i]);
+multiversion! {
+    /// `gelu_bwd_f32`: `dx = dy * gelu'(x)` (=).
+    pub fn gelu_bwd(x: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<()> {
+        check_len("gelu_bwd", x.len(), dy.len())?;
+        check_len("gelu_bwd", x.len(), dx.len())?;
+        for ((o, &g), &v) in dx.iter_mut().zip(dy).zip(x) {
+            *o = g * gelu_grad(v);
+        }
+        Ok(())
     }
-    Ok(())
 }
 
-/// `relu_fwd_f32`: `y = max(x, 0)` (=).
-pub fn relu_fwd(x: &[f32], y: &mut [f32]) -> Result<()> {
-    check_len("relu_fwd", x.len(), y.len())?;
-    for (o, &v) in y.iter_mut().zip(x) {
-        *o = relu(v);
+multiversion! {
+    /// `relu_fwd_f32`: `y = max(x, 0)` (=).
+    pub fn relu_fwd(x: &[f32], y: &mut [f32]) -> Result<()> {
+        check_len("relu_fwd", x.len(), y.len())?;
+        for (o, &v) in y.iter_mut().zip(x) {
+            *o = relu(v);
+        }
+        Ok(())
     }
-    Ok(())
 }
 
-/// `relu_bwd_f32`: `dx = dy * relu'(x)` (=).
-pub fn relu_bwd(x: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<()> {
-    check_len("relu_bwd", x.len(), dy.len())?;
-    check_len("relu_bwd", x.len(), dx.len())?;
-    for i in 0..x.len() {
-        dx[i] = dy[i] * relu_grad(x[i]);
+multiversion! {
+    /// `relu_bwd_f32`: `dx = dy * relu'(x)` (=).
+    pub fn relu_bwd(x: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<()> {
+        check_len("relu_bwd", x.len(), dy.len())?;
+        check_len("relu_bwd", x.len(), dx.len())?;
+        for ((o, &g), &v) in dx.iter_mut().zip(dy).zip(x) {
+            *o = g * relu_grad(v);
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 /// `bias_add_f32`: `y (rows, C)[r, j] += b[j]` (+=).
@@ -199,63 +208,67 @@ pub fn bias_grad(dy: &[f32], db: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
-/// `layernorm_fwd_f32`: per row of `x (rows, C)`: `rstd = 1 / sqrt(var + eps)` (biased
-/// variance), `xhat = (x - mean) rstd`, `y = xhat w + b` (=), as `nn::LayerNorm::forward`.
-pub fn layernorm_fwd(
-    x: &[f32],
-    w: &[f32],
-    b: &[f32],
-    eps: f32,
-    y: &mut [f32],
-    xhat: &mut [f32],
-    rstd: &mut [f32],
-) -> Result<()> {
-    let c = w.len();
-    check_len("layernorm_fwd", c, b.len())?;
-    check_len("layernorm_fwd", x.len(), y.len())?;
-    check_len("layernorm_fwd", x.len(), xhat.len())?;
-    check_len("layernorm_fwd", x.len(), rstd.len() * c)?;
-    for (r, rs) in rstd.iter_mut().enumerate() {
-        let row = &x[r * c..(r + 1) * c];
-        let mean = row.iter().sum::<f32>() / c as f32;
-        let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / c as f32;
-        *rs = 1.0 / (var + eps).sqrt();
-        for j in 0..c {
-            let n = (row[j] - mean) * *rs;
-            xhat[r * c + j] = n;
-            y[r * c + j] = n * w[j] + b[j];
+multiversion! {
+    /// `layernorm_fwd_f32`: per row of `x (rows, C)`: `rstd = 1 / sqrt(var + eps)` (biased
+    /// variance), `xhat = (x - mean) rstd`, `y = xhat w + b` (=), as `nn::LayerNorm::forward`.
+    pub fn layernorm_fwd(
+        x: &[f32],
+        w: &[f32],
+        b: &[f32],
+        eps: f32,
+        y: &mut [f32],
+        xhat: &mut [f32],
+        rstd: &mut [f32],
+    ) -> Result<()> {
+        let c = w.len();
+        check_len("layernorm_fwd", c, b.len())?;
+        check_len("layernorm_fwd", x.len(), y.len())?;
+        check_len("layernorm_fwd", x.len(), xhat.len())?;
+        check_len("layernorm_fwd", x.len(), rstd.len() * c)?;
+        for (r, rs) in rstd.iter_mut().enumerate() {
+            let row = &x[r * c..(r + 1) * c];
+            let mean = row.iter().sum::<f32>() / c as f32;
+            let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / c as f32;
+            *rs = 1.0 / (var + eps).sqrt();
+            for j in 0..c {
+                let n = (row[j] - mean) * *rs;
+                xhat[r * c + j] = n;
+                y[r * c + j] = n * w[j] + b[j];
+            }
         }
+        Ok(())
     }
-    Ok(())
 }
 
-/// `layernorm_bwd_f32`: `dx = rstd (dy w - mean(dy w) - xhat mean(dy w xhat))` per row (=).
-pub fn layernorm_bwd(
-    dy: &[f32],
-    xhat: &[f32],
-    rstd: &[f32],
-    w: &[f32],
-    dx: &mut [f32],
-) -> Result<()> {
-    let c = w.len();
-    check_len("layernorm_bwd", dy.len(), xhat.len())?;
-    check_len("layernorm_bwd", dy.len(), dx.len())?;
-    check_len("layernorm_bwd", dy.len(), rstd.len() * c)?;
-    for (r, &rs) in rstd.iter().enumerate() {
-        let (dyr, xr) = (&dy[r * c..(r + 1) * c], &xhat[r * c..(r + 1) * c]);
-        let (mut m1, mut m2) = (0.0f32, 0.0f32);
-        for j in 0..c {
-            let d = dyr[j] * w[j];
-            m1 += d;
-            m2 += d * xr[j];
+multiversion! {
+    /// `layernorm_bwd_f32`: `dx = rstd (dy w - mean(dy w) - xhat mean(dy w xhat))` per row (=).
+    pub fn layernorm_bwd(
+        dy: &[f32],
+        xhat: &[f32],
+        rstd: &[f32],
+        w: &[f32],
+        dx: &mut [f32],
+    ) -> Result<()> {
+        let c = w.len();
+        check_len("layernorm_bwd", dy.len(), xhat.len())?;
+        check_len("layernorm_bwd", dy.len(), dx.len())?;
+        check_len("layernorm_bwd", dy.len(), rstd.len() * c)?;
+        for (r, &rs) in rstd.iter().enumerate() {
+            let (dyr, xr) = (&dy[r * c..(r + 1) * c], &xhat[r * c..(r + 1) * c]);
+            let (mut m1, mut m2) = (0.0f32, 0.0f32);
+            for j in 0..c {
+                let d = dyr[j] * w[j];
+                m1 += d;
+                m2 += d * xr[j];
+            }
+            m1 /= c as f32;
+            m2 /= c as f32;
+            for j in 0..c {
+                dx[r * c + j] = rs * (dyr[j] * w[j] - m1 - xr[j] * m2);
+            }
         }
-        m1 /= c as f32;
-        m2 /= c as f32;
-        for j in 0..c {
-            dx[r * c + j] = rs * (dyr[j] * w[j] - m1 - xr[j] * m2);
-        }
+        Ok(())
     }
-    Ok(())
 }
 
 /// `layernorm_bwd_params_f32`: `dw[j] += sum_r dy xhat`, `db[j] += sum_r dy` (+=).
@@ -372,115 +385,122 @@ pub fn split_heads(y: &[f32], yh: &mut [f32], d: HeadDims) -> Result<()> {
     Ok(())
 }
 
-/// `softmax_causal_fwd_f32`: row `r` of `s (rows, T)` is query `t = r mod T`;
-/// `p[j] = exp(s[j] scale - max) / sum` for `j <= t`, 0 after (=), as the attention forward.
-pub fn softmax_causal_fwd(s: &[f32], p: &mut [f32], t: usize, scale: f32) -> Result<()> {
-    check_len("softmax_causal_fwd", s.len(), p.len())?;
-    if t == 0 {
-        return check_len("softmax_causal_fwd", 0, s.len());
-    }
-    for (r, (sr, pr)) in s.chunks_exact(t).zip(p.chunks_exact_mut(t)).enumerate() {
-        let i = r % t;
-        let max = sr[..=i]
-            .iter()
-            .fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
-        let mut sum = 0.0f32;
-        for j in 0..=i {
-            pr[j] = exp(sr[j] * scale - max);
-            sum += pr[j];
+multiversion! {
+    /// `softmax_causal_fwd_f32`: row `r` of `s (rows, T)` is query `t = r mod T`;
+    /// `p[j] = exp(s[j] scale - max) / sum` for `j <= t`, 0 after (=), as the attention forward.
+    pub fn softmax_causal_fwd(s: &[f32], p: &mut [f32], t: usize, scale: f32) -> Result<()> {
+        check_len("softmax_causal_fwd", s.len(), p.len())?;
+        if t == 0 {
+            return check_len("softmax_causal_fwd", 0, s.len());
         }
-        let inv = 1.0 / sum;
-        pr[..=i].iter_mut().for_each(|v| *v *= inv);
-        pr[i + 1..].fill(0.0);
+        for (r, (sr, pr)) in s.chunks_exact(t).zip(p.chunks_exact_mut(t)).enumerate() {
+            let i = r % t;
+            let max = sr[..=i]
+                .iter()
+                .fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
+            let mut sum = 0.0f32;
+            for j in 0..=i {
+                pr[j] = exp(sr[j] * scale - max);
+                sum += pr[j];
+            }
+            let inv = 1.0 / sum;
+            pr[..=i].iter_mut().for_each(|v| *v *= inv);
+            pr[i + 1..].fill(0.0);
+        }
+        Ok(())
     }
-    Ok(())
 }
 
-/// `softmax_causal_bwd_f32`: `ds[j] = p[j] (dp[j] - <p, dp>) scale` for `j <= t`, 0 after
-/// (=), in place of `dp`.
-pub fn softmax_causal_bwd(p: &[f32], dp: &mut [f32], t: usize, scale: f32) -> Result<()> {
-    check_len("softmax_causal_bwd", p.len(), dp.len())?;
-    if t == 0 {
-        return check_len("softmax_causal_bwd", 0, p.len());
-    }
-    for (r, (pr, dr)) in p.chunks_exact(t).zip(dp.chunks_exact_mut(t)).enumerate() {
-        let i = r % t;
-        let dot: f32 = pr[..=i].iter().zip(&dr[..=i]).map(|(a, b)| a * b).sum();
-        for j in 0..t {
-            dr[j] = if j <= i {
-                pr[j] * (dr[j] - dot) * scale
-            } else {
-                0.0
-            };
+multiversion! {
+    /// `softmax_causal_bwd_f32`: `ds[j] = p[j] (dp[j] - <p, dp>) scale` for `j <= t`, 0 after
+    /// (=), in place of `dp`.
+    pub fn softmax_causal_bwd(p: &[f32], dp: &mut [f32], t: usize, scale: f32) -> Result<()> {
+        check_len("softmax_causal_bwd", p.len(), dp.len())?;
+        if t == 0 {
+            return check_len("softmax_causal_bwd", 0, p.len());
         }
+        for (r, (pr, dr)) in p.chunks_exact(t).zip(dp.chunks_exact_mut(t)).enumerate() {
+            let i = r % t;
+            let dot: f32 = pr[..=i].iter().zip(&dr[..=i]).map(|(a, b)| a * b).sum();
+            for j in 0..t {
+                dr[j] = if j <= i {
+                    pr[j] * (dr[j] - dot) * scale
+                } else {
+                    0.0
+                };
+            }
+        }
+        Ok(())
     }
-    Ok(())
 }
 
-/// `cross_entropy_f32`: per row of `logits (N, V)`: `losses[r] = logsumexp - logits[y]`,
-/// `dlogits = (softmax - onehot(y)) * inv_n` (=), as `nn::loss::cross_entropy` (whose loss
-/// is the mean of `losses` in f64).
-///
-/// # Errors
-/// `InvalidArgument` naming the first target outside `0..V`.
-pub fn cross_entropy(
-    logits: &[f32],
-    targets: &[i32],
-    inv_n: f32,
-    losses: &mut [f32],
-    dlogits: &mut [f32],
-) -> Result<()> {
-    let n = targets.len();
-    check_len("cross_entropy", n, losses.len())?;
-    check_len("cross_entropy", logits.len(), dlogits.len())?;
-    if n == 0 {
-        return Ok(());
+multiversion! {
+    /// `cross_entropy_f32`: per row of `logits (N, V)`: `losses[r] = logsumexp - logits[y]`,
+    /// `dlogits = (softmax - onehot(y)) * inv_n` (=), as `nn::loss::cross_entropy` (whose loss
+    /// is the mean of `losses` in f64).
+    ///
+    /// # Errors
+    /// `InvalidArgument` naming the first target outside `0..V`.
+    pub fn cross_entropy(
+        logits: &[f32],
+        targets: &[i32],
+        inv_n: f32,
+        losses: &mut [f32],
+        dlogits: &mut [f32],
+    ) -> Result<()> {
+        let n = targets.len();
+        check_len("cross_entropy", n, losses.len())?;
+        check_len("cross_entropy", logits.len(), dlogits.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let v = logits.len() / n;
+        check_len("cross_entropy", n * v, logits.len())?;
+        for (r, &y) in targets.iter().enumerate() {
+            if y < 0 || y as usize >= v {
+                bail_arg!("cross_entropy: target {y} at position {r} is outside 0..{v}");
+            }
+            let (row, g) = (
+                &logits[r * v..(r + 1) * v],
+                &mut dlogits[r * v..(r + 1) * v],
+            );
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            let mut sum = 0.0f32;
+            for (gj, &x) in g.iter_mut().zip(row) {
+                *gj = exp(x - max);
+                sum += *gj;
+            }
+            let inv = inv_n / sum;
+            g.iter_mut().for_each(|gj| *gj *= inv);
+            g[y as usize] -= inv_n;
+            losses[r] = sum.ln() + max - row[y as usize];
+        }
+        Ok(())
     }
-    let v = logits.len() / n;
-    check_len("cross_entropy", n * v, logits.len())?;
-    for (r, &y) in targets.iter().enumerate() {
-        if y < 0 || y as usize >= v {
-            bail_arg!("cross_entropy: target {y} at position {r} is outside 0..{v}");
-        }
-        let (row, g) = (
-            &logits[r * v..(r + 1) * v],
-            &mut dlogits[r * v..(r + 1) * v],
-        );
-        let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-        let mut sum = 0.0f32;
-        for &x in row {
-            sum += exp(x - max);
-        }
-        let inv = inv_n / sum;
-        for (gj, &x) in g.iter_mut().zip(row) {
-            *gj = exp(x - max) * inv;
-        }
-        g[y as usize] -= inv_n;
-        losses[r] = sum.ln() + max - row[y as usize];
-    }
-    Ok(())
 }
 
-/// `embedding_fwd_f32`: `out[i, :] = table (V, C)[ids[i], :]` (=). With `C = 0` there is
-/// nothing to copy and `V` cannot be read off the slices, so the ids go unchecked, as in
-/// the CUDA op; [`crate::ops::embedding()`] checks them against the table's shape.
-///
-/// # Errors
-/// `InvalidArgument` naming the first id outside `0..V`.
-pub fn embedding_fwd(ids: &[i32], table: &[f32], c: usize, out: &mut [f32]) -> Result<()> {
-    check_len("embedding_fwd", ids.len() * c, out.len())?;
-    if c == 0 {
-        return Ok(());
-    }
-    let v = table.len() / c;
-    for (i, &id) in ids.iter().enumerate() {
-        if id < 0 || id as usize >= v {
-            bail_arg!("embedding: token id {id} at position {i} is outside the vocabulary 0..{v}");
+multiversion! {
+    /// `embedding_fwd_f32`: `out[i, :] = table (V, C)[ids[i], :]` (=). With `C = 0` there is
+    /// nothing to copy and `V` cannot be read off the slices, so the ids go unchecked, as in
+    /// the CUDA op; [`crate::ops::embedding()`] checks them against the table's shape.
+    ///
+    /// # Errors
+    /// `InvalidArgument` naming the first id outside `0..V`.
+    pub fn embedding_fwd(ids: &[i32], table: &[f32], c: usize, out: &mut [f32]) -> Result<()> {
+        check_len("embedding_fwd", ids.len() * c, out.len())?;
+        if c == 0 {
+            return Ok(());
         }
-        let id = id as usize;
-        out[i * c..(i + 1) * c].copy_from_slice(&table[id * c..(id + 1) * c]);
+        let v = table.len() / c;
+        for (i, &id) in ids.iter().enumerate() {
+            if id < 0 || id as usize >= v {
+                bail_arg!("embedding: token id {id} at position {i} is outside the vocabulary 0..{v}");
+            }
+            let id = id as usize;
+            out[i * c..(i + 1) * c].copy_from_slice(&table[id * c..(id + 1) * c]);
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 /// `embedding_bwd_f32`: `grad[ids[i], :] += dout[i, :]` (+=); ids outside `0..V` skipped.

@@ -3,6 +3,7 @@
 //! These are the oracles the CUDA kernels in `kernels/` are tested against (`cast.cu`,
 //! `reduce_scatter.cu`), so they are written as the plain loops the kernels must reproduce.
 
+use super::simd::multiversion;
 use crate::error::Result;
 use crate::tensor::{DType, Element, Tensor};
 
@@ -65,17 +66,39 @@ pub fn exp(x: f32) -> f32 {
     y * f32::from_bits((k.wrapping_add(127) as u32) << 23)
 }
 
-/// `dst[i] = dst[i] * alpha` in place.
-pub fn scale_(dst: &mut [f32], alpha: f32) {
-    if alpha != 1.0 {
-        dst.iter_mut().for_each(|v| *v *= alpha);
+multiversion! {
+    /// `dst[i] = dst[i] * alpha` in place.
+    pub fn scale_(dst: &mut [f32], alpha: f32) {
+        if alpha != 1.0 {
+            dst.iter_mut().for_each(|v| *v *= alpha);
+        }
     }
 }
 
-/// `dst[i] += src[i]`.
-pub fn add_(dst: &mut [f32], src: &[f32]) {
-    for (d, s) in dst.iter_mut().zip(src) {
-        *d += s;
+multiversion! {
+    /// `dst[i] += src[i]`.
+    pub fn add_(dst: &mut [f32], src: &[f32]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d += s;
+        }
+    }
+}
+
+multiversion! {
+    /// `acc[i] += a[i] * b[i]` (a product then a sum, each rounded: no fused multiply-add).
+    pub fn add_mul_(acc: &mut [f32], a: &[f32], b: &[f32]) {
+        for ((d, &x), &y) in acc.iter_mut().zip(a).zip(b) {
+            *d += x * y;
+        }
+    }
+}
+
+multiversion! {
+    /// `out[i] = a[i] + b[i]`.
+    pub fn add_into(out: &mut [f32], a: &[f32], b: &[f32]) {
+        for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
+            *o = x + y;
+        }
     }
 }
 
