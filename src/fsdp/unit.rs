@@ -147,6 +147,24 @@ impl FullyShardedDataParallel {
         super::progress::enter(self.rs.sched.lock().progress.other(self.id, phase))
     }
 
+    /// Runs `f` on the unit of module `name` (`""` for the root) among this unit and the
+    /// units nested in it: how a host that drives the hooks reaches a nested unit.
+    ///
+    /// # Errors
+    /// `Fsdp` naming `name` when no unit wraps that module.
+    pub fn with_unit<R>(&mut self, name: &str, f: impl FnOnce(&mut Self) -> R) -> Result<R> {
+        let mut f = Some(f);
+        let mut out = None;
+        self.for_each_unit(&mut |u| {
+            if u.prefix == name {
+                if let Some(f) = f.take() {
+                    out = Some(f(u));
+                }
+            }
+        });
+        out.ok_or_else(|| Error::Fsdp(format!("no FSDP unit wraps module '{name}'")))
+    }
+
     /// Every unit of this rank (self first, then nested units in pre-order).
     pub fn for_each_unit(&mut self, f: &mut dyn FnMut(&mut FullyShardedDataParallel)) {
         f(self);
