@@ -224,13 +224,14 @@ fn hooks_called_out_of_order_are_errors_naming_the_unit() {
     let errs = launch(&LaunchOptions::new(2), |pg| {
         let mut m =
             FullyShardedDataParallel::new(model(), pg, config(ShardingStrategy::FullShard))?;
-        let mut e = Vec::new();
-        e.push(m.post_forward(true).unwrap_err().to_string());
-        e.push(m.with_unit("2", |u| u.post_backward(true).unwrap_err().to_string())?);
-        e.push(m.with_unit("2", |u| u.grad_views().unwrap_err().to_string())?);
-        e.push(m.with_unit("0", |u| u.finish_backward().unwrap_err().to_string())?);
-        e.push(m.with_unit("0", |u| u.param_views().unwrap_err().to_string())?);
-        e.push(m.with_unit("9", |_| ()).unwrap_err().to_string());
+        let mut e = vec![
+            m.post_forward(true).unwrap_err().to_string(),
+            m.with_unit("2", |u| u.post_backward(true).unwrap_err().to_string())?,
+            m.with_unit("2", |u| u.grad_views().unwrap_err().to_string())?,
+            m.with_unit("0", |u| u.finish_backward().unwrap_err().to_string())?,
+            m.with_unit("0", |u| u.param_views().unwrap_err().to_string())?,
+            m.with_unit("9", |_| ()).unwrap_err().to_string(),
+        ];
         // A forward begun twice without its post_forward.
         m.with_unit("0", |u| u.pre_forward(true))??;
         e.push(m.with_unit("0", |u| u.pre_forward(true).unwrap_err().to_string())?);
