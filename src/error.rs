@@ -71,7 +71,7 @@ pub enum Error {
         op: String,
         /// The rank that gave up waiting (the one reporting this error).
         rank: usize,
-        /// The group's collective timeout, seconds (default 300, as `torch.distributed`).
+        /// The group's collective timeout, seconds (default 300; `torch.distributed`'s is 1800).
         timeout_s: f64,
         /// Ranks of the group that never called the collective; empty when every rank
         /// arrived but some did not finish reading this rank's input in time, or when no

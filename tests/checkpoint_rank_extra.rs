@@ -32,7 +32,9 @@ fn model(
     let world = pg.size();
     let cfg = FsdpConfig {
         sharding_strategy: strategy,
-        ranks_per_node: Some(common::hybrid_ranks_per_node(world)),
+        ranks_per_node: strategy
+            .is_hybrid()
+            .then(|| common::hybrid_ranks_per_node(world)),
         ..Default::default()
     };
     FullyShardedDataParallel::new(common::uneven_model(seed), pg, cfg)

@@ -50,6 +50,17 @@ impl Module for RepeatedHead {
     }
 }
 
+/// What one rank does differently from the plain loop.
+#[derive(Clone, Copy, Default)]
+struct Quirks {
+    /// The first micro-batch of each step runs under `no_sync`.
+    no_sync_first: bool,
+    /// `clip_grad_norm_` before each optimizer step.
+    clip: bool,
+    /// An extra `optimizer_params()` after every backward (to log, say).
+    peek_params: bool,
+}
+
 /// Trains trunk + head (each its own unit) for `schedule.len()` steps of `schedule[s]`
 /// micro-batches, the head applied `head_calls` times per forward; returns the parameters.
 fn train(
@@ -57,6 +68,16 @@ fn train(
     strategy: ShardingStrategy,
     head_calls: usize,
     schedule: &[usize],
+) -> fsdp::Result<Vec<(String, Vec<f32>)>> {
+    train_with(pg, strategy, head_calls, schedule, Quirks::default())
+}
+
+fn train_with(
+    pg: &Group,
+    strategy: ShardingStrategy,
+    head_calls: usize,
+    schedule: &[usize],
+    quirks: Quirks,
 ) -> fsdp::Result<Vec<(String, Vec<f32>)>> {
     let k = InitKey::new(5);
     let model = RepeatedHead {
@@ -79,12 +100,25 @@ fn train(
     });
     let mut batch = 0u64;
     for &micro_batches in schedule {
-        for _ in 0..micro_batches {
+        for mb in 0..micro_batches {
             let x = Tensor::from_vec(common::values(batch * 8 + pg.rank() as u64, 14), &[2, 7])?;
             batch += 1;
-            let y = m.forward(&x, &Context::train())?;
-            let (_, dy) = loss::sum_loss(&y)?;
-            m.backward(&dy, &Context::train())?;
+            let step = |m: &mut FullyShardedDataParallel| -> fsdp::Result<()> {
+                let y = m.forward(&x, &Context::train())?;
+                let (_, dy) = loss::sum_loss(&y)?;
+                m.backward(&dy, &Context::train()).map(drop)
+            };
+            if quirks.no_sync_first && mb == 0 {
+                m.no_sync(|m| step(m))?;
+            } else {
+                step(&mut m)?;
+            }
+            if quirks.peek_params {
+                assert!(!m.optimizer_params().is_empty());
+            }
+        }
+        if quirks.clip {
+            m.clip_grad_norm_(0.5, 2.0)?;
         }
         opt.step(&m.optimizer_params())?;
         m.zero_grad();
@@ -275,4 +309,103 @@ fn ranks_on_the_same_path_train_as_before() {
         all.push(out[0].clone());
     }
     assert_eq!(all[0], all[1]);
+}
+
+#[test]
+fn no_sync_on_one_rank_only_is_named_at_the_end_of_its_backward() {
+    // Rank 1 keeps its gradients (no_sync) where the others reduce them: it goes on to the
+    // next forward's gathers while they wait for it in the reductions, on another
+    // communicator. The ranks compare how many reductions each backward issued before
+    // waiting for them.
+    let cases = [
+        (2, ShardingStrategy::FullShard),
+        (2, ShardingStrategy::ShardGradOp),
+        (4, ShardingStrategy::HybridShard),
+        (2, ShardingStrategy::NoShard),
+    ];
+    for backend in [Backend::Threads, Backend::Tcp] {
+        for (world, strategy) in cases {
+            let (out, elapsed) = run(backend, world, |r, pg| {
+                let quirks = Quirks {
+                    no_sync_first: r == 1,
+                    ..Quirks::default()
+                };
+                train_with(pg, strategy, 1, &[2, 2], quirks)
+            });
+            let what = format!("{backend:?} world {world} {strategy:?}");
+            assert_named(&what, &out, elapsed, &["step 0, micro-batch 0"]);
+            for (r, res) in out.iter().enumerate() {
+                let text = res
+                    .as_ref()
+                    .err()
+                    .map(|e| e.to_string())
+                    .unwrap_or_default();
+                assert!(
+                    text.contains("end of backward of unit root after 0 gradient reductions")
+                        || text.contains("gradient reduction of unit"),
+                    "{what}: rank {r}: {text}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn clipping_on_one_rank_only_fails_under_every_strategy() {
+    // Under NoShard (and hybrid sharding with one rank per node) the norm needs no
+    // reduction, but every rank still takes part in one, as in PyTorch: a rank that clips
+    // alone fails instead of training on to other parameters than its peers.
+    for backend in [Backend::Threads, Backend::Tcp] {
+        for (world, strategy) in [
+            (2, ShardingStrategy::NoShard),
+            (3, ShardingStrategy::NoShard),
+            (2, ShardingStrategy::HybridShard),
+            (4, ShardingStrategy::FullShard),
+        ] {
+            let (out, elapsed) = run(backend, world, |r, pg| {
+                let quirks = Quirks {
+                    clip: r == 0,
+                    ..Quirks::default()
+                };
+                train_with(pg, strategy, 1, &[1, 1], quirks)
+            });
+            let what = format!("{backend:?} world {world} {strategy:?}");
+            assert_named(
+                &what,
+                &out,
+                elapsed,
+                &["clip_grad_norm_ of unit root (step 0)"],
+            );
+        }
+    }
+}
+
+#[test]
+fn looking_at_optimizer_params_on_one_rank_is_no_divergence() {
+    // optimizer_params() has no effect on the collectives (steps are counted by
+    // zero_grad): rank 0 peeking at them after every backward trains like the others.
+    let plain = run(Backend::Threads, 2, |_, pg| {
+        train_with(
+            pg,
+            ShardingStrategy::FullShard,
+            1,
+            &[2, 2],
+            Quirks {
+                clip: true,
+                ..Quirks::default()
+            },
+        )
+    })
+    .0;
+    let (out, _) = run(Backend::Threads, 2, |r, pg| {
+        let quirks = Quirks {
+            clip: true,
+            peek_params: r == 0,
+            ..Quirks::default()
+        };
+        train_with(pg, ShardingStrategy::FullShard, 1, &[2, 2], quirks)
+    });
+    for (r, (got, want)) in out.iter().zip(&plain).enumerate() {
+        assert_eq!(got.as_ref().unwrap(), want.as_ref().unwrap(), "rank {r}");
+    }
 }

@@ -75,7 +75,9 @@ fn wrap(
     let cfg = FsdpConfig {
         sharding_strategy: s,
         auto_wrap_policy: per_unit.then(|| transformer_auto_wrap_policy(["Linear"])),
-        ranks_per_node: Some(common::hybrid_ranks_per_node(pg.size())),
+        ranks_per_node: s
+            .is_hybrid()
+            .then(|| common::hybrid_ranks_per_node(pg.size())),
         ..Default::default()
     };
     FullyShardedDataParallel::new(model(), pg, cfg)

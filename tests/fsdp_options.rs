@@ -219,6 +219,31 @@ fn an_unknown_ignored_module_is_named_in_the_error() {
 }
 
 #[test]
+fn an_ignored_module_left_on_the_meta_device_is_named_at_wrap_time() {
+    // FSDP neither materializes nor syncs an ignored module: built on the meta device it
+    // would fail at its first forward, on that rank alone, with a device mismatch.
+    let err = launch(&LaunchOptions::new(2), |pg: Group| {
+        let model = if pg.rank() == 0 {
+            two_layers()
+        } else {
+            fsdp::nn::on_meta_device(two_layers)
+        };
+        let cfg = FsdpConfig {
+            ignored_modules: vec!["0".into()],
+            sync_module_states: true,
+            ..Default::default()
+        };
+        FullyShardedDataParallel::new(model, pg, cfg).map(drop)
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("parameter '0.weight' of an ignored module is on the meta device"),
+        "{err}"
+    );
+}
+
+#[test]
 fn device_id_accepts_the_cpu_and_names_what_it_cannot_use() {
     let res = launch(&LaunchOptions::new(1), |pg: Group| {
         let mut out = Vec::new();
@@ -349,7 +374,7 @@ fn cpu_offload_gives_bitwise_the_same_training_under_every_strategy() {
                 launch(&LaunchOptions::new(4), |pg: Group| {
                     let cfg = FsdpConfig {
                         sharding_strategy: strategy,
-                        ranks_per_node: Some(2),
+                        ranks_per_node: strategy.is_hybrid().then_some(2),
                         auto_wrap_policy: Some(transformer_auto_wrap_policy(["Linear"])),
                         mixed_precision: mp,
                         cpu_offload: CpuOffload {

@@ -82,7 +82,9 @@ fn train(world: usize, strategy: ShardingStrategy, p: Prefetch) -> Vec<Run> {
         let cfg = FsdpConfig {
             sharding_strategy: strategy,
             auto_wrap_policy: Some(transformer_auto_wrap_policy(["Block"])),
-            ranks_per_node: Some(common::hybrid_ranks_per_node(world)),
+            ranks_per_node: strategy
+                .is_hybrid()
+                .then(|| common::hybrid_ranks_per_node(world)),
             backward_prefetch: p.backward,
             forward_prefetch: p.forward,
             limit_all_gathers: p.limit,

@@ -149,7 +149,9 @@ fn sharded(
         let cfg = FsdpConfig {
             sharding_strategy: strategy,
             auto_wrap_policy: per_unit.then(|| case.unit_policy()),
-            ranks_per_node: Some(common::hybrid_ranks_per_node(world)),
+            ranks_per_node: strategy
+                .is_hybrid()
+                .then(|| common::hybrid_ranks_per_node(world)),
             ..Default::default()
         };
         let mut m = FullyShardedDataParallel::new(case.build(), pg.clone(), cfg)?;

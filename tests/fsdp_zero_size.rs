@@ -47,7 +47,9 @@ fn config(strategy: ShardingStrategy, world: usize, per_unit: bool) -> FsdpConfi
     FsdpConfig {
         sharding_strategy: strategy,
         auto_wrap_policy: per_unit.then(|| transformer_auto_wrap_policy(["Linear"])),
-        ranks_per_node: Some(common::hybrid_ranks_per_node(world)),
+        ranks_per_node: strategy
+            .is_hybrid()
+            .then(|| common::hybrid_ranks_per_node(world)),
         ..Default::default()
     }
 }

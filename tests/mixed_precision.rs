@@ -123,7 +123,9 @@ fn fsdp_run(
         let cfg = FsdpConfig {
             sharding_strategy: strategy,
             auto_wrap_policy: per_unit.then_some(policy),
-            ranks_per_node: Some(common::hybrid_ranks_per_node(world)),
+            ranks_per_node: strategy
+                .is_hybrid()
+                .then(|| common::hybrid_ranks_per_node(world)),
             mixed_precision: Some(mp),
             ..Default::default()
         };

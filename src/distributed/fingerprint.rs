@@ -80,11 +80,14 @@ pub enum Phase {
     ClipGradNorm = 5,
     /// State dicts, `summon_full_params`, full parameters, optimizer state dicts.
     StateDict = 6,
+    /// The ranks' agreement at the end of a backward, before waiting for its gradient
+    /// reductions (which run on another communicator than the gathers).
+    EndOfBackward = 7,
 }
 
 impl Phase {
     /// All phases, indexed by their code.
-    pub const ALL: [Phase; 7] = [
+    pub const ALL: [Phase; 8] = [
         Phase::Init,
         Phase::Forward,
         Phase::NoGradForward,
@@ -92,6 +95,7 @@ impl Phase {
         Phase::Reduce,
         Phase::ClipGradNorm,
         Phase::StateDict,
+        Phase::EndOfBackward,
     ];
 
     /// The phase of wire code `c`.
@@ -108,6 +112,7 @@ impl Phase {
             Phase::Reduce => "gradient reduction",
             Phase::ClipGradNorm => "clip_grad_norm_",
             Phase::StateDict => "state dict",
+            Phase::EndOfBackward => "end of backward",
         }
     }
 }
@@ -126,7 +131,9 @@ pub struct Fingerprint {
     pub micro_batch: u32,
     /// Which entry of the unit into `phase` this is in the current pass, from 0 (a unit
     /// applied twice in one forward gathers twice under FullShard); for
-    /// [`Phase::Reduce`], how many forward calls the reduced gradient covers.
+    /// [`Phase::Reduce`], how many forward calls the reduced gradient covers; for
+    /// [`Phase::EndOfBackward`], how many gradient reductions the backward issued (none
+    /// under `no_sync`).
     pub call: u32,
 }
 
@@ -134,8 +141,16 @@ impl std::fmt::Display for Fingerprint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{} of unit {}", self.phase.text(), self.unit)?;
         match self.phase {
-            Phase::Init | Phase::StateDict => Ok(()),
-            Phase::ClipGradNorm => write!(f, " (step {})", self.step),
+            Phase::Init => Ok(()),
+            Phase::StateDict | Phase::ClipGradNorm => write!(f, " (step {})", self.step),
+            Phase::EndOfBackward => write!(
+                f,
+                " after {} gradient reduction{} (step {}, micro-batch {})",
+                self.call,
+                if self.call == 1 { "" } else { "s" },
+                self.step,
+                self.micro_batch
+            ),
             Phase::Reduce => write!(
                 f,
                 " after {} forward call{} (step {}, micro-batch {})",

@@ -83,7 +83,7 @@ pub struct InitOptions {
     /// Ranks on this node; `None` reads `LOCAL_WORLD_SIZE` (optional).
     pub local_world_size: Option<usize>,
     /// How long the rendezvous and then every collective of the world may wait for the
-    /// other ranks; default 300 s (torch's default). The first rank to join sets it for the
+    /// other ranks; default 300 s (torch's is 30 min). The first rank to join sets it for the
     /// world.
     pub timeout: Duration,
     /// Where the torchrun variables come from: `None` is the process environment;

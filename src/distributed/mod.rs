@@ -151,6 +151,16 @@ pub trait ProcessGroup: Send + Sync {
 
     /// Returns once every rank has called it. `torch.distributed.barrier`.
     fn barrier(&self) -> Result<()>;
+
+    /// This rank cannot go on (`reason`): every collective of its world in flight or
+    /// called later fails, here and on every peer, with [`crate::Error::PeerFailed`]
+    /// naming this rank and carrying `reason` (what `TORCH_NCCL_ASYNC_ERROR_HANDLING`'s
+    /// abort does to a communicator). FSDP calls it when its ranks took different code
+    /// paths, so that no rank waits for a collective a peer will never call. The default
+    /// does nothing.
+    fn abort(&self, reason: &str) {
+        let _ = reason;
+    }
 }
 
 /// Shared handle to a process group.

@@ -636,6 +636,10 @@ impl ProcessGroup for NcclGroup {
         })
     }
 
+    fn abort(&self, reason: &str) {
+        self.mark_failed(reason.to_string());
+    }
+
     fn barrier(&self) -> Result<()> {
         // As ProcessGroupNCCL: an all-reduce of one element on the device.
         let t = Tensor::zeros_on(&[1], DType::F32, self.device())?;

@@ -178,6 +178,7 @@ impl FullyShardedDataParallel {
             let mut s = self.rs.sched.lock();
             // The reduction's collectives name the unit and the forward calls it covers.
             let _tag = super::progress::enter(s.progress.reduce(self.id));
+            s.progress.reduced();
             s.stats.reductions += 1;
             s.streams.post_backward().submit_keeping(keep, job)
         };

@@ -56,19 +56,24 @@ impl FullyShardedDataParallel {
         let local = norm_accumulate(0.0, &grads, norm_type)?;
         // Sharded gradients are disjoint pieces of the whole: combine over the shard group.
         // Under hybrid sharding the replicas hold the same pieces (summing over the world
-        // would count each sqrt(replicas) times too many); under NoShard every rank holds all.
-        let total = if self.sharding_strategy().is_sharded() {
-            let t = Tensor::from_vec(vec![local as f32], &[1])?;
-            let op = if inf { ReduceOp::Max } else { ReduceOp::Sum };
+        // would count each sqrt(replicas) times too many); under NoShard every rank holds
+        // all. Every rank of the world still takes part (a max of equal values, exact), as
+        // PyTorch all-reduces the norm under every strategy: a rank that clips while its
+        // peers do not then fails at once instead of training on alone.
+        let t = Tensor::from_vec(vec![local as f32], &[1])?;
+        {
             let _tag = self.fingerprint(Phase::ClipGradNorm);
-            staged::all_reduce(self.shard_group().as_ref(), &t, op)?;
-            let v = t.f32()?[0] as f64;
-            v
-        } else {
-            // Rounded to f32 as the reduction's input is, so that at one rank every
-            // strategy clips by the same coefficient.
-            local as f32 as f64
-        };
+            if self.sharding_strategy().is_sharded() {
+                let op = if inf { ReduceOp::Max } else { ReduceOp::Sum };
+                staged::all_reduce(self.shard_group().as_ref(), &t, op)?;
+                if let Some(rep) = &self.rs.replicate_pg {
+                    staged::all_reduce(rep.as_ref(), &t, ReduceOp::Max)?;
+                }
+            } else {
+                staged::all_reduce(self.process_group().as_ref(), &t, ReduceOp::Max)?;
+            }
+        }
+        let total = t.f32()?[0] as f64;
         // Ignored modules' parameters are whole on every rank: their local gradients count
         // once, without a reduction (as FSDP1 counts its non-sharded parameters).
         let mut ignored: Vec<Tensor> = Vec::new();

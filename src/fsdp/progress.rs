@@ -6,9 +6,20 @@
 //! next collective with both calls named, instead of pairing the wrong collectives (see
 //! `distributed::fingerprint`).
 //!
-//! Steps are counted from what FSDP sees of the optimizer: the first `optimizer_params()`
-//! or `zero_grad()` after a backward ends a step (PyTorch's loop calls both once per step,
-//! and a gradient-accumulation loop calls them once per K micro-batches).
+//! Steps are counted by `zero_grad()`: the first call after a backward ends a step (a
+//! training loop clears the gradients once per optimizer step, after every micro-batch of
+//! it).
+//!
+//! # [Note: end-of-backward agreement]
+//! Gathers and gradient reductions run on two streams over two communicators
+//! (`streams.rs`). A rank that skips the reductions of a micro-batch (`no_sync` on that
+//! rank alone) goes on to its next forward's gathers while its peers wait for it in the
+//! reductions: each waits for the other on another communicator, and no two differing
+//! fingerprints ever meet. So the root's `finish_backward` first runs a barrier on the
+//! unshard stream whose fingerprint counts the reductions the backward issued; ranks that
+//! differ fail there at once, and abort their world so that the reductions in flight end
+//! too. One header-only collective per backward, when the strategy shards over more than
+//! one rank.
 
 use crate::distributed::fingerprint::{self, Fingerprint, Name, Phase};
 
@@ -39,6 +50,8 @@ pub(super) struct Progress {
     micro_batch: u32,
     /// A root backward ran since the step began.
     grads_pending: bool,
+    /// Gradient reductions issued by the backward under way.
+    reductions: u32,
     /// Each unit's name, and how often it entered the last forward with grad, the last
     /// forward without grad, and the current backward.
     names: Vec<Name>,
@@ -93,6 +106,7 @@ impl Progress {
     /// The root's backward begins.
     pub fn begin_backward(&mut self) {
         self.pass = Pass::Backward;
+        self.reductions = 0;
         self.backward_calls.iter_mut().for_each(|c| *c = 0);
     }
 
@@ -102,6 +116,11 @@ impl Progress {
         self.grads_pending = true;
         self.owes_backward = false;
         self.pass = Pass::Idle;
+    }
+
+    /// A unit's gradient reduction was issued.
+    pub fn reduced(&mut self) {
+        self.reductions += 1;
     }
 
     /// `summon_full_params` begins (`true`) or ends.
@@ -116,8 +135,8 @@ impl Progress {
         }
     }
 
-    /// The gradients of this step were handed to the optimizer or dropped: the next
-    /// backward belongs to the next step.
+    /// The gradients of this step were dropped (`zero_grad`, which a training loop calls
+    /// once per optimizer step): the next backward belongs to the next step.
     pub fn step_boundary(&mut self) {
         if self.grads_pending {
             self.step += 1;
@@ -156,6 +175,12 @@ impl Progress {
     pub fn reduce(&self, id: usize) -> Fingerprint {
         let calls = self.forward_calls.get(id).copied().unwrap_or(0);
         self.fingerprint(id, Phase::Reduce, calls)
+    }
+
+    /// The ranks' agreement at the end of the backward under way (root `id`): how many
+    /// gradient reductions it issued.
+    pub fn end_of_backward(&self, id: usize) -> Fingerprint {
+        self.fingerprint(id, Phase::EndOfBackward, self.reductions)
     }
 
     /// A collective of unit `id` outside the passes (`Init`, `ClipGradNorm`, `StateDict`).

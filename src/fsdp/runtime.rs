@@ -262,9 +262,42 @@ impl FullyShardedDataParallel {
                 self.module_name()
             )));
         }
+        let agreed = self.agree_end_of_backward();
+        if let Err(e) = &agreed {
+            self.abort_on_desync(e);
+        }
         let fin = self.finalize_backward();
         self.rs.sched.lock().progress.end_backward();
-        fin
+        agreed.and(fin)
+    }
+
+    /// The ranks meet on the unshard stream before waiting for the gradient reductions,
+    /// comparing how many each issued: a rank that kept its gradients under `no_sync`
+    /// while another reduced them would otherwise wait on the gathers' communicator for
+    /// the next forward while the other waits on the reductions' communicator, each for
+    /// the other, until the group timeout. See [Note: end-of-backward agreement] in
+    /// `progress.rs`.
+    fn agree_end_of_backward(&mut self) -> Result<()> {
+        let work = {
+            let s = self.rs.sched.lock();
+            if !s.streams.reduces_apart() {
+                return Ok(());
+            }
+            let _tag = super::progress::enter(s.progress.end_of_backward(self.id));
+            s.streams.unshard.barrier(&s.shard_pg)
+        };
+        let (r, dt) = work.wait_timed();
+        self.rs.sched.lock().add_wait(dt);
+        r
+    }
+
+    /// After a collective mismatch (ranks that took different code paths) this rank
+    /// cannot go on: its world is aborted, so that no collective in flight here or on a
+    /// peer waits for a call that will never come.
+    fn abort_on_desync(&self, e: &crate::error::Error) {
+        if matches!(e, crate::error::Error::CollectiveMismatch { .. }) {
+            self.rs.pg.abort(&e.to_string());
+        }
     }
 
     /// `(name, full parameter)` of this unit's parameters while it is unsharded (between
@@ -345,7 +378,16 @@ impl Module for FullyShardedDataParallel {
             dx
         });
         if self.is_root {
-            let fin = self.finish_backward();
+            let fin = match &result {
+                Ok(_) => self.finish_backward(),
+                Err(e) => {
+                    // Nothing may stay in flight after an error either.
+                    self.abort_on_desync(e);
+                    let fin = self.finalize_backward();
+                    self.rs.sched.lock().progress.end_backward();
+                    fin
+                }
+            };
             let dx = result?;
             fin?;
             return Ok(dx);

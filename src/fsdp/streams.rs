@@ -36,6 +36,8 @@ pub(super) struct Streams {
     pub pre_unshard: Option<CommStream>,
     /// The group the post-backward stream reduce-scatters over.
     pub reduce_pg: Group,
+    /// Gathers and reduce-scatters run on two communicators of more than one rank.
+    apart: bool,
 }
 
 impl Streams {
@@ -62,11 +64,13 @@ impl Streams {
             .transpose()?;
         // A group of one needs no second communicator: its collectives wait for no peer, and
         // each backend serializes a rank's calls on one group handle.
-        let reduce_pg = if sharded && shard_pg.size() > 1 {
+        let apart = sharded && shard_pg.size() > 1;
+        let reduce_pg = if apart {
             second_communicator(pg, shard_pg)?
         } else {
             Some(shard_pg.clone())
         };
+        let apart = apart && reduce_pg.is_some();
         let (post_backward, reduce_pg) = match reduce_pg {
             Some(g) => (
                 Some(CommStream::on_device(&name("post-backward"), device)?),
@@ -79,7 +83,16 @@ impl Streams {
             post_backward,
             pre_unshard,
             reduce_pg,
+            apart,
         })
+    }
+
+    /// Whether gradient reductions run on their own communicator of more than one rank,
+    /// apart from the gathers' (sharded strategies): then two ranks can wait on different
+    /// communicators for each other, which only an agreement on the unshard stream at the
+    /// end of backward can see.
+    pub fn reduces_apart(&self) -> bool {
+        self.apart
     }
 
     /// The stream gradient reductions go on.

@@ -175,12 +175,7 @@ impl FullyShardedDataParallel {
     /// one per run of trainable elements (frozen parameters and padding excluded, so they
     /// are never updated, not even by weight decay), then the trainable parameters of the
     /// ignored modules, whole. The same list at every step.
-    ///
-    /// Also marks the end of a step for the fingerprints of FSDP's collectives: the first
-    /// call after a backward (or the first [`zero_grad`](Self::zero_grad)) starts the next
-    /// step (see `distributed::fingerprint`), so every rank must call it alike.
     pub fn optimizer_params(&mut self) -> Vec<ParamGrad> {
-        self.rs.sched.lock().progress.step_boundary();
         let mut out = Vec::new();
         self.for_each_unit(&mut |u| {
             for &(start, len) in &u.flat.trainable_runs {
@@ -222,8 +217,10 @@ impl FullyShardedDataParallel {
     }
 
     /// Drops every sharded gradient, and the ignored modules' gradients
-    /// (`zero_grad(set_to_none=True)`, PyTorch's default). Ends the step as
-    /// [`optimizer_params`](Self::optimizer_params) does.
+    /// (`zero_grad(set_to_none=True)`, PyTorch's default). Also ends the step for the
+    /// fingerprints of FSDP's collectives: the first call after a backward starts the next
+    /// step (see `distributed::fingerprint`), so every rank calls it alike (once per
+    /// optimizer step, as a training loop does).
     pub fn zero_grad(&mut self) {
         self.rs.sched.lock().progress.step_boundary();
         let mem = self.rs.mem.clone();

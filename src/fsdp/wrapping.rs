@@ -98,9 +98,20 @@ impl FullyShardedDataParallel {
             )));
         }
         let mut all = Vec::new();
-        visit_parameters(module.as_mut(), "", false, &mut |_, p| {
-            all.extend(p.data().ok().cloned())
+        let mut meta_ignored = None;
+        visit_parameters(module.as_mut(), "", false, &mut |name, p| {
+            if let Ok(d) = p.data() {
+                if meta_ignored.is_none() && d.device() == Device::Meta && rs.is_ignored(name) {
+                    meta_ignored = Some(name.to_string());
+                }
+                all.push(d.clone());
+            }
         });
+        if let Some(name) = meta_ignored {
+            return Err(Error::Fsdp(format!(
+                "parameter '{name}' of an ignored module is on the meta device: FSDP leaves ignored modules as they are (it neither materializes nor syncs them), so materialize it before wrapping (fsdp::nn::materialize)"
+            )));
+        }
         let mut seen = Seen {
             live_bytes: materialized_bytes(&all),
             ..Seen::default()
@@ -263,9 +274,14 @@ pub fn hybrid_groups(world: &Group, ranks_per_node: usize) -> Result<(Group, Gro
 fn shard_and_replicate_groups(pg: &Group, config: &FsdpConfig) -> Result<(Group, Option<Group>)> {
     let mesh = config.device_mesh.as_ref();
     if !config.sharding_strategy.is_hybrid() {
-        if mesh.is_some() {
+        let hybrid_only = [
+            (mesh.is_some(), "device_mesh"),
+            (config.hybrid_groups.is_some(), "hybrid_groups"),
+            (config.ranks_per_node.is_some(), "ranks_per_node"),
+        ];
+        if let Some((_, what)) = hybrid_only.iter().find(|(set, _)| *set) {
             return Err(Error::Fsdp(format!(
-                "device_mesh is for HybridShard and HybridShardZero2; with {:?} pass the group as pg",
+                "{what} is for HybridShard and HybridShardZero2; with {:?} pass the group as pg",
                 config.sharding_strategy
             )));
         }

@@ -276,6 +276,21 @@ fn hybrid_sharding_over_a_mesh_equals_hybrid_groups() {
         let e_both = train_two_steps(pg.clone(), hybrid(Some(mesh), Some(2)))
             .unwrap_err()
             .to_string();
+        // Hybrid-only options under another strategy are errors, not silently ignored.
+        let e_rpn = train_two_steps(
+            pg.clone(),
+            FsdpConfig {
+                ranks_per_node: Some(2),
+                ..Default::default()
+            },
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e_rpn
+                .contains("ranks_per_node is for HybridShard and HybridShardZero2; with FullShard"),
+            "{e_rpn}"
+        );
         // Nothing says which ranks share a node: an error (FSDP1's ValueError), not a
         // silent FullShard over the whole world.
         let e_none = train_two_steps(pg.clone(), hybrid(None, None))

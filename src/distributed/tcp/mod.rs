@@ -455,6 +455,10 @@ impl ProcessGroup for TcpGroup {
         dispatch!(tensor.dtype(), self.broadcast_typed(tensor, src))
     }
 
+    fn abort(&self, reason: &str) {
+        self.mark_failed(reason);
+    }
+
     fn barrier(&self) -> Result<()> {
         let desc = Desc {
             op: "barrier",

@@ -73,7 +73,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Default collective timeout, as `torch.distributed`'s default for gloo/NCCL (300 s).
+/// Default collective timeout: 300 s. `torch.distributed`'s is 30 min (10 min for NCCL);
+/// shorter here so that a rank that never arrives is reported sooner.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Every group of one in-process world, so that a rank's failure or exit reaches peers
@@ -475,6 +476,10 @@ impl ProcessGroup for ThreadsGroup {
             Place::Host => dispatch!(tensor.dtype(), self.broadcast_typed(tensor, src)),
             Place::Cuda(i) => self.broadcast_cuda(tensor, src, i),
         }
+    }
+
+    fn abort(&self, reason: &str) {
+        self.mark_failed(reason);
     }
 
     fn barrier(&self) -> Result<()> {
