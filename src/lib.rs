@@ -14,6 +14,7 @@
 //! | nn / optim | [`nn`], [`optim`] | modules with explicit backward, GPT, SGD/Adam/AdamW |
 //! | fsdp | [`fsdp`] | FlatParameter, units, strategies, wrap policies, state dicts |
 //! | checkpoint | [`checkpoint`] | safetensors checkpoint files, crash-safe saves, resharding loads |
+//! | embed | [`embed`] | units declared by their parameters, for a host that computes itself (drives the FSDP hooks) |
 //! | train | [`train`] | the main job behind `fsdp train` and `fsdp bench` |
 //!
 //! ```
@@ -43,6 +44,7 @@
 pub mod backend;
 pub mod checkpoint;
 pub mod distributed;
+pub mod embed;
 pub mod error;
 pub mod fsdp;
 pub mod kernels;

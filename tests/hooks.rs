@@ -7,6 +7,7 @@
 mod common;
 
 use fsdp::distributed::{launch, LaunchOptions};
+use fsdp::embed::{fully_shard, ParamSpec, UnitSpec};
 use fsdp::fsdp::{AutoWrapPolicy, FsdpConfig, FullyShardedDataParallel, ShardingStrategy};
 use fsdp::nn::{loss, Context, InitKey, Linear, Module, ReLU, Sequential};
 use fsdp::optim::Optimizer;
@@ -172,10 +173,58 @@ fn through_hooks(m: &mut FullyShardedDataParallel, s: usize, lo: usize, hi: usiz
 
 type Step = fn(&mut FullyShardedDataParallel, usize, usize, usize);
 
+/// The model of [`model`] declared by its parameters (values as `Linear::new` drew them),
+/// as a host framework with its own tensors would.
+fn declared(
+    pg: fsdp::distributed::Group,
+    strategy: ShardingStrategy,
+) -> fsdp::Result<FullyShardedDataParallel> {
+    let values = common::named_values(model().as_mut());
+    let unit = |name: &str| {
+        let params = values
+            .iter()
+            .filter_map(|(n, v)| {
+                let local = n.strip_prefix(&format!("{name}."))?;
+                let shape = if local == "weight" {
+                    if name == "0" {
+                        vec![5, 7]
+                    } else {
+                        vec![3, 5]
+                    }
+                } else if name == "0" {
+                    vec![5]
+                } else {
+                    vec![3]
+                };
+                Some(ParamSpec::values(local, &shape, v.clone()))
+            })
+            .collect();
+        UnitSpec::new(name, params)
+    };
+    let cfg = FsdpConfig {
+        auto_wrap_policy: None,
+        ..config(strategy)
+    };
+    fully_shard(vec![unit("0"), unit("2")], Vec::new(), pg, cfg)
+}
+
 fn train(world: usize, strategy: ShardingStrategy, step: Step) -> Vec<(String, Vec<f32>)> {
+    train_model(world, strategy, step, false)
+}
+
+fn train_model(
+    world: usize,
+    strategy: ShardingStrategy,
+    step: Step,
+    declare: bool,
+) -> Vec<(String, Vec<f32>)> {
     launch(&LaunchOptions::new(world), |pg| {
         let (lo, hi) = rows(pg.rank(), world);
-        let mut m = FullyShardedDataParallel::new(model(), pg, config(strategy))?;
+        let mut m = if declare {
+            declared(pg, strategy)?
+        } else {
+            FullyShardedDataParallel::new(model(), pg, config(strategy))?
+        };
         let mut opt = common::sgd(0.1);
         for s in 0..STEPS {
             step(&mut m, s, lo, hi);
@@ -198,6 +247,9 @@ fn a_host_driving_the_hooks_trains_like_the_modules() {
         for world in [1, 2, 4] {
             let modules = train(world, strategy, through_modules);
             let hooks = train(world, strategy, through_hooks);
+            // Declared by parameters: the same hooks, the same numbers, bit for bit.
+            let declared = train_model(world, strategy, through_hooks, true);
+            assert_eq!(declared, hooks, "{strategy:?} world {world} declared");
             assert_eq!(modules.len(), 4);
             let start = common::named_values(model().as_mut());
             for ((name, want), (got_name, got)) in modules.iter().zip(&hooks) {
@@ -268,4 +320,83 @@ fn hooks_called_out_of_order_are_errors_naming_the_unit() {
             e[6]
         );
     }
+}
+
+#[test]
+fn declared_units_nest_by_path_and_bad_declarations_are_named() {
+    let out = launch(&LaunchOptions::new(2), |pg| {
+        let p = |name: &str, n: usize| ParamSpec::values(name, &[n], vec![1.0; n]);
+        let units = vec![
+            UnitSpec::new("layers.0", vec![p("w", 3)]),
+            UnitSpec::new("layers", vec![p("scale", 2)]),
+            UnitSpec::new("head", vec![p("w", 5), p("frozen", 1).frozen()]),
+        ];
+        let mut m = fully_shard(
+            units,
+            vec![p("temperature", 1)],
+            pg.clone(),
+            FsdpConfig::default(),
+        )?;
+        let mut names = Vec::new();
+        m.for_each_unit(&mut |u| names.push(u.module_name().to_string()));
+        let params: Vec<String> = m.full_parameters()?.into_iter().map(|(n, _)| n).collect();
+        let bad = |units: Vec<UnitSpec>| {
+            fully_shard(units, Vec::new(), pg.clone(), FsdpConfig::default())
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default()
+        };
+        let errors = vec![
+            bad(vec![
+                UnitSpec::new("a", vec![p("w", 1)]),
+                UnitSpec::new("a", vec![]),
+            ]),
+            bad(vec![UnitSpec::new("a..b", vec![])]),
+            bad(vec![UnitSpec::new("a", vec![p("w", 1), p("w", 1)])]),
+            bad(vec![UnitSpec::new(
+                "a",
+                vec![ParamSpec::values("w", &[2, 2], vec![0.0; 3])],
+            )]),
+            bad(vec![UnitSpec::new("a", vec![p("x.y", 1)])]),
+        ];
+        // The host computes: the modules refuse to.
+        let x = Tensor::from_vec(vec![0.0f32; 2], &[1, 2])?;
+        let fwd = m.forward(&x, &Context::train()).unwrap_err().to_string();
+        Ok((names, params, errors, fwd))
+    })
+    .unwrap();
+    let (names, params, errors, fwd) = &out[0];
+    assert_eq!(names, &["", "layers", "layers.0", "head"]);
+    assert_eq!(
+        params,
+        &[
+            "temperature",
+            "layers.scale",
+            "layers.0.w",
+            "head.w",
+            "head.frozen"
+        ]
+    );
+    assert!(
+        errors[0].contains("unit 'a' is declared twice"),
+        "{}",
+        errors[0]
+    );
+    assert!(errors[1].contains("unit name 'a..b'"), "{}", errors[1]);
+    assert!(
+        errors[2].contains("parameter 'a.w' is declared twice"),
+        "{}",
+        errors[2]
+    );
+    assert!(
+        errors[3].contains("'a.w' of shape [2, 2] needs 4 values, got 3"),
+        "{}",
+        errors[3]
+    );
+    assert!(
+        errors[4].contains("parameter name 'x.y' of unit 'a'"),
+        "{}",
+        errors[4]
+    );
+    assert!(fwd.contains("declared by a host that computes it"), "{fwd}");
 }
