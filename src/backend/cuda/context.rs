@@ -18,8 +18,64 @@ pub struct CudaDevice {
     ordinal: usize,
     info: DeviceInfo,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
-    functions: Mutex<HashMap<&'static str, CudaFunction>>,
+    functions: FunctionCache,
     pub(crate) pool: Arc<Pool>,
+}
+
+/// Kernels resolved so far, by name, read without a lock: an open-addressing table of
+/// write-once slots. A launch looks its kernel up here, so after the first launch of each
+/// kernel no launch takes a lock or calls the driver to find it (issue: a device-wide
+/// mutex per launch serialized every rank's stream threads).
+struct FunctionCache {
+    slots: Box<[OnceLock<(&'static str, CudaFunction)>]>,
+}
+
+impl FunctionCache {
+    /// Room for every kernel of `kernels/*.cu` several times over (they number ~120).
+    const SLOTS: usize = 1024;
+
+    fn new() -> FunctionCache {
+        FunctionCache {
+            slots: (0..Self::SLOTS).map(|_| OnceLock::new()).collect(),
+        }
+    }
+
+    /// The kernel `name`, resolved by `resolve` on its first use. Two threads that resolve
+    /// the same kernel at once both get it; one of them fills the slot.
+    fn get(
+        &self,
+        name: &'static str,
+        resolve: impl FnOnce() -> Result<CudaFunction>,
+    ) -> Result<cudarc::driver::sys::CUfunction> {
+        let n = self.slots.len();
+        let start = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+        }) as usize
+            % n;
+        let mut resolve = Some(resolve);
+        for i in 0..n {
+            let slot = &self.slots[(start + i) % n];
+            if slot.get().is_none() {
+                let Some(r) = resolve.take() else { break };
+                let f = r()?;
+                let (k, got) = slot.get_or_init(|| (name, f.clone()));
+                if *k != name {
+                    // Another kernel took the slot meanwhile: ours works without caching.
+                    return Ok(f.cu_function());
+                }
+                return Ok(got.cu_function());
+            }
+            match slot.get() {
+                Some((k, f)) if *k == name => return Ok(f.cu_function()),
+                _ => continue,
+            }
+        }
+        // A full table (never with today's kernels): resolve without caching.
+        match resolve {
+            Some(r) => r().map(|f| f.cu_function()),
+            None => Err(Error::Fsdp(format!("internal: kernel {name} not cached"))),
+        }
+    }
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -111,7 +167,7 @@ impl CudaDevice {
             ordinal,
             info,
             modules: Mutex::new(HashMap::new()),
-            functions: Mutex::new(HashMap::new()),
+            functions: FunctionCache::new(),
         });
         reg.insert(ordinal, dev.clone());
         Ok(dev)
@@ -138,29 +194,32 @@ impl CudaDevice {
         &self.info
     }
 
-    /// Kernel `name` of module `module` (`kernels/{module}.cu`), loading the module on first
-    /// use. Functions are cached by name.
+    /// The driver handle of kernel `name` of module `module` (`kernels/{module}.cu`),
+    /// loading the module on first use. Functions are cached by name; once cached, a
+    /// lookup takes no lock. The handle stays valid for the device's life (its module is
+    /// never unloaded).
     ///
     /// # Errors
     /// [`Error::Cuda`] when the module is not embedded, the driver rejects the image (no
     /// cubin or PTX usable on this GPU: see [`crate::kernels::targets`]), or the module has
     /// no such kernel (a bf16 kernel on a pre-sm_80 GPU, say).
-    pub fn function(&self, module: &'static str, name: &'static str) -> Result<CudaFunction> {
-        if let Some(f) = self.functions.lock().get(name) {
-            return Ok(f.clone());
-        }
-        let m = self.module(module)?;
-        let f = m.load_function(name).map_err(|e| {
-            Error::cuda(
-                format!(
-                    "loading kernel {name} from module {module} on cuda:{}",
-                    self.ordinal
-                ),
-                e,
-            )
-        })?;
-        self.functions.lock().insert(name, f.clone());
-        Ok(f)
+    pub(crate) fn function(
+        &self,
+        module: &'static str,
+        name: &'static str,
+    ) -> Result<cudarc::driver::sys::CUfunction> {
+        self.functions.get(name, || {
+            let m = self.module(module)?;
+            m.load_function(name).map_err(|e| {
+                Error::cuda(
+                    format!(
+                        "loading kernel {name} from module {module} on cuda:{}",
+                        self.ordinal
+                    ),
+                    e,
+                )
+            })
+        })
     }
 
     fn module(&self, module: &'static str) -> Result<Arc<CudaModule>> {

@@ -111,7 +111,11 @@ impl Grid {
     }
 }
 
-/// Launches `module`'s kernel `name` on `s`.
+/// Most arguments a kernel of `kernels/` takes (layernorm_fwd's 9, with room).
+const MAX_ARGS: usize = 12;
+
+/// Launches `module`'s kernel `name` on `s`: no heap allocation and, once the kernel was
+/// launched before on this device, no lock.
 ///
 /// # Safety
 /// `args` must match the kernel's C signature in number, order and size, and every pointer
@@ -131,21 +135,32 @@ pub(crate) unsafe fn launch(
         .bind_to_thread()
         .map_err(|e| Error::cuda(format!("binding cuda:{}", s.dev.ordinal()), e))?;
     let f = s.dev.function(module, name)?;
-    let mut slots: Vec<u64> = args.iter().map(|a| a.slot()).collect();
-    let mut params: Vec<*mut c_void> = slots
-        .iter_mut()
-        .map(|p| p as *mut u64 as *mut c_void)
-        .collect();
+    // Argument slots on the stack: a launch allocates nothing.
+    if args.len() > MAX_ARGS {
+        return Err(Error::Fsdp(format!(
+            "internal: kernel {name} takes {} arguments, launchers pass at most {MAX_ARGS}",
+            args.len()
+        )));
+    }
+    let mut slots = [0u64; MAX_ARGS];
+    for (slot, a) in slots.iter_mut().zip(args) {
+        *slot = a.slot();
+    }
+    let mut params = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
+    for (p, slot) in params.iter_mut().zip(slots.iter_mut()) {
+        *p = slot as *mut u64 as *mut c_void;
+    }
     // SAFETY: the caller guarantees the arguments match the kernel; `params` points into
-    // `slots`, which outlive the call (the driver copies parameters at launch).
+    // `slots`, which outlive the call (the driver copies parameters at launch); `f` stays
+    // valid while the device lives.
     unsafe {
         cu::launch_kernel(
-            f.cu_function(),
+            f,
             g.grid,
             (g.block, 1, 1),
             0,
             s.inner.cu_stream(),
-            &mut params,
+            &mut params[..args.len()],
         )
     }
     .map_err(|e| {
