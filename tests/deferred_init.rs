@@ -312,8 +312,8 @@ fn param_init_fn_never_reaches_into_a_unit_already_wrapped() {
     // nested unit's parameters are live views of its FlatParameter, so an init of the root
     // that could see them would overwrite them (and count them twice).
     let mut results = Vec::new();
-    for strategy in STRATEGIES {
-        let out = launch(&LaunchOptions::new(2), |pg: Group| {
+    for (world, strategy) in [2, 4].into_iter().flat_map(|w| STRATEGIES.map(|s| (w, s))) {
+        let out = launch(&LaunchOptions::new(world), |pg: Group| {
             let touched: Arc<Mutex<Vec<usize>>> = Arc::default();
             let t = touched.clone();
             let init: ParamInitFn = Arc::new(move |m: &mut dyn Module| {
@@ -345,12 +345,16 @@ fn param_init_fn_never_reaches_into_a_unit_already_wrapped() {
         .unwrap();
         for (rank, (touched, params)) in out.iter().enumerate() {
             // Two nested units of 20 elements, then the root's own 10: 50 in all, once each.
-            assert_eq!(touched, &vec![20, 20, 10], "{strategy:?} rank {rank}");
+            assert_eq!(
+                touched,
+                &vec![20, 20, 10],
+                "world {world} {strategy:?} rank {rank}"
+            );
             assert_eq!(params.len(), 6);
         }
         results.push((strategy, out[0].1.clone()));
     }
-    // The same values under every strategy: call k wrote k * 1000 + i / 2.
+    // The same values under every strategy and world size: call k wrote k * 1000 + i / 2.
     for (strategy, params) in &results {
         assert_eq!(bits(params), bits(&results[0].1), "{strategy:?}");
         let by_name: HashMap<&str, &Vec<f32>> =
