@@ -57,8 +57,8 @@ pub struct CheckpointInfo {
     /// Whether the checkpoint holds per-rank extra state (one value per rank of
     /// `world_size`).
     pub has_rank_extra: bool,
-    /// This rank's per-rank value as the load's [`RankExtra`] chose it; `None` when the
-    /// checkpoint has none, under [`RankExtra::Ignore`], and from
+    /// This rank's per-rank value as the load's [`RankExtra`] chose it (`Some(Value::Null)`
+    /// for a saved `null`); `None` when the checkpoint has none, under [`RankExtra::Ignore`], and from
     /// [`read_checkpoint_info`] (which reads no rank's value; see [`read_rank_extra`]).
     pub rank_extra: Option<serde_json::Value>,
 }
