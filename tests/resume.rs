@@ -279,7 +279,7 @@ fn metric_steps(path: &Path) -> Vec<(u64, String)> {
 }
 
 /// `--resume --metrics FILE` keeps the records of the steps before the resumed one, drops
-/// the later ones (trained again) and appends.
+/// the later ones (trained again) and lines that are no records, and appends.
 #[test]
 fn resuming_keeps_the_metrics_of_the_steps_before_the_resumed_one() {
     let data = corpus_file("metrics-resume");
@@ -298,6 +298,12 @@ fn resuming_keeps_the_metrics_of_the_steps_before_the_resumed_one() {
     train(&run, &Silent).unwrap();
     let before = metric_steps(&metrics);
     assert_eq!(before.iter().map(|s| s.0).collect::<Vec<_>>(), [1, 2, 3, 4]);
+    // Lines that are not step records (garbage, a blank line, JSON without a step) are
+    // dropped, wherever they are: the file stays one record per line.
+    let mut text = std::fs::read_to_string(&metrics).unwrap();
+    text.insert_str(before[0].1.len() + 1, "garbage line\n\n");
+    text.push_str("{\"note\": \"not a record\"}\nmore garbage\n");
+    std::fs::write(&metrics, text).unwrap();
     train(
         &TrainConfig {
             steps: 5,
