@@ -177,9 +177,10 @@ struct Recorded {
     /// programs, which may give torchrun's `timestamp` in seconds).
     #[serde(default)]
     timestamp_us: Option<u64>,
-    /// torchrun's `timestamp`, seconds since the Unix epoch.
+    /// torchrun's `timestamp`, seconds since the Unix epoch (any JSON: a value that is
+    /// not a number is ignored, never a reason to drop the record).
     #[serde(default)]
-    timestamp: Option<u64>,
+    timestamp: Option<serde_json::Value>,
     /// [`RENDEZVOUS_STAGE`] when the child failed while joining the world (hosting or
     /// reaching the store), see [`note_rendezvous`].
     #[serde(default)]
@@ -189,8 +190,10 @@ struct Recorded {
 impl Recorded {
     /// When the failure was recorded, microseconds since the Unix epoch, if known.
     fn time_us(&self) -> Option<u64> {
-        self.timestamp_us
-            .or_else(|| self.timestamp.map(|s| s.saturating_mul(1_000_000)))
+        self.timestamp_us.or_else(|| {
+            let secs = self.timestamp.as_ref()?.as_f64()?;
+            (secs >= 0.0).then_some((secs * 1e6) as u64)
+        })
     }
 }
 
