@@ -479,7 +479,7 @@ fn bad_checkpoint_options_are_one_line_errors() {
         (vec!["--save-every", "5"], "--save-every 5 needs --save-dir"),
         (
             vec!["--resume", "/nonexistent/ckpt"],
-            "holds neither index.json",
+            "error: checkpoint '/nonexistent/ckpt': does not exist",
         ),
         (
             vec!["--keep-last", "0", "--save-dir", "/tmp/x"],

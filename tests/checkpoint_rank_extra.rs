@@ -322,3 +322,53 @@ fn bad_indexes_are_refused_naming_the_problem() {
     );
     refuse(&|v| v["version"] = json!(3), "versions 1 to 2");
 }
+
+/// A JSON `null` is a per-rank value like any other: saved in its rank's place and given
+/// back as `Some(null)`, not mistaken for a rank without per-rank state; a save where every
+/// rank's value is `null` keeps them too.
+#[test]
+fn null_is_a_per_rank_value_saved_and_given_back() {
+    for (world, nulls) in [(2, vec![1]), (4, vec![1]), (4, vec![0, 3]), (2, vec![0, 1])] {
+        let what = format!("world {world}, null on ranks {nulls:?}");
+        let dir = tmp_dir(&format!("null-{world}-{nulls:?}"));
+        let value = |rank: usize| {
+            if nulls.contains(&rank) {
+                Value::Null
+            } else {
+                own_value(rank, world)
+            }
+        };
+        launch(&LaunchOptions::new(world), |pg: Group| {
+            let rank = pg.rank();
+            let mut m = model(pg, 5, ShardingStrategy::FullShard)?;
+            save_checkpoint_with_rank_extra(
+                &dir,
+                &mut m,
+                None,
+                StateDictType::Sharded,
+                json!({"step": 7}),
+                value(rank),
+            )
+        })
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let want: Vec<Value> = (0..world).map(value).collect();
+        let index = read_index(&dir).unwrap();
+        assert_eq!(index.version, 2, "{what}");
+        assert_eq!(index.rank_extra.as_ref(), Some(&want), "{what}");
+        assert!(read_checkpoint_info(&dir).unwrap().has_rank_extra, "{what}");
+        let got = launch(&LaunchOptions::new(world), |pg: Group| {
+            let rank = pg.rank();
+            let mut m = model(pg, 6, ShardingStrategy::FullShard)?;
+            let own = load_checkpoint(&dir, &mut m, None)?.rank_extra;
+            let rank0 = load_checkpoint_with(&dir, &mut m, None, RankExtra::Rank0)?.rank_extra;
+            let read = read_rank_extra(&dir, rank, world, RankExtra::Own)?;
+            Ok((own, rank0, read))
+        })
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        for (rank, (own, rank0, read)) in got.into_iter().enumerate() {
+            assert_eq!(own, Some(value(rank)), "{what}: rank {rank}");
+            assert_eq!(read, Some(value(rank)), "{what}: read_rank_extra {rank}");
+            assert_eq!(rank0, Some(value(0)), "{what}: rank 0's value on {rank}");
+        }
+    }
+}

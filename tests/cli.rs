@@ -55,6 +55,29 @@ fn bad_input_is_one_line_and_a_non_zero_exit() {
         &["--data", missing.to_str().unwrap()],
         "cannot read data file",
     );
+    // The data file is the first problem named, whatever else is wrong (here the default
+    // --global-batch 64 does not split over 3 ranks).
+    let m = missing.to_str().unwrap();
+    for args in [
+        &["--data", m, "--world-size", "3"][..],
+        &["--data", m, "--world-size", "3", "--steps", "0"],
+        &["--data", m, "--resume", m, "--global-batch", "7"],
+        &["--data", m, "--seq-len", "1000000", "--n-embd", "65536"],
+    ] {
+        fails_with(
+            args,
+            &format!("error: data: cannot read data file '{m}': No such file or directory"),
+        );
+    }
+    // A file too short for --seq-len comes before the options and the memory check.
+    fails_with(
+        &["--data", t, "--world-size", "3", "--seq-len", "100000"],
+        "has 5000 bytes; with --seq-len 100000 it needs at least 1000011",
+    );
+    fails_with(
+        &["--data", t, "--seq-len", "100000", "--n-embd", "65536"],
+        "has 5000 bytes; with --seq-len 100000 it needs at least 1000011",
+    );
     fails_with(&["--data", empty.to_str().unwrap()], "is empty");
     fails_with(&["--data", binary.to_str().unwrap()], "not UTF-8 text");
     fails_with(
@@ -398,6 +421,9 @@ fn memory_estimate_bounds_the_measured_peak() {
         ..TrainConfig::default()
     };
     let cases = [
+        // Long rows: attention's (T, T) buffers dominate, and training and evaluation reuse
+        // them through the buffer pool (0.7 GiB measured).
+        job(4, 1, 32, 2, 3000, 4),
         job(1, 1, 32, 2, 1500, 1),
         job(4, 1, 32, 2, 1000, 4),
         TrainConfig {

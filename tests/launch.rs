@@ -341,11 +341,12 @@ fn error_lines(stderr: &str) -> Vec<&str> {
 
 #[test]
 fn failing_ranks_give_one_clean_line_per_distinct_error() {
-    // Every rank fails alike: one line, naming the ranks.
+    // Every rank fails alike: one line, naming the ranks. The data file is named first,
+    // before the default --global-batch 64 that does not split over 3 ranks.
     let out = run(fsdp().args([
         "launch",
         "--nproc-per-node",
-        "4",
+        "3",
         "--",
         "fsdp",
         "train",
@@ -370,7 +371,7 @@ fn failing_ranks_give_one_clean_line_per_distinct_error() {
         .next()
         .and_then(|r| r.parse().ok())
         .unwrap();
-    let others: Vec<String> = (0..4)
+    let others: Vec<String> = (0..3)
         .filter(|&r| r != root)
         .map(|r| r.to_string())
         .collect();
@@ -477,10 +478,11 @@ fn two_jobs_on_one_port_never_mix_exactly_one_fails_naming_the_port() {
         assert_eq!(printed_losses(&stdout), expected, "{stdout}");
         let err = String::from_utf8_lossy(&failed[0].stderr);
         assert!(!err.contains("panicked"), "{err}");
+        // The root cause is the loser's rank 0, which cannot host its store.
         let last = err.trim_end().lines().last().unwrap_or_default();
         assert!(
-            last.starts_with("error: fsdp launch: rank ")
-                && last.contains(&format!(":{port}"))
+            last.starts_with("error: fsdp launch: rank 0 failed: ")
+                && last.contains(&format!("port {port} on 127.0.0.1 is in use"))
                 && last.contains("another job"),
             "{err}"
         );
@@ -577,6 +579,67 @@ fn sigterm_to_the_launcher_reaches_every_rank() {
         processes_with(&data),
         0,
         "ranks left running after the launcher"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A second job started on a busy port: its rank 1 reaches the first job's store and is
+/// refused (another job id), its rank 0 cannot host the store (the port is in use). The
+/// summary blames rank 0, the root cause, even when rank 1 failed first (here rank 0
+/// starts only once rank 1 has recorded its error); rank 1's error gets its own line.
+#[cfg(unix)]
+#[test]
+fn a_busy_port_blames_rank_0s_store_failure_even_when_rank_1_fails_first() {
+    let dir = tmp_dir("busy-port");
+    let data = corpus(&dir);
+    let port = common::free_port().to_string();
+    let launch = |n: &str| {
+        let mut c = fsdp();
+        c.args([
+            "launch",
+            "--nproc-per-node",
+            n,
+            "--master-port",
+            &port,
+            "--",
+        ]);
+        c
+    };
+    let first = launch("1")
+        .args(["fsdp"])
+        .args(small_job(&data, 1_000_000))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Until the first job's store listens (a connection it refuses, once).
+    let addr = format!("127.0.0.1:{port}");
+    for _ in 0..1200 {
+        if std::net::TcpStream::connect(&addr).is_ok() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let wait_for_rank_1 = r#"if [ "$RANK" = 0 ]; then d=$(dirname "$TORCHELASTIC_ERROR_FILE"); while [ ! -s "$d/error-rank-1.json" ]; do sleep 0.02; done; fi; exec "$0" "$@""#;
+    let out = run(launch("2")
+        .args(["sh", "-c", wait_for_rank_1, env!("CARGO_BIN_EXE_fsdp")])
+        .args(small_job(&data, 5)));
+    // SAFETY: kill(2) on our own child; the launcher passes SIGTERM on to its rank.
+    unsafe { libc::kill(first.id() as libc::pid_t, libc::SIGTERM) };
+    let _ = first.wait_with_output();
+    let err = String::from_utf8_lossy(&out.stderr);
+    let lines = error_lines(&err);
+    assert_eq!(lines.len(), 2, "{err}");
+    assert!(
+        lines[0].starts_with("[rank 1] error: init_process_group")
+            && lines[0].contains(&format!("TCPStore at {addr} (rank 1): it belongs to job")),
+        "{err}"
+    );
+    assert!(
+        lines[1].starts_with("error: fsdp launch: rank 0 failed: exit code 1")
+            && lines[1].contains(&format!("TCPStore: port {port} on 127.0.0.1 is in use"))
+            && lines[1].ends_with("; the job was stopped (ranks [1] also ended)"),
+        "{err}"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

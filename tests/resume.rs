@@ -279,7 +279,7 @@ fn metric_steps(path: &Path) -> Vec<(u64, String)> {
 }
 
 /// `--resume --metrics FILE` keeps the records of the steps before the resumed one, drops
-/// the later ones (trained again) and appends.
+/// the later ones (trained again) and lines that are no records, and appends.
 #[test]
 fn resuming_keeps_the_metrics_of_the_steps_before_the_resumed_one() {
     let data = corpus_file("metrics-resume");
@@ -298,6 +298,12 @@ fn resuming_keeps_the_metrics_of_the_steps_before_the_resumed_one() {
     train(&run, &Silent).unwrap();
     let before = metric_steps(&metrics);
     assert_eq!(before.iter().map(|s| s.0).collect::<Vec<_>>(), [1, 2, 3, 4]);
+    // Lines that are not step records (garbage, a blank line, JSON without a step) are
+    // dropped, wherever they are: the file stays one record per line.
+    let mut text = std::fs::read_to_string(&metrics).unwrap();
+    text.insert_str(before[0].1.len() + 1, "garbage line\n\n");
+    text.push_str("{\"note\": \"not a record\"}\nmore garbage\n");
+    std::fs::write(&metrics, text).unwrap();
     train(
         &TrainConfig {
             steps: 5,
@@ -427,5 +433,58 @@ fn an_edited_index_is_refused_naming_the_field_and_both_values() {
     assert!(
         err.contains("step 2 disagrees with the optimizer's step count 4"),
         "{err}"
+    );
+}
+
+/// `--resume` of a path that does not exist says so, before any other check (a save
+/// directory that holds files is not the problem then): a checkpoint rotated away by
+/// `--keep-last` names what its save directory holds and what `latest` names.
+#[test]
+fn a_missing_resume_path_is_named_before_the_save_dir_check() {
+    let data = corpus_file("missing-ckpt");
+    let save = tmp_dir("missing-ckpt");
+    let run = TrainConfig {
+        steps: 8,
+        save_every: 2,
+        keep_last: 2,
+        save_dir: Some(save.clone()),
+        ..small_job(data.clone(), 2)
+    };
+    train(&run, &Silent).unwrap();
+    assert_eq!(entries(&save), ["latest", "step-00000006", "step-00000008"]);
+    let resume = |from: &Path, save_dir: Option<PathBuf>| {
+        TrainConfig {
+            steps: 10,
+            resume: Some(from.to_path_buf()),
+            save_dir,
+            ..run.clone()
+        }
+        .validate()
+        .unwrap_err()
+        .to_string()
+    };
+    let gone = save.join("step-00000004");
+    let want = format!(
+        "checkpoint '{}': does not exist; {} holds the checkpoints step-00000006, step-00000008 and its latest names step-00000008 (give {} to resume from it)",
+        gone.display(),
+        save.display(),
+        save.display()
+    );
+    assert_eq!(resume(&gone, Some(save.clone())), want);
+    assert_eq!(resume(&gone, None), want);
+    // Nothing there at all: the path is named, with nothing else to add.
+    let nowhere = tmp_dir("missing-ckpt-empty").join("nonexist-dir");
+    assert_eq!(
+        resume(&nowhere, Some(save.clone())),
+        format!("checkpoint '{}': does not exist", nowhere.display())
+    );
+    // A save directory without `latest`: its checkpoints are named.
+    std::fs::remove_file(save.join("latest")).unwrap();
+    assert_eq!(
+        resume(&save, Some(save.clone())),
+        format!(
+            "checkpoint '{}': holds neither index.json (a checkpoint) nor latest (a save directory); it holds the checkpoints step-00000006, step-00000008: give one of them",
+            save.display()
+        )
     );
 }

@@ -57,8 +57,8 @@ pub struct CheckpointInfo {
     /// Whether the checkpoint holds per-rank extra state (one value per rank of
     /// `world_size`).
     pub has_rank_extra: bool,
-    /// This rank's per-rank value as the load's [`RankExtra`] chose it; `None` when the
-    /// checkpoint has none, under [`RankExtra::Ignore`], and from
+    /// This rank's per-rank value as the load's [`RankExtra`] chose it (`Some(Value::Null)`
+    /// for a saved `null`); `None` when the checkpoint has none, under [`RankExtra::Ignore`], and from
     /// [`read_checkpoint_info`] (which reads no rank's value; see [`read_rank_extra`]).
     pub rank_extra: Option<serde_json::Value>,
 }
@@ -127,10 +127,39 @@ pub fn read_rank_extra(
 /// `fsdp train --save-dir`).
 ///
 /// # Errors
-/// `Checkpoint` naming `path` when it holds neither, or `latest` names nothing usable.
+/// `Checkpoint` naming `path` when it does not exist, is not a directory, holds neither an
+/// index nor `latest`, or `latest` names nothing usable; where a save directory is at hand
+/// (`path`'s parent, or `path` itself), the message lists the checkpoints it holds and
+/// what its `latest` names.
 pub fn resolve_checkpoint(path: &Path) -> Result<PathBuf> {
     if path.join(INDEX_FILE).is_file() {
         return Ok(path.to_path_buf());
+    }
+    let bad = |p: &Path, detail: String| Error::Checkpoint {
+        path: p.display().to_string(),
+        detail,
+    };
+    match std::fs::metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            // A checkpoint rotated away, or a typo: say what the save directory holds.
+            let parent = match path.parent() {
+                Some(p) if !p.as_os_str().is_empty() => p,
+                _ => Path::new("."),
+            };
+            let held = save_dir_contents(parent)
+                .map_or(String::new(), |c| format!("; {} {c}", parent.display()));
+            return Err(bad(path, format!("does not exist{held}")));
+        }
+        Err(e) => return Err(bad(path, format!("cannot be read: {e}"))),
+        Ok(m) if !m.is_dir() => {
+            return Err(bad(
+                path,
+                format!(
+                    "is not a directory (a checkpoint is a folder holding {INDEX_FILE}; a save directory holds {LATEST_FILE})"
+                ),
+            ))
+        }
+        Ok(_) => {}
     }
     let latest = path.join(LATEST_FILE);
     match std::fs::read_to_string(&latest) {
@@ -138,19 +167,73 @@ pub fn resolve_checkpoint(path: &Path) -> Result<PathBuf> {
             let name = name.trim();
             let dir = path.join(name);
             if name.is_empty() || name.contains('/') || !dir.join(INDEX_FILE).is_file() {
-                return Err(Error::Checkpoint {
-                    path: latest.display().to_string(),
-                    detail: format!("names '{name}', which is not a checkpoint directory here"),
-                });
+                let held = checkpoints_in(path);
+                let held = if held.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (this directory holds {})", held.join(", "))
+                };
+                return Err(bad(
+                    &latest,
+                    format!("names '{name}', which is not a checkpoint directory here{held}"),
+                ));
             }
             Ok(dir)
         }
-        Err(_) => Err(Error::Checkpoint {
-            path: path.display().to_string(),
-            detail: format!(
-                "holds neither {INDEX_FILE} (a checkpoint) nor {LATEST_FILE} (a save directory)"
-            ),
-        }),
+        Err(_) => {
+            let held = checkpoints_in(path);
+            let held = if held.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "; it holds the checkpoints {}: give one of them",
+                    held.join(", ")
+                )
+            };
+            Err(bad(
+                path,
+                format!(
+                    "holds neither {INDEX_FILE} (a checkpoint) nor {LATEST_FILE} (a save directory){held}"
+                ),
+            ))
+        }
+    }
+}
+
+/// The names of the checkpoint directories (holding an index) inside `dir`, sorted.
+fn checkpoints_in(dir: &Path) -> Vec<String> {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = rd
+        .flatten()
+        .filter(|e| e.path().join(INDEX_FILE).is_file())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// What the save directory `dir` holds, as `holds the checkpoints a, b and its latest
+/// names b`; `None` when it holds neither a checkpoint nor `latest`.
+fn save_dir_contents(dir: &Path) -> Option<String> {
+    let held = checkpoints_in(dir);
+    let latest = std::fs::read_to_string(dir.join(LATEST_FILE))
+        .ok()
+        .map(|l| l.trim().to_string())
+        .filter(|l| !l.is_empty());
+    let held_text = match held.len() {
+        0 => "holds no checkpoint".to_string(),
+        1 => format!("holds the checkpoint {}", held[0]),
+        _ => format!("holds the checkpoints {}", held.join(", ")),
+    };
+    match latest {
+        Some(l) => Some(format!(
+            "{held_text} and its {LATEST_FILE} names {l} (give {} to resume from it)",
+            dir.display()
+        )),
+        None if held.is_empty() => None,
+        None => Some(held_text),
     }
 }
 

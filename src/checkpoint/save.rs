@@ -33,9 +33,11 @@ struct Manifest {
     pieces: Vec<(String, String, usize, String, usize, usize)>,
     /// Optimizer kind, hyperparameters and the steps this rank knows.
     optim: Option<OptimMeta>,
-    /// This rank's own extra value, when the save has per-rank state.
+    /// This rank's own extra value, when the save has per-rank state: empty for none, else
+    /// one element (so that a JSON `null` value is told from no value; an
+    /// `Option<Value>` would read `null` back as `None`).
     #[serde(default)]
-    rank_extra: Option<serde_json::Value>,
+    rank_extra: Vec<serde_json::Value>,
 }
 
 /// `(kind, hyperparameters, steps)` of an optimizer state dict.
@@ -70,7 +72,9 @@ pub fn save_checkpoint(
 /// kept, in the index, in rank order (index version 2). The values travel to rank 0 with
 /// the file manifests and become durable with the index, atomically: a crash never
 /// leaves a checkpoint with some ranks' values. Meant for small JSON values (each byte
-/// is gathered as a 4-byte word); tensors belong in the model or optimizer state. Load
+/// is gathered as a 4-byte word); tensors belong in the model or optimizer state. Any JSON
+/// value is kept as given, `null` included (it comes back as `Some(Value::Null)`, while a
+/// checkpoint without per-rank state gives `None`). Load
 /// them back with [`load_checkpoint_with`](super::load_checkpoint_with): each rank gets
 /// its own value at the same world size; see [`RankExtra`](super::RankExtra) for another.
 ///
@@ -141,7 +145,7 @@ fn save(
         Manifest::default()
     };
     // Every rank's value, writer or not (replicas under hybrid sharding write no file).
-    manifest.rank_extra = rank_extra;
+    manifest.rank_extra = rank_extra.into_iter().collect();
     let bytes = serde_json::to_vec(&manifest).map_err(|e| Error::Data(e.to_string()))?;
     let all = all_gather_bytes(&pg, &bytes)?;
     let result = if rank == 0 {
@@ -316,7 +320,13 @@ fn write_index(
                 ),
             });
         }
-        rank_extra.push(m.rank_extra);
+        if m.rank_extra.len() > 1 {
+            return Err(Error::Data(format!(
+                "rank {r}'s checkpoint manifest holds {} per-rank values, not one",
+                m.rank_extra.len()
+            )));
+        }
+        rank_extra.push(m.rank_extra.into_iter().next());
         let base = index.files.len();
         index.files.extend(m.files);
         if let Some((kind, hyper, steps)) = m.optim {

@@ -173,6 +173,44 @@ struct Recorded {
     message: String,
     /// The rank a `PeerFailed` error blamed: this child only echoed another's failure.
     peer_failed: Option<usize>,
+    /// When it was recorded, microseconds since the Unix epoch (absent in files of other
+    /// programs, which may give torchrun's `timestamp` in seconds).
+    #[serde(default)]
+    timestamp_us: Option<u64>,
+    /// torchrun's `timestamp`, seconds since the Unix epoch (any JSON: a value that is
+    /// not a number is ignored, never a reason to drop the record).
+    #[serde(default)]
+    timestamp: Option<serde_json::Value>,
+    /// [`RENDEZVOUS_STAGE`] when the child failed while joining the world (hosting or
+    /// reaching the store), see [`note_rendezvous`].
+    #[serde(default)]
+    stage: Option<String>,
+}
+
+impl Recorded {
+    /// When the failure was recorded, microseconds since the Unix epoch, if known.
+    fn time_us(&self) -> Option<u64> {
+        self.timestamp_us.or_else(|| {
+            let secs = self.timestamp.as_ref()?.as_f64()?;
+            (secs >= 0.0).then_some((secs * 1e6) as u64)
+        })
+    }
+}
+
+/// The `stage` a child records when it failed while joining the world.
+const RENDEZVOUS_STAGE: &str = "rendezvous";
+
+/// Whether this process is joining its world now (see [`note_rendezvous`]).
+static IN_RENDEZVOUS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Marks the start (`true`) and the successful end (`false`) of this process's rendezvous
+/// (`init_process_group`): an error recorded in between ([`record_error`]) says that the
+/// rank failed while joining, and the launcher then takes rank 0's failure (it hosts the
+/// store every rank meets through: a port in use, an address not of its machine) as the
+/// root cause of the other ranks' rendezvous errors (refused by another job's store,
+/// timed out), whichever was seen first.
+pub fn note_rendezvous(in_progress: bool) {
+    IN_RENDEZVOUS.store(in_progress, std::sync::atomic::Ordering::Relaxed);
 }
 
 fn describe(status: &ExitStatus) -> String {
@@ -343,12 +381,20 @@ fn summarize(procs: &[Proc], p: &Proc) -> Error {
     let msg = read_recorded(&p.error_file).map(|r| r.message.trim().to_string());
     let (mut same, mut stopped) = (Vec::new(), Vec::new());
     let mut distinct: Vec<(String, Vec<usize>)> = Vec::new();
-    for q in procs.iter().filter(|q| q.rank != p.rank) {
+    // The other ranks in the order their failures are blamed (see `failure_order`), so
+    // the lines of distinct errors come in the order they happened.
+    let mut others: Vec<(&Proc, Option<Recorded>)> = procs
+        .iter()
+        .filter(|q| q.rank != p.rank)
+        .map(|q| (q, read_recorded(&q.error_file).filter(|_| !q.killed)))
+        .collect();
+    others.sort_by_key(|(q, r)| failure_order(q, r.as_ref()));
+    for (q, recorded) in others {
         let failed = q.exit.is_some_and(|(s, _)| !s.success());
         if !q.killed && !failed {
             continue;
         }
-        match read_recorded(&q.error_file).filter(|_| !q.killed) {
+        match recorded {
             Some(r) if Some(r.message.trim()) == msg.as_deref() => same.push(q.rank),
             Some(r) if r.peer_failed.is_none() => {
                 let m = r.message.trim().to_string();
@@ -359,6 +405,10 @@ fn summarize(procs: &[Proc], p: &Proc) -> Error {
             }
             _ => stopped.push(q.rank),
         }
+    }
+    same.sort_unstable();
+    for (_, ranks) in distinct.iter_mut() {
+        ranks.sort_unstable();
     }
     for (m, ranks) in &distinct {
         let line = format!("{} error: {m}\n", rank_tag(ranks));
@@ -422,22 +472,36 @@ fn read_recorded(path: &Path) -> Option<Recorded> {
     serde_json::from_str(&text).ok()
 }
 
-/// The failure to report: among children that failed by themselves, the first seen whose
-/// recorded error is its own (not a `PeerFailed` echo), else one that recorded nothing
-/// (it crashed), else the first seen.
+/// The failure to report: among children that failed by themselves with an error of
+/// their own (not a `PeerFailed` echo), rank 0's if it failed while joining the world (it
+/// hosts the store: the other ranks' rendezvous errors follow from its failure), else the
+/// earliest recorded; else one that recorded nothing (it crashed); else the first seen.
 fn root_cause(procs: &[Proc]) -> Option<&Proc> {
-    let mut failed: Vec<&Proc> = procs
+    let mut failed: Vec<(&Proc, Option<Recorded>)> = procs
         .iter()
         .filter(|p| !p.killed && p.exit.is_some_and(|(s, _)| !s.success()))
+        .map(|p| (p, read_recorded(&p.error_file)))
         .collect();
-    failed.sort_by_key(|p| p.exit.map(|(_, t)| t));
+    failed.sort_by_key(|(p, r)| failure_order(p, r.as_ref()));
     let own = failed
         .iter()
-        .find(|p| read_recorded(&p.error_file).is_some_and(|r| r.peer_failed.is_none()));
-    let silent = failed
-        .iter()
-        .find(|p| read_recorded(&p.error_file).is_none());
-    own.or(silent).or(failed.first()).copied()
+        .find(|(_, r)| r.as_ref().is_some_and(|r| r.peer_failed.is_none()));
+    let silent = failed.iter().find(|(_, r)| r.is_none());
+    own.or(silent).or(failed.first()).map(|(p, _)| *p)
+}
+
+/// The order in which failures are blamed and listed: rank 0's rendezvous failure first,
+/// then by the time each was recorded (µs; unknown last), then as the launcher saw the
+/// processes exit, then by rank.
+fn failure_order(p: &Proc, r: Option<&Recorded>) -> (bool, u64, Option<Instant>, usize) {
+    let host_failed =
+        p.rank == 0 && r.is_some_and(|r| r.stage.as_deref() == Some(RENDEZVOUS_STAGE));
+    (
+        !host_failed,
+        r.and_then(Recorded::time_us).unwrap_or(u64::MAX),
+        p.exit.map(|(_, t)| t),
+        p.rank,
+    )
 }
 
 /// Whether this process was started by `fsdp launch`, which prints the errors its
@@ -466,14 +530,20 @@ pub fn record_message(message: &str, peer_failed: Option<usize>) -> bool {
         return false;
     };
     let rank = std::env::var("RANK").ok();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let stage = IN_RENDEZVOUS
+        .load(std::sync::atomic::Ordering::Relaxed)
+        .then_some(RENDEZVOUS_STAGE);
     // torchrun reads `message` (a string) and `timestamp` (seconds) from this file too.
     let body = serde_json::json!({
         "message": message,
-        "timestamp": std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs()),
+        "timestamp": now.as_secs(),
+        "timestamp_us": u64::try_from(now.as_micros()).unwrap_or(u64::MAX),
         "peer_failed": peer_failed,
         "rank": rank,
+        "stage": stage,
     });
     std::fs::write(path, body.to_string()).is_ok()
 }

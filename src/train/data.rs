@@ -30,11 +30,66 @@ pub enum Split {
 
 /// The smallest file length whose held-out 10% (`n - floor(9n / 10)`) has `need` bytes.
 fn min_len_for_val(need: usize) -> usize {
-    let mut n = need;
-    while n - n * 9 / 10 < need {
-        n += 1;
+    // The held-out part of n bytes is n - floor(9n / 10) = ceil(n / 10).
+    need.max(1).saturating_mul(10).saturating_sub(9)
+}
+
+/// The bytes of the data file `path`.
+///
+/// # Errors
+/// `Data` naming the file when it is not a regular file, is missing or cannot be read.
+fn read_data_file(path: &Path) -> Result<Vec<u8>> {
+    // A directory, a device (/dev/zero) or a pipe is refused before reading it.
+    if let Ok(meta) = std::fs::metadata(path) {
+        if !meta.is_file() {
+            return Err(Error::Data(format!(
+                "data path '{}' is not a regular file",
+                path.display()
+            )));
+        }
     }
-    n
+    std::fs::read(path).map_err(|e| {
+        let hint = if e.kind() == std::io::ErrorKind::NotFound {
+            " (run scripts/get_data.sh to fetch tinyshakespeare)"
+        } else {
+            ""
+        };
+        Error::Data(format!(
+            "cannot read data file '{}': {e}{hint}",
+            path.display()
+        ))
+    })
+}
+
+/// Whether `bytes` (the file `name`) are usable training text for rows of `seq_len`.
+///
+/// # Errors
+/// `Data` naming the file when it is empty, not UTF-8 text, binary or too short.
+fn check_bytes(bytes: &[u8], name: &str, seq_len: usize) -> Result<()> {
+    if bytes.is_empty() {
+        return Err(Error::Data(format!("data file '{name}' is empty")));
+    }
+    if let Err(e) = std::str::from_utf8(bytes) {
+        return Err(Error::Data(format!(
+            "data file '{name}' is not UTF-8 text (invalid byte at offset {}); give a text file",
+            e.valid_up_to()
+        )));
+    }
+    if let Some(pos) = bytes.iter().position(|&b| b == 0) {
+        return Err(Error::Data(format!(
+            "data file '{name}' looks binary (NUL byte at offset {pos}); give a text file"
+        )));
+    }
+    let val = bytes.len() - bytes.len() * 9 / 10;
+    let need = seq_len.saturating_add(2);
+    if val < need {
+        return Err(Error::Data(format!(
+            "data file '{name}' has {} bytes; with --seq-len {seq_len} it needs at least {} (10% held out must hold {need})",
+            bytes.len(),
+            min_len_for_val(need)
+        )));
+    }
+    Ok(())
 }
 
 impl TextDataset {
@@ -44,59 +99,29 @@ impl TextDataset {
     /// `Data` naming the file when it is missing, unreadable, empty, not UTF-8 text, or too
     /// short to hold one `seq_len + 1` window in each split.
     pub fn load(path: &Path, seq_len: usize) -> Result<Self> {
-        // A directory, a device (/dev/zero) or a pipe is refused before reading it.
-        if let Ok(meta) = std::fs::metadata(path) {
-            if !meta.is_file() {
-                return Err(Error::Data(format!(
-                    "data path '{}' is not a regular file",
-                    path.display()
-                )));
-            }
-        }
-        let bytes = std::fs::read(path).map_err(|e| {
-            let hint = if e.kind() == std::io::ErrorKind::NotFound {
-                " (run scripts/get_data.sh to fetch tinyshakespeare)"
-            } else {
-                ""
-            };
-            Error::Data(format!(
-                "cannot read data file '{}': {e}{hint}",
-                path.display()
-            ))
-        })?;
+        let bytes = read_data_file(path)?;
         Self::from_bytes(&bytes, &path.display().to_string(), seq_len)
+    }
+
+    /// The checks of [`TextDataset::load`] without keeping the tokens: what
+    /// [`TrainConfig::validate`](super::TrainConfig::validate) runs first, so a missing or
+    /// unusable data file is reported before any other problem of the options.
+    ///
+    /// # Errors
+    /// As [`TextDataset::load`].
+    pub fn check_file(path: &Path, seq_len: usize) -> Result<()> {
+        let bytes = read_data_file(path)?;
+        check_bytes(&bytes, &path.display().to_string(), seq_len)
     }
 
     /// As [`TextDataset::load`], from bytes in memory; `name` is used in errors.
     pub fn from_bytes(bytes: &[u8], name: &str, seq_len: usize) -> Result<Self> {
-        if bytes.is_empty() {
-            return Err(Error::Data(format!("data file '{name}' is empty")));
-        }
-        if let Err(e) = std::str::from_utf8(bytes) {
-            return Err(Error::Data(format!(
-                "data file '{name}' is not UTF-8 text (invalid byte at offset {}); give a text file",
-                e.valid_up_to()
-            )));
-        }
-        if let Some(pos) = bytes.iter().position(|&b| b == 0) {
-            return Err(Error::Data(format!(
-                "data file '{name}' looks binary (NUL byte at offset {pos}); give a text file"
-            )));
-        }
+        check_bytes(bytes, name, seq_len)?;
         let n = bytes.len() * 9 / 10;
-        let ds = TextDataset {
+        Ok(TextDataset {
             train: bytes[..n].iter().map(|&b| b as i32).collect(),
             val: bytes[n..].iter().map(|&b| b as i32).collect(),
-        };
-        let need = seq_len + 2;
-        if ds.val.len() < need {
-            return Err(Error::Data(format!(
-                "data file '{name}' has {} bytes; with --seq-len {seq_len} it needs at least {} (10% held out must hold {need})",
-                bytes.len(),
-                min_len_for_val(need)
-            )));
-        }
-        Ok(ds)
+        })
     }
 
     fn tokens(&self, split: Split) -> &[i32] {
@@ -156,6 +181,14 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("at least"));
+    }
+
+    #[test]
+    fn min_len_holds_the_held_out_part() {
+        for need in 1..200 {
+            let n = min_len_for_val(need);
+            assert!(n - n * 9 / 10 >= need && (n - 1) - (n - 1) * 9 / 10 < need);
+        }
     }
 
     #[test]

@@ -14,15 +14,19 @@
 //! | evaluation (no grad) | `b_e T (12 C + 2 V)` + `2 b_e H T^2` floats (3 mixed) | [`evaluate`](super::job) on `--global-batch / --world-size` rows: larger than a micro-batch under `--grad-accum` |
 //! | parameters, gradients, optimizer | `4 P / G` floats (`P` more with shard-grad-op) | shards of the flat parameters, `G` ranks per shard group (1 for no-shard) |
 //! | unsharded units | params + grads of the root and up to 3 blocks (the whole model unwrapped, or with no-shard); all gradients under `--no-sync`; +4 bytes per element mixed | FSDP's all-gather buffers |
-//! | allocator slack | the larger of the two rows of activations above, or 3 x the largest single buffer | mimalloc (v3) keeps freed pages committed for its `purge_delay` (1 s) and reuses them only for blocks of a similar size: measured (against `MIMALLOC_PURGE_DELAY=0`) up to 0.8 of a step's activations, or 2 extra copies of the attention buffer |
+//! | allocator slack | without `--grad-accum`: half the activations above (attention included), at least the largest single buffer; with it: the activations of the larger phase, at least 3 x the largest buffer | freed f32 buffers go to the buffer pool (`tensor::pool`, up to 1 GiB per process) and are handed to the next tensor of the same length; the rest stay with mimalloc (v3) for its `purge_delay` (1 s), reused only for blocks of a similar size. When training and evaluation make buffers of the same sizes (no `--grad-accum`) they reuse each other's: measured up to 0.23 of the activations (a (T, T) buffer per rank at seq-len 11000); otherwise the train phase's buffers stay pooled while evaluation allocates its own: measured up to 0.87 |
 //! | fixed cost | [`thread_rank_bytes`] | threads, heaps, group state |
 //!
 //! plus, once per process, 16 MiB (binary, libraries, main thread) and 5 bytes per byte of
 //! the data file (read, then one i32 token per byte). Ranks are assumed to peak together.
 //!
-//! Measured peak RSS (`tests/cli.rs`, `memory_estimate_bounds_the_measured_peak`) is
-//! between 1/2.1 and 1/1.1 of this estimate over seq-len 16..2000, widths 16..512, 1..8
-//! layers, world sizes 1..512, grad-accum, no-sync, bf16, no-shard and wrap none.
+//! Measured peak RSS (`tests/cli.rs`, `memory_estimate_bounds_the_measured_peak`, and
+//! `/usr/bin/time -v` runs of 2 to 20 steps at seq-len 2000..11000) is between 1/1.7 and
+//! 1/1.05 of this estimate over seq-len 16..11000, widths 16..384, 1..4 layers, world sizes
+//! 1..16, grad-accum, no-sync, bf16, no-shard and wrap none; e.g. seq-len 11000 on 4 ranks
+//! (`--n-layer 1 --n-embd 32 --n-head 2 --global-batch 4`): 11.3 GiB estimated, 7.5 to
+//! 9.3 GiB measured in seven runs of 2 to 12 steps (the estimate was 18.4 GiB before the
+//! slack counted the buffer pool's reuse).
 
 use super::data::VOCAB_SIZE;
 use super::job::TrainConfig;
@@ -38,6 +42,11 @@ const F32: f64 = 4.0;
 /// Fixed bytes of the process: the binary, its libraries and the main thread (an `fsdp
 /// train` that stops at its first check peaks at 10.3 MiB).
 const PROCESS_BASE_BYTES: f64 = 16.0 * MIB;
+
+/// The allocator slack, as a fraction of a phase's activations, when training and
+/// evaluation allocate buffers of the same sizes: twice the largest fraction measured
+/// (0.23, at seq-len 11000 on 4 ranks).
+const SAME_SIZE_SLACK: f64 = 0.5;
 
 /// Blocks unsharded at once under `--wrap transformer`: the one computing, the one
 /// prefetched, and one more in flight.
@@ -58,8 +67,8 @@ pub struct MemoryEstimate {
     pub activations_per_rank: f64,
     /// Per rank: parameter, gradient and optimizer shards and unsharded units.
     pub parameters_per_rank: f64,
-    /// Per rank: freed buffers the allocator keeps (the activations of the larger phase,
-    /// or 3 x the largest buffer).
+    /// Per rank: freed buffers the pool and the allocator keep (see the table of
+    /// `src/train/memory.rs`).
     pub allocator_slack_per_rank: f64,
     /// Per rank: threads, heaps and group state.
     pub fixed_per_rank: f64,
@@ -116,10 +125,18 @@ impl TrainConfig {
         ]
         .into_iter()
         .fold(0.0, f64::max);
-        // Freed pages stay committed up to mimalloc's purge delay and are reused only by
-        // blocks of a similar size: one phase's activations can stay resident while the
-        // next allocates its own, and a single large buffer can be left behind thrice.
-        let slack = (attention + activations).max(3.0 * largest);
+        // Freed buffers wait in the buffer pool for a tensor of the same length, or stay
+        // committed up to mimalloc's purge delay and are reused only by blocks of a similar
+        // size. When evaluation's buffers have the training step's sizes they reuse each
+        // other's (measured: up to 0.23 of the activations stay unused); under
+        // --grad-accum the train phase's buffers stay pooled while evaluation allocates
+        // its own larger ones, and a single large buffer can be left behind thrice.
+        let same_sizes = (self.global_batch / w / k).max(1) == (self.global_batch / w).max(1);
+        let slack = if same_sizes {
+            (SAME_SIZE_SLACK * (attention + activations)).max(largest)
+        } else {
+            (attention + activations).max(3.0 * largest)
+        };
         let fixed = thread_rank_bytes(w) as f64;
         let data = std::fs::metadata(&self.data).map_or(0, |m| m.len()) as f64;
         let process = PROCESS_BASE_BYTES + 5.0 * data;

@@ -5,6 +5,7 @@
 //! | data loading, splits, world-size-independent batches | `data.rs` |
 //! | FSDP or plain engine, memory figures | `engine.rs` |
 //! | the training loop, config, metrics | `job.rs` |
+//! | `TrainConfig::validate`: every option, the most specific problem first | `validate.rs` |
 //! | the memory estimate and the check against available memory | `memory.rs` |
 //! | one rank of a multi-process job (`fsdp launch`, torchrun) | `process.rs` |
 //! | `--device`, its availability check, each rank's GPU, the peak-FLOP/s table for MFU | `device.rs` |
@@ -29,6 +30,7 @@ mod recorded;
 mod resume;
 pub mod sample;
 mod save_dir;
+mod validate;
 
 pub use device::{gpu_summary, mfu, peak_flops, TrainDevice};
 pub use job::{

@@ -78,7 +78,11 @@ pub fn train_rank(
         TrainDevice::Cpu => "tcp",
         TrainDevice::Cuda => "nccl",
     };
+    // A failure while joining is recorded as such: `fsdp launch` then blames rank 0's
+    // (the store's host) before the other ranks' rendezvous errors that follow from it.
+    crate::distributed::elastic::note_rendezvous(true);
     let pg = init_process_group(InitOptions::new(backend))?;
+    crate::distributed::elastic::note_rendezvous(false);
     let res = (|| {
         // As the thread launcher does: ranks on one machine share its cores.
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());

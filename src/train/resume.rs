@@ -15,7 +15,8 @@ use super::job::TrainConfig;
 use super::options::CheckpointType;
 use super::save_dir::{self, run_id_of};
 use crate::checkpoint::{
-    load_checkpoint, read_checkpoint_info, read_index, save_checkpoint, write_atomic, LATEST_FILE,
+    load_checkpoint, read_checkpoint_info, read_index, resolve_checkpoint, save_checkpoint,
+    write_atomic, LATEST_FILE,
 };
 use crate::error::{Error, Result};
 use crate::fsdp::StateDictType;
@@ -58,6 +59,19 @@ pub(super) fn data_record(path: &Path, data: &TextDataset) -> serde_json::Value 
 /// Name of the checkpoint directory of `step` inside a save directory.
 pub(super) fn step_dir_name(step: usize) -> String {
     format!("step-{step:08}")
+}
+
+/// Checks that `--resume` names a checkpoint (a `step-<N>/` folder, or a save directory
+/// with `latest`), before the other options: a path that does not exist is the problem to
+/// report, whatever else the options say.
+///
+/// # Errors
+/// `Checkpoint` naming the path and what is there instead (see [`resolve_checkpoint`]).
+pub(super) fn validate_path(cfg: &TrainConfig) -> Result<()> {
+    match &cfg.resume {
+        Some(r) => resolve_checkpoint(r).map(drop),
+        None => Ok(()),
+    }
 }
 
 /// Checks the checkpoint options (and the checkpoint to resume from) before any thread
