@@ -132,8 +132,9 @@ typedef struct {
 #define FSDP_PRECISION_F32 0
 
 /**
- * `MixedPrecision(param_dtype=reduce_dtype=buffer_dtype=torch.bfloat16)`: parameter views
- * are bfloat16, gradients stay float32.
+ * `MixedPrecision(param_dtype=reduce_dtype=buffer_dtype=torch.bfloat16)`: parameters are
+ * all-gathered in bfloat16 and their views are float32 holding bfloat16-rounded values
+ * (fsdp computes in f32 on rounded values); gradients are float32.
  */
 #define FSDP_PRECISION_BF16 1
 
@@ -675,8 +676,9 @@ fsdp_status fsdp_barrier(fsdp_group_t group);
 /**
  * Before the unit's forward: all-gathers its parameters (or takes the prefetched gather)
  * and, when `params` is not NULL, fills `params[0..n]` with `DLTensor` views of the full
- * parameters in declaration order (float32, or the `mixed_precision` dtype; read-only;
- * valid until `fsdp_unit_post_forward`). `grad_enabled` 0 is `torch.no_grad()`: the
+ * parameters in declaration order (float32, holding values rounded to the
+ * `mixed_precision` dtype when one is set; read-only; valid until
+ * `fsdp_unit_post_forward`). `grad_enabled` 0 is `torch.no_grad()`: the
  * parameters are freed again at post_forward. `n` must be `fsdp_unit_num_params`. On
  * error the unit is sharded again and needs no post_forward.
  *

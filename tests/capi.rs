@@ -74,7 +74,9 @@ fn compile_c_now(src: &str) -> PathBuf {
     let o = cmd.output().unwrap();
     assert!(
         o.status.success(),
-        "compiling {src} failed: {cmd:?}\n{}",
+        "compiling {src} failed: {:?} {:?}\n{}",
+        cmd.get_program(),
+        cmd.get_args().collect::<Vec<_>>(),
         String::from_utf8_lossy(&o.stderr)
     );
     out

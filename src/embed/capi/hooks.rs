@@ -88,8 +88,9 @@ fn check_len(out: *const DLTensor, n: usize, m: &ModelObj, index: usize, what: &
 
 /// Before the unit's forward: all-gathers its parameters (or takes the prefetched gather)
 /// and, when `params` is not NULL, fills `params[0..n]` with `DLTensor` views of the full
-/// parameters in declaration order (float32, or the `mixed_precision` dtype; read-only;
-/// valid until `fsdp_unit_post_forward`). `grad_enabled` 0 is `torch.no_grad()`: the
+/// parameters in declaration order (float32, holding values rounded to the
+/// `mixed_precision` dtype when one is set; read-only; valid until
+/// `fsdp_unit_post_forward`). `grad_enabled` 0 is `torch.no_grad()`: the
 /// parameters are freed again at post_forward. `n` must be `fsdp_unit_num_params`. On
 /// error the unit is sharded again and needs no post_forward.
 ///

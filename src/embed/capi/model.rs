@@ -28,8 +28,9 @@ pub const FSDP_HYBRID_SHARD_ZERO2: i32 = 4;
 
 /// f32 throughout (no `MixedPrecision`), the default.
 pub const FSDP_PRECISION_F32: i32 = 0;
-/// `MixedPrecision(param_dtype=reduce_dtype=buffer_dtype=torch.bfloat16)`: parameter views
-/// are bfloat16, gradients stay float32.
+/// `MixedPrecision(param_dtype=reduce_dtype=buffer_dtype=torch.bfloat16)`: parameters are
+/// all-gathered in bfloat16 and their views are float32 holding bfloat16-rounded values
+/// (fsdp computes in f32 on rounded values); gradients are float32.
 pub const FSDP_PRECISION_BF16: i32 = 1;
 /// As [`FSDP_PRECISION_BF16`] with float16.
 pub const FSDP_PRECISION_F16: i32 = 2;
