@@ -271,3 +271,30 @@ pub extern "C" fn fsdp_status_name(status: fsdp_status) -> *const c_char {
 pub extern "C" fn fsdp_abi_version() -> u32 {
     FSDP_ABI_VERSION
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn last() -> String {
+        // SAFETY: fsdp_last_error returns a valid NUL-terminated string of this thread.
+        unsafe { CStr::from_ptr(fsdp_last_error()) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    #[test]
+    fn a_panic_is_a_status_and_a_message_never_an_unwind() {
+        assert_eq!(guard("fsdp_x", || panic!("boom {}", 7)), FSDP_ERR_PANIC);
+        assert_eq!(last(), "fsdp_x: internal error (panic): boom 7");
+        // A successful call leaves the message; a failing one replaces it.
+        assert_eq!(guard("fsdp_y", || Ok(())), FSDP_OK);
+        assert_eq!(last(), "fsdp_x: internal error (panic): boom 7");
+        let s = guard("fsdp_z", || Err(Error::Fsdp("no\0nul".into()).into()));
+        assert_eq!(s, FSDP_ERR_USAGE);
+        assert_eq!(last(), "fsdp_z: fsdp: no\\0nul");
+        // SAFETY: a static string.
+        let name = unsafe { CStr::from_ptr(fsdp_status_name(s)) };
+        assert_eq!(name.to_str().unwrap(), "FSDP_ERR_USAGE");
+    }
+}
