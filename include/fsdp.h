@@ -102,6 +102,21 @@ typedef struct {
 #define FSDP_REDUCE_PRODUCT 4
 
 /**
+ * `torch.optim.SGD`.
+ */
+#define FSDP_OPTIM_SGD 0
+
+/**
+ * `torch.optim.Adam`.
+ */
+#define FSDP_OPTIM_ADAM 1
+
+/**
+ * `torch.optim.AdamW`.
+ */
+#define FSDP_OPTIM_ADAMW 2
+
+/**
  * `ShardingStrategy.FULL_SHARD` (ZeRO-3), the default.
  */
 #define FSDP_FULL_SHARD 0
@@ -173,21 +188,6 @@ typedef struct {
  * Every element `scale` (`nn.init.constant_`).
  */
 #define FSDP_INIT_CONSTANT 3
-
-/**
- * `torch.optim.SGD`.
- */
-#define FSDP_OPTIM_SGD 0
-
-/**
- * `torch.optim.Adam`.
- */
-#define FSDP_OPTIM_ADAM 1
-
-/**
- * `torch.optim.AdamW`.
- */
-#define FSDP_OPTIM_ADAMW 2
 
 /**
  * `StateDictType.SHARDED_STATE_DICT`: every rank writes its own pieces.
@@ -269,6 +269,16 @@ typedef struct {
 } fsdp_model_t;
 
 /**
+ * A model declaration being built (units and their parameters); `id == 0` is NULL.
+ */
+typedef struct {
+    /**
+     * Opaque; 0 is the null handle.
+     */
+    uint64_t id;
+} fsdp_spec_t;
+
+/**
  * The subset of `FullyShardedDataParallel`'s options a declared model takes.
  */
 typedef struct {
@@ -306,16 +316,6 @@ typedef struct {
      */
     bool sync_module_states;
 } fsdp_config;
-
-/**
- * A model declaration being built (units and their parameters); `id == 0` is NULL.
- */
-typedef struct {
-    /**
-     * Opaque; 0 is the null handle.
-     */
-    uint64_t id;
-} fsdp_spec_t;
 
 /**
  * Hyperparameters, PyTorch's names; each optimizer reads its own (`beta1`, `beta2`,
@@ -797,90 +797,6 @@ fsdp_status fsdp_model_clip_grad_norm(fsdp_model_t model,
 fsdp_status fsdp_model_zero_grad(fsdp_model_t model);
 
 /**
- * Fills `*out` with FSDP1's defaults: FullShard, f32, no offload, BACKWARD_PRE, no
- * forward prefetch, limit_all_gathers, no sync_module_states.
- *
- * Errors: `FSDP_ERR_INVALID_ARGUMENT` when `out` is NULL.
- *
- * # Safety
- * `out` is NULL or valid for a write.
- */
-fsdp_status fsdp_config_default(fsdp_config *out);
-
-/**
- * A new, empty model declaration in `*out`.
- *
- * Errors: `FSDP_ERR_INVALID_ARGUMENT` when `out` is NULL.
- *
- * # Safety
- * `out` is valid for a write.
- */
-fsdp_status fsdp_spec_new(fsdp_spec_t *out);
-
-/**
- * Declares the FSDP unit of module path `name` (`"layers.0"`: dots nest it inside the
- * unit `"layers"` when that is declared too). Units flatten and communicate in
- * declaration order: every rank declares the same units in the same order.
- *
- * Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_INVALID_ARGUMENT` for a NULL, empty or
- * non-UTF-8 name (repeated or malformed names are refused by `fsdp_model_new`).
- *
- * # Safety
- * `name` is a NUL-terminated string.
- */
-fsdp_status fsdp_spec_add_unit(fsdp_spec_t spec,
-                               const char *name);
-
-/**
- * Adds a parameter to unit `unit` (`""`: the root): `name` (no dots), `ndim`
- * dimensions of `shape`, f32 `values` (row-major, the shape's element count; copied), or
- * `values` NULL for a parameter without values on this rank (it gets rank 0's with
- * `sync_module_states`). `requires_grad` false: frozen (no gradient, never updated).
- *
- * Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_INVALID_ARGUMENT` for an undeclared unit,
- * a NULL or non-UTF-8 string, a negative dimension.
- *
- * # Safety
- * `unit`, `name` are NUL-terminated strings; `shape` is valid for `ndim` reads; `values`
- * is NULL or valid for the shape's element count of reads.
- */
-fsdp_status fsdp_spec_add_param(fsdp_spec_t spec,
-                                const char *unit,
-                                const char *name,
-                                int32_t ndim,
-                                const int64_t *shape,
-                                const float *values,
-                                bool requires_grad);
-
-/**
- * Adds a parameter computed by an initializer (deferred init: each rank computes only
- * its shard): `init` an `FSDP_INIT_*`, `scale` its bound, standard deviation or value.
- * Element `i` depends only on (`seed`, `unit`, `name`, `i`): the same values as an
- * `fsdp::nn` layer built with `InitKey::new(seed).child(unit)`, at every world size.
- *
- * Errors: as [`fsdp_spec_add_param`]; `FSDP_ERR_INVALID_ARGUMENT` for an unknown `init`.
- *
- * # Safety
- * As [`fsdp_spec_add_param`].
- */
-fsdp_status fsdp_spec_add_param_init(fsdp_spec_t spec,
-                                     const char *unit,
-                                     const char *name,
-                                     int32_t ndim,
-                                     const int64_t *shape,
-                                     int32_t init,
-                                     uint64_t seed,
-                                     float scale,
-                                     bool requires_grad);
-
-/**
- * Frees a declaration (models built from it are not affected).
- *
- * Errors: `FSDP_ERR_INVALID_HANDLE` (NULL, freed, another kind).
- */
-fsdp_status fsdp_spec_free(fsdp_spec_t spec);
-
-/**
  * Builds and shards the declared model on `group` (`fully_shard`): every declared unit
  * becomes an FSDP unit nested by path inside the root, which owns the root's
  * parameters. A collective over `group` (every rank calls it, with the same declaration).
@@ -1038,6 +954,90 @@ fsdp_status fsdp_optimizer_set_lr(fsdp_optimizer_t optimizer,
  * Errors: `FSDP_ERR_INVALID_HANDLE` (NULL, freed, another kind).
  */
 fsdp_status fsdp_optimizer_free(fsdp_optimizer_t optimizer);
+
+/**
+ * Fills `*out` with FSDP1's defaults: FullShard, f32, no offload, BACKWARD_PRE, no
+ * forward prefetch, limit_all_gathers, no sync_module_states.
+ *
+ * Errors: `FSDP_ERR_INVALID_ARGUMENT` when `out` is NULL.
+ *
+ * # Safety
+ * `out` is NULL or valid for a write.
+ */
+fsdp_status fsdp_config_default(fsdp_config *out);
+
+/**
+ * A new, empty model declaration in `*out`.
+ *
+ * Errors: `FSDP_ERR_INVALID_ARGUMENT` when `out` is NULL.
+ *
+ * # Safety
+ * `out` is valid for a write.
+ */
+fsdp_status fsdp_spec_new(fsdp_spec_t *out);
+
+/**
+ * Declares the FSDP unit of module path `name` (`"layers.0"`: dots nest it inside the
+ * unit `"layers"` when that is declared too). Units flatten and communicate in
+ * declaration order: every rank declares the same units in the same order.
+ *
+ * Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_INVALID_ARGUMENT` for a NULL, empty or
+ * non-UTF-8 name (repeated or malformed names are refused by `fsdp_model_new`).
+ *
+ * # Safety
+ * `name` is a NUL-terminated string.
+ */
+fsdp_status fsdp_spec_add_unit(fsdp_spec_t spec,
+                               const char *name);
+
+/**
+ * Adds a parameter to unit `unit` (`""`: the root): `name` (no dots), `ndim`
+ * dimensions of `shape`, f32 `values` (row-major, the shape's element count; copied), or
+ * `values` NULL for a parameter without values on this rank (it gets rank 0's with
+ * `sync_module_states`). `requires_grad` false: frozen (no gradient, never updated).
+ *
+ * Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_INVALID_ARGUMENT` for an undeclared unit,
+ * a NULL or non-UTF-8 string, a negative dimension.
+ *
+ * # Safety
+ * `unit`, `name` are NUL-terminated strings; `shape` is valid for `ndim` reads; `values`
+ * is NULL or valid for the shape's element count of reads.
+ */
+fsdp_status fsdp_spec_add_param(fsdp_spec_t spec,
+                                const char *unit,
+                                const char *name,
+                                int32_t ndim,
+                                const int64_t *shape,
+                                const float *values,
+                                bool requires_grad);
+
+/**
+ * Adds a parameter computed by an initializer (deferred init: each rank computes only
+ * its shard): `init` an `FSDP_INIT_*`, `scale` its bound, standard deviation or value.
+ * Element `i` depends only on (`seed`, `unit`, `name`, `i`): the same values as an
+ * `fsdp::nn` layer built with `InitKey::new(seed).child(unit)`, at every world size.
+ *
+ * Errors: as [`fsdp_spec_add_param`]; `FSDP_ERR_INVALID_ARGUMENT` for an unknown `init`.
+ *
+ * # Safety
+ * As [`fsdp_spec_add_param`].
+ */
+fsdp_status fsdp_spec_add_param_init(fsdp_spec_t spec,
+                                     const char *unit,
+                                     const char *name,
+                                     int32_t ndim,
+                                     const int64_t *shape,
+                                     int32_t init,
+                                     uint64_t seed,
+                                     float scale,
+                                     bool requires_grad);
+
+/**
+ * Frees a declaration (models built from it are not affected).
+ *
+ * Errors: `FSDP_ERR_INVALID_HANDLE` (NULL, freed, another kind).
+ */
+fsdp_status fsdp_spec_free(fsdp_spec_t spec);
 
 /**
  * The full state dict (`FULL_STATE_DICT`): gathers every unit's parameters (a

@@ -239,15 +239,20 @@ impl HostTensor {
     /// # Safety
     /// As [`HostTensor::slice`], for the duration of the call.
     pub(crate) unsafe fn to_tensor(&self) -> Res<Tensor> {
-        // SAFETY (each arm): the dtype matched, and readability is the caller's promise.
+        // SAFETY (this and each arm below): the dtype matched, readability is the
+        // caller's promise.
         let t = match self.dtype {
+            // SAFETY: as above.
             DType::F32 => Tensor::from_vec(unsafe { self.slice::<f32>() }.to_vec(), &self.shape),
+            // SAFETY: as above.
             DType::BF16 => {
                 Tensor::from_vec(unsafe { self.slice::<half::bf16>() }.to_vec(), &self.shape)
             }
+            // SAFETY: as above.
             DType::F16 => {
                 Tensor::from_vec(unsafe { self.slice::<half::f16>() }.to_vec(), &self.shape)
             }
+            // SAFETY: as above.
             DType::I32 => Tensor::from_vec(unsafe { self.slice::<i32>() }.to_vec(), &self.shape),
         };
         Ok(t?)

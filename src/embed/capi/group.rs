@@ -113,6 +113,10 @@ pub unsafe extern "C" fn fsdp_init_options_default(out: *mut fsdp_init_options) 
     })
 }
 
+/// The `InitOptions` of `o` (NULL: backend `tcp`, everything from the environment).
+///
+/// # Safety
+/// `o` is NULL or a valid `fsdp_init_options` whose strings are NULL or NUL-terminated.
 unsafe fn init_options(o: *const fsdp_init_options) -> Res<InitOptions> {
     if o.is_null() {
         return Ok(InitOptions::new("tcp"));

@@ -9,8 +9,9 @@
 //! long collective on one rank's model never blocks another rank's calls.
 
 use super::group::GroupObj;
-use super::model::{ModelObj, SpecObj};
+use super::model::ModelObj;
 use super::optim::OptimizerObj;
+use super::spec::SpecObj;
 use super::{Fail, Res, FSDP_ERR_INVALID_HANDLE};
 use parking_lot::Mutex;
 use std::sync::Arc;

@@ -10,7 +10,8 @@
 //! | opaque handles with generation counters | `fsdp_group_t`, `fsdp_spec_t`, `fsdp_model_t`, `fsdp_unit_t`, `fsdp_optimizer_t` | `handles.rs` |
 //! | DLPack tensors (v0.8/1.0 layout) | `DLTensor`, `DLDevice`, `DLDataType` | `dlpack.rs` |
 //! | process groups and collectives | `fsdp_init_process_group`, `fsdp_new_group`, `fsdp_all_reduce`, ... | `group.rs` |
-//! | declaring units and building the model | `fsdp_spec_*`, `fsdp_model_new`, `fsdp_model_unit` | `model.rs` |
+//! | declaring units, the config subset | `fsdp_spec_*`, `fsdp_config` | `spec.rs` |
+//! | building the model, units and their parameters | `fsdp_model_new`, `fsdp_model_unit` | `model.rs` |
 //! | the hooks, `no_sync`, `clip_grad_norm_` | `fsdp_unit_pre_forward`, ..., `fsdp_model_finish_backward` | `hooks.rs` |
 //! | optimizers | `fsdp_optimizer_new`, `fsdp_optimizer_step` | `optim.rs` |
 //! | state dict and checkpoints | `fsdp_model_full_state_dict`, `fsdp_checkpoint_save`, `fsdp_checkpoint_load` | `state.rs` |
@@ -34,6 +35,7 @@ mod handles;
 mod hooks;
 mod model;
 mod optim;
+mod spec;
 mod state;
 
 pub use dlpack::*;
@@ -42,6 +44,7 @@ pub use handles::*;
 pub use hooks::*;
 pub use model::*;
 pub use optim::*;
+pub use spec::*;
 pub use state::*;
 
 use crate::error::Error;
