@@ -23,6 +23,11 @@ const DEFAULT_CAPS: &[u32] = &[80, 90];
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
+    // tests/capi compiles C hosts with the cc crate, which needs the target triple.
+    println!(
+        "cargo:rustc-env=FSDP_TARGET={}",
+        env::var("TARGET").unwrap_or_default()
+    );
     println!("cargo:rerun-if-changed=kernels");
     for var in ["NVCC", "CUDA_HOME", "CUDA_PATH", "CUDA_COMPUTE_CAP", "PATH"] {
         println!("cargo:rerun-if-env-changed={var}");

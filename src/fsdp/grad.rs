@@ -24,6 +24,13 @@ impl FullyShardedDataParallel {
         out
     }
 
+    /// Turns gradient synchronization off (`false`) or back on (`true`) for every unit
+    /// until called again: [`no_sync`](Self::no_sync) for a host whose backward spans
+    /// several calls (FSDP2's `set_requires_gradient_sync`). Every rank does the same.
+    pub fn set_requires_gradient_sync(&mut self, requires: bool) {
+        self.for_each_unit(&mut |u| u.sync_grads = requires);
+    }
+
     /// Scales every gradient shard so that the total `norm_type`-norm of the gradients of
     /// all parameters (over all units and ranks) is at most `max_norm`, and returns that
     /// total norm before clipping, identical on every rank. `norm_type` is a finite `p >= 1`

@@ -1,0 +1,289 @@
+//! `tests/capi/abi_checks.c`: bad input through the C ABI from C (NULL, forged, freed
+//! and wrongly-typed handles; gradients of the wrong size, dtype, device or memory; calls
+//! out of order; a unit used after its group was destroyed; a rank that leaves or stops
+//! calling) returns the status of its class and a message naming the problem, and
+//! changes nothing (a step with every bad gradient offered first equals a clean step,
+//! bit for bit); plus the collectives, bf16-rounded views, the state-dict callback and a
+//! checkpoint round trip.
+
+use std::collections::BTreeMap;
+use std::process::Command;
+
+/// `(case, status, what the message must contain)`.
+const CASES: &[(&str, &str, &str)] = &[
+    (
+        "init_unsupported_backend",
+        "FSDP_ERR_UNSUPPORTED",
+        "fsdp_init_process_group: not supported yet: backend \"mpi\"",
+    ),
+    (
+        "init_rank_out_of_range",
+        "FSDP_ERR_INVALID_ARGUMENT",
+        "rank 5 (RANK) is not below the world size 2",
+    ),
+    (
+        "init_null_out",
+        "FSDP_ERR_INVALID_ARGUMENT",
+        "out (the out-pointer) is NULL",
+    ),
+    (
+        "null_model",
+        "FSDP_ERR_INVALID_HANDLE",
+        "fsdp_model_num_units: model is the null model (fsdp_model_t) handle (0)",
+    ),
+    (
+        "group_as_model",
+        "FSDP_ERR_INVALID_HANDLE",
+        "model is a process group (fsdp_group_t) handle, not a model (fsdp_model_t)",
+    ),
+    (
+        "forged_handle",
+        "FSDP_ERR_INVALID_HANDLE",
+        "is not a model (fsdp_model_t) handle this library issued",
+    ),
+    (
+        "freed_spec",
+        "FSDP_ERR_INVALID_HANDLE",
+        "model declaration (fsdp_spec_t) handle that was freed",
+    ),
+    (
+        "spec_param_undeclared_unit",
+        "FSDP_ERR_INVALID_ARGUMENT",
+        "unit 'nope' is not declared",
+    ),
+    (
+        "null_out",
+        "FSDP_ERR_INVALID_ARGUMENT",
+        "n (the out-pointer) is NULL",
+    ),
+    (
+        "unknown_unit",
+        "FSDP_ERR_INVALID_ARGUMENT",
+        "no unit named 'nope' (units: ['', '0', '1'])",
+    ),
+    (
+        "unit_index_out_of_range",
+        "FSDP_ERR_INVALID_ARGUMENT",
+        "unit index 3 is out of range (the model has 3 units)",
+    ),
+    (
+        "bad_strategy",
+        "FSDP_ERR_INVALID_ARGUMENT",
+        "config.sharding_strategy 42 is not an FSDP_*_SHARD value",
+    ),
+    (
+        "bad_optimizer_kind",
+        "FSDP_ERR_INVALID_ARGUMENT",
+        "kind 9 is not an FSDP_OPTIM_* value",
+    ),
+    (
+        "stream_not_null",
+        "FSDP_ERR_INVALID_ARGUMENT",
+        "the stream must be NULL",
+    ),
+    (
+        "post_forward_first",
+        "FSDP_ERR_USAGE",
+        "post_forward on unit '1' without pre_forward first",
+    ),
+    (
+        "post_backward_first",
+        "FSDP_ERR_USAGE",
+        "post_backward on unit '1' without pre_backward first",
+    ),
+    (
+        "post_backward_first_with_grads",
+        "FSDP_ERR_USAGE",
+        "post_backward on unit '1' without pre_backward first",
+    ),
+    (
+        "pre_forward_twice",
+        "FSDP_ERR_USAGE",
+        "pre_forward on unit '' without its post_forward",
+    ),
+    (
+        "params_array_too_short",
+        "FSDP_ERR_SHAPE_MISMATCH",
+        "params: the array holds 1 DLTensors but unit '0' has 2 parameters",
+    ),
+    (
+        "grad_wrong_shape",
+        "FSDP_ERR_SHAPE_MISMATCH",
+        "grads[0] ('1.weight'): shape [3, 1], expected [1, 3]",
+    ),
+    (
+        "grad_wrong_dtype",
+        "FSDP_ERR_DTYPE_MISMATCH",
+        "grads[0] ('1.weight'): dtype f16, expected f32",
+    ),
+    (
+        "grad_int_dtype",
+        "FSDP_ERR_DTYPE_MISMATCH",
+        "grads[0] ('1.weight'): dtype i32, expected f32",
+    ),
+    (
+        "grad_wrong_count",
+        "FSDP_ERR_SHAPE_MISMATCH",
+        "grads: the array holds 2 DLTensors but unit '1' has 1 parameters",
+    ),
+    (
+        "grad_is_fsdp_view",
+        "FSDP_ERR_INVALID_ARGUMENT",
+        "overlaps fsdp's own gradient view",
+    ),
+    (
+        "grad_on_cuda",
+        "FSDP_ERR_UNSUPPORTED",
+        "grads[0] ('1.weight'): a CUDA tensor",
+    ),
+    (
+        "grad_null_data",
+        "FSDP_ERR_INVALID_ARGUMENT",
+        "data is NULL for a tensor of 3 elements",
+    ),
+    (
+        "grad_negative_ndim",
+        "FSDP_ERR_INVALID_ARGUMENT",
+        "ndim -1 is not in 0..=64",
+    ),
+    (
+        "grad_misaligned",
+        "FSDP_ERR_INVALID_ARGUMENT",
+        "is not aligned to its 4-byte elements",
+    ),
+    (
+        "pre_backward_twice",
+        "FSDP_ERR_USAGE",
+        "pre_backward on unit '1' without its post_backward",
+    ),
+    (
+        "callback_stops",
+        "FSDP_ERR_CALLBACK",
+        "the callback returned 7 for '0.weight'",
+    ),
+    (
+        "callback_null",
+        "FSDP_ERR_INVALID_ARGUMENT",
+        "callback is NULL",
+    ),
+    (
+        "checkpoint_missing",
+        "FSDP_ERR_CHECKPOINT",
+        "/nonexistent/fsdp-checkpoint",
+    ),
+    (
+        "optimizer_of_another_model",
+        "FSDP_ERR_INVALID_HANDLE",
+        "optimizer belongs to another model",
+    ),
+    (
+        "all_gather_wrong_size",
+        "FSDP_ERR_SHAPE_MISMATCH",
+        "output has 4 elements, expected 8",
+    ),
+    (
+        "bad_reduce_op",
+        "FSDP_ERR_INVALID_ARGUMENT",
+        "reduce op 99 is not an FSDP_REDUCE_* value",
+    ),
+    (
+        "broadcast_bad_src",
+        "FSDP_ERR_INVALID_ARGUMENT",
+        "src 5 is not a rank of a group of 2",
+    ),
+    (
+        "unit_after_group_destroyed",
+        "FSDP_ERR_INVALID_HANDLE",
+        "the process group this model was built on was destroyed",
+    ),
+    (
+        "collective_on_destroyed_group",
+        "FSDP_ERR_INVALID_HANDLE",
+        "handle that was freed (or destroyed)",
+    ),
+    (
+        "freed_model",
+        "FSDP_ERR_INVALID_HANDLE",
+        "model (fsdp_model_t) handle that was freed",
+    ),
+    (
+        "unit_of_freed_model",
+        "FSDP_ERR_INVALID_HANDLE",
+        "unit (fsdp_unit_t) handle that was freed",
+    ),
+    (
+        "double_free",
+        "FSDP_ERR_INVALID_HANDLE",
+        "fsdp_model_free: model",
+    ),
+    (
+        "optimizer_of_freed_model",
+        "FSDP_ERR_INVALID_HANDLE",
+        "the optimizer's model",
+    ),
+    (
+        "destroy_twice",
+        "FSDP_ERR_INVALID_HANDLE",
+        "process group (fsdp_group_t) handle that was freed",
+    ),
+    ("peer_left", "FSDP_ERR_PEER_FAILED", "rank 1"),
+    (
+        "peer_stopped_calling",
+        "FSDP_ERR_TIMEOUT",
+        "ranks [1] never arrived",
+    ),
+];
+
+const CHECKS: &[&str] = &[
+    "status_name",
+    "failed_model_is_null",
+    "bad_grads_changed_nothing",
+    "checkpoint_round_trip",
+    "bf16_rounded_views",
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce_max",
+    "broadcast_int32",
+    "rank_and_size",
+];
+
+#[test]
+fn bad_input_from_c_is_a_named_error_and_changes_nothing() {
+    let exe = super::compile_c("tests/capi/abi_checks.c");
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("capi-abi-checks-ckpt");
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = super::run(Command::new(&exe).arg(&dir));
+    println!("{out}");
+    let mut cases = BTreeMap::new();
+    let mut checks = BTreeMap::new();
+    for line in out.lines() {
+        let mut f = line.splitn(4, ' ');
+        match (f.next(), f.next(), f.next()) {
+            (Some("CASE"), Some(name), Some(status)) => {
+                cases.insert(
+                    name.to_string(),
+                    (status.to_string(), f.next().unwrap_or("").to_string()),
+                );
+            }
+            (Some("CHECK"), Some(name), Some(ok)) => {
+                checks.insert(name.to_string(), ok == "ok");
+            }
+            _ => panic!("unexpected line: {line}"),
+        }
+    }
+    for (name, status, msg) in CASES {
+        let (got, text) = cases
+            .get(*name)
+            .unwrap_or_else(|| panic!("case {name} missing"));
+        assert_eq!(got, status, "{name}: {text}");
+        assert!(
+            text.contains(msg),
+            "{name}: {text:?} does not contain {msg:?}"
+        );
+    }
+    assert_eq!(cases.len(), CASES.len(), "cases: {:?}", cases.keys());
+    for name in CHECKS {
+        assert_eq!(checks.get(*name), Some(&true), "check {name}");
+    }
+    assert_eq!(checks.len(), CHECKS.len(), "checks: {checks:?}");
+}
