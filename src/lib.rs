@@ -47,6 +47,7 @@ pub mod distributed;
 pub mod embed;
 pub mod error;
 pub mod fsdp;
+mod hash;
 pub mod kernels;
 pub mod nn;
 pub mod ops;

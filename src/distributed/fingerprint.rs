@@ -42,9 +42,7 @@ impl Name {
     /// The hash of `name` (64-bit FNV-1a of its UTF-8 bytes, the same in every process),
     /// registered so that it prints as `name`.
     pub fn new(name: &str) -> Name {
-        let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-            (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
-        });
+        let h = crate::hash::fnv1a(name.as_bytes());
         names().lock().entry(h).or_insert_with(|| name.to_string());
         Name(h)
     }

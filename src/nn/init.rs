@@ -103,9 +103,7 @@ fn splitmix64(mut z: u64) -> u64 {
 }
 
 fn fnv1a(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+    crate::hash::fnv1a(s.as_bytes())
 }
 
 impl InitKey {

@@ -48,10 +48,7 @@ impl FunctionCache {
         resolve: impl FnOnce() -> Result<CudaFunction>,
     ) -> Result<cudarc::driver::sys::CUfunction> {
         let n = self.slots.len();
-        let start = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-            (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-        }) as usize
-            % n;
+        let start = crate::hash::fnv1a(name.as_bytes()) as usize % n;
         let mut resolve = Some(resolve);
         for i in 0..n {
             let slot = &self.slots[(start + i) % n];

@@ -137,9 +137,7 @@ impl MeshSpec<'_> {
 
 /// FNV-1a of `s`: the tag of the group named `s`.
 pub(super) fn tag_of(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    })
+    crate::hash::fnv1a(s.as_bytes())
 }
 
 /// Sets up this rank's side of the mesh (see the module docs).
