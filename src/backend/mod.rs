@@ -11,32 +11,8 @@
 
 pub mod cpu;
 pub mod cuda;
+mod tensor;
 
-/// Where a tensor lives. Mirrors `torch.device`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum Device {
-    /// Host memory; the reference backend.
-    #[default]
-    Cpu,
-    /// CUDA device by ordinal. Requires the `cuda` feature and a driver.
-    Cuda(usize),
-    /// Shapes only, no memory (deferred initialization).
-    Meta,
-}
-
-impl Device {
-    /// True for `Device::Cuda(_)`.
-    pub fn is_cuda(self) -> bool {
-        matches!(self, Device::Cuda(_))
-    }
-}
-
-impl std::fmt::Display for Device {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Device::Cpu => f.write_str("cpu"),
-            Device::Cuda(i) => write!(f, "cuda:{i}"),
-            Device::Meta => f.write_str("meta"),
-        }
-    }
-}
+/// Where a tensor lives; defined in the leaf module [`crate::device`] so every layer can
+/// name it.
+pub use crate::device::Device;

@@ -4,7 +4,8 @@
 //! |---|---|
 //! | data loading, splits, world-size-independent batches | `data.rs` |
 //! | FSDP or plain engine, memory figures | `engine.rs` |
-//! | the training loop, config, metrics | `job.rs` |
+//! | `TrainConfig`: every option, its default, the lr of a step | `config.rs` |
+//! | the training loop, step records, the observer | `job.rs` |
 //! | `TrainConfig::validate`: every option, the most specific problem first | `validate.rs` |
 //! | the memory estimate and the check against available memory | `memory.rs` |
 //! | one rank of a multi-process job (`fsdp launch`, torchrun) | `process.rs` |
@@ -17,6 +18,7 @@
 //! | the `--metrics` file, kept up to the resumed step | `metrics.rs` |
 //! | generation | `sample.rs` |
 
+mod config;
 pub mod data;
 mod device;
 pub mod engine;
@@ -32,10 +34,9 @@ pub mod sample;
 mod save_dir;
 mod validate;
 
+pub use config::TrainConfig;
 pub use device::{gpu_summary, mfu, peak_flops, TrainDevice};
-pub use job::{
-    build_engine, train, CheckpointType, LrSchedule, Observer, Precision, Preset, Silent,
-    StepRecord, TrainConfig, TrainReport, WrapMode,
-};
+pub use job::{build_engine, train, Observer, Silent, StepRecord, TrainReport};
 pub use memory::MemoryEstimate;
+pub use options::{CheckpointType, LrSchedule, Precision, Preset, WrapMode};
 pub use process::{train_rank, RankEnv};

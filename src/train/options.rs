@@ -1,7 +1,7 @@
 //! Options of the main job that are not plain numbers: wrap mode, precision, learning-rate
-//! schedule, checkpoint layout, model presets.
+//! schedule, checkpoint layout, model presets. Plain enums:
+//! [`TrainConfig`](super::TrainConfig) holds them, and nothing here knows the config.
 
-use super::job::TrainConfig;
 use crate::fsdp::MixedPrecision;
 use crate::tensor::DType;
 
@@ -83,32 +83,6 @@ pub enum LrSchedule {
     /// After the warm-up, half a cosine from `lr` down to `lr / 10` at the last step
     /// (nanoGPT's schedule).
     Cosine,
-}
-
-impl TrainConfig {
-    /// The warm-up actually used: `warmup_steps`, capped at `steps` (a longer warm-up
-    /// ramps over the whole run).
-    pub fn effective_warmup(&self) -> usize {
-        self.warmup_steps.min(self.steps)
-    }
-
-    /// The learning rate of 1-based step `step`.
-    pub fn lr_at(&self, step: usize) -> f32 {
-        let warmup = self.effective_warmup();
-        if step <= warmup {
-            return self.lr * step as f32 / warmup as f32;
-        }
-        match self.lr_schedule {
-            LrSchedule::Constant => self.lr,
-            LrSchedule::Cosine => {
-                // Full lr at the first step after the warm-up, lr / 10 at the last.
-                let span = (self.steps - warmup - 1).max(1) as f32;
-                let progress = (step - warmup - 1) as f32 / span;
-                let min = self.lr / 10.0;
-                min + 0.5 * (self.lr - min) * (1.0 + (std::f32::consts::PI * progress).cos())
-            }
-        }
-    }
 }
 
 /// Named model shapes (`--preset`).

@@ -2,8 +2,8 @@
 //! starts, the most specific problem first (a missing file before the options that use
 //! it).
 
+use super::config::TrainConfig;
 use super::data::TextDataset;
-use super::job::TrainConfig;
 use super::options::Precision;
 use crate::error::{Error, Result};
 

@@ -50,7 +50,7 @@ mod mesh_auth;
 mod wire;
 
 use super::desc::{check_descs, Desc};
-use super::init::Rendezvous;
+use super::Rendezvous;
 use super::{Group, PrefixStore, ProcessGroup, ReduceOp, Store, TcpStore};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
