@@ -58,7 +58,12 @@ fn run() -> Result<()> {
         };
         let mut model = FullyShardedDataParallel::new(Box::new(Sequential::new(layers)), pg, cfg)?;
         let mut units = 0;
-        model.for_each_unit(&mut |_| units += 1);
+        model
+            .for_each_unit(&mut |_| {
+                units += 1;
+                Ok(())
+            })
+            .unwrap();
         let y = model.forward(
             &Tensor::from_vec(vec![0.01f32; 4 * 512], &[4, 512])?,
             &Context::train(),

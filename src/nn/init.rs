@@ -122,14 +122,10 @@ impl InitKey {
 /// `NotMaterialized` naming a meta parameter without an initializer.
 pub fn materialize(m: &mut dyn super::Module) -> Result<()> {
     let mut done: Vec<(Tensor, Tensor)> = Vec::new();
-    let mut res: Result<()> = Ok(());
     super::visit_parameters(m, "", false, &mut |name, p| {
-        if res.is_err() {
-            return;
-        }
-        let Ok(d) = p.data() else { return };
+        let Ok(d) = p.data() else { return Ok(()) };
         if d.device() != crate::backend::Device::Meta {
-            return;
+            return Ok(());
         }
         let new = match done.iter().find(|(meta, _)| meta.same_view(d)) {
             Some((_, t)) => Ok(t.clone()),
@@ -137,13 +133,12 @@ pub fn materialize(m: &mut dyn super::Module) -> Result<()> {
                 .materialize()
                 .inspect(|t| done.push((d.clone(), t.clone()))),
         };
-        res = match new {
+        match new {
             Ok(t) => p.set_data(Some(t)),
             Err(_) => Err(crate::error::Error::NotMaterialized {
                 name: name.to_string(),
                 state: "meta without an initializer",
             }),
-        };
-    });
-    res
+        }
+    })
 }

@@ -163,7 +163,7 @@ pub fn buffer_names(kind: &str) -> &'static [&'static str] {
 /// with its current gradient, in `named_parameters()` order.
 pub fn parameters(m: &mut dyn crate::nn::Module) -> Vec<ParamGrad> {
     let mut out = Vec::new();
-    crate::nn::visit_parameters(m, "", false, &mut |_, p| {
+    crate::nn::visit_all(m, |_, p| {
         if let (true, Ok(d)) = (p.requires_grad, p.data()) {
             out.push(ParamGrad {
                 param: d.clone(),
