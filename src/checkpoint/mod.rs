@@ -45,7 +45,7 @@
 //!
 //! | file | holds |
 //! |---|---|
-//! | `atomic.rs` | [`write_atomic`], the hidden `FSDP_CKPT_STALL` test hook |
+//! | `atomic.rs` | [`write_atomic`], the hidden `FSDP_CKPT_STALL` test hook (feature `test-hooks`) |
 //! | `file.rs` | one safetensors file with a checksum: [`write_tensors`], [`read_tensors`] |
 //! | `index.rs` | [`Index`] and its parts |
 //! | `save.rs` | [`save_checkpoint`], [`save_checkpoint_with_rank_extra`] |

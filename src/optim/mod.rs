@@ -175,7 +175,8 @@ pub fn parameters(m: &mut dyn crate::nn::Module) -> Vec<ParamGrad> {
 }
 
 /// Which optimizer `fsdp train` builds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum OptimizerKind {
     /// [`SGD`] (`torch.optim.SGD`) with no momentum and no weight decay (`--optimizer sgd`).
     Sgd,

@@ -43,7 +43,8 @@ impl std::fmt::Display for WrapMode {
 }
 
 /// Layout of the checkpoints `fsdp train` saves (`--checkpoint-type`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum CheckpointType {
     /// One file per rank holding distinct shards, plus the index (SHARDED_STATE_DICT).
     #[default]
@@ -53,7 +54,8 @@ pub enum CheckpointType {
 }
 
 /// Compute precision of `fsdp train` (`--mixed-precision`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum Precision {
     /// f32 throughout.
     #[default]
@@ -76,7 +78,8 @@ impl Precision {
 }
 
 /// How the learning rate moves over a run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum LrSchedule {
     /// `lr` at every step after the warm-up.
     Constant,
@@ -86,12 +89,13 @@ pub enum LrSchedule {
 }
 
 /// Named model shapes (`--preset`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum Preset {
     /// GPT-2 small's shape (12 layers, width 768, 12 heads, 1024 tokens) with the byte
     /// vocabulary of 256: about 86M parameters (124M with GPT-2's 50257-token vocabulary).
     /// The numbers of `GptConfig::gpt2_124m`.
-    #[value(name = "gpt2-124m")]
+    #[cfg_attr(feature = "cli", value(name = "gpt2-124m"))]
     Gpt2_124m,
 }
 

@@ -108,8 +108,7 @@ impl TrainConfig {
             if !self.strategy.is_hybrid() {
                 return bad(format!(
                     "--ranks-per-node applies to hybrid-shard and hybrid-shard-zero2, not {}",
-                    clap::ValueEnum::to_possible_value(&self.strategy)
-                        .map_or(String::new(), |v| v.get_name().to_string())
+                    self.strategy.flag_name()
                 ));
             }
             if n == 0 {
