@@ -27,6 +27,14 @@
 //!
 //! The `fsdp` binary (`src/bin/fsdp/`) sits above them all.
 //!
+//! ## Features
+//!
+//! | feature | default | adds |
+//! |---|---|---|
+//! | `cli` | on | the `fsdp` binary's crates: clap (and `clap::ValueEnum` on the option enums it parses), indicatif, mimalloc. A library user turns it off with `default-features = false` |
+//! | `cuda` | off | the CUDA backend: `kernels/*.cu` compiled by nvcc, loaded through cudarc (no CUDA library needed to build) |
+//! | `test-hooks` | off | the hidden fault hooks the tests drive (`FSDP_FAIL_RANK`, `FSDP_CKPT_STALL`); without it the variables are never read |
+//!
 //! ```
 //! use fsdp::distributed::{launch, LaunchOptions};
 //! use fsdp::fsdp::{FsdpConfig, FullyShardedDataParallel};

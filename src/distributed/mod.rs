@@ -29,6 +29,7 @@
 //! [`Error::PeerFailed`]: crate::Error::PeerFailed
 
 pub mod auth;
+mod backoff;
 mod composite;
 mod desc;
 pub mod elastic;
