@@ -4,7 +4,7 @@
 //! |---|---|---|---|
 //! | `threads` | threads of one process | CPU, or CUDA (one or several GPUs) | [`threads`] |
 //! | `tcp` (alias `gloo`) | processes (or threads), over TCP | CPU | [`tcp`] |
-//! | `nccl` | one process per GPU (or any ranks, one communicator each) | CUDA | [`nccl`] (meets through [`TcpStore`]; `cuda` feature) |
+//! | `nccl` | one process per GPU (or any ranks, one communicator each) | CUDA | `nccl` (meets through [`TcpStore`]; `cuda` feature) |
 //!
 //! | torch.distributed | here | file |
 //! |---|---|---|
