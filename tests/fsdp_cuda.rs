@@ -204,6 +204,47 @@ fn comm_stream_orders_after_the_submitters_work_cuda() {
 }
 
 #[test]
+fn work_wait_orders_the_waiters_stream_and_an_unordered_read_is_stale_cuda() {
+    let Some(_) = gpus("work_wait_orders_the_waiters_stream_and_an_unordered_read_is_stale_cuda")
+    else {
+        return;
+    };
+    // The emulator defers stream work until something forces it; a GPU, or the emulator's
+    // eager schedule, may have finished the job anyway, so only there is the stale read sure.
+    let deferred = fsdp::backend::cuda::detect().unwrap()[0]
+        .name
+        .contains("cuda-emu")
+        && std::env::var("CUDA_EMU_SCHEDULE").map_or(true, |v| v != "eager");
+    launch(&LaunchOptions::new(1), |_pg: Group| {
+        let stream = CommStream::on_device("test-comm", CUDA0)?;
+        let t = Tensor::zeros_on(&[1 << 16], DType::F32, CUDA0)?;
+        // With the wait: the compute stream's scale runs after the job's fill.
+        let job_t = t.clone();
+        let w = stream.submit_keeping(vec![t.clone()], move || fsdp::ops::fill_(&job_t, 7.0));
+        w.wait()?;
+        fsdp::ops::scale_(&t, 2.0)?;
+        assert!(t.to_vec_f32()?.iter().all(|&x| x == 14.0));
+        // Without it (the job is only known to be queued, on the host): the compute
+        // stream's scale is not ordered after the fill, and under deferral it reads the
+        // old values, so the result is not 2 x 9 everywhere.
+        let job_t = t.clone();
+        let w = stream.submit_keeping(vec![t.clone()], move || fsdp::ops::fill_(&job_t, 9.0));
+        stream.synchronize();
+        fsdp::ops::scale_(&t, 2.0)?;
+        let v = t.to_vec_f32()?;
+        if deferred {
+            assert!(
+                v.iter().any(|&x| x != 18.0),
+                "the unordered read saw the fill"
+            );
+        }
+        drop(w);
+        Ok(())
+    })
+    .unwrap();
+}
+
+#[test]
 fn mixed_device_collectives_are_clear_errors_cuda() {
     if gpus("mixed_device_collectives_are_clear_errors_cuda").is_none() {
         return;

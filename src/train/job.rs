@@ -2,6 +2,7 @@
 
 use super::data::{Split, TextDataset, VOCAB_SIZE};
 use super::engine::{gather_counts, gather_memory, mean_over_ranks, Engine, RankMemory};
+use crate::backend::counters::Counters;
 use crate::backend::Device;
 use crate::distributed::{launch, Group, LaunchOptions};
 use crate::error::{Error, Result};
@@ -186,6 +187,11 @@ pub struct StepRecord {
     pub eval_loss: Option<f32>,
     /// Every rank's memory figures.
     pub ranks: Vec<RankMemory>,
+    /// Host-blocking synchronizations, device allocations, kernel launches and store
+    /// requests made by rank 0's process from the start of the step to the global loss
+    /// (evaluation and checkpoints excluded); with threads ranks, by all ranks of the
+    /// process. All zero on the CPU but for store requests.
+    pub counters: crate::backend::counters::Counters,
 }
 
 /// What a run produced.
@@ -402,6 +408,7 @@ pub(super) fn run_rank(
     let mut records = Vec::with_capacity(cfg.steps.min(1 << 16));
     for step in first_step..=cfg.steps {
         let t0 = Instant::now();
+        let c0 = Counters::now();
         opt.set_lr(cfg.lr_at(step));
         engine.reset_peak();
         // Micro-batch k is rows [k B/K, (k+1) B/K) of the global batch; each rank takes its
@@ -437,6 +444,7 @@ pub(super) fn run_rank(
         let mem = engine.memory(rank, opt.as_ref());
         engine.zero_grad();
         let loss = mean_over_ranks(&pg, l)?;
+        let counters = Counters::now().since(&c0);
         if !loss.is_finite() {
             return Err(Error::Fsdp(format!(
                 "loss became {loss} at step {step}; lower --lr"
@@ -458,6 +466,7 @@ pub(super) fn run_rank(
                 step_time_s,
                 eval_loss,
                 ranks,
+                counters,
             };
             if let Some(f) = metrics.lock().as_mut() {
                 let line = serde_json::to_string(&rec).map_err(|e| Error::Data(e.to_string()))?;
