@@ -256,5 +256,9 @@ raw_kernel!(/// `cross_entropy_f32(logits, targets, losses, dlogits, n, V, inv_n
     cross_entropy, "nn", (logits: u64, targets: u64, losses: u64, dlogits: u64, n: i64, v: i64, inv_n: f32, invalid: u64));
 raw_kernel!(/// `embedding_fwd_f32(ids, table, out, n, V, c, invalid)`.
     embedding_fwd, "nn", (ids: u64, table: u64, out: u64, n: i64, v: i64, c: i64, invalid: u64));
+raw_kernel!(/// `mean_rows_f32(losses, n, out)`.
+    mean_rows, "nn", (losses: u64, n: i64, out: u64));
+raw_kernel!(/// `add_div_f32(acc, x, d)`.
+    add_div, "nn", (acc: u64, x: u64, d: f32));
 raw_kernel!(/// `embedding_bwd_f32(ids, dout, grad, n, V, c)`.
     embedding_bwd, "nn", (ids: u64, dout: u64, grad: u64, n: i64, v: i64, c: i64));

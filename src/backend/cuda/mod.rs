@@ -27,6 +27,8 @@ use crate::error::{Error, Result};
 #[cfg(feature = "cuda")]
 mod blas;
 #[cfg(feature = "cuda")]
+mod checks;
+#[cfg(feature = "cuda")]
 mod clip;
 #[cfg(feature = "cuda")]
 pub(crate) mod collective;
