@@ -245,6 +245,40 @@ fn work_wait_orders_the_waiters_stream_and_an_unordered_read_is_stale_cuda() {
 }
 
 #[test]
+fn threads_collectives_on_device_tensors_never_wait_on_the_host_cuda() {
+    if gpus("threads_collectives_on_device_tensors_never_wait_on_the_host_cuda").is_none() {
+        return;
+    }
+    use fsdp::backend::counters::host_syncs_on_this_thread;
+    let out = launch(&LaunchOptions::new(2), |pg: Group| {
+        let r = pg.rank() as f32;
+        let t = Tensor::zeros_on(&[1000], DType::F32, CUDA0)?;
+        fsdp::ops::fill_(&t, r + 1.0)?;
+        let gathered = Tensor::zeros_on(&[2000], DType::F32, CUDA0)?;
+        let shard = Tensor::zeros_on(&[1000], DType::F32, CUDA0)?;
+        let before = host_syncs_on_this_thread();
+        pg.all_reduce(&t, ReduceOp::Sum)?; // 3 everywhere
+        pg.all_gather_into_tensor(&gathered, &t)?; // 3 x 2000
+        pg.reduce_scatter_tensor(&shard, &gathered, ReduceOp::Sum)?; // 6 x 1000
+        pg.all_reduce(&shard, ReduceOp::Sum)?; // 12 x 1000
+        pg.broadcast(&t, 1)?;
+        let waited = host_syncs_on_this_thread() - before;
+        // The reads synchronize; the values show each collective saw the one before.
+        Ok((waited, shard.to_vec_f32()?, t.to_vec_f32()?))
+    })
+    .unwrap();
+    for (rank, (waited, shard, t)) in out.iter().enumerate() {
+        assert_eq!(*waited, 0, "rank {rank} waited on the host");
+        assert!(
+            shard.iter().all(|&x| x == 12.0),
+            "rank {rank}: {:?}",
+            &shard[..4]
+        );
+        assert!(t.iter().all(|&x| x == 3.0), "rank {rank}: {:?}", &t[..4]);
+    }
+}
+
+#[test]
 fn mixed_device_collectives_are_clear_errors_cuda() {
     if gpus("mixed_device_collectives_are_clear_errors_cuda").is_none() {
         return;

@@ -18,6 +18,17 @@ static DEVICE_FREES: AtomicU64 = AtomicU64::new(0);
 static KERNEL_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 static STORE_OPS: AtomicU64 = AtomicU64::new(0);
 
+thread_local! {
+    static THREAD_SYNCS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Host-blocking synchronizations made by the calling thread so far (the process-wide
+/// [`Counters::host_syncs`] counts every thread's): what a test or a rank's loop reads to
+/// see that its own calls did not wait for the device.
+pub fn host_syncs_on_this_thread() -> u64 {
+    THREAD_SYNCS.with(std::cell::Cell::get)
+}
+
 /// A reading of the counters (or the difference of two readings, with [`Counters::since`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Counters {
@@ -64,6 +75,7 @@ impl Counters {
 /// `torch.cuda.set_sync_debug_mode("warn")`), to find the call that made a step wait.
 pub fn count_host_sync() {
     HOST_SYNCS.fetch_add(1, Ordering::Relaxed);
+    THREAD_SYNCS.with(|c| c.set(c.get() + 1));
     static WARN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     if *WARN.get_or_init(|| std::env::var("FSDP_SYNC_DEBUG").is_ok_and(|v| v == "warn")) {
         eprintln!(
