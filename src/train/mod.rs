@@ -25,6 +25,7 @@ mod job;
 mod memory;
 mod metrics;
 mod options;
+mod pending;
 mod process;
 mod recorded;
 mod resume;

@@ -67,6 +67,8 @@ pub(crate) fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
     let base = TrainConfig {
         steps: a.warmup + a.steps,
         eval_every: 0,
+        // Every step read at once, so each step's time is its own (see train::pending).
+        log_every: 1,
         eval_batches: 1,
         sample_len: 0,
         world_size: 1,
