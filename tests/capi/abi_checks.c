@@ -340,6 +340,20 @@ static void *main_checks(void *arg) {
           detail);
     MUST(fsdp_optimizer_free(mo));
     MUST(fsdp_model_free(mp));
+    /* float16: views are kDLFloat of 16 bits */
+    MUST(build(world, 1.0f, FSDP_NO_SHARD, FSDP_PRECISION_F16, &mp));
+    MUST(fsdp_model_unit_at(mp, 0, &mroot));
+    MUST(fsdp_model_unit(mp, "0", &mu0));
+    MUST(fsdp_unit_pre_forward(mroot, false, NULL, 0, NULL));
+    MUST(fsdp_unit_pre_forward(mu0, false, pv, 2, NULL));
+    w0 = ((const uint16_t *)pv[0].data)[1]; /* 1.1f rounded to float16: 0x3c66 */
+    snprintf(detail, sizeof detail, "code %d bits %d value %#x", pv[0].dtype.code,
+             pv[0].dtype.bits, w0);
+    check(rank, "f16_views", pv[0].dtype.code == kDLFloat && pv[0].dtype.bits == 16 && w0 == 0x3c66,
+          detail);
+    MUST(fsdp_unit_post_forward(mu0, true, NULL));
+    MUST(fsdp_unit_post_forward(mroot, true, NULL));
+    MUST(fsdp_model_free(mp));
 
     /* collectives */
     float v[4] = {(float)rank + 1, 2, 3, 4}, out[8];

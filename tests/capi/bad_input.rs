@@ -5,8 +5,8 @@
 //! changes nothing (a step with every bad gradient offered first equals a clean step,
 //! bit for bit); a device that does not fit (a CUDA gradient for a CPU model, a bad
 //! `fsdp_config.device`, a host collective given a stream or tensors of two devices);
-//! plus the collectives, bfloat16 parameter views and bfloat16 gradients under mixed
-//! precision, the state-dict callback and a checkpoint round trip.
+//! plus the collectives, bfloat16 and float16 parameter views and bfloat16 gradients
+//! under mixed precision, the state-dict callback and a checkpoint round trip.
 
 use std::collections::BTreeMap;
 use std::process::Command;
@@ -281,6 +281,7 @@ const CHECKS: &[&str] = &[
     "bf16_views",
     "grad_views_stay_f32",
     "bf16_grads_step",
+    "f16_views",
     "all_gather",
     "reduce_scatter",
     "all_reduce_max",
