@@ -16,9 +16,10 @@
 //!    buffers, a collective's result) and may reuse the memory fsdp read from.
 //!
 //! Neither side blocks the host thread on the device for this (FSDP2's
-//! `wait_stream`/`record_stream` discipline between the default stream and its own). The
-//! collectives and gathers themselves still complete before their call returns, as
-//! `Work::wait` does everywhere in fsdp.
+//! `wait_stream`/`record_stream` discipline between the default stream and its own). A
+//! gather or collective that fsdp waits for inside the call (`Work::wait`, a device-side
+//! wait of fsdp's stream on the job's event) is thereby ordered before the host's later
+//! work too: the exit event is recorded after that wait.
 //!
 //! On the CPU (a model whose `fsdp_config.device` is `kDLCPU`, host-memory tensors) the
 //! stream must be NULL. A build without the `cuda` feature refuses CUDA tensors and
