@@ -4,7 +4,8 @@
 # exercised in CI without a GPU:
 #   0. the emulator's own tests;
 #   1. the CUDA variants of the test suites (kernels, layers, ops, FSDP on cuda, the
-#      threads backend on device buffers, NCCL at world size 1) against the CPU;
+#      threads backend on device buffers, NCCL at world size 1, the C ABI with device
+#      tensors and the host's stream) against the CPU;
 #   2. `fsdp train --device cuda` loss curves against `--device cpu`: world size 1, 2 ranks
 #      on 2 emulated devices (peer copies), mixed precision, CPU offload, and one process
 #      under `fsdp launch` (NCCL).
@@ -24,17 +25,19 @@ case "$what" in all | tests | curves) ;; *) echo "usage: scripts/cuda-emu.sh [te
 NVCC="$(scripts/install_nvcc.sh | tail -n 1)" || { echo "FAIL: no nvcc (scripts/install_nvcc.sh)"; exit 1; }
 export NVCC
 cargo build -p cuda-emu --release || { echo "FAIL: building cuda-emu"; exit 1; }
-lib="$root/target/cuda-emu/lib"
+target="${CARGO_TARGET_DIR:-$root/target}"
+case "$target" in /*) ;; *) target="$root/$target" ;; esac
+lib="$target/cuda-emu/lib"
 mkdir -p "$lib"
 for n in libcuda.so libcuda.so.1 libcublas.so libcublas.so.13 libnccl.so libnccl.so.2; do
-  ln -sf ../../release/libcuda_emu.so "$lib/$n"
+  ln -sf "$target/release/libcuda_emu.so" "$lib/$n"
 done
 export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # CUDA_EMU_DEVICES (emulated GPUs) fixes one count for every check; by default the tests
 # run with 2 and with 1, the training curves with 2.
 [ -n "${CUDA_EMU_DEVICES:-}" ] && CUDA_EMU_DEVICES_SET="$CUDA_EMU_DEVICES"
 export CUDA_EMU_DEVICES="${CUDA_EMU_DEVICES:-2}"
-out="$root/target/cuda-emu"
+out="$target/cuda-emu"
 fail=0
 
 if [ "$what" != curves ]; then
@@ -42,7 +45,7 @@ if [ "$what" != curves ]; then
   if cargo test -q -p cuda-emu --release >"$out/emu-self.log" 2>&1; then echo "PASS cuda-emu self-tests"; else
     echo "FAIL cuda-emu self-tests (log: $out/emu-self.log)"; tail -n 15 "$out/emu-self.log"; fail=1
   fi
-  tests="kernels kernels_nn ops_device nn_device zero_size fsdp_zero_size fsdp_cuda distributed"
+  tests="kernels kernels_nn ops_device nn_device zero_size fsdp_zero_size fsdp_cuda distributed capi_cuda"
   args=""; for t in $tests; do args="$args --test $t"; done
   # Two emulated GPUs (ranks spread over devices: peer copies) and one (every rank on
   # cuda:0, as on a lent H200), unless CUDA_EMU_DEVICES names one count. The one-GPU pass
@@ -79,7 +82,7 @@ if [ "$what" != tests ]; then
   export CUDA_EMU_SEED="${CUDA_EMU_SEED:-7}"
   echo "== fsdp train --device cuda on cuda-emu (CUDA_EMU_SEED=$CUDA_EMU_SEED)"
   cargo build --features cuda --bin fsdp || { echo "FAIL: building fsdp --features cuda"; exit 1; }
-  fsdp="$root/target/debug/fsdp"
+  fsdp="$target/debug/fsdp"
   data="$root/data/tinyshakespeare.txt"
   [ -s "$data" ] || scripts/get_data.sh >/dev/null 2>&1 || true
   if [ ! -s "$data" ]; then
