@@ -211,10 +211,25 @@ fn work_wait_orders_the_waiters_stream_and_an_unordered_read_is_stale_cuda() {
     };
     // The emulator defers stream work until something forces it; a GPU, or the emulator's
     // eager schedule, may have finished the job anyway, so only there is the stale read sure.
+    // Other tests of this process force the device too (a free without the caching
+    // allocator waits for all of it), so the check runs alone, in a child process.
+    const CHILD: &str = "FSDP_TEST_STALE_READ_CHILD";
     let deferred = fsdp::backend::cuda::detect().unwrap()[0]
         .name
         .contains("cuda-emu")
         && std::env::var("CUDA_EMU_SCHEDULE").map_or(true, |v| v != "eager");
+    if deferred && std::env::var_os(CHILD).is_none() {
+        let name = "work_wait_orders_the_waiters_stream_and_an_unordered_read_is_stale_cuda";
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", name, "--nocapture", "--test-threads", "1"])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success() && text.contains("1 passed"), "{text}");
+        return;
+    }
     launch(&LaunchOptions::new(1), |_pg: Group| {
         let stream = CommStream::on_device("test-comm", CUDA0)?;
         let t = Tensor::zeros_on(&[1 << 16], DType::F32, CUDA0)?;
