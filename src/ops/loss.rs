@@ -26,8 +26,18 @@ use crate::tensor::{DType, Tensor};
 /// `InvalidArgument` for a target outside `0..V`; `DeviceMismatch` when the two are on
 /// different devices.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<(f32, Tensor)> {
-    let (loss, grad) = cross_entropy_tensor(logits, targets)?;
-    Ok((loss.to_vec_f32()?[0], grad))
+    match cross_entropy_any(logits, targets)? {
+        (Loss::Host(l), grad) => Ok((l, grad)),
+        (Loss::Device(t), grad) => Ok((t.to_vec_f32()?[0], grad)),
+    }
+}
+
+/// Where [`cross_entropy_any`] left the loss: a host value (no tensor buffer, so a CPU
+/// step allocates nothing for it), or one f32 on the device.
+enum Loss {
+    Host(f32),
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Device(Tensor),
 }
 
 /// [`cross_entropy`] with the loss as a one-element f32 tensor on the inputs' device, so
@@ -38,6 +48,16 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<(f32, Tensor)>
 /// # Errors
 /// As [`cross_entropy`].
 pub fn cross_entropy_tensor(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+    match cross_entropy_any(logits, targets)? {
+        (Loss::Host(l), grad) => {
+            let device = grad.device();
+            Ok((Tensor::from_vec(vec![l], &[1])?.to_device(device)?, grad))
+        }
+        (Loss::Device(t), grad) => Ok((t, grad)),
+    }
+}
+
+fn cross_entropy_any(logits: &Tensor, targets: &Tensor) -> Result<(Loss, Tensor)> {
     let (v, lead) = match logits.shape().split_last() {
         Some((&v, lead)) => (v, lead),
         None => (0, &[][..]),
@@ -57,8 +77,7 @@ pub fn cross_entropy_tensor(logits: &Tensor, targets: &Tensor) -> Result<(Tensor
     super::check_f32("cross_entropy", &[logits])?;
     if n == 0 {
         // PyTorch: the mean over an empty batch is 0/0 = NaN; nothing to differentiate.
-        let nan = Tensor::from_vec(vec![f32::NAN], &[1])?.to_device(device)?;
-        return Ok((nan, super::output(logits.shape(), device)?));
+        return Ok((Loss::Host(f32::NAN), super::output(logits.shape(), device)?));
     }
     if v == 0 {
         let y = targets
@@ -85,7 +104,7 @@ pub fn cross_entropy_tensor(logits: &Tensor, targets: &Tensor) -> Result<(Tensor
             &losses.as_device_tensor()?,
             &loss.as_device_tensor()?,
         )?;
-        return Ok((loss, grad));
+        return Ok((Loss::Device(loss), grad));
     }
     let lv = logits.f32()?;
     let tv = targets.data::<i32>()?;
@@ -108,8 +127,7 @@ pub fn cross_entropy_tensor(logits: &Tensor, targets: &Tensor) -> Result<(Tensor
         )?;
     }
     let total = losses.iter().fold(0.0f64, |t, &l| t + l as f64);
-    let loss = Tensor::from_vec(vec![(total / n.max(1) as f64) as f32], &[1])?;
-    Ok((loss, grad))
+    Ok((Loss::Host((total / n.max(1) as f64) as f32), grad))
 }
 
 /// `acc[0] = acc[0] + x[0] / d` for one-element f32 tensors on one device (f32
