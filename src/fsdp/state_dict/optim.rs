@@ -404,6 +404,7 @@ impl FullyShardedDataParallel {
             kind: osd.kind.clone(),
             hyperparams: osd.hyperparams.clone(),
             tensors: Vec::new(),
+            param_groups: Vec::new(),
         };
         if osd.buffers.is_empty() && osd.steps.is_empty() {
             return Ok(out); // saved before the first step
