@@ -23,7 +23,7 @@
 //! The f64 transforms call the platform's `log1p`, `sin`, `cos` as PyTorch does (glibc on
 //! Linux).
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::tensor::{numel_of, Tensor};
 
 /// Words of the Mersenne Twister state.
@@ -260,25 +260,27 @@ impl TorchGenerator {
         Tensor::from_vec(v, shape)
     }
 
-    /// `torch.randperm(n)`: a permutation of `0..n` by PyTorch's swaps (element `i` swapped
-    /// with element `i + random() % (n - i)`, for `i` in `0..n - 1`).
-    ///
-    /// # Errors
-    /// `InvalidArgument` for `n >= 2^32 / 20`, where PyTorch switches to another algorithm
-    /// (64-bit draws, inside-out shuffle) not reproduced here.
-    pub fn randperm(&mut self, n: usize) -> Result<Vec<usize>> {
-        if n as u64 >= u32::MAX as u64 / 20 {
-            return Err(Error::InvalidArgument(format!(
-                "randperm({n}): only n < {} follows PyTorch's CPU algorithm",
-                u32::MAX / 20
-            )));
+    /// `torch.randperm(n)`: a permutation of `0..n` as PyTorch's CPU kernel draws it. Below
+    /// `2^32 / 20`, element `i` is swapped with element `i + random() % (n - i)` for `i` in
+    /// `0..n - 1` (checked against PyTorch); from there on, PyTorch's inside-out shuffle with
+    /// `random64() % (i + 1)` (followed from the source, not checked: such a permutation
+    /// takes gigabytes).
+    pub fn randperm(&mut self, n: usize) -> Vec<usize> {
+        if (n as u64) < u32::MAX as u64 / 20 {
+            let mut perm: Vec<usize> = (0..n).collect();
+            for i in 0..n.saturating_sub(1) {
+                let z = self.random() as usize % (n - i);
+                perm.swap(i, i + z);
+            }
+            return perm;
         }
-        let mut perm: Vec<usize> = (0..n).collect();
-        for i in 0..n.saturating_sub(1) {
-            let z = self.random() as usize % (n - i);
-            perm.swap(i, i + z);
+        let mut perm = vec![0usize; n];
+        for i in 0..n {
+            let z = (self.random64() % (i as u64 + 1)) as usize;
+            perm[i] = perm[z];
+            perm[z] = i;
         }
-        Ok(perm)
+        perm
     }
 
     /// `nn.init.uniform_(t, from, to)` on a new f32 tensor of `shape`.
