@@ -109,7 +109,8 @@ impl DistributedSampler {
     /// This rank's dataset indices for the current epoch (`list(iter(sampler))`).
     pub fn indices(&self) -> Vec<usize> {
         let mut all: Vec<usize> = if self.shuffle {
-            TorchGenerator::manual_seed(self.seed.wrapping_add(self.epoch)).randperm(self.dataset_len)
+            TorchGenerator::manual_seed(self.seed.wrapping_add(self.epoch))
+                .randperm(self.dataset_len)
         } else {
             (0..self.dataset_len).collect()
         };
