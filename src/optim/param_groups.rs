@@ -162,9 +162,11 @@ pub(crate) fn check_groups(kind: &str, groups: &[ParamGroup]) -> Result<()> {
 }
 
 /// nanoGPT's two groups over a step list whose tensors come from parameters of the given
-/// `shapes` (by position): tensors of parameters with 2 or more dimensions decay with
-/// `weight_decay`, the others (biases, LayerNorm weights and biases) do not. Both groups
-/// have learning rate `lr`; an empty group is left out.
+/// `shapes` (by position): group 0 holds the tensors of parameters with 2 or more
+/// dimensions, which decay with `weight_decay`; group 1 the others (biases, LayerNorm
+/// weights and biases), which do not. Both have learning rate `lr`, and both are there even
+/// when one is empty, so every FSDP rank has the same groups whatever parameters its shard
+/// holds.
 ///
 /// ```
 /// use fsdp::nn::{InitKey, LayerNorm, Linear, Module, Sequential};
@@ -186,7 +188,6 @@ pub fn no_decay_groups(shapes: &[Vec<usize>], lr: f32, weight_decay: f32) -> Vec
         (0..shapes.len()).partition(|&i| shapes[i].len() >= 2);
     [(decay, weight_decay), (no_decay, 0.0)]
         .into_iter()
-        .filter(|(p, _)| !p.is_empty())
         .map(|(params, weight_decay)| ParamGroup {
             params,
             lr,
@@ -242,6 +243,8 @@ mod tests {
             (gs[1].params.clone(), gs[1].weight_decay),
             (vec![1, 3, 4], 0.0)
         );
-        assert_eq!(no_decay_groups(&[vec![2]], 0.01, 0.1).len(), 1);
+        let only_bias = no_decay_groups(&[vec![2]], 0.01, 0.1);
+        assert_eq!(only_bias.len(), 2);
+        assert!(only_bias[0].params.is_empty());
     }
 }
