@@ -206,6 +206,23 @@ impl FullyShardedDataParallel {
     /// in the same order: its name (as in the state dict) and its whole shape (the entry
     /// holds this rank's elements of it). What parameter groups are built from on each
     /// rank, e.g. [`no_decay_groups`](crate::optim::no_decay_groups) on the shapes.
+    ///
+    /// ```
+    /// use fsdp::distributed::{launch, LaunchOptions};
+    /// use fsdp::fsdp::{FsdpConfig, FullyShardedDataParallel};
+    /// use fsdp::nn::{InitKey, Linear};
+    /// use fsdp::optim::{no_decay_groups, AdamConfig, AdamW, Optimizer};
+    /// launch(&LaunchOptions::new(2), |pg| {
+    ///     let lin = Linear::new(4, 3, true, &InitKey::new(0))?;
+    ///     let mut m = FullyShardedDataParallel::new(Box::new(lin), pg, FsdpConfig::default())?;
+    ///     let names = m.optimizer_param_names(); // this rank's pieces of weight and bias
+    ///     assert_eq!(names.len(), m.optimizer_params().len());
+    ///     let shapes: Vec<Vec<usize>> = names.iter().map(|(_, s)| s.clone()).collect();
+    ///     let mut opt = AdamW::new(AdamConfig::adamw());
+    ///     opt.set_param_groups(no_decay_groups(&shapes, 1e-3, 0.1))
+    /// })
+    /// .unwrap();
+    /// ```
     pub fn optimizer_param_names(&mut self) -> Vec<(String, Vec<usize>)> {
         let mut out = Vec::new();
         self.for_each_unit(&mut |u| {

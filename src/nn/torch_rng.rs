@@ -321,7 +321,17 @@ pub fn kaiming_uniform_bound(a: f64, fan_in: usize) -> f64 {
 /// `nn.Linear(in_features, out_features, bias)`'s parameters as `reset_parameters` draws
 /// them from `g`: the weight `(out, in)` by `kaiming_uniform_(a=sqrt(5))`, then the bias
 /// `(out)` from `U(-1/sqrt(in), 1/sqrt(in))` (zeros' bound when `in` is 0; no draw for no
-/// bias).
+/// bias). f32 tensors on the host.
+///
+/// ```
+/// use fsdp::nn::torch_rng::{kaiming_uniform_bound, linear_parameters};
+/// use fsdp::nn::TorchGenerator;
+/// let mut g = TorchGenerator::manual_seed(0); // torch.manual_seed(0)
+/// let (w, b) = linear_parameters(&mut g, 4, 3, true).unwrap(); // nn.Linear(4, 3)
+/// let bound = kaiming_uniform_bound(5f64.sqrt(), 4) as f32; // 1/sqrt(4) up to rounding
+/// assert!(w.to_vec_f32().unwrap().iter().all(|v| v.abs() <= bound));
+/// assert_eq!(b.unwrap().shape(), &[3]);
+/// ```
 pub fn linear_parameters(
     g: &mut TorchGenerator,
     in_features: usize,

@@ -22,6 +22,14 @@ pub trait LrScheduler: Send + Sync + std::fmt::Debug {
 /// `LinearLR(start_factor, end_factor, total_iters)`: the factor moves linearly from
 /// `start_factor` at epoch 0 to `end_factor` at `total_iters`, and stays there (a linear
 /// warm-up with `end_factor` 1). `total_iters = 0` gives `end_factor` from the start.
+///
+/// ```
+/// use fsdp::optim::{LinearLR, LrScheduler};
+/// let warm = LinearLR { start_factor: 0.25, end_factor: 1.0, total_iters: 3 };
+/// assert_eq!(warm.lr(0.1, 0), 0.025);
+/// assert_eq!(warm.lr(0.1, 3), 0.1);
+/// assert_eq!(warm.lr(0.1, 100), 0.1);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LinearLR {
     /// Factor of the base lr at epoch 0, in `(0, 1]` (PyTorch's default 1/3).
@@ -45,6 +53,14 @@ impl LrScheduler for LinearLR {
 /// `CosineAnnealingLR(T_max, eta_min)`: `eta_min + (base - eta_min) (1 + cos(pi e /
 /// T_max)) / 2`, from the base lr at epoch 0 to `eta_min` at `T_max` (and back up after,
 /// as PyTorch's). `t_max = 0` is treated as 1.
+///
+/// ```
+/// use fsdp::optim::{CosineAnnealingLR, LrScheduler};
+/// let cos = CosineAnnealingLR { t_max: 10, eta_min: 0.001 };
+/// assert_eq!(cos.lr(0.1, 0), 0.1);
+/// assert!((cos.lr(0.1, 5) - 0.0505).abs() < 1e-12);
+/// assert!((cos.lr(0.1, 10) - 0.001).abs() < 1e-12);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CosineAnnealingLR {
     /// Half-period in epochs (`T_max`).
@@ -61,6 +77,12 @@ impl LrScheduler for CosineAnnealingLR {
 }
 
 /// `StepLR(step_size, gamma)`: `base * gamma^(epoch / step_size)` (integer division).
+///
+/// ```
+/// use fsdp::optim::{LrScheduler, StepLR};
+/// let s = StepLR { step_size: 3, gamma: 0.5 };
+/// assert_eq!([s.lr(0.1, 2), s.lr(0.1, 3), s.lr(0.1, 6)], [0.1, 0.05, 0.025]);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepLR {
     /// Epochs between decays, at least 1.
