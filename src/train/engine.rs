@@ -122,8 +122,18 @@ impl Engine {
     /// Clips the global gradient 2-norm to `max_norm` and returns the norm before clipping
     /// (`FullyShardedDataParallel::clip_grad_norm_` / `torch.nn.utils.clip_grad_norm_`).
     pub fn clip_grad_norm(&mut self, max_norm: f32) -> Result<f32> {
+        Ok(self.clip_grad_norm_tensor(max_norm)?.to_vec_f32()?[0])
+    }
+
+    /// [`clip_grad_norm`](Self::clip_grad_norm) with the norm as a one-element f32 tensor
+    /// on the gradients' device: under FSDP on CUDA nothing waits for the device
+    /// ([`FullyShardedDataParallel::clip_grad_norm_tensor_`]).
+    ///
+    /// # Errors
+    /// As [`clip_grad_norm`](Self::clip_grad_norm).
+    pub fn clip_grad_norm_tensor(&mut self, max_norm: f32) -> Result<Tensor> {
         match self {
-            Engine::Fsdp(m) => m.clip_grad_norm_(max_norm, 2.0),
+            Engine::Fsdp(m) => m.clip_grad_norm_tensor_(max_norm, 2.0),
             Engine::Plain(m) => {
                 let mut grads = Vec::new();
                 visit_parameters(m.as_mut(), "", false, &mut |_, p| {
@@ -138,7 +148,8 @@ impl Engine {
                 for g in &grads {
                     crate::ops::scale_(g, coef)?;
                 }
-                Ok(total)
+                let device = grads.first().map_or(Device::Cpu, Tensor::device);
+                Tensor::from_vec(vec![total], &[1])?.to_device(device)
             }
         }
     }

@@ -26,6 +26,7 @@ mod job;
 mod memory;
 mod metrics;
 mod options;
+mod pending;
 mod process;
 mod recorded;
 mod resume;

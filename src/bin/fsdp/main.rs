@@ -174,7 +174,9 @@ struct TrainArgs {
     /// Evaluate every E steps (and at the end); 0: only at the end.
     #[arg(long, allow_hyphen_values = true, default_value_t = D.eval_every)]
     eval_every: usize,
-    /// Print the loss every K steps.
+    /// Print the loss every K steps (0: never). On CUDA the loss is read from the device
+    /// only on these steps (and at evaluations, checkpoints, the first and last step): the
+    /// steps between are read, and written to --metrics, together then.
     #[arg(long, allow_hyphen_values = true, default_value_t = 25)]
     log_every: usize,
     /// Write one JSON object per step (loss, tokens/s, per-rank bytes) to this file.
@@ -320,6 +322,7 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         wrap: a.wrap,
         steps: a.steps,
         eval_every: a.eval_every,
+        log_every: a.log_every,
         metrics: a.metrics.clone(),
         sample_len: a.sample_len,
         ranks_per_node: a.ranks_per_node,
