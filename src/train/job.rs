@@ -394,6 +394,8 @@ pub(super) fn run_rank(
         observer.on_start(num_params);
     }
     let mut opt = optim::build(cfg.optimizer, cfg.lr, cfg.betas);
+    // Built before a resume loads the optimizer: its base lr is the run's --lr.
+    let mut sched = optim::Scheduler::new(cfg.lr_scheduler(), opt.as_mut())?;
     let (first_step, run_id) = match &cfg.resume {
         Some(dir) => {
             let (step, dir, id) = super::resume::resume(dir, &mut engine, opt.as_mut())?;
@@ -415,7 +417,7 @@ pub(super) fn run_rank(
     let mut pending = super::pending::Pending::new(device)?;
     for step in first_step..=cfg.steps {
         let (c0, l) = pending.begin()?;
-        opt.set_lr(cfg.lr_at(step));
+        sched.set_epoch(opt.as_mut(), step - 1)?;
         engine.reset_peak();
         // Micro-batch k is rows [k B/K, (k+1) B/K) of the global batch; each rank takes its
         // contiguous share of every micro-batch.

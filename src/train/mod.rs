@@ -16,6 +16,7 @@
 //! | cross-checks of a checkpoint's step and world size against its other records | `recorded.rs` |
 //! | the `--metrics` file, kept up to the resumed step | `metrics.rs` |
 //! | generation | `sample.rs` |
+//! | `DistributedSampler`: each rank's indices of an epoch | `sampler.rs` |
 
 pub mod data;
 mod device;
@@ -30,13 +31,16 @@ mod process;
 mod recorded;
 mod resume;
 pub mod sample;
+mod sampler;
 mod save_dir;
 mod validate;
 
 pub use device::{gpu_summary, mfu, peak_flops, TrainDevice};
+pub use engine::{global_mean_loss, mean_over_ranks};
 pub use job::{
     build_engine, train, CheckpointType, LrSchedule, Observer, Precision, Preset, Silent,
     StepRecord, TrainConfig, TrainReport, WrapMode,
 };
 pub use memory::MemoryEstimate;
 pub use process::{train_rank, RankEnv};
+pub use sampler::DistributedSampler;

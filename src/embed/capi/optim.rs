@@ -206,7 +206,7 @@ pub extern "C" fn fsdp_optimizer_set_lr(optimizer: fsdp_optimizer_t, lr: f32) ->
         handles::optimizer(optimizer.id, "optimizer")?
             .lock()
             .opt
-            .set_lr(lr);
+            .set_lr(lr)?;
         Ok(())
     })
 }
