@@ -64,7 +64,10 @@ fn run() -> Result<()> {
         };
         let mut model = FullyShardedDataParallel::new(Box::new(Sequential::new(layers)), pg, cfg)?;
         let mut units = 0;
-        model.for_each_unit(&mut |_| units += 1);
+        model.for_each_unit(&mut |_| {
+            units += 1;
+            Ok(())
+        })?;
         let y = model.forward(&k.randn(&[4, 512])?, &Context::train())?;
         Ok((y.shape().to_vec(), units, y.to_vec_f32()?))
     })?;

@@ -1,7 +1,7 @@
 //! The crate's one error type. Every variant carries the context a user needs to find the
 //! problem (which op, which parameter, which ranks) without a backtrace.
 
-use crate::tensor::DType;
+use crate::dtype::DType;
 
 /// Result alias used across the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -5,17 +5,35 @@
 //! [`ShardingStrategy`](fsdp::ShardingStrategy), and train it across ranks with parameters,
 //! gradients and optimizer state split between them and gathered only while a unit computes.
 //!
-//! | layer | module | owns |
+//! ## Layers
+//!
+//! Lowest layer first: a module may refer to the modules of its own row and of earlier
+//! rows, never to a later row's. `tests/layering.rs` reads this table and fails on any
+//! reference that runs up it (`crate::x`, `use crate::{..}`, a `super::` chain), so the
+//! table stays true.
+//!
+//! | layer | modules | owns |
 //! |---|---|---|
-//! | tensor | [`tensor`] | dtypes, storage, views |
-//! | backend | [`backend`] | devices, CPU reference ops, GEMM, the CUDA backend |
+//! | shared | [`device`], [`dtype`], [`init`], [`reduce`], [`error`], `hash`, [`kernels`] | leaves every layer names: `Device`, `DType`, parameter initializers (`ParamInit`), `ReduceOp`, the error enum, FNV-1a, the embedded CUDA fat binaries |
+//! | tensor | [`tensor`] | storage (host, device behind a trait, meta), views, host access, the buffer pool |
+//! | backend | [`backend`] | CPU reference ops and scalar math, GEMM, the CUDA backend; `Tensor`'s device methods (`to_device`, `copy_from`, `to_dtype`) |
 //! | ops | [`ops`] | device-dispatching tensor ops (CPU reference or CUDA kernel) |
-//! | distributed | [`distributed`] | process groups, collectives, the in-process launcher |
+//! | distributed | [`distributed`] | process groups, collectives, stores, launchers |
 //! | nn / optim | [`nn`], [`optim`] | modules with explicit backward, GPT, SGD/Adam/AdamW |
 //! | fsdp | [`fsdp`] | FlatParameter, units, strategies, wrap policies, state dicts |
 //! | checkpoint | [`checkpoint`] | safetensors checkpoint files, crash-safe saves, resharding loads |
-//! | embed | [`embed`] | units declared by their parameters, for a host that computes itself (drives the FSDP hooks) |
+//! | embed | [`embed`] | units declared by their parameters, for a host that computes itself (drives the FSDP hooks); its C ABI |
 //! | train | [`train`] | the main job behind `fsdp train` and `fsdp bench` |
+//!
+//! The `fsdp` binary (`src/bin/fsdp/`) sits above them all.
+//!
+//! ## Features
+//!
+//! | feature | default | adds |
+//! |---|---|---|
+//! | `cli` | on | the `fsdp` binary's crates: clap (and `clap::ValueEnum` on the option enums it parses), indicatif, mimalloc. A library user turns it off with `default-features = false` |
+//! | `cuda` | off | the CUDA backend: `kernels/*.cu` compiled by nvcc, loaded through cudarc (no CUDA library needed to build) |
+//! | `test-hooks` | off | the hidden fault hooks the tests drive (`FSDP_FAIL_RANK`, `FSDP_CKPT_STALL`); without it the variables are never read |
 //!
 //! ```
 //! use fsdp::distributed::{launch, LaunchOptions};
@@ -43,15 +61,19 @@
 
 pub mod backend;
 pub mod checkpoint;
+pub mod device;
 pub mod distributed;
+pub mod dtype;
 pub mod embed;
 pub mod error;
 pub mod fsdp;
 mod hash;
+pub mod init;
 pub mod kernels;
 pub mod nn;
 pub mod ops;
 pub mod optim;
+pub mod reduce;
 pub mod tensor;
 pub mod train;
 

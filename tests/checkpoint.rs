@@ -333,6 +333,10 @@ fn kill_mid_save(mut cmd: Command) -> String {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "test-hooks"),
+    ignore = "needs the FSDP_CKPT_STALL hook: cargo test --features test-hooks"
+)]
 fn a_save_killed_midway_in_place_leaves_the_previous_checkpoint_loadable() {
     let d = tmp_dir("crash-in-place");
     save_small(&d, StateDictType::Sharded, 2, 8);
@@ -379,6 +383,10 @@ fn a_save_killed_midway_in_place_leaves_the_previous_checkpoint_loadable() {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "test-hooks"),
+    ignore = "needs the FSDP_CKPT_STALL hook: cargo test --features test-hooks"
+)]
 fn fsdp_train_killed_during_a_save_resumes_from_the_previous_checkpoint() {
     let data = corpus_file("crash-cli");
     let save = tmp_dir("crash-cli");

@@ -1,7 +1,7 @@
 //! Per-rank extra state in checkpoints (`save_checkpoint_with_rank_extra`): every rank's
 //! own value is kept and comes back to that rank; another world size is refused naming
 //! both sizes unless the load asks for rank 0's value or none; indexes without per-rank
-//! state (version 1, what earlier builds wrote) still load.
+//! state still load (those of earlier builds, version 1: `tests/checkpoint_compat.rs`).
 
 mod common;
 
@@ -84,7 +84,7 @@ fn every_rank_gets_its_own_value_back_at_world_sizes_2_and_4() {
         let dir = tmp_dir(&format!("own-{world}-{ty:?}-{strategy:?}"));
         save_at(&dir, world, ty, strategy);
         let index = read_index(&dir).unwrap();
-        assert_eq!(index.version, 2, "{what}");
+        assert_eq!(index.version, 3, "{what}");
         let want: Vec<Value> = (0..world).map(|r| own_value(r, world)).collect();
         assert_eq!(
             index.rank_extra.as_ref(),
@@ -192,7 +192,8 @@ fn rank0_or_ignore_loads_at_another_world_size() {
 
 #[test]
 fn an_index_without_per_rank_state_still_loads_at_any_world_size() {
-    // `save_checkpoint` writes what earlier builds wrote: version 1, no `rank_extra` key.
+    // `save_checkpoint` without per-rank state: no `rank_extra` key (as every index of
+    // earlier builds), version 3 for its CRC-32 checksums.
     let dir = tmp_dir("old");
     let saved = launch(&LaunchOptions::new(2), |pg: Group| {
         let mut m = model(pg, 5, ShardingStrategy::FullShard)?;
@@ -218,6 +219,7 @@ fn an_index_without_per_rank_state_still_loads_at_any_world_size() {
     assert_eq!(
         keys,
         [
+            "checksum_algorithm",
             "extra",
             "files",
             "format",
@@ -228,9 +230,10 @@ fn an_index_without_per_rank_state_still_loads_at_any_world_size() {
             "version",
             "world_size"
         ],
-        "the fields of a version-1 index"
+        "the fields of an index without per-rank state"
     );
-    assert_eq!(text["version"], json!(1));
+    assert_eq!(text["version"], json!(3));
+    assert_eq!(text["checksum_algorithm"], json!("crc32"));
     for world in [2, 3] {
         for how in [RankExtra::Own, RankExtra::Rank0, RankExtra::Ignore] {
             let got = launch(&LaunchOptions::new(world), |pg: Group| {
@@ -317,10 +320,27 @@ fn bad_indexes_are_refused_naming_the_problem() {
         "per-rank extra state of 3 ranks at world size 2",
     );
     refuse(
-        &|v| v["version"] = json!(1),
+        &|v| {
+            v["version"] = json!(1);
+            v.as_object_mut().unwrap().remove("checksum_algorithm");
+        },
         "version 1 with per-rank extra state",
     );
-    refuse(&|v| v["version"] = json!(3), "versions 1 to 2");
+    refuse(&|v| v["version"] = json!(4), "versions 1 to 3");
+    refuse(
+        &|v| v["checksum_algorithm"] = json!("md5"),
+        "version 3 with checksum algorithm 'md5'; this build checks 'crc32'",
+    );
+    refuse(
+        &|v| {
+            v.as_object_mut().unwrap().remove("checksum_algorithm");
+        },
+        "version 3 with checksum algorithm (none)",
+    );
+    refuse(
+        &|v| v["version"] = json!(2),
+        "version 2 names checksum algorithm 'crc32', which only version 3 on records",
+    );
 }
 
 /// A JSON `null` is a per-rank value like any other: saved in its rank's place and given
@@ -353,7 +373,7 @@ fn null_is_a_per_rank_value_saved_and_given_back() {
         .unwrap_or_else(|e| panic!("{what}: {e}"));
         let want: Vec<Value> = (0..world).map(value).collect();
         let index = read_index(&dir).unwrap();
-        assert_eq!(index.version, 2, "{what}");
+        assert_eq!(index.version, 3, "{what}");
         assert_eq!(index.rank_extra.as_ref(), Some(&want), "{what}");
         assert!(read_checkpoint_info(&dir).unwrap().has_rank_extra, "{what}");
         let got = launch(&LaunchOptions::new(world), |pg: Group| {

@@ -196,6 +196,10 @@ fn a_small_run_reports_losses_eval_and_a_sample() {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "test-hooks"),
+    ignore = "needs the FSDP_FAIL_RANK hook: cargo test --features test-hooks"
+)]
 fn a_failing_rank_ends_the_job_promptly_with_one_line_naming_it() {
     let text = tmp("fail.txt", common::corpus(20_000).as_bytes());
     let run = |fail: &str| {
@@ -380,8 +384,7 @@ fn train_args(cfg: &fsdp::train::TrainConfig) -> Vec<String> {
         a.push(flag.into());
         a.push(v.to_string());
     }
-    let strategy = clap::ValueEnum::to_possible_value(&cfg.strategy).unwrap();
-    a.extend(["--strategy".into(), strategy.get_name().to_string()]);
+    a.extend(["--strategy".into(), cfg.strategy.flag_name().to_string()]);
     a.extend([
         "--wrap".into(),
         cfg.wrap.to_string(),

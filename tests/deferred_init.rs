@@ -49,8 +49,10 @@ fn a_meta_gpt_sharded_at_any_world_size_has_the_eager_full_state_dict_bitwise() 
                 let mut m = model;
                 visit_parameters(&mut m, "", false, &mut |_, p| {
                     meta_params +=
-                        usize::from(p.data().unwrap().device() == fsdp::backend::Device::Meta)
-                });
+                        usize::from(p.data().unwrap().device() == fsdp::backend::Device::Meta);
+                    Ok(())
+                })
+                .unwrap();
                 let cfg = FsdpConfig {
                     auto_wrap_policy: per_block.then(|| transformer_auto_wrap_policy(["Block"])),
                     ..Default::default()
@@ -84,8 +86,10 @@ fn materialize_computes_a_meta_module_like_eager_init_and_keeps_ties() {
     materialize(&mut m).unwrap();
     let mut got = Vec::new();
     visit_parameters(&mut m, "", false, &mut |n, p| {
-        got.push((n.to_string(), p.data().unwrap().to_vec_f32().unwrap()))
-    });
+        got.push((n.to_string(), p.data().unwrap().to_vec_f32().unwrap()));
+        Ok(())
+    })
+    .unwrap();
     assert_eq!(bits(&got), bits(&eager()));
     // Two names, one meta tensor: still one tensor after materializing.
     let (mut a, mut b) = on_meta_device(|| {
@@ -106,8 +110,10 @@ fn materialize_computes_a_meta_module_like_eager_init_and_keeps_ties() {
     materialize(&mut seq).unwrap();
     let mut ts: Vec<Tensor> = Vec::new();
     visit_parameters(&mut seq, "", false, &mut |_, p| {
-        ts.push(p.data().unwrap().clone())
-    });
+        ts.push(p.data().unwrap().clone());
+        Ok(())
+    })
+    .unwrap();
     assert!(ts[0].same_view(&ts[1]));
 }
 
@@ -189,7 +195,9 @@ fn param_init_fn_initializes_each_nested_unit_exactly_once() {
                         .unwrap();
                     names.push(n.to_string());
                 }
-            });
+                Ok(())
+            })
+            .unwrap();
             *c.lock().unwrap().entry(names.join(",")).or_default() += 1;
             Ok(())
         });
@@ -333,7 +341,9 @@ fn param_init_fn_never_reaches_into_a_unit_already_wrapped() {
                         Err(_) => {}
                     }
                     n += p.numel();
-                });
+                    Ok(())
+                })
+                .unwrap();
                 t.push(n);
                 Ok(())
             });

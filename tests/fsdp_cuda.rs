@@ -559,8 +559,10 @@ fn state_dicts_on(dev: Device) {
             // summon_full_params writes back into the device shards.
             m3.summon_full_params(true, |u| {
                 visit_parameters(u.module_mut(), "", false, &mut |_, p| {
-                    fsdp::ops::fill_(p.data().unwrap(), 0.5).unwrap()
-                });
+                    fsdp::ops::fill_(p.data().unwrap(), 0.5).unwrap();
+                    Ok(())
+                })
+                .unwrap();
                 Ok(())
             })?;
             let summoned = m3.full_parameters()?;

@@ -47,7 +47,9 @@ fn unsharded_params_and_grads(m: &mut dyn Module) -> (Vec<ParamGrad>, Vec<f32>) 
             param: p.data().unwrap().clone(),
             grad: p.grad().cloned(),
         });
-    });
+        Ok(())
+    })
+    .unwrap();
     (pg, flat)
 }
 
@@ -393,7 +395,11 @@ fn a_unit_unused_in_a_step_gets_no_gradient_and_the_rest_matches() {
             if s == 1 {
                 // Units: root, a, b in pre-order; b saw no backward this step.
                 let mut grads = Vec::new();
-                m.for_each_unit(&mut |u| grads.push(u.flat_param().grad_shard().is_some()));
+                m.for_each_unit(&mut |u| {
+                    grads.push(u.flat_param().grad_shard().is_some());
+                    Ok(())
+                })
+                .unwrap();
                 b_grad_none = !grads[2];
             }
             sgd().step(&m.optimizer_params())?;

@@ -46,16 +46,20 @@ fn a_tied_embedding_and_projection_train_as_one_parameter_at_3_ranks() {
     let mut plain = tied_lm();
     let mut before = Vec::new();
     visit_parameters(plain.as_mut(), "", false, &mut |_, p| {
-        before = p.data().unwrap().to_vec_f32().unwrap()
-    });
+        before = p.data().unwrap().to_vec_f32().unwrap();
+        Ok(())
+    })
+    .unwrap();
     lm_step(plain.as_mut(), 0, 6).unwrap();
     sgd()
         .step(&fsdp::optim::parameters(plain.as_mut()))
         .unwrap();
     let mut want = Vec::new();
     visit_parameters(plain.as_mut(), "", false, &mut |_, p| {
-        want = p.data().unwrap().to_vec_f32().unwrap()
-    });
+        want = p.data().unwrap().to_vec_f32().unwrap();
+        Ok(())
+    })
+    .unwrap();
     let out = launch(&LaunchOptions::new(3), |pg: Group| {
         let mut m = FullyShardedDataParallel::new(tied_lm(), pg.clone(), FsdpConfig::default())?;
         let shard_before = m.flat_param().local_shard().to_vec_f32()?;
@@ -330,8 +334,10 @@ fn offload_and_no_sync_accumulate_the_sum_of_micro_batch_gradients() {
     }
     let mut want_grad = Vec::new();
     visit_parameters(plain.as_mut(), "", false, &mut |_, p| {
-        want_grad.extend(p.grad().unwrap().to_vec_f32().unwrap())
-    });
+        want_grad.extend(p.grad().unwrap().to_vec_f32().unwrap());
+        Ok(())
+    })
+    .unwrap();
     sgd()
         .step(&fsdp::optim::parameters(plain.as_mut()))
         .unwrap();
@@ -456,8 +462,10 @@ fn linear_8_2_at_4_ranks_steps_adam_like_unsharded_and_clips_over_every_shard() 
                 .unwrap()
                 .iter()
                 .map(|g| g * g)
-                .sum::<f32>()
-        });
+                .sum::<f32>();
+            Ok(())
+        })
+        .unwrap();
         want_norm = sq.sqrt();
         opt.step(&fsdp::optim::parameters(plain.as_mut())).unwrap();
         fsdp::nn::zero_grad(plain.as_mut());
@@ -505,7 +513,11 @@ fn every_auto_wrap_policy_makes_the_units_it_names() {
             };
             let mut m = FullyShardedDataParallel::new(common::uneven_model(5), pg, cfg)?;
             let mut names = Vec::new();
-            m.for_each_unit(&mut |u| names.push(u.module_name().to_string()));
+            m.for_each_unit(&mut |u| {
+                names.push(u.module_name().to_string());
+                Ok(())
+            })
+            .unwrap();
             Ok(names)
         })
         .unwrap()

@@ -69,8 +69,10 @@ fn groups_under_fsdp_train_like_the_unsharded_model() {
     }
     let mut want = Vec::new();
     fsdp::nn::visit_parameters(plain.as_mut(), "", false, &mut |n, p| {
-        want.push((n.to_string(), p.data().unwrap().to_vec_f32().unwrap()))
-    });
+        want.push((n.to_string(), p.data()?.to_vec_f32()?));
+        Ok(())
+    })
+    .unwrap();
     // Without groups every parameter decays: a different model.
     let mut nogroups = common::small_gpt(2);
     let mut o2 = adamw();
@@ -82,10 +84,12 @@ fn groups_under_fsdp_train_like_the_unsharded_model() {
     let mut bias_differs = false;
     fsdp::nn::visit_parameters(nogroups.as_mut(), "", false, &mut |n, p| {
         let w = &want.iter().find(|(m, _)| m == n).unwrap().1;
-        if n.ends_with("bias") && p.data().unwrap().to_vec_f32().unwrap() != *w {
+        if n.ends_with("bias") && p.data()?.to_vec_f32()? != *w {
             bias_differs = true;
         }
-    });
+        Ok(())
+    })
+    .unwrap();
     assert!(bias_differs, "the no-decay group changes the biases");
     for w in [1usize, 2, 3] {
         let got = launch(&LaunchOptions::new(w), |pg| {

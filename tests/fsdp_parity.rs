@@ -258,8 +258,10 @@ fn hybrid_with_one_rank_per_node_keeps_replicas_bitwise_identical() {
         o.step(&fsdp::optim::parameters(m.as_mut())).unwrap();
         let mut v = Vec::new();
         visit_parameters(m.as_mut(), "", false, &mut |_, p| {
-            v.extend(p.data().unwrap().to_vec_f32().unwrap())
-        });
+            v.extend(p.data().unwrap().to_vec_f32().unwrap());
+            Ok(())
+        })
+        .unwrap();
         v
     };
     let got: Vec<f32> = out[0].1.iter().flat_map(|(_, v)| v.clone()).collect();
@@ -272,8 +274,10 @@ fn training_actually_moves_the_parameters() {
     let mut fresh = Uneven.build();
     let mut before = Vec::new();
     visit_parameters(fresh.as_mut(), "", false, &mut |_, p| {
-        before.extend(p.data().unwrap().to_vec_f32().unwrap())
-    });
+        before.extend(p.data().unwrap().to_vec_f32().unwrap());
+        Ok(())
+    })
+    .unwrap();
     let after: Vec<f32> = reference(&Uneven, Opt::AdamW)
         .into_iter()
         .flat_map(|(_, v)| v)
@@ -337,8 +341,10 @@ fn shards_split_the_flat_parameter_with_padding_at_the_end() {
     ]);
     let mut flat = Vec::new();
     visit_parameters(&mut m, "", false, &mut |_, p| {
-        flat.extend(p.data().unwrap().to_vec_f32().unwrap())
-    });
+        flat.extend(p.data().unwrap().to_vec_f32().unwrap());
+        Ok(())
+    })
+    .unwrap();
     let cat: Vec<f32> = out.iter().flat_map(|o| o.3.clone()).take(9).collect();
     assert_eq!(cat, flat);
 }
@@ -364,8 +370,10 @@ fn parameters_are_freed_between_forward_and_backward_under_full_shard() {
         // Root (no params of its own here) stays unsharded; both Linear units were freed.
         let mut materialized = Vec::new();
         visit_parameters(&mut m, "", false, &mut |n, p| {
-            materialized.push((n.to_string(), p.is_materialized()))
-        });
+            materialized.push((n.to_string(), p.is_materialized()));
+            Ok(())
+        })
+        .unwrap();
         Ok((s.unsharded_units, s.peak_unsharded_units, materialized))
     })
     .unwrap();

@@ -128,8 +128,10 @@ fn check_state_dict_shapes(m: &mut FullyShardedDataParallel, what: &str) -> fsdp
     }
     let mut param_shapes = Vec::new();
     visit_parameters(m, "", false, &mut |n, p| {
-        param_shapes.push((n.to_string(), p.shape().to_vec()))
-    });
+        param_shapes.push((n.to_string(), p.shape().to_vec()));
+        Ok(())
+    })
+    .unwrap();
     assert_eq!(
         param_shapes, want,
         "{what}: the wrapped model's parameter shapes"
@@ -156,7 +158,11 @@ fn zero_size_layers_train_like_unsharded_under_every_strategy() {
                         // Per Linear: one unit's FlatParameter is entirely zero-size
                         // (Linear(5, 0)), one holds 3 elements (Linear(0, 3)'s bias).
                         let mut numels = Vec::new();
-                        m.for_each_unit(&mut |u| numels.push(u.flat_param().numel()));
+                        m.for_each_unit(&mut |u| {
+                            numels.push(u.flat_param().numel());
+                            Ok(())
+                        })
+                        .unwrap();
                         let mut o = optimizer(adamw);
                         let rows = 12 / world;
                         for s in 0..3 {
@@ -275,8 +281,10 @@ fn a_rank_with_an_empty_batch_takes_part_and_adds_nothing() {
     sgd(0.1).step(&fsdp::optim::parameters(r.as_mut())).unwrap();
     let mut want = Vec::new();
     visit_parameters(r.as_mut(), "", false, &mut |n, p| {
-        want.push((n.to_string(), p.data().unwrap().to_vec_f32().unwrap()))
-    });
+        want.push((n.to_string(), p.data().unwrap().to_vec_f32().unwrap()));
+        Ok(())
+    })
+    .unwrap();
     for strategy in STRATEGIES {
         let all = launch(&LaunchOptions::new(4), |pg: Group| {
             let mut m = FullyShardedDataParallel::new(

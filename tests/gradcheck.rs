@@ -81,7 +81,9 @@ fn randomize(m: &mut dyn Module, seed: u64, scale: f32) {
         for (dst, v) in d.iter_mut().zip(rand_vec(seed + k, n)) {
             *dst = v * scale;
         }
-    });
+        Ok(())
+    })
+    .unwrap();
 }
 
 /// Compares `analytic` gradients of each named tensor with central differences of `loss`,
@@ -145,7 +147,9 @@ fn param_grads(m: &mut dyn Module) -> Vec<(String, Tensor, Vec<f32>)> {
             p.data().unwrap().clone(),
             g.to_vec_f32().unwrap(),
         ));
-    });
+        Ok(())
+    })
+    .unwrap();
     out
 }
 
@@ -154,7 +158,11 @@ fn param_grads(m: &mut dyn Module) -> Vec<(String, Tensor, Vec<f32>)> {
 fn check_module(what: &str, m: &mut dyn Module, x: &Tensor) -> Result<()> {
     let y = m.forward(x, &Context::eval())?;
     let r = randt(0xC0FFEE, y.shape(), 1.0)?;
-    nn::visit_parameters(m, "", false, &mut |_, p| p.set_grad(None));
+    nn::visit_parameters(m, "", false, &mut |_, p| {
+        p.set_grad(None);
+        Ok(())
+    })
+    .unwrap();
     let y_train = m.forward(x, &Context::train())?;
     assert_eq!(
         &*y_train.f32()?,

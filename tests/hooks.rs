@@ -338,7 +338,11 @@ fn declared_units_nest_by_path_and_bad_declarations_are_named() {
             FsdpConfig::default(),
         )?;
         let mut names = Vec::new();
-        m.for_each_unit(&mut |u| names.push(u.module_name().to_string()));
+        m.for_each_unit(&mut |u| {
+            names.push(u.module_name().to_string());
+            Ok(())
+        })
+        .unwrap();
         let params: Vec<String> = m.full_parameters()?.into_iter().map(|(n, _)| n).collect();
         let bad = |units: Vec<UnitSpec>| {
             fully_shard(units, Vec::new(), pg.clone(), FsdpConfig::default())

@@ -165,6 +165,10 @@ fn a_launched_checkpoint_resumes_on_thread_ranks_and_continues_the_curve() {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "test-hooks"),
+    ignore = "needs the FSDP_FAIL_RANK hook: cargo test --features test-hooks"
+)]
 fn a_failing_rank_stops_the_job_with_one_line_naming_it() {
     let dir = tmp_dir("fail");
     let data = corpus(&dir);

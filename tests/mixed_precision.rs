@@ -83,7 +83,9 @@ fn reference(model: Model, d: DType) -> Vec<(String, Vec<f32>)> {
             let t = p.data().unwrap();
             let r = round(&t.to_vec_f32().unwrap(), d);
             t.f32_mut().unwrap().copy_from_slice(&r);
-        });
+            Ok(())
+        })
+        .unwrap();
         {
             // GEMM operands in `d`, as inside an FSDP unit.
             let _lp = fsdp::ops::autocast(Some(d));
@@ -101,7 +103,9 @@ fn reference(model: Model, d: DType) -> Vec<(String, Vec<f32>)> {
                 g.f32_mut().unwrap().copy_from_slice(&r);
             }
             i += 1;
-        });
+            Ok(())
+        })
+        .unwrap();
         opt.step(&fsdp::optim::parameters(m.as_mut())).unwrap();
         fsdp::nn::zero_grad(m.as_mut());
     }
@@ -176,7 +180,9 @@ fn bf16_forward_computes_on_rounded_parameters_and_inputs_exactly() {
         let t = p.data().unwrap();
         let r = round(&t.to_vec_f32().unwrap(), DType::BF16);
         t.f32_mut().unwrap().copy_from_slice(&r);
-    });
+        Ok(())
+    })
+    .unwrap();
     let want_without_autocast = plain
         .forward(
             &Tensor::from_vec(round(&x, DType::BF16), &[4, 7]).unwrap(),

@@ -23,8 +23,10 @@ use fsdp::{Error, Result};
 fn named_params(m: &mut dyn Module) -> Vec<(String, Tensor)> {
     let mut out = Vec::new();
     nn::visit_parameters(m, "", false, &mut |n, p| {
-        out.push((n.to_string(), p.data().unwrap().clone()))
-    });
+        out.push((n.to_string(), p.data().unwrap().clone()));
+        Ok(())
+    })
+    .unwrap();
     out
 }
 
@@ -32,8 +34,10 @@ fn named_params(m: &mut dyn Module) -> Vec<(String, Tensor)> {
 fn named_grads(m: &mut dyn Module) -> Vec<(String, Tensor)> {
     let mut out = Vec::new();
     nn::visit_parameters(m, "", false, &mut |n, p| {
-        out.extend(p.grad().map(|g| (n.to_string(), g.clone())))
-    });
+        out.extend(p.grad().map(|g| (n.to_string(), g.clone())));
+        Ok(())
+    })
+    .unwrap();
     out
 }
 
@@ -256,7 +260,9 @@ device_test!(attention_matches_the_cpu, |dev| {
                 let v: Vec<f32> = values(100 + k, n).iter().map(|v| v * 0.8).collect();
                 p.set_data(Some(Tensor::from_vec(v, p.shape()).unwrap()))
                     .unwrap();
-            });
+                Ok(())
+            })
+            .unwrap();
             Box::new(m) as Box<dyn Module>
         };
         let what = format!("attention B={b} T={t} C={c} H={h}");
@@ -456,7 +462,9 @@ device_test!(module_to_device_round_trips, |dev| {
         assert_eq!(p.device(), dev, "{n}");
         assert_eq!(p.data().unwrap().device(), dev, "{n}");
         assert_eq!(p.grad().unwrap().device(), dev, "{n} grad");
-    });
+        Ok(())
+    })
+    .unwrap();
     for ((n, a), (_, b)) in named_params(&mut m).iter().zip(&p0) {
         check(&format!("{n} moved"), dev, a, b, 0.0);
         assert_eq!(

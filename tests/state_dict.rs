@@ -415,7 +415,9 @@ fn summon_full_params_reads_whole_parameters_and_writes_back_the_local_chunk() {
                     assert_eq!(v, want.get(n).unwrap().to_vec_f32().unwrap(), "{n}");
                     p.data().unwrap().f32_mut().unwrap().fill(0.5); // discarded
                     seen += 1;
-                });
+                    Ok(())
+                })
+                .unwrap();
                 assert_eq!(seen, want.len());
                 let x = Tensor::from_vec(vec![1i32; T], &[1, T])?;
                 let e = m.forward(&x, &Context::eval()).unwrap_err().to_string();
@@ -429,7 +431,9 @@ fn summon_full_params_reads_whole_parameters_and_writes_back_the_local_chunk() {
                     let d = p.data().unwrap();
                     let mut v = d.f32_mut().unwrap();
                     v.iter_mut().for_each(|x| *x = 2.0 * *x + 1.0);
-                });
+                    Ok(())
+                })
+                .unwrap();
                 Ok(())
             })?;
             let after = full_of(&m.state_dict(full())?).clone();

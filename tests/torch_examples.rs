@@ -198,7 +198,10 @@ fn transformer_blocks_print_pytorchs_values() {
             let mut model =
                 FullyShardedDataParallel::new(Box::new(Sequential::new(layers)), pg, cfg)?;
             let mut units = 0;
-            model.for_each_unit(&mut |_| units += 1);
+            model.for_each_unit(&mut |_| {
+                units += 1;
+                Ok(())
+            })?;
             let y = model.forward(&k.randn(&[4, 512])?, &Context::train())?;
             Ok((units, y.to_vec_f32()?))
         })

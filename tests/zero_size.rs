@@ -30,8 +30,10 @@ fn grads(m: &mut dyn Module) -> Vec<(String, Vec<usize>, Option<Vec<f32>>)> {
             assert_eq!(g.shape(), p.shape(), "{n}: gradient shape");
             g.to_vec_f32().unwrap()
         });
-        out.push((n.to_string(), p.shape().to_vec(), g))
-    });
+        out.push((n.to_string(), p.shape().to_vec(), g));
+        Ok(())
+    })
+    .unwrap();
     out
 }
 
@@ -59,12 +61,16 @@ fn run(
     check(&format!("{what} dx"), dev, &dxd, &dx, device::REL);
     let mut gd = Vec::new();
     nn::visit_parameters(on.as_mut(), "", false, &mut |n, p| {
-        gd.extend(p.grad().map(|g| (n.to_string(), g.clone())))
-    });
+        gd.extend(p.grad().map(|g| (n.to_string(), g.clone())));
+        Ok(())
+    })
+    .unwrap();
     let mut gc = Vec::new();
     nn::visit_parameters(cpu.as_mut(), "", false, &mut |n, p| {
-        gc.extend(p.grad().map(|g| (n.to_string(), g.clone())))
-    });
+        gc.extend(p.grad().map(|g| (n.to_string(), g.clone())));
+        Ok(())
+    })
+    .unwrap();
     assert_eq!(gc.len(), gd.len(), "{what}: gradients");
     for ((n, g), (_, d)) in gc.iter().zip(&gd) {
         check(&format!("{what} grad {n}"), dev, d, g, device::REL);
@@ -379,8 +385,10 @@ device_test!(an_empty_branch_leaves_training_unchanged, |dev| {
                 n.to_string(),
                 p.shape().to_vec(),
                 p.data().unwrap().to_vec_f32().unwrap(),
-            ))
-        });
+            ));
+            Ok(())
+        })
+        .unwrap();
         Ok(out)
     };
     let with = train(zero_models::with_empty_branch(11, false))?;

@@ -1,10 +1,13 @@
-//! Devices and the per-device implementations of tensor ops.
+//! The per-device implementations of tensor ops, and [`Tensor`](crate::tensor::Tensor)'s
+//! methods that pick one by device (`tensor.rs`: `zeros_on`, `to_device`, `copy_from`,
+//! `to_dtype`, `zero_`, `to_vec_f32`). The tensor layer below holds storage and views and
+//! never calls a backend; [`Device`] itself is a leaf ([`crate::device`]).
 //!
 //! | concept | CPU | CUDA |
 //! |---|---|---|
 //! | GEMM | [`cpu::gemm`] (the `gemm` crate) | cuBLAS (`cuda::gemm`, f32; bf16/f16 with f32 accumulation) |
-//! | elementwise, reductions, casts | [`cpu::ops`], [`cpu::kernels`] (the references), [`cpu::fast`], split over the rank's threads by [`cpu::parallel`] | `kernels/*.cu` through `cuda::{ops, nn_ops, optim}` |
-//! | memory | `Vec`s behind `Storage`, reused through `tensor::pool` | a caching allocator with per-rank accounting (`cuda::MemAccount`) |
+//! | elementwise, reductions, casts | [`cpu::ops`], [`cpu::kernels`] (the references, over the scalar functions of [`cpu::scalar`]), [`cpu::fast`], split over the rank's threads by [`cpu::parallel`] | `kernels/*.cu` through `cuda::{ops, nn_ops, optim}` |
+//! | memory | `Vec`s behind `Storage`, reused through `tensor::pool` | a caching allocator with per-rank accounting (`cuda::MemAccount`); a block sits in a tensor's `Storage` behind [`tensor::DeviceAllocation`](crate::tensor::DeviceAllocation) |
 //! | streams | worker threads (`Work` handles) | CUDA streams + events (`cuda::Stream`, `cuda::Event`) |
 //!
 //! [`cuda`] needs the `cuda` feature for everything but [`cuda::detect`].
@@ -12,32 +15,8 @@
 pub mod counters;
 pub mod cpu;
 pub mod cuda;
+mod tensor;
 
-/// Where a tensor lives. Mirrors `torch.device`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum Device {
-    /// Host memory; the reference backend.
-    #[default]
-    Cpu,
-    /// CUDA device by ordinal. Requires the `cuda` feature and a driver.
-    Cuda(usize),
-    /// Shapes only, no memory (deferred initialization).
-    Meta,
-}
-
-impl Device {
-    /// True for `Device::Cuda(_)`.
-    pub fn is_cuda(self) -> bool {
-        matches!(self, Device::Cuda(_))
-    }
-}
-
-impl std::fmt::Display for Device {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Device::Cpu => f.write_str("cpu"),
-            Device::Cuda(i) => write!(f, "cuda:{i}"),
-            Device::Meta => f.write_str("meta"),
-        }
-    }
-}
+/// Where a tensor lives; defined in the leaf module [`crate::device`] so every layer can
+/// name it.
+pub use crate::device::Device;

@@ -2,24 +2,21 @@
 //! it, rename it over the target, fsync the directory. A crash at any point leaves either
 //! the old file or the new one, never a mix or a truncated file under the target's name.
 //!
-//! Hidden test hook: with `FSDP_CKPT_STALL=<substring>` in the environment, the first
-//! write whose target path contains `<substring>` writes half its bytes to the temporary
-//! file, fsyncs, prints `FSDP_CKPT_STALL: stalled writing <path>` on stderr and sleeps for
-//! ten minutes, so a test can kill the process in the middle of a save. Not part of any
-//! documented interface.
+//! Hidden test hook, compiled only with the `test-hooks` feature: with
+//! `FSDP_CKPT_STALL=<substring>` in the environment, the first write whose target path
+//! contains `<substring>` writes half its bytes to the temporary file, fsyncs, prints
+//! `FSDP_CKPT_STALL: stalled writing <path>` on stderr and sleeps for ten minutes, so a test
+//! can kill the process in the middle of a save. Not part of any documented interface;
+//! other builds never read the variable.
 
 use crate::error::{Error, Result};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-
-/// The hook's variable.
-const STALL_VAR: &str = "FSDP_CKPT_STALL";
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Suffix of temporary files; leftovers of a crashed save carry it.
 pub(crate) const TMP_SUFFIX: &str = ".fsdp-tmp";
 
-static STALLED: AtomicBool = AtomicBool::new(false);
 static COUNTER: AtomicU64 = AtomicU64::new(0);
 
 /// Replaces `path` by a file holding `bytes`, atomically and durably (see the module doc).
@@ -56,18 +53,8 @@ fn write_then_rename(tmp: &Path, path: &Path, bytes: &[u8]) -> Result<()> {
         .create_new(true)
         .open(tmp)
         .map_err(|e| Error::io(ctx("creating temporary checkpoint file"), e))?;
-    if stall_here(path) {
-        let half = &bytes[..bytes.len() / 2];
-        f.write_all(half)
-            .and_then(|()| f.sync_all())
-            .map_err(|e| Error::io(ctx("writing"), e))?;
-        let _ = writeln!(
-            std::io::stderr(),
-            "{STALL_VAR}: stalled writing {}",
-            path.display()
-        );
-        std::thread::sleep(std::time::Duration::from_secs(600));
-    }
+    #[cfg(feature = "test-hooks")]
+    stall::maybe_stall(&mut f, path, bytes).map_err(|e| Error::io(ctx("writing"), e))?;
     f.write_all(bytes)
         .map_err(|e| Error::io(ctx("writing"), e))?;
     f.sync_all().map_err(|e| Error::io(ctx("fsync of"), e))?;
@@ -81,12 +68,41 @@ fn write_then_rename(tmp: &Path, path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 /// Whether the test hook asks this write to stall (at most once per process).
-fn stall_here(path: &Path) -> bool {
-    match std::env::var(STALL_VAR) {
-        Ok(s) if !s.is_empty() && path.to_string_lossy().contains(&s) => {
-            !STALLED.swap(true, Ordering::SeqCst)
+/// The `FSDP_CKPT_STALL` hook (see the module doc); only in builds with `test-hooks`.
+#[cfg(feature = "test-hooks")]
+mod stall {
+    use std::io::Write;
+    use std::path::Path;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    /// The hook's variable.
+    const VAR: &str = "FSDP_CKPT_STALL";
+
+    static STALLED: AtomicBool = AtomicBool::new(false);
+
+    /// When `path` is the first target that contains the variable's value: writes half of
+    /// `bytes` to `f`, fsyncs, says so on stderr and sleeps ten minutes (to be killed).
+    pub(super) fn maybe_stall(
+        f: &mut std::fs::File,
+        path: &Path,
+        bytes: &[u8],
+    ) -> std::io::Result<()> {
+        let hit = match std::env::var(VAR) {
+            Ok(s) => !s.is_empty() && path.to_string_lossy().contains(&s),
+            Err(_) => false,
+        };
+        if !hit || STALLED.swap(true, Ordering::SeqCst) {
+            return Ok(());
         }
-        _ => false,
+        f.write_all(&bytes[..bytes.len() / 2])?;
+        f.sync_all()?;
+        let _ = writeln!(
+            std::io::stderr(),
+            "{VAR}: stalled writing {}",
+            path.display()
+        );
+        std::thread::sleep(std::time::Duration::from_secs(600));
+        Ok(())
     }
 }
 

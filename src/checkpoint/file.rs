@@ -1,5 +1,7 @@
-//! One safetensors file of named tensors, with a checksum of its data in the header's
-//! `__metadata__` (`fsdp.checksum`) so corruption is detected, not loaded.
+//! One safetensors file of named tensors, with a CRC-32 of its data section in the header's
+//! `__metadata__` (`fsdp.crc32`) so corruption is detected, not loaded. Files of earlier
+//! builds carry the legacy 64-bit checksum under `fsdp.checksum` instead; it is still
+//! checked.
 
 use super::atomic::write_atomic;
 use crate::error::{Error, Result};
@@ -8,12 +10,28 @@ use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use std::collections::HashMap;
 use std::path::Path;
 
-/// Metadata key holding the checksum of the data section.
-const CHECKSUM_KEY: &str = "fsdp.checksum";
+/// Metadata key holding the CRC-32 of the data section (8 hex digits).
+const CRC32_KEY: &str = "fsdp.crc32";
+/// Metadata key of earlier builds: the [legacy checksum](legacy_checksum) of the data
+/// section.
+const LEGACY_CHECKSUM_KEY: &str = "fsdp.checksum";
 
-/// A 64-bit checksum of `bytes` (word-wise multiply-xorshift; detects accidental
-/// corruption, not tampering), as 16 hex digits.
+/// The checksum algorithm of this build's files, as recorded in a checkpoint index
+/// (`checksum_algorithm`): CRC-32 (IEEE 802.3, the polynomial of zlib, gzip and PNG).
+pub const CHECKSUM_ALGORITHM: &str = "crc32";
+
+/// The CRC-32 (IEEE) of `bytes` as 8 lowercase hex digits: what `checksum_algorithm:
+/// "crc32"` means. Detects accidental corruption, not tampering. Standard tools give the
+/// same value for a whole file, e.g. `python3 -c 'import sys, zlib;
+/// print("%08x" % zlib.crc32(open(sys.argv[1], "rb").read()))' FILE` or `crc32 FILE`.
 pub fn checksum(bytes: &[u8]) -> String {
+    format!("{:08x}", crc32fast::hash(bytes))
+}
+
+/// The 64-bit checksum of indexes of versions 1 and 2 and of files with `fsdp.checksum`
+/// (word-wise multiply-xorshift), as 16 hex digits. Kept only to check checkpoints that
+/// earlier builds wrote; nothing is written with it.
+pub(crate) fn legacy_checksum(bytes: &[u8]) -> String {
     const K: u64 = 0x9E37_79B9_7F4A_7C15;
     let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ (bytes.len() as u64).wrapping_mul(K);
     let mut chunks = bytes.chunks_exact(8);
@@ -63,7 +81,7 @@ fn bytes_of(t: &Tensor) -> Result<Vec<u8>> {
 }
 
 /// The bytes of a safetensors file holding `tensors` (little-endian, row-major) and
-/// `metadata` plus the data checksum in `__metadata__`.
+/// `metadata` plus the data section's CRC-32 in `__metadata__` (`fsdp.crc32`).
 ///
 /// # Errors
 /// `Checkpoint` naming `path` when safetensors refuses (duplicate names, a header over
@@ -86,7 +104,7 @@ pub fn serialize(
     let probe = safetensors::serialize(views(&data, &bad)?, Some(meta.clone()))
         .map_err(|e| bad(e.to_string()))?;
     let n = header_len(&probe).unwrap_or(0);
-    meta.insert(CHECKSUM_KEY.into(), checksum(&probe[8 + n..]));
+    meta.insert(CRC32_KEY.into(), checksum(&probe[8 + n..]));
     safetensors::serialize(views(&data, &bad)?, Some(meta)).map_err(|e| bad(e.to_string()))
 }
 
@@ -188,11 +206,16 @@ pub fn parse_tensors(path: &Path, bytes: &[u8]) -> Result<TensorFile> {
     })?;
     let (n, meta) = SafeTensors::read_metadata(bytes).map_err(|e| bad(e.to_string()))?;
     let metadata = meta.metadata().clone().unwrap_or_default();
-    if let Some(want) = metadata.get(CHECKSUM_KEY) {
-        let got = checksum(&bytes[8 + n..]);
+    let data = &bytes[8 + n..];
+    let check = match (metadata.get(CRC32_KEY), metadata.get(LEGACY_CHECKSUM_KEY)) {
+        (Some(want), _) => Some((checksum(data), want, "crc32")),
+        (None, Some(want)) => Some((legacy_checksum(data), want, "legacy checksum")),
+        (None, None) => None,
+    };
+    if let Some((got, want, what)) = check {
         if &got != want {
             return Err(bad(format!(
-                "checksum mismatch: the data section hashes to {got}, the header says {want}; the file is corrupted"
+                "checksum mismatch: the data section's {what} is {got}, the header says {want}; the file is corrupted"
             )));
         }
     }

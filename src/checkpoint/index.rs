@@ -2,6 +2,7 @@
 //! Written last, atomically, by rank 0: a directory without a readable index is not a
 //! checkpoint (a save that did not finish), and an index only names complete files.
 
+use super::file::CHECKSUM_ALGORITHM;
 use crate::distributed::staged;
 use crate::distributed::Group;
 use crate::error::{Error, Result};
@@ -12,11 +13,18 @@ use std::path::Path;
 
 /// `format` of every index.
 pub const FORMAT: &str = "fsdp-checkpoint";
-/// The newest layout version this crate writes; it reads every version from 1 to this.
-/// Version 2 adds [`Index::rank_extra`] and is written only when a save has per-rank
-/// state; an index without it is written as version 1, which earlier builds read too (an
-/// earlier build refuses a version-2 index instead of dropping the per-rank state).
-pub const VERSION: u32 = 2;
+/// The layout version this crate writes; it reads every version from 1 to this.
+///
+/// | version | files' checksums | per-rank state | written by |
+/// |---|---|---|---|
+/// | 1 | legacy 64-bit mix | none | earlier builds |
+/// | 2 | legacy 64-bit mix | [`Index::rank_extra`] | earlier builds, saves with per-rank state |
+/// | 3 | CRC-32 ([`Index::checksum_algorithm`] `"crc32"`) | optional | this build, every save |
+///
+/// Versions 1 and 2 still load (their checksums are checked with the legacy algorithm);
+/// an earlier build refuses a version-3 index by its version instead of mistaking CRC-32
+/// sums for corruption.
+pub const VERSION: u32 = 3;
 /// The index's file name inside a checkpoint directory.
 pub const INDEX_FILE: &str = "index.json";
 
@@ -25,8 +33,14 @@ pub const INDEX_FILE: &str = "index.json";
 pub struct Index {
     /// Always [`FORMAT`].
     pub format: String,
-    /// Always [`VERSION`].
+    /// [`VERSION`] when written by this build; 1 to [`VERSION`] when read.
     pub version: u32,
+    /// How [`FileEntry::checksum`] is computed (version 3 on): `"crc32"`
+    /// ([`CHECKSUM_ALGORITHM`](super::file::CHECKSUM_ALGORITHM), so `crc32 FILE` or
+    /// zlib's `crc32` checks a file by hand). `None` (absent from the JSON) in versions 1
+    /// and 2, whose sums are the legacy 64-bit checksum.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checksum_algorithm: Option<String>,
     /// Full (one model file and one optimizer file, by rank 0) or sharded (one file per
     /// rank holding pieces).
     pub state_dict_type: StateDictType,
@@ -59,7 +73,9 @@ pub struct FileEntry {
     pub name: String,
     /// Its size in bytes.
     pub bytes: u64,
-    /// [`checksum`](super::file::checksum) of the whole file.
+    /// Checksum of the whole file by the index's
+    /// [`checksum_algorithm`](Index::checksum_algorithm): 8 hex digits of CRC-32
+    /// ([`checksum`](super::file::checksum)) in version 3, 16 of the legacy sum before.
     pub checksum: String,
 }
 
@@ -131,6 +147,23 @@ pub fn read_index(dir: &Path) -> Result<Index> {
             index.format, index.version
         )));
     }
+    let algorithm = index.checksum_algorithm.as_deref();
+    match (index.version, algorithm) {
+        (1 | 2, None) => {}
+        (1 | 2, Some(a)) => {
+            return Err(bad(format!(
+                "the index is corrupted: version {} names checksum algorithm '{a}', which only version 3 on records",
+                index.version
+            )))
+        }
+        (_, Some(CHECKSUM_ALGORITHM)) => {}
+        (v, a) => {
+            return Err(bad(format!(
+                "version {v} with checksum algorithm {}; this build checks '{CHECKSUM_ALGORITHM}'",
+                a.map_or("(none)".into(), |a| format!("'{a}'"))
+            )))
+        }
+    }
     if let Some(r) = &index.rank_extra {
         if r.len() != index.world_size || index.version < 2 {
             return Err(bad(format!(
@@ -142,6 +175,17 @@ pub fn read_index(dir: &Path) -> Result<Index> {
         }
     }
     Ok(index)
+}
+
+impl Index {
+    /// The checksum of a data file's `bytes` as this index records it: CRC-32 in version
+    /// 3 on, the legacy 64-bit sum in versions 1 and 2 ([`read_index`] checked which).
+    pub fn checksum_of(&self, bytes: &[u8]) -> String {
+        match self.checksum_algorithm {
+            Some(_) => super::file::checksum(bytes),
+            None => super::file::legacy_checksum(bytes),
+        }
+    }
 }
 
 /// Every rank's `bytes`, in rank order (a collective over `pg`).

@@ -3,7 +3,7 @@
 //! dicts, checks them against the model and optimizer, and writes only once every rank
 //! has found its part sound.
 
-use super::file::{checksum, parse_tensors, TensorFile};
+use super::file::{parse_tensors, TensorFile};
 use super::index::{first_failed, read_index, Entry, Index, INDEX_FILE};
 use crate::error::{Error, Result};
 use crate::fsdp::{
@@ -479,7 +479,7 @@ fn read_data_file(dir: &Path, index: &Index, f: usize) -> Result<TensorFile> {
             fe.bytes
         )));
     }
-    let sum = checksum(&bytes);
+    let sum = index.checksum_of(&bytes);
     if sum != fe.checksum {
         return Err(bad(format!(
             "checksum {sum} differs from the index's {}: the file is corrupted",

@@ -18,13 +18,14 @@
 //!
 //! | field | holds |
 //! |---|---|
-//! | `format`, `version` | `"fsdp-checkpoint"`; 1, or 2 when `rank_extra` is present (this build reads both; earlier builds read 1 and refuse 2) |
+//! | `format`, `version` | `"fsdp-checkpoint"`; 3 (this build writes 3 and reads 1 to 3; earlier builds wrote 1, or 2 with `rank_extra`, and refuse 3: see [`VERSION`]) |
+//! | `checksum_algorithm` | version 3: `"crc32"`, the algorithm of the files' checksums (absent before: the legacy 64-bit sum) |
 //! | `state_dict_type`, `world_size`, `generation` | how it was saved, the data-parallel world size then, the save counter that names the data files |
-//! | `files` | `[{name, bytes, checksum}]` |
+//! | `files` | `[{name, bytes, checksum}]`; `checksum` of the whole file, CRC-32 as 8 hex digits in version 3 |
 //! | `model` | parameter name -> `{shape, pieces: [{file, key, offset, numel, rank}]}` (a zero-size parameter has its shape and no pieces) |
 //! | `optim` | `{kind, hyperparams, steps, buffers: buffer -> parameter -> entry}`, or `null` |
 //! | `extra` | the caller's JSON value, one for the whole checkpoint ([`save_checkpoint`]'s `extra`; `fsdp train` keeps its step, seed and config there) |
-//! | `rank_extra` | version 2 only: `world_size` JSON values, rank `r`'s at position `r` ([`save_checkpoint_with_rank_extra`]: a data-loader position, an RNG state) |
+//! | `rank_extra` | version 2 on, when a save had per-rank state: `world_size` JSON values, rank `r`'s at position `r` ([`save_checkpoint_with_rank_extra`]: a data-loader position, an RNG state) |
 //!
 //! Per-rank state (`torch.distributed.checkpoint`'s per-rank stateful objects): every rank
 //! passes its own value to [`save_checkpoint_with_rank_extra`]; the values reach rank 0
@@ -33,8 +34,16 @@
 //! another world size the values cannot be resharded, so [`load_checkpoint`] refuses such
 //! a checkpoint naming both world sizes, and [`load_checkpoint_with`] takes a
 //! [`RankExtra`] saying to give every rank rank 0's value or none instead. An index without
-//! `rank_extra` (version 1, every checkpoint of earlier builds) loads as before, with no
-//! per-rank value.
+//! `rank_extra` (every version-1 index, and saves without per-rank state) loads as before,
+//! with no per-rank value.
+//!
+//! Checksums are CRC-32 (IEEE, zlib's), so a file can be checked by hand against the
+//! index: `crc32 rank-0-g1.safetensors`, or `python3 -c 'import sys, zlib; print("%08x" %
+//! zlib.crc32(open(sys.argv[1], "rb").read()))' rank-0-g1.safetensors`, equals its
+//! `files[].checksum`. Each data file also carries the CRC-32 of its data section in its
+//! safetensors header (`__metadata__["fsdp.crc32"]`). Checkpoints of earlier builds
+//! (versions 1 and 2, `fsdp.checksum` in the headers) are checked with their legacy 64-bit
+//! sum and load as before.
 //!
 //! Crash safety ([`write_atomic`]): every file is written to a temporary file in the same
 //! directory, fsynced, renamed into place, and the directory fsynced. Data files of a new
@@ -45,8 +54,8 @@
 //!
 //! | file | holds |
 //! |---|---|
-//! | `atomic.rs` | [`write_atomic`], the hidden `FSDP_CKPT_STALL` test hook |
-//! | `file.rs` | one safetensors file with a checksum: [`write_tensors`], [`read_tensors`] |
+//! | `atomic.rs` | [`write_atomic`], the hidden `FSDP_CKPT_STALL` test hook (feature `test-hooks`) |
+//! | `file.rs` | one safetensors file with a CRC-32: [`write_tensors`], [`read_tensors`], [`checksum`] |
 //! | `index.rs` | [`Index`] and its parts |
 //! | `save.rs` | [`save_checkpoint`], [`save_checkpoint_with_rank_extra`] |
 //! | `load.rs` | [`load_checkpoint`], [`load_checkpoint_with`], [`RankExtra`], [`read_rank_extra`], [`resolve_checkpoint`] |
@@ -60,7 +69,9 @@ mod save;
 mod verify;
 
 pub use atomic::{sync_dir, write_atomic};
-pub use file::{checksum, parse_tensors, read_tensors, serialize, write_tensors, TensorFile};
+pub use file::{
+    checksum, parse_tensors, read_tensors, serialize, write_tensors, TensorFile, CHECKSUM_ALGORITHM,
+};
 pub use index::{
     read_index, Entry, FileEntry, Index, OptimIndex, PieceRef, FORMAT, INDEX_FILE, VERSION,
 };

@@ -4,7 +4,7 @@
 //! directory loadable.
 
 use super::atomic::{remove_stale_temps, sync_dir};
-use super::file::{checksum, serialize};
+use super::file::{checksum, serialize, CHECKSUM_ALGORITHM};
 use super::index::{
     all_gather_bytes, read_index, Entry, FileEntry, Index, OptimIndex, PieceRef, FORMAT,
     INDEX_FILE, VERSION,
@@ -302,6 +302,7 @@ fn write_index(
     let mut index = Index {
         format: FORMAT.into(),
         version: VERSION,
+        checksum_algorithm: Some(CHECKSUM_ALGORITHM.into()),
         state_dict_type: ty,
         world_size,
         generation,
@@ -375,9 +376,6 @@ fn write_index(
     }
     index.optim = optim;
     index.rank_extra = gather_rank_extra(dir, rank_extra)?;
-    if index.rank_extra.is_none() {
-        index.version = 1; // the layout earlier builds read (see `VERSION`)
-    }
     let text = serde_json::to_vec_pretty(&index).map_err(|e| Error::Data(e.to_string()))?;
     super::atomic::write_atomic(&dir.join(INDEX_FILE), &text)?;
     // The new index is durable: earlier generations' files are garbage now.

@@ -4,11 +4,11 @@
 //! |---|---|---|---|
 //! | `threads` | threads of one process | CPU, or CUDA (one or several GPUs) | [`threads`] |
 //! | `tcp` (alias `gloo`) | processes (or threads), over TCP | CPU | [`tcp`] |
-//! | `nccl` | one process per GPU (or any ranks, one communicator each) | CUDA | [`nccl`] (meets through [`TcpStore`]; `cuda` feature) |
+//! | `nccl` | one process per GPU (or any ranks, one communicator each) | CUDA | `nccl` (meets through [`TcpStore`]; `cuda` feature) |
 //!
 //! | torch.distributed | here | file |
 //! |---|---|---|
-//! | `init_process_group`, `destroy_process_group`, `get_rank`, `get_world_size`, `is_initialized`, `group.WORLD` | [`init_process_group`], [`destroy_process_group`], [`get_rank`], [`get_world_size`], [`is_initialized`], [`default_group`] | `init.rs`, `rendezvous.rs` |
+//! | `init_process_group`, `destroy_process_group`, `get_rank`, `get_world_size`, `is_initialized`, `group.WORLD` | [`init_process_group`], [`destroy_process_group`], [`get_rank`], [`get_world_size`], [`is_initialized`], [`default_group`] | `init.rs`, `init_options.rs`, `rendezvous.rs` |
 //! | `torchrun` for in-process ranks | [`launch`] | `launch.rs` |
 //! | `torchrun` (processes), `elastic_launch`, `@record` | [`elastic_launch`], [`record_error`], `fsdp launch` | `elastic.rs` |
 //! | `TCPStore`, `PrefixStore`, `Store` | [`TcpStore`], [`TcpStoreServer`], [`PrefixStore`], [`Store`] | `store/` |
@@ -29,11 +29,13 @@
 //! [`Error::PeerFailed`]: crate::Error::PeerFailed
 
 pub mod auth;
+mod backoff;
 mod composite;
 mod desc;
 pub mod elastic;
 pub mod fingerprint;
 mod init;
+mod init_options;
 mod launch;
 mod limits;
 mod mesh;
@@ -55,9 +57,9 @@ pub use elastic::{
 };
 pub use init::{
     abort_process_group, default_group, destroy_process_group, get_backend, get_local_world_size,
-    get_node_local_rank, get_rank, get_world_size, init_process_group, is_initialized, InitOptions,
-    Rendezvous, TORCHRUN_ENV_VARS,
+    get_node_local_rank, get_rank, get_world_size, init_process_group, is_initialized,
 };
+pub use init_options::{InitOptions, Rendezvous, TORCHRUN_ENV_VARS};
 pub use launch::{launch, LaunchOptions};
 pub use limits::{
     available_memory_bytes, check_thread_ranks, thread_limit, thread_rank_bytes, RANK_BASE_BYTES,
@@ -74,20 +76,9 @@ use crate::error::Result;
 use crate::tensor::Tensor;
 use std::sync::Arc;
 
-/// Reduction applied elementwise across ranks (`torch.distributed.ReduceOp`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ReduceOp {
-    /// Elementwise sum (`ReduceOp.SUM`); what FSDP uses for gradients.
-    Sum,
-    /// Sum divided by the group size.
-    Avg,
-    /// Elementwise maximum (`ReduceOp.MAX`); `all_reduce` only.
-    Max,
-    /// Elementwise minimum (`ReduceOp.MIN`); `all_reduce` only.
-    Min,
-    /// Elementwise product (`ReduceOp.PRODUCT`); `all_reduce` only.
-    Product,
-}
+/// Reduction applied elementwise across ranks; defined in the leaf module
+/// [`crate::reduce`] so the CUDA backend's reduction kernels can name it.
+pub use crate::reduce::ReduceOp;
 
 /// A group of ranks that run collectives together (`torch.distributed.ProcessGroup`).
 ///

@@ -3,7 +3,7 @@
 //! world created by the first to arrive; all return once the last arrives, or fail with a
 //! timeout naming the ranks that never joined.
 
-use super::init::Rendezvous;
+use super::init_options::Rendezvous;
 use super::ThreadsGroup;
 use crate::error::{Error, Result};
 use parking_lot::{Condvar, Mutex};

@@ -1,26 +1,20 @@
 //! SIGINT/SIGTERM for `fsdp launch`: the launcher records the signal instead of dying, so it
 //! can pass it on to its ranks and wait for them (torchrun's `SignalException` handling).
-//! Unix only; elsewhere nothing is caught.
+//! The handlers are signal-hook's (one atomic store each, async-signal-safe); sending a
+//! signal to a rank is `kill(2)`, on Unix only.
 
-use std::sync::atomic::{AtomicI32, Ordering};
+use signal_hook::consts::{SIGINT, SIGTERM};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
-static CAUGHT: AtomicI32 = AtomicI32::new(0);
-
-#[cfg(unix)]
-extern "C" fn on_signal(sig: libc::c_int) {
-    // Async-signal-safe: one atomic store.
-    CAUGHT.store(sig, Ordering::SeqCst);
-}
+/// The number of the last signal caught, 0 for none.
+static CAUGHT: AtomicUsize = AtomicUsize::new(0);
 
 /// From now on SIGINT and SIGTERM are recorded (see [`caught`]) instead of ending the
-/// process.
+/// process. Best effort: a signal whose handler cannot be installed keeps its default.
 pub(crate) fn catch_int_term() {
-    #[cfg(unix)]
-    // SAFETY: `on_signal` only stores to an atomic, which is async-signal-safe.
-    unsafe {
-        let handler = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
-        libc::signal(libc::SIGINT, handler);
-        libc::signal(libc::SIGTERM, handler);
+    for sig in [SIGINT, SIGTERM] {
+        // signal-hook replaces the default action (termination) by the store.
+        let _ = signal_hook::flag::register_usize(sig, &CAUGHT, sig as usize);
     }
 }
 
@@ -28,7 +22,7 @@ pub(crate) fn catch_int_term() {
 pub(crate) fn caught() -> Option<i32> {
     match CAUGHT.load(Ordering::SeqCst) {
         0 => None,
-        s => Some(s),
+        s => i32::try_from(s).ok(),
     }
 }
 
@@ -43,17 +37,7 @@ pub(crate) fn send(pid: u32, sig: i32) {
     let _ = (pid, sig);
 }
 
-/// The name of a caught signal.
+/// The name of a caught signal (`"SIGINT"`).
 pub(crate) fn name(sig: i32) -> &'static str {
-    #[cfg(unix)]
-    {
-        if sig == libc::SIGINT {
-            return "SIGINT";
-        }
-        if sig == libc::SIGTERM {
-            return "SIGTERM";
-        }
-    }
-    let _ = sig;
-    "a signal"
+    signal_hook::low_level::signal_name(sig).unwrap_or("a signal")
 }

@@ -37,7 +37,7 @@ pub mod capi;
 use crate::distributed::Group;
 use crate::error::{Error, Result};
 use crate::fsdp::{transformer_auto_wrap_policy, FsdpConfig, FullyShardedDataParallel};
-use crate::nn::{join_name, ChildVisitor, Context, Module, ParamInit, Parameter};
+use crate::nn::{join_name, ChildVisitor, Context, Module, ParamInit, ParamVisitor, Parameter};
 use crate::tensor::{numel_of, DType, Tensor};
 
 /// Where a declared parameter's values come from.
@@ -294,10 +294,11 @@ impl Module for HostModule {
         self.forward(g, cx)
     }
 
-    fn for_each_param(&mut self, f: &mut dyn FnMut(&str, &mut Parameter)) {
+    fn for_each_param(&mut self, f: &mut ParamVisitor<'_>) -> Result<()> {
         for (name, p) in &mut self.params {
-            f(name, p);
+            f(name, p)?;
         }
+        Ok(())
     }
 
     fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {

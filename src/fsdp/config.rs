@@ -6,18 +6,10 @@ use crate::distributed::{DeviceMesh, Group};
 use crate::error::{Error, Result};
 
 /// How parameters, gradients and optimizer state are split across ranks
-/// (`torch.distributed.fsdp.ShardingStrategy`).
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    PartialEq,
-    Eq,
-    Default,
-    clap::ValueEnum,
-    serde::Serialize,
-    serde::Deserialize,
-)]
+/// (`torch.distributed.fsdp.ShardingStrategy`). With the `cli` feature it is also a
+/// `clap::ValueEnum` whose names are [`ShardingStrategy::flag_name`]'s.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum ShardingStrategy {
     /// ZeRO-3: parameters freed after forward and gathered again in backward; gradients
     /// reduce-scattered; optimizer state sharded.
@@ -31,11 +23,22 @@ pub enum ShardingStrategy {
     /// group): gradients reduce-scattered in the node, then all-reduced across nodes.
     HybridShard,
     /// ShardGradOp within a node, replicated across nodes (FSDP1 `_HYBRID_SHARD_ZERO2`).
-    #[value(name = "hybrid-shard-zero2")]
+    #[cfg_attr(feature = "cli", value(name = "hybrid-shard-zero2"))]
     HybridShardZero2,
 }
 
 impl ShardingStrategy {
+    /// The name `fsdp train --strategy` takes (`"full-shard"`, ..., `"hybrid-shard-zero2"`).
+    pub fn flag_name(self) -> &'static str {
+        match self {
+            ShardingStrategy::FullShard => "full-shard",
+            ShardingStrategy::ShardGradOp => "shard-grad-op",
+            ShardingStrategy::NoShard => "no-shard",
+            ShardingStrategy::HybridShard => "hybrid-shard",
+            ShardingStrategy::HybridShardZero2 => "hybrid-shard-zero2",
+        }
+    }
+
     /// Whether a non-root unit frees its unsharded parameters after forward.
     pub fn reshard_after_forward(self) -> bool {
         matches!(
@@ -187,6 +190,20 @@ pub(super) fn check_device(device: Option<Device>) -> Result<Device> {
                 },
                 e => e,
             })
+        }
+    }
+}
+
+#[cfg(all(test, feature = "cli"))]
+mod tests {
+    use super::ShardingStrategy;
+    use clap::ValueEnum;
+
+    #[test]
+    fn flag_names_are_the_cli_names() {
+        for s in ShardingStrategy::value_variants() {
+            let v = s.to_possible_value().unwrap();
+            assert_eq!(v.get_name(), s.flag_name());
         }
     }
 }

@@ -18,9 +18,9 @@ impl FullyShardedDataParallel {
     /// # Errors
     /// Whatever `f` returns; synchronization is turned back on either way.
     pub fn no_sync<R>(&mut self, f: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
-        self.for_each_unit(&mut |u| u.sync_grads = false);
+        self.each_unit(|u| u.sync_grads = false);
         let out = f(self);
-        self.for_each_unit(&mut |u| u.sync_grads = true);
+        self.each_unit(|u| u.sync_grads = true);
         out
     }
 
@@ -28,7 +28,7 @@ impl FullyShardedDataParallel {
     /// until called again: [`no_sync`](Self::no_sync) for a host whose backward spans
     /// several calls (FSDP2's `set_requires_gradient_sync`). Every rank does the same.
     pub fn set_requires_gradient_sync(&mut self, requires: bool) {
-        self.for_each_unit(&mut |u| u.sync_grads = requires);
+        self.each_unit(|u| u.sync_grads = requires);
     }
 
     /// Scales every gradient shard so that the total `norm_type`-norm of the gradients of
@@ -76,9 +76,9 @@ impl FullyShardedDataParallel {
             );
         }
         let mut grads: Vec<Tensor> = Vec::new();
-        self.for_each_unit(&mut |u| grads.extend(u.flat.grad_shard.clone()));
+        self.each_unit(|u| grads.extend(u.flat.grad_shard.clone()));
         let mut ignored: Vec<Tensor> = Vec::new();
-        self.visit_ignored(&mut |_, p| ignored.extend(p.grad().cloned()));
+        self.each_ignored(|_, p| ignored.extend(p.grad().cloned()));
         #[cfg(feature = "cuda")]
         if let Some(ordinal) = on_one_gpu(&grads, &ignored, norm_type) {
             return self.clip_on_device(ordinal, max_norm, &grads, &ignored);

@@ -171,44 +171,36 @@ pub(super) fn sync_module_states(
     if replace.is_empty() {
         return Ok(());
     }
-    let mut res: Result<()> = Ok(());
-    visit_parameters(module, prefix, true, &mut |name, p| {
-        if res.is_ok() {
-            if let Some((_, t)) = replace
-                .iter()
-                .find(|(names, _)| names.iter().any(|n| n == name))
-            {
-                res = p.set_data(Some(t.clone()));
-            }
-        }
-    });
-    res
+    visit_parameters(module, prefix, true, &mut |name, p| match replace
+        .iter()
+        .find(|(names, _)| names.iter().any(|n| n == name))
+    {
+        Some((_, t)) => p.set_data(Some(t.clone())),
+        None => Ok(()),
+    })
 }
 
 /// The distinct tensors of the parameters `module` owns, in visit order, each with every
 /// name it has (tied parameters are one tensor).
 fn held_tensors(module: &mut dyn Module, prefix: &str, rs: &RankState) -> Result<Vec<Held>> {
     let mut held: Vec<Held> = Vec::new();
-    let mut res: Result<()> = Ok(());
     visit_parameters(module, prefix, true, &mut |name, p: &mut Parameter| {
-        if res.is_err() || rs.is_ignored(name) {
-            return;
+        if rs.is_ignored(name) {
+            return Ok(());
         }
         let d = match p.data() {
             Ok(d) if d.dtype() != DType::F32 => {
-                res = Err(Error::Fsdp(format!(
+                return Err(Error::Fsdp(format!(
                     "parameter '{name}' is {}; FlatParameter holds f32 master weights (use MixedPrecision for low-precision compute)",
                     d.dtype()
                 )));
-                return;
             }
             Ok(d) => d,
             Err(_) => {
-                res = Err(Error::NotMaterialized {
+                return Err(Error::NotMaterialized {
                     name: name.to_string(),
                     state: "sync_module_states",
                 });
-                return;
             }
         };
         match held.iter_mut().find(|h| h.tensor.same_view(d)) {
@@ -218,6 +210,7 @@ fn held_tensors(module: &mut dyn Module, prefix: &str, rs: &RankState) -> Result
                 tensor: d.clone(),
             }),
         }
-    });
-    res.map(|()| held)
+        Ok(())
+    })?;
+    Ok(held)
 }

@@ -61,7 +61,7 @@ pub use state_dict::{
     LocalStateDict, NamedParamGroup, OptimStateDict, ShardPiece, ShardedStateDict, ShardedTensor,
     StateDict, StateDictConfig, StateDictType,
 };
-pub use unit::{gradient_divide_factors, FullyShardedDataParallel};
+pub use unit::{gradient_divide_factors, FullyShardedDataParallel, UnitVisitor};
 pub use wrap::{
     module_wrap_policy, nonwrapped_numel, size_based_auto_wrap_policy,
     transformer_auto_wrap_policy, AutoWrapPolicy, WrapFn,

@@ -77,8 +77,10 @@ impl FullyShardedDataParallel {
     /// End of the root's backward (FSDP1 `_post_backward_final_callback`): every unit's
     /// reduction is waited for and accumulated, unused prefetches dropped.
     fn finalize_backward(&mut self) -> Result<()> {
+        // Every unit's reduction is finished even after one fails (nothing is left in
+        // flight); the first error is the one to report.
         let mut first: Result<()> = Ok(());
-        self.for_each_unit(&mut |u| {
+        self.each_unit(|u| {
             let r = u.finish_reduce();
             if first.is_ok() {
                 first = r;
@@ -325,22 +327,19 @@ impl FullyShardedDataParallel {
 
     fn views(&mut self, grads: bool) -> Result<Vec<(String, Tensor)>> {
         let mut out = Vec::new();
-        let mut res: Result<()> = Ok(());
         let (prefix, rs) = (self.prefix.clone(), self.rs.clone());
         crate::nn::visit_parameters(self.module.as_mut(), &prefix, true, &mut |name, p| {
-            if res.is_err() || rs.is_ignored(name) {
-                return;
+            if rs.is_ignored(name) {
+                return Ok(());
             }
             if grads {
                 out.extend(p.grad().map(|g| (name.to_string(), g.clone())));
             } else {
-                match p.data() {
-                    Ok(d) => out.push((name.to_string(), d.clone())),
-                    Err(e) => res = Err(e),
-                }
+                out.push((name.to_string(), p.data()?.clone()));
             }
-        });
-        res.map(|()| out)
+            Ok(())
+        })?;
+        Ok(out)
     }
 
     fn out_of_order(&self, call: &str, needs: &str) -> crate::error::Error {

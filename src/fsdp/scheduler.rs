@@ -25,15 +25,16 @@ use std::time::Duration;
 
 /// When backward all-gathers the next unit's parameters
 /// (`torch.distributed.fsdp.BackwardPrefetch`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum BackwardPrefetch {
     /// Before the current unit's gradient computation (`BACKWARD_PRE`): most overlap, one
     /// more unsharded unit alive.
-    #[value(name = "pre")]
+    #[cfg_attr(feature = "cli", value(name = "pre"))]
     BackwardPre,
     /// After the current unit's gradient computation, before its reduce-scatter
     /// (`BACKWARD_POST`).
-    #[value(name = "post")]
+    #[cfg_attr(feature = "cli", value(name = "post"))]
     BackwardPost,
 }
 

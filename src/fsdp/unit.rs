@@ -9,7 +9,7 @@ use crate::backend::Device;
 use crate::distributed::fingerprint::Phase;
 use crate::distributed::Group;
 use crate::error::{Error, Result};
-use crate::nn::{visit_parameters, Module, Parameter};
+use crate::nn::{visit_parameters, Module, ParamVisitor, Parameter};
 use crate::optim::ParamGrad;
 use crate::tensor::{DType, Tensor};
 use parking_lot::Mutex;
@@ -107,30 +107,28 @@ impl FullyShardedDataParallel {
         let slots = &self.slots;
         let rs = &self.rs;
         let mut i = 0;
-        let mut bad: Result<()> = Ok(());
         visit_parameters(
             self.module.as_mut(),
             &self.prefix,
             true,
             &mut |name, p: &mut Parameter| {
-                if bad.is_err() || rs.is_ignored(name) {
-                    return;
+                if rs.is_ignored(name) {
+                    return Ok(());
                 }
                 let Some(&(_, k)) = slots.get(i).filter(|(n, _)| n == name) else {
-                    bad = Err(Error::Fsdp(format!("parameter '{name}' was not flattened into this unit (module changed after wrapping)")));
-                    return;
+                    return Err(Error::Fsdp(format!("parameter '{name}' was not flattened into this unit (module changed after wrapping)")));
                 };
                 p.set_name(name);
                 let v = views.as_ref().map(|v| v[k].clone());
                 if grads {
                     p.set_grad(v);
-                } else if let Err(e) = p.set_data(v) {
-                    bad = Err(e);
+                } else {
+                    p.set_data(v)?;
                 }
                 i += 1;
+                Ok(())
             },
-        );
-        bad?;
+        )?;
         if i != self.slots.len() {
             return Err(Error::Fsdp(format!(
                 "unit '{}' flattened {} parameters but its module now has {i}",
@@ -155,7 +153,7 @@ impl FullyShardedDataParallel {
     pub fn with_unit<R>(&mut self, name: &str, f: impl FnOnce(&mut Self) -> R) -> Result<R> {
         let mut f = Some(f);
         let mut out = None;
-        self.for_each_unit(&mut |u| {
+        self.each_unit(|u| {
             if u.prefix == name {
                 if let Some(f) = f.take() {
                     out = Some(f(u));
@@ -165,10 +163,24 @@ impl FullyShardedDataParallel {
         out.ok_or_else(|| Error::Fsdp(format!("no FSDP unit wraps module '{name}'")))
     }
 
-    /// Every unit of this rank (self first, then nested units in pre-order).
-    pub fn for_each_unit(&mut self, f: &mut dyn FnMut(&mut FullyShardedDataParallel)) {
-        f(self);
-        walk_units(self.module.as_mut(), f);
+    /// Visits every unit of this rank (self first, then nested units in pre-order).
+    ///
+    /// # Errors
+    /// The first error `f` returns; the units after it are not visited.
+    pub fn for_each_unit(&mut self, f: &mut UnitVisitor<'_>) -> Result<()> {
+        f(self)?;
+        walk_units(self.module.as_mut(), f)
+    }
+
+    /// [`for_each_unit`](Self::for_each_unit) with a closure that cannot fail (flags,
+    /// figures, lists). A module's walk only passes its visitor's errors on, so none can
+    /// arise (checked in debug builds).
+    pub(super) fn each_unit(&mut self, mut f: impl FnMut(&mut FullyShardedDataParallel)) {
+        let walked = self.for_each_unit(&mut |u| {
+            f(u);
+            Ok(())
+        });
+        debug_assert!(walked.is_ok(), "a module's walk failed: {walked:?}");
     }
 
     /// What an optimizer steps on: views of every unit's local shard and gradient shard,
@@ -178,7 +190,7 @@ impl FullyShardedDataParallel {
     /// [`optimizer_param_names`](Self::optimizer_param_names) names its entries.
     pub fn optimizer_params(&mut self) -> Vec<ParamGrad> {
         let mut out = Vec::new();
-        self.for_each_unit(&mut |u| {
+        self.each_unit(|u| {
             for &(start, len) in &u.flat.trainable_runs {
                 // Views inside the chunk: in bounds by construction.
                 if let Ok(param) = u.flat.local_shard.view(start, &[len]) {
@@ -191,7 +203,7 @@ impl FullyShardedDataParallel {
                 }
             }
         });
-        self.visit_ignored(&mut |_, p| {
+        self.each_ignored(|_, p| {
             if let (true, Ok(param)) = (p.requires_grad, p.data()) {
                 out.push(ParamGrad {
                     param: param.clone(),
@@ -225,7 +237,7 @@ impl FullyShardedDataParallel {
     /// ```
     pub fn optimizer_param_names(&mut self) -> Vec<(String, Vec<usize>)> {
         let mut out = Vec::new();
-        self.for_each_unit(&mut |u| {
+        self.each_unit(|u| {
             let (lo, _) = u.flat.shard_range();
             for &(start, _) in &u.flat.trainable_runs {
                 // The parameter whose elements start this run (runs are per parameter).
@@ -242,7 +254,7 @@ impl FullyShardedDataParallel {
                 }
             }
         });
-        self.visit_ignored(&mut |name, p| {
+        self.each_ignored(|name, p| {
             if let (true, Ok(d)) = (p.requires_grad, p.data()) {
                 out.push((name.to_string(), d.shape().to_vec()));
             }
@@ -252,17 +264,31 @@ impl FullyShardedDataParallel {
 
     /// Visits the parameters of the ignored modules (whole on every rank, FSDP does not
     /// manage them; their gradients are local).
-    pub fn visit_ignored(&mut self, f: &mut dyn FnMut(&str, &mut Parameter)) {
+    ///
+    /// # Errors
+    /// The first error `f` returns; the walk stops there.
+    pub fn visit_ignored(&mut self, f: &mut ParamVisitor<'_>) -> Result<()> {
         if self.rs.ignored.is_empty() {
-            return;
+            return Ok(());
         }
         let rs = self.rs.clone();
         let prefix = self.prefix.clone();
         visit_parameters(self.module.as_mut(), &prefix, false, &mut |name, p| {
             if rs.is_ignored(name) {
                 f(name, p)
+            } else {
+                Ok(())
             }
+        })
+    }
+
+    /// [`visit_ignored`](Self::visit_ignored) with a closure that cannot fail.
+    pub(super) fn each_ignored(&mut self, mut f: impl FnMut(&str, &mut Parameter)) {
+        let walked = self.visit_ignored(&mut |n, p| {
+            f(n, p);
+            Ok(())
         });
+        debug_assert!(walked.is_ok(), "a module's walk failed: {walked:?}");
     }
 
     /// Drops every sharded gradient, and the ignored modules' gradients
@@ -273,13 +299,13 @@ impl FullyShardedDataParallel {
     pub fn zero_grad(&mut self) {
         self.rs.sched.lock().progress.step_boundary();
         let mem = self.rs.mem.clone();
-        self.for_each_unit(&mut |u| {
+        self.each_unit(|u| {
             if let Some(g) = u.flat.grad_shard.take() {
                 let mut m = mem.lock();
                 m.grad_shard_bytes = m.grad_shard_bytes.saturating_sub(g.nbytes());
             }
         });
-        self.visit_ignored(&mut |_, p| p.set_grad(None));
+        self.each_ignored(|_, p| p.set_grad(None));
     }
 
     /// This rank's FSDP memory figures.
@@ -359,30 +385,23 @@ impl FullyShardedDataParallel {
     /// `named_parameters()` order; every rank must call it (it runs collectives).
     pub fn full_parameters(&mut self) -> Result<Vec<(String, Vec<f32>)>> {
         let mut infos = Vec::new();
-        let mut res: Result<()> = Ok(());
         self.for_each_unit(&mut |u| {
-            if res.is_err() {
-                return;
+            let shard = &u.flat.local_shard;
+            let full = Tensor::zeros_on(&[u.flat.padded_numel()], DType::F32, shard.device())?;
+            if u.rs.strategy.is_sharded() {
+                let _tag = u.fingerprint(Phase::StateDict);
+                u.rs.shard_pg.all_gather_into_tensor(&full, shard)?;
+            } else {
+                full.copy_from(shard)?;
             }
-            res = (|| {
-                let shard = &u.flat.local_shard;
-                let full = Tensor::zeros_on(&[u.flat.padded_numel()], DType::F32, shard.device())?;
-                if u.rs.strategy.is_sharded() {
-                    let _tag = u.fingerprint(Phase::StateDict);
-                    u.rs.shard_pg.all_gather_into_tensor(&full, shard)?;
-                } else {
-                    full.copy_from(shard)?;
-                }
-                // On the host (a copy when the shards are on a GPU).
-                let v = full.to_vec_f32()?;
-                for i in &u.flat.infos {
-                    infos.push((i.fqn.clone(), v[i.offset..i.offset + i.numel].to_vec()));
-                }
-                Ok(())
-            })();
-        });
-        res?;
-        self.visit_ignored(&mut |name, p| {
+            // On the host (a copy when the shards are on a GPU).
+            let v = full.to_vec_f32()?;
+            for i in &u.flat.infos {
+                infos.push((i.fqn.clone(), v[i.offset..i.offset + i.numel].to_vec()));
+            }
+            Ok(())
+        })?;
+        self.each_ignored(|name, p| {
             if let Ok(v) = p.data().and_then(|d| d.to_vec_f32()) {
                 infos.push((name.to_string(), v));
             }
@@ -397,20 +416,20 @@ impl FullyShardedDataParallel {
     }
 }
 
-fn walk_units(m: &mut dyn Module, f: &mut dyn FnMut(&mut FullyShardedDataParallel)) {
-    let _ = m.for_each_child(&mut |_, child| {
-        match child
-            .as_any_mut()
-            .and_then(|a| a.downcast_mut::<FullyShardedDataParallel>())
-        {
-            Some(u) => {
-                f(u);
-                walk_units(u.module.as_mut(), f);
-            }
-            None => walk_units(child.as_mut(), f),
+/// The callback of [`FullyShardedDataParallel::for_each_unit`]; an error stops the walk.
+pub type UnitVisitor<'a> = dyn FnMut(&mut FullyShardedDataParallel) -> Result<()> + 'a;
+
+fn walk_units(m: &mut dyn Module, f: &mut UnitVisitor<'_>) -> Result<()> {
+    m.for_each_child(&mut |_, child| match child
+        .as_any_mut()
+        .and_then(|a| a.downcast_mut::<FullyShardedDataParallel>())
+    {
+        Some(u) => {
+            f(u)?;
+            walk_units(u.module.as_mut(), f)
         }
-        Ok(())
-    });
+        None => walk_units(child.as_mut(), f),
+    })
 }
 
 #[cfg(test)]

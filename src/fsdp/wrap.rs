@@ -70,6 +70,11 @@ impl AutoWrapPolicy {
 /// Parameters below `module` not owned by a nested FSDP unit.
 pub fn nonwrapped_numel(module: &mut dyn Module) -> usize {
     let mut n = 0;
-    visit_parameters(module, "", true, &mut |_, p| n += p.numel());
+    let walked = visit_parameters(module, "", true, &mut |_, p| {
+        n += p.numel();
+        Ok(())
+    });
+    // The closure never fails, and a module's walk only passes its errors on.
+    debug_assert!(walked.is_ok(), "a module's walk failed: {walked:?}");
     n
 }

@@ -11,7 +11,7 @@ use super::{AutoWrapPolicy, FsdpConfig, FullyShardedDataParallel, MemoryStats};
 use crate::backend::Device;
 use crate::distributed::{DeviceMesh, Group};
 use crate::error::{Error, Result};
-use crate::nn::{join_name, visit_parameters, Module, Sequential};
+use crate::nn::{join_name, visit_all, visit_parameters, Module, Sequential};
 use crate::tensor::Tensor;
 use parking_lot::Mutex;
 use std::sync::Arc;
@@ -99,7 +99,7 @@ impl FullyShardedDataParallel {
         }
         let mut all = Vec::new();
         let mut meta_ignored = None;
-        visit_parameters(module.as_mut(), "", false, &mut |name, p| {
+        visit_all(module.as_mut(), |name, p| {
             if let Ok(d) = p.data() {
                 if meta_ignored.is_none() && d.device() == Device::Meta && rs.is_ignored(name) {
                     meta_ignored = Some(name.to_string());
@@ -134,16 +134,17 @@ impl FullyShardedDataParallel {
         rs: &RankState,
         seen: &mut Seen,
     ) -> Result<Self> {
-        let own = |m: &mut dyn Module| {
+        let own = |m: &mut dyn Module| -> Result<Vec<Tensor>> {
             let mut v = Vec::new();
             visit_parameters(m, prefix, true, &mut |name, p| {
                 if !rs.is_ignored(name) {
                     v.extend(p.data().ok().cloned())
                 }
-            });
-            v
+                Ok(())
+            })?;
+            Ok(v)
         };
-        let before = own(module.as_mut());
+        let before = own(module.as_mut())?;
         let before_bytes = materialized_bytes(&before);
         if let Some(init) = &rs.param_init_fn {
             if before.iter().any(|t| t.device() == Device::Meta) {
@@ -157,26 +158,19 @@ impl FullyShardedDataParallel {
             // Rank 0's values everywhere, before flattening.
             super::materialize::sync_module_states(module.as_mut(), prefix, rs)?;
         }
-        let after = materialized_bytes(&own(module.as_mut()));
+        let after = materialized_bytes(&own(module.as_mut())?);
         seen.live_bytes += after.saturating_sub(before_bytes);
         seen.peak_bytes = seen.peak_bytes.max(seen.live_bytes);
         let mut params: Vec<(String, Tensor, bool)> = Vec::new();
         let mut slots: Vec<(String, usize)> = Vec::new();
-        let mut bad: Result<()> = Ok(());
         visit_parameters(module.as_mut(), prefix, true, &mut |name, p| {
-            if bad.is_err() || rs.is_ignored(name) {
-                return;
+            if rs.is_ignored(name) {
+                return Ok(());
             }
-            let d = match p.data() {
-                Ok(d) => d,
-                Err(_) => {
-                    bad = Err(Error::NotMaterialized {
-                        name: name.to_string(),
-                        state: "not materialized at wrap time",
-                    });
-                    return;
-                }
-            };
+            let d = p.data().map_err(|_| Error::NotMaterialized {
+                name: name.to_string(),
+                state: "not materialized at wrap time",
+            })?;
             // Tied parameters: flattened once; every name views the same elements.
             match seen.params.iter().find(|(t, _, _)| t.shares_storage(d)) {
                 Some((t, first, unit)) if t.same_view(d) && unit == prefix => {
@@ -184,7 +178,7 @@ impl FullyShardedDataParallel {
                     slots.push((name.to_string(), idx));
                 }
                 Some((_, first, unit)) => {
-                    bad = Err(Error::Fsdp(format!(
+                    return Err(Error::Fsdp(format!(
                         "parameter '{name}' (unit '{prefix}') shares its storage with '{first}' (unit '{unit}'): tied parameters must be flattened into one FSDP unit; wrap a module that contains both"
                     )));
                 }
@@ -195,8 +189,8 @@ impl FullyShardedDataParallel {
                     params.push((name.to_string(), d.clone(), p.requires_grad));
                 }
             }
-        });
-        bad?;
+            Ok(())
+        })?;
         let (rank, world) = if rs.strategy.is_sharded() {
             (rs.shard_pg.rank(), rs.shard_pg.size())
         } else {

@@ -2,7 +2,7 @@
 //! on any device (through [`crate::ops::pointwise`]).
 
 use super::{Context, Module};
-use crate::backend::cpu::ops::exp;
+pub use crate::backend::cpu::scalar::{gelu, gelu_grad, relu, relu_grad};
 use crate::error::{Error, Result};
 use crate::ops::{self, Pointwise as Op};
 use crate::tensor::Tensor;
@@ -97,69 +97,3 @@ pub type ReLU = Pointwise<ReluFn>;
 /// `y = x * Phi(x)` with the exact normal CDF `Phi(x) = (1 + erf(x / sqrt 2)) / 2`
 /// (`torch.nn.GELU()`, `approximate='none'`); any shape, f32.
 pub type GELU = Pointwise<GeluFn>;
-
-/// ReLU of one value, `max(x, 0)` (the CPU reference of `relu_fwd_f32`).
-#[inline]
-pub fn relu(x: f32) -> f32 {
-    x.max(0.0)
-}
-
-/// d ReLU / dx: 1 for `x > 0`, else 0.
-#[inline]
-pub fn relu_grad(x: f32) -> f32 {
-    if x > 0.0 {
-        1.0
-    } else {
-        0.0
-    }
-}
-
-const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
-/// 1 / sqrt(2 pi)
-const INV_SQRT_2PI: f32 = 0.398_942_3;
-
-/// erf(x) to within 1.5e-7 absolute in exact arithmetic, 6e-7 in f32 (Abramowitz & Stegun 7.1.26): a polynomial and one
-/// exp, so the loop over a tensor vectorizes (libm's erff does not, and was 13% of a CPU
-/// training step in a profile).
-#[inline]
-pub fn erf(x: f32) -> f32 {
-    const P: f32 = 0.327_591_1;
-    const A: [f32; 5] = [
-        0.254_829_6,
-        -0.284_496_74,
-        1.421_413_7,
-        -1.453_152_1,
-        1.061_405_4,
-    ];
-    let ax = x.abs();
-    let t = 1.0 / (1.0 + P * ax);
-    let poly = t * (A[0] + t * (A[1] + t * (A[2] + t * (A[3] + t * A[4]))));
-    let y = 1.0 - poly * exp(-ax * ax);
-    y.copysign(x)
-}
-
-/// GELU of one value (the CPU reference of the `gelu_f32` kernel).
-#[inline]
-pub fn gelu(x: f32) -> f32 {
-    0.5 * x * (1.0 + erf(x * FRAC_1_SQRT_2))
-}
-
-/// d GELU / dx = Phi(x) + x * phi(x).
-#[inline]
-pub fn gelu_grad(x: f32) -> f32 {
-    let cdf = 0.5 * (1.0 + erf(x * FRAC_1_SQRT_2));
-    let pdf = INV_SQRT_2PI * exp(-0.5 * x * x);
-    cdf + x * pdf
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn fast_erf_matches_libm() {
-        let worst = (-4000..=4000)
-            .map(|i| i as f32 / 1000.0)
-            .map(|x| (super::erf(x) - libm::erff(x)).abs())
-            .fold(0.0f32, f32::max);
-        assert!(worst < 1e-6, "max |erf - libm erff| = {worst}");
-    }
-}

@@ -24,13 +24,9 @@ pub fn module_to_device(m: &mut dyn Module, device: Device) -> Result<()> {
         );
     }
     let mut moved: Vec<(Tensor, Tensor)> = Vec::new();
-    let mut res: Result<()> = Ok(());
     super::visit_parameters(m, "", false, &mut |_, p| {
-        if res.is_ok() {
-            res = move_parameter(p, device, &mut moved);
-        }
-    });
-    res
+        move_parameter(p, device, &mut moved)
+    })
 }
 
 /// The name of the first FSDP unit at or below `m`, if any.
@@ -80,7 +76,7 @@ fn move_parameter(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nn::{InitKey, Linear};
+    use crate::nn::{InitKey, Linear, ParamVisitor};
     use crate::tensor::Tensor;
 
     /// Two parameters, the second tied to the first.
@@ -99,9 +95,9 @@ mod tests {
         fn backward(&mut self, dy: &Tensor, _: &crate::nn::Context) -> Result<Tensor> {
             Ok(dy.clone())
         }
-        fn for_each_param(&mut self, f: &mut dyn FnMut(&str, &mut Parameter)) {
-            f("a", &mut self.a);
-            f("b", &mut self.b);
+        fn for_each_param(&mut self, f: &mut ParamVisitor<'_>) -> Result<()> {
+            f("a", &mut self.a)?;
+            f("b", &mut self.b)
         }
     }
 

@@ -2,7 +2,7 @@
 //! lookup and its gradient on host slices (the CPU reference the GPT's tied token embedding
 //! was first written with).
 
-use super::{Context, InitKey, Module, Parameter};
+use super::{Context, InitKey, Module, ParamVisitor, Parameter};
 use crate::error::{Error, Result};
 use crate::ops;
 use crate::tensor::{DType, Tensor};
@@ -66,7 +66,7 @@ impl Module for Embedding {
         }
         Tensor::zeros_on(&[0], DType::F32, ids.device())
     }
-    fn for_each_param(&mut self, f: &mut dyn FnMut(&str, &mut Parameter)) {
-        f("weight", &mut self.weight);
+    fn for_each_param(&mut self, f: &mut ParamVisitor<'_>) -> Result<()> {
+        f("weight", &mut self.weight)
     }
 }

@@ -2,7 +2,7 @@
 //! and an output projection tied to the token embedding (nanoGPT / llm.c's `train_gpt2.c`),
 //! on the device of its parameters (token ids on the same device).
 
-use super::{Block, ChildVisitor, Context, InitKey, LayerNorm, Module, Parameter};
+use super::{Block, ChildVisitor, Context, InitKey, LayerNorm, Module, ParamVisitor, Parameter};
 use crate::error::{Error, Result};
 use crate::ops::{self, MatmulDims, Transpose};
 use crate::tensor::{DType, Tensor};
@@ -203,9 +203,9 @@ impl Module for GPT {
         Tensor::zeros_on(&[0], DType::F32, ids.device())
     }
 
-    fn for_each_param(&mut self, f: &mut dyn FnMut(&str, &mut Parameter)) {
-        f("wte.weight", &mut self.wte);
-        f("wpe.weight", &mut self.wpe);
+    fn for_each_param(&mut self, f: &mut ParamVisitor<'_>) -> Result<()> {
+        f("wte.weight", &mut self.wte)?;
+        f("wpe.weight", &mut self.wpe)
     }
 
     fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {

@@ -1,11 +1,11 @@
-//! Counter-based parameter initialization.
-//!
-//! Element `i` of parameter `name` under seed `s` is a pure function of `(s, name, i)`: a
-//! SplitMix64 hash of the three. So a rank can compute exactly the values of its shard, and
-//! a model is initialized identically for every world size, strategy and wrap policy.
+//! Counter-based parameter initialization: [`InitKey`] (a seed and a module path) makes
+//! the [`ParamInit`] of each parameter (defined in the leaf module [`crate::init`]), and
+//! [`on_meta_device`] turns them into meta tensors that record it.
 
 use super::torch_rng::TorchGenerator;
 use crate::error::Result;
+use crate::init::splitmix64;
+pub use crate::init::ParamInit;
 use crate::tensor::{numel_of, Tensor};
 use parking_lot::Mutex;
 use std::cell::Cell;
@@ -31,54 +31,7 @@ fn on_meta() -> bool {
     ON_META.with(|m| m.get())
 }
 
-/// How element `i` of a parameter is initialized: a pure function of `i` (and the seed and
-/// parameter path folded into `stream`), so any range of elements can be computed alone.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum ParamInit {
-    /// N(0, std^2) (`torch.nn.init.normal_`), Box-Muller on the two halves of 48 hash bits.
-    Normal {
-        /// Hash of (seed, parameter path).
-        stream: u64,
-        /// Standard deviation.
-        std: f32,
-    },
-    /// U(-bound, bound) (`torch.nn.init.uniform_`).
-    Uniform {
-        /// Hash of (seed, parameter path).
-        stream: u64,
-        /// Half-width of the interval.
-        bound: f32,
-    },
-    /// Every element `value` (`torch.nn.init.constant_`).
-    Constant(f32),
-}
-
 impl ParamInit {
-    /// The value of element `i`.
-    pub fn value_at(&self, i: u64) -> f32 {
-        match *self {
-            ParamInit::Normal { stream, std } => {
-                let b = splitmix64(stream ^ splitmix64(i));
-                let u1 = ((b >> 40) as f64 + 1.0) / (1u64 << 24) as f64; // (0, 1]
-                let u2 = ((b & 0xFF_FFFF) as f64) / (1u64 << 24) as f64; // [0, 1)
-                let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
-                (z * std as f64) as f32
-            }
-            ParamInit::Uniform { stream, bound } => {
-                let u = (splitmix64(stream ^ splitmix64(i)) >> 40) as f32 / (1u64 << 24) as f32;
-                (2.0 * u - 1.0) * bound
-            }
-            ParamInit::Constant(v) => v,
-        }
-    }
-
-    /// `out[k] = value_at(start + k)`.
-    pub fn fill(&self, start: u64, out: &mut [f32]) {
-        for (k, o) in out.iter_mut().enumerate() {
-            *o = self.value_at(start + k as u64);
-        }
-    }
-
     /// A tensor of `shape` with these values: computed, or a meta tensor recording them
     /// inside [`on_meta_device`].
     pub fn tensor(&self, shape: &[usize]) -> Result<Tensor> {
@@ -106,13 +59,6 @@ pub struct InitKey {
     /// `Some` for [`InitKey::torch`]: every initializer draws from this generator, in the
     /// order the modules are built.
     torch: Option<Arc<Mutex<TorchGenerator>>>,
-}
-
-fn splitmix64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 fn fnv1a(s: &str) -> u64 {
@@ -249,14 +195,10 @@ impl InitKey {
 /// `NotMaterialized` naming a meta parameter without an initializer.
 pub fn materialize(m: &mut dyn super::Module) -> Result<()> {
     let mut done: Vec<(Tensor, Tensor)> = Vec::new();
-    let mut res: Result<()> = Ok(());
     super::visit_parameters(m, "", false, &mut |name, p| {
-        if res.is_err() {
-            return;
-        }
-        let Ok(d) = p.data() else { return };
+        let Ok(d) = p.data() else { return Ok(()) };
         if d.device() != crate::backend::Device::Meta {
-            return;
+            return Ok(());
         }
         let new = match done.iter().find(|(meta, _)| meta.same_view(d)) {
             Some((_, t)) => Ok(t.clone()),
@@ -264,13 +206,12 @@ pub fn materialize(m: &mut dyn super::Module) -> Result<()> {
                 .materialize()
                 .inspect(|t| done.push((d.clone(), t.clone()))),
         };
-        res = match new {
+        match new {
             Ok(t) => p.set_data(Some(t)),
             Err(_) => Err(crate::error::Error::NotMaterialized {
                 name: name.to_string(),
                 state: "meta without an initializer",
             }),
-        };
-    });
-    res
+        }
+    })
 }

@@ -1,7 +1,7 @@
 //! `LayerNorm` over the last dimension (`torch.nn.LayerNorm(C)`, eps 1e-5, affine), on the
 //! device of its parameters.
 
-use super::{Context, InitKey, Module, Parameter};
+use super::{Context, InitKey, Module, ParamVisitor, Parameter};
 use crate::error::{Error, Result};
 use crate::ops::{self, LayerNormSaved};
 use crate::tensor::Tensor;
@@ -64,8 +64,8 @@ impl Module for LayerNorm {
         ops::layer_norm_backward(dy, &saved, &w, dw.as_ref(), db.as_ref())
     }
 
-    fn for_each_param(&mut self, f: &mut dyn FnMut(&str, &mut Parameter)) {
-        f("weight", &mut self.weight);
-        f("bias", &mut self.bias);
+    fn for_each_param(&mut self, f: &mut ParamVisitor<'_>) -> Result<()> {
+        f("weight", &mut self.weight)?;
+        f("bias", &mut self.bias)
     }
 }

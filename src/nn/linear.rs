@@ -1,6 +1,6 @@
 //! `Linear`: `y = x @ W^T + b` (`torch.nn.Linear`), on the device of its parameters.
 
-use super::{Context, InitKey, Module, Parameter};
+use super::{Context, InitKey, Module, ParamVisitor, Parameter};
 use crate::error::{Error, Result};
 use crate::ops::{self, MatmulDims, Transpose};
 use crate::tensor::Tensor;
@@ -159,10 +159,11 @@ impl Module for Linear {
         Ok(dx)
     }
 
-    fn for_each_param(&mut self, f: &mut dyn FnMut(&str, &mut Parameter)) {
-        f("weight", &mut self.weight);
-        if let Some(b) = &mut self.bias {
-            f("bias", b);
+    fn for_each_param(&mut self, f: &mut ParamVisitor<'_>) -> Result<()> {
+        f("weight", &mut self.weight)?;
+        match &mut self.bias {
+            Some(b) => f("bias", b),
+            None => Ok(()),
         }
     }
 }

@@ -44,9 +44,10 @@ pub use gpt::{GptConfig, GPT};
 pub use init::{materialize, on_meta_device, InitKey, ParamInit};
 pub use layernorm::LayerNorm;
 pub use linear::Linear;
+pub(crate) use module::visit_all;
 pub use module::{
     join_name, num_parameters, parameter_shapes, visit_parameters, zero_grad, ChildVisitor,
-    Context, Module,
+    Context, Module, ParamVisitor,
 };
 pub use parameter::Parameter;
 pub use torch_rng::TorchGenerator;

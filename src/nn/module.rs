@@ -34,6 +34,10 @@ impl Context {
 /// the walk.
 pub type ChildVisitor<'a> = dyn FnMut(&str, &mut Box<dyn Module>) -> Result<()> + 'a;
 
+/// The callback of [`Module::for_each_param`] and [`visit_parameters`]: `(name,
+/// parameter)`; an error stops the walk and is returned by it.
+pub type ParamVisitor<'a> = dyn FnMut(&str, &mut Parameter) -> Result<()> + 'a;
+
 /// A layer or model with an explicit backward pass (`torch.nn.Module` without autograd).
 pub trait Module: Send {
     /// Type name used by wrap policies (`transformer_auto_wrap_policy` matches it), e.g.
@@ -50,8 +54,12 @@ pub trait Module: Send {
 
     /// Visits the parameters registered directly on this module (not its children's), in
     /// registration order, with their local names (`"weight"`).
-    fn for_each_param(&mut self, f: &mut dyn FnMut(&str, &mut Parameter)) {
+    ///
+    /// # Errors
+    /// The first error `f` returns; the parameters after it are not visited.
+    fn for_each_param(&mut self, f: &mut ParamVisitor<'_>) -> Result<()> {
         let _ = f;
+        Ok(())
     }
 
     /// Visits the child modules in registration order with their attribute names
@@ -86,38 +94,51 @@ pub fn join_name(prefix: &str, name: &str) -> String {
 /// order), as `torch.nn.Module.named_parameters()`, with fully qualified names.
 /// `stop_at_units` skips the subtrees of nested FSDP units (not `m` itself): that is the
 /// set of parameters a unit flattens (FSDP1 `_get_orig_params` minus nested units).
+///
+/// # Errors
+/// The first error `f` (or a module's own walk) returns; the walk stops there.
 pub fn visit_parameters(
     m: &mut dyn Module,
     prefix: &str,
     stop_at_units: bool,
-    f: &mut dyn FnMut(&str, &mut Parameter),
-) {
-    m.for_each_param(&mut |name, p| f(&join_name(prefix, name), p));
-    let _ = m.for_each_child(&mut |name, child| {
-        if !(stop_at_units && child.is_fsdp_unit()) {
-            visit_parameters(child.as_mut(), &join_name(prefix, name), stop_at_units, f);
+    f: &mut ParamVisitor<'_>,
+) -> Result<()> {
+    m.for_each_param(&mut |name, p| f(&join_name(prefix, name), p))?;
+    m.for_each_child(&mut |name, child| {
+        if stop_at_units && child.is_fsdp_unit() {
+            return Ok(());
         }
+        visit_parameters(child.as_mut(), &join_name(prefix, name), stop_at_units, f)
+    })
+}
+
+/// [`visit_parameters`] over the whole tree with a closure that cannot fail, for the
+/// read-only summaries below. A module's walk only passes its visitor's errors on (every
+/// module of this crate), so none can arise; a walk that made one up on its own is cut
+/// short where it failed (checked in debug builds).
+pub(crate) fn visit_all(m: &mut dyn Module, mut f: impl FnMut(&str, &mut Parameter)) {
+    let walked = visit_parameters(m, "", false, &mut |n, p| {
+        f(n, p);
         Ok(())
     });
+    debug_assert!(walked.is_ok(), "a module's walk failed: {walked:?}");
 }
 
 /// `(fully qualified name, shape)` of every parameter, in `named_parameters()` order.
 pub fn parameter_shapes(m: &mut dyn Module) -> Vec<(String, Vec<usize>)> {
     let mut out = Vec::new();
-    visit_parameters(m, "", false, &mut |n, p| {
-        out.push((n.to_string(), p.shape().to_vec()))
-    });
+    visit_all(m, |n, p| out.push((n.to_string(), p.shape().to_vec())));
     out
 }
 
 /// Total element count of all parameters below `m`.
 pub fn num_parameters(m: &mut dyn Module) -> usize {
     let mut n = 0;
-    visit_parameters(m, "", false, &mut |_, p| n += p.numel());
+    visit_all(m, |_, p| n += p.numel());
     n
 }
 
 /// Drops every parameter's gradient below `m` (`model.zero_grad(set_to_none=True)`).
 pub fn zero_grad(m: &mut dyn Module) {
-    visit_parameters(m, "", false, &mut |_, p| p.set_grad(None));
+    visit_all(m, |_, p| p.set_grad(None));
 }

@@ -1,8 +1,8 @@
 //! Pointwise activations on any device: `y = f(x)` and `dx = dy * f'(x)` for ReLU and
 //! exact (erf) GELU. CPU: the reference loops of [`crate::backend::cpu::kernels`] (the
-//! scalar functions of [`crate::nn`]) over contiguous pieces, in parallel; CUDA:
-//! `relu_*_f32` / `gelu_*_f32` of `nn.cu`, which use the same polynomials and round alike
-//! (bitwise equal).
+//! scalar functions of [`crate::backend::cpu::scalar`]) over contiguous pieces, in
+//! parallel; CUDA: `relu_*_f32` / `gelu_*_f32` of `nn.cu`, which use the same polynomials
+//! and round alike (bitwise equal).
 
 use super::{check_f32, same_device};
 use crate::backend::cpu::kernels as cpu;

@@ -248,7 +248,7 @@ pub fn buffer_names(kind: &str) -> &'static [&'static str] {
 /// with its current gradient, in `named_parameters()` order.
 pub fn parameters(m: &mut dyn crate::nn::Module) -> Vec<ParamGrad> {
     let mut out = Vec::new();
-    crate::nn::visit_parameters(m, "", false, &mut |_, p| {
+    crate::nn::visit_all(m, |_, p| {
         if let (true, Ok(d)) = (p.requires_grad, p.data()) {
             out.push(ParamGrad {
                 param: d.clone(),
@@ -263,7 +263,7 @@ pub fn parameters(m: &mut dyn crate::nn::Module) -> Vec<ParamGrad> {
 /// what [`no_decay_groups`] and named groups are built from.
 pub fn parameter_names(m: &mut dyn crate::nn::Module) -> Vec<(String, Vec<usize>)> {
     let mut out = Vec::new();
-    crate::nn::visit_parameters(m, "", false, &mut |name, p| {
+    crate::nn::visit_all(m, |name, p| {
         if let (true, Ok(d)) = (p.requires_grad, p.data()) {
             out.push((name.to_string(), d.shape().to_vec()));
         }
@@ -272,7 +272,8 @@ pub fn parameter_names(m: &mut dyn crate::nn::Module) -> Vec<(String, Vec<usize>
 }
 
 /// Which optimizer `fsdp train` builds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum OptimizerKind {
     /// [`SGD`] (`torch.optim.SGD`) with no momentum and no weight decay (`--optimizer sgd`).
     Sgd,

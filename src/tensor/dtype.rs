@@ -1,58 +1,9 @@
-//! Element types and the trait that maps a Rust scalar to its [`DType`].
+//! [`Element`]: the trait that maps a Rust scalar to its [`DType`] and to a storage
+//! [`Buffer`] of that type.
 
 use super::Buffer;
+use crate::dtype::DType;
 use half::{bf16, f16};
-
-/// The element type of a tensor. Names and widths follow `torch.dtype`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-pub enum DType {
-    /// IEEE binary32.
-    F32,
-    /// bfloat16 (8 exponent bits, 7 mantissa bits), as `torch.bfloat16`.
-    BF16,
-    /// IEEE binary16, as `torch.float16`.
-    F16,
-    /// 32-bit signed integer (token ids), as `torch.int32`.
-    I32,
-}
-
-impl DType {
-    /// Bytes per element.
-    pub fn size_in_bytes(self) -> usize {
-        match self {
-            DType::F32 | DType::I32 => 4,
-            DType::BF16 | DType::F16 => 2,
-        }
-    }
-
-    /// True for the floating-point types.
-    pub fn is_float(self) -> bool {
-        !matches!(self, DType::I32)
-    }
-
-    /// Relative rounding error of one operation in this type (machine epsilon), used by
-    /// dtype-aware tolerances: f32 2^-23, bf16 2^-7 (stored mantissa bits), f16 2^-10.
-    pub fn epsilon(self) -> f32 {
-        match self {
-            DType::F32 => f32::EPSILON,
-            DType::BF16 => 1.0 / 128.0,
-            DType::F16 => 1.0 / 1024.0,
-            DType::I32 => 0.0,
-        }
-    }
-}
-
-impl std::fmt::Display for DType {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let s = match self {
-            DType::F32 => "f32",
-            DType::BF16 => "bf16",
-            DType::F16 => "f16",
-            DType::I32 => "i32",
-        };
-        f.write_str(s)
-    }
-}
 
 mod sealed {
     pub trait Sealed {}

@@ -4,16 +4,22 @@
 //! Views share storage: [`Tensor::view`] is how a parameter becomes a window into its
 //! FlatParameter's unsharded buffer (FSDP1 `FlatParamHandle._get_unflat_views`), with no
 //! copy. Tensors are contiguous row-major; ops that need a transpose take it as a flag.
+//!
+//! This layer holds storage (host vectors, a device allocation behind
+//! [`DeviceAllocation`], or nothing on the meta device), views and host access, and
+//! imports no backend. The methods that move, copy, cast or fill a tensor by its device
+//! (`to_device`, `copy_from`, `to_dtype`, `zeros_on`, `zero_`, `to_vec_f32`) are defined
+//! one layer up, in `backend/tensor.rs`, where the backends are.
 
-mod device;
 mod dtype;
 pub mod pool;
 mod storage;
 
-pub use dtype::{DType, Element};
-pub use storage::{Buffer, Storage};
+pub use crate::device::Device;
+pub use crate::dtype::DType;
+pub use dtype::Element;
+pub use storage::{Buffer, DeviceAllocation, Storage};
 
-use crate::backend::Device;
 use crate::error::{Error, Result};
 use parking_lot::{
     MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLockReadGuard, RwLockWriteGuard,
@@ -50,12 +56,34 @@ pub fn numel_of(shape: &[usize]) -> usize {
 
 impl Tensor {
     fn from_buffer(buf: Buffer, shape: &[usize]) -> Tensor {
+        Self::from_buffer_at(buf, 0, shape)
+    }
+
+    /// A view of `shape` at element `offset` of a new storage holding `buf` (a backend
+    /// wrapping memory it allocated, e.g. a CUDA block).
+    pub(crate) fn from_buffer_at(buf: Buffer, offset: usize, shape: &[usize]) -> Tensor {
         let dtype = buf.dtype();
         Tensor {
             storage: Arc::new(Storage::new(buf)),
-            offset: 0,
+            offset,
             shape: shape.to_vec(),
             dtype,
+        }
+    }
+
+    /// Read access to the whole storage buffer this tensor views (for the backends: a CUDA
+    /// tensor's allocation).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // only the CUDA backend reads it
+    pub(crate) fn buffer(&self) -> parking_lot::RwLockReadGuard<'_, Buffer> {
+        self.storage.buf.read()
+    }
+
+    /// The error for asking host data of a device tensor.
+    pub(crate) fn not_on_host(&self, op: &'static str) -> Error {
+        Error::DeviceMismatch {
+            op,
+            expected: Device::Cpu.to_string(),
+            got: self.device().to_string(),
         }
     }
 
@@ -85,7 +113,7 @@ impl Tensor {
 
     /// An f32 tensor on `Device::Meta` whose element `i` will be `init.value_at(i)` once
     /// materialized (deferred init: FSDP computes only the local shard's elements).
-    pub fn meta_init(shape: &[usize], init: crate::nn::ParamInit) -> Tensor {
+    pub fn meta_init(shape: &[usize], init: crate::init::ParamInit) -> Tensor {
         Self::from_buffer(
             Buffer::Meta {
                 len: numel_of(shape),
@@ -98,7 +126,7 @@ impl Tensor {
 
     /// For a meta tensor built with [`Tensor::meta_init`], its initializer and the element
     /// index of this view's first element; `None` otherwise.
-    pub fn meta_initializer(&self) -> Option<(crate::nn::ParamInit, u64)> {
+    pub fn meta_initializer(&self) -> Option<(crate::init::ParamInit, u64)> {
         match &*self.storage.buf.read() {
             Buffer::Meta { init: Some(i), .. } => Some((*i, self.offset as u64)),
             _ => None,
@@ -281,98 +309,6 @@ impl Tensor {
         }
         Ok(())
     }
-
-    /// Copies the elements out as f32 (widening bf16/f16/i32); a CUDA tensor is copied to
-    /// the host first (after its stream's queued work).
-    pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
-        if self.device().is_cuda() {
-            return self.to_device(Device::Cpu)?.to_vec_f32();
-        }
-        Ok(match self.dtype {
-            DType::F32 => self.data::<f32>()?.to_vec(),
-            DType::BF16 => self
-                .data::<half::bf16>()?
-                .iter()
-                .map(|v| v.to_f32())
-                .collect(),
-            DType::F16 => self
-                .data::<half::f16>()?
-                .iter()
-                .map(|v| v.to_f32())
-                .collect(),
-            DType::I32 => self.data::<i32>()?.iter().map(|&v| v as f32).collect(),
-        })
-    }
-
-    /// A new tensor of `dtype` on the same device with these values
-    /// (round-to-nearest-even when narrowing).
-    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
-        let out = if self.device() == Device::Cpu && dtype == DType::F32 {
-            Tensor::scratch_f32(&self.shape) // copy_from overwrites every element
-        } else {
-            Tensor::zeros_on(&self.shape, dtype, self.device())?
-        };
-        out.copy_from(self)?;
-        Ok(out)
-    }
-
-    /// A copy with its own storage.
-    pub fn deep_clone(&self) -> Result<Tensor> {
-        self.to_dtype(self.dtype)
-    }
-
-    /// `self = src`, casting dtype as needed. Shapes need only agree in element count.
-    ///
-    /// # Errors
-    /// `ShapeMismatch` when element counts differ.
-    pub fn copy_from(&self, src: &Tensor) -> Result<()> {
-        if src.numel() != self.numel() {
-            return Err(Error::ShapeMismatch {
-                op: "copy_from",
-                expected: self.shape.clone(),
-                got: src.shape.clone(),
-            });
-        }
-        if self.device().is_cuda() || src.device().is_cuda() {
-            return self.copy_from_device(src);
-        }
-        if self.shares_storage(src) {
-            // Same lock: read into a temporary first instead of deadlocking.
-            let tmp = src.deep_clone()?;
-            return self.copy_from(&tmp);
-        }
-        macro_rules! cast_into {
-            ($t:ty) => {{
-                let mut dst = self.data_mut::<$t>()?;
-                crate::backend::cpu::ops::cast_into(src, &mut dst)
-            }};
-        }
-        match self.dtype {
-            DType::F32 => cast_into!(f32),
-            DType::BF16 => cast_into!(half::bf16),
-            DType::F16 => cast_into!(half::f16),
-            DType::I32 => cast_into!(i32),
-        }
-    }
-
-    /// Sets every element to zero.
-    pub fn zero_(&self) -> Result<()> {
-        if self.device().is_cuda() {
-            return self.zero_device();
-        }
-        macro_rules! fill {
-            ($t:ty) => {{
-                self.data_mut::<$t>()?.fill(<$t as Element>::zero());
-            }};
-        }
-        match self.dtype {
-            DType::F32 => fill!(f32),
-            DType::BF16 => fill!(half::bf16),
-            DType::F16 => fill!(half::f16),
-            DType::I32 => fill!(i32),
-        }
-        Ok(())
-    }
 }
 
 fn buffer_slice<T: Element>(b: &Buffer) -> &[T] {
@@ -382,7 +318,6 @@ fn buffer_slice<T: Element>(b: &Buffer) -> &[T] {
         Buffer::F16(v) => bytemuck::cast_slice(v),
         Buffer::I32(v) => bytemuck::cast_slice(v),
         Buffer::Meta { .. } => &[],
-        #[cfg(feature = "cuda")]
         Buffer::Cuda { .. } => &[],
     }
 }
@@ -394,7 +329,6 @@ fn buffer_slice_mut<T: Element>(b: &mut Buffer) -> &mut [T] {
         Buffer::F16(v) => bytemuck::cast_slice_mut(v),
         Buffer::I32(v) => bytemuck::cast_slice_mut(v),
         Buffer::Meta { .. } => &mut [],
-        #[cfg(feature = "cuda")]
         Buffer::Cuda { .. } => &mut [],
     }
 }

@@ -6,7 +6,7 @@
 //! pool) since the process started; tests and `fsdp bench` read it per step. The pool
 //! keeps at most [`POOL_BYTES`].
 //!
-//! A pooled buffer is handed out either zeroed ([`take_f32`] with `zeroed`) or holding a
+//! A pooled buffer is handed out either zeroed (`take_f32` with `zeroed`) or holding a
 //! previous tensor's values, for an op that overwrites every element of its output
 //! ([`crate::ops`]' outputs): stale values are valid f32s, never uninitialized memory.
 

@@ -4,9 +4,24 @@
 //! unsharded buffer is viewed by every original parameter of the unit). Access goes through a
 //! read/write lock: reads are shared, writes exclusive, so two views never race.
 
-use crate::backend::Device;
-use crate::tensor::DType;
+use crate::device::Device;
+use crate::dtype::DType;
 use half::{bf16, f16};
+use std::any::Any;
+use std::sync::Arc;
+
+/// Memory a backend allocated on a device, as the tensor layer sees it: an ordinal and a
+/// size. The tensor layer imports no backend, so a [`Buffer::Cuda`] holds its allocation
+/// behind this trait; the CUDA backend's `DeviceBuffer` implements it and gets itself back
+/// through [`DeviceAllocation::into_any`].
+pub trait DeviceAllocation: std::fmt::Debug + Send + Sync + 'static {
+    /// The device ordinal (`cuda:i`).
+    fn ordinal(&self) -> usize;
+    /// Size in bytes.
+    fn len_bytes(&self) -> usize;
+    /// The allocation as `Any`, for the backend that made it to downcast.
+    fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
+}
 
 /// The typed contents of a storage.
 #[derive(Debug)]
@@ -19,13 +34,13 @@ pub enum Buffer {
     F16(Vec<f16>),
     /// `DType::I32` values (`torch.int32`), 4 bytes each, e.g. token ids.
     I32(Vec<i32>),
-    /// Device memory (`Device::Cuda`): a caching-allocator block holding `len` elements of
-    /// `dtype`. Its contents are reached through [`crate::backend::cuda::DeviceTensor`]
-    /// views and the ops of the CUDA backend, never as host slices.
-    #[cfg(feature = "cuda")]
+    /// Device memory (`Device::Cuda`): a block of the CUDA backend's caching allocator
+    /// holding `len` elements of `dtype`. Its contents are reached through the backend's
+    /// `DeviceTensor` views and ops, never as host slices. Only a build with the `cuda`
+    /// feature makes one.
     Cuda {
         /// The allocation, shared with `DeviceTensor` views of it.
-        buf: std::sync::Arc<crate::backend::cuda::DeviceBuffer>,
+        buf: Arc<dyn DeviceAllocation>,
         /// Element type.
         dtype: DType,
         /// Element count.
@@ -39,7 +54,7 @@ pub enum Buffer {
         /// Element type the buffer stands for.
         dtype: DType,
         /// The initializer of element `i` (deferred init), if known.
-        init: Option<crate::nn::ParamInit>,
+        init: Option<crate::init::ParamInit>,
     },
 }
 
@@ -65,7 +80,6 @@ impl Buffer {
             Buffer::BF16(v) => v.len(),
             Buffer::F16(v) => v.len(),
             Buffer::I32(v) => v.len(),
-            #[cfg(feature = "cuda")]
             Buffer::Cuda { len, .. } => *len,
             Buffer::Meta { len, .. } => *len,
         }
@@ -83,7 +97,6 @@ impl Buffer {
             Buffer::BF16(_) => DType::BF16,
             Buffer::F16(_) => DType::F16,
             Buffer::I32(_) => DType::I32,
-            #[cfg(feature = "cuda")]
             Buffer::Cuda { dtype, .. } => *dtype,
             Buffer::Meta { dtype, .. } => *dtype,
         }
@@ -103,7 +116,6 @@ impl Storage {
     pub fn new(buf: Buffer) -> Storage {
         let device = match &buf {
             Buffer::Meta { .. } => Device::Meta,
-            #[cfg(feature = "cuda")]
             Buffer::Cuda { buf, .. } => Device::Cuda(buf.ordinal()),
             _ => Device::Cpu,
         };

@@ -5,7 +5,8 @@ use crate::backend::Device;
 use crate::error::Result;
 
 /// The device `fsdp train` runs on (`--device`), default `cpu`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum TrainDevice {
     /// The CPU backend, the reference (`--device cpu`).
     #[default]

@@ -6,7 +6,7 @@ use crate::distributed::staged;
 use crate::distributed::{Group, ReduceOp};
 use crate::error::Result;
 use crate::fsdp::FullyShardedDataParallel;
-use crate::nn::{visit_parameters, Context, Module};
+use crate::nn::{visit_all, visit_parameters, Context, Module};
 use crate::optim::{Optimizer, ParamGrad};
 use crate::tensor::{DType, Tensor};
 
@@ -56,25 +56,18 @@ pub fn device_peak_bytes(device: Device) -> usize {
 /// for a meta parameter without an initializer.
 pub fn module_to_device(m: &mut dyn Module, device: Device) -> Result<()> {
     let mut moved: Vec<(Tensor, Tensor)> = Vec::new();
-    let mut res: Result<()> = Ok(());
     visit_parameters(m, "", false, &mut |_, p| {
-        if res.is_err() {
-            return;
-        }
-        res = (|| {
-            let Ok(d) = p.data() else { return Ok(()) };
-            let t = match moved.iter().find(|(from, _)| from.same_view(d)) {
-                Some((_, to)) => to.clone(),
-                None => {
-                    let to = d.to_device(device)?;
-                    moved.push((d.clone(), to.clone()));
-                    to
-                }
-            };
-            p.set_data(Some(t))
-        })();
-    });
-    res
+        let Ok(d) = p.data() else { return Ok(()) };
+        let t = match moved.iter().find(|(from, _)| from.same_view(d)) {
+            Some((_, to)) => to.clone(),
+            None => {
+                let to = d.to_device(device)?;
+                moved.push((d.clone(), to.clone()));
+                to
+            }
+        };
+        p.set_data(Some(t))
+    })
 }
 
 impl RankMemory {
@@ -136,9 +129,7 @@ impl Engine {
             Engine::Fsdp(m) => m.clip_grad_norm_tensor_(max_norm, 2.0),
             Engine::Plain(m) => {
                 let mut grads = Vec::new();
-                visit_parameters(m.as_mut(), "", false, &mut |_, p| {
-                    grads.extend(p.grad().cloned())
-                });
+                visit_all(m.as_mut(), |_, p| grads.extend(p.grad().cloned()));
                 let mut sq = 0.0f64;
                 for g in &grads {
                     sq += crate::ops::sum_squares(g)?;
@@ -158,9 +149,7 @@ impl Engine {
     pub fn zero_grad(&mut self) {
         match self {
             Engine::Fsdp(m) => m.zero_grad(),
-            Engine::Plain(m) => {
-                visit_parameters(m.as_mut(), "", false, &mut |_, p| p.set_grad(None))
-            }
+            Engine::Plain(m) => crate::nn::zero_grad(m.as_mut()),
         }
     }
 
@@ -184,7 +173,7 @@ impl Engine {
             }
             Engine::Plain(m) => {
                 let (mut p, mut g) = (0, 0);
-                visit_parameters(m.as_mut(), "", false, &mut |_, q| {
+                visit_all(m.as_mut(), |_, q| {
                     p += q.numel() * 4;
                     g += q.grad().map_or(0, |t| t.nbytes());
                 });
@@ -207,7 +196,7 @@ impl Engine {
             Engine::Fsdp(m) => m.compute_device(),
             Engine::Plain(m) => {
                 let mut d = Device::Cpu;
-                visit_parameters(m.as_mut(), "", false, &mut |_, p| {
+                visit_all(m.as_mut(), |_, p| {
                     if let Ok(t) = p.data() {
                         if d == Device::Cpu {
                             d = t.device();

@@ -1,7 +1,8 @@
 //! A hidden, test-only fault hook of `fsdp train`: `FSDP_FAIL_RANK=<rank>[:<step>]` makes
 //! that rank return an error in that 1-based step (default 1), between its forward and
 //! backward, so tests can check that one failing rank ends the whole job promptly with a
-//! message naming it. Not a `TrainConfig` field and not in `--help`.
+//! message naming it. Not a `TrainConfig` field and not in `--help`; read only in builds
+//! with the `test-hooks` feature (others never inject a failure).
 
 use crate::error::{Error, Result};
 
@@ -10,6 +11,7 @@ pub(crate) const VAR: &str = "FSDP_FAIL_RANK";
 
 /// Where the injected failure happens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))] // never built then
 pub(crate) struct FailAt {
     rank: usize,
     step: usize,
@@ -21,6 +23,7 @@ impl FailAt {
     /// # Errors
     /// `InvalidArgument` naming the variable and its value when it does not parse or names
     /// a rank or step the run does not have.
+    #[cfg(feature = "test-hooks")]
     pub(crate) fn from_env(world_size: usize, steps: usize) -> Result<Option<FailAt>> {
         match std::env::var(VAR) {
             Ok(v) if !v.trim().is_empty() => Self::parse(&v, world_size, steps).map(Some),
@@ -31,6 +34,14 @@ impl FailAt {
         }
     }
 
+    /// Without the `test-hooks` feature: never a failure.
+    #[cfg(not(feature = "test-hooks"))]
+    pub(crate) fn from_env(world_size: usize, steps: usize) -> Result<Option<FailAt>> {
+        let _ = (world_size, steps);
+        Ok(None)
+    }
+
+    #[cfg(any(test, feature = "test-hooks"))]
     fn parse(v: &str, world_size: usize, steps: usize) -> Result<FailAt> {
         let bad = |why: String| Error::InvalidArgument(format!("{VAR}='{v}': {why}"));
         let (rank, step) = match v.trim().split_once(':') {

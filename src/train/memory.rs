@@ -28,8 +28,8 @@
 //! 9.3 GiB measured in seven runs of 2 to 12 steps (the estimate was 18.4 GiB before the
 //! slack counted the buffer pool's reuse).
 
+use super::config::TrainConfig;
 use super::data::VOCAB_SIZE;
-use super::job::TrainConfig;
 use super::options::{Precision, WrapMode};
 use crate::distributed::{available_memory_bytes, thread_rank_bytes};
 use crate::error::{Error, Result};

@@ -4,13 +4,14 @@
 //! |---|---|
 //! | data loading, splits, world-size-independent batches | `data.rs` |
 //! | FSDP or plain engine, memory figures | `engine.rs` |
-//! | the training loop, config, metrics | `job.rs` |
+//! | `TrainConfig`: every option, its default, the lr of a step | `config.rs` |
+//! | the training loop, step records, the observer | `job.rs` |
 //! | `TrainConfig::validate`: every option, the most specific problem first | `validate.rs` |
 //! | the memory estimate and the check against available memory | `memory.rs` |
 //! | one rank of a multi-process job (`fsdp launch`, torchrun) | `process.rs` |
 //! | `--device`, its availability check, each rank's GPU, the peak-FLOP/s table for MFU | `device.rs` |
 //! | wrap mode, precision, lr schedule, checkpoint layout | `options.rs` |
-//! | the hidden test-only fault hook `FSDP_FAIL_RANK` | `fault.rs` |
+//! | the hidden test-only fault hook `FSDP_FAIL_RANK` (feature `test-hooks`) | `fault.rs` |
 //! | checkpoints: `--save-dir`, `--save-every`, `--resume` | `resume.rs` |
 //! | the save directory: one run per directory, `--overwrite`, rotation by run id | `save_dir.rs` |
 //! | cross-checks of a checkpoint's step and world size against its other records | `recorded.rs` |
@@ -18,6 +19,7 @@
 //! | generation | `sample.rs` |
 //! | `DistributedSampler`: each rank's indices of an epoch | `sampler.rs` |
 
+mod config;
 pub mod data;
 mod device;
 pub mod engine;
@@ -35,12 +37,11 @@ mod sampler;
 mod save_dir;
 mod validate;
 
+pub use config::TrainConfig;
 pub use device::{gpu_summary, mfu, peak_flops, TrainDevice};
 pub use engine::{global_mean_loss, mean_over_ranks};
-pub use job::{
-    build_engine, train, CheckpointType, LrSchedule, Observer, Precision, Preset, Silent,
-    StepRecord, TrainConfig, TrainReport, WrapMode,
-};
+pub use job::{build_engine, train, Observer, Silent, StepRecord, TrainReport};
 pub use memory::MemoryEstimate;
+pub use options::{CheckpointType, LrSchedule, Precision, Preset, WrapMode};
 pub use process::{train_rank, RankEnv};
 pub use sampler::DistributedSampler;

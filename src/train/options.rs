@@ -1,9 +1,8 @@
 //! Options of the main job that are not plain numbers: wrap mode, precision, learning-rate
-//! schedule, checkpoint layout, model presets.
+//! schedule, checkpoint layout, model presets. Plain enums:
+//! [`TrainConfig`](super::TrainConfig) holds them, and nothing here knows the config.
 
-use super::job::TrainConfig;
 use crate::fsdp::MixedPrecision;
-use crate::optim::{CosineAnnealingLR, LinearLR, LrScheduler, SequentialLR};
 use crate::tensor::DType;
 
 /// How the model is split into FSDP units (`--wrap transformer|size:N|none`).
@@ -44,7 +43,8 @@ impl std::fmt::Display for WrapMode {
 }
 
 /// Layout of the checkpoints `fsdp train` saves (`--checkpoint-type`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum CheckpointType {
     /// One file per rank holding distinct shards, plus the index (SHARDED_STATE_DICT).
     #[default]
@@ -54,7 +54,8 @@ pub enum CheckpointType {
 }
 
 /// Compute precision of `fsdp train` (`--mixed-precision`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum Precision {
     /// f32 throughout.
     #[default]
@@ -77,8 +78,9 @@ impl Precision {
 }
 
 /// How the learning rate moves over a run (built from `torch.optim.lr_scheduler`'s
-/// schedules by [`TrainConfig::lr_scheduler`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+/// schedules by [`TrainConfig::lr_scheduler`](super::TrainConfig::lr_scheduler)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum LrSchedule {
     /// `lr` at every step after the warm-up.
     Constant,
@@ -87,57 +89,14 @@ pub enum LrSchedule {
     Cosine,
 }
 
-impl TrainConfig {
-    /// The warm-up actually used: `warmup_steps`, capped at `steps` (a longer warm-up
-    /// ramps over the whole run).
-    pub fn effective_warmup(&self) -> usize {
-        self.warmup_steps.min(self.steps)
-    }
-
-    /// The run's schedule as `torch.optim.lr_scheduler` builds it, epoch `e` being step
-    /// `e + 1`: with a warm-up of `W` steps, `SequentialLR([LinearLR(1/W, 1, W - 1), after],
-    /// milestones=[W])`, where `after` is a constant factor 1 (`LinearLR(1, 1, 0)`) or
-    /// `CosineAnnealingLR(T_max = steps - W - 1, eta_min = lr / 10)` (nanoGPT's: full lr at
-    /// the first step after the warm-up, lr / 10 at the last).
-    pub fn lr_scheduler(&self) -> Box<dyn LrScheduler> {
-        let warmup = self.effective_warmup();
-        let after: Box<dyn LrScheduler> = match self.lr_schedule {
-            LrSchedule::Constant => Box::new(LinearLR {
-                start_factor: 1.0,
-                end_factor: 1.0,
-                total_iters: 0,
-            }),
-            LrSchedule::Cosine => Box::new(CosineAnnealingLR {
-                t_max: self.steps.saturating_sub(warmup + 1),
-                eta_min: self.lr as f64 / 10.0,
-            }),
-        };
-        if warmup == 0 {
-            return after;
-        }
-        let warm = Box::new(LinearLR {
-            start_factor: 1.0 / warmup as f64,
-            end_factor: 1.0,
-            total_iters: warmup - 1,
-        });
-        Box::new(SequentialLR::pair(warm, warmup, after))
-    }
-
-    /// The learning rate of 1-based step `step` ([`lr_scheduler`](Self::lr_scheduler) at
-    /// epoch `step - 1`, rounded to f32).
-    pub fn lr_at(&self, step: usize) -> f32 {
-        self.lr_scheduler()
-            .lr(self.lr as f64, step.saturating_sub(1)) as f32
-    }
-}
-
 /// Named model shapes (`--preset`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum Preset {
     /// GPT-2 small's shape (12 layers, width 768, 12 heads, 1024 tokens) with the byte
     /// vocabulary of 256: about 86M parameters (124M with GPT-2's 50257-token vocabulary).
     /// The numbers of `GptConfig::gpt2_124m`.
-    #[value(name = "gpt2-124m")]
+    #[cfg_attr(feature = "cli", value(name = "gpt2-124m"))]
     Gpt2_124m,
 }
 

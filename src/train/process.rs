@@ -3,8 +3,9 @@
 //! `init_process_group` (backend `tcp` on the CPU) and runs the same per-rank loop as the
 //! thread ranks of [`train`](super::train), so the losses are the same bit for bit.
 
+use super::config::TrainConfig;
 use super::data::TextDataset;
-use super::job::{run_rank, Observer, TrainConfig, TrainReport};
+use super::job::{run_rank, Observer, TrainReport};
 use super::TrainDevice;
 use crate::distributed::{
     abort_process_group, destroy_process_group, init_process_group, InitOptions,

@@ -5,7 +5,7 @@
 //! writes). The index's own fields against its file names are checked by the checkpoint
 //! loader (`checkpoint::verify`).
 
-use super::job::TrainConfig;
+use super::config::TrainConfig;
 use super::save_dir::step_of;
 use crate::checkpoint::{Index, INDEX_FILE};
 use crate::error::{Error, Result};

@@ -9,9 +9,9 @@
 //! seed and the next step, both in the checkpoint's index (`extra.rng`). The learning rate
 //! is a function of the step and the config.
 
+use super::config::TrainConfig;
 use super::data::TextDataset;
 use super::engine::Engine;
-use super::job::TrainConfig;
 use super::options::CheckpointType;
 use super::save_dir::{self, run_id_of};
 use crate::checkpoint::{

@@ -6,7 +6,7 @@
 //! checkpoint's index records the run's id (`extra.run_id`, kept across resumes), and
 //! rotation deletes only checkpoints of this run.
 
-use super::job::TrainConfig;
+use super::config::TrainConfig;
 use crate::checkpoint::{read_index, resolve_checkpoint, INDEX_FILE, LATEST_FILE};
 use crate::error::{Error, Result};
 use std::path::{Path, PathBuf};

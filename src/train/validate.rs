@@ -2,8 +2,8 @@
 //! starts, the most specific problem first (a missing file before the options that use
 //! it).
 
+use super::config::TrainConfig;
 use super::data::TextDataset;
-use super::job::TrainConfig;
 use super::options::Precision;
 use crate::error::{Error, Result};
 
@@ -108,8 +108,7 @@ impl TrainConfig {
             if !self.strategy.is_hybrid() {
                 return bad(format!(
                     "--ranks-per-node applies to hybrid-shard and hybrid-shard-zero2, not {}",
-                    clap::ValueEnum::to_possible_value(&self.strategy)
-                        .map_or(String::new(), |v| v.get_name().to_string())
+                    self.strategy.flag_name()
                 ));
             }
             if n == 0 {

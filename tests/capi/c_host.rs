@@ -178,11 +178,15 @@ fn unsharded(run: Run) -> (Vec<(String, Vec<f32>)>, Vec<f32>) {
                 for g in p.grad().unwrap().to_vec_f32().unwrap() {
                     total += (g as f64) * (g as f64);
                 }
-            });
+                Ok(())
+            })
+            .unwrap();
             let coef = (run.clip / (total.sqrt() as f32 + 1e-6)).min(1.0);
             fsdp::nn::visit_parameters(m.as_mut(), "", false, &mut |_, p| {
                 fsdp::ops::scale_(p.grad().unwrap(), coef).unwrap();
-            });
+                Ok(())
+            })
+            .unwrap();
         }
         opt.step(&fsdp::optim::parameters(m.as_mut())).unwrap();
         fsdp::nn::zero_grad(m.as_mut());

@@ -14,7 +14,7 @@ use fsdp::Result;
 #[macro_export]
 macro_rules! backend_test {
     ($name:ident, $body:expr) => {
-        paste::paste! {
+        pastey::paste! {
             #[test]
             fn [<$name _cpu>]() {
                 let f: fn(&$crate::backend::Backend) -> fsdp::Result<()> = $body;

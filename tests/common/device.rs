@@ -14,7 +14,7 @@ use fsdp::tensor::Tensor;
 #[macro_export]
 macro_rules! device_test {
     ($name:ident, $body:expr) => {
-        paste::paste! {
+        pastey::paste! {
             #[test]
             fn [<$name _cpu>]() {
                 let f: fn(fsdp::backend::Device) -> fsdp::Result<()> = $body;

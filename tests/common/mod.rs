@@ -256,8 +256,10 @@ pub const STRATEGIES: [fsdp::fsdp::ShardingStrategy; 5] = [
 pub fn named_values(m: &mut dyn fsdp::nn::Module) -> Vec<(String, Vec<f32>)> {
     let mut out = Vec::new();
     fsdp::nn::visit_parameters(m, "", false, &mut |n, p| {
-        out.push((n.to_string(), p.data().unwrap().to_vec_f32().unwrap()))
-    });
+        out.push((n.to_string(), p.data().unwrap().to_vec_f32().unwrap()));
+        Ok(())
+    })
+    .unwrap();
     out
 }
 

@@ -8,9 +8,9 @@
 //! functions reproduce the loops of the modules in `src/nn/` (tests check they agree).
 
 use super::ops::exp;
+use super::scalar::{gelu, gelu_grad, relu, relu_grad};
 use super::simd::multiversion;
 use crate::error::{bail_arg, Error, Result};
-use crate::nn::{gelu, gelu_grad, relu, relu_grad};
 use crate::tensor::Element;
 
 fn check_len(op: &'static str, expected: usize, got: usize) -> Result<()> {

@@ -37,34 +37,7 @@ pub fn cast_slice<S: Element, T: Element>(src: &[S], dst: &mut [T]) {
     }
 }
 
-/// `e^x` to within 2 ulp for x in [-87, 88] (clamped outside), as Cephes' `expf`:
-/// `x = n ln2 + r`, a degree-6 polynomial for `e^r`, `2^n` from the exponent bits. Inline
-/// and branch-free so loops over tensors vectorize (glibc's `expf` is a call per element and
-/// was 9% of a CPU training step).
-#[inline]
-pub fn exp(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const C1: f32 = 0.693_359_4;
-    const C2: f32 = -2.121_944_4e-4;
-    // Round x / ln2 to the nearest integer n with the 1.5 * 2^23 trick: the sum's low
-    // mantissa bits are n. Plain float ops and a bitcast, so the loop vectorizes (floor()
-    // is a libm call and `as i32` a saturating scalar sequence on baseline x86-64).
-    const MAGIC: f32 = 12_582_912.0;
-    #[allow(clippy::manual_clamp)] // max/min: two SIMD ops, no NaN branch
-    let x = x.max(-87.3).min(88.3);
-    let z = x * LOG2E + MAGIC;
-    let n = z - MAGIC;
-    let k = z.to_bits().wrapping_sub(MAGIC.to_bits()) as i32;
-    let r = x - n * C1 - n * C2;
-    let p = 1.987_569_1e-4;
-    let p = p * r + 1.398_199_9e-3;
-    let p = p * r + 8.333_452e-3;
-    let p = p * r + 4.166_579_6e-2;
-    let p = p * r + 1.666_666_5e-1;
-    let p = p * r + 0.5;
-    let y = p * r * r + r + 1.0;
-    y * f32::from_bits((k.wrapping_add(127) as u32) << 23)
-}
+pub use super::scalar::exp;
 
 multiversion! {
     /// `dst[i] = dst[i] * alpha` in place.
@@ -111,17 +84,6 @@ pub fn sum_squares(x: &[f32]) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn exp_is_within_two_ulp_of_std() {
-        let mut worst = 0.0f32;
-        for i in -87_000..=88_000 {
-            let x = i as f32 / 1000.0;
-            let (got, want) = (exp(x), x.exp());
-            worst = worst.max(((got - want) / want).abs() / f32::EPSILON);
-        }
-        assert!(worst <= 2.0, "worst relative error {worst} ulp");
-    }
 
     #[test]
     fn casts_round_to_nearest_even() {

@@ -1,7 +1,7 @@
 //! Wider vectors for the reference loops, chosen at run time.
 //!
 //! The crate is built for baseline x86-64 (SSE2), so a loop that the compiler vectorizes
-//! gets 4-wide vectors. [`multiversion!`] compiles a function's body three times, for
+//! gets 4-wide vectors. `multiversion!` compiles a function's body three times, for
 //! AVX-512, for AVX2 and for the baseline, and runs the widest the CPU supports (checked
 //! once per process by the standard library's cached feature detection).
 //!

@@ -8,8 +8,8 @@
 
 use super::launch::{self, Arg, Grid};
 use super::{CudaDevice, Event, Stream};
-use crate::distributed::ReduceOp;
 use crate::error::{Error, Result};
+use crate::reduce::ReduceOp;
 use crate::tensor::DType;
 use cudarc::driver::{result as cu, sys};
 

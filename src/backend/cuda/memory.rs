@@ -277,6 +277,22 @@ impl DeviceBuffer {
     }
 }
 
+/// How a CUDA [`Tensor`](crate::tensor::Tensor)'s storage holds its block: the tensor
+/// layer sees an ordinal and a size, and `Tensor::as_device_tensor` downcasts back.
+impl crate::tensor::DeviceAllocation for DeviceBuffer {
+    fn ordinal(&self) -> usize {
+        DeviceBuffer::ordinal(self)
+    }
+
+    fn len_bytes(&self) -> usize {
+        DeviceBuffer::len_bytes(self)
+    }
+
+    fn into_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync> {
+        self
+    }
+}
+
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         if no_caching() {

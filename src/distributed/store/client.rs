@@ -4,6 +4,7 @@
 use super::protocol::{op, read_frame, status, write_frame, Decoder, Encoder, MAGIC, MAX_KEY};
 use super::{Store, TcpStoreServer};
 use crate::distributed::auth::JobAuth;
+use crate::distributed::backoff::Backoff;
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
 use std::io;
@@ -137,7 +138,11 @@ impl TcpStore {
     ) -> Result<TcpStore> {
         let addr = format!("{host}:{port}");
         let deadline = Instant::now() + timeout;
-        let mut backoff = Duration::from_millis(5);
+        let mut backoff = Backoff::new(
+            Duration::from_millis(5),
+            Duration::from_millis(100),
+            deadline,
+        );
         let mut last: Option<io::Error> = None;
         let stream = loop {
             let targets = resolve(host, port)?;
@@ -166,7 +171,7 @@ impl TcpStore {
                     e,
                 ));
             }
-            if Instant::now() + backoff >= deadline {
+            if !backoff.wait() {
                 let why = match last.as_ref().map(io::Error::kind) {
                     Some(io::ErrorKind::ConnectionRefused) => {
                         "nothing listens there (connection refused): rank 0 never started its store"
@@ -184,8 +189,6 @@ impl TcpStore {
                 });
             }
             last = None;
-            std::thread::sleep(backoff);
-            backoff = (backoff * 2).min(Duration::from_millis(100));
         };
         Ok(Self::greet(stream, addr, port, rank, timeout, &auth, timeout)?.0)
     }

@@ -14,6 +14,7 @@
 //! rank waits, whatever it waits for.
 
 use super::wire::{self, kind, Handshake, Payload, BYTE_ORDER, HANDSHAKE_LEN};
+use crate::distributed::backoff::Backoff;
 use crate::distributed::{JobAuth, Store};
 use crate::error::{Error, Result};
 use parking_lot::{Condvar, Mutex};
@@ -254,18 +255,20 @@ fn remaining(deadline: Instant) -> Duration {
 }
 
 fn connect_until(addr: &SocketAddr, deadline: Instant) -> Option<TcpStream> {
-    let mut backoff = Duration::from_millis(1);
+    let mut backoff = Backoff::new(
+        Duration::from_millis(1),
+        Duration::from_millis(50),
+        deadline,
+    );
     loop {
         if let Ok(s) =
             TcpStream::connect_timeout(addr, remaining(deadline).min(Duration::from_secs(2)))
         {
             return Some(s);
         }
-        if Instant::now() + backoff >= deadline {
+        if !backoff.wait() {
             return None;
         }
-        std::thread::sleep(backoff);
-        backoff = (backoff * 2).min(Duration::from_millis(50));
     }
 }
 

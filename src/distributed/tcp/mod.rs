@@ -28,7 +28,7 @@
 //! | `barrier` | the header only | the headers |
 //!
 //! The ranges of `all_reduce` are the `threads` backend's split, and the reductions are its
-//! kernel ([`kernels::reduce`](super::threads::kernels)): every value widens to f64, ranks
+//! kernel (`threads::kernels::reduce`): every value widens to f64, ranks
 //! combine in rank order `0..w`, `Avg` divides by `w`, one rounding into the dtype. So
 //! results equal the `threads` backend's bit for bit, for every dtype and size.
 //!
@@ -50,7 +50,7 @@ mod mesh_auth;
 mod wire;
 
 use super::desc::{check_descs, Desc};
-use super::init::Rendezvous;
+use super::Rendezvous;
 use super::{Group, PrefixStore, ProcessGroup, ReduceOp, Store, TcpStore};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};

@@ -129,7 +129,10 @@ pub unsafe extern "C" fn fsdp_model_new(
         };
         let mut fsdp = fully_shard(units.clone(), root.clone(), pg, cfg)?;
         let mut names = Vec::new();
-        fsdp.for_each_unit(&mut |u| names.push(u.module_name().to_string()));
+        fsdp.for_each_unit(&mut |u| {
+            names.push(u.module_name().to_string());
+            Ok(())
+        })?;
         let mut metas = Vec::new();
         for name in names {
             let params = match name.is_empty() {

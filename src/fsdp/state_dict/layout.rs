@@ -43,7 +43,7 @@ impl UnitMeta {
 /// order (the order `optimizer_params` lists their runs in).
 pub(super) fn unit_metas(root: &mut FullyShardedDataParallel) -> Vec<UnitMeta> {
     let mut out = Vec::new();
-    root.for_each_unit(&mut |u| {
+    root.each_unit(|u| {
         let f = u.flat_param();
         let (lo, hi) = f.shard_range();
         out.push(UnitMeta {
@@ -66,9 +66,7 @@ pub(super) fn ignored_params(
     root: &mut FullyShardedDataParallel,
 ) -> Vec<(String, Vec<usize>, bool)> {
     let mut out = Vec::new();
-    root.visit_ignored(&mut |name, p| {
-        out.push((name.to_string(), p.shape().to_vec(), p.requires_grad))
-    });
+    root.each_ignored(|name, p| out.push((name.to_string(), p.shape().to_vec(), p.requires_grad)));
     out
 }
 

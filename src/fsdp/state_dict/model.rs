@@ -82,38 +82,29 @@ impl FullyShardedDataParallel {
         self.check_root("state_dict")?;
         let keep = !config.rank0_only || self.process_group().rank() == 0;
         let mut out: Vec<(String, Tensor)> = Vec::new();
-        let mut res: Result<()> = Ok(());
         self.for_each_unit(&mut |u| {
-            if res.is_err() {
-                return;
-            }
-            res = (|| {
-                let full = gather_chunk(u, u.flat_param().local_shard())?;
-                if keep {
-                    for (name, idx) in u.slots() {
-                        let i = &u.flat_param().param_infos()[*idx];
-                        let v = full.view(i.offset, &i.shape)?;
-                        out.push((
-                            name.clone(),
-                            if config.offload_to_cpu {
-                                host_copy(&v)?
-                            } else {
-                                v.deep_clone()?
-                            },
-                        ));
-                    }
+            let full = gather_chunk(u, u.flat_param().local_shard())?;
+            if keep {
+                for (name, idx) in u.slots() {
+                    let i = &u.flat_param().param_infos()[*idx];
+                    let v = full.view(i.offset, &i.shape)?;
+                    out.push((
+                        name.clone(),
+                        if config.offload_to_cpu {
+                            host_copy(&v)?
+                        } else {
+                            v.deep_clone()?
+                        },
+                    ));
                 }
-                Ok(())
-            })();
-        });
-        res?;
+            }
+            Ok(())
+        })?;
         if keep {
-            let mut bad: Result<()> = Ok(());
-            self.visit_ignored(&mut |name, p| match p.data().and_then(host_copy) {
-                Ok(t) => out.push((name.to_string(), t)),
-                Err(e) => bad = Err(e),
-            });
-            bad?;
+            self.visit_ignored(&mut |name, p| {
+                out.push((name.to_string(), host_copy(p.data()?)?));
+                Ok(())
+            })?;
         }
         let order = self.state_dict_order();
         out.sort_by_key(|(n, _)| order.iter().position(|o| o == n).unwrap_or(usize::MAX));
@@ -131,44 +122,35 @@ impl FullyShardedDataParallel {
         let rank = self.process_group().rank();
         let world_size = self.process_group().size();
         let mut out: Vec<(String, ShardedTensor)> = Vec::new();
-        let mut res: Result<()> = Ok(());
         let metas = unit_metas(self);
         let mut k = 0;
         self.for_each_unit(&mut |u| {
             let m = &metas[k];
             k += 1;
-            if res.is_err() {
-                return;
+            for (name, idx) in &m.slots {
+                let info = &m.infos[*idx];
+                let pieces = match m.portion(info) {
+                    Some((a, b, start)) => vec![ShardPiece {
+                        offset: a,
+                        data: host_copy(&u.flat_param().local_shard().view(start, &[b - a])?)?,
+                        rank,
+                    }],
+                    None => Vec::new(),
+                };
+                out.push((
+                    name.clone(),
+                    ShardedTensor {
+                        global_shape: info.shape.clone(),
+                        pieces,
+                    },
+                ));
             }
-            res = (|| {
-                for (name, idx) in &m.slots {
-                    let info = &m.infos[*idx];
-                    let pieces = match m.portion(info) {
-                        Some((a, b, start)) => vec![ShardPiece {
-                            offset: a,
-                            data: host_copy(&u.flat_param().local_shard().view(start, &[b - a])?)?,
-                            rank,
-                        }],
-                        None => Vec::new(),
-                    };
-                    out.push((
-                        name.clone(),
-                        ShardedTensor {
-                            global_shape: info.shape.clone(),
-                            pieces,
-                        },
-                    ));
-                }
-                Ok(())
-            })();
-        });
-        res?;
-        let mut bad: Result<()> = Ok(());
-        self.visit_ignored(&mut |name, p| match p
-            .data()
-            .and_then(|d| host_copy(&d.reshape(&[d.numel()])?))
-        {
-            Ok(data) => out.push((
+            Ok(())
+        })?;
+        self.visit_ignored(&mut |name, p| {
+            let d = p.data()?;
+            let data = host_copy(&d.reshape(&[d.numel()])?)?;
+            out.push((
                 name.to_string(),
                 ShardedTensor {
                     global_shape: p.shape().to_vec(),
@@ -178,10 +160,9 @@ impl FullyShardedDataParallel {
                         rank,
                     }],
                 },
-            )),
-            Err(e) => bad = Err(e),
-        });
-        bad?;
+            ));
+            Ok(())
+        })?;
         let order = self.state_dict_order();
         out.sort_by_key(|(n, _)| order.iter().position(|o| o == n).unwrap_or(usize::MAX));
         Ok(ShardedStateDict {
@@ -198,29 +179,23 @@ impl FullyShardedDataParallel {
     pub fn local_state_dict(&mut self) -> Result<LocalStateDict> {
         self.check_root("state_dict")?;
         let mut flat_params = Vec::new();
-        let mut res: Result<()> = Ok(());
         self.for_each_unit(&mut |u| {
-            if res.is_ok() {
-                let f = u.flat_param();
-                res = host_copy(f.local_shard()).map(|shard| {
-                    flat_params.push((
-                        crate::nn::join_name(u.module_name(), "flat_param"),
-                        LocalFlatShard {
-                            numel: f.numel(),
-                            shard,
-                        },
-                    ))
-                });
-            }
-        });
-        res?;
+            let f = u.flat_param();
+            let shard = host_copy(f.local_shard())?;
+            flat_params.push((
+                crate::nn::join_name(u.module_name(), "flat_param"),
+                LocalFlatShard {
+                    numel: f.numel(),
+                    shard,
+                },
+            ));
+            Ok(())
+        })?;
         let mut params = Vec::new();
-        let mut bad: Result<()> = Ok(());
-        self.visit_ignored(&mut |name, p| match p.data().and_then(host_copy) {
-            Ok(t) => params.push((name.to_string(), t)),
-            Err(e) => bad = Err(e),
-        });
-        bad?;
+        self.visit_ignored(&mut |name, p| {
+            params.push((name.to_string(), host_copy(p.data()?)?));
+            Ok(())
+        })?;
         let f = self.flat_param();
         Ok(LocalStateDict {
             world_size: self.process_group().size(),
@@ -328,26 +303,18 @@ impl FullyShardedDataParallel {
         }
         // Everything checked: write.
         let mut k = 0;
-        let mut res: Result<()> = Ok(());
         self.for_each_unit(&mut |u| {
             let w = &writes[k];
             k += 1;
-            if res.is_ok() && !w.is_empty() {
-                res = w
-                    .iter()
-                    .try_for_each(|(start, v)| write_f32(u.flat_param().local_shard(), *start, v));
-            }
-        });
-        res?;
-        let mut bad: Result<()> = Ok(());
-        self.visit_ignored(&mut |name, p| {
-            if let Some((_, v)) = ignored_writes.iter().find(|(n, _)| n == name) {
-                if let Err(e) = p.data().and_then(|d| write_f32(d, 0, v)) {
-                    bad = Err(e);
-                }
-            }
-        });
-        bad?;
+            w.iter()
+                .try_for_each(|(start, v)| write_f32(u.flat_param().local_shard(), *start, v))
+        })?;
+        self.visit_ignored(
+            &mut |name, p| match ignored_writes.iter().find(|(n, _)| n == name) {
+                Some((_, v)) => write_f32(p.data()?, 0, v),
+                None => Ok(()),
+            },
+        )?;
         Ok(keys)
     }
 

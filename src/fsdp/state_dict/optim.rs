@@ -246,94 +246,87 @@ impl FullyShardedDataParallel {
         // Trainable zero-size parameters, (name, shape): no run covers them (see below).
         let mut empties: Vec<(String, Vec<usize>)> = Vec::new();
         let mut k = 0;
-        let mut res: Result<()> = Ok(());
         self.for_each_unit(&mut |u| {
             let (ui, m) = (k, &metas[k]);
             k += 1;
-            if res.is_err() {
-                return;
+            if keep {
+                for (name, idx) in &m.slots {
+                    let i = &m.infos[*idx];
+                    if i.numel == 0 && i.requires_grad {
+                        empties.push((name.clone(), i.shape.clone()));
+                    }
+                }
             }
-            res = (|| {
-                if keep {
-                    for (name, idx) in &m.slots {
+            // Each parameter's step on this rank (-1: no state here).
+            let mut local: Vec<i32> = vec![-1; m.infos.len()];
+            for (i, info) in m.infos.iter().enumerate() {
+                if let Some((_, _, start)) = m.portion(info) {
+                    if let Some(t) = run_at(&pos, ui, start).and_then(state_at) {
+                        local[i] = t.step.unwrap_or(0).min(i32::MAX as u64) as i32;
+                    }
+                }
+            }
+            let step_of = if full.is_some() && u.sharding_strategy().is_sharded() {
+                let t = Tensor::from_vec(local, &[m.infos.len()])?;
+                let _tag = u.fingerprint(Phase::StateDict);
+                staged::all_reduce(u.shard_group().as_ref(), &t, ReduceOp::Max)?;
+                let v = t.data::<i32>()?.to_vec();
+                v
+            } else {
+                local
+            };
+            for (b, bname) in names.iter().enumerate() {
+                // The buffer in chunk layout (zero outside trainable runs with state).
+                let mut chunk = vec![0.0f32; m.shard_numel];
+                for (pi, p) in pos.iter().enumerate() {
+                    if let (Position::Run { unit, start, len }, Some(t)) = (p, state_at(pi)) {
+                        if *unit == ui {
+                            if let Some(v) = t.buffer(bname).filter(|v| v.len() == *len) {
+                                chunk[*start..start + len].copy_from_slice(v);
+                            }
+                        }
+                    }
+                }
+                let chunk = Tensor::from_vec(chunk, &[m.shard_numel])?;
+                if full.is_some() {
+                    let whole = gather_chunk(u, &chunk)?;
+                    for (name, idx) in m.slots.iter().filter(|(_, i)| step_of[*i] >= 0) {
                         let i = &m.infos[*idx];
-                        if i.numel == 0 && i.requires_grad {
-                            empties.push((name.clone(), i.shape.clone()));
+                        if keep {
+                            bufs[b].push((
+                                name.clone(),
+                                whole.view(i.offset, &i.shape)?.deep_clone()?,
+                            ));
                         }
                     }
-                }
-                // Each parameter's step on this rank (-1: no state here).
-                let mut local: Vec<i32> = vec![-1; m.infos.len()];
-                for (i, info) in m.infos.iter().enumerate() {
-                    if let Some((_, _, start)) = m.portion(info) {
-                        if let Some(t) = run_at(&pos, ui, start).and_then(state_at) {
-                            local[i] = t.step.unwrap_or(0).min(i32::MAX as u64) as i32;
-                        }
-                    }
-                }
-                let step_of = if full.is_some() && u.sharding_strategy().is_sharded() {
-                    let t = Tensor::from_vec(local, &[m.infos.len()])?;
-                    let _tag = u.fingerprint(Phase::StateDict);
-                    staged::all_reduce(u.shard_group().as_ref(), &t, ReduceOp::Max)?;
-                    let v = t.data::<i32>()?.to_vec();
-                    v
                 } else {
-                    local
-                };
-                for (b, bname) in names.iter().enumerate() {
-                    // The buffer in chunk layout (zero outside trainable runs with state).
-                    let mut chunk = vec![0.0f32; m.shard_numel];
-                    for (pi, p) in pos.iter().enumerate() {
-                        if let (Position::Run { unit, start, len }, Some(t)) = (p, state_at(pi)) {
-                            if *unit == ui {
-                                if let Some(v) = t.buffer(bname).filter(|v| v.len() == *len) {
-                                    chunk[*start..start + len].copy_from_slice(v);
-                                }
-                            }
-                        }
-                    }
-                    let chunk = Tensor::from_vec(chunk, &[m.shard_numel])?;
-                    if full.is_some() {
-                        let whole = gather_chunk(u, &chunk)?;
-                        for (name, idx) in m.slots.iter().filter(|(_, i)| step_of[*i] >= 0) {
-                            let i = &m.infos[*idx];
-                            if keep {
-                                bufs[b].push((
-                                    name.clone(),
-                                    whole.view(i.offset, &i.shape)?.deep_clone()?,
-                                ));
-                            }
-                        }
-                    } else {
-                        for (name, idx) in m.slots.iter().filter(|(_, i)| step_of[*i] >= 0) {
-                            let info = &m.infos[*idx];
-                            if let Some((a, bb, start)) = m.portion(info) {
-                                pieces[b].push((
-                                    name.clone(),
-                                    ShardedTensor {
-                                        global_shape: info.shape.clone(),
-                                        pieces: vec![ShardPiece {
-                                            offset: a,
-                                            data: chunk.view(start, &[bb - a])?.deep_clone()?,
-                                            rank,
-                                        }],
-                                    },
-                                ));
-                            }
+                    for (name, idx) in m.slots.iter().filter(|(_, i)| step_of[*i] >= 0) {
+                        let info = &m.infos[*idx];
+                        if let Some((a, bb, start)) = m.portion(info) {
+                            pieces[b].push((
+                                name.clone(),
+                                ShardedTensor {
+                                    global_shape: info.shape.clone(),
+                                    pieces: vec![ShardPiece {
+                                        offset: a,
+                                        data: chunk.view(start, &[bb - a])?.deep_clone()?,
+                                        rank,
+                                    }],
+                                },
+                            ));
                         }
                     }
                 }
-                if counts_steps && keep {
-                    for (name, idx) in &m.slots {
-                        if step_of[*idx] >= 0 {
-                            steps.push((name.clone(), step_of[*idx] as u64));
-                        }
+            }
+            if counts_steps && keep {
+                for (name, idx) in &m.slots {
+                    if step_of[*idx] >= 0 {
+                        steps.push((name.clone(), step_of[*idx] as u64));
                     }
                 }
-                Ok(())
-            })();
-        });
-        res?;
+            }
+            Ok(())
+        })?;
         add_zero_size_state(&metas, &empties, &mut steps, &mut bufs, &mut pieces);
         // Ignored modules' parameters: whole, their own state.
         for (pi, p) in pos.iter().enumerate() {

@@ -30,19 +30,14 @@ impl FullyShardedDataParallel {
     ) -> Result<R> {
         self.check_idle("summon_full_params")?;
         let mut bufs: Vec<Tensor> = Vec::new();
-        let mut res: Result<()> = Ok(());
-        self.for_each_unit(&mut |u| {
-            if res.is_err() {
-                return;
-            }
-            res = gather_chunk(u, u.flat_param().local_shard()).and_then(|full| {
-                u.rs.mem.lock().on_unshard(full.nbytes());
-                bufs.push(full);
-                let full = bufs.last().cloned();
-                u.point_params(full.as_ref(), false)
-            });
+        let gathered = self.for_each_unit(&mut |u| {
+            let full = gather_chunk(u, u.flat_param().local_shard())?;
+            u.rs.mem.lock().on_unshard(full.nbytes());
+            bufs.push(full);
+            let full = bufs.last().cloned();
+            u.point_params(full.as_ref(), false)
         });
-        let out = match res {
+        let out = match gathered {
             Ok(()) => {
                 self.rs.sched.lock().progress.set_summoning(true);
                 let out = f(self);
@@ -53,8 +48,9 @@ impl FullyShardedDataParallel {
         };
         let write = writeback && out.is_ok();
         let mut k = 0;
+        // Every gathered unit is restored even after one fails; the first error counts.
         let mut restore: Result<()> = Ok(());
-        self.for_each_unit(&mut |u| {
+        self.each_unit(|u| {
             let Some(full) = bufs.get(k) else { return };
             k += 1;
             let r = (|| {

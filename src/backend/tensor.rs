@@ -1,16 +1,21 @@
-//! Tensors on CUDA devices: allocation, moves between devices (`Tensor.to(device)`), and
-//! the device side of copies, casts and fills. Ops on CUDA tensors run on the calling
-//! thread's current stream ([`crate::backend::cuda::current_stream`]); moves to the host
-//! wait for it.
+//! The methods of [`Tensor`] that choose a backend by device: allocation on a device,
+//! moves between devices (`Tensor.to(device)`), copies, casts and fills. They live in the
+//! backend layer, not beside `Tensor` in `crate::tensor`, because they call the backends:
+//! the tensor layer below holds storage and views and imports no backend. Ops on CUDA
+//! tensors run on the calling thread's current stream ([`cuda::current_stream`]); moves
+//! to the host wait for it.
 //!
-//! Without the `cuda` feature every CUDA request is [`crate::backend::cuda::no_cuda_build`].
+//! Without the `cuda` feature every CUDA request is [`cuda::no_cuda_build`].
 
-use super::{DType, Tensor};
 use crate::backend::Device;
 use crate::error::{Error, Result};
+use crate::tensor::{DType, Element, Tensor};
 
+use super::cuda;
 #[cfg(feature = "cuda")]
-use crate::backend::cuda::{self, DeviceTensor};
+use super::cuda::DeviceTensor;
+#[cfg(feature = "cuda")]
+use crate::tensor::Buffer;
 
 impl Tensor {
     /// Zero-filled tensor on `device` (`torch.zeros(shape, dtype=, device=)`); on `Meta`,
@@ -49,19 +54,102 @@ impl Tensor {
         Ok(out)
     }
 
-    /// The error for asking host data of a device tensor.
-    pub(super) fn not_on_host(&self, op: &'static str) -> Error {
-        Error::DeviceMismatch {
-            op,
-            expected: Device::Cpu.to_string(),
-            got: self.device().to_string(),
+    /// Copies the elements out as f32 (widening bf16/f16/i32); a CUDA tensor is copied to
+    /// the host first (after its stream's queued work).
+    pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
+        if self.device().is_cuda() {
+            return self.to_device(Device::Cpu)?.to_vec_f32();
         }
+        Ok(match self.dtype() {
+            DType::F32 => self.data::<f32>()?.to_vec(),
+            DType::BF16 => self
+                .data::<half::bf16>()?
+                .iter()
+                .map(|v| v.to_f32())
+                .collect(),
+            DType::F16 => self
+                .data::<half::f16>()?
+                .iter()
+                .map(|v| v.to_f32())
+                .collect(),
+            DType::I32 => self.data::<i32>()?.iter().map(|&v| v as f32).collect(),
+        })
+    }
+
+    /// A new tensor of `dtype` on the same device with these values
+    /// (round-to-nearest-even when narrowing).
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        let out = if self.device() == Device::Cpu && dtype == DType::F32 {
+            Tensor::scratch_f32(self.shape()) // copy_from overwrites every element
+        } else {
+            Tensor::zeros_on(self.shape(), dtype, self.device())?
+        };
+        out.copy_from(self)?;
+        Ok(out)
+    }
+
+    /// A copy with its own storage.
+    pub fn deep_clone(&self) -> Result<Tensor> {
+        self.to_dtype(self.dtype())
+    }
+
+    /// `self = src`, casting dtype as needed. Shapes need only agree in element count.
+    ///
+    /// # Errors
+    /// `ShapeMismatch` when element counts differ.
+    pub fn copy_from(&self, src: &Tensor) -> Result<()> {
+        if src.numel() != self.numel() {
+            return Err(Error::ShapeMismatch {
+                op: "copy_from",
+                expected: self.shape().to_vec(),
+                got: src.shape().to_vec(),
+            });
+        }
+        if self.device().is_cuda() || src.device().is_cuda() {
+            return self.copy_from_device(src);
+        }
+        if self.shares_storage(src) {
+            // Same lock: read into a temporary first instead of deadlocking.
+            let tmp = src.deep_clone()?;
+            return self.copy_from(&tmp);
+        }
+        macro_rules! cast_into {
+            ($t:ty) => {{
+                let mut dst = self.data_mut::<$t>()?;
+                crate::backend::cpu::ops::cast_into(src, &mut dst)
+            }};
+        }
+        match self.dtype() {
+            DType::F32 => cast_into!(f32),
+            DType::BF16 => cast_into!(half::bf16),
+            DType::F16 => cast_into!(half::f16),
+            DType::I32 => cast_into!(i32),
+        }
+    }
+
+    /// Sets every element to zero.
+    pub fn zero_(&self) -> Result<()> {
+        if self.device().is_cuda() {
+            return self.zero_device();
+        }
+        macro_rules! fill {
+            ($t:ty) => {{
+                self.data_mut::<$t>()?.fill(<$t as Element>::zero());
+            }};
+        }
+        match self.dtype() {
+            DType::F32 => fill!(f32),
+            DType::BF16 => fill!(half::bf16),
+            DType::F16 => fill!(half::f16),
+            DType::I32 => fill!(i32),
+        }
+        Ok(())
     }
 
     /// `self = src` when either is on a CUDA device: the same device casts with the
     /// `cast`/`copy` kernels on the current stream; across the host boundary the data is
     /// cast on the host side. Element counts were checked by the caller.
-    pub(super) fn copy_from_device(&self, src: &Tensor) -> Result<()> {
+    fn copy_from_device(&self, src: &Tensor) -> Result<()> {
         #[cfg(feature = "cuda")]
         {
             match (self.device(), src.device()) {
@@ -107,12 +195,12 @@ impl Tensor {
         #[cfg(not(feature = "cuda"))]
         {
             let _ = src;
-            Err(crate::backend::cuda::no_cuda_build())
+            Err(cuda::no_cuda_build())
         }
     }
 
     /// Sets a CUDA tensor's elements to zero (a memset on the current stream).
-    pub(super) fn zero_device(&self) -> Result<()> {
+    fn zero_device(&self) -> Result<()> {
         #[cfg(feature = "cuda")]
         {
             let Device::Cuda(i) = self.device() else {
@@ -121,7 +209,7 @@ impl Tensor {
             cuda::fill(&*cuda::current_stream(i)?, &self.as_device_tensor()?, 0.0)
         }
         #[cfg(not(feature = "cuda"))]
-        Err(crate::backend::cuda::no_cuda_build())
+        Err(cuda::no_cuda_build())
     }
 
     /// The CUDA view of this tensor: same allocation, offset, shape and dtype.
@@ -130,19 +218,26 @@ impl Tensor {
     /// `DeviceMismatch` when the tensor is not on a CUDA device.
     #[cfg(feature = "cuda")]
     pub fn as_device_tensor(&self) -> Result<DeviceTensor> {
-        match &*self.storage.buf.read() {
-            super::Buffer::Cuda { buf, .. } => Ok(DeviceTensor::from_parts(
-                buf.clone(),
-                self.offset,
-                self.shape(),
-                self.dtype,
-            )),
-            _ => Err(Error::DeviceMismatch {
-                op: "Tensor::as_device_tensor",
-                expected: "cuda".into(),
-                got: self.device().to_string(),
-            }),
-        }
+        let not_cuda = || Error::DeviceMismatch {
+            op: "Tensor::as_device_tensor",
+            expected: "cuda".into(),
+            got: self.device().to_string(),
+        };
+        let buf = match &*self.buffer() {
+            Buffer::Cuda { buf, .. } => buf.clone(),
+            _ => return Err(not_cuda()),
+        };
+        // Every `Buffer::Cuda` is made by `from_device_tensor` from a `DeviceBuffer`.
+        let buf = buf
+            .into_any()
+            .downcast::<cuda::DeviceBuffer>()
+            .map_err(|_| not_cuda())?;
+        Ok(DeviceTensor::from_parts(
+            buf,
+            self.offset(),
+            self.shape(),
+            self.dtype(),
+        ))
     }
 
     /// A tensor viewing a [`DeviceTensor`]'s memory (no copy).
@@ -150,16 +245,7 @@ impl Tensor {
     pub fn from_device_tensor(t: DeviceTensor) -> Tensor {
         let (buf, offset, shape, dtype) = t.into_parts();
         let len = buf.len_bytes() / dtype.size_in_bytes().max(1);
-        Tensor {
-            storage: std::sync::Arc::new(super::Storage::new(super::Buffer::Cuda {
-                buf,
-                dtype,
-                len,
-            })),
-            offset,
-            shape,
-            dtype,
-        }
+        Tensor::from_buffer_at(Buffer::Cuda { buf, dtype, len }, offset, &shape)
     }
 }
 
@@ -173,6 +259,6 @@ fn cuda_zeros(shape: &[usize], dtype: DType, ordinal: usize) -> Result<Tensor> {
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (shape, dtype, ordinal);
-        Err(crate::backend::cuda::no_cuda_build())
+        Err(cuda::no_cuda_build())
     }
 }
