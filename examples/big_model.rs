@@ -1,7 +1,14 @@
 //! The third example of PyTorch's FullyShardedDataParallel docs: a Linear(2048, 2048)
 //! "BigModel" with its parameter and gradient shards offloaded to host memory
 //! (`CpuOffload { offload_params: true }`); one forward and backward of a [2, 2048] batch
-//! and an SGD step, then prints the output shape, [2, 2048], and where the shards live.
+//! and an SGD step, then prints the output shape, [2, 2048], the sum and first values of
+//! the output, and where the shards live.
+//!
+//! Initialized as PyTorch does after `torch.manual_seed(0)` ([`InitKey::torch`]), input
+//! `torch.randn(2, 2048)`: PyTorch 2.11 on the CPU prints `[2, 2048] sum 52.27349853515625
+//! first [-0.19608768820762634, 0.8921292424201965, 0.18506589531898499,
+//! 0.23419275879859924]` (`tests/torch_ref/fsdp_examples.txt`, without the offload, which
+//! needs CUDA in PyTorch); this prints the same to f32 rounding.
 //!
 //! `cargo run --release --example big_model` (`WORLD_SIZE=4` for 4 ranks)
 
@@ -9,7 +16,6 @@ use fsdp::distributed::{launch, LaunchOptions};
 use fsdp::fsdp::{CpuOffload, FsdpConfig, FullyShardedDataParallel};
 use fsdp::nn::{loss, Context, InitKey, Linear, Module};
 use fsdp::optim::{Optimizer, SgdConfig, SGD};
-use fsdp::tensor::Tensor;
 
 fn main() -> std::process::ExitCode {
     fsdp::exit_code(run())
@@ -18,7 +24,8 @@ fn main() -> std::process::ExitCode {
 fn run() -> fsdp::Result<()> {
     let opts = LaunchOptions::from_env_or(2)?;
     let out = launch(&opts, |pg| {
-        let model = Linear::new(2048, 2048, true, &InitKey::new(0))?;
+        let k = InitKey::torch(0);
+        let model = Linear::new(2048, 2048, true, &k)?;
         let cfg = FsdpConfig {
             cpu_offload: CpuOffload {
                 offload_params: true,
@@ -26,7 +33,7 @@ fn run() -> fsdp::Result<()> {
             ..Default::default()
         };
         let mut model = FullyShardedDataParallel::new(Box::new(model), pg, cfg)?;
-        let x = Tensor::from_vec(vec![0.01f32; 2 * 2048], &[2, 2048])?;
+        let x = k.randn(&[2, 2048])?;
         let y = model.forward(&x, &Context::train())?;
         let (_, g) = loss::sum_loss(&y)?;
         model.backward(&g, &Context::train())?;
@@ -35,10 +42,12 @@ fn run() -> fsdp::Result<()> {
             ..Default::default()
         });
         opt.step(&model.optimizer_params())?;
-        Ok((y.shape().to_vec(), model.memory_stats()))
+        Ok((y.shape().to_vec(), y.to_vec_f32()?, model.memory_stats()))
     })?;
-    let (shape, mem) = &out[0];
-    println!("{shape:?}");
+    let (shape, y, mem) = &out[0];
+    let sum = y.iter().map(|&v| v as f64).sum::<f64>() as f32 as f64;
+    let first: Vec<f64> = y.iter().take(4).map(|&v| v as f64).collect();
+    println!("{shape:?} sum {sum:?} first {first:?}");
     println!(
         "rank 0: {} parameter bytes + {} gradient bytes in host memory (cpu_offload {})",
         mem.param_shard_bytes, mem.grad_shard_bytes, mem.cpu_offload

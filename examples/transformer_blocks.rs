@@ -1,7 +1,13 @@
 //! The fourth example of PyTorch's FullyShardedDataParallel docs: 4 blocks of
 //! Linear(512, 512) - ReLU - Linear(512, 512) and a Linear(512, 10) head, each block its
 //! own FSDP unit through `transformer_auto_wrap_policy`; prints the output shape, [4, 10],
-//! and how many units were made.
+//! how many units were made, and the sum and first values of the output.
+//!
+//! Initialized as PyTorch does after `torch.manual_seed(0)` ([`InitKey::torch`]), input
+//! `torch.randn(4, 512)`: PyTorch 2.11 on the CPU prints `[4, 10] (5 FSDP units: 4 blocks +
+//! root) sum -0.04869658499956131 first [0.034956201910972595, 0.05563748627901077,
+//! -0.007487209513783455, 0.010826939716935158]` (`tests/torch_ref/fsdp_examples.txt`);
+//! this prints the same to f32 rounding.
 //!
 //! `cargo run --release --example transformer_blocks` (`WORLD_SIZE=4` for 4 ranks)
 
@@ -46,7 +52,7 @@ fn main() -> std::process::ExitCode {
 fn run() -> Result<()> {
     let opts = LaunchOptions::from_env_or(2)?;
     let out = launch(&opts, |pg| {
-        let k = InitKey::new(0);
+        let k = InitKey::torch(0);
         let mut layers: Vec<Box<dyn Module>> = Vec::new();
         for i in 0..4 {
             layers.push(Box::new(TransformerBlock::new(&k.child(&i.to_string()))?));
@@ -58,18 +64,16 @@ fn run() -> Result<()> {
         };
         let mut model = FullyShardedDataParallel::new(Box::new(Sequential::new(layers)), pg, cfg)?;
         let mut units = 0;
-        model
-            .for_each_unit(&mut |_| {
-                units += 1;
-                Ok(())
-            })
-            .unwrap();
-        let y = model.forward(
-            &Tensor::from_vec(vec![0.01f32; 4 * 512], &[4, 512])?,
-            &Context::train(),
-        )?;
-        Ok((y.shape().to_vec(), units))
+        model.for_each_unit(&mut |_| {
+            units += 1;
+            Ok(())
+        })?;
+        let y = model.forward(&k.randn(&[4, 512])?, &Context::train())?;
+        Ok((y.shape().to_vec(), units, y.to_vec_f32()?))
     })?;
-    println!("{:?} ({} FSDP units: 4 blocks + root)", out[0].0, out[0].1);
+    let (shape, units, y) = &out[0];
+    let sum = y.iter().map(|&v| v as f64).sum::<f64>() as f32 as f64;
+    let first: Vec<f64> = y.iter().take(4).map(|&v| v as f64).collect();
+    println!("{shape:?} ({units} FSDP units: 4 blocks + root) sum {sum:?} first {first:?}");
     Ok(())
 }

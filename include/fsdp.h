@@ -5,8 +5,12 @@
  * Every function returns an fsdp_status: FSDP_OK (0) or an FSDP_ERR_* code, with the
  * calling thread's message in fsdp_last_error(). Handles are opaque; a freed or NULL
  * handle is an error (FSDP_ERR_INVALID_HANDLE), never a crash. Tensors are DLPack
- * DLTensors in host memory; every `stream` argument is a cudaStream_t and must be NULL
- * on the CPU backend. See the README's "Embedding" section and examples/embed/.
+ * DLTensors in host memory (kDLCPU) or, for a model on a CUDA device
+ * (fsdp_config.device), that device's memory (kDLCUDA). Every `stream` argument is the
+ * host's CUstream / cudaStream_t: NULL for host memory; on a device, the stream the
+ * host's work on those tensors runs on (NULL: the legacy default stream), which fsdp
+ * orders its own streams with by events. See the README's "Embedding" section and
+ * examples/embed/.
  */
 
 #ifndef FSDP_H
@@ -72,9 +76,11 @@ typedef struct {
 
 
 /**
- * Version of this C ABI: bumped on every incompatible change of `include/fsdp.h`.
+ * Version of this C ABI: bumped on every incompatible change of `include/fsdp.h`
+ * (2: `fsdp_config.device`, CUDA tensors and streams, 16-bit parameter views under
+ * mixed precision).
  */
-#define FSDP_ABI_VERSION 1
+#define FSDP_ABI_VERSION 2
 
 /**
  * `ReduceOp.SUM`.
@@ -148,13 +154,16 @@ typedef struct {
 
 /**
  * `MixedPrecision(param_dtype=reduce_dtype=buffer_dtype=torch.bfloat16)`: parameters are
- * all-gathered in bfloat16 and their views are float32 holding bfloat16-rounded values
- * (fsdp computes in f32 on rounded values); gradients are float32.
+ * all-gathered in bfloat16 and the hooks' parameter views are bfloat16 `DLTensor`s
+ * (`kDLBfloat`, 16 bits); the gradient views stay float32 (the runtime rounds the
+ * gradient to bfloat16 before reducing it in bfloat16), and `fsdp_unit_post_backward`
+ * also takes bfloat16 gradients. The sharded master weights and what the optimizer
+ * steps on are float32.
  */
 #define FSDP_PRECISION_BF16 1
 
 /**
- * As [`FSDP_PRECISION_BF16`] with float16.
+ * As [`FSDP_PRECISION_BF16`] with float16 (views `kDLFloat`, 16 bits).
  */
 #define FSDP_PRECISION_F16 2
 
@@ -315,6 +324,14 @@ typedef struct {
      * values on the other ranks get them).
      */
     bool sync_module_states;
+    /**
+     * `device_id=`: where the units compute, `{kDLCPU, 0}` (the default) or `{kDLCUDA,
+     * i}`. On `cuda:i` the shards (unless `cpu_offload`), the gathered parameters, the
+     * gradient buffers and the collectives live on that GPU; the hooks' views are
+     * `kDLCUDA` tensors and the host's gradients must be too, and every `stream` argument
+     * is the host's `CUstream` on that device (NULL: the legacy default stream).
+     */
+    DLDevice device;
 } fsdp_config;
 
 /**
@@ -452,7 +469,8 @@ typedef int32_t (*fsdp_tensor_callback)(void *ctx,
 #define FSDP_ERR_NOT_INITIALIZED 12
 
 /**
- * A feature this build does not have: CUDA tensors, a backend (`Unsupported`).
+ * A feature this build does not have: CUDA tensors or devices without the `cuda`
+ * feature, a backend, managed memory (`Unsupported`).
  */
 #define FSDP_ERR_UNSUPPORTED 13
 
@@ -606,14 +624,16 @@ fsdp_status fsdp_group_size(fsdp_group_t group,
 /**
  * In place: `tensor = op over ranks of tensor` (`dist.all_reduce`). Any dtype fsdp has
  * (float32, float16, bfloat16, int32), any shape, the same on every rank; `op` an
- * `FSDP_REDUCE_*`. `stream` must be NULL (host tensors).
+ * `FSDP_REDUCE_*`. Host memory with `stream` NULL, or device memory (`kDLCUDA`) with the
+ * host's stream on that device (NULL: the legacy stream).
  *
- * Errors: `FSDP_ERR_INVALID_HANDLE`, `FSDP_ERR_INVALID_ARGUMENT` (bad tensor, op or
- * stream), `FSDP_ERR_DTYPE_MISMATCH`, `FSDP_ERR_COLLECTIVE_MISMATCH` (ranks disagree),
- * `FSDP_ERR_TIMEOUT`, `FSDP_ERR_PEER_FAILED`.
+ * Errors: `FSDP_ERR_INVALID_HANDLE`, `FSDP_ERR_INVALID_ARGUMENT` (bad tensor, op, or a
+ * stream with host memory), `FSDP_ERR_DTYPE_MISMATCH`, `FSDP_ERR_COLLECTIVE_MISMATCH`
+ * (ranks disagree), `FSDP_ERR_TIMEOUT`, `FSDP_ERR_PEER_FAILED`, `FSDP_ERR_UNSUPPORTED`
+ * (device memory in a build without CUDA), `FSDP_ERR_CUDA`.
  *
  * # Safety
- * `tensor` describes host memory valid for reads and writes.
+ * `tensor` describes memory valid for reads and writes (in stream order on a device).
  */
 fsdp_status fsdp_all_reduce(fsdp_group_t group,
                             DLTensor *tensor,
@@ -622,14 +642,15 @@ fsdp_status fsdp_all_reduce(fsdp_group_t group,
 
 /**
  * `output (world * n) = concat over ranks of input (n)`, in rank order
- * (`dist.all_gather_into_tensor`). Same dtype for both; `output` has `group size` times
- * `input`'s elements. `stream` must be NULL.
+ * (`dist.all_gather_into_tensor`), written into the host's `output`. Same dtype and
+ * device for both; `output` has `group size` times `input`'s elements. `stream` as
+ * [`fsdp_all_reduce`]'s.
  *
- * Errors: as [`fsdp_all_reduce`]; `FSDP_ERR_SHAPE_MISMATCH` for the sizes.
+ * Errors: as [`fsdp_all_reduce`]; `FSDP_ERR_SHAPE_MISMATCH` for the sizes,
+ * `FSDP_ERR_DEVICE_MISMATCH` for tensors on two devices.
  *
  * # Safety
- * `output` describes host memory valid for writes, `input` for reads; they do not
- * overlap.
+ * `output` describes memory valid for writes, `input` for reads; they do not overlap.
  */
 fsdp_status fsdp_all_gather_into_tensor(fsdp_group_t group,
                                         DLTensor *output,
@@ -638,8 +659,9 @@ fsdp_status fsdp_all_gather_into_tensor(fsdp_group_t group,
 
 /**
  * `output (n) = op over ranks of input[rank * n .. (rank + 1) * n]`, `input` of
- * `group size * n` elements (`dist.reduce_scatter_tensor`); `op` `FSDP_REDUCE_SUM` or
- * `FSDP_REDUCE_AVG`. `stream` must be NULL.
+ * `group size * n` elements (`dist.reduce_scatter_tensor`), written into the host's
+ * `output`; `op` `FSDP_REDUCE_SUM` or `FSDP_REDUCE_AVG`. `stream` as
+ * [`fsdp_all_reduce`]'s.
  *
  * Errors: as [`fsdp_all_gather_into_tensor`].
  *
@@ -654,7 +676,7 @@ fsdp_status fsdp_reduce_scatter_tensor(fsdp_group_t group,
 
 /**
  * In place: every rank's `tensor` becomes rank `src`'s (`dist.broadcast`; `src` a rank
- * of `group`). `stream` must be NULL.
+ * of `group`). `stream` as [`fsdp_all_reduce`]'s.
  *
  * Errors: as [`fsdp_all_reduce`].
  *
@@ -674,17 +696,21 @@ fsdp_status fsdp_broadcast(fsdp_group_t group,
 fsdp_status fsdp_barrier(fsdp_group_t group);
 
 /**
- * Before the unit's forward: all-gathers its parameters (or takes the prefetched gather)
- * and, when `params` is not NULL, fills `params[0..n]` with `DLTensor` views of the full
- * parameters in declaration order (float32, holding values rounded to the
- * `mixed_precision` dtype when one is set; read-only; valid until
- * `fsdp_unit_post_forward`). `grad_enabled` 0 is `torch.no_grad()`: the
- * parameters are freed again at post_forward. `n` must be `fsdp_unit_num_params`. On
- * error the unit is sharded again and needs no post_forward.
+ * Before the unit's forward (FSDP2 `FSDPParamGroup.pre_forward`): all-gathers its
+ * parameters (or takes the prefetched gather) and, when `params` is not NULL, fills
+ * `params[0..n]` with `DLTensor` views of the full parameters in declaration order, on
+ * the model's device (read-only; valid until `fsdp_unit_post_forward`). Their dtype is
+ * float32, or under `mixed_precision` its 16-bit dtype (`kDLBfloat`/`kDLFloat`, 16 bits:
+ * a cast of the gathered values owned by the unit). `grad_enabled` 0 is
+ * `torch.no_grad()`: the parameters are freed again at post_forward. `n` must be
+ * `fsdp_unit_num_params`. On error the unit is sharded again and needs no post_forward.
+ * `stream`: NULL on the CPU; on a CUDA device the host's stream, which waits for the
+ * views before its later work reads them.
  *
- * Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_INVALID_ARGUMENT` (`stream` not NULL);
- * `FSDP_ERR_SHAPE_MISMATCH` (`n`); `FSDP_ERR_USAGE` (twice without post_forward);
- * the all-gather's `FSDP_ERR_TIMEOUT`, `FSDP_ERR_PEER_FAILED`, ...
+ * Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_INVALID_ARGUMENT` (`stream` not NULL on
+ * the CPU); `FSDP_ERR_SHAPE_MISMATCH` (`n`); `FSDP_ERR_USAGE` (twice without
+ * post_forward); the all-gather's `FSDP_ERR_TIMEOUT`, `FSDP_ERR_PEER_FAILED`, ...;
+ * `FSDP_ERR_CUDA` (a stream of another device, a failed copy).
  *
  * # Safety
  * `params` is NULL or valid for writes of `n` `DLTensor`s.
@@ -696,24 +722,30 @@ fsdp_status fsdp_unit_pre_forward(fsdp_unit_t unit,
                                   void *stream);
 
 /**
- * After the unit's forward (`ok` 0: it failed): frees the gathered parameters when the
- * strategy reshards after forward (FullShard; not the root), without grad, or after a
- * failure; the views of `fsdp_unit_pre_forward` end here.
+ * After the unit's forward (`ok` 0: it failed; FSDP2 `FSDPParamGroup.post_forward`):
+ * frees the gathered parameters when the strategy reshards after forward (FullShard;
+ * not the root), without grad, or after a failure; the views of `fsdp_unit_pre_forward`
+ * end here (on a CUDA device: with the work the host queued on `stream` before this
+ * call, which fsdp waits for before reusing their memory).
  *
- * Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_USAGE` without pre_forward first.
+ * Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_USAGE` without pre_forward first;
+ * `FSDP_ERR_INVALID_ARGUMENT` (`stream` not NULL on the CPU).
  */
 fsdp_status fsdp_unit_post_forward(fsdp_unit_t unit,
                                    bool ok,
                                    void *stream);
 
 /**
- * Before the unit's backward: gathers its parameters again if the forward freed them
- * and points each trainable parameter's gradient at a zeroed float32 flat-gradient
- * buffer (under no_sync, at the gradient accumulated so far). When not NULL, `params`
- * gets the full parameters' views and `grads` the gradient views (float32, the
- * parameters' shapes; a frozen parameter's entry has `data` NULL), both `n` long, in
- * declaration order, valid until `fsdp_unit_post_backward`. The host adds (`+=`)
- * d loss / d param into `grads`, or passes its own gradients to post_backward.
+ * Before the unit's backward (FSDP2 `FSDPParamGroup.pre_backward`): gathers its
+ * parameters again if the forward freed them and points each trainable parameter's
+ * gradient at a zeroed float32 flat-gradient buffer (under no_sync, at the gradient
+ * accumulated so far). When not NULL, `params` gets the full parameters' views (as
+ * [`fsdp_unit_pre_forward`]'s) and `grads` the gradient views (float32, the parameters'
+ * shapes, on the model's device; a frozen parameter's entry has `data` NULL), both `n`
+ * long, in declaration order, valid until `fsdp_unit_post_backward`. The host adds
+ * (`+=`) d loss / d param into `grads`, or passes its own gradients to post_backward;
+ * on a CUDA device in work queued on `stream` after this call (which is ordered after
+ * the zeroing).
  *
  * Errors: as [`fsdp_unit_pre_forward`]; `FSDP_ERR_USAGE` twice without post_backward.
  *
@@ -727,20 +759,25 @@ fsdp_status fsdp_unit_pre_backward(fsdp_unit_t unit,
                                    void *stream);
 
 /**
- * After the unit's backward (`ok` 0: it failed): when `grads` is not NULL, adds
- * `grads[0..n]` (float32, each the shape of its parameter, in declaration order; a
- * frozen parameter's entry is ignored) into the unit's flat gradient, then frees the
- * gathered parameters and issues the gradient reduction (under no_sync, keeps the
- * gradient instead). Every gradient is checked before any is added: on a size or dtype
- * error nothing changed and the unit is still in its backward (call again).
+ * After the unit's backward (`ok` 0: it failed; FSDP2 `FSDPParamGroup.post_backward`):
+ * when `grads` is not NULL, adds `grads[0..n]` (each the shape of its parameter, in
+ * declaration order, on the model's device; float32, or under mixed precision also its
+ * 16-bit `param_dtype`, widened to float32; a frozen parameter's entry is ignored) into
+ * the unit's flat gradient, then frees the gathered parameters and issues the gradient
+ * reduction in `reduce_dtype` (under no_sync, keeps the gradient instead). On a CUDA
+ * device fsdp reads the gradients (and the gradient views the host wrote) after the
+ * work queued on `stream` before this call, and the host's later work on `stream` may
+ * reuse that memory. Every gradient is checked before any is added: on a size, dtype or
+ * device error nothing changed and the unit is still in its backward (call again).
  *
  * Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_USAGE` without pre_backward first;
- * `FSDP_ERR_SHAPE_MISMATCH`, `FSDP_ERR_DTYPE_MISMATCH` naming the parameter;
- * `FSDP_ERR_INVALID_ARGUMENT` for a gradient that overlaps fsdp's own gradient view.
+ * `FSDP_ERR_SHAPE_MISMATCH`, `FSDP_ERR_DTYPE_MISMATCH`, `FSDP_ERR_DEVICE_MISMATCH`
+ * naming the parameter; `FSDP_ERR_INVALID_ARGUMENT` for a gradient that overlaps fsdp's
+ * own gradient view, or `stream` not NULL on the CPU.
  *
  * # Safety
  * `grads` is NULL or valid for reads of `n` `DLTensor`s, each describing memory valid for
- * reads.
+ * reads (in stream order on a CUDA device).
  */
 fsdp_status fsdp_unit_post_backward(fsdp_unit_t unit,
                                     const DLTensor *grads,
@@ -933,8 +970,11 @@ fsdp_status fsdp_optimizer_new(fsdp_model_t model,
  * One step on every shard from its gradient (`optimizer.step()`); shards without a
  * gradient (none since `fsdp_model_zero_grad`) are skipped.
  *
+ * `stream`: NULL on the CPU; on a CUDA device the host's stream (the update runs on
+ * fsdp's stream, ordered after it; the next gather is ordered after the update).
+ *
  * Errors: `FSDP_ERR_INVALID_HANDLE` (also when the model was freed);
- * `FSDP_ERR_INVALID_ARGUMENT` (`stream`).
+ * `FSDP_ERR_INVALID_ARGUMENT` (`stream` not NULL on the CPU).
  */
 fsdp_status fsdp_optimizer_step(fsdp_optimizer_t optimizer,
                                 void *stream);
@@ -957,7 +997,8 @@ fsdp_status fsdp_optimizer_free(fsdp_optimizer_t optimizer);
 
 /**
  * Fills `*out` with FSDP1's defaults: FullShard, f32, no offload, BACKWARD_PRE, no
- * forward prefetch, limit_all_gathers, no sync_module_states.
+ * forward prefetch, limit_all_gathers, no sync_module_states, on the CPU (`device`
+ * `{kDLCPU, 0}`).
  *
  * Errors: `FSDP_ERR_INVALID_ARGUMENT` when `out` is NULL.
  *

@@ -289,6 +289,23 @@ extern "C" __global__ void ROW_KERNEL cross_entropy_f32(const float* __restrict_
   }
 }
 
+// mean_rows_f32(losses (n) f32, n, out (1) f32)
+//   out[0] = f32((sum over r in order of f64(losses[r])) / n)     one thread: the host's sum
+// add_div_f32(acc (1) f32, x (1) f32, d)      acc[0] = acc[0] + x[0] / d         (f32)
+//   The loss on the device (no host read): a step's mean over micro-batches accumulates as
+//   the host's `l += lk / K` did.
+extern "C" __global__ void mean_rows_f32(const float* __restrict__ losses, int64_t n,
+                                         float* __restrict__ out) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  double total = 0.0;
+  for (int64_t r = 0; r < n; ++r) total += (double)losses[r];
+  out[0] = (float)(total / (double)n);
+}
+extern "C" __global__ void add_div_f32(float* __restrict__ acc, const float* __restrict__ x,
+                                       float d) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) acc[0] = acc[0] + x[0] / d;
+}
+
 extern "C" __global__ void embedding_fwd_f32(const int32_t* __restrict__ ids,
                                              const float* __restrict__ table, float* __restrict__ out,
                                              int64_t n, int64_t V, int64_t c,

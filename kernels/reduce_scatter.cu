@@ -70,3 +70,40 @@ extern "C" __global__ void sumsq_partial_f32(const float* __restrict__ x,
   }
   if (threadIdx.x == 0) partial[blockIdx.x] = acc[0];
 }
+
+// The rest of clip_grad_norm_ on the device (PyTorch's way: no host read of the norm).
+// sumsq_fold_f64(partial (nblocks) f64, nblocks, acc (1) f64)
+//   acc[0] += (((0 + partial[0]) + partial[1]) + ...)        one thread; the host's order
+extern "C" __global__ void sumsq_fold_f64(const double* __restrict__ partial, int64_t nblocks,
+                                          double* __restrict__ acc) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  double s = 0.0;
+  for (int64_t b = 0; b < nblocks; ++b) s += partial[b];
+  acc[0] += s;
+}
+
+// narrow_f64_f32(x (1) f64, out (1) f32)      out[0] = f32(x[0])
+// widen_f32_f64(x (1) f32, out (1) f64)       out[0] = f64(x[0])
+extern "C" __global__ void narrow_f64_f32(const double* __restrict__ x, float* __restrict__ out) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) out[0] = (float)x[0];
+}
+extern "C" __global__ void widen_f32_f64(const float* __restrict__ x, double* __restrict__ out) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) out[0] = (double)x[0];
+}
+
+// clip_coef_f32(sumsq (1) f64, max_norm, norm (1) f32, coef (1) f32)
+//   norm[0] = f32(sqrt(sumsq[0])); coef[0] = min(max_norm / (norm[0] + 1e-6), 1)   (f32)
+extern "C" __global__ void clip_coef_f32(const double* __restrict__ sumsq, float max_norm,
+                                         float* __restrict__ norm, float* __restrict__ coef) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  const float total = (float)sqrt(sumsq[0]);
+  norm[0] = total;
+  coef[0] = fminf(max_norm / (total + 1e-6f), 1.0f);
+}
+
+// scale_by_f32(x (n) f32, alpha (1) f32, n)      x[i] = x[i] * alpha[0]          (in place)
+extern "C" __global__ void scale_by_f32(float* __restrict__ x, const float* __restrict__ alpha,
+                                        int64_t n) {
+  const float a = alpha[0];
+  GRID_STRIDE_LOOP(i, n) { x[i] = x[i] * a; }
+}

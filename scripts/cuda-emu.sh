@@ -4,7 +4,8 @@
 # exercised in CI without a GPU:
 #   0. the emulator's own tests;
 #   1. the CUDA variants of the test suites (kernels, layers, ops, FSDP on cuda, the
-#      threads backend on device buffers, NCCL at world size 1) against the CPU;
+#      threads backend on device buffers, NCCL at world size 1, the C ABI with device
+#      tensors and the host's stream) against the CPU;
 #   2. `fsdp train --device cuda` loss curves against `--device cpu`: world size 1, 2 ranks
 #      on 2 emulated devices (peer copies), mixed precision, CPU offload, and one process
 #      under `fsdp launch` (NCCL).
@@ -24,17 +25,19 @@ case "$what" in all | tests | curves) ;; *) echo "usage: scripts/cuda-emu.sh [te
 NVCC="$(scripts/install_nvcc.sh | tail -n 1)" || { echo "FAIL: no nvcc (scripts/install_nvcc.sh)"; exit 1; }
 export NVCC
 cargo build -p cuda-emu --release || { echo "FAIL: building cuda-emu"; exit 1; }
-lib="$root/target/cuda-emu/lib"
+target="${CARGO_TARGET_DIR:-$root/target}"
+case "$target" in /*) ;; *) target="$root/$target" ;; esac
+lib="$target/cuda-emu/lib"
 mkdir -p "$lib"
 for n in libcuda.so libcuda.so.1 libcublas.so libcublas.so.13 libnccl.so libnccl.so.2; do
-  ln -sf ../../release/libcuda_emu.so "$lib/$n"
+  ln -sf "$target/release/libcuda_emu.so" "$lib/$n"
 done
 export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # CUDA_EMU_DEVICES (emulated GPUs) fixes one count for every check; by default the tests
 # run with 2 and with 1, the training curves with 2.
 [ -n "${CUDA_EMU_DEVICES:-}" ] && CUDA_EMU_DEVICES_SET="$CUDA_EMU_DEVICES"
 export CUDA_EMU_DEVICES="${CUDA_EMU_DEVICES:-2}"
-out="$root/target/cuda-emu"
+out="$target/cuda-emu"
 fail=0
 
 if [ "$what" != curves ]; then
@@ -42,7 +45,7 @@ if [ "$what" != curves ]; then
   if cargo test -q -p cuda-emu --release >"$out/emu-self.log" 2>&1; then echo "PASS cuda-emu self-tests"; else
     echo "FAIL cuda-emu self-tests (log: $out/emu-self.log)"; tail -n 15 "$out/emu-self.log"; fail=1
   fi
-  tests="kernels kernels_nn ops_device nn_device zero_size fsdp_zero_size fsdp_cuda distributed"
+  tests="kernels kernels_nn ops_device nn_device zero_size fsdp_zero_size fsdp_cuda distributed capi_cuda"
   args=""; for t in $tests; do args="$args --test $t"; done
   # Two emulated GPUs (ranks spread over devices: peer copies) and one (every rank on
   # cuda:0, as on a lent H200), unless CUDA_EMU_DEVICES names one count. The one-GPU pass
@@ -79,7 +82,7 @@ if [ "$what" != tests ]; then
   export CUDA_EMU_SEED="${CUDA_EMU_SEED:-7}"
   echo "== fsdp train --device cuda on cuda-emu (CUDA_EMU_SEED=$CUDA_EMU_SEED)"
   cargo build --features cuda --bin fsdp || { echo "FAIL: building fsdp --features cuda"; exit 1; }
-  fsdp="$root/target/debug/fsdp"
+  fsdp="$target/debug/fsdp"
   data="$root/data/tinyshakespeare.txt"
   [ -s "$data" ] || scripts/get_data.sh >/dev/null 2>&1 || true
   if [ ! -s "$data" ]; then
@@ -114,6 +117,29 @@ if [ "$what" != tests ]; then
   check "cuda vs cpu, 2 ranks, bf16 mixed precision" cuda-ws2-bf16 cpu-ws2-bf16 1e-2
   check "cuda with cpu offload vs cuda, 2 ranks" cuda-ws2-offload cuda-ws2
   check "nccl (fsdp launch, 1 process) vs threads, cuda" nccl-ws1 cuda-ws1
+  # What a step asks of the host (backend::counters, in the metrics file), from step 2 on:
+  # no host-blocking synchronization on a step that reads nothing back (with --log-every 0
+  # only the first and last steps read their losses), at most one per rank on one that
+  # does. A change that makes a step wait for the device fails here.
+  counters() { # counters NAME RANKS
+    python3 - "$out/$1.jsonl" "$2" "$1" <<'PY'
+import json, sys
+path, ranks, name = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+recs = [json.loads(l) for l in open(path)]
+last = recs[-1]["step"] if recs else 0
+quiet = [r["counters"]["host_syncs"] for r in recs[1:] if r["step"] != last]
+read = [r["counters"]["host_syncs"] for r in recs[1:] if r["step"] == last]
+ok = bool(quiet) and max(quiet) == 0 and max(read) <= ranks
+print(f"{'PASS' if ok else 'FAIL'} counters {name}: host syncs per step {quiet} between reads, "
+      f"{read} on the last step (at most {ranks}, one per rank)")
+sys.exit(0 if ok else 1)
+PY
+    [ $? -eq 0 ] || fail=1
+  }
+  counters cuda-ws1 1
+  counters cuda-ws2 2
+  counters cuda-ws2-zero2 2
+  counters cuda-ws2-bf16 2
 fi
 
 echo "== cuda-emu: $([ $fail -eq 0 ] && echo passed || echo FAILED) (logs in $out)"

@@ -204,6 +204,96 @@ fn comm_stream_orders_after_the_submitters_work_cuda() {
 }
 
 #[test]
+fn work_wait_orders_the_waiters_stream_and_an_unordered_read_is_stale_cuda() {
+    let Some(_) = gpus("work_wait_orders_the_waiters_stream_and_an_unordered_read_is_stale_cuda")
+    else {
+        return;
+    };
+    // The emulator defers stream work until something forces it; a GPU, or the emulator's
+    // eager schedule, may have finished the job anyway, so only there is the stale read sure.
+    // Other tests of this process force the device too (a free without the caching
+    // allocator waits for all of it), so the check runs alone, in a child process.
+    const CHILD: &str = "FSDP_TEST_STALE_READ_CHILD";
+    let deferred = fsdp::backend::cuda::detect().unwrap()[0]
+        .name
+        .contains("cuda-emu")
+        && std::env::var("CUDA_EMU_SCHEDULE").map_or(true, |v| v != "eager");
+    if deferred && std::env::var_os(CHILD).is_none() {
+        let name = "work_wait_orders_the_waiters_stream_and_an_unordered_read_is_stale_cuda";
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", name, "--nocapture", "--test-threads", "1"])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success() && text.contains("1 passed"), "{text}");
+        return;
+    }
+    launch(&LaunchOptions::new(1), |_pg: Group| {
+        let stream = CommStream::on_device("test-comm", CUDA0)?;
+        let t = Tensor::zeros_on(&[1 << 16], DType::F32, CUDA0)?;
+        // With the wait: the compute stream's scale runs after the job's fill.
+        let job_t = t.clone();
+        let w = stream.submit_keeping(vec![t.clone()], move || fsdp::ops::fill_(&job_t, 7.0));
+        w.wait()?;
+        fsdp::ops::scale_(&t, 2.0)?;
+        assert!(t.to_vec_f32()?.iter().all(|&x| x == 14.0));
+        // Without it (the job is only known to be queued, on the host): the compute
+        // stream's scale is not ordered after the fill, and under deferral it reads the
+        // old values, so the result is not 2 x 9 everywhere.
+        let job_t = t.clone();
+        let w = stream.submit_keeping(vec![t.clone()], move || fsdp::ops::fill_(&job_t, 9.0));
+        stream.synchronize();
+        fsdp::ops::scale_(&t, 2.0)?;
+        let v = t.to_vec_f32()?;
+        if deferred {
+            assert!(
+                v.iter().any(|&x| x != 18.0),
+                "the unordered read saw the fill"
+            );
+        }
+        drop(w);
+        Ok(())
+    })
+    .unwrap();
+}
+
+#[test]
+fn threads_collectives_on_device_tensors_never_wait_on_the_host_cuda() {
+    if gpus("threads_collectives_on_device_tensors_never_wait_on_the_host_cuda").is_none() {
+        return;
+    }
+    use fsdp::backend::counters::host_syncs_on_this_thread;
+    let out = launch(&LaunchOptions::new(2), |pg: Group| {
+        let r = pg.rank() as f32;
+        let t = Tensor::zeros_on(&[1000], DType::F32, CUDA0)?;
+        fsdp::ops::fill_(&t, r + 1.0)?;
+        let gathered = Tensor::zeros_on(&[2000], DType::F32, CUDA0)?;
+        let shard = Tensor::zeros_on(&[1000], DType::F32, CUDA0)?;
+        let before = host_syncs_on_this_thread();
+        pg.all_reduce(&t, ReduceOp::Sum)?; // 3 everywhere
+        pg.all_gather_into_tensor(&gathered, &t)?; // 3 x 2000
+        pg.reduce_scatter_tensor(&shard, &gathered, ReduceOp::Sum)?; // 6 x 1000
+        pg.all_reduce(&shard, ReduceOp::Sum)?; // 12 x 1000
+        pg.broadcast(&t, 1)?;
+        let waited = host_syncs_on_this_thread() - before;
+        // The reads synchronize; the values show each collective saw the one before.
+        Ok((waited, shard.to_vec_f32()?, t.to_vec_f32()?))
+    })
+    .unwrap();
+    for (rank, (waited, shard, t)) in out.iter().enumerate() {
+        assert_eq!(*waited, 0, "rank {rank} waited on the host");
+        assert!(
+            shard.iter().all(|&x| x == 12.0),
+            "rank {rank}: {:?}",
+            &shard[..4]
+        );
+        assert!(t.iter().all(|&x| x == 3.0), "rank {rank}: {:?}", &t[..4]);
+    }
+}
+
+#[test]
 fn mixed_device_collectives_are_clear_errors_cuda() {
     if gpus("mixed_device_collectives_are_clear_errors_cuda").is_none() {
         return;

@@ -84,9 +84,11 @@ fn per_rank_state_at_world_size_4_is_a_quarter_of_world_size_1() {
     assert_eq!(four.records[1].ranks.len(), 4);
     for m4 in &four.records[1].ranks {
         let ratio = m4.sharded_total() as f64 / m1.sharded_total() as f64;
-        // A quarter, plus at most 3 padding elements per unit.
+        // A quarter, plus at most 3 padding elements per unit; Adam keeps an 8-byte step
+        // per optimizer entry (one per parameter piece on the rank), which a rank with
+        // fewer pieces than a quarter of the parameters has less of.
         assert!(
-            (0.25..0.2501).contains(&ratio),
+            (0.2499..0.2502).contains(&ratio),
             "rank {}: {} / {} = {ratio}",
             m4.rank,
             m4.sharded_total(),

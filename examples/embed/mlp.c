@@ -10,8 +10,14 @@
  * Unit "2" gets its gradients written into fsdp's gradient views (from pre_backward);
  * unit "0" passes the host's own gradient arrays to post_backward. Both add.
  *
+ * With --precision bf16 (MixedPrecision(param_dtype=reduce_dtype=bfloat16)) the parameter
+ * views are bfloat16 and the host computes as torch.autocast does: every GEMM reads its
+ * operands rounded to bfloat16 and accumulates in float32 (the layer input, the weight,
+ * and in backward the output gradient), bias gradients and elementwise ops stay float32.
+ * Unit "0" then hands its gradients to post_backward as bfloat16 arrays.
+ *
  * usage: mlp [--strategy full-shard|shard-grad-op|no-shard] [--optim sgd|adamw]
- *            [--worlds 1,2,4] [--steps 5] [--accum K] [--clip X]
+ *            [--worlds 1,2,4] [--steps 5] [--accum K] [--clip X] [--precision f32|bf16]
  * prints, per world size: "loss WORLD STEP VALUE" lines and "param WORLD NAME v0 v1 ..."
  * lines (%.9g: float32 values round-trip exactly).
  *
@@ -45,6 +51,28 @@ static int32_t strategy = FSDP_FULL_SHARD;
 static int32_t optim = FSDP_OPTIM_SGD;
 static int steps = 5, accum = 1;
 static float clip = 0.0f;
+static int32_t precision = FSDP_PRECISION_F32;
+
+/* float32 -> the nearest bfloat16 (ties to even; no NaN here), its bits; and back. */
+static uint16_t to_bf16(float v) {
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+/* dst = src rounded to bfloat16 under --precision bf16, else a copy: a GEMM operand. */
+static void operand(float *dst, const float *src, int n) {
+    for (int i = 0; i < n; i++)
+        dst[i] = precision == FSDP_PRECISION_BF16 ? from_bf16(to_bf16(src[i])) : src[i];
+}
 
 /* Deterministic data in [-1, 1]: element i of stream `seed` (the Rust tests compute the
  * same values). */
@@ -69,14 +97,17 @@ static void linear(const float *w, const float *b, const float *x, float *y, int
         }
 }
 
-/* dw += dy^T x, db += sum dy, dx = dy W (dx may be NULL) */
+/* dw += dy^T x, db += sum dy, dx = dy W (dx may be NULL); the GEMMs read dy as its
+ * operand copy (rounded under bf16), the bias gradient the float32 dy. */
 static void linear_backward(const float *w, const float *x, const float *dy, float *dw,
                             float *db, float *dx, int n, int o, int in) {
+    float dyo[ROWS * OUT > ROWS * HID ? ROWS * OUT : ROWS * HID];
+    operand(dyo, dy, n * o);
     if (dx) memset(dx, 0, sizeof(float) * n * in);
     for (int r = 0; r < n; r++)
         for (int j = 0; j < o; j++) {
-            float g = dy[r * o + j];
-            db[j] += g;
+            float g = dyo[r * o + j];
+            db[j] += dy[r * o + j];
             for (int k = 0; k < in; k++) {
                 dw[j * in + k] += g * x[r * in + k];
                 if (dx) dx[r * in + k] += g * w[j * in + k];
@@ -92,25 +123,43 @@ static float *as_f32(const DLTensor *t) {
     return (float *)((char *)t->data + t->byte_offset);
 }
 
+/* A parameter view's n values as float32: the view itself, or (bfloat16 views under
+ * --precision bf16) widened into `scratch`. */
+static const float *param(const DLTensor *t, float *scratch, int n) {
+    if (precision == FSDP_PRECISION_BF16) {
+        if (t->dtype.code != kDLBfloat || t->dtype.bits != 16 || t->device.device_type != kDLCPU) {
+            fprintf(stderr, "expected a bfloat16 host tensor\n");
+            exit(1);
+        }
+        const uint16_t *h = (const uint16_t *)((const char *)t->data + t->byte_offset);
+        for (int i = 0; i < n; i++) scratch[i] = from_bf16(h[i]);
+        return scratch;
+    }
+    return as_f32(t);
+}
+
 /* One micro-batch: rows [lo, hi) of step `step`; returns the sum of squared errors. */
 static float micro_batch(fsdp_model_t model, fsdp_unit_t root, fsdp_unit_t u0, fsdp_unit_t u2,
                          int step, int lo, int hi, float scale) {
     int n = hi - lo;
-    float x[ROWS * IN], t[ROWS * OUT], h[ROWS * HID], a[ROWS * HID], y[ROWS * OUT];
-    float dy[ROWS * OUT], da[ROWS * HID];
+    float x0[ROWS * IN], x[ROWS * IN], t[ROWS * OUT], h[ROWS * HID], a0[ROWS * HID];
+    float a[ROWS * HID], y[ROWS * OUT], dy[ROWS * OUT], da[ROWS * HID];
+    float w[HID * IN], b[HID]; /* widened bfloat16 parameters */
     for (int r = 0; r < n; r++) {
-        for (int k = 0; k < IN; k++) x[r * IN + k] = data_value(100 + step, (lo + r) * IN + k);
+        for (int k = 0; k < IN; k++) x0[r * IN + k] = data_value(100 + step, (lo + r) * IN + k);
         for (int k = 0; k < OUT; k++) t[r * OUT + k] = data_value(200 + step, (lo + r) * OUT + k);
     }
+    operand(x, x0, n * IN);
     DLTensor p[2], g[2];
     /* forward: the root encloses the units */
     CHECK(fsdp_unit_pre_forward(root, true, NULL, 0, NULL));
     CHECK(fsdp_unit_pre_forward(u0, true, p, 2, NULL));
-    linear(as_f32(&p[0]), as_f32(&p[1]), x, h, n, HID, IN);
+    linear(param(&p[0], w, HID * IN), param(&p[1], b, HID), x, h, n, HID, IN);
     CHECK(fsdp_unit_post_forward(u0, true, NULL));
-    for (int i = 0; i < n * HID; i++) a[i] = h[i] > 0.0f ? h[i] : 0.0f;
+    for (int i = 0; i < n * HID; i++) a0[i] = h[i] > 0.0f ? h[i] : 0.0f;
+    operand(a, a0, n * HID);
     CHECK(fsdp_unit_pre_forward(u2, true, p, 2, NULL));
-    linear(as_f32(&p[0]), as_f32(&p[1]), a, y, n, OUT, HID);
+    linear(param(&p[0], w, OUT * HID), param(&p[1], b, OUT), a, y, n, OUT, HID);
     CHECK(fsdp_unit_post_forward(u2, true, NULL));
     CHECK(fsdp_unit_post_forward(root, true, NULL));
     /* mse over the micro-batch's elements, scaled for accumulation */
@@ -123,19 +172,30 @@ static float micro_batch(fsdp_model_t model, fsdp_unit_t root, fsdp_unit_t u0, f
     /* backward, in reverse */
     CHECK(fsdp_unit_pre_backward(root, NULL, NULL, 0, NULL));
     CHECK(fsdp_unit_pre_backward(u2, p, g, 2, NULL));
-    /* into fsdp's gradient views */
-    linear_backward(as_f32(&p[0]), a, dy, as_f32(&g[0]), as_f32(&g[1]), da, n, OUT, HID);
+    /* into fsdp's gradient views (float32 under every precision) */
+    linear_backward(param(&p[0], w, OUT * HID), a, dy, as_f32(&g[0]), as_f32(&g[1]), da, n, OUT,
+                    HID);
     CHECK(fsdp_unit_post_backward(u2, NULL, 0, true, NULL));
     for (int i = 0; i < n * HID; i++) da[i] = h[i] > 0.0f ? da[i] : 0.0f;
     CHECK(fsdp_unit_pre_backward(u0, p, NULL, 2, NULL));
-    /* into the host's own arrays, handed to post_backward */
+    /* into the host's own arrays, handed to post_backward (as bfloat16 under bf16) */
     float dw[HID * IN] = {0}, db[HID] = {0};
-    linear_backward(as_f32(&p[0]), x, da, dw, db, NULL, n, HID, IN);
+    linear_backward(param(&p[0], w, HID * IN), x, da, dw, db, NULL, n, HID, IN);
     int64_t sw[2] = {HID, IN}, sb[1] = {HID};
     DLTensor mine[2] = {
         {dw, {kDLCPU, 0}, 2, {kDLFloat, 32, 1}, sw, NULL, 0},
         {db, {kDLCPU, 0}, 1, {kDLFloat, 32, 1}, sb, NULL, 0},
     };
+    uint16_t dw16[HID * IN], db16[HID];
+    if (precision == FSDP_PRECISION_BF16) {
+        for (int i = 0; i < HID * IN; i++) dw16[i] = to_bf16(dw[i]);
+        for (int i = 0; i < HID; i++) db16[i] = to_bf16(db[i]);
+        DLDataType bf16 = {kDLBfloat, 16, 1};
+        mine[0].data = dw16;
+        mine[0].dtype = bf16;
+        mine[1].data = db16;
+        mine[1].dtype = bf16;
+    }
     CHECK(fsdp_unit_post_backward(u0, mine, 2, true, NULL));
     CHECK(fsdp_unit_post_backward(root, NULL, 0, true, NULL));
     CHECK(fsdp_model_finish_backward(model, NULL));
@@ -170,8 +230,8 @@ typedef struct {
 static void *rank_main(void *arg) {
     Rank *me = (Rank *)arg;
     char method[64];
-    snprintf(method, sizeof method, "threads://mlp-%d-%d-%d", (int)strategy, (int)optim,
-             me->world);
+    snprintf(method, sizeof method, "threads://mlp-%d-%d-%d-%d", (int)strategy, (int)optim,
+             (int)precision, me->world);
     fsdp_init_options io;
     CHECK(fsdp_init_options_default(&io));
     io.init_method = method;
@@ -198,6 +258,7 @@ static void *rank_main(void *arg) {
     fsdp_config cfg;
     CHECK(fsdp_config_default(&cfg));
     cfg.sharding_strategy = strategy;
+    cfg.mixed_precision = precision;
     fsdp_model_t model;
     CHECK(fsdp_model_new(world, spec, &cfg, &model));
     CHECK(fsdp_spec_free(spec));
@@ -259,6 +320,8 @@ int main(int argc, char **argv) {
             accum = atoi(v);
         else if (!strcmp(k, "--clip"))
             clip = (float)atof(v);
+        else if (!strcmp(k, "--precision"))
+            precision = !strcmp(v, "bf16") ? FSDP_PRECISION_BF16 : FSDP_PRECISION_F32;
         else if (!strcmp(k, "--worlds")) {
             nworlds = 0;
             for (char *s = strtok((char *)v, ","); s && nworlds < 8; s = strtok(NULL, ","))

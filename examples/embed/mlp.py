@@ -51,6 +51,7 @@ class Config(C.Structure):  # fsdp_config
         ("forward_prefetch", C.c_bool),
         ("limit_all_gathers", C.c_bool),
         ("sync_module_states", C.c_bool),
+        ("device", DLDevice),  # {kDLCPU, 0}; {kDLCUDA, i} computes on that GPU
     ]
 
 
@@ -62,6 +63,7 @@ class OptimizerConfig(C.Structure):  # fsdp_optimizer_config
 
 
 # From include/fsdp.h.
+FSDP_ABI_VERSION = 2
 kDLCPU, kDLFloat = 1, 2
 FSDP_INIT_UNIFORM, FSDP_OPTIM_SGD, FSDP_REDUCE_SUM = 1, 0, 0
 STRATEGIES = {"full-shard": 0, "shard-grad-op": 1, "no-shard": 2}
@@ -75,6 +77,11 @@ class Fsdp:
         self.lib = C.CDLL(path)
         self.lib.fsdp_last_error.restype = C.c_char_p
         self.lib.fsdp_status_name.restype = C.c_char_p
+        self.lib.fsdp_abi_version.restype = C.c_uint32
+        # The structs above are this ABI version's: another library would misread them.
+        got = self.lib.fsdp_abi_version()
+        if got != FSDP_ABI_VERSION:
+            raise RuntimeError(f"{path} has C ABI {got}, this host is written for {FSDP_ABI_VERSION}")
 
     def __getattr__(self, name):
         f = getattr(self.lib, "fsdp_" + name)

@@ -12,6 +12,7 @@
 //!
 //! [`cuda`] needs the `cuda` feature for everything but [`cuda::detect`].
 
+pub mod counters;
 pub mod cpu;
 pub mod cuda;
 mod tensor;

@@ -115,6 +115,10 @@ pub struct OptimIndex {
     pub steps: BTreeMap<String, u64>,
     /// Per buffer name, the buffer of each parameter.
     pub buffers: BTreeMap<String, BTreeMap<String, Entry>>,
+    /// The parameter groups by parameter name; absent (empty) for one group of every
+    /// parameter with `hyperparams`' lr and weight decay.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub param_groups: Vec<crate::fsdp::NamedParamGroup>,
 }
 
 /// Reads and checks `dir/index.json`.

@@ -430,6 +430,7 @@ fn stage(
                     .iter()
                     .map(|(n, m)| Ok((n.clone(), StateDict::Sharded(to_sharded(m)?))))
                     .collect::<Result<_>>()?,
+                param_groups: oi.param_groups.clone(),
             };
             let mine = o.state_dict()?.kind;
             if mine != osd.kind {

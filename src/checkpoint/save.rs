@@ -33,6 +33,9 @@ struct Manifest {
     pieces: Vec<(String, String, usize, String, usize, usize)>,
     /// Optimizer kind, hyperparameters and the steps this rank knows.
     optim: Option<OptimMeta>,
+    /// The optimizer's parameter groups by name (the same on every rank).
+    #[serde(default)]
+    optim_groups: Vec<crate::fsdp::NamedParamGroup>,
     /// This rank's own extra value, when the save has per-rank state: empty for none, else
     /// one element (so that a JSON `null` value is told from no value; an
     /// `Option<Value>` would read `null` back as `None`).
@@ -201,6 +204,7 @@ fn write_files(
     if let Some(o) = osd {
         sections.extend(o.buffers.iter().map(|(n, d)| (n.clone(), d)));
         m.optim = Some((o.kind.clone(), o.hyperparams.clone(), o.steps.clone()));
+        m.optim_groups = o.param_groups.clone();
     }
     for (section, d) in sections {
         match d {
@@ -336,6 +340,9 @@ fn write_index(
                 hyperparams: hyper.into_iter().collect(),
                 ..OptimIndex::default()
             });
+            if o.param_groups.is_empty() {
+                o.param_groups = m.optim_groups;
+            }
             for (n, s) in steps {
                 let e = o.steps.entry(n).or_insert(s);
                 *e = (*e).max(s);

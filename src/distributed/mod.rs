@@ -82,8 +82,13 @@ pub use crate::reduce::ReduceOp;
 
 /// A group of ranks that run collectives together (`torch.distributed.ProcessGroup`).
 ///
-/// Collectives are blocking: they return when this rank's output is complete and every rank
-/// has finished reading this rank's input, so the caller may reuse both at once.
+/// Collectives are blocking: on host tensors they return when this rank's output is
+/// complete and every rank has finished reading this rank's input, so the caller may reuse
+/// both at once. On CUDA tensors they are ordered on the calling thread's current stream
+/// (as NCCL's are): they return once the work is queued, what the caller queues next on
+/// that stream sees the output and may overwrite the input, and a copy to the host sees
+/// the output (it synchronizes). The threads backend queues without any host wait; NCCL
+/// still waits for each collective (its watchdog, see `nccl`).
 pub trait ProcessGroup: Send + Sync {
     /// This rank's index in the group, `0..size()`.
     fn rank(&self) -> usize;

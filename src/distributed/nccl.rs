@@ -14,8 +14,10 @@
 //! - the wait is a watchdog (`TORCH_NCCL_ASYNC_ERROR_HANDLING`): it polls the completion
 //!   event and `ncclCommGetAsyncError`; past the group timeout it aborts the communicator
 //!   and returns [`Error::Timeout`] naming the ranks that never entered this collective
-//!   (each rank records its collective sequence number in the store as it enters, which is
-//!   what PyTorch's desync debugging does), and an asynchronous NCCL error becomes
+//!   (a rank whose collective is slow, past a quarter of the timeout or 1 s, records its
+//!   collective sequence number in the store, as PyTorch's desync debugging asks its peers
+//!   on a timeout; a healthy collective makes no store request), and an asynchronous NCCL
+//!   error becomes
 //!   [`Error::PeerFailed`] or [`Error::Cuda`];
 //! - an aborted communicator fails every later collective with the first error;
 //! - `new_group` builds a communicator for the members from a fresh unique id under a key
@@ -346,10 +348,8 @@ impl NcclGroup {
             *s += 1;
             *s
         };
-        self.store.set(
-            &format!("{}/seq/{}", self.prefix, self.rank),
-            seq.to_string().as_bytes(),
-        )?;
+        // The count is published to the store only when this collective is slow (`watch`):
+        // a healthy collective costs no store round trip.
         let cu_stream = stream.inner.cu_stream() as sys::cudaStream_t;
         if let Err(e) = issue(comm.raw, cu_stream) {
             let err = nccl_err(format!("{op} on rank {}", self.world_rank), e, comm.raw);
@@ -378,6 +378,11 @@ impl NcclGroup {
         let start = Instant::now();
         let mut last_peer_check = start;
         let mut pause = Duration::from_micros(20);
+        // Past this, the collective counts as slow: this rank publishes how many collectives
+        // it entered, so that a peer that times out can tell who never entered (every rank
+        // stuck in the same collective publishes; one that never called it does not).
+        let slow = (self.timeout / 4).min(Duration::from_secs(1));
+        let mut published = false;
         loop {
             // `query`, not `is_complete`: the latter reads a CUDA error (say, a kernel queued
             // before the collective faulted) as "not done", and the loop would then spin
@@ -400,6 +405,10 @@ impl NcclGroup {
                     reason: format!("{} during {op}", nccl_message(status, raw)),
                 });
             }
+            if !published && start.elapsed() > slow {
+                published = true;
+                self.publish_seq(seq);
+            }
             if last_peer_check.elapsed() > Duration::from_secs(1) {
                 last_peer_check = Instant::now();
                 if let Some((failed_rank, reason)) = self.failed_peer() {
@@ -410,6 +419,9 @@ impl NcclGroup {
                 }
             }
             if start.elapsed() > self.timeout {
+                self.publish_seq(seq);
+                // A peer that entered less than `slow` ago has not published yet.
+                std::thread::sleep(slow);
                 return Err(Error::Timeout {
                     op: op.to_string(),
                     rank: self.world_rank,
@@ -420,6 +432,15 @@ impl NcclGroup {
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_millis(2));
         }
+    }
+
+    /// Records in the store that this rank entered `seq` collectives (for a peer's
+    /// [`lagging_ranks`](Self::lagging_ranks)); a store error only loses that hint.
+    fn publish_seq(&self, seq: u64) {
+        let _ = self.store.set(
+            &format!("{}/seq/{}", self.prefix, self.rank),
+            seq.to_string().as_bytes(),
+        );
     }
 
     /// World ranks whose recorded collective count is below `seq` (they never entered the

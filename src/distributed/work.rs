@@ -18,13 +18,20 @@
 //! - at submit, an event is recorded on the submitting thread's current stream and the
 //!   job's stream waits on it before the job runs, so the job sees everything the rank
 //!   queued before submitting (the buffer it fills was zeroed, the gradient computed);
-//! - after the job, the thread synchronizes its stream before the [`Work`] completes, so
-//!   once `wait` returns the results are visible to every stream and the host;
+//! - after the job, the thread records a second event on its stream and completes the
+//!   [`Work`] with it: the host never waits for the device here. [`Work::wait`] makes the
+//!   waiting thread's current stream wait for that event (`cuStreamWaitEvent`), so what
+//!   the waiter queues next on the device sees the job's results; the host sees them once
+//!   it reads them (every copy to the host synchronizes). This is PyTorch's
+//!   `Work.wait()` on a NCCL work: a device-side wait, no host block;
 //! - the tensors given to [`submit_keeping`](CommStream::submit_keeping) (and those of the
-//!   typed collectives) stay alive until then: a buffer the rank drops while the stream
-//!   still reads it is not handed back to the allocator early.
+//!   typed collectives) are marked as used by the job's stream before the job drops them
+//!   (`Tensor.record_stream`): when the rank frees one, its block goes back to the
+//!   allocator only behind an event of the job's stream, so no later allocation reuses
+//!   memory the stream still reads or writes.
 //!
-//! On the host the same code runs without the events and synchronizations.
+//! On the host the same code runs without the events: a job's results are complete when
+//! its `Work` completes.
 //!
 //! A job runs under the [`fingerprint`](super::fingerprint) its submitter had at submit
 //! time, so the collectives it calls say what the rank was doing when it issued them.
@@ -44,9 +51,22 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 struct WorkState {
-    done: Mutex<Option<Result<()>>>,
+    done: Mutex<Option<Done>>,
     cv: Condvar,
 }
+
+/// How a job ended: its result and, on a CUDA stream, the event after its device work.
+struct Done {
+    result: Result<()>,
+    after: After,
+}
+
+/// On a CUDA stream: the device and an event recorded after the job's work on it, which a
+/// waiter's stream waits for.
+#[cfg(feature = "cuda")]
+type After = Option<(usize, crate::backend::cuda::Event)>;
+#[cfg(not(feature = "cuda"))]
+type After = Option<std::convert::Infallible>;
 
 /// Handle to one asynchronous collective (`torch.distributed.Work`). Dropping it does not
 /// cancel the collective; [`CommStream::synchronize`] still waits for it.
@@ -81,22 +101,29 @@ impl Work {
     /// asked for a `Work`).
     pub fn completed(result: Result<()>) -> Work {
         let (w, s) = Work::pending();
-        *s.done.lock() = Some(result);
+        *s.done.lock() = Some(Done {
+            result,
+            after: None,
+        });
         w
     }
 
-    /// Whether the collective has finished (successfully or not). Never blocks.
+    /// Whether the collective has finished (successfully or not); on a CUDA stream, whether
+    /// its device work has been queued (see the module docs). Never blocks.
     pub fn is_completed(&self) -> bool {
         self.state.done.lock().is_some()
     }
 
     /// Blocks until the collective finishes and returns its result; its output tensors are
-    /// then complete and its inputs free to reuse (on a CUDA stream, the job's stream has
-    /// drained, so any stream of the waiter sees the results). Returns how long it blocked
-    /// with [`wait_timed`](Self::wait_timed).
+    /// then complete and its inputs free to reuse. On a CUDA stream it blocks only until
+    /// the job's device work is queued, and makes the calling thread's current stream wait
+    /// for it: work the caller queues afterwards, and any copy to the host, sees the
+    /// results (`torch.distributed.Work.wait` on NCCL). Returns how long it blocked with
+    /// [`wait_timed`](Self::wait_timed).
     ///
     /// # Errors
-    /// The collective's error (mismatch, timeout naming the missing ranks, a failed peer).
+    /// The collective's error (mismatch, timeout naming the missing ranks, a failed peer);
+    /// [`Error::Cuda`] when the stream wait cannot be queued.
     pub fn wait(self) -> Result<()> {
         self.wait_timed().0
     }
@@ -108,13 +135,26 @@ impl Work {
         while done.is_none() {
             self.state.cv.wait(&mut done);
         }
-        let r = done.take().unwrap_or(Ok(()));
+        let r = match done.take() {
+            Some(d) => d.result.and_then(|()| wait_on_device(d.after)),
+            None => Ok(()),
+        };
         (r, t0.elapsed())
     }
 }
 
-fn finish(state: &WorkState, result: Result<()>) {
-    *state.done.lock() = Some(result);
+/// Makes the calling thread's current stream on the job's device wait for the job.
+fn wait_on_device(after: After) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Some((ordinal, ev)) = after {
+        return crate::backend::cuda::current_stream(ordinal)?.wait(&ev);
+    }
+    let _ = after;
+    Ok(())
+}
+
+fn finish(state: &WorkState, result: Result<()>, after: After) {
+    *state.done.lock() = Some(Done { result, after });
     state.cv.notify_all();
 }
 
@@ -164,27 +204,39 @@ impl DeviceSide {
         }
     }
 
-    /// Runs one job: wait for the submitter's work, run, drain the stream, then release
-    /// the kept tensors.
-    fn run(&self, q: Queued) -> Result<()> {
+    /// Runs one job: make the stream wait for the submitter's work, run the job, mark the
+    /// kept tensors as used by the stream, release them, and return the job's result with
+    /// an event after its device work (no host wait).
+    fn run(&self, q: Queued) -> (Result<()>, After) {
         let Queued {
             job, ready, keep, ..
         } = q;
         #[cfg(feature = "cuda")]
         if let (Some((s, _)), Some(ev)) = (&self.stream, &ready) {
-            s.wait(ev)?;
+            if let Err(e) = s.wait(ev) {
+                return (Err(e), None);
+            }
         }
         #[cfg(not(feature = "cuda"))]
         let _ = ready;
         let r = job();
         #[cfg(feature = "cuda")]
-        let r = match &self.stream {
-            // Also after an error: nothing queued may outlive the job's buffers.
-            Some((s, _)) => r.and(s.synchronize()),
-            None => r,
-        };
+        if let Some((s, _)) = &self.stream {
+            // Also after an error: the buffers of whatever the job queued go back to the
+            // allocator only behind this stream's work.
+            for t in &keep {
+                if let Ok(d) = t.as_device_tensor() {
+                    s.record_use(d.buffer());
+                }
+            }
+            drop(keep);
+            return match r.and_then(|()| s.record()) {
+                Ok(ev) => (Ok(()), Some((s.device().ordinal(), ev))),
+                Err(e) => (Err(e), None),
+            };
+        }
         drop(keep);
-        r
+        (r, None)
     }
 }
 
@@ -253,25 +305,27 @@ impl CommStream {
                     let state = q.state.clone();
                     if let Some(e) = &failed {
                         drop(q);
-                        finish(&state, Err(e.duplicate()));
+                        finish(&state, Err(e.duplicate()), None);
                         let mut n = p.0.lock();
                         *n -= 1;
                         p.1.notify_all();
                         continue;
                     }
-                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| side.run(q)))
-                        .unwrap_or_else(|p| {
-                            let msg = p
-                                .downcast_ref::<&str>()
-                                .map(|s| s.to_string())
-                                .or_else(|| p.downcast_ref::<String>().cloned())
-                                .unwrap_or_else(|| "unknown panic".into());
-                            Err(Error::Fsdp(format!("communication job panicked: {msg}")))
-                        });
+                    let (r, after) =
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| side.run(q)))
+                            .unwrap_or_else(|p| {
+                                let msg = p
+                                    .downcast_ref::<&str>()
+                                    .map(|s| s.to_string())
+                                    .or_else(|| p.downcast_ref::<String>().cloned())
+                                    .unwrap_or_else(|| "unknown panic".into());
+                                let e = Error::Fsdp(format!("communication job panicked: {msg}"));
+                                (Err(e), None)
+                            });
                     if let Err(e) = &r {
                         failed = Some(e.duplicate());
                     }
-                    finish(&state, r);
+                    finish(&state, r, after);
                     let mut n = p.0.lock();
                     *n -= 1;
                     p.1.notify_all();
@@ -331,6 +385,7 @@ impl CommStream {
             finish(
                 &state,
                 Err(Error::Fsdp("communication stream has stopped".into())),
+                None,
             );
         }
         work

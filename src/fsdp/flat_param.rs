@@ -41,9 +41,9 @@ pub struct FlatParameter {
     pub(crate) local_shard: Tensor,
     /// Accumulated gradient of the chunk, `(c)` f32; `None` until the first backward.
     pub(crate) grad_shard: Option<Tensor>,
-    /// Runs `(start, len)` of this rank's chunk that hold trainable parameters: what the
-    /// optimizer steps on. Frozen parameters and padding are left out, so weight decay
-    /// never touches them.
+    /// Runs `(start, len)` of this rank's chunk that hold trainable parameters, one per
+    /// parameter with elements in the chunk: what the optimizer steps on. Frozen
+    /// parameters and padding are left out, so weight decay never touches them.
     pub(crate) trainable_runs: Vec<(usize, usize)>,
     /// The padded flat gradient `(c W)` accumulated under `no_sync`, reduced by the next
     /// synchronized backward (FSDP1 keeps the unsharded gradient the same way).
@@ -110,14 +110,14 @@ impl FlatParameter {
                 }
             }
         }
+        // One run per parameter (not merged with its neighbours), so that each entry of
+        // the optimizer's list belongs to one parameter and can have its parameter group
+        // (no weight decay for biases and norms).
         let mut trainable_runs: Vec<(usize, usize)> = Vec::new();
         for info in infos.iter().filter(|i| i.requires_grad) {
             let (a, b) = (info.offset.max(lo), (info.offset + info.numel).min(hi));
             if a < b {
-                match trainable_runs.last_mut() {
-                    Some((start, len)) if *start + *len == a - lo => *len += b - a,
-                    _ => trainable_runs.push((a - lo, b - a)),
-                }
+                trainable_runs.push((a - lo, b - a));
             }
         }
         Ok(FlatParameter {

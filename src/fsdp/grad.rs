@@ -36,12 +36,30 @@ impl FullyShardedDataParallel {
     /// total norm before clipping, identical on every rank. `norm_type` is a finite `p >= 1`
     /// or `f32::INFINITY`. Padding never counts (its gradient is zero). Clip coefficient
     /// `min(1, max_norm / (total + 1e-6))`, as `torch.nn.utils.clip_grad_norm_`. A
-    /// collective: every rank calls it, on the root.
+    /// collective: every rank calls it, on the root. Reads the norm to the host: on CUDA
+    /// that waits for the device; [`clip_grad_norm_tensor_`](Self::clip_grad_norm_tensor_)
+    /// does not.
     ///
     /// # Errors
     /// `Fsdp` on a nested unit; `InvalidArgument` for a negative or non-finite `max_norm`
     /// or a `norm_type` below 1.
     pub fn clip_grad_norm_(&mut self, max_norm: f32, norm_type: f32) -> Result<f32> {
+        Ok(self
+            .clip_grad_norm_tensor_(max_norm, norm_type)?
+            .to_vec_f32()?[0])
+    }
+
+    /// [`clip_grad_norm_`](Self::clip_grad_norm_) returning the total norm as a
+    /// one-element f32 tensor on the gradients' device, as PyTorch returns it. With CUDA
+    /// gradients and `norm_type = 2` everything happens on the device, ordered on the
+    /// current stream: the squared norm accumulates in f64 there, the ranks all-reduce it
+    /// as a device tensor, the clip coefficient is computed there and scales the gradients
+    /// in place; the host never waits (PyTorch's way). The values are bit for bit the host
+    /// path's.
+    ///
+    /// # Errors
+    /// As [`clip_grad_norm_`](Self::clip_grad_norm_); [`Error::Cuda`].
+    pub fn clip_grad_norm_tensor_(&mut self, max_norm: f32, norm_type: f32) -> Result<Tensor> {
         if !self.is_root {
             return Err(Error::Fsdp(
                 "clip_grad_norm_ must be called on the root FSDP instance".into(),
@@ -57,38 +75,27 @@ impl FullyShardedDataParallel {
                 "clip_grad_norm_: norm_type must be >= 1 or infinity, got {norm_type}"
             );
         }
-        let inf = norm_type == f32::INFINITY;
         let mut grads: Vec<Tensor> = Vec::new();
         self.each_unit(|u| grads.extend(u.flat.grad_shard.clone()));
-        let local = norm_accumulate(0.0, &grads, norm_type)?;
-        // Sharded gradients are disjoint pieces of the whole: combine over the shard group.
-        // Under hybrid sharding the replicas hold the same pieces (summing over the world
-        // would count each sqrt(replicas) times too many); under NoShard every rank holds
-        // all. Every rank of the world still takes part (a max of equal values, exact), as
-        // PyTorch all-reduces the norm under every strategy: a rank that clips while its
-        // peers do not then fails at once instead of training on alone.
-        let t = Tensor::from_vec(vec![local as f32], &[1])?;
-        {
-            let _tag = self.fingerprint(Phase::ClipGradNorm);
-            if self.sharding_strategy().is_sharded() {
-                let op = if inf { ReduceOp::Max } else { ReduceOp::Sum };
-                staged::all_reduce(self.shard_group().as_ref(), &t, op)?;
-                if let Some(rep) = &self.rs.replicate_pg {
-                    staged::all_reduce(rep.as_ref(), &t, ReduceOp::Max)?;
-                }
-            } else {
-                staged::all_reduce(self.process_group().as_ref(), &t, ReduceOp::Max)?;
-            }
+        let mut ignored: Vec<Tensor> = Vec::new();
+        self.each_ignored(|_, p| ignored.extend(p.grad().cloned()));
+        #[cfg(feature = "cuda")]
+        if let Some(ordinal) = on_one_gpu(&grads, &ignored, norm_type) {
+            return self.clip_on_device(ordinal, max_norm, &grads, &ignored);
         }
+        let inf = norm_type == f32::INFINITY;
+        let local = norm_accumulate(0.0, &grads, norm_type)?;
+        let t = Tensor::from_vec(vec![local as f32], &[1])?;
+        self.reduce_norm(&t, inf)?;
         let total = t.f32()?[0] as f64;
         // Ignored modules' parameters are whole on every rank: their local gradients count
         // once, without a reduction (as FSDP1 counts its non-sharded parameters).
-        let mut ignored: Vec<Tensor> = Vec::new();
-        self.each_ignored(|_, p| ignored.extend(p.grad().cloned()));
         let total = norm_accumulate(total, &ignored, norm_type)?;
         grads.extend(ignored);
         let total = if inf {
             total
+        } else if norm_type == 2.0 {
+            total.sqrt() // correctly rounded, as on the device
         } else {
             total.powf(1.0 / norm_type as f64)
         } as f32;
@@ -97,8 +104,91 @@ impl FullyShardedDataParallel {
             // On the gradient's device (a kernel on the current stream for CUDA shards).
             crate::ops::scale_(g, coef)?;
         }
-        Ok(total)
+        let device = grads
+            .first()
+            .map_or(crate::backend::Device::Cpu, Tensor::device);
+        Tensor::from_vec(vec![total], &[1])?.to_device(device)
     }
+
+    /// Combines the ranks' local sums (or maxima for `inf`) in `t` (one f32, on any
+    /// device). Sharded gradients are disjoint pieces of the whole: combine over the shard
+    /// group. Under hybrid sharding the replicas hold the same pieces (summing over the
+    /// world would count each sqrt(replicas) times too many); under NoShard every rank
+    /// holds all. Every rank of the world still takes part (a max of equal values, exact),
+    /// as PyTorch all-reduces the norm under every strategy: a rank that clips while its
+    /// peers do not then fails at once instead of training on alone.
+    fn reduce_norm(&self, t: &Tensor, inf: bool) -> Result<()> {
+        let _tag = self.fingerprint(Phase::ClipGradNorm);
+        if self.sharding_strategy().is_sharded() {
+            let op = if inf { ReduceOp::Max } else { ReduceOp::Sum };
+            staged::all_reduce(self.shard_group().as_ref(), t, op)?;
+            if let Some(rep) = &self.rs.replicate_pg {
+                staged::all_reduce(rep.as_ref(), t, ReduceOp::Max)?;
+            }
+        } else {
+            staged::all_reduce(self.process_group().as_ref(), t, ReduceOp::Max)?;
+        }
+        Ok(())
+    }
+
+    /// The 2-norm clip on `cuda:ordinal` (see [`clip_grad_norm_tensor_`](Self::clip_grad_norm_tensor_)):
+    /// the host path's steps, in its order, as kernels on the current stream.
+    #[cfg(feature = "cuda")]
+    fn clip_on_device(
+        &self,
+        ordinal: usize,
+        max_norm: f32,
+        grads: &[Tensor],
+        ignored: &[Tensor],
+    ) -> Result<Tensor> {
+        use crate::backend::cuda::{scale_by, NormAccumulator};
+        use crate::backend::Device;
+        use crate::tensor::DType;
+        let s = crate::backend::cuda::current_stream(ordinal)?;
+        let acc = NormAccumulator::zeros(&s)?;
+        for g in grads {
+            acc.add_squares(&s, &g.as_device_tensor()?)?;
+        }
+        let dev = Device::Cuda(ordinal);
+        let t = Tensor::zeros_on(&[1], DType::F32, dev)?;
+        acc.store_f32(&s, &t.as_device_tensor()?)?;
+        self.reduce_norm(&t, false)?;
+        acc.load_f32(&s, &t.as_device_tensor()?)?;
+        for g in ignored {
+            acc.add_squares(&s, &g.as_device_tensor()?)?;
+        }
+        let (norm, coef) = (t, Tensor::zeros_on(&[1], DType::F32, dev)?);
+        acc.clip_coef(
+            &s,
+            max_norm,
+            &norm.as_device_tensor()?,
+            &coef.as_device_tensor()?,
+        )?;
+        let coef = coef.as_device_tensor()?;
+        for g in grads.iter().chain(ignored) {
+            scale_by(&s, &g.as_device_tensor()?, &coef)?;
+        }
+        Ok(norm)
+    }
+}
+
+/// The GPU all of `grads` and `ignored` are on, as f32, when `norm_type` is 2 (the
+/// device path); `None` otherwise (host path, which handles every case).
+#[cfg(feature = "cuda")]
+fn on_one_gpu(grads: &[Tensor], ignored: &[Tensor], norm_type: f32) -> Option<usize> {
+    use crate::backend::Device;
+    if norm_type != 2.0 {
+        return None;
+    }
+    let mut ordinal = None;
+    for g in grads.iter().chain(ignored) {
+        match (g.device(), ordinal) {
+            (Device::Cuda(i), None) if g.dtype() == crate::tensor::DType::F32 => ordinal = Some(i),
+            (Device::Cuda(i), Some(o)) if i == o && g.dtype() == crate::tensor::DType::F32 => {}
+            _ => return None,
+        }
+    }
+    ordinal
 }
 
 /// `acc` combined with the sum of `|g|^p` (or the max of `|g|` for `p = inf`) over `grads`,

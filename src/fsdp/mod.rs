@@ -58,8 +58,8 @@ pub use mixed_precision::MixedPrecision;
 pub use scheduler::{BackwardPrefetch, RuntimeStats};
 pub use state_dict::{
     FullStateDict, FullStateDictConfig, IncompatibleKeys, LocalFlatShard, LocalRange,
-    LocalStateDict, OptimStateDict, ShardPiece, ShardedStateDict, ShardedTensor, StateDict,
-    StateDictConfig, StateDictType,
+    LocalStateDict, NamedParamGroup, OptimStateDict, ShardPiece, ShardedStateDict, ShardedTensor,
+    StateDict, StateDictConfig, StateDictType,
 };
 pub use unit::{gradient_divide_factors, FullyShardedDataParallel, UnitVisitor};
 pub use wrap::{

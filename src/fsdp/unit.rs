@@ -184,9 +184,10 @@ impl FullyShardedDataParallel {
     }
 
     /// What an optimizer steps on: views of every unit's local shard and gradient shard,
-    /// one per run of trainable elements (frozen parameters and padding excluded, so they
-    /// are never updated, not even by weight decay), then the trainable parameters of the
-    /// ignored modules, whole. The same list at every step.
+    /// one per trainable parameter with elements on this rank (frozen parameters and
+    /// padding excluded, so they are never updated, not even by weight decay), then the
+    /// trainable parameters of the ignored modules, whole. The same list at every step;
+    /// [`optimizer_param_names`](Self::optimizer_param_names) names its entries.
     pub fn optimizer_params(&mut self) -> Vec<ParamGrad> {
         let mut out = Vec::new();
         self.each_unit(|u| {
@@ -208,6 +209,54 @@ impl FullyShardedDataParallel {
                     param: param.clone(),
                     grad: p.grad().cloned(),
                 });
+            }
+        });
+        out
+    }
+
+    /// The original parameter of each entry of [`optimizer_params`](Self::optimizer_params),
+    /// in the same order: its name (as in the state dict) and its whole shape (the entry
+    /// holds this rank's elements of it). What parameter groups are built from on each
+    /// rank, e.g. [`no_decay_groups`](crate::optim::no_decay_groups) on the shapes.
+    ///
+    /// ```
+    /// use fsdp::distributed::{launch, LaunchOptions};
+    /// use fsdp::fsdp::{FsdpConfig, FullyShardedDataParallel};
+    /// use fsdp::nn::{InitKey, Linear};
+    /// use fsdp::optim::{no_decay_groups, AdamConfig, AdamW, Optimizer};
+    /// launch(&LaunchOptions::new(2), |pg| {
+    ///     let lin = Linear::new(4, 3, true, &InitKey::new(0))?;
+    ///     let mut m = FullyShardedDataParallel::new(Box::new(lin), pg, FsdpConfig::default())?;
+    ///     let names = m.optimizer_param_names(); // this rank's pieces of weight and bias
+    ///     assert_eq!(names.len(), m.optimizer_params().len());
+    ///     let shapes: Vec<Vec<usize>> = names.iter().map(|(_, s)| s.clone()).collect();
+    ///     let mut opt = AdamW::new(AdamConfig::adamw());
+    ///     opt.set_param_groups(no_decay_groups(&shapes, 1e-3, 0.1))
+    /// })
+    /// .unwrap();
+    /// ```
+    pub fn optimizer_param_names(&mut self) -> Vec<(String, Vec<usize>)> {
+        let mut out = Vec::new();
+        self.each_unit(|u| {
+            let (lo, _) = u.flat.shard_range();
+            for &(start, _) in &u.flat.trainable_runs {
+                // The parameter whose elements start this run (runs are per parameter).
+                let at = lo + start;
+                let idx = u
+                    .flat
+                    .infos
+                    .iter()
+                    .position(|i| i.offset <= at && at < i.offset + i.numel);
+                let name = idx.and_then(|k| u.slots.iter().find(|(_, j)| *j == k));
+                match (idx, name) {
+                    (Some(k), Some((n, _))) => out.push((n.clone(), u.flat.infos[k].shape.clone())),
+                    _ => out.push((String::new(), Vec::new())),
+                }
+            }
+        });
+        self.each_ignored(|name, p| {
+            if let (true, Ok(d)) = (p.requires_grad, p.data()) {
+                out.push((name.to_string(), d.shape().to_vec()));
             }
         });
         out

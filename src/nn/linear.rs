@@ -26,8 +26,25 @@ pub struct Linear {
 }
 
 impl Linear {
-    /// A `Linear(in, out)` initialized from `key` (PyTorch's default init).
+    /// A `Linear(in, out)` initialized from `key` (PyTorch's default init; with a key of
+    /// [`InitKey::torch`], PyTorch's values: `kaiming_uniform_(a=sqrt(5))` then the bias,
+    /// drawn from the key's generator).
     pub fn new(in_features: usize, out_features: usize, bias: bool, key: &InitKey) -> Result<Self> {
+        if let Some(g) = key.torch_generator() {
+            let (w, b) = super::torch_rng::linear_parameters(
+                &mut g.lock(),
+                in_features,
+                out_features,
+                bias,
+            )?;
+            return Ok(Linear {
+                weight: Parameter::new("weight", w),
+                bias: b.map(|b| Parameter::new("bias", b)),
+                in_features,
+                out_features,
+                saved_x: None,
+            });
+        }
         let bound = 1.0 / (in_features.max(1) as f32).sqrt();
         let weight = Parameter::new(
             "weight",

@@ -18,6 +18,16 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<(f32, Tensor)>
     crate::ops::cross_entropy(logits, targets)
 }
 
+/// [`cross_entropy`] with the loss as a one-element f32 tensor on the inputs' device:
+/// on CUDA nothing waits for the device (a bad target is reported by the next read to the
+/// host), so a training loop can read its losses only on the steps it logs.
+///
+/// # Errors
+/// As [`cross_entropy`].
+pub fn cross_entropy_tensor(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+    crate::ops::cross_entropy_tensor(logits, targets)
+}
+
 /// Mean squared error `mean((pred - target)^2)` (`F.mse_loss`), and its gradient
 /// `2 (pred - target) / N`.
 ///

@@ -17,6 +17,8 @@
 //! | [`Sequential`] | `container.rs` | `nn.Sequential` |
 //! | [`GPT`] | `gpt.rs` | nanoGPT's `GPT` |
 //! | [`loss`] | `loss.rs` | `F.cross_entropy`, `F.mse_loss`, `.sum()` |
+//! | [`InitKey`] | `init.rs` | counter-based init (the default; any shard alone) |
+//! | [`TorchGenerator`], [`torch_rng`] | `torch_rng.rs` | `torch.manual_seed`, CPU `uniform_`/`normal_`/`randn`/`randperm`, default inits |
 
 mod activation;
 mod attention;
@@ -30,6 +32,7 @@ mod linear;
 pub mod loss;
 mod module;
 mod parameter;
+pub mod torch_rng;
 mod transformer;
 
 pub use activation::{gelu, gelu_grad, relu, relu_grad, ReLU, GELU};
@@ -47,4 +50,5 @@ pub use module::{
     Context, Module, ParamVisitor,
 };
 pub use parameter::Parameter;
+pub use torch_rng::TorchGenerator;
 pub use transformer::{Block, MLP};

@@ -34,12 +34,15 @@ fn check_ids(op: &'static str, ids: &Tensor) -> Result<()> {
 }
 
 /// `out[.., :] = table (V, C)[ids[..], :]` for i32 `ids` of any shape `S`; `out (S.., C)`
-/// is a new f32 tensor on their device. On CUDA this waits for the stream once, to report
-/// a bad id. A table of width `C = 0` gives `(S.., 0)` (ids still checked against `V`).
+/// is a new f32 tensor on their device. A table of width `C = 0` gives `(S.., 0)` (ids
+/// still checked against `V`). On CUDA nothing waits for the device: the ids are checked
+/// there, and a bad one is reported by the calling thread's next read to the host (as
+/// PyTorch's device-side assert, but naming the position).
 ///
 /// # Errors
-/// `InvalidArgument` naming the first id outside `0..V`; `DTypeMismatch` (ids not i32,
-/// table not f32); `ShapeMismatch` (table not 2-D); device and CUDA errors.
+/// `InvalidArgument` naming the first id outside `0..V` (on CUDA, from the next host
+/// read); `DTypeMismatch` (ids not i32, table not f32); `ShapeMismatch` (table not 2-D);
+/// device and CUDA errors.
 pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     let device = same_device("embedding", &[table, ids])?;
     check_f32("embedding", &[table])?;

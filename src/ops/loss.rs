@@ -3,7 +3,7 @@
 //!
 //! | op | CPU | CUDA |
 //! |---|---|---|
-//! | [`cross_entropy`] | one pass per row | `cross_entropy_f32` (row losses + gradient), mean on the host in f64 |
+//! | [`cross_entropy`] | one pass per row | `cross_entropy_f32` (row losses + gradient), `mean_rows_f32` (f64, row order) |
 //! | [`mse_loss`] | one pass | `p - t` with `add_`/`scale_`, `sum_squares` |
 //! | [`sum_loss`] | one pass | the values summed on the host, `fill_` for the gradient |
 
@@ -26,6 +26,38 @@ use crate::tensor::{DType, Tensor};
 /// `InvalidArgument` for a target outside `0..V`; `DeviceMismatch` when the two are on
 /// different devices.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<(f32, Tensor)> {
+    match cross_entropy_any(logits, targets)? {
+        (Loss::Host(l), grad) => Ok((l, grad)),
+        (Loss::Device(t), grad) => Ok((t.to_vec_f32()?[0], grad)),
+    }
+}
+
+/// Where [`cross_entropy_any`] left the loss: a host value (no tensor buffer, so a CPU
+/// step allocates nothing for it), or one f32 on the device.
+enum Loss {
+    Host(f32),
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Device(Tensor),
+}
+
+/// [`cross_entropy`] with the loss as a one-element f32 tensor on the inputs' device, so
+/// that on CUDA nothing waits for the device (`mean_rows_f32`: the same f64 sum in row
+/// order as the host's, so the same bits); a bad target is then reported by the next host
+/// read (see `backend::cuda` index checks).
+///
+/// # Errors
+/// As [`cross_entropy`].
+pub fn cross_entropy_tensor(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+    match cross_entropy_any(logits, targets)? {
+        (Loss::Host(l), grad) => {
+            let device = grad.device();
+            Ok((Tensor::from_vec(vec![l], &[1])?.to_device(device)?, grad))
+        }
+        (Loss::Device(t), grad) => Ok((t, grad)),
+    }
+}
+
+fn cross_entropy_any(logits: &Tensor, targets: &Tensor) -> Result<(Loss, Tensor)> {
     let (v, lead) = match logits.shape().split_last() {
         Some((&v, lead)) => (v, lead),
         None => (0, &[][..]),
@@ -45,7 +77,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<(f32, Tensor)>
     super::check_f32("cross_entropy", &[logits])?;
     if n == 0 {
         // PyTorch: the mean over an empty batch is 0/0 = NaN; nothing to differentiate.
-        return Ok((f32::NAN, super::output(logits.shape(), device)?));
+        return Ok((Loss::Host(f32::NAN), super::output(logits.shape(), device)?));
     }
     if v == 0 {
         let y = targets
@@ -66,8 +98,13 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<(f32, Tensor)>
             &losses.as_device_tensor()?,
             &grad.as_device_tensor()?,
         )?;
-        let total: f64 = losses.to_vec_f32()?.iter().map(|&l| l as f64).sum();
-        return Ok(((total / n.max(1) as f64) as f32, grad));
+        let loss = super::output(&[1], device)?;
+        crate::backend::cuda::mean_rows(
+            &*super::stream(i)?,
+            &losses.as_device_tensor()?,
+            &loss.as_device_tensor()?,
+        )?;
+        return Ok((Loss::Device(loss), grad));
     }
     let lv = logits.f32()?;
     let tv = targets.data::<i32>()?;
@@ -90,7 +127,40 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<(f32, Tensor)>
         )?;
     }
     let total = losses.iter().fold(0.0f64, |t, &l| t + l as f64);
-    Ok(((total / n.max(1) as f64) as f32, grad))
+    Ok((Loss::Host((total / n.max(1) as f64) as f32), grad))
+}
+
+/// `acc[0] = acc[0] + x[0] / d` for one-element f32 tensors on one device (f32
+/// arithmetic): a mean over micro-batches accumulated where the losses are, with no host
+/// read on CUDA.
+///
+/// # Errors
+/// `ShapeMismatch` unless both hold one element; `DTypeMismatch`; `DeviceMismatch`.
+pub fn add_div_(acc: &Tensor, x: &Tensor, d: f32) -> Result<()> {
+    let device = same_device("add_div_", &[acc, x])?;
+    super::check_f32("add_div_", &[acc, x])?;
+    for t in [acc, x] {
+        if t.numel() != 1 {
+            return Err(Error::ShapeMismatch {
+                op: "add_div_",
+                expected: vec![1],
+                got: t.shape().to_vec(),
+            });
+        }
+    }
+    #[cfg(feature = "cuda")]
+    if let crate::backend::Device::Cuda(i) = device {
+        return crate::backend::cuda::add_div(
+            &*super::stream(i)?,
+            &acc.as_device_tensor()?,
+            &x.as_device_tensor()?,
+            d,
+        );
+    }
+    let _ = device;
+    let v = x.f32()?[0];
+    acc.f32_mut()?[0] += v / d;
+    Ok(())
 }
 
 /// Mean squared error `mean((pred - target)^2)` (`F.mse_loss`), and its gradient

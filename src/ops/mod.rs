@@ -48,7 +48,7 @@ pub use elementwise::{add, add_, fill_, scale_, sum_squares};
 pub use embedding::{embedding, embedding_backward};
 pub use layernorm::{layer_norm, layer_norm_backward, LayerNormSaved};
 pub use linalg::{bias_add_, bias_grad, linear, matmul, matmul_batched, MatmulDims, Transpose};
-pub use loss::{cross_entropy, mse_loss, sum_loss};
+pub use loss::{add_div_, cross_entropy, cross_entropy_tensor, mse_loss, sum_loss};
 
 use crate::backend::Device;
 use crate::error::{Error, Result};

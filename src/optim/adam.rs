@@ -1,10 +1,16 @@
 //! Adam and AdamW (`torch.optim.Adam`, `torch.optim.AdamW`), single-tensor update order.
 
 use super::fused::{self, AdamItem};
-use super::{check_pair, ensure_state, Optimizer, OptimizerState, ParamGrad, TensorState};
+use super::param_groups::{
+    check_groups, check_non_negative, resolve, resolve_positions, set_group_lrs,
+};
+use super::{
+    check_pair, ensure_state, Optimizer, OptimizerState, ParamGrad, ParamGroup, TensorState,
+};
 use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
+use std::collections::BTreeMap;
 
 /// Arguments of Adam/AdamW with PyTorch's defaults.
 #[derive(Debug, Clone, Copy)]
@@ -22,6 +28,26 @@ pub struct AdamConfig {
 }
 
 impl AdamConfig {
+    /// PyTorch's checks of `torch.optim.Adam(...)` / `AdamW(...)`: lr, eps and
+    /// weight_decay finite and `>= 0`, each beta in `[0, 1)`.
+    ///
+    /// # Errors
+    /// `InvalidArgument` naming the first bad value.
+    pub fn check(&self) -> Result<()> {
+        check_non_negative("Adam", "lr", self.lr)?;
+        check_non_negative("Adam", "eps", self.eps)?;
+        check_non_negative("Adam", "weight_decay", self.weight_decay)?;
+        for (i, b) in [self.betas.0, self.betas.1].into_iter().enumerate() {
+            if !(0.0..1.0).contains(&b) {
+                return Err(Error::InvalidArgument(format!(
+                    "Adam: beta{} {b} must be in [0, 1)",
+                    i + 1
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// `torch.optim.Adam` defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0.
     pub fn adam() -> Self {
         AdamConfig {
@@ -53,12 +79,15 @@ fn zeros(n: usize, device: Device) -> Result<Tensor> {
 }
 
 fn adam_step(
-    c: &AdamConfig,
+    config: &AdamConfig,
+    groups: Option<&[ParamGroup]>,
     decoupled: bool,
     params: &[ParamGrad],
     state: &mut Vec<Moments>,
     op: &'static str,
 ) -> Result<()> {
+    config.check()?;
+    let hyper = resolve(groups, params.len(), config.lr, config.weight_decay)?;
     ensure_state(op, state, params, |pg| {
         let (n, device) = (pg.param.numel(), pg.param.device());
         Ok(Moments {
@@ -67,9 +96,15 @@ fn adam_step(
             v: zeros(n, device)?,
         })
     })?;
-    let (b1, b2) = c.betas;
-    let mut on_device = Vec::new();
-    for (pg, st) in params.iter().zip(state.iter_mut()) {
+    let (b1, b2) = config.betas;
+    // The CUDA tensors of each group, stepped by one fused launch per group.
+    let mut on_device: BTreeMap<usize, (AdamConfig, Vec<AdamItem>)> = BTreeMap::new();
+    for ((pg, st), hp) in params.iter().zip(state.iter_mut()).zip(&hyper) {
+        let c = &AdamConfig {
+            lr: hp.lr,
+            weight_decay: hp.weight_decay,
+            ..*config
+        };
         check_pair(op, pg)?;
         let Some(grad) = &pg.grad else { continue };
         let device = crate::ops::same_device(op, &[&pg.param, grad])?;
@@ -94,7 +129,8 @@ fn adam_step(
         }
         st.step += 1;
         if device.is_cuda() {
-            on_device.push(AdamItem {
+            let group = &mut on_device.entry(hp.group).or_insert((*c, Vec::new())).1;
+            group.push(AdamItem {
                 param: pg.param.clone(),
                 grad: grad.clone(),
                 m: st.m.clone(),
@@ -133,7 +169,10 @@ fn adam_step(
             },
         )?;
     }
-    fused::adam(&on_device, c, decoupled)
+    for (c, items) in on_device.values() {
+        fused::adam(items, c, decoupled)?;
+    }
+    Ok(())
 }
 
 /// The scalars of one Adam/AdamW update.
@@ -171,9 +210,12 @@ crate::backend::cpu::simd::multiversion! {
 /// Adam with L2 weight decay added to the gradient:
 /// `m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps)`.
 pub struct Adam {
-    /// The hyperparameters; [`Optimizer::set_lr`] changes `config.lr`.
+    /// The hyperparameters (the defaults of every parameter group); [`Optimizer::set_lr`]
+    /// changes `config.lr`. Checked at each step ([`AdamConfig::check`]).
     pub config: AdamConfig,
     state: Vec<Moments>,
+    /// Parameter groups; `None`: one group of every tensor with `config`'s lr and decay.
+    groups: Option<Vec<ParamGroup>>,
 }
 
 impl Adam {
@@ -183,6 +225,7 @@ impl Adam {
         Adam {
             config,
             state: Vec::new(),
+            groups: None,
         }
     }
 }
@@ -190,9 +233,12 @@ impl Adam {
 /// AdamW: Adam with decoupled weight decay `p *= 1 - lr * wd` before the update
 /// (Loshchilov & Hutter, as `torch.optim.AdamW`).
 pub struct AdamW {
-    /// The hyperparameters; [`Optimizer::set_lr`] changes `config.lr`.
+    /// The hyperparameters (the defaults of every parameter group); [`Optimizer::set_lr`]
+    /// changes `config.lr`. Checked at each step ([`AdamConfig::check`]).
     pub config: AdamConfig,
     state: Vec<Moments>,
+    /// Parameter groups; `None`: one group of every tensor with `config`'s lr and decay.
+    groups: Option<Vec<ParamGroup>>,
 }
 
 impl AdamW {
@@ -202,11 +248,17 @@ impl AdamW {
         AdamW {
             config,
             state: Vec::new(),
+            groups: None,
         }
     }
 }
 
-fn export(c: &AdamConfig, kind: &str, state: &[Moments]) -> Result<OptimizerState> {
+fn export(
+    c: &AdamConfig,
+    groups: Option<&[ParamGroup]>,
+    kind: &str,
+    state: &[Moments],
+) -> Result<OptimizerState> {
     Ok(OptimizerState {
         kind: kind.to_string(),
         hyperparams: vec![
@@ -232,12 +284,17 @@ fn export(c: &AdamConfig, kind: &str, state: &[Moments]) -> Result<OptimizerStat
                     .transpose()
             })
             .collect::<Result<_>>()?,
+        param_groups: groups.map(<[ParamGroup]>::to_vec).unwrap_or_default(),
     })
 }
 
 /// Checks `st` for an Adam of `kind` and builds the new config and moments (on the host;
 /// each moves to its tensor's device at the next step).
-fn import(kind: &str, st: &OptimizerState) -> Result<(AdamConfig, Vec<Moments>)> {
+#[allow(clippy::type_complexity)]
+fn import(
+    kind: &str,
+    st: &OptimizerState,
+) -> Result<(AdamConfig, Option<Vec<ParamGroup>>, Vec<Moments>)> {
     st.check_kind(kind)?;
     let config = AdamConfig {
         lr: st.require("lr")? as f32,
@@ -245,6 +302,10 @@ fn import(kind: &str, st: &OptimizerState) -> Result<(AdamConfig, Vec<Moments>)>
         eps: st.require("eps")? as f32,
         weight_decay: st.require("weight_decay")? as f32,
     };
+    config
+        .check()
+        .map_err(|e| Error::StateDict(e.to_string()))?;
+    let groups = st.groups()?;
     let mut out = Vec::with_capacity(st.tensors.len());
     for (i, t) in st.tensors.iter().enumerate() {
         let Some(t) = t else {
@@ -278,23 +339,31 @@ fn import(kind: &str, st: &OptimizerState) -> Result<(AdamConfig, Vec<Moments>)>
             v: Tensor::from_vec(v, &[n])?,
         });
     }
-    Ok((config, out))
+    Ok((config, groups, out))
 }
 
 macro_rules! impl_adam {
     ($t:ty, $decoupled:expr, $op:expr, $kind:expr) => {
         impl Optimizer for $t {
             fn state_dict(&self) -> Result<OptimizerState> {
-                export(&self.config, $kind, &self.state)
+                export(&self.config, self.groups.as_deref(), $kind, &self.state)
             }
             fn load_state_dict(&mut self, st: &OptimizerState) -> Result<()> {
-                let (config, state) = import($kind, st)?;
+                let (config, groups, state) = import($kind, st)?;
                 self.config = config;
+                self.groups = groups;
                 self.state = state;
                 Ok(())
             }
             fn step(&mut self, params: &[ParamGrad]) -> Result<()> {
-                adam_step(&self.config, $decoupled, params, &mut self.state, $op)
+                adam_step(
+                    &self.config,
+                    self.groups.as_deref(),
+                    $decoupled,
+                    params,
+                    &mut self.state,
+                    $op,
+                )
             }
             fn state_bytes(&self) -> usize {
                 self.state
@@ -305,8 +374,25 @@ macro_rules! impl_adam {
             fn lr(&self) -> f32 {
                 self.config.lr
             }
-            fn set_lr(&mut self, lr: f32) {
+            fn set_lr(&mut self, lr: f32) -> Result<()> {
+                check_non_negative($kind, "lr", lr)?;
                 self.config.lr = lr;
+                for g in self.groups.iter_mut().flatten() {
+                    g.lr = lr;
+                }
+                Ok(())
+            }
+            fn param_groups(&self) -> Option<&[ParamGroup]> {
+                self.groups.as_deref()
+            }
+            fn set_param_groups(&mut self, groups: Vec<ParamGroup>) -> Result<()> {
+                check_groups($kind, &groups)?;
+                resolve_positions(&groups)?;
+                self.groups = Some(groups);
+                Ok(())
+            }
+            fn set_group_lrs(&mut self, lrs: &[f32]) -> Result<()> {
+                set_group_lrs($kind, &mut self.config.lr, &mut self.groups, lrs)
             }
         }
     };

@@ -14,12 +14,24 @@
 //! |---|---|---|
 //! | [`SGD`] | `torch.optim.SGD` (momentum, dampening, nesterov, weight_decay) | `sgd.rs` |
 //! | [`Adam`], [`AdamW`] | `torch.optim.Adam`, `torch.optim.AdamW` | `adam.rs` |
+//! | [`ParamGroup`], [`no_decay_groups`] | `optimizer.param_groups`, nanoGPT's `configure_optimizers` | `param_groups.rs` |
+//! | [`LrScheduler`], [`LinearLR`], [`CosineAnnealingLR`], [`StepLR`], [`SequentialLR`], [`Scheduler`] | `torch.optim.lr_scheduler` | `lr_scheduler.rs` |
+//!
+//! Hyperparameters are checked as PyTorch's constructors check them (lr, eps, weight decay,
+//! momentum `>= 0`, betas in `[0, 1)`, nesterov with momentum and no dampening), and none
+//! may be NaN or infinite: [`Optimizer::set_lr`], [`Optimizer::set_param_groups`] and
+//! [`Optimizer::load_state_dict`] refuse such values, and [`Optimizer::step`] refuses a
+//! config that holds one.
 
 mod adam;
 mod fused;
+mod lr_scheduler;
+mod param_groups;
 mod sgd;
 
 pub use adam::{Adam, AdamConfig, AdamW};
+pub use lr_scheduler::{CosineAnnealingLR, LinearLR, LrScheduler, Scheduler, SequentialLR, StepLR};
+pub use param_groups::{no_decay_groups, ParamGroup};
 pub use sgd::{SgdConfig, SGD};
 
 use crate::error::{Error, Result};
@@ -48,11 +60,61 @@ pub trait Optimizer: Send {
     /// Bytes of optimizer state held (momentum buffers, Adam moments).
     fn state_bytes(&self) -> usize;
 
-    /// The learning rate now used.
+    /// The learning rate of the optimizer's defaults (`defaults["lr"]`): every tensor's,
+    /// unless [parameter groups](Self::set_param_groups) give their own.
     fn lr(&self) -> f32;
 
-    /// Sets the learning rate (for schedules).
-    fn set_lr(&mut self, lr: f32);
+    /// Sets the learning rate of the defaults and of every parameter group.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a NaN, infinite or negative `lr` (nothing changes).
+    fn set_lr(&mut self, lr: f32) -> Result<()>;
+
+    /// The parameter groups (`optimizer.param_groups`), `None` when every tensor is in one
+    /// group with the optimizer's own lr and weight decay (the default).
+    fn param_groups(&self) -> Option<&[ParamGroup]> {
+        None
+    }
+
+    /// Splits the step list into parameter groups with their own lr and weight decay
+    /// (`torch.optim.X([{"params": ..., "lr": ...}, ...])`). Every position of the list
+    /// `step` gets must be in exactly one group (checked at each step). Kept by
+    /// [`state_dict`](Self::state_dict).
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a NaN, infinite or negative option, or a position in two
+    /// groups; `Unsupported` for an optimizer without groups (the default).
+    fn set_param_groups(&mut self, groups: Vec<ParamGroup>) -> Result<()> {
+        let _ = groups;
+        Err(Error::Unsupported(
+            "this optimizer does not support parameter groups".into(),
+        ))
+    }
+
+    /// Each group's learning rate (one entry, [`lr`](Self::lr), without groups): what an
+    /// [`lr_scheduler`](Scheduler) reads and sets.
+    fn group_lrs(&self) -> Vec<f32> {
+        match self.param_groups() {
+            Some(g) => g.iter().map(|g| g.lr).collect(),
+            None => vec![self.lr()],
+        }
+    }
+
+    /// Sets each group's learning rate, in the order of [`group_lrs`](Self::group_lrs).
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a count that is not the group count or a non-finite or
+    /// negative value (nothing changes).
+    fn set_group_lrs(&mut self, lrs: &[f32]) -> Result<()> {
+        match (self.param_groups(), lrs) {
+            (None, [lr]) => self.set_lr(*lr),
+            _ => Err(Error::InvalidArgument(format!(
+                "{} learning rates for {} parameter groups",
+                lrs.len(),
+                self.param_groups().map_or(1, <[ParamGroup]>::len)
+            ))),
+        }
+    }
 
     /// A copy of the hyperparameters and of every tensor's state
     /// (`torch.optim.Optimizer.state_dict()`), by position in the list given to `step`, as
@@ -116,6 +178,9 @@ pub struct OptimizerState {
     /// One entry per tensor of the list, `None` where the tensor has no state (SGD without
     /// momentum, a tensor never stepped); empty before the first step.
     pub tensors: Vec<Option<TensorState>>,
+    /// The parameter groups by position in the list (`param_groups`); empty when every
+    /// tensor is in one group with `hyperparams`' lr and weight decay.
+    pub param_groups: Vec<ParamGroup>,
 }
 
 impl OptimizerState {
@@ -138,14 +203,34 @@ impl OptimizerState {
         Ok(())
     }
 
-    /// Hyperparameter `name`, or an error naming it.
+    /// Hyperparameter `name`, or an error naming it; NaN and infinite values are refused.
     pub(crate) fn require(&self, name: &str) -> Result<f64> {
-        self.hyperparam(name).ok_or_else(|| {
+        let v = self.hyperparam(name).ok_or_else(|| {
             Error::StateDict(format!(
                 "{} optimizer state lacks the hyperparameter '{name}'",
                 self.kind
             ))
-        })
+        })?;
+        if !v.is_finite() {
+            return Err(Error::StateDict(format!(
+                "{} optimizer state has hyperparameter '{name}' = {v}; it must be finite",
+                self.kind
+            )));
+        }
+        Ok(v)
+    }
+
+    /// The parameter groups to restore: `None` for the single default group.
+    ///
+    /// # Errors
+    /// `StateDict` for a group option that is NaN, infinite or negative.
+    pub(crate) fn groups(&self) -> Result<Option<Vec<ParamGroup>>> {
+        if self.param_groups.is_empty() {
+            return Ok(None);
+        }
+        param_groups::check_groups(&self.kind, &self.param_groups)
+            .map_err(|e| Error::StateDict(e.to_string()))?;
+        Ok(Some(self.param_groups.clone()))
     }
 }
 
@@ -169,6 +254,18 @@ pub fn parameters(m: &mut dyn crate::nn::Module) -> Vec<ParamGrad> {
                 param: d.clone(),
                 grad: p.grad().cloned(),
             });
+        }
+    });
+    out
+}
+
+/// `(name, shape)` of each tensor of [`parameters`] for the same module, in the same order:
+/// what [`no_decay_groups`] and named groups are built from.
+pub fn parameter_names(m: &mut dyn crate::nn::Module) -> Vec<(String, Vec<usize>)> {
+    let mut out = Vec::new();
+    crate::nn::visit_all(m, |name, p| {
+        if let (true, Ok(d)) = (p.requires_grad, p.data()) {
+            out.push((name.to_string(), d.shape().to_vec()));
         }
     });
     out

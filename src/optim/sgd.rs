@@ -1,9 +1,15 @@
 //! Stochastic gradient descent with momentum (`torch.optim.SGD`).
 
 use super::fused::{self, SgdItem};
-use super::{check_pair, ensure_state, Optimizer, OptimizerState, ParamGrad, TensorState};
+use super::param_groups::{
+    check_groups, check_non_negative, resolve, resolve_positions, set_group_lrs,
+};
+use super::{
+    check_pair, ensure_state, Optimizer, OptimizerState, ParamGrad, ParamGroup, TensorState,
+};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
+use std::collections::BTreeMap;
 
 /// `torch.optim.SGD` arguments and defaults (lr 1e-3 as PyTorch >= 2.3).
 #[derive(Debug, Clone, Copy)]
@@ -23,6 +29,31 @@ pub struct SgdConfig {
     pub nesterov: bool,
 }
 
+impl SgdConfig {
+    /// PyTorch's checks of `torch.optim.SGD(...)`: lr, momentum and weight_decay finite
+    /// and `>= 0`, dampening finite, nesterov only with momentum and no dampening.
+    ///
+    /// # Errors
+    /// `InvalidArgument` naming the first bad value.
+    pub fn check(&self) -> Result<()> {
+        check_non_negative("SGD", "lr", self.lr)?;
+        check_non_negative("SGD", "momentum", self.momentum)?;
+        check_non_negative("SGD", "weight_decay", self.weight_decay)?;
+        if !self.dampening.is_finite() {
+            return Err(Error::InvalidArgument(format!(
+                "SGD: dampening {} must be finite",
+                self.dampening
+            )));
+        }
+        if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
+            return Err(Error::InvalidArgument(
+                "SGD: nesterov momentum requires a momentum and zero dampening".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl Default for SgdConfig {
     fn default() -> Self {
         SgdConfig {
@@ -38,11 +69,14 @@ impl Default for SgdConfig {
 /// `g = grad + wd p; buf = g` (first step) `| momentum buf + (1 - dampening) g;`
 /// `g = nesterov ? g + momentum buf : buf; p -= lr g`.
 pub struct SGD {
-    /// The hyperparameters; [`Optimizer::set_lr`] changes `config.lr`.
+    /// The hyperparameters (the defaults of every parameter group); [`Optimizer::set_lr`]
+    /// changes `config.lr`. Checked at each step ([`SgdConfig::check`]).
     pub config: SgdConfig,
     /// Momentum buffers, 1-D f32 on the parameter's device (empty until a parameter's
     /// first step with momentum).
     bufs: Vec<Option<Tensor>>,
+    /// Parameter groups; `None`: one group of every tensor with `config`'s lr and decay.
+    groups: Option<Vec<ParamGroup>>,
 }
 
 impl SGD {
@@ -52,16 +86,29 @@ impl SGD {
         SGD {
             config,
             bufs: Vec::new(),
+            groups: None,
         }
     }
 }
 
 impl Optimizer for SGD {
     fn step(&mut self, params: &[ParamGrad]) -> Result<()> {
+        self.config.check()?;
+        let hyper = resolve(
+            self.groups.as_deref(),
+            params.len(),
+            self.config.lr,
+            self.config.weight_decay,
+        )?;
         ensure_state("SGD.step", &mut self.bufs, params, |_| Ok(None))?;
-        let c = self.config;
-        let mut on_device = Vec::new();
-        for (pg, buf) in params.iter().zip(self.bufs.iter_mut()) {
+        // The CUDA tensors of each group, stepped by one fused launch per group.
+        let mut on_device: BTreeMap<usize, (SgdConfig, Vec<SgdItem>)> = BTreeMap::new();
+        for ((pg, buf), h) in params.iter().zip(self.bufs.iter_mut()).zip(&hyper) {
+            let c = SgdConfig {
+                lr: h.lr,
+                weight_decay: h.weight_decay,
+                ..self.config
+            };
             check_pair("SGD.step", pg)?;
             let Some(grad) = &pg.grad else { continue };
             let device = crate::ops::same_device("SGD.step", &[&pg.param, grad])?;
@@ -82,7 +129,8 @@ impl Optimizer for SGD {
                 *b = b.to_device(device)?;
             }
             if device.is_cuda() {
-                on_device.push(SgdItem {
+                let group = &mut on_device.entry(h.group).or_insert((c, Vec::new())).1;
+                group.push(SgdItem {
                     param: pg.param.clone(),
                     grad: grad.clone(),
                     buf: buf.clone(),
@@ -111,7 +159,10 @@ impl Optimizer for SGD {
                 p[i] -= c.lr * d;
             }
         }
-        fused::sgd(&on_device, &c)
+        for (c, items) in on_device.values() {
+            fused::sgd(items, c)?;
+        }
+        Ok(())
     }
 
     fn state_bytes(&self) -> usize {
@@ -122,8 +173,28 @@ impl Optimizer for SGD {
         self.config.lr
     }
 
-    fn set_lr(&mut self, lr: f32) {
+    fn set_lr(&mut self, lr: f32) -> Result<()> {
+        check_non_negative("SGD", "lr", lr)?;
         self.config.lr = lr;
+        for g in self.groups.iter_mut().flatten() {
+            g.lr = lr;
+        }
+        Ok(())
+    }
+
+    fn param_groups(&self) -> Option<&[ParamGroup]> {
+        self.groups.as_deref()
+    }
+
+    fn set_param_groups(&mut self, groups: Vec<ParamGroup>) -> Result<()> {
+        check_groups("SGD", &groups)?;
+        resolve_positions(&groups)?;
+        self.groups = Some(groups);
+        Ok(())
+    }
+
+    fn set_group_lrs(&mut self, lrs: &[f32]) -> Result<()> {
+        set_group_lrs("SGD", &mut self.config.lr, &mut self.groups, lrs)
     }
 
     fn state_dict(&self) -> Result<OptimizerState> {
@@ -151,6 +222,7 @@ impl Optimizer for SGD {
                         .transpose()
                 })
                 .collect::<Result<_>>()?,
+            param_groups: self.groups.clone().unwrap_or_default(),
         })
     }
 
@@ -163,6 +235,10 @@ impl Optimizer for SGD {
             weight_decay: st.require("weight_decay")? as f32,
             nesterov: st.require("nesterov")? != 0.0,
         };
+        config
+            .check()
+            .map_err(|e| Error::StateDict(e.to_string()))?;
+        let groups = st.groups()?;
         let mut bufs = Vec::with_capacity(st.tensors.len());
         for (i, t) in st.tensors.iter().enumerate() {
             bufs.push(match t {
@@ -179,6 +255,7 @@ impl Optimizer for SGD {
         }
         self.config = config;
         self.bufs = bufs;
+        self.groups = groups;
         Ok(())
     }
 }

@@ -9,7 +9,7 @@ use super::data::VOCAB_SIZE;
 use super::options::{CheckpointType, LrSchedule, Precision, WrapMode};
 use crate::fsdp::{BackwardPrefetch, ShardingStrategy};
 use crate::nn::GptConfig;
-use crate::optim::OptimizerKind;
+use crate::optim::{CosineAnnealingLR, LinearLR, LrScheduler, OptimizerKind, SequentialLR};
 use std::path::PathBuf;
 
 /// Everything `fsdp train` takes. `Default` is the CLI's defaults, sized for a 2-core CPU.
@@ -81,6 +81,12 @@ pub struct TrainConfig {
     pub seed: u64,
     /// Evaluate every this many steps (0: only at the end).
     pub eval_every: usize,
+    /// Read the loss (and grad norm) to the host every this many steps (`--log-every`),
+    /// besides evaluations, checkpoints, the first and the last step; 0: only there. On
+    /// CUDA the steps between are read together then (one synchronization; see
+    /// `train::pending`), so the host runs ahead of the device; on the CPU every step is
+    /// read at once. Default 25.
+    pub log_every: usize,
     /// Global batches per evaluation.
     pub eval_batches: usize,
     /// Bytes to generate at the end (0: none).
@@ -148,6 +154,7 @@ impl Default for TrainConfig {
             optimizer: OptimizerKind::Adamw,
             seed: 1337,
             eval_every: 100,
+            log_every: 25,
             eval_batches: 4,
             sample_len: 200,
             metrics: None,
@@ -169,22 +176,40 @@ impl TrainConfig {
         self.warmup_steps.min(self.steps)
     }
 
-    /// The learning rate of 1-based step `step`.
-    pub fn lr_at(&self, step: usize) -> f32 {
+    /// The run's schedule as `torch.optim.lr_scheduler` builds it, epoch `e` being step
+    /// `e + 1`: with a warm-up of `W` steps, `SequentialLR([LinearLR(1/W, 1, W - 1), after],
+    /// milestones=[W])`, where `after` is a constant factor 1 (`LinearLR(1, 1, 0)`) or
+    /// `CosineAnnealingLR(T_max = steps - W - 1, eta_min = lr / 10)` (nanoGPT's: full lr at
+    /// the first step after the warm-up, lr / 10 at the last).
+    pub fn lr_scheduler(&self) -> Box<dyn LrScheduler> {
         let warmup = self.effective_warmup();
-        if step <= warmup {
-            return self.lr * step as f32 / warmup as f32;
+        let after: Box<dyn LrScheduler> = match self.lr_schedule {
+            LrSchedule::Constant => Box::new(LinearLR {
+                start_factor: 1.0,
+                end_factor: 1.0,
+                total_iters: 0,
+            }),
+            LrSchedule::Cosine => Box::new(CosineAnnealingLR {
+                t_max: self.steps.saturating_sub(warmup + 1),
+                eta_min: self.lr as f64 / 10.0,
+            }),
+        };
+        if warmup == 0 {
+            return after;
         }
-        match self.lr_schedule {
-            LrSchedule::Constant => self.lr,
-            LrSchedule::Cosine => {
-                // Full lr at the first step after the warm-up, lr / 10 at the last.
-                let span = (self.steps - warmup - 1).max(1) as f32;
-                let progress = (step - warmup - 1) as f32 / span;
-                let min = self.lr / 10.0;
-                min + 0.5 * (self.lr - min) * (1.0 + (std::f32::consts::PI * progress).cos())
-            }
-        }
+        let warm = Box::new(LinearLR {
+            start_factor: 1.0 / warmup as f64,
+            end_factor: 1.0,
+            total_iters: warmup - 1,
+        });
+        Box::new(SequentialLR::pair(warm, warmup, after))
+    }
+
+    /// The learning rate of 1-based step `step` ([`lr_scheduler`](Self::lr_scheduler) at
+    /// epoch `step - 1`, rounded to f32).
+    pub fn lr_at(&self, step: usize) -> f32 {
+        self.lr_scheduler()
+            .lr(self.lr as f64, step.saturating_sub(1)) as f32
     }
 
     /// The GPT shape this config trains.

@@ -163,7 +163,29 @@ pub fn gpu_summary(cfg: &super::TrainConfig, report: &super::TrainReport) -> Vec
             .collect();
         out.push(format!("peak device memory per rank: {}", peaks.join(", ")));
     }
+    out.extend(counters_summary(report));
     out
+}
+
+/// The per-step counters (`backend::counters`) of the steps after the first, as medians:
+/// what a GPU step asks of the host.
+pub fn counters_summary(report: &super::TrainReport) -> Option<String> {
+    let steady: Vec<_> = report.records.iter().skip(1).map(|r| r.counters).collect();
+    if steady.is_empty() {
+        return None;
+    }
+    let median = |f: fn(&crate::backend::counters::Counters) -> u64| {
+        let mut v: Vec<u64> = steady.iter().map(f).collect();
+        v.sort_unstable();
+        v[v.len() / 2]
+    };
+    Some(format!(
+        "per step from step 2 (median, rank 0's process): {} host syncs, {} device allocs, {} kernel launches, {} store ops",
+        median(|c| c.host_syncs),
+        median(|c| c.device_allocs),
+        median(|c| c.kernel_launches),
+        median(|c| c.store_ops),
+    ))
 }
 
 #[cfg(test)]

@@ -115,8 +115,18 @@ impl Engine {
     /// Clips the global gradient 2-norm to `max_norm` and returns the norm before clipping
     /// (`FullyShardedDataParallel::clip_grad_norm_` / `torch.nn.utils.clip_grad_norm_`).
     pub fn clip_grad_norm(&mut self, max_norm: f32) -> Result<f32> {
+        Ok(self.clip_grad_norm_tensor(max_norm)?.to_vec_f32()?[0])
+    }
+
+    /// [`clip_grad_norm`](Self::clip_grad_norm) with the norm as a one-element f32 tensor
+    /// on the gradients' device: under FSDP on CUDA nothing waits for the device
+    /// ([`FullyShardedDataParallel::clip_grad_norm_tensor_`]).
+    ///
+    /// # Errors
+    /// As [`clip_grad_norm`](Self::clip_grad_norm).
+    pub fn clip_grad_norm_tensor(&mut self, max_norm: f32) -> Result<Tensor> {
         match self {
-            Engine::Fsdp(m) => m.clip_grad_norm_(max_norm, 2.0),
+            Engine::Fsdp(m) => m.clip_grad_norm_tensor_(max_norm, 2.0),
             Engine::Plain(m) => {
                 let mut grads = Vec::new();
                 visit_all(m.as_mut(), |_, p| grads.extend(p.grad().cloned()));
@@ -129,7 +139,8 @@ impl Engine {
                 for g in &grads {
                     crate::ops::scale_(g, coef)?;
                 }
-                Ok(total)
+                let device = grads.first().map_or(Device::Cpu, Tensor::device);
+                Tensor::from_vec(vec![total], &[1])?.to_device(device)
             }
         }
     }
@@ -259,10 +270,48 @@ pub fn gather_counts(pg: &Group, mine: usize) -> Result<Vec<usize>> {
         .collect())
 }
 
-/// Mean of a per-rank scalar over the group.
+/// Mean of a per-rank scalar over the group (`dist.all_reduce(t, op=ReduceOp.AVG)`),
+/// identical on every rank. A collective: every rank of `pg` calls it.
+///
+/// # Errors
+/// The collective's errors (a rank that failed or timed out).
 pub fn mean_over_ranks(pg: &Group, v: f32) -> Result<f32> {
     let t = Tensor::from_vec(vec![v], &[1])?;
     staged::all_reduce(pg.as_ref(), &t, ReduceOp::Avg)?;
     let out = t.f32()?[0];
     Ok(out)
+}
+
+/// The global mean of a loss that each rank averaged over its own `count` samples (or
+/// tokens): `sum_r(loss_r * count_r) / sum_r(count_r)` over the group, in f32, identical
+/// on every rank; with equal counts, the mean of the ranks' losses (what logging the loss
+/// of a data-parallel step needs). A NaN or infinite loss on any rank comes out NaN or
+/// infinite everywhere. A collective: every rank of `pg` calls it.
+///
+/// ```
+/// use fsdp::distributed::{launch, LaunchOptions};
+/// use fsdp::train::global_mean_loss;
+/// let means = launch(&LaunchOptions::new(2), |pg| {
+///     // rank 0: mean 1.0 over 1 sample; rank 1: mean 4.0 over 3 samples.
+///     let (loss, count) = if pg.rank() == 0 { (1.0, 1) } else { (4.0, 3) };
+///     global_mean_loss(&pg, loss, count)
+/// })
+/// .unwrap();
+/// assert_eq!(means, vec![3.25, 3.25]);
+/// ```
+///
+/// # Errors
+/// `InvalidArgument` on every rank when no rank has a sample; the collective's errors.
+pub fn global_mean_loss(pg: &Group, loss: f32, count: usize) -> Result<f32> {
+    // Zero samples contribute nothing, not 0 * NaN.
+    let weighted = if count == 0 { 0.0 } else { loss * count as f32 };
+    let t = Tensor::from_vec(vec![weighted, count as f32], &[2])?;
+    staged::all_reduce(pg.as_ref(), &t, ReduceOp::Sum)?;
+    let v = t.f32()?;
+    if v[1] == 0.0 {
+        return Err(crate::Error::InvalidArgument(
+            "global_mean_loss: no rank has a sample".into(),
+        ));
+    }
+    Ok(v[0] / v[1])
 }

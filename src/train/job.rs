@@ -2,7 +2,7 @@
 //! ([`train`]), and the per-rank loop every rank runs, threads or processes.
 
 use super::data::{Split, TextDataset};
-use super::engine::{gather_counts, gather_memory, mean_over_ranks, Engine, RankMemory};
+use super::engine::{gather_counts, mean_over_ranks, Engine, RankMemory};
 use crate::backend::Device;
 use crate::distributed::{launch, Group, LaunchOptions};
 use crate::error::{Error, Result};
@@ -38,6 +38,11 @@ pub struct StepRecord {
     pub eval_loss: Option<f32>,
     /// Every rank's memory figures.
     pub ranks: Vec<RankMemory>,
+    /// Host-blocking synchronizations, device allocations, kernel launches and store
+    /// requests made by rank 0's process from the start of the step to the global loss
+    /// (evaluation and checkpoints excluded); with threads ranks, by all ranks of the
+    /// process. All zero on the CPU but for store requests.
+    pub counters: crate::backend::counters::Counters,
 }
 
 /// What a run produced.
@@ -221,6 +226,8 @@ pub(super) fn run_rank(
         observer.on_start(num_params);
     }
     let mut opt = optim::build(cfg.optimizer, cfg.lr, cfg.betas);
+    // Built before a resume loads the optimizer: its base lr is the run's --lr.
+    let mut sched = optim::Scheduler::new(cfg.lr_scheduler(), opt.as_mut())?;
     let (first_step, run_id) = match &cfg.resume {
         Some(dir) => {
             let (step, dir, id) = super::resume::resume(dir, &mut engine, opt.as_mut())?;
@@ -239,16 +246,16 @@ pub(super) fn run_rank(
     let t = cfg.seq_len;
     let start = Instant::now();
     let mut records = Vec::with_capacity(cfg.steps.min(1 << 16));
+    let mut pending = super::pending::Pending::new(device)?;
     for step in first_step..=cfg.steps {
-        let t0 = Instant::now();
-        opt.set_lr(cfg.lr_at(step));
+        let (c0, l) = pending.begin()?;
+        sched.set_epoch(opt.as_mut(), step - 1)?;
         engine.reset_peak();
         // Micro-batch k is rows [k B/K, (k+1) B/K) of the global batch; each rank takes its
         // contiguous share of every micro-batch.
         let k_total = cfg.grad_accum;
         let micro = cfg.global_batch / k_total;
         let micro_rows = micro / cfg.world_size;
-        let mut l = 0.0f32;
         for k in 0..k_total {
             let lo = k * micro + rank * micro_rows;
             let (x, y) = data.batch(Split::Train, cfg.seed, step as u64, lo..lo + micro_rows, t);
@@ -256,54 +263,55 @@ pub(super) fn run_rank(
             let logits = engine
                 .module()
                 .forward(&ids_tensor(x, micro_rows, t, device)?, &cx)?;
+            // The loss stays where it was computed; `pending` reads it when it flushes.
             let (lk, dlogits) =
-                loss::cross_entropy(&logits, &ids_tensor(y, micro_rows, t, device)?)?;
+                loss::cross_entropy_tensor(&logits, &ids_tensor(y, micro_rows, t, device)?)?;
             drop(logits);
             if let Some(f) = fail {
                 f.check(rank, step)?; // test-only (FSDP_FAIL_RANK)
             }
-            l += lk / k_total as f32;
+            crate::ops::add_div_(&l, &lk, k_total as f32)?;
             if k_total > 1 {
                 crate::ops::scale_(&dlogits, 1.0 / k_total as f32)?;
             }
             engine.backward(&dlogits, cfg.no_sync && k + 1 < k_total)?;
         }
-        let grad_norm = match cfg.clip_grad_norm {
-            Some(c) => Some(engine.clip_grad_norm(c)?),
-            None => None,
-        };
+        if let Some(c) = cfg.clip_grad_norm {
+            pending.set_grad_norm(&engine.clip_grad_norm_tensor(c)?)?;
+        }
         opt.step(&engine.optimizer_params())?;
         let mem = engine.memory(rank, opt.as_ref());
         engine.zero_grad();
-        let loss = mean_over_ranks(&pg, l)?;
-        if !loss.is_finite() {
-            return Err(Error::Fsdp(format!(
-                "loss became {loss} at step {step}; lower --lr"
-            )));
-        }
-        let ranks = gather_memory(&pg, mem)?;
-        let step_time_s = t0.elapsed().as_secs_f64();
-        let eval_loss = if (cfg.eval_every > 0 && step % cfg.eval_every == 0) || step == cfg.steps {
-            Some(evaluate(cfg, data, &mut engine, &pg)?)
-        } else {
-            None
-        };
-        if rank == 0 {
-            let rec = StepRecord {
-                step,
-                loss,
-                tokens_per_s: (cfg.global_batch * t) as f64 / step_time_s,
-                grad_norm,
-                step_time_s,
-                eval_loss,
-                ranks,
-            };
-            if let Some(f) = metrics.lock().as_mut() {
-                let line = serde_json::to_string(&rec).map_err(|e| Error::Data(e.to_string()))?;
-                writeln!(f, "{line}").map_err(|e| Error::io("writing metrics", e))?;
+        let evaluates = (cfg.eval_every > 0 && step % cfg.eval_every == 0) || step == cfg.steps;
+        let logged = cfg.log_every > 0 && step % cfg.log_every == 0;
+        let due = logged || evaluates || step == first_step || super::resume::save_due(cfg, step);
+        if pending.end(step, mem, c0, cfg.clip_grad_norm.is_some(), due) {
+            for f in pending.flush(&pg)? {
+                let eval_loss = if f.step == step && evaluates {
+                    Some(evaluate(cfg, data, &mut engine, &pg)?)
+                } else {
+                    None
+                };
+                if rank == 0 {
+                    let rec = StepRecord {
+                        step: f.step,
+                        loss: f.loss,
+                        tokens_per_s: (cfg.global_batch * t) as f64 / f.step_time_s,
+                        grad_norm: f.grad_norm,
+                        step_time_s: f.step_time_s,
+                        eval_loss,
+                        ranks: f.ranks,
+                        counters: f.counters,
+                    };
+                    if let Some(file) = metrics.lock().as_mut() {
+                        let line =
+                            serde_json::to_string(&rec).map_err(|e| Error::Data(e.to_string()))?;
+                        writeln!(file, "{line}").map_err(|e| Error::io("writing metrics", e))?;
+                    }
+                    observer.on_step(&rec);
+                    records.push(rec);
+                }
             }
-            observer.on_step(&rec);
-            records.push(rec);
         }
         if let Some(dir) = super::resume::save_if_due(cfg, step, &mut engine, opt.as_ref(), &run)? {
             if rank == 0 {

@@ -17,6 +17,7 @@
 //! | cross-checks of a checkpoint's step and world size against its other records | `recorded.rs` |
 //! | the `--metrics` file, kept up to the resumed step | `metrics.rs` |
 //! | generation | `sample.rs` |
+//! | `DistributedSampler`: each rank's indices of an epoch | `sampler.rs` |
 
 mod config;
 pub mod data;
@@ -27,16 +28,20 @@ mod job;
 mod memory;
 mod metrics;
 mod options;
+mod pending;
 mod process;
 mod recorded;
 mod resume;
 pub mod sample;
+mod sampler;
 mod save_dir;
 mod validate;
 
 pub use config::TrainConfig;
 pub use device::{gpu_summary, mfu, peak_flops, TrainDevice};
+pub use engine::{global_mean_loss, mean_over_ranks};
 pub use job::{build_engine, train, Observer, Silent, StepRecord, TrainReport};
 pub use memory::MemoryEstimate;
 pub use options::{CheckpointType, LrSchedule, Precision, Preset, WrapMode};
 pub use process::{train_rank, RankEnv};
+pub use sampler::DistributedSampler;

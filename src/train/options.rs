@@ -77,7 +77,8 @@ impl Precision {
     }
 }
 
-/// How the learning rate moves over a run.
+/// How the learning rate moves over a run (built from `torch.optim.lr_scheduler`'s
+/// schedules by [`TrainConfig::lr_scheduler`](super::TrainConfig::lr_scheduler)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum LrSchedule {

@@ -313,6 +313,13 @@ pub(super) fn resume(
 
 /// Saves a checkpoint of `step` when one is due (every `save_every` steps and after the
 /// last); returns its directory. A collective.
+/// Whether `step` saves a checkpoint (`--save-every`, and the last step) when a save
+/// directory is set.
+pub(super) fn save_due(cfg: &TrainConfig, step: usize) -> bool {
+    cfg.save_dir.is_some()
+        && ((cfg.save_every > 0 && step % cfg.save_every == 0) || step == cfg.steps)
+}
+
 pub(super) fn save_if_due(
     cfg: &TrainConfig,
     step: usize,
@@ -323,7 +330,7 @@ pub(super) fn save_if_due(
     let Some(root) = &cfg.save_dir else {
         return Ok(None);
     };
-    let due = (cfg.save_every > 0 && step % cfg.save_every == 0) || step == cfg.steps;
+    let due = save_due(cfg, step);
     let Engine::Fsdp(m) = engine else {
         return Ok(None);
     };

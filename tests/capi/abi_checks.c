@@ -9,6 +9,7 @@
  */
 #include "fsdp.h"
 
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -146,6 +147,11 @@ static void step(int rank, fsdp_model_t m, fsdp_optimizer_t opt, int bad) {
         t = good;
         t.device.device_type = kDLCUDA;
         report(rank, "grad_on_cuda", fsdp_unit_post_backward(u1, &t, 1, true, NULL));
+        t.device.device_id = -1;
+        report(rank, "grad_cuda_negative_id", fsdp_unit_post_backward(u1, &t, 1, true, NULL));
+        t = good;
+        t.device.device_type = kDLCUDAManaged;
+        report(rank, "grad_managed", fsdp_unit_post_backward(u1, &t, 1, true, NULL));
         t = good;
         t.data = NULL;
         report(rank, "grad_null_data", fsdp_unit_post_backward(u1, &t, 1, true, NULL));
@@ -214,6 +220,14 @@ static void *main_checks(void *arg) {
     fsdp_model_t not_built = {0};
     report(rank, "bad_strategy", fsdp_model_new(world, empty, &c, &not_built));
     check(rank, "failed_model_is_null", not_built.id == 0, "");
+    MUST(fsdp_config_default(&c));
+    check(rank, "config_default_on_cpu", c.device.device_type == kDLCPU && c.device.device_id == 0,
+          "");
+    c.device.device_type = (DLDeviceType)7;
+    report(rank, "config_bad_device_type", fsdp_model_new(world, empty, &c, &not_built));
+    c.device.device_type = kDLCPU;
+    c.device.device_id = 3;
+    report(rank, "config_cpu_device_id", fsdp_model_new(world, empty, &c, &not_built));
     MUST(fsdp_spec_free(empty));
     fsdp_optimizer_config oc;
     report(rank, "bad_optimizer_kind", fsdp_optimizer_config_default(9, &oc));
@@ -268,21 +282,75 @@ static void *main_checks(void *arg) {
     MUST(fsdp_optimizer_free(oo));
     MUST(fsdp_model_free(other));
 
-    /* mixed precision: parameter views are float32 holding values rounded to bfloat16 */
+    /* mixed precision: parameter views are bfloat16; gradients float32 or bfloat16 */
     fsdp_model_t mp;
     MUST(build(world, 1.0f, FSDP_FULL_SHARD, FSDP_PRECISION_BF16, &mp));
-    fsdp_unit_t mroot, mu0;
+    fsdp_unit_t mroot, mu0, mu1;
     MUST(fsdp_model_unit_at(mp, 0, &mroot));
     MUST(fsdp_model_unit(mp, "0", &mu0));
+    MUST(fsdp_model_unit(mp, "1", &mu1));
     DLTensor pv[2];
+    MUST(fsdp_unit_pre_forward(mroot, true, NULL, 0, NULL));
+    MUST(fsdp_unit_pre_forward(mu0, true, pv, 2, NULL));
+    uint16_t w0 = ((const uint16_t *)pv[0].data)[1]; /* 1.1f rounded to bf16: 0x3f8d */
+    char detail[96];
+    snprintf(detail, sizeof detail, "code %d bits %d value %#x; bias code %d bits %d",
+             pv[0].dtype.code, pv[0].dtype.bits, w0, pv[1].dtype.code, pv[1].dtype.bits);
+    check(rank, "bf16_views",
+          pv[0].dtype.code == kDLBfloat && pv[0].dtype.bits == 16 && w0 == 0x3f8d &&
+              pv[1].dtype.code == kDLBfloat && pv[1].dtype.bits == 16 &&
+              pv[0].device.device_type == kDLCPU,
+          detail);
+    MUST(fsdp_unit_post_forward(mu0, true, NULL));
+    MUST(fsdp_unit_pre_forward(mu1, true, NULL, 0, NULL));
+    MUST(fsdp_unit_post_forward(mu1, true, NULL));
+    MUST(fsdp_unit_post_forward(mroot, true, NULL));
+    MUST(fsdp_unit_pre_backward(mroot, NULL, NULL, 0, NULL));
+    MUST(fsdp_unit_pre_backward(mu1, NULL, NULL, 0, NULL));
+    MUST(fsdp_unit_post_backward(mu1, NULL, 0, true, NULL));
+    DLTensor mg[2];
+    MUST(fsdp_unit_pre_backward(mu0, NULL, mg, 2, NULL));
+    check(rank, "grad_views_stay_f32", mg[0].dtype.code == kDLFloat && mg[0].dtype.bits == 32, "");
+    /* d loss / d weight = 1 as bfloat16 (0x3f80), d loss / d bias = 1 as float32 */
+    uint16_t gw[6];
+    float gb[3] = {1, 1, 1};
+    for (int i = 0; i < 6; i++) gw[i] = 0x3f80;
+    int64_t s32[2] = {3, 2}, s3[1] = {3};
+    DLTensor mine[2] = {
+        {gw, {kDLCPU, 0}, 2, {kDLBfloat, 16, 1}, s32, NULL, 0},
+        f32_tensor(gb, 1, s3),
+    };
+    DLTensor f16[2] = {mine[0], mine[1]};
+    f16[0].dtype.code = kDLFloat;
+    report(rank, "grad_f16_on_bf16_model", fsdp_unit_post_backward(mu0, f16, 2, true, NULL));
+    MUST(fsdp_unit_post_backward(mu0, mine, 2, true, NULL));
+    MUST(fsdp_unit_post_backward(mroot, NULL, 0, true, NULL));
+    MUST(fsdp_model_finish_backward(mp, NULL));
+    fsdp_optimizer_t mo = sgd(mp);
+    MUST(fsdp_optimizer_step(mo, NULL));
+    Flat q = {{0}, 0};
+    MUST(fsdp_model_full_state_dict(mp, false, flatten, &q, NULL));
+    /* float32 master weights: 1.1 - 0.05 * 1 and 1.0 - 0.05 * 1; unit "1" had no gradient */
+    float want_w = 1.1f - 0.05f, want_b = 1.0f - 0.05f;
+    snprintf(detail, sizeof detail, "w %.9g (want %.9g) b %.9g (want %.9g) w1 %.9g", q.v[1],
+             want_w, q.v[6], want_b, q.v[9]);
+    check(rank, "bf16_grads_step",
+          q.n == 12 && fabsf(q.v[1] - want_w) < 1e-6f && fabsf(q.v[6] - want_b) < 1e-6f &&
+              q.v[9] == 0.5f,
+          detail);
+    MUST(fsdp_optimizer_free(mo));
+    MUST(fsdp_model_free(mp));
+    /* float16: views are kDLFloat of 16 bits */
+    MUST(build(world, 1.0f, FSDP_NO_SHARD, FSDP_PRECISION_F16, &mp));
+    MUST(fsdp_model_unit_at(mp, 0, &mroot));
+    MUST(fsdp_model_unit(mp, "0", &mu0));
     MUST(fsdp_unit_pre_forward(mroot, false, NULL, 0, NULL));
     MUST(fsdp_unit_pre_forward(mu0, false, pv, 2, NULL));
-    float w0 = ((const float *)pv[0].data)[1]; /* 1.1f rounded to bf16: 0x3f8d0000 */
-    char detail[64];
-    snprintf(detail, sizeof detail, "code %d bits %d value %.9g", pv[0].dtype.code,
+    w0 = ((const uint16_t *)pv[0].data)[1]; /* 1.1f rounded to float16: 0x3c66 */
+    snprintf(detail, sizeof detail, "code %d bits %d value %#x", pv[0].dtype.code,
              pv[0].dtype.bits, w0);
-    check(rank, "bf16_rounded_views",
-          pv[0].dtype.code == kDLFloat && pv[0].dtype.bits == 32 && w0 == 1.1015625f, detail);
+    check(rank, "f16_views", pv[0].dtype.code == kDLFloat && pv[0].dtype.bits == 16 && w0 == 0x3c66,
+          detail);
     MUST(fsdp_unit_post_forward(mu0, true, NULL));
     MUST(fsdp_unit_post_forward(mroot, true, NULL));
     MUST(fsdp_model_free(mp));
@@ -306,6 +374,11 @@ static void *main_checks(void *arg) {
     report(rank, "all_gather_wrong_size", fsdp_all_gather_into_tensor(world, &tv, &tv, NULL));
     report(rank, "bad_reduce_op", fsdp_all_reduce(world, &tv, 99, NULL));
     report(rank, "broadcast_bad_src", fsdp_broadcast(world, &tv, 5, NULL));
+    DLTensor on_gpu = tv;
+    on_gpu.device.device_type = kDLCUDA;
+    report(rank, "collective_mixed_devices",
+           fsdp_all_gather_into_tensor(world, &to, &on_gpu, NULL));
+    report(rank, "collective_host_with_stream", fsdp_all_reduce(world, &tv, FSDP_REDUCE_SUM, (void *)0x1));
     int32_t r0 = -1, sz = -1;
     MUST(fsdp_group_rank(world, &r0));
     MUST(fsdp_group_size(world, &sz));
@@ -409,6 +482,7 @@ int main(int argc, char **argv) {
     report(0, "init_rank_out_of_range", fsdp_init_process_group(&o, &g));
     report(0, "init_null_out", fsdp_init_process_group(&o, NULL));
     check(0, "status_name", !strcmp(fsdp_status_name(FSDP_ERR_PEER_FAILED), "FSDP_ERR_PEER_FAILED"), "");
+    check(0, "abi_version", fsdp_abi_version() == FSDP_ABI_VERSION && FSDP_ABI_VERSION == 2, "");
     run2(main_checks);
     run2(leaving);
     run2(hanging);

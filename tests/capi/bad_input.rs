@@ -3,8 +3,10 @@
 //! out of order; a unit used after its group was destroyed; a rank that leaves or stops
 //! calling) returns the status of its class and a message naming the problem, and
 //! changes nothing (a step with every bad gradient offered first equals a clean step,
-//! bit for bit); plus the collectives, bf16-rounded views, the state-dict callback and a
-//! checkpoint round trip.
+//! bit for bit); a device that does not fit (a CUDA gradient for a CPU model, a bad
+//! `fsdp_config.device`, a host collective given a stream or tensors of two devices);
+//! plus the collectives, bfloat16 and float16 parameter views and bfloat16 gradients
+//! under mixed precision, the state-dict callback and a checkpoint round trip.
 
 use std::collections::BTreeMap;
 use std::process::Command;
@@ -133,8 +135,43 @@ const CASES: &[(&str, &str, &str)] = &[
     ),
     (
         "grad_on_cuda",
+        "FSDP_ERR_DEVICE_MISMATCH",
+        "grads[0] ('1.weight'): a CUDA tensor (kDLCUDA, device_id 0), but the model computes on the CPU",
+    ),
+    (
+        "grad_cuda_negative_id",
+        "FSDP_ERR_INVALID_ARGUMENT",
+        "grads[0] ('1.weight'): device_id -1 of a kDLCUDA tensor is negative",
+    ),
+    (
+        "grad_managed",
         "FSDP_ERR_UNSUPPORTED",
-        "grads[0] ('1.weight'): a CUDA tensor",
+        "managed memory (kDLCUDAManaged) is not taken",
+    ),
+    (
+        "config_bad_device_type",
+        "FSDP_ERR_INVALID_ARGUMENT",
+        "config.device {7, 0}: device_type is neither kDLCPU (1) nor kDLCUDA (2)",
+    ),
+    (
+        "config_cpu_device_id",
+        "FSDP_ERR_INVALID_ARGUMENT",
+        "config.device {kDLCPU, 3}: the CPU's device_id is 0",
+    ),
+    (
+        "grad_f16_on_bf16_model",
+        "FSDP_ERR_DTYPE_MISMATCH",
+        "grads[0] ('0.weight'): dtype f16, expected f32 or bf16",
+    ),
+    (
+        "collective_mixed_devices",
+        "FSDP_ERR_DEVICE_MISMATCH",
+        "input: a CUDA tensor (kDLCUDA, device_id 0), but output is on the CPU",
+    ),
+    (
+        "collective_host_with_stream",
+        "FSDP_ERR_INVALID_ARGUMENT",
+        "fsdp_all_reduce: stream 0x1: this call's tensors are on the CPU (host memory), where the stream must be NULL",
     ),
     (
         "grad_null_data",
@@ -239,7 +276,12 @@ const CHECKS: &[&str] = &[
     "failed_model_is_null",
     "bad_grads_changed_nothing",
     "checkpoint_round_trip",
-    "bf16_rounded_views",
+    "abi_version",
+    "config_default_on_cpu",
+    "bf16_views",
+    "grad_views_stay_f32",
+    "bf16_grads_step",
+    "f16_views",
     "all_gather",
     "reduce_scatter",
     "all_reduce_max",

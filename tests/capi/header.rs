@@ -411,7 +411,8 @@ fn bindgen_reads_the_header_back_as_the_rust_declarations() {
             backward_prefetch,
             forward_prefetch,
             limit_all_gathers,
-            sync_module_states
+            sync_module_states,
+            device
         },
         fsdp_optimizer_config {
             kind,

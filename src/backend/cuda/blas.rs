@@ -159,6 +159,7 @@ pub fn gemm_strided_batched(
         .ctx
         .bind_to_thread()
         .map_err(|e| Error::cuda("binding the context for cuBLAS", e))?;
+    crate::backend::counters::count_kernel_launch();
     // SAFETY: the handle is bound to `s`'s stream; every pointer addresses `batch` blocks of
     // the sizes checked in `plan`; alpha/beta are f32 as CUBLAS_COMPUTE_32F requires.
     unsafe {

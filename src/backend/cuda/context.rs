@@ -256,6 +256,7 @@ impl CudaDevice {
     /// # Errors
     /// [`Error::Cuda`] carrying the first asynchronous error (e.g. a faulting kernel).
     pub fn synchronize(&self) -> Result<()> {
+        crate::backend::counters::count_host_sync();
         self.ctx
             .synchronize()
             .map_err(|e| Error::cuda(format!("synchronizing cuda:{}", self.ordinal), e))

@@ -153,6 +153,7 @@ pub(crate) unsafe fn launch(
     // SAFETY: the caller guarantees the arguments match the kernel; `params` points into
     // `slots`, which outlive the call (the driver copies parameters at launch); `f` stays
     // valid while the device lives.
+    crate::backend::counters::count_kernel_launch();
     unsafe {
         cu::launch_kernel(
             f,
@@ -215,6 +216,14 @@ raw_kernel!(/// `scale_f32(x, alpha, n)`.
     scale, "reduce_scatter", (x: u64, alpha: f32, n: i64));
 raw_kernel!(/// `sumsq_partial_f32(x, partial, n)`.
     sumsq_partial, "reduce_scatter", (x: u64, partial: u64, n: i64));
+raw_kernel!(/// `sumsq_fold_f64(partial, nblocks, acc)`.
+    sumsq_fold, "reduce_scatter", (partial: u64, nblocks: i64, acc: u64));
+raw_kernel!(/// `narrow_f64_f32(x, out)` and `widen_f32_f64(x, out)`: one element.
+    convert1, "reduce_scatter", (x: u64, out: u64));
+raw_kernel!(/// `clip_coef_f32(sumsq, max_norm, norm, coef)`.
+    clip_coef, "reduce_scatter", (sumsq: u64, max_norm: f32, norm: u64, coef: u64));
+raw_kernel!(/// `scale_by_f32(x, alpha, n)`: `alpha` is a device pointer to one f32.
+    scale_by, "reduce_scatter", (x: u64, alpha: u64, n: i64));
 raw_kernel!(/// `sgd_f32(tensors, k, lr, momentum, dampening, weight_decay, nesterov)`.
     sgd, "optim", (tensors: u64, k: i64, lr: f32, momentum: f32, dampening: f32, weight_decay: f32, nesterov: i32));
 raw_kernel!(/// `adam_f32(tensors, k, lr, beta1, beta2, eps, weight_decay, decoupled)`.
@@ -247,5 +256,9 @@ raw_kernel!(/// `cross_entropy_f32(logits, targets, losses, dlogits, n, V, inv_n
     cross_entropy, "nn", (logits: u64, targets: u64, losses: u64, dlogits: u64, n: i64, v: i64, inv_n: f32, invalid: u64));
 raw_kernel!(/// `embedding_fwd_f32(ids, table, out, n, V, c, invalid)`.
     embedding_fwd, "nn", (ids: u64, table: u64, out: u64, n: i64, v: i64, c: i64, invalid: u64));
+raw_kernel!(/// `mean_rows_f32(losses, n, out)`.
+    mean_rows, "nn", (losses: u64, n: i64, out: u64));
+raw_kernel!(/// `add_div_f32(acc, x, d)`.
+    add_div, "nn", (acc: u64, x: u64, d: f32));
 raw_kernel!(/// `embedding_bwd_f32(ids, dout, grad, n, V, c)`.
     embedding_bwd, "nn", (ids: u64, dout: u64, grad: u64, n: i64, v: i64, c: i64));

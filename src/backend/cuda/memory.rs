@@ -142,6 +142,7 @@ impl Pool {
         self.ctx
             .bind_to_thread()
             .map_err(|e| Error::cuda(format!("binding cuda:{}", self.ordinal), e))?;
+        crate::backend::counters::count_device_alloc();
         // SAFETY: the context is current on this thread; the pointer is freed by `empty_cache`
         // or `Drop` only.
         match unsafe { cu::malloc_sync(bytes) } {
@@ -149,6 +150,7 @@ impl Pool {
             Err(_) => {
                 // Out of memory, maybe because of cached blocks: give them back and retry.
                 self.empty_cache()?;
+                crate::backend::counters::count_device_alloc();
                 // SAFETY: as above.
                 unsafe { cu::malloc_sync(bytes) }.map_err(|e| {
                     Error::cuda(
@@ -166,12 +168,14 @@ impl Pool {
 
     /// Synchronizes the device and returns every cached block to the driver.
     pub(crate) fn empty_cache(&self) -> Result<()> {
+        crate::backend::counters::count_host_sync();
         self.ctx
             .synchronize()
             .map_err(|e| Error::cuda(format!("synchronizing cuda:{}", self.ordinal), e))?;
         let blocks: Vec<((usize, usize), Vec<FreeBlock>)> = self.free.lock().drain().collect();
         for ((_, size), list) in blocks {
             for b in list {
+                crate::backend::counters::count_device_free();
                 // SAFETY: the device is idle and the block is not referenced by any buffer.
                 unsafe { cu::free_sync(b.ptr) }
                     .map_err(|e| Error::cuda(format!("cuMemFree on cuda:{}", self.ordinal), e))?;
@@ -296,6 +300,7 @@ impl Drop for DeviceBuffer {
             self.pool.account.release(self.bytes);
             // The driver's free waits for the device's work on the block. An error leaks it.
             if self.pool.ctx.bind_to_thread().is_ok() {
+                crate::backend::counters::count_device_free();
                 // SAFETY: the context is current; no other buffer refers to the block.
                 if unsafe { cu::free_sync(self.ptr) }.is_ok() {
                     self.pool.reserved.fetch_sub(self.key.1, Ordering::Relaxed);

@@ -27,6 +27,10 @@ use crate::error::{Error, Result};
 #[cfg(feature = "cuda")]
 mod blas;
 #[cfg(feature = "cuda")]
+mod checks;
+#[cfg(feature = "cuda")]
+mod clip;
+#[cfg(feature = "cuda")]
 pub(crate) mod collective;
 #[cfg(feature = "cuda")]
 mod context;
@@ -49,6 +53,8 @@ mod tensor;
 
 #[cfg(feature = "cuda")]
 pub use blas::{gemm, gemm_strided_batched, GemmShape};
+#[cfg(feature = "cuda")]
+pub use clip::{scale_by, NormAccumulator};
 #[cfg(feature = "cuda")]
 pub use context::CudaDevice;
 #[cfg(feature = "cuda")]

@@ -485,24 +485,14 @@ fn invalid_flag(s: &Stream) -> Result<super::DeviceBuffer> {
     Ok(f)
 }
 
-/// Reads the flag back (synchronizes the stream): the first bad row, if any.
-fn read_flag(s: &Stream, f: &super::DeviceBuffer) -> Result<Option<usize>> {
-    let mut v = [0u64; 1];
-    // SAFETY: 8 bytes from an 8-byte buffer; synchronized before `v` is read.
-    s.bind()?;
-    unsafe { cu::memcpy_dtoh_async(&mut v, f.ptr(), s.inner.cu_stream()) }
-        .map_err(|e| Error::cuda("cuMemcpyDtoHAsync", e))?;
-    s.synchronize()?;
-    Ok((v[0] != u64::MAX).then_some(v[0] as usize))
-}
-
 /// Cross-entropy of `logits (N, V)` against i32 `targets (N)`: per-row losses into
 /// `losses (N)` and `dlogits = (softmax - onehot) * inv_n` (`cross_entropy_f32`).
-/// Synchronizes the stream to check the targets.
+/// The targets are checked on the device; a target outside `0..V` is reported by the
+/// calling thread's next host read (`checks`), with no synchronization here.
 ///
 /// # Errors
-/// `InvalidArgument` naming the first target outside `0..V`; shape and dtype errors as
-/// [`gelu_fwd`].
+/// Shape and dtype errors as [`gelu_fwd`]; the next host read's `InvalidArgument` names
+/// the first target outside `0..V`.
 pub fn cross_entropy(
     s: &Stream,
     logits: &DeviceTensor,
@@ -545,17 +535,65 @@ pub fn cross_entropy(
             flag.ptr(),
         )?;
     }
-    if let Some(r) = read_flag(s, &flag)? {
-        crate::error::bail_arg!("cross_entropy: the target at position {r} is outside 0..{v}");
-    }
-    Ok(())
+    super::checks::defer(
+        s,
+        flag,
+        Box::new(move |r| {
+            Error::InvalidArgument(format!(
+                "cross_entropy: the target at position {r} is outside 0..{v}"
+            ))
+        }),
+    )
 }
 
-/// `out[i, :] = table (V, C)[ids[i], :]` (`embedding_fwd_f32`). Synchronizes the stream to
-/// check the ids.
+/// `out[0] = f32(sum_r f64(losses[r]) / n)` in row order (`mean_rows_f32`): the mean
+/// cross-entropy without a host read. `out` holds one f32.
 ///
 /// # Errors
-/// `InvalidArgument` naming the first id outside `0..V`; shape and dtype errors.
+/// Shape and dtype errors; [`Error::Cuda`].
+pub fn mean_rows(s: &Stream, losses: &DeviceTensor, out: &DeviceTensor) -> Result<()> {
+    f32s("mean_rows", s, &[losses, out])?;
+    check_numel("mean_rows", 1, out)?;
+    let one = Grid {
+        grid: (1, 1, 1),
+        block: 1,
+    };
+    // SAFETY: losses holds n f32, out one.
+    unsafe {
+        launch::mean_rows(
+            s,
+            "mean_rows_f32",
+            one,
+            losses.ptr(),
+            losses.numel() as i64,
+            out.ptr(),
+        )
+    }
+}
+
+/// `acc[0] = acc[0] + x[0] / d` on one-element f32 tensors (`add_div_f32`).
+///
+/// # Errors
+/// Shape and dtype errors; [`Error::Cuda`].
+pub fn add_div(s: &Stream, acc: &DeviceTensor, x: &DeviceTensor, d: f32) -> Result<()> {
+    f32s("add_div", s, &[acc, x])?;
+    check_numel("add_div", 1, acc)?;
+    check_numel("add_div", 1, x)?;
+    let one = Grid {
+        grid: (1, 1, 1),
+        block: 1,
+    };
+    // SAFETY: one f32 each.
+    unsafe { launch::add_div(s, "add_div_f32", one, acc.ptr(), x.ptr(), d) }
+}
+
+/// `out[i, :] = table (V, C)[ids[i], :]` (`embedding_fwd_f32`). The ids are checked on the
+/// device; one outside `0..V` is reported by the calling thread's next host read
+/// (`checks`), with no synchronization here (PyTorch's device-side assert, named).
+///
+/// # Errors
+/// Shape and dtype errors; the next host read's `InvalidArgument` names the first id
+/// outside `0..V`.
 pub fn embedding_fwd(
     s: &Stream,
     ids: &DeviceTensor,
@@ -586,12 +624,15 @@ pub fn embedding_fwd(
             flag.ptr(),
         )?;
     }
-    if let Some(i) = read_flag(s, &flag)? {
-        crate::error::bail_arg!(
-            "embedding: the token id at position {i} is outside the vocabulary 0..{v}"
-        );
-    }
-    Ok(())
+    super::checks::defer(
+        s,
+        flag,
+        Box::new(move |i| {
+            Error::InvalidArgument(format!(
+                "embedding: the token id at position {i} is outside the vocabulary 0..{v}"
+            ))
+        }),
+    )
 }
 
 /// `grad[ids[i], :] += dout[i, :]` (`embedding_bwd_f32`, atomic adds: repeated ids add in

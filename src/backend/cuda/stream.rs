@@ -41,6 +41,7 @@ impl Event {
     /// # Errors
     /// [`Error::Cuda`] with the first asynchronous error of that work.
     pub fn synchronize(&self) -> Result<()> {
+        crate::backend::counters::count_host_sync();
         self.inner
             .synchronize()
             .map_err(|e| Error::cuda("waiting for a CUDA event", e))
@@ -149,6 +150,7 @@ impl Stream {
     /// # Errors
     /// [`Error::Cuda`] with the first asynchronous error (e.g. a faulting kernel).
     pub fn synchronize(&self) -> Result<()> {
+        crate::backend::counters::count_host_sync();
         self.inner.synchronize().map_err(|e| {
             Error::cuda(
                 format!("synchronizing a stream on cuda:{}", self.dev.ordinal()),

@@ -91,18 +91,19 @@ impl DeviceTensor {
         }
         let t = Self::empty(stream, shape, T::DTYPE)?;
         if !data.is_empty() {
-            // SAFETY: dst holds data.len() elements of T. The copy is synchronized before
-            // returning, so `data` outlives it.
+            // SAFETY: dst holds data.len() elements of T. From pageable memory the driver
+            // reads (stages) the source before it returns, so `data` may go at once; the
+            // copy itself is ordered on the stream (no host wait).
             stream.bind()?;
             unsafe { cu::memcpy_htod_async(t.ptr(), data, stream.inner.cu_stream()) }
                 .map_err(|e| Error::cuda("cuMemcpyHtoDAsync", e))?;
-            stream.synchronize()?;
         }
         Ok(t)
     }
 
-    /// Overwrites this view with `data` (same element count and dtype); returns once the
-    /// copy finished, so `data` may be reused.
+    /// Overwrites this view with `data` (same element count and dtype), ordered on
+    /// `stream`; returns once the source has been read, so `data` may be reused (the host
+    /// does not wait for the device: CUDA stages pageable memory before it returns).
     ///
     /// # Errors
     /// `DTypeMismatch`, `ShapeMismatch`; [`Error::Cuda`] on failure.
@@ -122,12 +123,11 @@ impl DeviceTensor {
             });
         }
         if !data.is_empty() {
-            // SAFETY: the view holds data.len() elements of T; the stream is synchronized
-            // before returning, so `data` outlives the copy.
+            // SAFETY: the view holds data.len() elements of T; the driver stages pageable
+            // memory before it returns, so `data` may be reused at once.
             stream.bind()?;
             unsafe { cu::memcpy_htod_async(self.ptr(), data, stream.inner.cu_stream()) }
                 .map_err(|e| Error::cuda("cuMemcpyHtoDAsync", e))?;
-            stream.synchronize()?;
         }
         Ok(())
     }
@@ -149,7 +149,9 @@ impl DeviceTensor {
     ///
     /// # Errors
     /// `DTypeMismatch` when `T` is not the tensor's dtype; [`Error::Cuda`] on failure,
-    /// including an earlier asynchronous kernel error.
+    /// including an earlier asynchronous kernel error; the `InvalidArgument` of an earlier
+    /// index check on this thread that failed (an embedding's token id, a cross-entropy
+    /// target out of range: see `checks`).
     pub fn to_vec<T: Element>(&self, stream: &Stream) -> Result<Vec<T>> {
         if T::DTYPE != self.dtype {
             return Err(Error::DTypeMismatch {
@@ -158,6 +160,8 @@ impl DeviceTensor {
                 got: T::DTYPE,
             });
         }
+        // Index checks of earlier kernels on this thread ride on this synchronization.
+        let checks = super::checks::queue_reads()?;
         let mut out = vec![T::zero(); self.numel()];
         if !out.is_empty() {
             // SAFETY: the source range lies in the buffer; the stream is synchronized
@@ -167,6 +171,7 @@ impl DeviceTensor {
                 .map_err(|e| Error::cuda("cuMemcpyDtoHAsync", e))?;
         }
         stream.synchronize()?;
+        super::checks::finish(checks, Some(stream))?;
         Ok(out)
     }
 

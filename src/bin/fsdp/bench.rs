@@ -67,6 +67,8 @@ pub(crate) fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
     let base = TrainConfig {
         steps: a.warmup + a.steps,
         eval_every: 0,
+        // Every step read at once, so each step's time is its own (see train::pending).
+        log_every: 1,
         eval_batches: 1,
         sample_len: 0,
         world_size: 1,
@@ -136,6 +138,7 @@ pub(crate) fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
         "comm wait ms"
     );
     let mut plain_ms = f64::NAN;
+    let mut counters = Vec::new();
     for (name, cfg) in runs {
         let report = train::train(&cfg, &train::Silent)?;
         let ms = median(
@@ -173,6 +176,39 @@ pub(crate) fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
             mem.peak_unsharded_units,
             wait_ms
         );
+        if cfg.device.is_cuda() {
+            let per_step: Vec<_> = report
+                .records
+                .iter()
+                .skip(a.warmup)
+                .map(|r| r.counters)
+                .collect();
+            let med = |f: fn(&fsdp::backend::counters::Counters) -> u64| {
+                median(per_step.iter().map(|c| f(c) as f64).collect())
+            };
+            counters.push(format!(
+                "{:<36} {:>10} {:>10} {:>10} {:>10}",
+                name,
+                med(|c| c.host_syncs),
+                med(|c| c.device_allocs),
+                med(|c| c.kernel_launches),
+                med(|c| c.store_ops)
+            ));
+        }
+    }
+    if !counters.is_empty() {
+        out!("\nper step after warm-up (median, whole process): what each step asks of the host");
+        out!(
+            "{:<36} {:>10} {:>10} {:>10} {:>10}",
+            "configuration",
+            "host syncs",
+            "dev allocs",
+            "launches",
+            "store ops"
+        );
+        for line in counters {
+            out!("{line}");
+        }
     }
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! `fsdp`: the command line. `fsdp train` runs the main job; `fsdp bench` measures FSDP
 //! against plain training side by side; `fsdp launch` starts one process per rank, as
-//! torchrun. Only parsing and printing live here; the work is the library's.
+//! torchrun; `fsdp plot` draws metrics files. Only parsing, printing and drawing live
+//! here; the work is the library's.
 
 use clap::{Args, Parser, Subcommand};
 use fsdp::fsdp::{BackwardPrefetch, ShardingStrategy};
@@ -30,9 +31,11 @@ macro_rules! out {
 
 mod bench;
 mod launch;
+mod plot;
 
 use bench::{run_bench, BenchArgs};
 use launch::{run_launch, LaunchArgs};
+use plot::{run_plot, PlotArgs};
 
 /// The defaults of every option are the library's (`TrainConfig::default()`).
 pub(crate) static D: std::sync::LazyLock<TrainConfig> =
@@ -59,6 +62,9 @@ enum Cmd {
     /// Start one process per rank with torchrun's environment (`fsdp launch
     /// --nproc-per-node 2 -- fsdp train ...`).
     Launch(LaunchArgs),
+    /// Draw loss, eval loss and tokens/s against step for one or several runs' `--metrics`
+    /// files into an SVG (`fsdp plot a.jsonl b.jsonl --out runs.svg`).
+    Plot(PlotArgs),
 }
 
 #[derive(Args, Clone)]
@@ -168,12 +174,18 @@ struct TrainArgs {
     /// Evaluate every E steps (and at the end); 0: only at the end.
     #[arg(long, allow_hyphen_values = true, default_value_t = D.eval_every)]
     eval_every: usize,
-    /// Print the loss every K steps.
+    /// Print the loss every K steps (0: never). On CUDA the loss is read from the device
+    /// only on these steps (and at evaluations, checkpoints, the first and last step): the
+    /// steps between are read, and written to --metrics, together then.
     #[arg(long, allow_hyphen_values = true, default_value_t = 25)]
     log_every: usize,
     /// Write one JSON object per step (loss, tokens/s, per-rank bytes) to this file.
     #[arg(long)]
     metrics: Option<PathBuf>,
+    /// At the end, draw loss, eval loss and tokens/s against step into this SVG file (the
+    /// whole --metrics file when given, so a resumed run shows its earlier steps too).
+    #[arg(long)]
+    plot: Option<PathBuf>,
     /// Hybrid strategies: ranks per node (shard group size); default the world size.
     #[arg(long, allow_hyphen_values = true)]
     ranks_per_node: Option<usize>,
@@ -310,6 +322,7 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         wrap: a.wrap,
         steps: a.steps,
         eval_every: a.eval_every,
+        log_every: a.log_every,
         metrics: a.metrics.clone(),
         sample_len: a.sample_len,
         ranks_per_node: a.ranks_per_node,
@@ -331,6 +344,10 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         ..base_config(&a.model, a.data.clone())
     };
     cfg.validate()?;
+    if let Some(p) = &a.plot {
+        // Refused before training, not after it.
+        plot::check_out(p)?;
+    }
     if let Some(e) = env.filter(|e| e.rank != 0) {
         // Rank 0 prints and logs for the job; the other ranks train silently.
         return train::train_rank(&cfg, &e, &train::Silent).map(drop);
@@ -424,6 +441,26 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
     if !report.sample.is_empty() {
         out!("--- sample ---\n{}\n--------------", report.sample);
     }
+    if let Some(p) = &a.plot {
+        let run = match &cfg.metrics {
+            Some(m) => plot::read_run(m, "train".into())?,
+            None => plot::Run {
+                label: "train".into(),
+                points: report
+                    .records
+                    .iter()
+                    .map(|r| plot::Point {
+                        step: r.step as u64,
+                        loss: r.loss as f64,
+                        tokens_per_s: r.tokens_per_s,
+                        eval_loss: r.eval_loss.map(f64::from),
+                    })
+                    .collect(),
+            },
+        };
+        plot::write_svg(p, &[run])?;
+        out!("plot: {}", p.display());
+    }
     Ok(())
 }
 
@@ -473,6 +510,7 @@ fn main() -> ExitCode {
         Cmd::Train(a) => (run_train(a), ""),
         Cmd::Bench(a) => (run_bench(a), ""),
         Cmd::Launch(a) => (run_launch(a), LAUNCHER),
+        Cmd::Plot(a) => (run_plot(a), ""),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,

@@ -345,6 +345,7 @@ impl TcpStore {
     /// Sends one request and returns the body of an `OK` reply (after the status byte).
     /// A `TIMEOUT` reply becomes [`Error::Timeout`] naming the missing keys.
     fn request(&self, what: &str, req: Encoder, reply_within: Duration) -> Result<Vec<u8>> {
+        crate::backend::counters::count_store_op();
         let mut c = self.conn.lock();
         if let Some(why) = &c.broken {
             return Err(self.protocol_error(

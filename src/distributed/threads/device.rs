@@ -13,17 +13,21 @@
 //!    GPUs, and the reduction kernel `reduce_ranks_{dtype}` of `collective.cu`, which
 //!    widens to f64, combines in rank order and rounds once, bit for bit the host reduction
 //!    (sources on another GPU are first copied to scratch on this one; an all-reduce result
-//!    for a rank on another GPU is copied to it afterwards); then the host synchronizes
-//!    the stream;
-//! 3. *depart*: as on the host, a rank returns only once every rank finished executing, so
-//!    when it returns its output is complete and nobody reads its input any more.
+//!    for a rank on another GPU is copied to it afterwards); then it records a *done* event
+//!    after that work;
+//! 3. *depart*: as on the host, a rank returns only once every rank queued its work; its
+//!    stream then waits on every peer's done event, since peers read its input and (all-reduce)
+//!    write its output on their streams.
 //!
-//! Blocking the calling thread until the stream drained is what the `ProcessGroup`
-//! contract asks (the collective returns with its output complete); FSDP issues its
-//! collectives from its communication thread, so the compute thread is not blocked.
+//! The host never waits for the device: a collective on CUDA tensors is ordered on the
+//! caller's current stream, as NCCL's are. What the caller queues next on that stream sees
+//! the output, a copy to the host synchronizes, and a tensor freed afterwards is reused
+//! only behind the stream's wait (the caching allocator keys blocks by stream; other
+//! streams go through `record_stream` events). A done event lives in the group state until
+//! its rank's next collective, by when every peer has queued its wait on it.
 
 use super::kernels::split;
-use super::rendezvous::{Arg, Arrival, Desc, Ptr};
+use super::rendezvous::{Arg, Arrival, Desc, Mark, Ptr};
 use super::{is_chunk_of, ThreadsGroup};
 use crate::backend::cuda::collective as dc;
 use crate::backend::cuda::{self, DeviceTensor, Event, Stream};
@@ -34,7 +38,7 @@ use std::sync::Arc;
 
 /// This rank's side of one device collective: the stream that moves its data (the caller's
 /// current stream on the device) and the event marking its inputs ready.
-struct Side {
+pub(super) struct Side {
     ordinal: usize,
     stream: Arc<Stream>,
     /// Lives until the collective returned, i.e. after every peer waited on it.
@@ -62,16 +66,28 @@ impl Side {
         }
     }
 
-    /// Makes the stream wait for every rank's inputs, queues `body`, and blocks until the
-    /// stream drained (also after an error, so nothing queued outlives the collective).
-    fn exec(&self, peers: &[Arrival], body: impl FnOnce() -> Result<()>) -> Result<()> {
+    /// Makes the stream wait for every rank's inputs, queues `body`, and returns the mark
+    /// of that work for the peers (also after an error of `body`: what it queued may still
+    /// touch peers' memory, so they wait for it; the error is reported all the same).
+    fn exec(&self, peers: &[Arrival], body: impl FnOnce() -> Result<()>) -> Result<Option<Mark>> {
         let r = peers
             .iter()
             // SAFETY: every peer's event lives until all ranks departed (`Side::ready`).
             .try_for_each(|p| unsafe { dc::wait_event_ptr(&self.stream, p.event.cast::<u8>()) })
             .and_then(|()| body());
-        let sync = self.stream.synchronize();
-        r.and(sync)
+        let done = self.stream.record()?;
+        let mark = Mark {
+            event: Ptr::of(dc::event_ptr(&done)),
+            _owner: Box::new(done),
+        };
+        r.map(|()| Some(mark))
+    }
+
+    /// Makes the stream wait for a peer's mark (its done event).
+    pub(super) fn wait_peer(&self, event: Ptr) -> Result<()> {
+        // SAFETY: the peer's mark stays in the group state until its next departure, which
+        // comes after this rank's next arrival (see the module docs).
+        unsafe { dc::wait_event_ptr(&self.stream, event.cast::<u8>()) }
     }
 
     /// Queues a copy of `bytes` bytes from `src` on `cuda:src_ordinal` to `dst` here.
@@ -160,7 +176,7 @@ impl ThreadsGroup {
             Arg::None,
         );
         let out_ptr = out.ptr();
-        self.run_arrival(side.arrival(d, inp.ptr(), out_ptr), |peers| {
+        self.run_ordered(&side, side.arrival(d, inp.ptr(), out_ptr), |peers| {
             side.exec(peers, || {
                 for (s, p) in peers.iter().enumerate() {
                     let dst = out_ptr + (s * n * esz) as u64;
@@ -199,7 +215,7 @@ impl ThreadsGroup {
             m,
             Arg::Op(op),
         );
-        self.run_arrival(side.arrival(d, inp.ptr(), out.ptr()), |peers| {
+        self.run_ordered(&side, side.arrival(d, inp.ptr(), out.ptr()), |peers| {
             side.exec(peers, || {
                 let remote = peers.iter().filter(|p| p.ordinal != ordinal).count();
                 let scratch = if remote > 0 && m > 0 {
@@ -233,7 +249,7 @@ impl ThreadsGroup {
         let t = tensor.as_device_tensor()?;
         let side = Side::new(ordinal)?;
         let d = desc("all_reduce", dtype, len, len, Arg::Op(op));
-        self.run_arrival(side.arrival(d, t.ptr(), t.ptr()), |peers| {
+        self.run_ordered(&side, side.arrival(d, t.ptr(), t.ptr()), |peers| {
             side.exec(peers, || {
                 let (lo, hi) = split(len, peers.len(), rank, (64 / esz).max(1));
                 let (cnt, off) = (hi - lo, (lo * esz) as u64);
@@ -296,7 +312,7 @@ impl ThreadsGroup {
         let t = tensor.as_device_tensor()?;
         let side = Side::new(ordinal)?;
         let d = desc("broadcast", dtype, len, len, Arg::Src(src));
-        self.run_arrival(side.arrival(d, t.ptr(), t.ptr()), |peers| {
+        self.run_ordered(&side, side.arrival(d, t.ptr(), t.ptr()), |peers| {
             side.exec(peers, || {
                 if rank == src {
                     return Ok(());

@@ -265,6 +265,21 @@ impl ThreadsGroup {
         self.shared.collective(self.rank, arrival, &mut peers, exec)
     }
 
+    /// [`run_arrival`](Self::run_arrival) for a device collective ordered on `side`'s
+    /// stream (see `device.rs`).
+    #[cfg(feature = "cuda")]
+    fn run_ordered(
+        &self,
+        side: &device::Side,
+        arrival: Arrival,
+        exec: impl FnOnce(&[Arrival]) -> Result<Option<rendezvous::Mark>>,
+    ) -> Result<()> {
+        let mut peers = self.peers.lock();
+        let wait = |p| side.wait_peer(p);
+        self.shared
+            .collective_ordered(self.rank, arrival, &mut peers, exec, Some(&wait))
+    }
+
     fn all_gather_typed<T: Element>(&self, output: &Tensor, input: &Tensor) -> Result<()> {
         let (rank, n) = (self.rank, input.numel());
         let in_place = is_chunk_of(input, output, rank * n);

@@ -80,8 +80,21 @@ impl Arrival {
     }
 }
 
+/// What a device collective leaves its peers at departure: an event after this rank's
+/// device work of the collective (its reads of peers' inputs, its writes into peers'
+/// outputs), which every peer's stream waits on before it returns, and the event's owner,
+/// kept in the group state until this rank's next departure (by then every peer has
+/// queued its wait: it arrived at that next collective).
+pub(super) struct Mark {
+    pub(super) event: Ptr,
+    /// Held for its `Drop` (destroys the event).
+    pub(super) _owner: Box<dyn Send>,
+}
+
 struct State {
     generation: u64,
+    /// Each rank's [`Mark`] of its last device collective, `None` after a host one.
+    marks: Vec<Option<Mark>>,
     /// `Some(check)` once every rank arrived: `Ok` or the mismatch message.
     ready: Option<std::result::Result<(), String>>,
     slots: Vec<Option<Arrival>>,
@@ -120,6 +133,7 @@ impl Shared {
             members,
             state: Mutex::new(State {
                 generation: 0,
+                marks: (0..size).map(|_| None).collect(),
                 ready: None,
                 slots: vec![None; size],
                 arrived: 0,
@@ -209,6 +223,25 @@ impl Shared {
     where
         F: FnOnce(&[Arrival]) -> Result<()>,
     {
+        self.collective_ordered(rank, arrival, peers, |p| exec(p).map(|()| None), None)
+    }
+
+    /// [`collective`](Self::collective) for device memory moved by streams: `exec` queues
+    /// this rank's work and returns a [`Mark`] after it, and at departure `wait_peer` is
+    /// called with every peer's mark (its event), so that this rank's stream waits for the
+    /// peers' work on its memory before anything it queues later: the collective is
+    /// ordered on the streams without the host waiting for the device.
+    pub(super) fn collective_ordered<F>(
+        &self,
+        rank: usize,
+        arrival: Arrival,
+        peers: &mut Vec<Arrival>,
+        exec: F,
+        wait_peer: Option<&dyn Fn(Ptr) -> Result<()>>,
+    ) -> Result<()>
+    where
+        F: FnOnce(&[Arrival]) -> Result<Option<Mark>>,
+    {
         let mut arrival = arrival;
         arrival.desc.tag = crate::distributed::fingerprint::current();
         let deadline = Instant::now() + self.timeout;
@@ -239,17 +272,31 @@ impl Shared {
 
         // Every member is past the loop above (`ready` is set only once all arrived, and a
         // waiting rank checks it before anything else), so every member reaches `depart`.
-        let depart = Depart { shared: self, gen };
-        let result = match check {
-            Ok(()) if peers.len() == self.size => exec(peers),
-            Ok(()) => Err(Error::Fsdp("internal: incomplete rendezvous".into())),
-            Err(detail) => Err(Error::CollectiveMismatch {
-                group_size: self.size,
-                detail,
-            }),
+        let mut depart = Depart {
+            shared: self,
+            gen,
+            rank,
+            done: false,
         };
-        drop(depart);
-        result
+        let (result, mark) = match check {
+            Ok(()) if peers.len() == self.size => match exec(peers) {
+                Ok(m) => (Ok(()), m),
+                Err(e) => (Err(e), None),
+            },
+            Ok(()) => (
+                Err(Error::Fsdp("internal: incomplete rendezvous".into())),
+                None,
+            ),
+            Err(detail) => (
+                Err(Error::CollectiveMismatch {
+                    group_size: self.size,
+                    detail,
+                }),
+                None,
+            ),
+        };
+        let waited = depart.finish(mark, wait_peer);
+        waited.and(result)
     }
 
     /// One wait for the missing ranks of the arrive phase; an error when a peer failed or
@@ -308,17 +355,41 @@ impl Shared {
     }
 }
 
-/// The depart phase, run on drop so that it also runs if `exec` unwinds: counts this rank
-/// out and waits until every member has.
+/// The depart phase: [`finish`](Depart::finish), or on drop if `exec` unwound. Counts this
+/// rank out and waits until every member has.
 struct Depart<'a> {
     shared: &'a Shared,
     gen: u64,
+    rank: usize,
+    done: bool,
 }
 
-impl Drop for Depart<'_> {
-    fn drop(&mut self) {
+impl Depart<'_> {
+    /// Leaves `mark` for the peers, departs, and calls `wait_peer` with every peer's mark
+    /// (under the lock, which keeps the marks in place; queuing a stream wait does not
+    /// block). Returns the first error of those calls.
+    fn finish(
+        &mut self,
+        mark: Option<Mark>,
+        wait_peer: Option<&dyn Fn(Ptr) -> Result<()>>,
+    ) -> Result<()> {
+        self.done = true;
+        let st = self.depart(mark);
+        let Some(wait) = wait_peer else {
+            return Ok(());
+        };
+        (0..self.shared.size)
+            .filter(|&r| r != self.rank)
+            .filter_map(|r| st.marks[r].as_ref().map(|m| m.event))
+            .try_for_each(wait)
+    }
+
+    fn depart(&self, mark: Option<Mark>) -> MutexGuard<'_, State> {
         let sh = self.shared;
         let mut st = sh.state.lock();
+        // The mark of this rank's previous collective is replaced only now: every peer
+        // arrived at this one, so each has queued its wait on that previous event.
+        st.marks[self.rank] = mark;
         st.departed += 1;
         if st.departed == sh.size {
             st.slots.iter_mut().for_each(|s| *s = None);
@@ -336,6 +407,15 @@ impl Drop for Depart<'_> {
             if !sh.spin(&mut st) {
                 sh.cv.wait(&mut st);
             }
+        }
+        st
+    }
+}
+
+impl Drop for Depart<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            drop(self.depart(None));
         }
     }
 }

@@ -1,7 +1,9 @@
 //! DLPack tensors at the boundary (the `DLTensor` of DLPack v0.8 and v1.0, same layout):
 //! checking a host's `DLTensor`, copying it into and out of fsdp tensors, and describing
 //! fsdp's own buffers (full parameters, flat-gradient views) as `DLTensor`s that point
-//! into them, without a copy.
+//! into them, without a copy. Host memory is `kDLCPU` (or `kDLCUDAHost`, pinned host
+//! memory); device memory is `kDLCUDA` with its `device_id`, copied on fsdp's stream in
+//! the order `device.rs` sets up with the host's stream.
 //!
 //! The C declarations are written in `cbindgen.toml` as DLPack's `dlpack.h` has them (the
 //! `DLDeviceType` and `DLDataTypeCode` enums included), inside `#ifndef DLPACK_DLPACK_H_`
@@ -10,7 +12,11 @@
 //! integers here: a value C sends that no enum variant has is an error, not undefined
 //! behaviour.
 
-use super::{Fail, Res, FSDP_ERR_DTYPE_MISMATCH, FSDP_ERR_SHAPE_MISMATCH, FSDP_ERR_UNSUPPORTED};
+use super::{
+    Fail, Res, FSDP_ERR_DEVICE_MISMATCH, FSDP_ERR_DTYPE_MISMATCH, FSDP_ERR_SHAPE_MISMATCH,
+    FSDP_ERR_UNSUPPORTED,
+};
+use crate::backend::Device;
 use crate::tensor::{DType, Element, Tensor};
 use std::ffi::c_void;
 
@@ -84,6 +90,24 @@ pub(crate) fn dl_dtype(d: DType) -> DLDataType {
     }
 }
 
+/// The device a `DLDevice` names for a model (`fsdp_config.device`): `{kDLCPU, 0}` or
+/// `{kDLCUDA, i}`.
+pub(crate) fn config_device(d: DLDevice, what: &str) -> Res<Device> {
+    match (d.device_type, d.device_id) {
+        (KDL_CPU, 0) => Ok(Device::Cpu),
+        (KDL_CPU, i) => Err(Fail::arg(format!(
+            "{what} {{kDLCPU, {i}}}: the CPU's device_id is 0"
+        ))),
+        (KDL_CUDA, i) if i >= 0 => Ok(Device::Cuda(i as usize)),
+        (KDL_CUDA, i) => Err(Fail::arg(format!(
+            "{what} {{kDLCUDA, {i}}}: device_id is negative"
+        ))),
+        (t, i) => Err(Fail::arg(format!(
+            "{what} {{{t}, {i}}}: device_type is neither kDLCPU (1) nor kDLCUDA (2) (fsdp_config_default fills {{kDLCPU, 0}})"
+        ))),
+    }
+}
+
 fn dtype_of(t: DLDataType, what: &str) -> Res<DType> {
     match (t.code, t.bits, t.lanes) {
         (KDL_FLOAT, 32, 1) => Ok(DType::F32),
@@ -97,43 +121,53 @@ fn dtype_of(t: DLDataType, what: &str) -> Res<DType> {
     }
 }
 
-/// A host tensor described by a checked `DLTensor`: where its first element is, its dtype
-/// and shape (compact row-major).
-pub(crate) struct HostTensor {
+/// A host's tensor described by a checked `DLTensor`: where its first element is (host
+/// memory, or device memory of `cuda:i`), its dtype and shape (compact row-major).
+pub(crate) struct ExtTensor {
     ptr: *mut u8,
     pub(crate) dtype: DType,
     pub(crate) shape: Vec<usize>,
+    /// `Cpu` for `kDLCPU` and `kDLCUDAHost` (pinned host memory), `Cuda(i)` for `kDLCUDA`.
+    pub(crate) device: Device,
     what: String,
 }
 
-impl HostTensor {
-    /// Checks `*t`: a CPU tensor of a dtype fsdp has, compact row-major, its first
-    /// element aligned and non-NULL unless it is empty.
+impl ExtTensor {
+    /// Checks `*t`: host memory (`kDLCPU`, `kDLCUDAHost`) or device memory (`kDLCUDA`,
+    /// `device_id` >= 0), a dtype fsdp has, compact row-major, its first element aligned
+    /// and non-NULL unless it is empty. Which device a call takes is checked by the call
+    /// ([`ExtTensor::expect_device`]).
     ///
     /// # Safety
     /// `t` is NULL or points to a `DLTensor` whose `shape` and `strides` (when non-NULL)
     /// hold `ndim` values. Its `data` is not dereferenced here.
-    pub(crate) unsafe fn check(t: *const DLTensor, what: &str) -> Res<HostTensor> {
+    pub(crate) unsafe fn check(t: *const DLTensor, what: &str) -> Res<ExtTensor> {
         if t.is_null() {
             return Err(Fail::arg(format!("{what}: the DLTensor pointer is NULL")));
         }
         // SAFETY: non-null, and the caller promises it points to a DLTensor.
         let t = unsafe { &*t };
-        match t.device.device_type {
-            KDL_CPU | KDL_CUDA_HOST => {}
-            KDL_CUDA | KDL_CUDA_MANAGED => {
+        let device = match (t.device.device_type, t.device.device_id) {
+            (KDL_CPU | KDL_CUDA_HOST, _) => Device::Cpu,
+            (KDL_CUDA, i) if i >= 0 => Device::Cuda(i as usize),
+            (KDL_CUDA, i) => {
+                return Err(Fail::arg(format!(
+                    "{what}: device_id {i} of a kDLCUDA tensor is negative"
+                )))
+            }
+            (KDL_CUDA_MANAGED, _) => {
                 return Err(Fail::new(
                     FSDP_ERR_UNSUPPORTED,
-                    format!("{what}: a CUDA tensor (device type {}); this build's C ABI takes host tensors (kDLCPU) only", t.device.device_type),
+                    format!("{what}: managed memory (kDLCUDAManaged) is not taken: describe it as kDLCUDA (device memory) or kDLCPU"),
                 ))
             }
-            d => {
+            (d, _) => {
                 return Err(Fail::new(
                     FSDP_ERR_UNSUPPORTED,
-                    format!("{what}: device type {d} is not a host device (kDLCPU = 1)"),
+                    format!("{what}: device type {d} is neither host memory (kDLCPU = 1, kDLCUDAHost = 3) nor a CUDA device (kDLCUDA = 2)"),
                 ))
             }
-        }
+        };
         let dtype = dtype_of(t.dtype, what)?;
         if !(0..=MAX_NDIM).contains(&t.ndim) {
             return Err(Fail::arg(format!(
@@ -186,10 +220,11 @@ impl HostTensor {
                 )));
             }
         }
-        Ok(HostTensor {
+        Ok(ExtTensor {
             ptr,
             dtype,
             shape,
+            device,
             what: what.to_string(),
         })
     }
@@ -198,12 +233,27 @@ impl HostTensor {
         self.shape.iter().product()
     }
 
+    fn nbytes(&self) -> usize {
+        self.numel() * self.dtype.size_in_bytes()
+    }
+
     /// Refuses any dtype but `want`.
     pub(crate) fn expect_dtype(&self, want: DType) -> Res {
-        if self.dtype != want {
+        self.expect_dtype_in(&[want])
+    }
+
+    /// Refuses a dtype not in `want`.
+    pub(crate) fn expect_dtype_in(&self, want: &[DType]) -> Res {
+        if !want.contains(&self.dtype) {
+            let names: Vec<String> = want.iter().map(|d| d.to_string()).collect();
             return Err(Fail::new(
                 FSDP_ERR_DTYPE_MISMATCH,
-                format!("{}: dtype {}, expected {want}", self.what, self.dtype),
+                format!(
+                    "{}: dtype {}, expected {}",
+                    self.what,
+                    self.dtype,
+                    names.join(" or ")
+                ),
             ));
         }
         Ok(())
@@ -220,7 +270,33 @@ impl HostTensor {
         Ok(())
     }
 
-    /// The elements as a slice.
+    /// Refuses memory of another device than `want` (`FSDP_ERR_DEVICE_MISMATCH` saying
+    /// which device the tensor is on and which one the call works on: `of`, e.g. "the
+    /// model computes").
+    pub(crate) fn expect_device(&self, want: Device, of: &str) -> Res {
+        if self.device == want {
+            return Ok(());
+        }
+        let is = match self.device {
+            Device::Cuda(i) => format!("a CUDA tensor (kDLCUDA, device_id {i})"),
+            _ => "a host tensor (kDLCPU)".to_string(),
+        };
+        let fix = match want {
+            Device::Cuda(i) => format!("pass device memory of cuda:{i} (kDLCUDA, device_id {i})"),
+            _ => "pass host memory (kDLCPU), or build the model with fsdp_config.device kDLCUDA"
+                .to_string(),
+        };
+        let on = match want {
+            Device::Cuda(i) => format!("cuda:{i}"),
+            _ => "the CPU".to_string(),
+        };
+        Err(Fail::new(
+            FSDP_ERR_DEVICE_MISMATCH,
+            format!("{}: {is}, but {of} on {on}: {fix}", self.what),
+        ))
+    }
+
+    /// The elements as a slice (host memory only).
     ///
     /// # Safety
     /// The memory the checked `DLTensor` describes is valid for reads for `'a` and not
@@ -234,11 +310,20 @@ impl HostTensor {
         unsafe { std::slice::from_raw_parts(self.ptr as *const T, self.numel()) }
     }
 
-    /// A copy of the elements as an fsdp tensor of the same shape and dtype.
+    /// A copy of the elements as an fsdp tensor of the same shape and dtype, on the same
+    /// device (device memory: a copy queued on fsdp's stream, ordered after the host's by
+    /// [`super::device::on_stream`]).
     ///
     /// # Safety
-    /// As [`HostTensor::slice`], for the duration of the call.
+    /// As [`ExtTensor::slice`], for the duration of the call (in stream order for device
+    /// memory).
     pub(crate) unsafe fn to_tensor(&self) -> Res<Tensor> {
+        if let Device::Cuda(i) = self.device {
+            // SAFETY: checked device memory of cuda:i (the caller's promise).
+            return unsafe {
+                super::device::copy_in(self.ptr as u64, self.dtype, &self.shape, i, &self.what)
+            };
+        }
         // SAFETY (this and each arm below): the dtype matched, readability is the
         // caller's promise.
         let t = match self.dtype {
@@ -258,24 +343,32 @@ impl HostTensor {
         Ok(t?)
     }
 
-    /// Copies `src` (same dtype and element count) into the host memory.
+    /// Copies `src` (same dtype and element count, on this tensor's device) into the
+    /// host's memory.
     ///
     /// # Safety
-    /// The memory is valid for writes for the duration of the call and nothing else
-    /// accesses it meanwhile.
+    /// The memory is valid for writes for the duration of the call (in stream order for
+    /// device memory) and nothing else accesses it meanwhile.
     pub(crate) unsafe fn write_from(&self, src: &Tensor) -> Res {
-        if src.dtype() != self.dtype || src.numel() != self.numel() {
+        if src.dtype() != self.dtype || src.numel() != self.numel() || src.device() != self.device {
             return Err(Fail::arg(format!(
-                "{}: internal: result of {} {} elements for {} {} elements",
+                "{}: internal: result of {} {} elements on {} for {} {} elements on {}",
                 self.what,
                 src.dtype(),
                 src.numel(),
+                src.device(),
                 self.dtype,
-                self.numel()
+                self.numel(),
+                self.device
             )));
         }
         if self.numel() == 0 {
             return Ok(());
+        }
+        if self.device.is_cuda() {
+            // SAFETY: device memory of src's device, writable (the caller's promise); src
+            // is fsdp's own allocation, so they do not overlap.
+            return unsafe { super::device::copy_out(self.ptr as u64, src, &self.what) };
         }
         let n = src.nbytes();
         let bytes = host_bytes(src)?;
@@ -286,24 +379,38 @@ impl HostTensor {
         Ok(())
     }
 
-    /// `dst += self` elementwise (f32, same element count), refusing memory that
+    /// `dst += self` elementwise: `dst` an f32 tensor of the same element count on this
+    /// tensor's device, `self` f32, bf16 or f16 (widened to f32 first). Refuses memory that
     /// overlaps `dst` (the host passing fsdp's own gradient view back would add it to
     /// itself).
     ///
     /// # Safety
-    /// As [`HostTensor::slice`], for the duration of the call.
+    /// As [`ExtTensor::to_tensor`].
     pub(crate) unsafe fn add_into(&self, dst: &Tensor) -> Res {
-        let mut d = dst.f32_mut()?;
-        let (lo, hi) = (d.as_ptr() as usize, d.as_ptr() as usize + d.len() * 4);
-        let (slo, shi) = (self.ptr as usize, self.ptr as usize + self.numel() * 4);
+        let lo = match dst.device() {
+            Device::Cuda(_) => super::device::device_ptr(dst)? as usize,
+            _ => host_ptr(dst)? as usize,
+        };
+        let hi = lo + dst.nbytes();
+        let (slo, shi) = (self.ptr as usize, self.ptr as usize + self.nbytes());
         if self.numel() > 0 && slo < hi && lo < shi {
             return Err(Fail::arg(format!(
                 "{}: the gradient's memory overlaps fsdp's own gradient view of this parameter (the grads of fsdp_unit_pre_backward); a host that wrote into those views passes grads = NULL to fsdp_unit_post_backward",
                 self.what
             )));
         }
-        // SAFETY: the dtype was checked f32 by the caller (expect_dtype), readability is
-        // the caller's promise, and the memory does not overlap `d` (checked above).
+        if self.device.is_cuda() || self.dtype != DType::F32 {
+            // SAFETY: forwarded.
+            let t = unsafe { self.to_tensor() }?;
+            let t = match t.dtype() {
+                DType::F32 => t,
+                _ => t.to_dtype(DType::F32)?,
+            };
+            return Ok(crate::ops::add_(dst, &t)?);
+        }
+        let mut d = dst.f32_mut()?;
+        // SAFETY: the dtype is f32, readability is the caller's promise, and the memory
+        // does not overlap `d` (checked above).
         let s = unsafe { self.slice::<f32>() };
         for (a, b) in d.iter_mut().zip(s) {
             *a += *b;
@@ -333,8 +440,9 @@ pub(crate) fn host_ptr(t: &Tensor) -> Res<*mut c_void> {
     })
 }
 
-/// A `DLTensor` describing the host tensor `t` in place; `shape` (the same dimensions as
-/// `t`'s) must outlive every use the host makes of it.
+/// A `DLTensor` describing fsdp's tensor `t` in place (host memory, or device memory of
+/// `cuda:i` as `kDLCUDA`, `device_id` i); `shape` (the same dimensions as `t`'s) must
+/// outlive every use the host makes of it.
 pub(crate) fn describe(t: &Tensor, shape: &[i64]) -> Res<DLTensor> {
     if shape.len() != t.shape().len() || shape.iter().zip(t.shape()).any(|(&a, &b)| a as usize != b)
     {
@@ -343,12 +451,25 @@ pub(crate) fn describe(t: &Tensor, shape: &[i64]) -> Res<DLTensor> {
             t.shape()
         )));
     }
+    let (data, device) = match t.device() {
+        Device::Cuda(i) => (
+            super::device::device_ptr(t)? as *mut c_void,
+            DLDevice {
+                device_type: KDL_CUDA,
+                device_id: i as i32,
+            },
+        ),
+        _ => (
+            host_ptr(t)?,
+            DLDevice {
+                device_type: KDL_CPU,
+                device_id: 0,
+            },
+        ),
+    };
     Ok(DLTensor {
-        data: host_ptr(t)?,
-        device: DLDevice {
-            device_type: KDL_CPU,
-            device_id: 0,
-        },
+        data,
+        device,
         ndim: shape.len() as i32,
         dtype: dl_dtype(t.dtype()),
         shape: shape.as_ptr() as *mut i64,

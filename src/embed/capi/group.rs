@@ -3,15 +3,19 @@
 //! lets a C program run its ranks as its own threads), `new_group`, destroy, and
 //! `all_reduce`, `all_gather_into_tensor`, `reduce_scatter_tensor`, `broadcast`, `barrier`.
 //!
-//! The collectives copy the host's tensor into an fsdp tensor, run, and copy the result
-//! back: tensors of this ABI are host memory, and the copy is what the `tcp` backend
-//! would make on the wire anyway.
+//! The collectives take host memory (`kDLCPU`, `stream` NULL) or device memory
+//! (`kDLCUDA`, `stream` the host's `CUstream` on that device or NULL for the legacy
+//! stream), every tensor of one call on one device. They copy the host's tensor into an
+//! fsdp tensor of the same device, run the group's collective there, and write the result
+//! back into the host's buffer, which is what "in place" means here (`torch.distributed`'s
+//! in-place contract: the output is the caller's buffer; the copy is what the `tcp`
+//! backend makes on the wire anyway). On a device the copies are queued on fsdp's stream,
+//! ordered after the host's stream and the host's after them (`device.rs`).
 
-use super::dlpack::{DLTensor, HostTensor};
+use super::device::on_stream;
+use super::dlpack::{DLTensor, ExtTensor};
 use super::handles::{self, fsdp_group_t, Object};
-use super::{
-    c_str, check_stream, fsdp_status, guard, write_out, Fail, Res, FSDP_ERR_INVALID_HANDLE,
-};
+use super::{c_str, fsdp_status, guard, write_out, Fail, Res, FSDP_ERR_INVALID_HANDLE};
 use crate::distributed::{self, Group, InitOptions, ReduceOp};
 use std::collections::HashMap;
 use std::ffi::{c_char, c_void};
@@ -297,14 +301,16 @@ pub unsafe extern "C" fn fsdp_group_size(group: fsdp_group_t, size: *mut i32) ->
 
 /// In place: `tensor = op over ranks of tensor` (`dist.all_reduce`). Any dtype fsdp has
 /// (float32, float16, bfloat16, int32), any shape, the same on every rank; `op` an
-/// `FSDP_REDUCE_*`. `stream` must be NULL (host tensors).
+/// `FSDP_REDUCE_*`. Host memory with `stream` NULL, or device memory (`kDLCUDA`) with the
+/// host's stream on that device (NULL: the legacy stream).
 ///
-/// Errors: `FSDP_ERR_INVALID_HANDLE`, `FSDP_ERR_INVALID_ARGUMENT` (bad tensor, op or
-/// stream), `FSDP_ERR_DTYPE_MISMATCH`, `FSDP_ERR_COLLECTIVE_MISMATCH` (ranks disagree),
-/// `FSDP_ERR_TIMEOUT`, `FSDP_ERR_PEER_FAILED`.
+/// Errors: `FSDP_ERR_INVALID_HANDLE`, `FSDP_ERR_INVALID_ARGUMENT` (bad tensor, op, or a
+/// stream with host memory), `FSDP_ERR_DTYPE_MISMATCH`, `FSDP_ERR_COLLECTIVE_MISMATCH`
+/// (ranks disagree), `FSDP_ERR_TIMEOUT`, `FSDP_ERR_PEER_FAILED`, `FSDP_ERR_UNSUPPORTED`
+/// (device memory in a build without CUDA), `FSDP_ERR_CUDA`.
 ///
 /// # Safety
-/// `tensor` describes host memory valid for reads and writes.
+/// `tensor` describes memory valid for reads and writes (in stream order on a device).
 #[no_mangle]
 pub unsafe extern "C" fn fsdp_all_reduce(
     group: fsdp_group_t,
@@ -313,28 +319,30 @@ pub unsafe extern "C" fn fsdp_all_reduce(
     stream: *mut c_void,
 ) -> fsdp_status {
     guard("fsdp_all_reduce", || {
-        check_stream(stream)?;
         let g = live_group(group.id, "group")?;
         let op = reduce_op(op, "op")?;
         // SAFETY: the caller's promise on `tensor`.
-        let h = unsafe { HostTensor::check(tensor, "tensor") }?;
-        // SAFETY: readable (the caller's promise).
-        let t = unsafe { h.to_tensor() }?;
-        g.all_reduce(&t, op)?;
-        // SAFETY: writable, and the call is over, so nothing else accesses it.
-        unsafe { h.write_from(&t) }
+        let h = unsafe { ExtTensor::check(tensor, "tensor") }?;
+        on_stream(h.device, stream, || {
+            // SAFETY: readable (the caller's promise).
+            let t = unsafe { h.to_tensor() }?;
+            g.all_reduce(&t, op)?;
+            // SAFETY: writable, and the collective is over, so nothing else accesses it.
+            unsafe { h.write_from(&t) }
+        })
     })
 }
 
 /// `output (world * n) = concat over ranks of input (n)`, in rank order
-/// (`dist.all_gather_into_tensor`). Same dtype for both; `output` has `group size` times
-/// `input`'s elements. `stream` must be NULL.
+/// (`dist.all_gather_into_tensor`), written into the host's `output`. Same dtype and
+/// device for both; `output` has `group size` times `input`'s elements. `stream` as
+/// [`fsdp_all_reduce`]'s.
 ///
-/// Errors: as [`fsdp_all_reduce`]; `FSDP_ERR_SHAPE_MISMATCH` for the sizes.
+/// Errors: as [`fsdp_all_reduce`]; `FSDP_ERR_SHAPE_MISMATCH` for the sizes,
+/// `FSDP_ERR_DEVICE_MISMATCH` for tensors on two devices.
 ///
 /// # Safety
-/// `output` describes host memory valid for writes, `input` for reads; they do not
-/// overlap.
+/// `output` describes memory valid for writes, `input` for reads; they do not overlap.
 #[no_mangle]
 pub unsafe extern "C" fn fsdp_all_gather_into_tensor(
     group: fsdp_group_t,
@@ -343,15 +351,15 @@ pub unsafe extern "C" fn fsdp_all_gather_into_tensor(
     stream: *mut c_void,
 ) -> fsdp_status {
     guard("fsdp_all_gather_into_tensor", || {
-        check_stream(stream)?;
         let g = live_group(group.id, "group")?;
         // SAFETY: the caller's promises on both tensors.
         let (o, i) = unsafe {
             (
-                HostTensor::check(output, "output")?,
-                HostTensor::check(input, "input")?,
+                ExtTensor::check(output, "output")?,
+                ExtTensor::check(input, "input")?,
             )
         };
+        i.expect_device(o.device, "output is")?;
         o.expect_dtype(i.dtype)?;
         sizes(
             o.numel(),
@@ -359,17 +367,21 @@ pub unsafe extern "C" fn fsdp_all_gather_into_tensor(
             "output",
             "group size x input",
         )?;
-        // SAFETY: readable (the caller's promise).
-        let (to, ti) = unsafe { (o.to_tensor()?, i.to_tensor()?) };
-        g.all_gather_into_tensor(&to, &ti)?;
-        // SAFETY: writable (the caller's promise), the call is over.
-        unsafe { o.write_from(&to) }
+        on_stream(o.device, stream, || {
+            // SAFETY: readable (the caller's promise); the output is overwritten whole.
+            let ti = unsafe { i.to_tensor() }?;
+            let to = crate::tensor::Tensor::zeros_on(&o.shape, o.dtype, o.device)?;
+            g.all_gather_into_tensor(&to, &ti)?;
+            // SAFETY: writable (the caller's promise), the collective is over.
+            unsafe { o.write_from(&to) }
+        })
     })
 }
 
 /// `output (n) = op over ranks of input[rank * n .. (rank + 1) * n]`, `input` of
-/// `group size * n` elements (`dist.reduce_scatter_tensor`); `op` `FSDP_REDUCE_SUM` or
-/// `FSDP_REDUCE_AVG`. `stream` must be NULL.
+/// `group size * n` elements (`dist.reduce_scatter_tensor`), written into the host's
+/// `output`; `op` `FSDP_REDUCE_SUM` or `FSDP_REDUCE_AVG`. `stream` as
+/// [`fsdp_all_reduce`]'s.
 ///
 /// Errors: as [`fsdp_all_gather_into_tensor`].
 ///
@@ -384,16 +396,16 @@ pub unsafe extern "C" fn fsdp_reduce_scatter_tensor(
     stream: *mut c_void,
 ) -> fsdp_status {
     guard("fsdp_reduce_scatter_tensor", || {
-        check_stream(stream)?;
         let g = live_group(group.id, "group")?;
         let op = reduce_op(op, "op")?;
         // SAFETY: the caller's promises on both tensors.
         let (o, i) = unsafe {
             (
-                HostTensor::check(output, "output")?,
-                HostTensor::check(input, "input")?,
+                ExtTensor::check(output, "output")?,
+                ExtTensor::check(input, "input")?,
             )
         };
+        i.expect_device(o.device, "output is")?;
         o.expect_dtype(i.dtype)?;
         sizes(
             i.numel(),
@@ -401,16 +413,19 @@ pub unsafe extern "C" fn fsdp_reduce_scatter_tensor(
             "input",
             "group size x output",
         )?;
-        // SAFETY: readable (the caller's promise).
-        let (to, ti) = unsafe { (o.to_tensor()?, i.to_tensor()?) };
-        g.reduce_scatter_tensor(&to, &ti, op)?;
-        // SAFETY: writable (the caller's promise), the call is over.
-        unsafe { o.write_from(&to) }
+        on_stream(o.device, stream, || {
+            // SAFETY: readable (the caller's promise); the output is overwritten whole.
+            let ti = unsafe { i.to_tensor() }?;
+            let to = crate::tensor::Tensor::zeros_on(&o.shape, o.dtype, o.device)?;
+            g.reduce_scatter_tensor(&to, &ti, op)?;
+            // SAFETY: writable (the caller's promise), the collective is over.
+            unsafe { o.write_from(&to) }
+        })
     })
 }
 
 /// In place: every rank's `tensor` becomes rank `src`'s (`dist.broadcast`; `src` a rank
-/// of `group`). `stream` must be NULL.
+/// of `group`). `stream` as [`fsdp_all_reduce`]'s.
 ///
 /// Errors: as [`fsdp_all_reduce`].
 ///
@@ -424,7 +439,6 @@ pub unsafe extern "C" fn fsdp_broadcast(
     stream: *mut c_void,
 ) -> fsdp_status {
     guard("fsdp_broadcast", || {
-        check_stream(stream)?;
         let g = live_group(group.id, "group")?;
         let src = usize::try_from(src)
             .ok()
@@ -436,12 +450,14 @@ pub unsafe extern "C" fn fsdp_broadcast(
                 ))
             })?;
         // SAFETY: the caller's promise on `tensor`.
-        let h = unsafe { HostTensor::check(tensor, "tensor") }?;
-        // SAFETY: readable (the caller's promise).
-        let t = unsafe { h.to_tensor() }?;
-        g.broadcast(&t, src)?;
-        // SAFETY: writable, the call is over.
-        unsafe { h.write_from(&t) }
+        let h = unsafe { ExtTensor::check(tensor, "tensor") }?;
+        on_stream(h.device, stream, || {
+            // SAFETY: readable (the caller's promise).
+            let t = unsafe { h.to_tensor() }?;
+            g.broadcast(&t, src)?;
+            // SAFETY: writable, the collective is over.
+            unsafe { h.write_from(&t) }
+        })
     })
 }
 

@@ -12,16 +12,32 @@
 //! once, after the root's post_backward:  fsdp_model_finish_backward(model)
 //! ```
 //!
-//! Views point into fsdp's buffers: parameter views are read-only, gradient views are
-//! float32 buffers the host adds into (`+=`); both stay valid until the unit's matching
-//! post hook (the host must not use them after it).
+//! Views point into fsdp's buffers, on the model's device (`kDLCPU`, or `kDLCUDA` with
+//! its `device_id`): parameter views are read-only, of the parameter dtype (float32, or
+//! the `param_dtype` under mixed precision), gradient views are float32 buffers the host
+//! adds into (`+=`); both stay valid until the unit's matching post hook (the host must
+//! not use them after it, and on a CUDA device not in work queued on its stream after
+//! that call). Each call orders fsdp's streams after the host's `stream` and the host's
+//! after fsdp's (`device.rs`).
 
-use super::dlpack::{describe, empty_tensor, write_views, DLTensor, HostTensor};
+use super::device::on_stream;
+use super::dlpack::{describe, empty_tensor, write_views, DLTensor, ExtTensor};
 use super::handles::{fsdp_model_t, fsdp_unit_t};
 use super::model::{with_model, with_unit, ModelObj};
-use super::{check_stream, fsdp_status, guard, write_out, Fail, Res, FSDP_ERR_USAGE};
+use super::{fsdp_status, guard, write_out, Fail, Res, FSDP_ERR_USAGE};
+use crate::backend::Device;
 use crate::tensor::{DType, Tensor};
 use std::ffi::c_void;
+
+/// The device the model computes on (`fsdp_config.device`).
+pub(crate) fn device(m: &ModelObj) -> Device {
+    m.fsdp.compute_device()
+}
+
+/// The dtype of parameter views: `param_dtype` under mixed precision, else float32.
+fn view_dtype(m: &ModelObj) -> DType {
+    m.fsdp.mixed_precision().compute_dtype()
+}
 
 /// Calls `f` on unit `index` of `m` (the FSDP unit itself).
 fn on_unit<R>(
@@ -86,17 +102,21 @@ fn check_len(out: *const DLTensor, n: usize, m: &ModelObj, index: usize, what: &
     Ok(())
 }
 
-/// Before the unit's forward: all-gathers its parameters (or takes the prefetched gather)
-/// and, when `params` is not NULL, fills `params[0..n]` with `DLTensor` views of the full
-/// parameters in declaration order (float32, holding values rounded to the
-/// `mixed_precision` dtype when one is set; read-only; valid until
-/// `fsdp_unit_post_forward`). `grad_enabled` 0 is `torch.no_grad()`: the
-/// parameters are freed again at post_forward. `n` must be `fsdp_unit_num_params`. On
-/// error the unit is sharded again and needs no post_forward.
+/// Before the unit's forward (FSDP2 `FSDPParamGroup.pre_forward`): all-gathers its
+/// parameters (or takes the prefetched gather) and, when `params` is not NULL, fills
+/// `params[0..n]` with `DLTensor` views of the full parameters in declaration order, on
+/// the model's device (read-only; valid until `fsdp_unit_post_forward`). Their dtype is
+/// float32, or under `mixed_precision` its 16-bit dtype (`kDLBfloat`/`kDLFloat`, 16 bits:
+/// a cast of the gathered values owned by the unit). `grad_enabled` 0 is
+/// `torch.no_grad()`: the parameters are freed again at post_forward. `n` must be
+/// `fsdp_unit_num_params`. On error the unit is sharded again and needs no post_forward.
+/// `stream`: NULL on the CPU; on a CUDA device the host's stream, which waits for the
+/// views before its later work reads them.
 ///
-/// Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_INVALID_ARGUMENT` (`stream` not NULL);
-/// `FSDP_ERR_SHAPE_MISMATCH` (`n`); `FSDP_ERR_USAGE` (twice without post_forward);
-/// the all-gather's `FSDP_ERR_TIMEOUT`, `FSDP_ERR_PEER_FAILED`, ...
+/// Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_INVALID_ARGUMENT` (`stream` not NULL on
+/// the CPU); `FSDP_ERR_SHAPE_MISMATCH` (`n`); `FSDP_ERR_USAGE` (twice without
+/// post_forward); the all-gather's `FSDP_ERR_TIMEOUT`, `FSDP_ERR_PEER_FAILED`, ...;
+/// `FSDP_ERR_CUDA` (a stream of another device, a failed copy).
 ///
 /// # Safety
 /// `params` is NULL or valid for writes of `n` `DLTensor`s.
@@ -109,37 +129,63 @@ pub unsafe extern "C" fn fsdp_unit_pre_forward(
     stream: *mut c_void,
 ) -> fsdp_status {
     guard("fsdp_unit_pre_forward", || {
-        check_stream(stream)?;
         with_unit(unit.id, "fsdp_unit_pre_forward", |m, i| {
-            check_len(params, n, m, i, "params")?;
-            on_unit(m, i, |u| u.pre_forward(grad_enabled))?;
-            let views = params_views(m, i);
-            let views = match views {
-                Ok(v) => v,
-                Err(e) => {
-                    // Nothing was handed out: undo the pre_forward.
-                    let _ = on_unit(m, i, |u| u.post_forward(false));
-                    return Err(e);
-                }
-            };
-            // SAFETY: params is NULL or valid for n writes (the caller's promise).
-            unsafe { write_views(params, n, &views, "params") }
+            on_stream(device(m), stream, || {
+                pre_forward(m, i, grad_enabled, params, n)
+            })
         })
     })
 }
 
+/// # Safety
+/// As [`fsdp_unit_pre_forward`].
+unsafe fn pre_forward(
+    m: &mut ModelObj,
+    i: usize,
+    grad_enabled: bool,
+    params: *mut DLTensor,
+    n: usize,
+) -> Res {
+    check_len(params, n, m, i, "params")?;
+    on_unit(m, i, |u| u.pre_forward(grad_enabled))?;
+    let views = params_views(m, i);
+    let views = match views {
+        Ok(v) => v,
+        Err(e) => {
+            // Nothing was handed out: undo the pre_forward.
+            let _ = on_unit(m, i, |u| u.post_forward(false));
+            return Err(e);
+        }
+    };
+    // SAFETY: params is NULL or valid for n writes (the caller's promise).
+    unsafe { write_views(params, n, &views, "params") }
+}
+
+/// Views of the unit's full parameters in the view dtype (16-bit casts held by the unit
+/// under mixed precision: the gathered values are float32 rounded to `param_dtype`, so
+/// the cast is exact).
 fn params_views(m: &mut ModelObj, i: usize) -> Res<Vec<DLTensor>> {
-    let ps: Vec<Option<Tensor>> = params(m, i)?.into_iter().map(Some).collect();
+    let dt = view_dtype(m);
+    let ps: Vec<Option<Tensor>> = params(m, i)?
+        .into_iter()
+        .map(|t| match dt {
+            DType::F32 => Ok(Some(t)),
+            d => Ok(Some(t.to_dtype(d)?)),
+        })
+        .collect::<Res<_>>()?;
     let views = describe_all(m, i, &ps)?;
     m.units[i].held = ps.into_iter().flatten().collect();
     Ok(views)
 }
 
-/// After the unit's forward (`ok` 0: it failed): frees the gathered parameters when the
-/// strategy reshards after forward (FullShard; not the root), without grad, or after a
-/// failure; the views of `fsdp_unit_pre_forward` end here.
+/// After the unit's forward (`ok` 0: it failed; FSDP2 `FSDPParamGroup.post_forward`):
+/// frees the gathered parameters when the strategy reshards after forward (FullShard;
+/// not the root), without grad, or after a failure; the views of `fsdp_unit_pre_forward`
+/// end here (on a CUDA device: with the work the host queued on `stream` before this
+/// call, which fsdp waits for before reusing their memory).
 ///
-/// Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_USAGE` without pre_forward first.
+/// Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_USAGE` without pre_forward first;
+/// `FSDP_ERR_INVALID_ARGUMENT` (`stream` not NULL on the CPU).
 #[no_mangle]
 pub extern "C" fn fsdp_unit_post_forward(
     unit: fsdp_unit_t,
@@ -147,22 +193,26 @@ pub extern "C" fn fsdp_unit_post_forward(
     stream: *mut c_void,
 ) -> fsdp_status {
     guard("fsdp_unit_post_forward", || {
-        check_stream(stream)?;
         with_unit(unit.id, "fsdp_unit_post_forward", |m, i| {
-            on_unit(m, i, |u| u.post_forward(ok))?;
-            m.units[i].held.clear();
-            Ok(())
+            on_stream(device(m), stream, || {
+                on_unit(m, i, |u| u.post_forward(ok))?;
+                m.units[i].held.clear();
+                Ok(())
+            })
         })
     })
 }
 
-/// Before the unit's backward: gathers its parameters again if the forward freed them
-/// and points each trainable parameter's gradient at a zeroed float32 flat-gradient
-/// buffer (under no_sync, at the gradient accumulated so far). When not NULL, `params`
-/// gets the full parameters' views and `grads` the gradient views (float32, the
-/// parameters' shapes; a frozen parameter's entry has `data` NULL), both `n` long, in
-/// declaration order, valid until `fsdp_unit_post_backward`. The host adds (`+=`)
-/// d loss / d param into `grads`, or passes its own gradients to post_backward.
+/// Before the unit's backward (FSDP2 `FSDPParamGroup.pre_backward`): gathers its
+/// parameters again if the forward freed them and points each trainable parameter's
+/// gradient at a zeroed float32 flat-gradient buffer (under no_sync, at the gradient
+/// accumulated so far). When not NULL, `params` gets the full parameters' views (as
+/// [`fsdp_unit_pre_forward`]'s) and `grads` the gradient views (float32, the parameters'
+/// shapes, on the model's device; a frozen parameter's entry has `data` NULL), both `n`
+/// long, in declaration order, valid until `fsdp_unit_post_backward`. The host adds
+/// (`+=`) d loss / d param into `grads`, or passes its own gradients to post_backward;
+/// on a CUDA device in work queued on `stream` after this call (which is ordered after
+/// the zeroing).
 ///
 /// Errors: as [`fsdp_unit_pre_forward`]; `FSDP_ERR_USAGE` twice without post_backward.
 ///
@@ -177,49 +227,65 @@ pub unsafe extern "C" fn fsdp_unit_pre_backward(
     stream: *mut c_void,
 ) -> fsdp_status {
     guard("fsdp_unit_pre_backward", || {
-        check_stream(stream)?;
         with_unit(unit.id, "fsdp_unit_pre_backward", |m, i| {
-            check_len(params, n, m, i, "params")?;
-            check_len(grads, n, m, i, "grads")?;
-            on_unit(m, i, |u| u.pre_backward())?;
-            let r = (|| {
-                let pv = params_views(m, i)?;
-                let gs = grad_tensors(m, i)?;
-                let gv = describe_all(m, i, &gs)?;
-                m.units[i].held.extend(gs.into_iter().flatten());
-                Ok((pv, gv))
-            })();
-            let (pv, gv) = match r {
-                Ok(v) => v,
-                Err(e) => {
-                    let _ = on_unit(m, i, |u| u.post_backward(false));
-                    m.units[i].held.clear();
-                    return Err(e);
-                }
-            };
-            // SAFETY: each NULL or valid for n writes (the caller's promise).
-            unsafe {
-                write_views(params, n, &pv, "params")?;
-                write_views(grads, n, &gv, "grads")
-            }
+            on_stream(device(m), stream, || pre_backward(m, i, params, grads, n))
         })
     })
 }
 
-/// After the unit's backward (`ok` 0: it failed): when `grads` is not NULL, adds
-/// `grads[0..n]` (float32, each the shape of its parameter, in declaration order; a
-/// frozen parameter's entry is ignored) into the unit's flat gradient, then frees the
-/// gathered parameters and issues the gradient reduction (under no_sync, keeps the
-/// gradient instead). Every gradient is checked before any is added: on a size or dtype
-/// error nothing changed and the unit is still in its backward (call again).
+/// # Safety
+/// As [`fsdp_unit_pre_backward`].
+unsafe fn pre_backward(
+    m: &mut ModelObj,
+    i: usize,
+    params: *mut DLTensor,
+    grads: *mut DLTensor,
+    n: usize,
+) -> Res {
+    check_len(params, n, m, i, "params")?;
+    check_len(grads, n, m, i, "grads")?;
+    on_unit(m, i, |u| u.pre_backward())?;
+    let r = (|| {
+        let pv = params_views(m, i)?;
+        let gs = grad_tensors(m, i)?;
+        let gv = describe_all(m, i, &gs)?;
+        m.units[i].held.extend(gs.into_iter().flatten());
+        Ok((pv, gv))
+    })();
+    let (pv, gv) = match r {
+        Ok(v) => v,
+        Err(e) => {
+            let _ = on_unit(m, i, |u| u.post_backward(false));
+            m.units[i].held.clear();
+            return Err(e);
+        }
+    };
+    // SAFETY: each NULL or valid for n writes (the caller's promise).
+    unsafe {
+        write_views(params, n, &pv, "params")?;
+        write_views(grads, n, &gv, "grads")
+    }
+}
+
+/// After the unit's backward (`ok` 0: it failed; FSDP2 `FSDPParamGroup.post_backward`):
+/// when `grads` is not NULL, adds `grads[0..n]` (each the shape of its parameter, in
+/// declaration order, on the model's device; float32, or under mixed precision also its
+/// 16-bit `param_dtype`, widened to float32; a frozen parameter's entry is ignored) into
+/// the unit's flat gradient, then frees the gathered parameters and issues the gradient
+/// reduction in `reduce_dtype` (under no_sync, keeps the gradient instead). On a CUDA
+/// device fsdp reads the gradients (and the gradient views the host wrote) after the
+/// work queued on `stream` before this call, and the host's later work on `stream` may
+/// reuse that memory. Every gradient is checked before any is added: on a size, dtype or
+/// device error nothing changed and the unit is still in its backward (call again).
 ///
 /// Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_USAGE` without pre_backward first;
-/// `FSDP_ERR_SHAPE_MISMATCH`, `FSDP_ERR_DTYPE_MISMATCH` naming the parameter;
-/// `FSDP_ERR_INVALID_ARGUMENT` for a gradient that overlaps fsdp's own gradient view.
+/// `FSDP_ERR_SHAPE_MISMATCH`, `FSDP_ERR_DTYPE_MISMATCH`, `FSDP_ERR_DEVICE_MISMATCH`
+/// naming the parameter; `FSDP_ERR_INVALID_ARGUMENT` for a gradient that overlaps fsdp's
+/// own gradient view, or `stream` not NULL on the CPU.
 ///
 /// # Safety
 /// `grads` is NULL or valid for reads of `n` `DLTensor`s, each describing memory valid for
-/// reads.
+/// reads (in stream order on a CUDA device).
 #[no_mangle]
 pub unsafe extern "C" fn fsdp_unit_post_backward(
     unit: fsdp_unit_t,
@@ -229,15 +295,16 @@ pub unsafe extern "C" fn fsdp_unit_post_backward(
     stream: *mut c_void,
 ) -> fsdp_status {
     guard("fsdp_unit_post_backward", || {
-        check_stream(stream)?;
         with_unit(unit.id, "fsdp_unit_post_backward", |m, i| {
-            if !grads.is_null() {
-                // SAFETY: the caller's promise on grads.
-                unsafe { add_grads(m, i, grads, n) }?;
-            }
-            on_unit(m, i, |u| u.post_backward(ok))?;
-            m.units[i].held.clear();
-            Ok(())
+            on_stream(device(m), stream, || {
+                if !grads.is_null() {
+                    // SAFETY: the caller's promise on grads.
+                    unsafe { add_grads(m, i, grads, n) }?;
+                }
+                on_unit(m, i, |u| u.post_backward(ok))?;
+                m.units[i].held.clear();
+                Ok(())
+            })
         })
     })
 }
@@ -255,13 +322,19 @@ unsafe fn add_grads(m: &mut ModelObj, i: usize, grads: *const DLTensor, n: usize
         }
         Err(f) => return Err(f),
     };
+    let dev = device(m);
+    let accepted = match view_dtype(m) {
+        DType::F32 => vec![DType::F32],
+        d => vec![DType::F32, d],
+    };
     let mut checked = Vec::new();
     for (k, (p, view)) in m.units[i].params.iter().zip(&views).enumerate() {
         let Some(view) = view else { continue };
         let what = format!("grads[{k}] ('{}')", p.fqn);
         // SAFETY: grads is valid for n reads and k < n (checked against n above).
-        let h = unsafe { HostTensor::check(grads.add(k), &what) }?;
-        h.expect_dtype(DType::F32)?;
+        let h = unsafe { ExtTensor::check(grads.add(k), &what) }?;
+        h.expect_device(dev, "the model computes")?;
+        h.expect_dtype_in(&accepted)?;
         h.expect_shape(view.shape())?;
         checked.push((h, view.clone()));
     }
@@ -285,9 +358,8 @@ pub extern "C" fn fsdp_model_finish_backward(
     stream: *mut c_void,
 ) -> fsdp_status {
     guard("fsdp_model_finish_backward", || {
-        check_stream(stream)?;
         with_model(model.id, "model", "fsdp_model_finish_backward", |m| {
-            Ok(m.fsdp.finish_backward()?)
+            on_stream(device(m), stream, || Ok(m.fsdp.finish_backward()?))
         })
     })
 }
@@ -326,9 +398,10 @@ pub unsafe extern "C" fn fsdp_model_clip_grad_norm(
     stream: *mut c_void,
 ) -> fsdp_status {
     guard("fsdp_model_clip_grad_norm", || {
-        check_stream(stream)?;
         let t = with_model(model.id, "model", "fsdp_model_clip_grad_norm", |m| {
-            Ok(m.fsdp.clip_grad_norm_(max_norm, norm_type)?)
+            on_stream(device(m), stream, || {
+                Ok(m.fsdp.clip_grad_norm_(max_norm, norm_type)?)
+            })
         })?;
         if !total_norm.is_null() {
             // SAFETY: non-null, valid for a write (the caller's promise).

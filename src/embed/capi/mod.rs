@@ -8,7 +8,8 @@
 //! |---|---|---|
 //! | status codes, `fsdp_last_error`, the entry-point guard | `fsdp_status`, `FSDP_ERR_*` | `mod.rs` |
 //! | opaque handles with generation counters | `fsdp_group_t`, `fsdp_spec_t`, `fsdp_model_t`, `fsdp_unit_t`, `fsdp_optimizer_t` | `handles.rs` |
-//! | DLPack tensors (v0.8/1.0 layout) | `DLTensor`, `DLDevice`, `DLDataType` | `dlpack.rs` |
+//! | DLPack tensors (v0.8/1.0 layout), host or device memory | `DLTensor`, `DLDevice`, `DLDataType` | `dlpack.rs` |
+//! | the host's CUDA stream ordered with fsdp's, device copies | every `stream` argument | `device.rs` |
 //! | process groups and collectives | `fsdp_init_process_group`, `fsdp_new_group`, `fsdp_all_reduce`, ... | `group.rs` |
 //! | declaring units, the config subset | `fsdp_spec_*`, `fsdp_config` | `spec.rs` |
 //! | building the model, units and their parameters | `fsdp_model_new`, `fsdp_model_unit` | `model.rs` |
@@ -22,13 +23,19 @@
 //! panic crosses the boundary: each entry point runs under `catch_unwind`, and a model
 //! whose call panicked half-way is refused afterwards instead of being used inconsistent.
 //!
-//! Streams: every call that touches tensor memory takes a `cudaStream_t` as `void *`. This
-//! build's tensors are host memory (the CPU backend), where it must be `NULL`. On the CUDA
-//! backend the contract (not built yet: a `kDLCUDA` tensor is `FSDP_ERR_UNSUPPORTED`) is
-//! that fsdp records an event on the host's stream and orders its own streams (unshard,
-//! post-backward) after it, and the host's stream waits on fsdp's event before the views a
-//! call returns are used, so neither side synchronizes the device.
+//! Devices and streams: a model computes where `fsdp_config.device` says (`kDLCPU` or
+//! `kDLCUDA`), and its hooks hand out and take tensors of that device. Every call that
+//! touches tensor memory takes the host's stream (a `CUstream`/`cudaStream_t` as `void
+//! *`): NULL on the CPU; on a CUDA device the host's stream (NULL: the legacy default
+//! stream), which fsdp orders its own streams after at entry and orders after its own
+//! work at exit, with events (`device.rs`), so neither side synchronizes the device.
+//! The collectives take host or device tensors alike.
+//!
+//! Semantics: FSDP2's `fully_shard` hooks (`FSDPParamGroup.pre_forward`, ...:
+//! `_fsdp_param_group.py`) and its stream discipline; Horovod's split between a C core
+//! that communicates and a host that computes (`horovod/common/operations.cc`).
 
+mod device;
 mod dlpack;
 mod group;
 mod handles;
@@ -49,7 +56,7 @@ pub use state::*;
 
 use crate::error::Error;
 use std::cell::RefCell;
-use std::ffi::{c_char, c_void, CStr, CString};
+use std::ffi::{c_char, CStr, CString};
 
 /// What every function returns: [`FSDP_OK`] (0) or an `FSDP_ERR_*` code; the message is
 /// [`fsdp_last_error`].
@@ -86,7 +93,8 @@ pub const FSDP_ERR_TIMEOUT: fsdp_status = 10;
 pub const FSDP_ERR_PEER_FAILED: fsdp_status = 11;
 /// A call that needs a process group before one exists (`NotInitialized`).
 pub const FSDP_ERR_NOT_INITIALIZED: fsdp_status = 12;
-/// A feature this build does not have: CUDA tensors, a backend (`Unsupported`).
+/// A feature this build does not have: CUDA tensors or devices without the `cuda`
+/// feature, a backend, managed memory (`Unsupported`).
 pub const FSDP_ERR_UNSUPPORTED: fsdp_status = 13;
 /// The CUDA backend failed (`Cuda`).
 pub const FSDP_ERR_CUDA: fsdp_status = 14;
@@ -106,8 +114,10 @@ pub const FSDP_ERR_CALLBACK: fsdp_status = 20;
 /// is refused from then on (`FSDP_ERR_INVALID_HANDLE`): free it.
 pub const FSDP_ERR_PANIC: fsdp_status = 21;
 
-/// Version of this C ABI: bumped on every incompatible change of `include/fsdp.h`.
-pub const FSDP_ABI_VERSION: u32 = 1;
+/// Version of this C ABI: bumped on every incompatible change of `include/fsdp.h`
+/// (2: `fsdp_config.device`, CUDA tensors and streams, 16-bit parameter views under
+/// mixed precision).
+pub const FSDP_ABI_VERSION: u32 = 2;
 
 /// A failed call: its status and message.
 #[derive(Debug)]
@@ -188,16 +198,6 @@ pub(crate) fn guard(call: &'static str, body: impl FnOnce() -> Res) -> fsdp_stat
             FSDP_ERR_PANIC
         }
     }
-}
-
-/// Checks the `stream` argument of a call on host tensors: it must be NULL.
-pub(crate) fn check_stream(stream: *mut c_void) -> Res {
-    if stream.is_null() {
-        return Ok(());
-    }
-    Err(Fail::arg(format!(
-        "stream {stream:p}: this build's tensors are host memory (CPU backend), where the stream must be NULL; a cudaStream_t is for the CUDA backend"
-    )))
 }
 
 /// The UTF-8 string at `s`, argument `what`.

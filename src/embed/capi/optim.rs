@@ -2,9 +2,11 @@
 //! `model.parameters()` of an FSDP model: each rank steps its own shard, so optimizer
 //! state is sharded like the parameters).
 
+use super::device::on_stream;
 use super::handles::{self, fsdp_model_t, fsdp_optimizer_t, Kind, Object};
+use super::hooks::device;
 use super::model::with_model;
-use super::{check_stream, fsdp_status, guard, write_out, Fail, Res};
+use super::{fsdp_status, guard, write_out, Fail, Res};
 use crate::optim::{Adam, AdamConfig, AdamW, Optimizer, SgdConfig, SGD};
 use parking_lot::Mutex;
 use std::ffi::c_void;
@@ -172,17 +174,21 @@ pub(crate) fn with_optimizer<R>(
 /// One step on every shard from its gradient (`optimizer.step()`); shards without a
 /// gradient (none since `fsdp_model_zero_grad`) are skipped.
 ///
+/// `stream`: NULL on the CPU; on a CUDA device the host's stream (the update runs on
+/// fsdp's stream, ordered after it; the next gather is ordered after the update).
+///
 /// Errors: `FSDP_ERR_INVALID_HANDLE` (also when the model was freed);
-/// `FSDP_ERR_INVALID_ARGUMENT` (`stream`).
+/// `FSDP_ERR_INVALID_ARGUMENT` (`stream` not NULL on the CPU).
 #[no_mangle]
 pub extern "C" fn fsdp_optimizer_step(
     optimizer: fsdp_optimizer_t,
     stream: *mut c_void,
 ) -> fsdp_status {
     guard("fsdp_optimizer_step", || {
-        check_stream(stream)?;
         with_optimizer(optimizer.id, "fsdp_optimizer_step", |o, m| {
-            Ok(o.opt.step(&m.fsdp.optimizer_params())?)
+            on_stream(device(m), stream, || {
+                Ok(o.opt.step(&m.fsdp.optimizer_params())?)
+            })
         })
     })
 }
@@ -200,7 +206,7 @@ pub extern "C" fn fsdp_optimizer_set_lr(optimizer: fsdp_optimizer_t, lr: f32) ->
         handles::optimizer(optimizer.id, "optimizer")?
             .lock()
             .opt
-            .set_lr(lr);
+            .set_lr(lr)?;
         Ok(())
     })
 }

@@ -1,6 +1,7 @@
 //! Declaring units by their parameters (`fsdp_spec_*`) and the subset of [`FsdpConfig`] a
 //! declared model takes (`fsdp_config`).
 
+use super::dlpack::{config_device, DLDevice};
 use super::handles::{self, fsdp_spec_t, Kind, Object};
 use super::{c_str, fsdp_status, guard, write_out, Fail, Res};
 use crate::embed::{ParamSpec, UnitSpec};
@@ -25,10 +26,13 @@ pub const FSDP_HYBRID_SHARD_ZERO2: i32 = 4;
 /// f32 throughout (no `MixedPrecision`), the default.
 pub const FSDP_PRECISION_F32: i32 = 0;
 /// `MixedPrecision(param_dtype=reduce_dtype=buffer_dtype=torch.bfloat16)`: parameters are
-/// all-gathered in bfloat16 and their views are float32 holding bfloat16-rounded values
-/// (fsdp computes in f32 on rounded values); gradients are float32.
+/// all-gathered in bfloat16 and the hooks' parameter views are bfloat16 `DLTensor`s
+/// (`kDLBfloat`, 16 bits); the gradient views stay float32 (the runtime rounds the
+/// gradient to bfloat16 before reducing it in bfloat16), and `fsdp_unit_post_backward`
+/// also takes bfloat16 gradients. The sharded master weights and what the optimizer
+/// steps on are float32.
 pub const FSDP_PRECISION_BF16: i32 = 1;
-/// As [`FSDP_PRECISION_BF16`] with float16.
+/// As [`FSDP_PRECISION_BF16`] with float16 (views `kDLFloat`, 16 bits).
 pub const FSDP_PRECISION_F16: i32 = 2;
 
 /// `backward_prefetch=None`.
@@ -68,6 +72,12 @@ pub struct fsdp_config {
     /// `sync_module_states=True`: rank 0's values everywhere (parameters declared without
     /// values on the other ranks get them).
     pub sync_module_states: bool,
+    /// `device_id=`: where the units compute, `{kDLCPU, 0}` (the default) or `{kDLCUDA,
+    /// i}`. On `cuda:i` the shards (unless `cpu_offload`), the gathered parameters, the
+    /// gradient buffers and the collectives live on that GPU; the hooks' views are
+    /// `kDLCUDA` tensors and the host's gradients must be too, and every `stream` argument
+    /// is the host's `CUstream` on that device (NULL: the legacy default stream).
+    pub device: DLDevice,
 }
 
 impl fsdp_config {
@@ -104,6 +114,11 @@ impl fsdp_config {
                 )))
             }
         };
+        let device = config_device(self.device, "config.device")?;
+        #[cfg(not(feature = "cuda"))]
+        if device.is_cuda() {
+            return Err(super::device::no_cuda(&format!("config.device {device}")));
+        }
         let ranks_per_node = match self.ranks_per_node {
             0 => None,
             r if r > 0 => Some(r as usize),
@@ -120,13 +135,15 @@ impl fsdp_config {
             forward_prefetch: self.forward_prefetch,
             limit_all_gathers: self.limit_all_gathers,
             sync_module_states: self.sync_module_states,
+            device_id: Some(device),
             ..FsdpConfig::default()
         })
     }
 }
 
 /// Fills `*out` with FSDP1's defaults: FullShard, f32, no offload, BACKWARD_PRE, no
-/// forward prefetch, limit_all_gathers, no sync_module_states.
+/// forward prefetch, limit_all_gathers, no sync_module_states, on the CPU (`device`
+/// `{kDLCPU, 0}`).
 ///
 /// Errors: `FSDP_ERR_INVALID_ARGUMENT` when `out` is NULL.
 ///
@@ -144,6 +161,10 @@ pub unsafe extern "C" fn fsdp_config_default(out: *mut fsdp_config) -> fsdp_stat
             forward_prefetch: false,
             limit_all_gathers: true,
             sync_module_states: false,
+            device: DLDevice {
+                device_type: 1, // kDLCPU
+                device_id: 0,
+            },
         };
         // SAFETY: the caller's promise.
         unsafe { write_out(out, "out", v) }

@@ -2,11 +2,13 @@
 //! loaded from a directory (`fsdp::checkpoint`: crash-safe, loadable at any world size
 //! and strategy).
 
+use super::device::on_stream;
 use super::dlpack::describe;
 use super::handles::{fsdp_model_t, fsdp_optimizer_t};
+use super::hooks::device;
 use super::model::with_model;
 use super::optim::with_optimizer;
-use super::{c_str, check_stream, fsdp_status, guard, Fail, Res, FSDP_ERR_CALLBACK};
+use super::{c_str, fsdp_status, guard, Fail, Res, FSDP_ERR_CALLBACK};
 use crate::checkpoint::{load_checkpoint, save_checkpoint};
 use crate::fsdp::{FullStateDictConfig, StateDictType};
 use std::ffi::{c_char, c_void, CString};
@@ -49,15 +51,16 @@ pub unsafe extern "C" fn fsdp_model_full_state_dict(
     stream: *mut c_void,
 ) -> fsdp_status {
     guard("fsdp_model_full_state_dict", || {
-        check_stream(stream)?;
         let Some(cb) = callback else {
             return Err(Fail::arg("callback is NULL"));
         };
         let sd = with_model(model.id, "model", "fsdp_model_full_state_dict", |m| {
-            Ok(m.fsdp.full_state_dict(FullStateDictConfig {
-                offload_to_cpu: true,
-                rank0_only,
-            })?)
+            on_stream(device(m), stream, || {
+                Ok(m.fsdp.full_state_dict(FullStateDictConfig {
+                    offload_to_cpu: true,
+                    rank0_only,
+                })?)
+            })
         })?;
         for (name, t) in &sd.tensors {
             let shape: Vec<i64> = t.shape().iter().map(|&d| d as i64).collect();
@@ -106,25 +109,28 @@ pub unsafe extern "C" fn fsdp_checkpoint_save(
     stream: *mut c_void,
 ) -> fsdp_status {
     guard("fsdp_checkpoint_save", || {
-        check_stream(stream)?;
         // SAFETY: the caller's promise.
         let dir = Path::new(unsafe { c_str(dir, "dir") }?);
         let ty = checkpoint_type(kind)?;
         let extra = serde_json::Value::Null;
         if optimizer.id == 0 {
             return with_model(model.id, "model", "fsdp_checkpoint_save", |m| {
-                Ok(save_checkpoint(dir, &mut m.fsdp, None, ty, extra)?)
+                on_stream(device(m), stream, || {
+                    Ok(save_checkpoint(dir, &mut m.fsdp, None, ty, extra)?)
+                })
             });
         }
         with_optimizer(optimizer.id, "fsdp_checkpoint_save", |o, m| {
             same_model(o.model, model.id)?;
-            Ok(save_checkpoint(
-                dir,
-                &mut m.fsdp,
-                Some(o.opt.as_ref()),
-                ty,
-                extra,
-            )?)
+            on_stream(device(m), stream, || {
+                Ok(save_checkpoint(
+                    dir,
+                    &mut m.fsdp,
+                    Some(o.opt.as_ref()),
+                    ty,
+                    extra,
+                )?)
+            })
         })
     })
 }
@@ -148,19 +154,22 @@ pub unsafe extern "C" fn fsdp_checkpoint_load(
     stream: *mut c_void,
 ) -> fsdp_status {
     guard("fsdp_checkpoint_load", || {
-        check_stream(stream)?;
         // SAFETY: the caller's promise.
         let dir = Path::new(unsafe { c_str(dir, "dir") }?);
         if optimizer.id == 0 {
             return with_model(model.id, "model", "fsdp_checkpoint_load", |m| {
-                load_checkpoint(dir, &mut m.fsdp, None)?;
-                Ok(())
+                on_stream(device(m), stream, || {
+                    load_checkpoint(dir, &mut m.fsdp, None)?;
+                    Ok(())
+                })
             });
         }
         with_optimizer(optimizer.id, "fsdp_checkpoint_load", |o, m| {
             same_model(o.model, model.id)?;
-            load_checkpoint(dir, &mut m.fsdp, Some(o.opt.as_mut()))?;
-            Ok(())
+            on_stream(device(m), stream, || {
+                load_checkpoint(dir, &mut m.fsdp, Some(o.opt.as_mut()))?;
+                Ok(())
+            })
         })
     })
 }

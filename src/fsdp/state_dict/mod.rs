@@ -30,9 +30,11 @@
 mod layout;
 mod model;
 mod optim;
+mod optim_groups;
 mod summon;
 
 pub use optim::OptimStateDict;
+pub use optim_groups::NamedParamGroup;
 
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};

@@ -8,6 +8,7 @@
 //! model's state dict, so it can be reloaded at another world size or strategy.
 
 use super::layout::{gather_chunk, ignored_params, load_error, lookup, unit_metas, UnitMeta};
+use super::optim_groups::{to_named, to_positions, NamedParamGroup};
 use super::{
     FullStateDict, ShardPiece, ShardedStateDict, ShardedTensor, StateDict, StateDictConfig,
 };
@@ -22,7 +23,7 @@ use crate::tensor::Tensor;
 /// An optimizer's state by original parameter name (what `FSDP.optim_state_dict` returns):
 /// the optimizer kind and hyperparameters, each parameter's step, and each per-element
 /// buffer (`exp_avg`, `exp_avg_sq`, `momentum_buffer`) as a full or sharded state dict
-/// keyed by parameter name. Parameters without state (frozen ones, or before the first
+/// keyed by parameter name, and the parameter groups by name. Parameters without state (frozen ones, or before the first
 /// step) have no entries. A trainable zero-size parameter has empty buffers of its shape
 /// and the step of the others whenever any parameter has state, as PyTorch's optimizers
 /// keep state for every parameter with a gradient.
@@ -37,6 +38,9 @@ pub struct OptimStateDict {
     /// `(buffer name, values by parameter name)`; [`StateDict::Full`] or
     /// [`StateDict::Sharded`].
     pub buffers: Vec<(String, StateDict)>,
+    /// The optimizer's parameter groups by parameter name (every rank's parameters);
+    /// empty when it has one group of every tensor with `hyperparams`' lr and decay.
+    pub param_groups: Vec<NamedParamGroup>,
 }
 
 impl OptimStateDict {
@@ -98,6 +102,7 @@ impl OptimStateDict {
             hyperparams: first.hyperparams.clone(),
             steps,
             buffers,
+            param_groups: first.param_groups.clone(),
         })
     }
 }
@@ -370,11 +375,19 @@ impl FullyShardedDataParallel {
                 (n.to_string(), sd)
             })
             .collect();
+        // Groups by name: one all-reduce of the membership, when there are groups.
+        let param_groups = if st.param_groups.is_empty() {
+            Vec::new()
+        } else {
+            let names = self.optimizer_param_names();
+            to_named(self, &metas, &ignored, &names, &st.param_groups)?
+        };
         Ok(OptimStateDict {
             kind: st.kind,
             hyperparams: st.hyperparams,
             steps,
             buffers,
+            param_groups,
         })
     }
 
@@ -397,6 +410,11 @@ impl FullyShardedDataParallel {
             kind: osd.kind.clone(),
             hyperparams: osd.hyperparams.clone(),
             tensors: Vec::new(),
+            param_groups: if osd.param_groups.is_empty() {
+                Vec::new()
+            } else {
+                to_positions(&osd.param_groups, &self.optimizer_param_names())?
+            },
         };
         if osd.buffers.is_empty() && osd.steps.is_empty() {
             return Ok(out); // saved before the first step

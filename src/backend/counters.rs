@@ -1,0 +1,127 @@
+//! Process-wide counters of the calls that decide whether a GPU step runs ahead of the host:
+//! host-blocking synchronizations, device allocations and frees (the driver's, not the
+//! caching allocator's reuse), kernel launches (cuBLAS calls included) and key-value store
+//! operations. The CUDA backend and the store bump them; `fsdp train --metrics` and
+//! `fsdp bench` report their per-step difference.
+//!
+//! PyTorch's counterparts are scattered: `torch.cuda.memory_stats()["num_device_alloc"]`,
+//! `torch.cuda.set_sync_debug_mode` (which warns on each synchronizing call) and the
+//! profiler's launch counts. Here they are plain atomics (relaxed: a count, not an order),
+//! summed over every thread of the process — with several threads ranks in one process,
+//! over all of them.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+static HOST_SYNCS: AtomicU64 = AtomicU64::new(0);
+static DEVICE_ALLOCS: AtomicU64 = AtomicU64::new(0);
+static DEVICE_FREES: AtomicU64 = AtomicU64::new(0);
+static KERNEL_LAUNCHES: AtomicU64 = AtomicU64::new(0);
+static STORE_OPS: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    static THREAD_SYNCS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Host-blocking synchronizations made by the calling thread so far (the process-wide
+/// [`Counters::host_syncs`] counts every thread's): what a test or a rank's loop reads to
+/// see that its own calls did not wait for the device.
+pub fn host_syncs_on_this_thread() -> u64 {
+    THREAD_SYNCS.with(std::cell::Cell::get)
+}
+
+/// A reading of the counters (or the difference of two readings, with [`Counters::since`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Counters {
+    /// Calls that blocked the host until device work finished: stream, event and device
+    /// synchronizations, synchronous copies to or from the host, and NCCL's wait for a
+    /// collective (one per wait, however often it polls).
+    pub host_syncs: u64,
+    /// `cuMemAlloc` calls (blocks the caching allocator took from the driver).
+    pub device_allocs: u64,
+    /// `cuMemFree` calls.
+    pub device_frees: u64,
+    /// Kernel launches, one per `cuLaunchKernel` and one per cuBLAS call.
+    pub kernel_launches: u64,
+    /// Requests sent to the rendezvous key-value store (`TcpStore`).
+    pub store_ops: u64,
+}
+
+impl Counters {
+    /// The counters now.
+    pub fn now() -> Counters {
+        Counters {
+            host_syncs: HOST_SYNCS.load(Ordering::Relaxed),
+            device_allocs: DEVICE_ALLOCS.load(Ordering::Relaxed),
+            device_frees: DEVICE_FREES.load(Ordering::Relaxed),
+            kernel_launches: KERNEL_LAUNCHES.load(Ordering::Relaxed),
+            store_ops: STORE_OPS.load(Ordering::Relaxed),
+        }
+    }
+
+    /// What happened between `earlier` and `self` (each field `self - earlier`).
+    pub fn since(&self, earlier: &Counters) -> Counters {
+        Counters {
+            host_syncs: self.host_syncs.saturating_sub(earlier.host_syncs),
+            device_allocs: self.device_allocs.saturating_sub(earlier.device_allocs),
+            device_frees: self.device_frees.saturating_sub(earlier.device_frees),
+            kernel_launches: self.kernel_launches.saturating_sub(earlier.kernel_launches),
+            store_ops: self.store_ops.saturating_sub(earlier.store_ops),
+        }
+    }
+}
+
+/// Counts one host-blocking synchronization. With `FSDP_SYNC_DEBUG=warn` in the
+/// environment each one also prints a backtrace to stderr (PyTorch's
+/// `torch.cuda.set_sync_debug_mode("warn")`), to find the call that made a step wait.
+pub fn count_host_sync() {
+    HOST_SYNCS.fetch_add(1, Ordering::Relaxed);
+    THREAD_SYNCS.with(|c| c.set(c.get() + 1));
+    static WARN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *WARN.get_or_init(|| std::env::var("FSDP_SYNC_DEBUG").is_ok_and(|v| v == "warn")) {
+        eprintln!(
+            "fsdp: host-blocking synchronization (FSDP_SYNC_DEBUG=warn)\n{}",
+            std::backtrace::Backtrace::force_capture()
+        );
+    }
+}
+
+/// Counts one driver allocation.
+pub fn count_device_alloc() {
+    DEVICE_ALLOCS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Counts one driver free.
+pub fn count_device_free() {
+    DEVICE_FREES.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Counts one kernel launch.
+pub fn count_kernel_launch() {
+    KERNEL_LAUNCHES.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Counts one store request.
+pub fn count_store_op() {
+    STORE_OPS.fetch_add(1, Ordering::Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn since_is_the_difference_of_two_readings() {
+        let a = Counters::now();
+        count_host_sync();
+        count_kernel_launch();
+        count_kernel_launch();
+        count_store_op();
+        let d = Counters::now().since(&a);
+        // Other tests of this binary may count too, concurrently: at least ours.
+        assert!(
+            d.host_syncs >= 1 && d.kernel_launches >= 2 && d.store_ops >= 1,
+            "{d:?}"
+        );
+        assert_eq!(a.since(&Counters::now()), Counters::default());
+    }
+}

@@ -1,0 +1,164 @@
+//! Steps whose loss and gradient norm are still on the device. On a GPU, reading a step's
+//! loss to the host makes the host wait for the whole step, and then the device waits for
+//! the host to queue the next one: the CPU can no longer run ahead (PyTorch's training
+//! loops read the loss only on the steps they log, `loss.item()` every `log_interval`).
+//!
+//! So on CUDA each step writes its loss (and grad norm) into a slot of one small device
+//! buffer, and the steps are *flushed* together: one copy of the buffer to the host (one
+//! synchronization), then the host-side work every record needs (the mean over ranks, the
+//! ranks' memory figures), then the records in step order. A flush happens on the steps
+//! `--log-every` names, at evaluations, checkpoints and the last step, and when the buffer
+//! is full. Each step's wall time is then its window's average (the host ran ahead, so a
+//! step's own host time would measure nothing). On the CPU every step flushes at once:
+//! reading costs nothing there, and the records are as they always were.
+
+use super::engine::{gather_memory, RankMemory};
+use crate::backend::counters::Counters;
+use crate::backend::Device;
+use crate::distributed::{staged, Group, ReduceOp};
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Tensor};
+use std::time::Instant;
+
+/// Steps a flush can hold (loss and grad norm slots for each).
+const CAP: usize = 64;
+
+/// One finished step whose device values are not read yet.
+struct Step {
+    step: usize,
+    mem: RankMemory,
+    c0: Counters,
+    counters: Counters,
+    has_norm: bool,
+}
+
+/// What a flush gives for each step, in step order.
+pub(super) struct Flushed {
+    /// The step number.
+    pub step: usize,
+    /// Mean loss over the ranks.
+    pub loss: f32,
+    /// Global gradient norm, when clipping.
+    pub grad_norm: Option<f32>,
+    /// Every rank's memory figures.
+    pub ranks: Vec<RankMemory>,
+    /// Wall seconds: the step's own on the CPU, its window's average on CUDA.
+    pub step_time_s: f64,
+    /// What the step asked of the host (see `StepRecord::counters`).
+    pub counters: Counters,
+}
+
+/// The steps since the last flush and their slots.
+pub(super) struct Pending {
+    device: Device,
+    /// `[2 * CAP]` f32 on the device: losses, then grad norms.
+    slots: Tensor,
+    steps: Vec<Step>,
+    window_start: Instant,
+}
+
+impl Pending {
+    /// An empty window on `device`.
+    ///
+    /// # Errors
+    /// The device's allocation errors.
+    pub fn new(device: Device) -> Result<Pending> {
+        Ok(Pending {
+            device,
+            slots: Tensor::zeros_on(&[2 * CAP], DType::F32, device)?,
+            steps: Vec::with_capacity(CAP),
+            window_start: Instant::now(),
+        })
+    }
+
+    /// Starts a step: its counter reading, and its zeroed loss slot (one f32 on the
+    /// device) for the micro-batches to accumulate into.
+    ///
+    /// # Errors
+    /// The device's errors.
+    pub fn begin(&mut self) -> Result<(Counters, Tensor)> {
+        if self.steps.is_empty() {
+            self.window_start = Instant::now();
+        }
+        let c0 = Counters::now();
+        let slot = self.slots.view(self.steps.len(), &[1])?;
+        crate::ops::fill_(&slot, 0.0)?;
+        Ok((c0, slot))
+    }
+
+    /// Copies the step's grad norm (one f32, on any device: under CPU offload the
+    /// gradients and their norm are on the host) into its slot.
+    ///
+    /// # Errors
+    /// The device's errors.
+    pub fn set_grad_norm(&self, norm: &Tensor) -> Result<()> {
+        let slot = self.slots.view(CAP + self.steps.len(), &[1])?;
+        crate::ops::fill_(&slot, 0.0)?;
+        crate::ops::add_(&slot, &norm.to_device(self.device)?)
+    }
+
+    /// Ends the step begun with `c0`; true when it must flush now: always on the CPU, else
+    /// when `due` (a logged, evaluated, saved or last step) or the slots are full.
+    pub fn end(
+        &mut self,
+        step: usize,
+        mem: RankMemory,
+        c0: Counters,
+        has_norm: bool,
+        due: bool,
+    ) -> bool {
+        self.steps.push(Step {
+            step,
+            mem,
+            c0,
+            counters: Counters::now().since(&c0),
+            has_norm,
+        });
+        !self.device.is_cuda() || due || self.steps.len() == CAP
+    }
+
+    /// Reads every pending step's values (one synchronization on CUDA), averages the
+    /// losses over the ranks and gathers the ranks' memory figures (collectives every
+    /// rank runs at the same steps: the flush points depend only on the configuration).
+    ///
+    /// # Errors
+    /// `Fsdp` when a loss is not finite, naming the step; device and collective errors
+    /// (among them an index check of an earlier kernel, see `backend::cuda`).
+    pub fn flush(&mut self, pg: &Group) -> Result<Vec<Flushed>> {
+        let n = self.steps.len();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let values = self.slots.to_vec_f32()?;
+        let losses = Tensor::from_vec(values[..n].to_vec(), &[n])?;
+        staged::all_reduce(pg.as_ref(), &losses, ReduceOp::Avg)?;
+        let losses = losses.f32()?.to_vec();
+        let mut out = Vec::with_capacity(n);
+        for (i, s) in self.steps.iter().enumerate() {
+            if !losses[i].is_finite() {
+                return Err(Error::Fsdp(format!(
+                    "loss became {} at step {}; lower --lr",
+                    losses[i], s.step
+                )));
+            }
+            out.push(Flushed {
+                step: s.step,
+                loss: losses[i],
+                grad_norm: s.has_norm.then_some(values[CAP + i]),
+                ranks: gather_memory(pg, s.mem)?,
+                step_time_s: 0.0,
+                counters: s.counters,
+            });
+        }
+        // The flushing step's counters include the flush; the window's time is shared.
+        if let (Some(last), Some(s)) = (out.last_mut(), self.steps.last()) {
+            last.counters = Counters::now().since(&s.c0);
+        }
+        let per_step = self.window_start.elapsed().as_secs_f64() / n as f64;
+        for f in &mut out {
+            f.step_time_s = per_step;
+        }
+        self.steps.clear();
+        Ok(out)
+    }
+}
