@@ -1,6 +1,7 @@
-//! The one retry pacing of this crate's connects: exponential backoff up to a cap, never
-//! sleeping past a deadline. Used where a peer may not listen yet (a rank dialing the
-//! store before rank 0 hosts it, mesh connections before a peer's listener is up).
+//! The one retry pacing of this crate: exponential backoff up to a cap, never sleeping past
+//! a deadline. Used where a peer may not listen yet (a rank dialing the store before rank 0
+//! hosts it, mesh connections before a peer's listener is up) and to pace the polls of an
+//! NCCL collective's completion (`nccl.rs`, which checks its own timeout).
 
 use std::time::{Duration, Instant};
 
@@ -29,9 +30,16 @@ impl Backoff {
         if Instant::now() + self.next >= self.deadline {
             return false;
         }
+        self.sleep();
+        true
+    }
+
+    /// Sleeps the current pause and doubles it up to the cap, whatever the deadline: the
+    /// pacing of a poll whose caller checks its own timeout.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // only the nccl backend polls
+    pub(crate) fn sleep(&mut self) {
         std::thread::sleep(self.next);
         self.next = (self.next * 2).min(self.max);
-        true
     }
 }
 

@@ -31,6 +31,7 @@
 //! timeout naming the ranks that did not enter (or, for differing sizes, as corrupt data);
 //! run the same job on the `threads` backend to get the exact mismatch.
 
+use super::backoff::Backoff;
 use super::threads::{is_chunk_of, unaliased};
 use super::{Group, ProcessGroup, ReduceOp, Store};
 use crate::backend::cuda::{self as cu, Stream};
@@ -377,7 +378,13 @@ impl NcclGroup {
         let done = stream.record()?;
         let start = Instant::now();
         let mut last_peer_check = start;
-        let mut pause = Duration::from_micros(20);
+        // Polls 20 us apart at first, backing off to 2 ms apart; the timeout is checked
+        // below, so the pause never ends the wait.
+        let mut pause = Backoff::new(
+            Duration::from_micros(20),
+            Duration::from_millis(2),
+            start + self.timeout,
+        );
         // Past this, the collective counts as slow: this rank publishes how many collectives
         // it entered, so that a peer that times out can tell who never entered (every rank
         // stuck in the same collective publishes; one that never called it does not).
@@ -429,8 +436,7 @@ impl NcclGroup {
                     missing_ranks: self.lagging_ranks(seq),
                 });
             }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(2));
+            pause.sleep();
         }
     }
 
