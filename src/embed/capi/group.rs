@@ -322,14 +322,7 @@ pub unsafe extern "C" fn fsdp_all_reduce(
         let g = live_group(group.id, "group")?;
         let op = reduce_op(op, "op")?;
         // SAFETY: the caller's promise on `tensor`.
-        let h = unsafe { ExtTensor::check(tensor, "tensor") }?;
-        on_stream(h.device, stream, || {
-            // SAFETY: readable (the caller's promise).
-            let t = unsafe { h.to_tensor() }?;
-            g.all_reduce(&t, op)?;
-            // SAFETY: writable, and the collective is over, so nothing else accesses it.
-            unsafe { h.write_from(&t) }
-        })
+        unsafe { in_place(tensor, stream, |t| Ok(g.all_reduce(t, op)?)) }
     })
 }
 
@@ -450,14 +443,7 @@ pub unsafe extern "C" fn fsdp_broadcast(
                 ))
             })?;
         // SAFETY: the caller's promise on `tensor`.
-        let h = unsafe { ExtTensor::check(tensor, "tensor") }?;
-        on_stream(h.device, stream, || {
-            // SAFETY: readable (the caller's promise).
-            let t = unsafe { h.to_tensor() }?;
-            g.broadcast(&t, src)?;
-            // SAFETY: writable, the collective is over.
-            unsafe { h.write_from(&t) }
-        })
+        unsafe { in_place(tensor, stream, |t| Ok(g.broadcast(t, src)?)) }
     })
 }
 
@@ -480,4 +466,25 @@ fn sizes(got: usize, want: usize, what: &str, of: &str) -> Res {
         ));
     }
     Ok(())
+}
+
+/// The in-place collectives (all-reduce, broadcast): the host's `tensor` is read into a
+/// tensor on its device, `run` on it, and written back, ordered on `stream`.
+///
+/// # Safety
+/// `tensor` describes memory valid for reads and writes.
+unsafe fn in_place(
+    tensor: *mut DLTensor,
+    stream: *mut c_void,
+    run: impl FnOnce(&crate::tensor::Tensor) -> Res,
+) -> Res {
+    // SAFETY: the caller's promise on `tensor`.
+    let h = unsafe { ExtTensor::check(tensor, "tensor") }?;
+    on_stream(h.device, stream, || {
+        // SAFETY: readable (the caller's promise).
+        let t = unsafe { h.to_tensor() }?;
+        run(&t)?;
+        // SAFETY: writable, and the collective is over, so nothing else accesses it.
+        unsafe { h.write_from(&t) }
+    })
 }
