@@ -6,6 +6,7 @@
 //   (build.rs compiles with --fmad=false: no a*b+c contraction, like Rust)
 // - ROW_KERNEL: the launch bound of the one-block-per-row kernels
 // - warp/block sum and max reductions (blockDim.x a multiple of 32, at most 1024)
+// - map_elementwise: an elementwise map with 128-bit vector loads and stores where aligned
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -31,6 +32,50 @@ __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + 
 #define GRID_STRIDE_LOOP(i, n) \
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (int64_t)(n); \
        i += (int64_t)gridDim.x * blockDim.x)
+
+// ---- 128-bit vector access ------------------------------------------------------------
+// VecOf<T, W>: W elements of T that move as one aligned load or store (W * sizeof(T) is 16
+// bytes or less, so one ld/st.global.v4/v2 instruction instead of W scalar ones).
+template <typename T, int W>
+struct alignas(sizeof(T) * W) VecOf {
+  T v[W];
+};
+
+// Elements per vector of an elementwise map from SRC to DST: 16 bytes of the wider type.
+template <typename SRC, typename DST>
+struct VecWidth {
+  static constexpr int value = 16 / (sizeof(SRC) > sizeof(DST) ? sizeof(SRC) : sizeof(DST));
+};
+
+__host__ __device__ inline bool is_aligned(const void* p, uint64_t bytes) {
+  return ((uint64_t)(uintptr_t)p % bytes) == 0;
+}
+
+// out[i] = f(in[i]) for i in [0, n), grid-stride over the launch. When `in` and `out` are
+// both aligned to their vector size, whole vectors of VecWidth elements move with one load
+// and one store each and the last n % W elements one by one; otherwise (a view at an odd
+// element offset, such as a rank's shard of a flat parameter) every element one by one.
+// f sees each element alone, so the results are the same bits either way.
+template <typename SRC, typename DST, typename F>
+__device__ inline void map_elementwise(const SRC* __restrict__ in, DST* __restrict__ out,
+                                       int64_t n, F f) {
+  constexpr int W = VecWidth<SRC, DST>::value;
+  if (is_aligned(in, sizeof(SRC) * W) && is_aligned(out, sizeof(DST) * W)) {
+    const int64_t nv = n / W;
+    const VecOf<SRC, W>* vin = reinterpret_cast<const VecOf<SRC, W>*>(in);
+    VecOf<DST, W>* vout = reinterpret_cast<VecOf<DST, W>*>(out);
+    GRID_STRIDE_LOOP(j, nv) {
+      const VecOf<SRC, W> a = vin[j];
+      VecOf<DST, W> b;
+      for (int k = 0; k < W; ++k) b.v[k] = f(a.v[k]);
+      vout[j] = b;
+    }
+    const int64_t done = nv * W;
+    GRID_STRIDE_LOOP(i, n - done) { out[done + i] = f(in[done + i]); }
+  } else {
+    GRID_STRIDE_LOOP(i, n) { out[i] = f(in[i]); }
+  }
+}
 
 // Widening/narrowing conversions used by the macros that stamp out each dtype.
 __device__ inline float to_f32(float v) { return v; }

@@ -15,23 +15,56 @@
 // flatten/unflatten: blockIdx.y walks the segments (stride gridDim.y), x is grid-stride
 // within one segment; pointer and offset tables live in device memory.
 // dtype in {f32, bf16, f16, i32}; kernels move bits, so bf16 needs no sm_80 guard here.
+// copy, pad_copy, flatten and unflatten move 128-bit vectors where source and destination
+// are both 16-byte aligned, with a scalar tail (map_elementwise in common.cuh).
 #include "common.cuh"
+
+// dst[i] = i < src_n ? src[i] : 0 for i in [0, dst_n): whole 128-bit vectors where both
+// pointers are aligned (a vector that straddles src_n is filled element by element).
+template <typename T>
+__device__ inline void pad_copy_elements(const T* __restrict__ src, int64_t src_n,
+                                         T* __restrict__ dst, int64_t dst_n) {
+  constexpr int W = 16 / sizeof(T);
+  T zero;
+  memset(&zero, 0, sizeof(T));
+  int64_t done = 0;
+  if (is_aligned(src, 16) && is_aligned(dst, 16)) {
+    const int64_t nv = dst_n / W;
+    GRID_STRIDE_LOOP(j, nv) {
+      const int64_t base = j * W;
+      VecOf<T, W> b;
+      if (base + W <= src_n) {
+        b = reinterpret_cast<const VecOf<T, W>*>(src)[j];
+      } else {
+        for (int k = 0; k < W; ++k) b.v[k] = base + k < src_n ? src[base + k] : zero;
+      }
+      reinterpret_cast<VecOf<T, W>*>(dst)[j] = b;
+    }
+    done = nv * W;
+  }
+  GRID_STRIDE_LOOP(i, dst_n - done) {
+    const int64_t k = done + i;
+    dst[k] = k < src_n ? src[k] : zero;
+  }
+}
+
+// The identity, for copies through map_elementwise.
+template <typename T>
+struct Same {
+  __device__ T operator()(T v) const { return v; }
+};
 
 #define FLAT_PARAM_KERNELS(SUFFIX, T)                                                        \
   extern "C" __global__ void copy_##SUFFIX(const T* __restrict__ src, T* __restrict__ dst,  \
                                            int64_t n) {                                      \
-    GRID_STRIDE_LOOP(i, n) { dst[i] = src[i]; }                                              \
+    map_elementwise(src, dst, n, Same<T>());                                                 \
   }                                                                                          \
   extern "C" __global__ void fill_##SUFFIX(T* __restrict__ dst, T value, int64_t n) {       \
     GRID_STRIDE_LOOP(i, n) { dst[i] = value; }                                               \
   }                                                                                          \
   extern "C" __global__ void pad_copy_##SUFFIX(const T* __restrict__ src, int64_t src_n,    \
                                                T* __restrict__ dst, int64_t dst_n) {         \
-    GRID_STRIDE_LOOP(i, dst_n) {                                                             \
-      T zero;                                                                                \
-      memset(&zero, 0, sizeof(T));                                                           \
-      dst[i] = i < src_n ? src[i] : zero;                                                    \
-    }                                                                                        \
+    pad_copy_elements(src, src_n, dst, dst_n);                                               \
   }                                                                                          \
   extern "C" __global__ void flatten_##SUFFIX(const uint64_t* __restrict__ srcs,            \
                                               const int64_t* __restrict__ offsets,           \
@@ -39,7 +72,7 @@
     for (int64_t s = blockIdx.y; s < k; s += gridDim.y) {                                    \
       const T* src = reinterpret_cast<const T*>(srcs[s]);                                    \
       int64_t base = offsets[s], len = offsets[s + 1] - base;                                \
-      GRID_STRIDE_LOOP(j, len) { dst[base + j] = src[j]; }                                   \
+      map_elementwise(src, dst + base, len, Same<T>());                                      \
     }                                                                                        \
   }                                                                                          \
   extern "C" __global__ void unflatten_##SUFFIX(const T* __restrict__ src,                  \
@@ -49,7 +82,7 @@
     for (int64_t s = blockIdx.y; s < k; s += gridDim.y) {                                    \
       T* dst = reinterpret_cast<T*>(dsts[s]);                                                \
       int64_t base = offsets[s], len = offsets[s + 1] - base;                                \
-      GRID_STRIDE_LOOP(j, len) { dst[j] = src[base + j]; }                                   \
+      map_elementwise(src + base, dst, len, Same<T>());                                      \
     }                                                                                        \
   }
 

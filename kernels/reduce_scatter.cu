@@ -14,19 +14,21 @@
 //   acc[i] = cast<dtype>(f32(acc[i]) + f32(x[i]))                               (accumulates)
 //   The threads backend's reduction on device buffers: one rounding per added rank.
 // scale_f32(x (n), alpha, n)      x[i] = x[i] * alpha                          (in place)
-// dtype in {f32, f16, bf16}; bf16 behind FSDP_BF16 (sm_80+).
+// dtype in {f32, f16, bf16}; bf16 behind FSDP_BF16 (sm_80+). pack/unpack use 128-bit
+// vector loads and stores where aligned (map_elementwise in common.cuh).
 #include "common.cuh"
 
 #define PACK_GRAD_KERNEL(NAME, DST)                                                      \
   extern "C" __global__ void NAME(const float* __restrict__ grad, DST* __restrict__ out, \
                                   float scale, int64_t n) {                              \
-    GRID_STRIDE_LOOP(i, n) { out[i] = from_f32<DST>(grad[i] * scale); }                  \
+    map_elementwise(grad, out, n, [=](float g) { return from_f32<DST>(g * scale); });    \
   }
 
 #define UNPACK_GRAD_KERNEL(NAME, SRC)                                                   \
   extern "C" __global__ void NAME(const SRC* __restrict__ in, float* __restrict__ out,  \
                                   float scale, int64_t n) {                             \
-    GRID_STRIDE_LOOP(i, n) { out[i] = to_f32(from_f32<SRC>(to_f32(in[i]) * scale)); }   \
+    map_elementwise(in, out, n,                                                         \
+                    [=](SRC v) { return to_f32(from_f32<SRC>(to_f32(v) * scale)); });   \
   }
 
 #define SUM_INTO_KERNEL(NAME, T)                                                            \

@@ -248,6 +248,42 @@ backend_test!(pack_unpack_and_sum_match_the_runtime_reduction, |b| {
     Ok(())
 });
 
+backend_test!(vector_kernels_agree_at_every_alignment, |b| {
+    // Element offsets 1..8 put f32, 16-bit and i32 pointers at every 16-byte misalignment;
+    // sizes around the vector widths (4 and 8 elements) exercise the scalar tails.
+    for shift in 0..8 {
+        backend::with_shift(shift, || -> Result<()> {
+            for n in [0usize, 1, 3, 4, 5, 8, 9, 17, 33, 257] {
+                let x = tricky(n, 4 + shift as u64);
+                assert_bits("copy f32", b, &b.copy(&x)?, &x);
+                assert_bits("copy bf16", b, &b.copy(&to::<bf16>(&x))?, &to::<bf16>(&x));
+                cast_case::<f32, bf16>(b, &x)?;
+                cast_case::<bf16, f32>(b, &x)?;
+                cast_case::<f16, bf16>(b, &x)?;
+                grad_case::<f32>(b, &x, 2.0, 3.0)?;
+                grad_case::<bf16>(b, &x, 2.0, 3.0)?;
+                for extra in [0usize, 1, 6] {
+                    let mut want = x.clone();
+                    want.resize(n + extra, 0.0);
+                    assert_bits("pad_copy f32", b, &b.pad_copy(&x, n + extra)?, &want);
+                    let (xh, wh) = (to::<f16>(&x), to::<f16>(&want));
+                    assert_bits("pad_copy f16", b, &b.pad_copy(&xh, n + extra)?, &wh);
+                }
+            }
+            let lens = [5usize, 8, 1, 13, 0, 4];
+            let parts: Vec<Vec<f32>> = lens.iter().map(|&l| tricky(l, l as u64)).collect();
+            let total: usize = lens.iter().sum();
+            let flat = b.flatten(&parts, &vec![7.0; total])?;
+            assert_bits("flatten", b, &flat, &parts.concat());
+            for (g, w) in b.unflatten(&flat, &lens)?.iter().zip(&parts) {
+                assert_bits("unflatten", b, g, w);
+            }
+            Ok(())
+        })?;
+    }
+    Ok(())
+});
+
 backend_test!(gelu_matches_the_module_bitwise, |b| {
     for &n in SIZES {
         let x: Vec<f32> = values(4, n).iter().map(|v| v * 6.0).collect();

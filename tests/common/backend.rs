@@ -76,9 +76,32 @@ impl Backend {
     }
 }
 
+thread_local! {
+    /// Elements every device buffer of a test starts past its allocation (0 normally), so a
+    /// kernel sees pointers at any alignment; see [`with_shift`].
+    static SHIFT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Runs `f` with every device buffer that `up`/`out` make starting `shift` elements into its
+/// allocation (a view), as a rank's shard of a flat parameter does: kernels that move 128-bit
+/// vectors where aligned must fall back to their scalar path and give the same bits. The
+/// CPU backend ignores it.
+pub fn with_shift<R>(shift: usize, f: impl FnOnce() -> R) -> R {
+    let old = SHIFT.with(|c| c.replace(shift));
+    let r = f();
+    SHIFT.with(|c| c.set(old));
+    r
+}
+
 #[cfg(feature = "cuda")]
 pub(crate) fn up<T: Element>(s: &cu::Stream, x: &[T]) -> Result<D> {
-    D::from_slice(s, x, &[x.len()])
+    let shift = SHIFT.with(std::cell::Cell::get);
+    if shift == 0 {
+        return D::from_slice(s, x, &[x.len()]);
+    }
+    let mut padded = vec![T::zero(); shift];
+    padded.extend_from_slice(x);
+    D::from_slice(s, &padded, &[padded.len()])?.view(shift, &[x.len()])
 }
 
 #[cfg(feature = "cuda")]
