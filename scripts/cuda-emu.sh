@@ -74,6 +74,18 @@ if [ "$what" != curves ]; then
       echo "FAIL cuda tests: CUDA variants skipped on the emulator:"; grep "skipping" "$log" | grep -v ": one GPU" | head -n 5; fail=1
     fi
   done
+  # NCCL communicators of several thread ranks need a device per rank (NCCL's own rule;
+  # tests/distributed/nccl_world.rs): worlds of 2 and 4 on 4 emulated devices.
+  log="$out/tests-nccl-4.log"
+  echo "== NCCL worlds of 2 and 4 thread ranks on cuda-emu (4 emulated devices)"
+  if CUDA_EMU_DEVICES=4 cargo test --features cuda --test distributed nccl_ -- --nocapture >"$log" 2>&1; then
+    echo "PASS nccl worlds: $(grep -c 'nccl.* \.\.\. ok' "$log") tests ok"
+    if grep -q "skipping" "$log"; then
+      echo "FAIL nccl worlds: skipped on 4 emulated devices:"; grep "skipping" "$log" | head -n 3; fail=1
+    fi
+  else
+    echo "FAIL nccl worlds (log: $log):"; grep -E "FAILED|panicked|cuda-emu:" "$log" | head -n 20; fail=1
+  fi
 fi
 
 if [ "$what" != tests ]; then
@@ -81,7 +93,8 @@ if [ "$what" != tests ]; then
   # passes above with the pure deferral.
   export CUDA_EMU_SEED="${CUDA_EMU_SEED:-7}"
   echo "== fsdp train --device cuda on cuda-emu (CUDA_EMU_SEED=$CUDA_EMU_SEED)"
-  cargo build --features cuda --bin fsdp || { echo "FAIL: building fsdp --features cuda"; exit 1; }
+  # test-hooks: FSDP_FAIL_RANK for the failing NCCL rank below.
+  cargo build --features cuda,test-hooks --bin fsdp || { echo "FAIL: building fsdp --features cuda"; exit 1; }
   fsdp="$target/debug/fsdp"
   data="$root/data/tinyshakespeare.txt"
   [ -s "$data" ] || scripts/get_data.sh >/dev/null 2>&1 || true
@@ -111,12 +124,29 @@ if [ "$what" != tests ]; then
   run cuda-ws2-bf16 "$fsdp" train --device cuda --world-size 2 --mixed-precision bf16
   run cuda-ws2-offload "$fsdp" train --device cuda --world-size 2 --cpu-offload
   run nccl-ws1 "$fsdp" launch --nproc-per-node 1 --master-port 0 -- "$fsdp" train --device cuda --world-size 1
+  run nccl-ws2 "$fsdp" launch --nproc-per-node 2 --master-port 0 -- "$fsdp" train --device cuda --world-size 2
+  run nccl-ws2-bf16 "$fsdp" launch --nproc-per-node 2 --master-port 0 -- "$fsdp" train --device cuda --world-size 2 --mixed-precision bf16
+  run cuda-ws4 "$fsdp" train --device cuda --world-size 4
+  run nccl-ws4 "$fsdp" launch --nproc-per-node 4 --master-port 0 -- "$fsdp" train --device cuda --world-size 4
   check "cuda vs cpu, world size 1 (f32)" cuda-ws1 cpu-ws1
   check "cuda vs cpu, 2 ranks on $CUDA_EMU_DEVICES device(s) (f32)" cuda-ws2 cpu-ws2
   check "cuda vs cpu, 2 ranks, shard-grad-op" cuda-ws2-zero2 cpu-ws2-zero2
   check "cuda vs cpu, 2 ranks, bf16 mixed precision" cuda-ws2-bf16 cpu-ws2-bf16 1e-2
   check "cuda with cpu offload vs cuda, 2 ranks" cuda-ws2-offload cuda-ws2
   check "nccl (fsdp launch, 1 process) vs threads, cuda" nccl-ws1 cuda-ws1
+  # The emulated NCCL reduces in rank order in f64 as the threads backend does: bit for bit.
+  check "nccl (fsdp launch, 2 processes) vs threads, cuda" nccl-ws2 cuda-ws2 0
+  check "nccl (fsdp launch, 2 processes) vs threads, cuda, bf16" nccl-ws2-bf16 cuda-ws2-bf16 0
+  check "nccl (fsdp launch, 4 processes on $CUDA_EMU_DEVICES devices) vs threads, cuda" nccl-ws4 cuda-ws4 0
+  # A rank that fails mid-training under NCCL: one line naming it, and no hang.
+  start=$SECONDS
+  if FSDP_FAIL_RANK=1:3 timeout 120 "$fsdp" launch --nproc-per-node 2 --master-port 0 -- "$fsdp" train --device cuda --world-size 2 $small >"$out/nccl-fail.log" 2>&1; then
+    echo "FAIL nccl failing rank: the job succeeded"; fail=1
+  elif grep -q "error: fsdp launch: rank 1 failed" "$out/nccl-fail.log"; then
+    echo "PASS nccl failing rank: named in $((SECONDS - start)) s: $(grep -m1 'rank 1 failed' "$out/nccl-fail.log")"
+  else
+    echo "FAIL nccl failing rank: $(tail -n 3 "$out/nccl-fail.log")"; fail=1
+  fi
   # What a step asks of the host (backend::counters, in the metrics file), from step 2 on:
   # no host-blocking synchronization on a step that reads nothing back (with --log-every 0
   # only the first and last steps read their losses), at most one per rank on one that
@@ -140,6 +170,23 @@ PY
   counters cuda-ws2 2
   counters cuda-ws2-zero2 2
   counters cuda-ws2-bf16 2
+  # NCCL (fsdp launch, rank 0's process): no host wait (the watchdog thread watches each
+  # collective) and no store request on a step that reads nothing back. The last step
+  # reads the losses back and runs the bookkeeping collectives (host tensors through the
+  # GPU: a copy back each). World size 4 is reported: 4 processes on 2 cores can make a
+  # collective slow enough (> 1 s) to publish its count, as it should.
+  for name in nccl-ws2 nccl-ws4; do
+    python3 - "$out/$name.jsonl" "$name" <<'PY' || { [ "$name" = nccl-ws2 ] && fail=1; }
+import json, sys
+recs = [json.loads(l) for l in open(sys.argv[1])]
+quiet = recs[1:-1]
+syncs = [r["counters"]["host_syncs"] for r in quiet]
+ops = [r["counters"]["store_ops"] for r in quiet]
+ok = bool(quiet) and max(syncs) == 0 and max(ops) == 0
+print(f"{'PASS' if ok else 'FAIL'} counters {sys.argv[2]}: host syncs {syncs}, store ops {ops} per step between reads")
+sys.exit(0 if ok else 1)
+PY
+  done
 fi
 
 echo "== cuda-emu: $([ $fail -eq 0 ] && echo passed || echo FAILED) (logs in $out)"

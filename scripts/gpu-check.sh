@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command for a lent GPU: the CUDA tests, the kernel benchmarks, CPU-vs-GPU and
-# world-size loss curves, and `fsdp train --device cuda --preset gpt2-124m` throughput,
+# world-size loss curves, and `fsdp train --device cuda --preset gpt2-124m` throughput (tokens/s,
+# MFU, peak memory, exposed communication, per-step host syncs/allocations/launches),
 # with a summary under $OUT when set. Whole run bounded by BUDGET_S (default 450 s, well
 # inside 8 minutes): every step gets at most its own timeout and what is left of the
 # budget; steps that no longer fit are reported SKIPPED.
@@ -250,7 +251,7 @@ compare "loss curve nccl (fsdp launch, 1 process) vs threads (cuda, ws 1)" "$out
 label="gpt2-124m"; [ "$model" = "--preset gpt2-124m" ] || label="model '$model'"
 for ws in 1 4; do
   if step "gpt2-ws$ws" 100 "\"$fsdp_bin\" train --device cuda $model --mixed-precision bf16 --world-size $ws --global-batch 8 --steps 6 --eval-every 0 --sample-len 0 --log-every 1 --data \"$data\""; then
-    grep -E "^(gpu:|peak device memory)" "$out/gpt2-ws$ws.log" | sed "s/^/$label bf16 ws=$ws: /" | tee -a "$summary"
+    grep -E "^(gpu:|peak device memory|exposed communication|per step from step 2)" "$out/gpt2-ws$ws.log" | sed "s/^/$label bf16 ws=$ws: /" | tee -a "$summary"
   fi
 done
 

@@ -10,6 +10,9 @@ mod mesh;
 #[cfg(feature = "cuda")]
 #[path = "distributed/nccl.rs"]
 mod nccl;
+#[cfg(feature = "cuda")]
+#[path = "distributed/nccl_world.rs"]
+mod nccl_world;
 
 use fsdp::distributed::{launch, LaunchOptions, ReduceOp};
 use fsdp::tensor::{DType, Tensor};

@@ -1,7 +1,7 @@
 //! `cuda-emu`: a CPU stand-in for the three CUDA libraries fsdp loads at run time
 //! (`libcuda`, `libcublas`, `libnccl`), so that the CUDA code paths of fsdp (its device
 //! tensors, caching allocator, streams and events, kernel launches, cuBLAS GEMMs, the threads
-//! backend on device buffers, NCCL at world size 1, `train --device cuda`) run in CI on a
+//! backend on device buffers, NCCL communicators of any size, `train --device cuda`) run in CI on a
 //! machine without a GPU, against the real kernels of `kernels/*.cu` compiled as host C++.
 //!
 //! Build it with `cargo build -p cuda-emu`, then put a directory holding `libcuda.so`,
@@ -29,9 +29,9 @@
 //!
 //! What it cannot show: true concurrency (forced work runs one operation at a time, under one
 //! lock), the device's own rounding of `logf`/`expf` (the host libm is used), performance,
-//! and NCCL across ranks (communicators have one rank). The kernel sources are compiled
-//! for the host, so a construct nvcc rejects but g++ accepts is only caught by the nvcc
-//! build of CI.
+//! and NCCL's transports and reduction order (`nccl/`: ranks meet through files and reduce
+//! in rank order). The kernel sources are compiled for the host, so a construct nvcc
+//! rejects but g++ accepts is only caught by the nvcc build of CI.
 
 mod blas;
 mod driver;

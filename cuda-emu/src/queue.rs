@@ -15,6 +15,13 @@
 //! races: a stream overwriting memory another stream has not finished reading.
 //!
 //! Everything runs under one lock: kernels of different streams never overlap here.
+//!
+//! A collective of a communicator of several ranks ([`Poll`], `nccl.rs`) may not be able to
+//! finish when its stream is forced: its peers have not reached it yet. It then stays at the
+//! head of its stream and the stream counts as blocked. A query answers "not ready"; a
+//! host synchronization releases the lock and tries again (so other threads, the peers of
+//! an in-process communicator among them, can issue and force their work meanwhile), as
+//! the host of a GPU would sit in `cuStreamSynchronize` until NCCL's kernel ends.
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_int;
@@ -32,8 +39,21 @@ impl Work {
     }
 }
 
+/// A deferred operation that may have to wait for something outside its stream (a
+/// collective for its peers): called each time its stream is forced, until it returns true.
+pub struct Poll(Box<dyn FnMut() -> bool + 'static>);
+// SAFETY: as for `Work`: device addresses, copied values and shared communicator state.
+unsafe impl Send for Poll {}
+
+impl Poll {
+    pub fn new(f: impl FnMut() -> bool + 'static) -> Poll {
+        Poll(Box::new(f))
+    }
+}
+
 enum Item {
     Run(Work),
+    Poll(Poll),
     /// Run `stream`'s work up to and including item `seq` first (cuStreamWaitEvent).
     Wait {
         stream: usize,
@@ -52,6 +72,9 @@ struct StreamQueue {
 #[derive(Default)]
 struct Scheduler {
     streams: HashMap<usize, StreamQueue>,
+    /// Streams being drained by an enclosing `drain` (through a cross-stream wait): a wait
+    /// cycle counts as blocked instead of recursing without end.
+    draining: Vec<usize>,
 }
 
 /// A point in a stream's work: after its first `seq + 1` items (`cuEventRecord`).
@@ -90,21 +113,57 @@ fn eager() -> bool {
 }
 
 impl Scheduler {
-    /// Runs `stream`'s items with sequence numbers `<= upto`.
-    fn drain(&mut self, stream: usize, upto: u64) {
+    /// Runs `stream`'s items with sequence numbers `<= upto`. False when an item cannot
+    /// finish yet (a collective whose peers have not arrived, or a wait for such a stream):
+    /// it stays at the head, the items before it have run.
+    fn drain(&mut self, stream: usize, upto: u64) -> bool {
+        let pending = self
+            .streams
+            .get(&stream)
+            .and_then(|q| q.items.front())
+            .is_some_and(|(seq, _)| *seq <= upto);
+        if !pending {
+            return true;
+        }
+        // Re-entered through a chain of waits that leads back here with work still due: a
+        // cycle no device could finish either.
+        if self.draining.contains(&stream) {
+            return false;
+        }
+        self.draining.push(stream);
+        let reached = self.drain_inner(stream, upto);
+        self.draining.pop();
+        reached
+    }
+
+    fn drain_inner(&mut self, stream: usize, upto: u64) -> bool {
         loop {
             let Some(q) = self.streams.get_mut(&stream) else {
-                return;
+                return true;
             };
-            match q.items.front() {
-                Some((seq, _)) if *seq <= upto => {}
-                _ => return,
+            let seq = match q.items.front() {
+                Some((seq, _)) if *seq <= upto => *seq,
+                _ => return true,
+            };
+            let ready = match &mut q.items.front_mut().expect("front checked").1 {
+                Item::Run(_) => true,
+                Item::Poll(p) => (p.0)(),
+                Item::Wait {
+                    stream: other,
+                    seq: until,
+                } => {
+                    let (other, until) = (*other, *until);
+                    self.drain(other, until)
+                }
+            };
+            if !ready {
+                return false;
             }
-            let (seq, item) = q.items.pop_front().expect("front checked");
+            let q = self.streams.get_mut(&stream).expect("looked up above");
+            let (_, item) = q.items.pop_front().expect("front checked");
             q.done = seq + 1;
-            match item {
-                Item::Run(w) => (w.0)(),
-                Item::Wait { stream: s, seq } => self.drain(s, seq),
+            if let Item::Run(w) = item {
+                (w.0)();
             }
         }
     }
@@ -130,16 +189,20 @@ impl Scheduler {
         self.drain(pick, u64::MAX);
     }
 
-    fn drain_device(&mut self, device: c_int) {
-        let keys: Vec<usize> = self
+    /// Drains every stream of `device`; false when one of them is blocked.
+    fn drain_device(&mut self, device: c_int) -> bool {
+        let mut keys: Vec<usize> = self
             .streams
             .iter()
             .filter(|(_, q)| q.device == device)
             .map(|(k, _)| *k)
             .collect();
+        keys.sort_unstable();
+        let mut all = true;
         for k in keys {
-            self.drain(k, u64::MAX);
+            all &= self.drain(k, u64::MAX);
         }
+        all
     }
 
     fn push(&mut self, stream: usize, device: c_int, item: Item) -> u64 {
@@ -161,16 +224,45 @@ fn with<R>(f: impl FnOnce(&mut Scheduler) -> R) -> R {
     f(g.get_or_insert_with(Scheduler::default))
 }
 
+/// Calls `f` under the lock until it returns true, releasing the lock between tries (a
+/// host synchronization on work that waits for another thread or process).
+fn until(mut f: impl FnMut(&mut Scheduler) -> bool) {
+    let mut pause = std::time::Duration::from_micros(5);
+    while !with(&mut f) {
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(std::time::Duration::from_millis(2));
+    }
+}
+
 /// Issues `work` on `stream` of `device` (stream 0: the legacy default stream, which waits
 /// for the device's other work and runs at once).
 pub fn issue(stream: usize, device: c_int, work: Work) {
+    if stream == 0 {
+        let mut work = Some(work);
+        until(|s| {
+            if !s.drain_device(device) {
+                return false;
+            }
+            if let Some(w) = work.take() {
+                (w.0)();
+            }
+            true
+        });
+        return;
+    }
     with(|s| {
-        if stream == 0 {
-            s.drain_device(device);
-            (work.0)();
-            return;
-        }
         s.push(stream, device, Item::Run(work));
+        if eager() {
+            s.drain(stream, u64::MAX);
+        }
+        s.random_progress();
+    })
+}
+
+/// Issues `poll` on `stream` (never the legacy stream: collectives name their stream).
+pub fn issue_poll(stream: usize, device: c_int, poll: Poll) {
+    with(|s| {
+        s.push(stream, device, Item::Poll(poll));
         if eager() {
             s.drain(stream, u64::MAX);
         }
@@ -180,12 +272,11 @@ pub fn issue(stream: usize, device: c_int, work: Work) {
 
 /// Makes `stream` wait for `mark` (`cuStreamWaitEvent`).
 pub fn wait(stream: usize, device: c_int, mark: Mark) {
+    if stream == 0 {
+        until(|s| s.drain_device(device) && s.drain(mark.stream, mark.seq));
+        return;
+    }
     with(|s| {
-        if stream == 0 {
-            s.drain_device(device);
-            s.drain(mark.stream, mark.seq);
-            return;
-        }
         s.push(
             stream,
             device,
@@ -222,14 +313,20 @@ pub fn is_complete(mark: Mark) -> bool {
     })
 }
 
-/// Runs everything up to `mark` (`cuEventSynchronize`, `cuEventQuery`).
-pub fn complete(mark: Mark) {
+/// Runs what can run up to `mark` without waiting (`cuEventQuery`: the poll lets the
+/// "device" make progress); true when all of it has.
+pub fn try_complete(mark: Mark) -> bool {
     with(|s| s.drain(mark.stream, mark.seq))
+}
+
+/// Runs everything up to `mark`, waiting for blocked collectives (`cuEventSynchronize`).
+pub fn complete(mark: Mark) {
+    until(|s| s.drain(mark.stream, mark.seq))
 }
 
 /// Runs everything issued to `stream` (`cuStreamSynchronize`); 0 means the whole device.
 pub fn synchronize(stream: usize, device: c_int) {
-    with(|s| {
+    until(|s| {
         if stream == 0 {
             s.drain_device(device)
         } else {
@@ -240,13 +337,16 @@ pub fn synchronize(stream: usize, device: c_int) {
 
 /// Runs everything issued on `device` (`cuCtxSynchronize`, `cuMemFree`).
 pub fn synchronize_device(device: c_int) {
-    with(|s| s.drain_device(device))
+    until(|s| s.drain_device(device))
 }
 
 /// Runs `stream`'s work and forgets it (`cuStreamDestroy`: pending work still completes).
 pub fn destroy(stream: usize) {
-    with(|s| {
-        s.drain(stream, u64::MAX);
+    until(|s| {
+        if !s.drain(stream, u64::MAX) {
+            return false;
+        }
         s.streams.remove(&stream);
+        true
     })
 }

@@ -41,6 +41,8 @@ mod limits;
 mod mesh;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+#[cfg(feature = "cuda")]
+mod nccl_watchdog;
 mod rendezvous;
 mod signals;
 pub mod staged;
@@ -87,8 +89,9 @@ pub use crate::reduce::ReduceOp;
 /// both at once. On CUDA tensors they are ordered on the calling thread's current stream
 /// (as NCCL's are): they return once the work is queued, what the caller queues next on
 /// that stream sees the output and may overwrite the input, and a copy to the host sees
-/// the output (it synchronizes). The threads backend queues without any host wait; NCCL
-/// still waits for each collective (its watchdog, see `nccl`).
+/// the output (it synchronizes). Neither the threads backend nor NCCL waits on the host
+/// (NCCL's collectives are watched by one thread per process, `nccl_watchdog.rs`, whose
+/// findings fail the group's next call).
 pub trait ProcessGroup: Send + Sync {
     /// This rank's index in the group, `0..size()`.
     fn rank(&self) -> usize;

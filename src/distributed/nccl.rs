@@ -9,16 +9,17 @@
 //!   every rank calls `ncclCommInitRank`;
 //! - a collective is enqueued on the calling thread's current stream of the group's device
 //!   (FSDP calls from its communication thread, whose stream is the unshard /
-//!   post-backward stream), then waited for, so the [`ProcessGroup`] contract (return once
-//!   the output is complete and the input may be reused) holds;
-//! - the wait is a watchdog (`TORCH_NCCL_ASYNC_ERROR_HANDLING`): it polls the completion
-//!   event and `ncclCommGetAsyncError`; past the group timeout it aborts the communicator
-//!   and returns [`Error::Timeout`] naming the ranks that never entered this collective
-//!   (a rank whose collective is slow, past a quarter of the timeout or 1 s, records its
-//!   collective sequence number in the store, as PyTorch's desync debugging asks its peers
-//!   on a timeout; a healthy collective makes no store request), and an asynchronous NCCL
-//!   error becomes
-//!   [`Error::PeerFailed`] or [`Error::Cuda`];
+//!   post-backward stream) and not waited for: what the caller queues next on that stream
+//!   is ordered after it, as with ProcessGroupNCCL;
+//! - one watchdog thread per process (`nccl_watchdog.rs`, `TORCH_NCCL_ASYNC_ERROR_HANDLING`)
+//!   polls every collective's completion event and `ncclCommGetAsyncError`; past the group
+//!   timeout it aborts the communicator and records [`Error::Timeout`] naming the ranks
+//!   that never entered the collective (a rank whose collective is slow, past a quarter of
+//!   the timeout or 10 s, records its collective count in the store, as PyTorch's desync
+//!   debugging asks its peers on a timeout; a healthy collective makes no store request and
+//!   no host wait), and an asynchronous NCCL error or a peer's recorded failure becomes
+//!   [`Error::PeerFailed`]; the group's next call (or [`barrier`](ProcessGroup::barrier),
+//!   which waits on the host) returns it;
 //! - an aborted communicator fails every later collective with the first error;
 //! - `new_group` builds a communicator for the members from a fresh unique id under a key
 //!   naming the members and how many groups of them were made before.
@@ -31,10 +32,9 @@
 //! timeout naming the ranks that did not enter (or, for differing sizes, as corrupt data);
 //! run the same job on the `threads` backend to get the exact mismatch.
 
-use super::backoff::Backoff;
 use super::threads::{is_chunk_of, unaliased};
 use super::{Group, ProcessGroup, ReduceOp, Store};
-use crate::backend::cuda::{self as cu, Stream};
+use crate::backend::cuda as cu;
 use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
@@ -42,7 +42,7 @@ use cudarc::nccl::{result as nccl, sys};
 use parking_lot::Mutex;
 use std::ffi::c_void;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Bytes of an `ncclUniqueId`.
 pub const UNIQUE_ID_BYTES: usize = 128;
@@ -145,13 +145,28 @@ pub struct NcclGroup {
     /// World ranks of the members, in group-rank order.
     members: Vec<usize>,
     world_rank: usize,
-    timeout: Duration,
+    /// What this group shares with the watchdog (`nccl_watchdog.rs`): the communicator,
+    /// the store, the timeout.
+    shared: Arc<Shared>,
+    seq: Mutex<u64>,
+    created: crate::distributed::subgroups::NewGroupCounter,
+}
+
+/// The part of a group the watchdog thread needs while the group's collectives are in
+/// flight (and keeps alive until they end: the communicator is not destroyed under them).
+pub(super) struct Shared {
+    rank: usize,
+    size: usize,
+    members: Vec<usize>,
+    world_rank: usize,
+    pub(super) timeout: Duration,
     store: Arc<dyn Store>,
     /// Key prefix of this group in the store.
     prefix: String,
     comm: Mutex<Comm>,
-    seq: Mutex<u64>,
-    created: crate::distributed::subgroups::NewGroupCounter,
+    /// When the watchdog last looked for a peer's recorded failure (a store request): at
+    /// most once a second per group, however many collectives are in flight.
+    last_peer_check: Mutex<std::time::Instant>,
 }
 
 impl std::fmt::Debug for NcclGroup {
@@ -239,12 +254,19 @@ impl NcclGroup {
             rank,
             size,
             ordinal,
-            members,
+            members: members.clone(),
             world_rank,
-            timeout,
-            store,
-            prefix,
-            comm: Mutex::new(Comm { raw, failure: None }),
+            shared: Arc::new(Shared {
+                rank,
+                size,
+                members,
+                world_rank,
+                timeout,
+                store,
+                prefix,
+                comm: Mutex::new(Comm { raw, failure: None }),
+                last_peer_check: Mutex::new(std::time::Instant::now()),
+            }),
             seq: Mutex::new(0),
             created: Default::default(),
         })
@@ -275,40 +297,9 @@ impl NcclGroup {
     /// Records that this rank failed (`reason`) where every peer's watchdog looks (they
     /// stop within a second, naming this rank), and marks the communicator failed so that
     /// it is aborted, not destroyed, when dropped. Never blocks on a collective in flight:
-    /// that one ends by its own watchdog.
+    /// that one ends by the watchdog.
     pub(crate) fn mark_failed(&self, reason: String) {
-        let _ = self
-            .store
-            .set(&failure_key(self.world_rank), reason.as_bytes());
-        let Some(mut comm) = self.comm.try_lock() else {
-            return;
-        };
-        if comm.failure.is_none() {
-            comm.failure = Some(Error::PeerFailed {
-                failed_rank: self.world_rank,
-                reason,
-            });
-        }
-    }
-
-    /// The first peer that recorded a failure, with its reason.
-    fn failed_peer(&self) -> Option<(usize, String)> {
-        self.members.iter().copied().find_map(|r| {
-            if r == self.world_rank {
-                return None;
-            }
-            let key = failure_key(r);
-            match self.store.check(&[key.as_str()]) {
-                Ok(true) => Some((
-                    r,
-                    self.store
-                        .get(&key)
-                        .map(|v| String::from_utf8_lossy(&v).into_owned())
-                        .unwrap_or_default(),
-                )),
-                _ => None,
-            }
-        })
+        self.shared.mark_failed(reason);
     }
 
     /// The device this group's tensors live on.
@@ -329,8 +320,13 @@ impl NcclGroup {
         Ok(())
     }
 
-    /// Runs one collective: records this rank's progress, enqueues `issue` on the current
-    /// stream, then waits for it under the watchdog.
+    /// Runs one collective: enqueues `issue` on the calling thread's current stream and
+    /// hands its completion event to the watchdog (`nccl_watchdog.rs`). No host wait: what
+    /// the caller queues next on the stream is ordered after it, as with ProcessGroupNCCL.
+    ///
+    /// # Errors
+    /// The group's first failure (found by the watchdog: a timeout naming the ranks that
+    /// never entered, a failed peer, NCCL's asynchronous error), or NCCL's refusal.
     fn run(
         &self,
         op: &'static str,
@@ -340,7 +336,7 @@ impl NcclGroup {
         ) -> std::result::Result<(), nccl::NcclError>,
     ) -> Result<()> {
         let stream = cu::current_stream(self.ordinal)?;
-        let mut comm = self.comm.lock();
+        let mut comm = self.shared.comm.lock();
         if let Some(e) = &comm.failure {
             return Err(e.duplicate());
         }
@@ -349,100 +345,147 @@ impl NcclGroup {
             *s += 1;
             *s
         };
-        // The count is published to the store only when this collective is slow (`watch`):
-        // a healthy collective costs no store round trip.
         let cu_stream = stream.inner.cu_stream() as sys::cudaStream_t;
         if let Err(e) = issue(comm.raw, cu_stream) {
             let err = nccl_err(format!("{op} on rank {}", self.world_rank), e, comm.raw);
             comm.failure = Some(err.duplicate());
             return Err(err);
         }
-        match self.watch(op, seq, &stream, comm.raw) {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                comm.failure = Some(e.duplicate());
-                Err(e)
-            }
+        drop(comm);
+        let done = stream.record()?;
+        super::nccl_watchdog::watch(super::nccl_watchdog::InFlight::new(
+            self.shared.clone(),
+            op,
+            seq,
+            done,
+        ));
+        Ok(())
+    }
+
+    /// The group's first failure, if the watchdog (or a refused call) found one.
+    pub(crate) fn failure(&self) -> Option<Error> {
+        self.shared
+            .comm
+            .lock()
+            .failure
+            .as_ref()
+            .map(Error::duplicate)
+    }
+}
+
+impl Shared {
+    /// Records this rank's failure in the store (see [`NcclGroup::mark_failed`]).
+    fn mark_failed(&self, reason: String) {
+        let _ = self
+            .store
+            .set(&failure_key(self.world_rank), reason.as_bytes());
+        let Some(mut comm) = self.comm.try_lock() else {
+            return;
+        };
+        if comm.failure.is_none() {
+            comm.failure = Some(Error::PeerFailed {
+                failed_rank: self.world_rank,
+                reason,
+            });
         }
     }
 
-    /// Waits for the work queued on `stream`, polling NCCL's asynchronous error, until the
-    /// group timeout.
-    fn watch(
-        &self,
-        op: &'static str,
-        seq: u64,
-        stream: &Stream,
-        raw: sys::ncclComm_t,
-    ) -> Result<()> {
-        let done = stream.record()?;
-        let start = Instant::now();
-        let mut last_peer_check = start;
-        // Polls 20 us apart at first, backing off to 2 ms apart; the timeout is checked
-        // below, so the pause never ends the wait.
-        let mut pause = Backoff::new(
-            Duration::from_micros(20),
-            Duration::from_millis(2),
-            start + self.timeout,
-        );
-        // Past this, the collective counts as slow: this rank publishes how many collectives
-        // it entered, so that a peer that times out can tell who never entered (every rank
-        // stuck in the same collective publishes; one that never called it does not).
-        let slow = (self.timeout / 4).min(Duration::from_secs(1));
-        let mut published = false;
-        loop {
-            // `query`, not `is_complete`: the latter reads a CUDA error (say, a kernel queued
-            // before the collective faulted) as "not done", and the loop would then spin
-            // until the group timeout and report a misleading Timeout.
-            if done.query()? {
-                return done.synchronize();
-            }
-            let mut status = sys::ncclResult_t::ncclSuccess;
-            // SAFETY: `raw` is a live communicator; `status` is a valid out-pointer.
-            unsafe { sys::ncclCommGetAsyncError(raw, &mut status) };
-            if status != sys::ncclResult_t::ncclSuccess
-                && status != sys::ncclResult_t::ncclInProgress
-            {
-                return Err(Error::PeerFailed {
-                    failed_rank: self
-                        .lagging_ranks(seq)
-                        .first()
-                        .copied()
-                        .unwrap_or(self.world_rank),
-                    reason: format!("{} during {op}", nccl_message(status, raw)),
-                });
-            }
-            if !published && start.elapsed() > slow {
-                published = true;
-                self.publish_seq(seq);
-            }
-            if last_peer_check.elapsed() > Duration::from_secs(1) {
-                last_peer_check = Instant::now();
-                if let Some((failed_rank, reason)) = self.failed_peer() {
-                    return Err(Error::PeerFailed {
-                        failed_rank,
-                        reason,
-                    });
-                }
-            }
-            if start.elapsed() > self.timeout {
-                self.publish_seq(seq);
-                // A peer that entered less than `slow` ago has not published yet.
-                std::thread::sleep(slow);
-                return Err(Error::Timeout {
-                    op: op.to_string(),
-                    rank: self.world_rank,
-                    timeout_s: self.timeout.as_secs_f64(),
-                    missing_ranks: self.lagging_ranks(seq),
-                });
-            }
-            pause.sleep();
+    /// Whether the group already failed.
+    pub(super) fn has_failed(&self) -> bool {
+        self.comm.lock().failure.is_some()
+    }
+
+    /// Records `err` as the group's failure (the first one stays) and aborts the
+    /// communicator at once, as ProcessGroupNCCL's watchdog does: its kernels in flight end
+    /// (their outputs undefined) and the streams drain; later collectives fail with `err`.
+    pub(super) fn fail(&self, err: Error) {
+        let mut comm = self.comm.lock();
+        if comm.failure.is_none() {
+            comm.failure = Some(err);
         }
+        if !comm.raw.is_null() {
+            // SAFETY: our communicator; the lock keeps every other call out.
+            unsafe {
+                let _ = nccl::comm_abort(comm.raw);
+            }
+            comm.raw = std::ptr::null_mut();
+        }
+    }
+
+    /// NCCL's asynchronous error as the error to report for collective number `seq`: a
+    /// peer that recorded its failure is the cause; else the first other rank that had not
+    /// entered the collective; else this one. None while healthy.
+    pub(super) fn async_failure(&self, op: &str, seq: u64) -> Option<Error> {
+        let text = self.async_error(op)?;
+        Some(match self.failed_peer() {
+            Some((failed_rank, reason)) => Error::PeerFailed {
+                failed_rank,
+                reason: format!("{reason} ({text})"),
+            },
+            None => Error::PeerFailed {
+                failed_rank: self
+                    .lagging_ranks(seq)
+                    .into_iter()
+                    .find(|&r| r != self.world_rank)
+                    .unwrap_or(self.world_rank),
+                reason: text,
+            },
+        })
+    }
+
+    /// NCCL's asynchronous error of the communicator, with its text; None while healthy
+    /// (or while another thread holds the communicator: asked again at the next poll).
+    fn async_error(&self, op: &str) -> Option<String> {
+        let comm = self.comm.try_lock()?;
+        if comm.raw.is_null() {
+            return None;
+        }
+        let mut status = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: `raw` is a live communicator; `status` is a valid out-pointer.
+        unsafe { sys::ncclCommGetAsyncError(comm.raw, &mut status) };
+        (status != sys::ncclResult_t::ncclSuccess && status != sys::ncclResult_t::ncclInProgress)
+            .then(|| format!("{} during {op}", nccl_message(status, comm.raw)))
+    }
+
+    /// Whether a second has passed since the last look for a failed peer (and if so, the
+    /// clock restarts: the caller looks now).
+    pub(super) fn peer_check_due(&self) -> bool {
+        let mut last = self.last_peer_check.lock();
+        if last.elapsed() < Duration::from_secs(1) {
+            return false;
+        }
+        *last = std::time::Instant::now();
+        true
+    }
+
+    /// This rank's world rank.
+    pub(super) fn world_rank(&self) -> usize {
+        self.world_rank
+    }
+
+    /// The first peer that recorded a failure, with its reason.
+    pub(super) fn failed_peer(&self) -> Option<(usize, String)> {
+        self.members.iter().copied().find_map(|r| {
+            if r == self.world_rank {
+                return None;
+            }
+            let key = failure_key(r);
+            match self.store.check(&[key.as_str()]) {
+                Ok(true) => Some((
+                    r,
+                    self.store
+                        .get(&key)
+                        .map(|v| String::from_utf8_lossy(&v).into_owned())
+                        .unwrap_or_default(),
+                )),
+                _ => None,
+            }
+        })
     }
 
     /// Records in the store that this rank entered `seq` collectives (for a peer's
     /// [`lagging_ranks`](Self::lagging_ranks)); a store error only loses that hint.
-    fn publish_seq(&self, seq: u64) {
+    pub(super) fn publish_seq(&self, seq: u64) {
         let _ = self.store.set(
             &format!("{}/seq/{}", self.prefix, self.rank),
             seq.to_string().as_bytes(),
@@ -451,7 +494,7 @@ impl NcclGroup {
 
     /// World ranks whose recorded collective count is below `seq` (they never entered the
     /// collective this rank is stuck in).
-    fn lagging_ranks(&self, seq: u64) -> Vec<usize> {
+    pub(super) fn lagging_ranks(&self, seq: u64) -> Vec<usize> {
         (0..self.size)
             .filter(|&r| {
                 let key = format!("{}/seq/{r}", self.prefix);
@@ -563,8 +606,8 @@ impl ProcessGroup for NcclGroup {
             members,
             self.world_rank,
             self.ordinal,
-            self.store.clone(),
-            self.timeout,
+            self.shared.store.clone(),
+            self.shared.timeout,
             prefix,
         )?;
         Ok(Some(Arc::new(g)))
@@ -668,9 +711,20 @@ impl ProcessGroup for NcclGroup {
     }
 
     fn barrier(&self) -> Result<()> {
-        // As ProcessGroupNCCL: an all-reduce of one element on the device.
+        // As ProcessGroupNCCL: an all-reduce of one element on the device, then the host
+        // waits for it (the one NCCL call that blocks), and reports what the watchdog found.
         let t = Tensor::zeros_on(&[1], DType::F32, self.device())?;
-        self.all_reduce(&t, ReduceOp::Sum)
+        self.all_reduce(&t, ReduceOp::Sum)?;
+        cu::current_stream(self.ordinal)?.synchronize()?;
+        // The watchdog may not have looked since the stream drained: look here too.
+        let seq = *self.seq.lock();
+        if let Some(e) = self.shared.async_failure("barrier", seq) {
+            self.shared.fail(e);
+        }
+        match self.failure() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 }
 

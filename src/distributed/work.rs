@@ -147,7 +147,9 @@ impl Work {
 fn wait_on_device(after: After) -> Result<()> {
     #[cfg(feature = "cuda")]
     if let Some((ordinal, ev)) = after {
-        return crate::backend::cuda::current_stream(ordinal)?.wait(&ev);
+        // Timed: how long the consumer stream stands still here is the exposed part of
+        // the job (backend::cuda::take_stream_stall_s).
+        return crate::backend::cuda::current_stream(ordinal)?.wait_timed(&ev);
     }
     let _ = after;
     Ok(())

@@ -19,6 +19,7 @@
 use super::collectives::Gather;
 use super::progress::Pass;
 use super::FullyShardedDataParallel;
+use crate::distributed::ReduceOp;
 use crate::error::Result;
 use crate::nn::{ChildVisitor, Context, Module};
 use crate::ops::flat;
@@ -286,7 +287,17 @@ impl FullyShardedDataParallel {
                 return Ok(());
             }
             let _tag = super::progress::enter(s.progress.end_of_backward(self.id));
-            s.streams.unshard.barrier(&s.shard_pg)
+            match s.shard_pg.collective_device() {
+                // NCCL: a one-element all-reduce ordered on the device is the meeting (its
+                // watchdog names a rank that never comes); a barrier would block the host.
+                Some(d) if d.is_cuda() && s.shard_pg.backend() == "nccl" => {
+                    let one = Tensor::zeros_on(&[1], DType::F32, d)?;
+                    s.streams
+                        .unshard
+                        .all_reduce(&s.shard_pg, &one, ReduceOp::Sum)
+                }
+                _ => s.streams.unshard.barrier(&s.shard_pg),
+            }
         };
         let (r, dt) = work.wait_timed();
         self.rs.sched.lock().add_wait(dt);

@@ -163,8 +163,40 @@ pub fn gpu_summary(cfg: &super::TrainConfig, report: &super::TrainReport) -> Vec
             .collect();
         out.push(format!("peak device memory per rank: {}", peaks.join(", ")));
     }
+    out.extend(exposed_comm_summary(report));
     out.extend(counters_summary(report));
     out
+}
+
+/// The exposed communication of the steps after the first: every rank's `comm_wait_us`
+/// (on CUDA the time its compute stream stood still waiting for a collective) over the
+/// step time, summed over those steps; the ranks' range when there are several.
+pub fn exposed_comm_summary(report: &super::TrainReport) -> Option<String> {
+    let steady = report.records.get(1..).filter(|r| !r.is_empty())?;
+    let step_s: f64 = steady.iter().map(|r| r.step_time_s).sum();
+    if step_s <= 0.0 {
+        return None;
+    }
+    let ranks = steady.iter().map(|r| r.ranks.len()).min().unwrap_or(0);
+    let fractions: Vec<f64> = (0..ranks)
+        .map(|i| {
+            let us: usize = steady.iter().map(|r| r.ranks[i].comm_wait_us).sum();
+            us as f64 / 1e6 / step_s
+        })
+        .collect();
+    let lo = fractions.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = fractions.iter().copied().fold(0.0, f64::max);
+    if fractions.is_empty() {
+        return None;
+    }
+    let range = if fractions.len() == 1 || (hi - lo) < 5e-4 {
+        format!("{:.1}%", hi * 100.0)
+    } else {
+        format!("{:.1}%-{:.1}% over the ranks", lo * 100.0, hi * 100.0)
+    };
+    Some(format!(
+        "exposed communication from step 2: {range} of step time (compute stalled on collectives)"
+    ))
 }
 
 /// The per-step counters (`backend::counters`) of the steps after the first, as medians:
@@ -200,6 +232,51 @@ mod tests {
         // 100M parameters at 100k tokens/s on one H200 in bf16: 6e13 / 9.89e14.
         let m = mfu(100_000_000, 100_000.0, "NVIDIA H200", 1, true).unwrap();
         assert!((m - 6e13 / 989e12).abs() < 1e-12);
+    }
+
+    fn record(step_time_s: f64, waits_us: &[usize]) -> crate::train::StepRecord {
+        crate::train::StepRecord {
+            step: 1,
+            loss: 0.0,
+            tokens_per_s: 0.0,
+            step_time_s,
+            grad_norm: None,
+            eval_loss: None,
+            ranks: waits_us
+                .iter()
+                .map(|&comm_wait_us| crate::train::engine::RankMemory {
+                    comm_wait_us,
+                    ..Default::default()
+                })
+                .collect(),
+            counters: Default::default(),
+        }
+    }
+
+    #[test]
+    fn exposed_communication_is_stall_over_step_time_after_the_first_step() {
+        let report = |records| crate::train::TrainReport {
+            num_params: 0,
+            records,
+            sample: String::new(),
+            elapsed_s: 0.0,
+            init_peak_bytes: Vec::new(),
+        };
+        // The first step (warm-up, 10 s of waits) is left out: 0.3 s of 2 s, and 0.1 s.
+        let r = report(vec![
+            record(10.0, &[10_000_000, 0]),
+            record(1.0, &[200_000, 100_000]),
+            record(1.0, &[100_000, 0]),
+        ]);
+        assert_eq!(
+            exposed_comm_summary(&r).unwrap(),
+            "exposed communication from step 2: 5.0%-15.0% over the ranks of step time (compute stalled on collectives)"
+        );
+        let one = report(vec![record(1.0, &[0]), record(0.5, &[50_000])]);
+        assert!(exposed_comm_summary(&one)
+            .unwrap()
+            .contains(": 10.0% of step time"));
+        assert!(exposed_comm_summary(&report(vec![record(1.0, &[0])])).is_none());
     }
 
     #[test]

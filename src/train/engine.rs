@@ -25,7 +25,10 @@ pub struct RankMemory {
     pub peak_unsharded_param_bytes: usize,
     /// Most FSDP units unsharded (or being gathered) at once in the step, root included.
     pub peak_unsharded_units: usize,
-    /// Microseconds the rank's compute thread waited on FSDP's collectives in the step.
+    /// Microseconds the rank waited on FSDP's collectives in the step: on the CPU its
+    /// compute thread's blocked time; on CUDA also the time its compute stream stood still
+    /// waiting for a collective's event (read without blocking, so a wait still in flight
+    /// counts in a later step's figure).
     pub comm_wait_us: usize,
     /// On a CUDA device: the most device bytes the rank's memory account (its compute and
     /// communication streams) held at once so far; absent on the CPU.
@@ -46,6 +49,18 @@ pub fn device_peak_bytes(device: Device) -> usize {
     }
     let _ = device;
     0
+}
+
+/// On a CUDA device: seconds this rank's streams stood still waiting for collectives since
+/// the last call (`backend::cuda::take_stream_stall_s`: the exposed communication that no
+/// host wait shows, since the host never waits for a collective there); 0 on the CPU.
+fn stream_stall_s(device: Device) -> f64 {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        return crate::backend::cuda::take_stream_stall_s();
+    }
+    let _ = device;
+    0.0
 }
 
 /// Moves every parameter of `m` to `device` (`module.to(device)`); tied parameters stay
@@ -157,6 +172,7 @@ impl Engine {
     pub fn memory(&mut self, rank: usize, opt: &dyn Optimizer) -> RankMemory {
         let optim_state_bytes = opt.state_bytes();
         let device_peak_bytes = device_peak_bytes(self.device());
+        let stall_s = stream_stall_s(self.device());
         match self {
             Engine::Fsdp(m) => {
                 let s = m.memory_stats();
@@ -167,7 +183,7 @@ impl Engine {
                     optim_state_bytes,
                     peak_unsharded_param_bytes: s.peak_unsharded_param_bytes,
                     peak_unsharded_units: s.peak_unsharded_units,
-                    comm_wait_us: (m.runtime_stats().comm_wait_s * 1e6) as usize,
+                    comm_wait_us: ((m.runtime_stats().comm_wait_s + stall_s) * 1e6) as usize,
                     device_peak_bytes,
                 }
             }

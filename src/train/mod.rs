@@ -38,7 +38,7 @@ mod save_dir;
 mod validate;
 
 pub use config::TrainConfig;
-pub use device::{gpu_summary, mfu, peak_flops, TrainDevice};
+pub use device::{exposed_comm_summary, gpu_summary, mfu, peak_flops, TrainDevice};
 pub use engine::{global_mean_loss, mean_over_ranks};
 pub use job::{build_engine, train, Observer, Silent, StepRecord, TrainReport};
 pub use memory::MemoryEstimate;

@@ -141,7 +141,7 @@ pub unsafe extern "C" fn cuEventQuery(event: *mut c_void) -> CUresult {
     // SAFETY: made by cuEventCreate.
     match unsafe { (*(event as *const EventObj)).mark } {
         Some(m) if !queue::is_complete(m) => {
-            queue::complete(m);
+            queue::try_complete(m);
             NOT_READY
         }
         _ => SUCCESS,

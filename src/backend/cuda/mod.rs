@@ -47,6 +47,8 @@ mod ops;
 #[cfg(feature = "cuda")]
 mod optim;
 #[cfg(feature = "cuda")]
+mod stall;
+#[cfg(feature = "cuda")]
 mod stream;
 #[cfg(feature = "cuda")]
 mod tensor;
@@ -67,6 +69,8 @@ pub use nn_ops::*;
 pub use ops::*;
 #[cfg(feature = "cuda")]
 pub use optim::{adam_step, sgd_step, AdamHyper, AdamSlot, SgdHyper, SgdSlot};
+#[cfg(feature = "cuda")]
+pub use stall::{take_stream_stall_s, time_stream_waits};
 #[cfg(feature = "cuda")]
 pub use stream::{Event, Stream};
 #[cfg(feature = "cuda")]

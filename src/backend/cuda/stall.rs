@@ -1,0 +1,77 @@
+//! How long a stream stood still waiting for another: the exposed part of communication on
+//! a GPU. When the compute stream waits for a collective's event ([`Stream::wait_timed`]),
+//! an event is recorded on it just before the wait and one just after; the time between
+//! the two, read once both have completed, is how long the compute stream idled because the
+//! collective was not done yet. Overlapped communication costs (almost) nothing here,
+//! exposed communication all of its remaining time: the figure `fsdp train` reports as
+//! `comm_wait_us` on CUDA and `scripts/gpu-check.sh` as the exposed fraction of a step.
+//!
+//! PyTorch has no counter of its own for this; its profiler traces show the same gaps on
+//! the compute stream. Reading the times never blocks: pairs whose events have not
+//! completed stay until a later read.
+
+use super::stream::{Event, Stream};
+use crate::error::Result;
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+static ENABLED: AtomicBool = AtomicBool::new(true);
+
+thread_local! {
+    /// The (before, after) event pairs of this thread's timed waits not yet read.
+    static PAIRS: RefCell<Vec<(Event, Event)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Turns the timing of stream waits on (the default) or off for the whole process: each
+/// timed wait costs two event records on the waiting stream.
+pub fn time_stream_waits(on: bool) {
+    ENABLED.store(on, Ordering::Relaxed);
+}
+
+impl Stream {
+    /// [`Stream::wait`], timed when [`time_stream_waits`] is on: the stall is added to the
+    /// calling thread's total, read by [`take_stream_stall_s`].
+    ///
+    /// # Errors
+    /// [`Error::Cuda`](crate::Error::Cuda) from the driver.
+    pub fn wait_timed(&self, event: &Event) -> Result<()> {
+        if !ENABLED.load(Ordering::Relaxed) {
+            return self.wait(event);
+        }
+        let before = self.record()?;
+        self.wait(event)?;
+        let after = self.record()?;
+        PAIRS.with(|p| p.borrow_mut().push((before, after)));
+        Ok(())
+    }
+}
+
+/// Seconds the calling thread's streams stood still in [`Stream::wait_timed`] waits whose
+/// events have completed since the last call; waits still in flight are kept for a later
+/// call. Never blocks the host.
+pub fn take_stream_stall_s() -> f64 {
+    PAIRS.with(|p| {
+        let mut pairs = p.borrow_mut();
+        let mut total = 0.0f64;
+        pairs.retain(|(before, after)| {
+            // A pair is read once both events completed; an error reads as "not yet" here
+            // and reaches the caller through its next synchronizing call.
+            if !matches!(after.query(), Ok(true)) || !matches!(before.query(), Ok(true)) {
+                return true;
+            }
+            // SAFETY: both events are live and complete (checked above), so the driver
+            // reads their times without waiting (cudarc's elapsed_ms would synchronize).
+            let ms = unsafe {
+                cudarc::driver::result::event::elapsed(
+                    before.inner.cu_event(),
+                    after.inner.cu_event(),
+                )
+            };
+            if let Ok(ms) = ms {
+                total += f64::from(ms.max(0.0)) / 1e3;
+            }
+            false
+        });
+        total
+    })
+}
