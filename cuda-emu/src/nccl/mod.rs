@@ -172,24 +172,27 @@ pub unsafe extern "C" fn ncclCommGetAsyncError(
     SUCCESS
 }
 
-#[no_mangle]
-pub unsafe extern "C" fn ncclCommCount(comm: *mut c_void, n: *mut c_int) -> NcclResult {
-    // SAFETY: made by ncclCommInitRank.
+/// Writes `f` of the communicator to `out`: the two integer queries below.
+///
+/// # Safety
+/// `comm` is null or made by `ncclCommInitRank`; `out` is null or writable.
+unsafe fn answer(comm: *mut c_void, out: *mut c_int, f: fn(&Shared) -> usize) -> NcclResult {
+    // SAFETY: forwarded.
     match unsafe { shared_of(comm) } {
-        Some(s) if !n.is_null() => unsafe { n.write(s.nranks as c_int) },
+        Some(s) if !out.is_null() => unsafe { out.write(f(&s) as c_int) },
         _ => return INVALID_ARGUMENT,
     }
     SUCCESS
 }
 
 #[no_mangle]
+pub unsafe extern "C" fn ncclCommCount(comm: *mut c_void, n: *mut c_int) -> NcclResult {
+    unsafe { answer(comm, n, |s| s.nranks) }
+}
+
+#[no_mangle]
 pub unsafe extern "C" fn ncclCommUserRank(comm: *mut c_void, r: *mut c_int) -> NcclResult {
-    // SAFETY: made by ncclCommInitRank.
-    match unsafe { shared_of(comm) } {
-        Some(s) if !r.is_null() => unsafe { r.write(s.rank as c_int) },
-        _ => return INVALID_ARGUMENT,
-    }
-    SUCCESS
+    unsafe { answer(comm, r, |s| s.rank) }
 }
 
 #[no_mangle]
