@@ -31,7 +31,7 @@ impl TransformerBlock {
 }
 
 impl Module for TransformerBlock {
-    fn type_name(&self) -> &'static str {
+    fn type_name(&self) -> &str {
         "TransformerBlock"
     }
     fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
@@ -42,6 +42,9 @@ impl Module for TransformerBlock {
     }
     fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
         self.0.for_each_child(f)
+    }
+    fn for_each_param(&mut self, f: &mut fsdp::nn::ParamVisitor<'_>) -> fsdp::Result<()> {
+        fsdp::nn::no_params(f)
     }
 }
 

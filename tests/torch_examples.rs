@@ -166,7 +166,7 @@ fn simple_model_and_big_model_print_pytorchs_values() {
 struct TransformerBlock(Sequential);
 
 impl Module for TransformerBlock {
-    fn type_name(&self) -> &'static str {
+    fn type_name(&self) -> &str {
         "TransformerBlock"
     }
     fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
@@ -177,6 +177,9 @@ impl Module for TransformerBlock {
     }
     fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
         self.0.for_each_child(f)
+    }
+    fn for_each_param(&mut self, f: &mut fsdp::nn::ParamVisitor<'_>) -> fsdp::Result<()> {
+        fsdp::nn::no_params(f)
     }
 }
 

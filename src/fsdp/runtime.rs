@@ -351,7 +351,7 @@ impl FullyShardedDataParallel {
 }
 
 impl Module for FullyShardedDataParallel {
-    fn type_name(&self) -> &'static str {
+    fn type_name(&self) -> &str {
         "FullyShardedDataParallel"
     }
 
@@ -404,5 +404,8 @@ impl Module for FullyShardedDataParallel {
 
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         Some(self)
+    }
+    fn for_each_param(&mut self, f: &mut crate::nn::ParamVisitor<'_>) -> Result<()> {
+        crate::nn::no_params(f)
     }
 }

@@ -21,7 +21,7 @@ impl Sequential {
 }
 
 impl Module for Sequential {
-    fn type_name(&self) -> &'static str {
+    fn type_name(&self) -> &str {
         "Sequential"
     }
     fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
@@ -43,5 +43,8 @@ impl Module for Sequential {
             f(name, l)?;
         }
         Ok(())
+    }
+    fn for_each_param(&mut self, f: &mut super::ParamVisitor<'_>) -> Result<()> {
+        super::no_params(f)
     }
 }

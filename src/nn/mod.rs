@@ -46,7 +46,7 @@ pub use layernorm::LayerNorm;
 pub use linear::Linear;
 pub(crate) use module::visit_all;
 pub use module::{
-    join_name, num_parameters, parameter_shapes, visit_parameters, zero_grad, ChildVisitor,
+    join_name, no_children, no_params, num_parameters, parameter_shapes, visit_parameters, zero_grad, ChildVisitor,
     Context, Module, ParamVisitor,
 };
 pub use parameter::Parameter;

@@ -41,8 +41,9 @@ pub type ParamVisitor<'a> = dyn FnMut(&str, &mut Parameter) -> Result<()> + 'a;
 /// A layer or model with an explicit backward pass (`torch.nn.Module` without autograd).
 pub trait Module: Send {
     /// Type name used by wrap policies (`transformer_auto_wrap_policy` matches it), e.g.
-    /// `"Block"`, `"Linear"`.
-    fn type_name(&self) -> &'static str;
+    /// `"Block"`, `"Linear"`: the class name of the PyTorch module it stands for. The
+    /// containers take any name ([`Sequential::with_type_name`](crate::nn::Sequential::with_type_name)).
+    fn type_name(&self) -> &str;
 
     /// Computes the output; saves activations when `cx.grad_enabled`.
     fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor>;
@@ -55,19 +56,23 @@ pub trait Module: Send {
     /// Visits the parameters registered directly on this module (not its children's), in
     /// registration order, with their local names (`"weight"`).
     ///
+    /// Required, with no default: a module that forgot its parameters would train nothing,
+    /// silently. A module without parameters of its own says so with
+    /// [`no_params`](crate::nn::no_params) (or `Ok(())`).
+    ///
     /// # Errors
     /// The first error `f` returns; the parameters after it are not visited.
-    fn for_each_param(&mut self, f: &mut ParamVisitor<'_>) -> Result<()> {
-        let _ = f;
-        Ok(())
-    }
+    fn for_each_param(&mut self, f: &mut ParamVisitor<'_>) -> Result<()>;
 
     /// Visits the child modules in registration order with their attribute names
     /// (`"blocks.0"`). Children are boxed so a wrap policy can replace one by an FSDP unit.
-    fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
-        let _ = f;
-        Ok(())
-    }
+    ///
+    /// Required, with no default (a forgotten child's parameters would never train); a leaf
+    /// module says so with [`no_children`](crate::nn::no_children) (or `Ok(())`).
+    ///
+    /// # Errors
+    /// The first error `f` returns; the children after it are not visited.
+    fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()>;
 
     /// True for an FSDP unit: it owns the parameters below it, so an enclosing unit does
     /// not flatten them. Also transparent in names: its child is visited under its own name.
@@ -79,6 +84,33 @@ pub trait Module: Send {
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         None
     }
+}
+
+/// The [`Module::for_each_param`] of a module without parameters of its own (`ReLU`, a
+/// container): visits nothing.
+///
+/// ```
+/// use fsdp::nn::{no_params, ParamVisitor};
+/// let mut seen = 0;
+/// let f: &mut ParamVisitor<'_> = &mut |_, _| { seen += 1; Ok(()) };
+/// no_params(f).unwrap();
+/// assert_eq!(seen, 0);
+/// ```
+///
+/// # Errors
+/// None; the `Result` matches the trait method.
+pub fn no_params(f: &mut ParamVisitor<'_>) -> Result<()> {
+    let _ = f;
+    Ok(())
+}
+
+/// The [`Module::for_each_child`] of a leaf module: visits nothing.
+///
+/// # Errors
+/// None; the `Result` matches the trait method.
+pub fn no_children(f: &mut ChildVisitor<'_>) -> Result<()> {
+    let _ = f;
+    Ok(())
 }
 
 /// Joins a module path and a name with a dot (`"blocks.0" + "weight"`); empty parts vanish.
