@@ -14,7 +14,8 @@
 //! | [`Embedding`] | `embedding.rs` | `nn.Embedding` |
 //! | [`CausalSelfAttention`] | `attention.rs` | `F.scaled_dot_product_attention(is_causal=True)` |
 //! | [`MLP`], [`Block`] | `transformer.rs` | GPT-2 block |
-//! | [`Sequential`] | `container.rs` | `nn.Sequential` |
+//! | [`Sequential`], [`ModuleList`], [`ModuleDict`] (named children, settable type name) | `container.rs` | `nn.Sequential`, `nn.ModuleList`, `nn.ModuleDict` |
+//! | [`state_dict()`], [`load_state_dict`], [`FullStateDict`], [`IncompatibleKeys`] | `state_dict.rs` | `nn.Module.state_dict`, `load_state_dict(strict)`, `_IncompatibleKeys` |
 //! | [`GPT`] | `gpt.rs` | nanoGPT's `GPT` |
 //! | [`loss`] | `loss.rs` | `F.cross_entropy`, `F.mse_loss`, `.sum()` |
 //! | [`InitKey`] | `init.rs` | counter-based init (the default; any shard alone) |
@@ -32,12 +33,13 @@ mod linear;
 pub mod loss;
 mod module;
 mod parameter;
+pub(crate) mod state_dict;
 pub mod torch_rng;
 mod transformer;
 
 pub use activation::{gelu, gelu_grad, relu, relu_grad, ReLU, GELU};
 pub use attention::CausalSelfAttention;
-pub use container::Sequential;
+pub use container::{ModuleDict, ModuleList, Sequential};
 pub use device::module_to_device;
 pub use embedding::{embedding_backward, embedding_lookup, Embedding};
 pub use gpt::{GptConfig, GPT};
@@ -46,9 +48,10 @@ pub use layernorm::LayerNorm;
 pub use linear::Linear;
 pub(crate) use module::visit_all;
 pub use module::{
-    join_name, no_children, no_params, num_parameters, parameter_shapes, visit_parameters, zero_grad, ChildVisitor,
-    Context, Module, ParamVisitor,
+    join_name, no_children, no_params, num_parameters, parameter_shapes, visit_parameters,
+    zero_grad, ChildVisitor, Context, Module, ParamVisitor,
 };
 pub use parameter::Parameter;
+pub use state_dict::{load_state_dict, state_dict, FullStateDict, IncompatibleKeys};
 pub use torch_rng::TorchGenerator;
 pub use transformer::{Block, MLP};

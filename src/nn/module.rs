@@ -5,7 +5,7 @@
 //! in order and backward in reverse. An FSDP unit is itself a `Module` wrapping another, so
 //! FSDP's pre/post hooks are plain code around the inner calls (see `crate::fsdp`).
 
-use super::Parameter;
+use super::{FullStateDict, IncompatibleKeys, Parameter};
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -82,6 +82,24 @@ pub trait Module: Send {
 
     /// Downcasting hook: FSDP units return themselves so the root can find nested units.
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        None
+    }
+
+    /// The state dict of a module that keeps its parameters elsewhere (an FSDP root: in
+    /// shards), for [`state_dict`](crate::nn::state_dict()); `None` (the default): the
+    /// parameters it visits are its state dict.
+    fn state_dict_override(&mut self) -> Option<Result<FullStateDict>> {
+        None
+    }
+
+    /// The load of such a module, for [`load_state_dict`](crate::nn::load_state_dict);
+    /// `sd` holds f32 tensors. `None` (the default): the parameters it visits are loaded.
+    fn load_state_dict_override(
+        &mut self,
+        sd: &FullStateDict,
+        strict: bool,
+    ) -> Option<Result<IncompatibleKeys>> {
+        let _ = (sd, strict);
         None
     }
 }
