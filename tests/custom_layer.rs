@@ -36,20 +36,20 @@ fn randt(seed: u64, shape: &[usize]) -> Result<Tensor> {
     Tensor::from_vec(rand_vec(seed, shape.iter().product()), shape)
 }
 
+/// An op of several inputs.
+type Op<'a> = &'a dyn Fn(&[Tensor]) -> Result<Tensor>;
+/// Its backward: `(dy, inputs) -> d inputs`.
+type Backward<'a> = &'a dyn Fn(&Tensor, &[Tensor]) -> Result<Vec<Tensor>>;
+
 /// `L(xs) = sum(f(xs) * r)` in f64.
-fn loss(f: &dyn Fn(&[Tensor]) -> Result<Tensor>, xs: &[Tensor], r: &[f32]) -> Result<f64> {
+fn loss(f: Op<'_>, xs: &[Tensor], r: &[f32]) -> Result<f64> {
     let y = f(xs)?.to_vec_f32()?;
     Ok(y.iter().zip(r).map(|(&a, &b)| a as f64 * b as f64).sum())
 }
 
 /// Checks `grads` (the analytic gradient of `L` for each input, given `dy = r`) against
 /// central differences of `L`.
-fn gradcheck(
-    what: &str,
-    f: &dyn Fn(&[Tensor]) -> Result<Tensor>,
-    back: &dyn Fn(&Tensor, &[Tensor]) -> Result<Vec<Tensor>>,
-    xs: Vec<Tensor>,
-) -> Result<()> {
+fn gradcheck(what: &str, f: Op<'_>, back: Backward<'_>, xs: Vec<Tensor>) -> Result<()> {
     let y = f(&xs)?;
     let r = randt(99, y.shape())?;
     let grads = back(&r, &xs)?;
