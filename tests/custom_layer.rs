@@ -15,25 +15,15 @@ use fsdp::tensor::{DType, Tensor};
 use fsdp::{Error, Result};
 use std::path::Path;
 
-const REFS: &str = "tests/torch_ref/modules";
+mod common;
+
+use common::MODULE_REFS as REFS;
 
 // ---------------------------------------------------------------------------------------
 // Finite-difference checks of each op's backward helper.
 
-fn rand_vec(seed: u64, n: usize) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
-
 fn randt(seed: u64, shape: &[usize]) -> Result<Tensor> {
-    Tensor::from_vec(rand_vec(seed, shape.iter().product()), shape)
+    Tensor::from_vec(common::values(seed, shape.iter().product()), shape)
 }
 
 /// An op of several inputs.
@@ -108,7 +98,7 @@ fn broadcast_arithmetic_matches_finite_differences() -> Result<()> {
         )?;
         // Divisors away from 0: 1.5 + [-1, 1).
         let b = Tensor::from_vec(
-            rand_vec(3, sb.iter().product())
+            common::values(3, sb.iter().product())
                 .iter()
                 .map(|v| v + 1.5)
                 .collect(),
@@ -338,38 +328,10 @@ fn residual_model(seed: u64) -> Result<Sequential> {
     ])
 }
 
-fn refs() -> serde_json::Value {
-    let text = std::fs::read_to_string(Path::new(REFS).join("module_refs.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
-}
-
-fn f32s(v: &serde_json::Value) -> Vec<f32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap() as f32)
-        .collect()
-}
-
-fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    let (i, err) = got
-        .iter()
-        .zip(want)
-        .map(|(a, b)| (a - b).abs() / (1.0 + b.abs()))
-        .enumerate()
-        .fold((0, 0.0f32), |m, (i, e)| if e > m.1 { (i, e) } else { m });
-    assert!(
-        err <= tol,
-        "{what}: element {i}: got {}, PyTorch {} (error {err:e}, tolerance {tol:e})",
-        got[i],
-        want[i]
-    );
-}
-
 #[test]
 fn residual_mlp_loads_pytorch_weights_and_matches_its_output_and_gradients() -> Result<()> {
-    let r = &refs()["residual_mlp"];
+    let refs = common::module_refs();
+    let r = &refs["residual_mlp"];
     let mut m = residual_model(0)?;
     let names: Vec<String> = nn::parameter_shapes(&mut m)
         .into_iter()
@@ -381,9 +343,15 @@ fn residual_mlp_loads_pytorch_weights_and_matches_its_output_and_gradients() -> 
         fsdp::checkpoint::load_state_dict_file(&Path::new(REFS).join("residual_mlp.safetensors"))?;
     let skipped = nn::load_state_dict(&mut m, &sd, true)?;
     assert_eq!(skipped, nn::IncompatibleKeys::default());
-    let x = Tensor::from_vec(f32s(&r["x"]), &[4, 6])?;
+    let x = Tensor::from_vec(common::json_f32s(&r["x"]), &[4, 6])?;
     let y = m.forward(&x, &Context::train())?;
-    assert_close("forward", &y.to_vec_f32()?, &f32s(&r["y"]), 1e-6);
+    common::assert_close(
+        "forward",
+        &y.to_vec_f32()?,
+        &common::json_f32s(&r["y"]),
+        1e-6,
+        1e-6,
+    );
     m.backward(
         &Tensor::from_vec(vec![1.0f32; 12], &[4, 3])?,
         &Context::train(),
@@ -394,12 +362,8 @@ fn residual_mlp_loads_pytorch_weights_and_matches_its_output_and_gradients() -> 
         Ok(())
     })?;
     for (n, g) in grads {
-        assert_close(
-            &format!("grad {n}"),
-            &g.unwrap(),
-            &f32s(&r["grads"][&n]),
-            1e-5,
-        );
+        let want = common::json_f32s(&r["grads"][&n]);
+        common::assert_close(&format!("grad {n}"), &g.unwrap(), &want, 1e-5, 1e-5);
     }
     // The same weights saved as bf16 load into the f32 parameters, rounded.
     let sd = fsdp::checkpoint::load_state_dict_file(
@@ -408,10 +372,12 @@ fn residual_mlp_loads_pytorch_weights_and_matches_its_output_and_gradients() -> 
     assert!(sd.tensors.iter().all(|(_, t)| t.dtype() == DType::BF16));
     nn::load_state_dict(&mut m, &sd, true)?;
     let y = m.forward(&x, &Context::eval())?;
-    assert_close(
+    let want = common::json_f32s(&r["y_bf16"]);
+    common::assert_close(
         "forward of bf16 weights",
         &y.to_vec_f32()?,
-        &f32s(&r["y_bf16"]),
+        &want,
+        1e-6,
         1e-6,
     );
     Ok(())
@@ -487,7 +453,7 @@ fn residual_mlp_trains_under_fsdp_as_unsharded() -> Result<()> {
         assert_eq!(got.len(), want.len());
         for ((gn, gv), (wn, wv)) in got.iter().zip(&want) {
             assert_eq!(gn, wn);
-            assert_close(&format!("world {w}: {gn}"), gv, wv, 1e-6);
+            common::assert_close(&format!("world {w}: {gn}"), gv, wv, 1e-6, 1e-6);
         }
     }
     // It trained: every parameter moved.

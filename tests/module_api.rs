@@ -14,23 +14,12 @@ use fsdp::tensor::Tensor;
 use fsdp::{Error, Result};
 use std::path::Path;
 
-const REFS: &str = "tests/torch_ref/modules";
+mod common;
 
-fn refs() -> serde_json::Value {
-    let text = std::fs::read_to_string(Path::new(REFS).join("module_refs.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
-}
+use common::MODULE_REFS as REFS;
 
 fn strings(v: &serde_json::Value) -> Vec<String> {
     serde_json::from_value(v.clone()).unwrap()
-}
-
-fn f32s(v: &serde_json::Value) -> Vec<f32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap() as f32)
-        .collect()
 }
 
 fn names(m: &mut dyn Module) -> Vec<String> {
@@ -151,7 +140,7 @@ fn mlp(a: usize, b: usize, c: usize, k: &InitKey) -> Result<Sequential> {
 
 #[test]
 fn the_seed_examples_have_pytorch_parameter_names() -> Result<()> {
-    let r = refs();
+    let r = common::module_refs();
     let want = &r["seed_example_names"];
     let k = InitKey::new(0);
     assert_eq!(
@@ -220,7 +209,7 @@ fn nanogpt_config(r: &serde_json::Value) -> GptConfig {
 
 #[test]
 fn nanogpt_from_named_containers_has_its_names_and_loads_its_file() -> Result<()> {
-    let r = &refs()["nanogpt"];
+    let r = &common::module_refs()["nanogpt"];
     let c = nanogpt_config(r);
     let mut tree = nanogpt_tree(c)?;
     assert_eq!(names(&mut tree), strings(&r["names"]));
@@ -257,17 +246,17 @@ fn nanogpt_from_named_containers_has_its_names_and_loads_its_file() -> Result<()
         .map(|v| v.as_i64().unwrap() as i32)
         .collect();
     let logits = gpt.forward(&Tensor::from_vec(ids, &[2, 5])?, &Context::eval())?;
-    let err = max_err(&logits.to_vec_f32()?, &f32s(&r["logits"]));
+    let err = max_err(&logits.to_vec_f32()?, &common::json_f32s(&r["logits"]));
     assert!(err <= 1e-5, "GPT logits against PyTorch's: error {err:e}");
     Ok(())
 }
 
 #[test]
 fn transformer_blocks_load_a_pytorch_file_and_wrap_by_type_name() -> Result<()> {
-    let r = refs();
+    let r = common::module_refs();
     let r = &r["transformer_blocks"];
-    let x = f32s(&r["x"]);
-    let want = f32s(&r["y"]);
+    let x = common::json_f32s(&r["x"]);
+    let want = common::json_f32s(&r["y"]);
     let outs = launch(&LaunchOptions::new(2), |pg| {
         let mut m = transformer_blocks(8, 3, &InitKey::new(5))?;
         assert_eq!(names(&mut m), strings(&r["names"]));

@@ -138,6 +138,30 @@ macro_rules! container_methods {
     };
 }
 
+/// The `Module` of a container that holds children for its parent's forward and has none
+/// itself (`nn.ModuleList`, `nn.ModuleDict`: calling one raises `NotImplementedError`).
+macro_rules! holder_module {
+    ($t:ident) => {
+        impl Module for $t {
+            fn type_name(&self) -> &str {
+                &self.c.type_name
+            }
+            fn forward(&mut self, _: &Tensor, _: &Context) -> Result<Tensor> {
+                Err(self.c.no_forward(stringify!($t)))
+            }
+            fn backward(&mut self, _: &Tensor, _: &Context) -> Result<Tensor> {
+                Err(self.c.no_forward(stringify!($t)))
+            }
+            fn for_each_param(&mut self, f: &mut ParamVisitor<'_>) -> Result<()> {
+                super::no_params(f)
+            }
+            fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
+                self.c.visit(f)
+            }
+        }
+    };
+}
+
 /// Children run forward in order and backward in reverse (`torch.nn.Sequential`). Named
 /// `"0"`, `"1"`, ... ([`Sequential::new`]) or by the names given ([`Sequential::named`],
 /// `nn.Sequential(OrderedDict([...]))`).
@@ -253,23 +277,7 @@ impl ModuleList {
 
 container_methods!(ModuleList);
 
-impl Module for ModuleList {
-    fn type_name(&self) -> &str {
-        &self.c.type_name
-    }
-    fn forward(&mut self, _: &Tensor, _: &Context) -> Result<Tensor> {
-        Err(self.c.no_forward("ModuleList"))
-    }
-    fn backward(&mut self, _: &Tensor, _: &Context) -> Result<Tensor> {
-        Err(self.c.no_forward("ModuleList"))
-    }
-    fn for_each_param(&mut self, f: &mut ParamVisitor<'_>) -> Result<()> {
-        super::no_params(f)
-    }
-    fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
-        self.c.visit(f)
-    }
-}
+holder_module!(ModuleList);
 
 /// Children by name in insertion order, held for a parent's own forward
 /// (`torch.nn.ModuleDict`: nanoGPT's `transformer = nn.ModuleDict(dict(wte=..., h=...))`
@@ -314,20 +322,4 @@ impl ModuleDict {
 
 container_methods!(ModuleDict);
 
-impl Module for ModuleDict {
-    fn type_name(&self) -> &str {
-        &self.c.type_name
-    }
-    fn forward(&mut self, _: &Tensor, _: &Context) -> Result<Tensor> {
-        Err(self.c.no_forward("ModuleDict"))
-    }
-    fn backward(&mut self, _: &Tensor, _: &Context) -> Result<Tensor> {
-        Err(self.c.no_forward("ModuleDict"))
-    }
-    fn for_each_param(&mut self, f: &mut ParamVisitor<'_>) -> Result<()> {
-        super::no_params(f)
-    }
-    fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
-        self.c.visit(f)
-    }
-}
+holder_module!(ModuleDict);
