@@ -17,6 +17,7 @@
 //! | [`Sequential`], [`ModuleList`], [`ModuleDict`] (named children, settable type name) | `container.rs` | `nn.Sequential`, `nn.ModuleList`, `nn.ModuleDict` |
 //! | [`state_dict()`], [`load_state_dict`], [`FullStateDict`], [`IncompatibleKeys`] | `state_dict.rs` | `nn.Module.state_dict`, `load_state_dict(strict)`, `_IncompatibleKeys` |
 //! | [`GPT`] | `gpt.rs` | nanoGPT's `GPT` |
+//! | a custom layer ([`Module`]'s example) | [`crate::ops`]: [`mm`](crate::ops::mm) with transposes, [`sub`](crate::ops::sub) / [`mul`](crate::ops::mul) / [`div`](crate::ops::div) with broadcasting, [`sum_dim`](crate::ops::sum_dim) / [`mean_dim`](crate::ops::mean_dim), [`cat`](crate::ops::cat) / [`split`](crate::ops::split), each with a backward helper (CPU) | `torch.matmul`, `sub`, `mul`, `div`, `sum`, `mean`, `cat`, `split` |
 //! | [`loss`] | `loss.rs` | `F.cross_entropy`, `F.mse_loss`, `.sum()` |
 //! | [`InitKey`] | `init.rs` | counter-based init (the default; any shard alone) |
 //! | [`TorchGenerator`], [`torch_rng`] | `torch_rng.rs` | `torch.manual_seed`, CPU `uniform_`/`normal_`/`randn`/`randperm`, default inits |

@@ -39,6 +39,44 @@ pub type ChildVisitor<'a> = dyn FnMut(&str, &mut Box<dyn Module>) -> Result<()> 
 pub type ParamVisitor<'a> = dyn FnMut(&str, &mut Parameter) -> Result<()> + 'a;
 
 /// A layer or model with an explicit backward pass (`torch.nn.Module` without autograd).
+///
+/// A custom layer holds its [`Parameter`]s and lists them in `for_each_param` (and its
+/// child modules in `for_each_child`: neither has a default), and computes with
+/// [`crate::ops`]:
+///
+/// ```
+/// use fsdp::nn::{no_children, parameter_shapes, ChildVisitor, Context, Module, ParamVisitor, Parameter};
+/// use fsdp::{ops, tensor::Tensor, Error, Result};
+///
+/// /// `y = x * scale`, `scale (C)` broadcast over the rows of `x (.., C)`.
+/// struct Scale { scale: Parameter, saved: Option<Tensor> }
+///
+/// impl Module for Scale {
+///     fn type_name(&self) -> &str { "Scale" }
+///     fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
+///         if cx.grad_enabled { self.saved = Some(x.clone()); }
+///         ops::mul(x, self.scale.data()?)
+///     }
+///     fn backward(&mut self, dy: &Tensor, _: &Context) -> Result<Tensor> {
+///         let x = self.saved.take().ok_or(Error::NoSavedForward { module: "Scale" })?;
+///         let (dx, ds) = ops::mul_backward(dy, &x, self.scale.data()?)?;
+///         if let Some(g) = self.scale.grad_for_accumulate()? { ops::add_(g, &ds)?; }
+///         Ok(dx)
+///     }
+///     fn for_each_param(&mut self, f: &mut ParamVisitor<'_>) -> Result<()> {
+///         f("scale", &mut self.scale)
+///     }
+///     fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> { no_children(f) }
+/// }
+///
+/// let mut m = Scale { scale: Parameter::new("scale", Tensor::from_vec(vec![2.0f32, 3.0], &[2])?), saved: None };
+/// let x = Tensor::from_vec(vec![1.0f32, 1.0, 2.0, 2.0], &[2, 2])?;
+/// assert_eq!(m.forward(&x, &Context::train())?.to_vec_f32()?, [2.0, 3.0, 4.0, 6.0]);
+/// m.backward(&Tensor::from_vec(vec![1.0f32; 4], &[2, 2])?, &Context::train())?;
+/// assert_eq!(m.scale.grad().unwrap().to_vec_f32()?, [3.0, 3.0]);
+/// assert_eq!(parameter_shapes(&mut m), [("scale".to_string(), vec![2])]);
+/// # Ok::<(), fsdp::Error>(())
+/// ```
 pub trait Module: Send {
     /// Type name used by wrap policies (`transformer_auto_wrap_policy` matches it), e.g.
     /// `"Block"`, `"Linear"`: the class name of the PyTorch module it stands for. The
