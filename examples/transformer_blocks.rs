@@ -14,35 +14,21 @@
 use fsdp::distributed::{launch, LaunchOptions};
 use fsdp::error::Result;
 use fsdp::fsdp::{transformer_auto_wrap_policy, FsdpConfig, FullyShardedDataParallel};
-use fsdp::nn::{ChildVisitor, Context, InitKey, Linear, Module, ReLU, Sequential};
-use fsdp::tensor::Tensor;
+use fsdp::nn::{Context, InitKey, Linear, Module, ReLU, Sequential};
 
-/// Linear(512, 512) - ReLU - Linear(512, 512), a type of its own so the policy can match it.
-struct TransformerBlock(Sequential);
-
-impl TransformerBlock {
-    fn new(k: &InitKey) -> Result<Self> {
-        Ok(TransformerBlock(Sequential::new(vec![
-            Box::new(Linear::new(512, 512, true, &k.child("0"))?),
-            Box::new(ReLU::new()),
-            Box::new(Linear::new(512, 512, true, &k.child("2"))?),
-        ])))
-    }
-}
-
-impl Module for TransformerBlock {
-    fn type_name(&self) -> &'static str {
-        "TransformerBlock"
-    }
-    fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
-        self.0.forward(x, cx)
-    }
-    fn backward(&mut self, g: &Tensor, cx: &Context) -> Result<Tensor> {
-        self.0.backward(g, cx)
-    }
-    fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
-        self.0.for_each_child(f)
-    }
+/// PyTorch's `TransformerBlock`: `self.net = nn.Sequential(Linear(512, 512), ReLU(),
+/// Linear(512, 512))`, built from named containers: its parameters are named
+/// `{i}.net.0.weight` as in PyTorch, and its type name is what the policy matches.
+fn transformer_block(k: &InitKey) -> Result<Box<dyn Module>> {
+    let net = Sequential::new(vec![
+        Box::new(Linear::new(512, 512, true, &k.child("0"))?),
+        Box::new(ReLU::new()),
+        Box::new(Linear::new(512, 512, true, &k.child("2"))?),
+    ]);
+    let net: Box<dyn Module> = Box::new(net);
+    Ok(Box::new(
+        Sequential::named(vec![("net", net)])?.with_type_name("TransformerBlock"),
+    ))
 }
 
 fn main() -> std::process::ExitCode {
@@ -55,7 +41,7 @@ fn run() -> Result<()> {
         let k = InitKey::torch(0);
         let mut layers: Vec<Box<dyn Module>> = Vec::new();
         for i in 0..4 {
-            layers.push(Box::new(TransformerBlock::new(&k.child(&i.to_string()))?));
+            layers.push(transformer_block(&k.child(&i.to_string()))?);
         }
         layers.push(Box::new(Linear::new(512, 10, true, &k.child("4"))?));
         let cfg = FsdpConfig {

@@ -30,7 +30,7 @@ struct RepeatedHead {
 }
 
 impl Module for RepeatedHead {
-    fn type_name(&self) -> &'static str {
+    fn type_name(&self) -> &str {
         "RepeatedHead"
     }
     fn forward(&mut self, x: &Tensor, cx: &Context) -> fsdp::Result<Tensor> {
@@ -47,6 +47,9 @@ impl Module for RepeatedHead {
     fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> fsdp::Result<()> {
         f("trunk", &mut self.trunk)?;
         f("head", &mut self.head)
+    }
+    fn for_each_param(&mut self, f: &mut fsdp::nn::ParamVisitor<'_>) -> fsdp::Result<()> {
+        fsdp::nn::no_params(f)
     }
 }
 

@@ -322,7 +322,7 @@ fn a_unit_unused_in_a_step_gets_no_gradient_and_the_rest_matches() {
         use_b: bool,
     }
     impl Module for AB {
-        fn type_name(&self) -> &'static str {
+        fn type_name(&self) -> &str {
             "AB"
         }
         fn forward(&mut self, x: &Tensor, cx: &Context) -> fsdp::Result<Tensor> {
@@ -347,6 +347,9 @@ fn a_unit_unused_in_a_step_gets_no_gradient_and_the_rest_matches() {
         }
         fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
             Some(self)
+        }
+        fn for_each_param(&mut self, f: &mut fsdp::nn::ParamVisitor<'_>) -> fsdp::Result<()> {
+            fsdp::nn::no_params(f)
         }
     }
     let build = || AB {

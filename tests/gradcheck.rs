@@ -386,7 +386,7 @@ fn all_modules() -> Result<Vec<(Box<dyn Module>, Tensor)>> {
 fn backward_without_forward_is_an_error() -> Result<()> {
     let fresh = all_modules()?;
     for ((mut m, x), (mut fresh, _)) in all_modules()?.into_iter().zip(fresh) {
-        let name = m.type_name();
+        let name = m.type_name().to_string();
         let dy = randt(2, m.forward(&x, &Context::eval())?.shape(), 1.0)?;
         let no_saved = |r: Result<Tensor>| matches!(r, Err(Error::NoSavedForward { .. }));
         let err = fresh.backward(&dy, &Context::train());

@@ -10,9 +10,8 @@ use fsdp::fsdp::{
     transformer_auto_wrap_policy, CpuOffload, FsdpConfig, FullyShardedDataParallel,
     ShardingStrategy,
 };
-use fsdp::nn::{loss, ChildVisitor, Context, InitKey, Linear, Module, ReLU, Sequential};
+use fsdp::nn::{loss, Context, InitKey, Linear, Module, ReLU, Sequential};
 use fsdp::optim::{Adam, AdamConfig, Optimizer};
-use fsdp::tensor::Tensor;
 use fsdp::Result;
 
 /// PyTorch's printout of example `name` at world size `w`: the numbers after `key` (`sum`,
@@ -163,21 +162,14 @@ fn simple_model_and_big_model_print_pytorchs_values() {
     }
 }
 
-struct TransformerBlock(Sequential);
-
-impl Module for TransformerBlock {
-    fn type_name(&self) -> &'static str {
-        "TransformerBlock"
-    }
-    fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
-        self.0.forward(x, cx)
-    }
-    fn backward(&mut self, g: &Tensor, cx: &Context) -> Result<Tensor> {
-        self.0.backward(g, cx)
-    }
-    fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
-        self.0.for_each_child(f)
-    }
+/// PyTorch's `TransformerBlock` (`self.net = nn.Sequential(...)`): a named container
+/// with the class name the policy matches, so its parameters are `{i}.net.0.weight` as in
+/// PyTorch.
+fn transformer_block(net: Sequential) -> Result<Box<dyn Module>> {
+    let net: Box<dyn Module> = Box::new(net);
+    Ok(Box::new(
+        Sequential::named(vec![("net", net)])?.with_type_name("TransformerBlock"),
+    ))
 }
 
 #[test]
@@ -188,7 +180,7 @@ fn transformer_blocks_print_pytorchs_values() {
             let mut layers: Vec<Box<dyn Module>> = Vec::new();
             for i in 0..4 {
                 let b = mlp(&k.child(&i.to_string()), [512, 512, 512])?;
-                layers.push(Box::new(TransformerBlock(b)));
+                layers.push(transformer_block(b)?);
             }
             layers.push(Box::new(Linear::new(512, 10, true, &k.child("4"))?));
             let cfg = FsdpConfig {

@@ -97,8 +97,11 @@ pub fn save_state_dict_file(path: &Path, sd: &FullStateDict) -> Result<()> {
 }
 
 /// Reads a safetensors file as a full state dict (any safetensors file of f32, bf16, f16 or
-/// i32 tensors; its checksum is checked when it has one). Load it with
-/// `model.load_state_dict(&StateDict::Full(sd), strict)` on every rank.
+/// i32 tensors; its checksum is checked when it has one), keys sorted: one PyTorch wrote
+/// with `safetensors.torch.save_file(model.state_dict(), path)` too. Load it into any
+/// module with [`crate::nn::load_state_dict`] (bf16 and f16 converted to the parameters'
+/// f32), or into an FSDP model with `model.load_state_dict(&StateDict::Full(sd), strict)`
+/// on every rank.
 ///
 /// # Errors
 /// As [`read_tensors`].

@@ -275,7 +275,7 @@ impl HostModule {
 }
 
 impl Module for HostModule {
-    fn type_name(&self) -> &'static str {
+    fn type_name(&self) -> &str {
         if self.is_unit {
             UNIT_TYPE
         } else {

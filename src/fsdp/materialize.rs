@@ -44,7 +44,7 @@ pub(super) fn call_param_init_fn(
 struct HiddenUnit;
 
 impl Module for HiddenUnit {
-    fn type_name(&self) -> &'static str {
+    fn type_name(&self) -> &str {
         "FsdpUnitHiddenDuringInit"
     }
     fn forward(&mut self, _: &Tensor, _: &Context) -> Result<Tensor> {
@@ -57,6 +57,12 @@ impl Module for HiddenUnit {
     }
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         Some(self)
+    }
+    fn for_each_param(&mut self, f: &mut crate::nn::ParamVisitor<'_>) -> Result<()> {
+        crate::nn::no_params(f)
+    }
+    fn for_each_child(&mut self, f: &mut crate::nn::ChildVisitor<'_>) -> Result<()> {
+        crate::nn::no_children(f)
     }
 }
 

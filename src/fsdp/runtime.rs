@@ -362,7 +362,7 @@ impl FullyShardedDataParallel {
 }
 
 impl Module for FullyShardedDataParallel {
-    fn type_name(&self) -> &'static str {
+    fn type_name(&self) -> &str {
         "FullyShardedDataParallel"
     }
 
@@ -415,5 +415,22 @@ impl Module for FullyShardedDataParallel {
 
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         Some(self)
+    }
+    fn for_each_param(&mut self, f: &mut crate::nn::ParamVisitor<'_>) -> Result<()> {
+        crate::nn::no_params(f)
+    }
+
+    /// FULL_STATE_DICT on every rank (a collective), on the device of the shards.
+    fn state_dict_override(&mut self) -> Option<Result<crate::nn::FullStateDict>> {
+        Some(self.full_state_dict(super::FullStateDictConfig::default()))
+    }
+
+    /// A full state dict, given whole on every rank; each keeps its shard.
+    fn load_state_dict_override(
+        &mut self,
+        sd: &crate::nn::FullStateDict,
+        strict: bool,
+    ) -> Option<Result<crate::nn::IncompatibleKeys>> {
+        Some(self.load_state_dict(&super::StateDict::Full(sd.clone()), strict))
     }
 }

@@ -46,7 +46,9 @@ impl FullyShardedDataParallel {
     /// computes only its shard), or with `sync_module_states` (rank 0's values broadcast).
     ///
     /// # Errors
-    /// `NotMaterialized` when a parameter has no data; `Fsdp` for non-f32 parameters, for
+    /// `Fsdp` when the module has no parameters (ignored modules aside; see [Note: a model
+    /// without parameters] in `wrapping.rs`). `NotMaterialized` when a parameter has no
+    /// data; `Fsdp` for non-f32 parameters, for
     /// hybrid groups that do not cover `pg`, and for a `device_mesh` that is not 2-D, comes
     /// with `hybrid_groups` or `ranks_per_node`, or with a non-hybrid strategy.
     pub fn new(mut module: Box<dyn Module>, pg: Group, config: FsdpConfig) -> Result<Self> {
@@ -97,6 +99,7 @@ impl FullyShardedDataParallel {
                 "ignored_modules: the model has no submodule '{bad}'"
             )));
         }
+        check_has_parameters(module.as_mut(), &rs)?;
         let mut all = Vec::new();
         let mut meta_ignored = None;
         visit_all(module.as_mut(), |name, p| {
@@ -340,11 +343,51 @@ fn wrap_children(
         }
         wrap_children(child.as_mut(), &fqn, policy, rs, seen)?;
         if !child.is_fsdp_unit() && policy.should_wrap(child.as_mut()) {
+            warn_if_empty(child.as_mut(), &fqn, rs);
             let inner = std::mem::replace(child, Box::new(Sequential::new(Vec::new())));
             *child = Box::new(FullyShardedDataParallel::wrap_one(inner, &fqn, rs, seen)?);
         }
         Ok(())
     })
+}
+
+/// [Note: a model without parameters] A `Module` whose `for_each_param` or
+/// `for_each_child` leaves out what it holds trains nothing, and nothing else would say
+/// so. FSDP1 wraps a module without parameters without complaint (its unit gets no
+/// FlatParameter); here the root refuses it: a model with no parameter at all (ignored
+/// modules aside) is an `Fsdp` error naming its type. An auto-wrapped submodule without
+/// parameters of its own is still wrapped, as FSDP1 does (so unit counts match PyTorch's),
+/// with a warning on stderr from rank 0, since such a unit has nothing to shard.
+fn check_has_parameters(module: &mut dyn Module, rs: &RankState) -> Result<()> {
+    let mut n = 0;
+    visit_all(module, |name, _| n += usize::from(!rs.is_ignored(name)));
+    if n > 0 {
+        return Ok(());
+    }
+    Err(Error::Fsdp(format!(
+        "the module to wrap ('{}', the root) has no parameters{}: there is nothing to shard or train. If it holds layers, its Module::for_each_param / for_each_child must visit them (see [Note: a model without parameters])",
+        module.type_name(),
+        if rs.ignored.is_empty() {
+            ""
+        } else {
+            " outside ignored_modules"
+        }
+    )))
+}
+
+/// The warning of [Note: a model without parameters] for an auto-wrapped submodule.
+fn warn_if_empty(module: &mut dyn Module, fqn: &str, rs: &RankState) {
+    let mut n = 0;
+    let walked = visit_parameters(module, fqn, true, &mut |name, _| {
+        n += usize::from(!rs.is_ignored(name));
+        Ok(())
+    });
+    if walked.is_ok() && n == 0 && rs.pg.rank() == 0 {
+        eprintln!(
+            "fsdp: warning: auto_wrap_policy wraps '{fqn}' ({}), which has no parameters of its own: its FSDP unit shards nothing (as in PyTorch); if it holds layers, its Module::for_each_param / for_each_child must visit them",
+            module.type_name()
+        );
+    }
 }
 
 /// Fully qualified names of every submodule below `m` (`named_modules()` without the root).

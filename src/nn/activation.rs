@@ -40,7 +40,7 @@ impl<F: PointwiseFn> Default for Pointwise<F> {
 }
 
 impl<F: PointwiseFn> Module for Pointwise<F> {
-    fn type_name(&self) -> &'static str {
+    fn type_name(&self) -> &str {
         F::NAME
     }
 
@@ -58,6 +58,12 @@ impl<F: PointwiseFn> Module for Pointwise<F> {
             .take()
             .ok_or(Error::NoSavedForward { module: F::NAME })?;
         ops::pointwise_backward(F::OP, &x, dy)
+    }
+    fn for_each_param(&mut self, f: &mut super::ParamVisitor<'_>) -> Result<()> {
+        super::no_params(f)
+    }
+    fn for_each_child(&mut self, f: &mut super::ChildVisitor<'_>) -> Result<()> {
+        super::no_children(f)
     }
 }
 

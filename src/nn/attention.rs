@@ -89,7 +89,7 @@ impl CausalSelfAttention {
 }
 
 impl Module for CausalSelfAttention {
-    fn type_name(&self) -> &'static str {
+    fn type_name(&self) -> &str {
         "CausalSelfAttention"
     }
 
@@ -185,5 +185,8 @@ impl Module for CausalSelfAttention {
     fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
         f("c_attn", &mut self.c_attn)?;
         f("c_proj", &mut self.c_proj)
+    }
+    fn for_each_param(&mut self, f: &mut super::ParamVisitor<'_>) -> Result<()> {
+        super::no_params(f)
     }
 }

@@ -86,7 +86,7 @@ mod tests {
     }
 
     impl Module for Tied {
-        fn type_name(&self) -> &'static str {
+        fn type_name(&self) -> &str {
             "Tied"
         }
         fn forward(&mut self, x: &Tensor, _: &crate::nn::Context) -> Result<Tensor> {
@@ -98,6 +98,9 @@ mod tests {
         fn for_each_param(&mut self, f: &mut ParamVisitor<'_>) -> Result<()> {
             f("a", &mut self.a)?;
             f("b", &mut self.b)
+        }
+        fn for_each_child(&mut self, f: &mut crate::nn::ChildVisitor<'_>) -> Result<()> {
+            crate::nn::no_children(f)
         }
     }
 

@@ -47,7 +47,7 @@ impl Embedding {
 }
 
 impl Module for Embedding {
-    fn type_name(&self) -> &'static str {
+    fn type_name(&self) -> &str {
         "Embedding"
     }
     fn forward(&mut self, ids: &Tensor, cx: &Context) -> Result<Tensor> {
@@ -68,5 +68,8 @@ impl Module for Embedding {
     }
     fn for_each_param(&mut self, f: &mut ParamVisitor<'_>) -> Result<()> {
         f("weight", &mut self.weight)
+    }
+    fn for_each_child(&mut self, f: &mut super::ChildVisitor<'_>) -> Result<()> {
+        super::no_children(f)
     }
 }

@@ -103,7 +103,7 @@ impl GPT {
 }
 
 impl Module for GPT {
-    fn type_name(&self) -> &'static str {
+    fn type_name(&self) -> &str {
         "GPT"
     }
 

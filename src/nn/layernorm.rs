@@ -33,7 +33,7 @@ impl LayerNorm {
 }
 
 impl Module for LayerNorm {
-    fn type_name(&self) -> &'static str {
+    fn type_name(&self) -> &str {
         "LayerNorm"
     }
 
@@ -67,5 +67,8 @@ impl Module for LayerNorm {
     fn for_each_param(&mut self, f: &mut ParamVisitor<'_>) -> Result<()> {
         f("weight", &mut self.weight)?;
         f("bias", &mut self.bias)
+    }
+    fn for_each_child(&mut self, f: &mut super::ChildVisitor<'_>) -> Result<()> {
+        super::no_children(f)
     }
 }

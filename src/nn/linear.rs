@@ -105,7 +105,7 @@ impl Linear {
 }
 
 impl Module for Linear {
-    fn type_name(&self) -> &'static str {
+    fn type_name(&self) -> &str {
         "Linear"
     }
 
@@ -165,5 +165,8 @@ impl Module for Linear {
             Some(b) => f("bias", b),
             None => Ok(()),
         }
+    }
+    fn for_each_child(&mut self, f: &mut super::ChildVisitor<'_>) -> Result<()> {
+        super::no_children(f)
     }
 }

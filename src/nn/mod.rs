@@ -14,8 +14,10 @@
 //! | [`Embedding`] | `embedding.rs` | `nn.Embedding` |
 //! | [`CausalSelfAttention`] | `attention.rs` | `F.scaled_dot_product_attention(is_causal=True)` |
 //! | [`MLP`], [`Block`] | `transformer.rs` | GPT-2 block |
-//! | [`Sequential`] | `container.rs` | `nn.Sequential` |
+//! | [`Sequential`], [`ModuleList`], [`ModuleDict`] (named children, settable type name) | `container.rs` | `nn.Sequential`, `nn.ModuleList`, `nn.ModuleDict` |
+//! | [`state_dict()`], [`load_state_dict`], [`FullStateDict`], [`IncompatibleKeys`] | `state_dict.rs` | `nn.Module.state_dict`, `load_state_dict(strict)`, `_IncompatibleKeys` |
 //! | [`GPT`] | `gpt.rs` | nanoGPT's `GPT` |
+//! | a custom layer ([`Module`]'s example) | [`crate::ops`]: [`mm`](crate::ops::mm) with transposes, [`sub`](crate::ops::sub) / [`mul`](crate::ops::mul) / [`div`](crate::ops::div) with broadcasting, [`sum_dim`](crate::ops::sum_dim) / [`mean_dim`](crate::ops::mean_dim), [`cat`](crate::ops::cat) / [`split`](crate::ops::split), each with a backward helper (CPU) | `torch.matmul`, `sub`, `mul`, `div`, `sum`, `mean`, `cat`, `split` |
 //! | [`loss`] | `loss.rs` | `F.cross_entropy`, `F.mse_loss`, `.sum()` |
 //! | [`InitKey`] | `init.rs` | counter-based init (the default; any shard alone) |
 //! | [`TorchGenerator`], [`torch_rng`] | `torch_rng.rs` | `torch.manual_seed`, CPU `uniform_`/`normal_`/`randn`/`randperm`, default inits |
@@ -32,12 +34,13 @@ mod linear;
 pub mod loss;
 mod module;
 mod parameter;
+pub(crate) mod state_dict;
 pub mod torch_rng;
 mod transformer;
 
 pub use activation::{gelu, gelu_grad, relu, relu_grad, ReLU, GELU};
 pub use attention::CausalSelfAttention;
-pub use container::Sequential;
+pub use container::{ModuleDict, ModuleList, Sequential};
 pub use device::module_to_device;
 pub use embedding::{embedding_backward, embedding_lookup, Embedding};
 pub use gpt::{GptConfig, GPT};
@@ -46,9 +49,10 @@ pub use layernorm::LayerNorm;
 pub use linear::Linear;
 pub(crate) use module::visit_all;
 pub use module::{
-    join_name, num_parameters, parameter_shapes, visit_parameters, zero_grad, ChildVisitor,
-    Context, Module, ParamVisitor,
+    join_name, no_children, no_params, num_parameters, parameter_shapes, visit_parameters,
+    zero_grad, ChildVisitor, Context, Module, ParamVisitor,
 };
 pub use parameter::Parameter;
+pub use state_dict::{load_state_dict, state_dict, FullStateDict, IncompatibleKeys};
 pub use torch_rng::TorchGenerator;
 pub use transformer::{Block, MLP};

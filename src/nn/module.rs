@@ -5,7 +5,7 @@
 //! in order and backward in reverse. An FSDP unit is itself a `Module` wrapping another, so
 //! FSDP's pre/post hooks are plain code around the inner calls (see `crate::fsdp`).
 
-use super::Parameter;
+use super::{FullStateDict, IncompatibleKeys, Parameter};
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -39,10 +39,49 @@ pub type ChildVisitor<'a> = dyn FnMut(&str, &mut Box<dyn Module>) -> Result<()> 
 pub type ParamVisitor<'a> = dyn FnMut(&str, &mut Parameter) -> Result<()> + 'a;
 
 /// A layer or model with an explicit backward pass (`torch.nn.Module` without autograd).
+///
+/// A custom layer holds its [`Parameter`]s and lists them in `for_each_param` (and its
+/// child modules in `for_each_child`: neither has a default), and computes with
+/// [`crate::ops`]:
+///
+/// ```
+/// use fsdp::nn::{no_children, parameter_shapes, ChildVisitor, Context, Module, ParamVisitor, Parameter};
+/// use fsdp::{ops, tensor::Tensor, Error, Result};
+///
+/// /// `y = x * scale`, `scale (C)` broadcast over the rows of `x (.., C)`.
+/// struct Scale { scale: Parameter, saved: Option<Tensor> }
+///
+/// impl Module for Scale {
+///     fn type_name(&self) -> &str { "Scale" }
+///     fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
+///         if cx.grad_enabled { self.saved = Some(x.clone()); }
+///         ops::mul(x, self.scale.data()?)
+///     }
+///     fn backward(&mut self, dy: &Tensor, _: &Context) -> Result<Tensor> {
+///         let x = self.saved.take().ok_or(Error::NoSavedForward { module: "Scale" })?;
+///         let (dx, ds) = ops::mul_backward(dy, &x, self.scale.data()?)?;
+///         if let Some(g) = self.scale.grad_for_accumulate()? { ops::add_(g, &ds)?; }
+///         Ok(dx)
+///     }
+///     fn for_each_param(&mut self, f: &mut ParamVisitor<'_>) -> Result<()> {
+///         f("scale", &mut self.scale)
+///     }
+///     fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> { no_children(f) }
+/// }
+///
+/// let mut m = Scale { scale: Parameter::new("scale", Tensor::from_vec(vec![2.0f32, 3.0], &[2])?), saved: None };
+/// let x = Tensor::from_vec(vec![1.0f32, 1.0, 2.0, 2.0], &[2, 2])?;
+/// assert_eq!(m.forward(&x, &Context::train())?.to_vec_f32()?, [2.0, 3.0, 4.0, 6.0]);
+/// m.backward(&Tensor::from_vec(vec![1.0f32; 4], &[2, 2])?, &Context::train())?;
+/// assert_eq!(m.scale.grad().unwrap().to_vec_f32()?, [3.0, 3.0]);
+/// assert_eq!(parameter_shapes(&mut m), [("scale".to_string(), vec![2])]);
+/// # Ok::<(), fsdp::Error>(())
+/// ```
 pub trait Module: Send {
     /// Type name used by wrap policies (`transformer_auto_wrap_policy` matches it), e.g.
-    /// `"Block"`, `"Linear"`.
-    fn type_name(&self) -> &'static str;
+    /// `"Block"`, `"Linear"`: the class name of the PyTorch module it stands for. The
+    /// containers take any name ([`Sequential::with_type_name`](crate::nn::Sequential::with_type_name)).
+    fn type_name(&self) -> &str;
 
     /// Computes the output; saves activations when `cx.grad_enabled`.
     fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor>;
@@ -55,19 +94,23 @@ pub trait Module: Send {
     /// Visits the parameters registered directly on this module (not its children's), in
     /// registration order, with their local names (`"weight"`).
     ///
+    /// Required, with no default: a module that forgot its parameters would train nothing,
+    /// silently. A module without parameters of its own says so with
+    /// [`no_params`](crate::nn::no_params) (or `Ok(())`).
+    ///
     /// # Errors
     /// The first error `f` returns; the parameters after it are not visited.
-    fn for_each_param(&mut self, f: &mut ParamVisitor<'_>) -> Result<()> {
-        let _ = f;
-        Ok(())
-    }
+    fn for_each_param(&mut self, f: &mut ParamVisitor<'_>) -> Result<()>;
 
     /// Visits the child modules in registration order with their attribute names
     /// (`"blocks.0"`). Children are boxed so a wrap policy can replace one by an FSDP unit.
-    fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
-        let _ = f;
-        Ok(())
-    }
+    ///
+    /// Required, with no default (a forgotten child's parameters would never train); a leaf
+    /// module says so with [`no_children`](crate::nn::no_children) (or `Ok(())`).
+    ///
+    /// # Errors
+    /// The first error `f` returns; the children after it are not visited.
+    fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()>;
 
     /// True for an FSDP unit: it owns the parameters below it, so an enclosing unit does
     /// not flatten them. Also transparent in names: its child is visited under its own name.
@@ -79,6 +122,51 @@ pub trait Module: Send {
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         None
     }
+
+    /// The state dict of a module that keeps its parameters elsewhere (an FSDP root: in
+    /// shards), for [`state_dict`](crate::nn::state_dict()); `None` (the default): the
+    /// parameters it visits are its state dict.
+    fn state_dict_override(&mut self) -> Option<Result<FullStateDict>> {
+        None
+    }
+
+    /// The load of such a module, for [`load_state_dict`](crate::nn::load_state_dict);
+    /// `sd` holds f32 tensors. `None` (the default): the parameters it visits are loaded.
+    fn load_state_dict_override(
+        &mut self,
+        sd: &FullStateDict,
+        strict: bool,
+    ) -> Option<Result<IncompatibleKeys>> {
+        let _ = (sd, strict);
+        None
+    }
+}
+
+/// The [`Module::for_each_param`] of a module without parameters of its own (`ReLU`, a
+/// container): visits nothing.
+///
+/// ```
+/// use fsdp::nn::{no_params, ParamVisitor};
+/// let mut seen = 0;
+/// let f: &mut ParamVisitor<'_> = &mut |_, _| { seen += 1; Ok(()) };
+/// no_params(f).unwrap();
+/// assert_eq!(seen, 0);
+/// ```
+///
+/// # Errors
+/// None; the `Result` matches the trait method.
+pub fn no_params(f: &mut ParamVisitor<'_>) -> Result<()> {
+    let _ = f;
+    Ok(())
+}
+
+/// The [`Module::for_each_child`] of a leaf module: visits nothing.
+///
+/// # Errors
+/// None; the `Result` matches the trait method.
+pub fn no_children(f: &mut ChildVisitor<'_>) -> Result<()> {
+    let _ = f;
+    Ok(())
 }
 
 /// Joins a module path and a name with a dot (`"blocks.0" + "weight"`); empty parts vanish.

@@ -39,7 +39,7 @@ impl MLP {
 }
 
 impl Module for MLP {
-    fn type_name(&self) -> &'static str {
+    fn type_name(&self) -> &str {
         "MLP"
     }
     fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
@@ -56,6 +56,9 @@ impl Module for MLP {
         f("c_fc", &mut self.c_fc)?;
         f("gelu", &mut self.gelu)?;
         f("c_proj", &mut self.c_proj)
+    }
+    fn for_each_param(&mut self, f: &mut super::ParamVisitor<'_>) -> Result<()> {
+        super::no_params(f)
     }
 }
 
@@ -89,7 +92,7 @@ impl Block {
 }
 
 impl Module for Block {
-    fn type_name(&self) -> &'static str {
+    fn type_name(&self) -> &str {
         "Block"
     }
     fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
@@ -110,5 +113,8 @@ impl Module for Block {
         f("attn", &mut self.attn)?;
         f("ln_2", &mut self.ln_2)?;
         f("mlp", &mut self.mlp)
+    }
+    fn for_each_param(&mut self, f: &mut super::ParamVisitor<'_>) -> Result<()> {
+        super::no_params(f)
     }
 }

@@ -303,3 +303,126 @@ pub fn bias_grad(dy: &Tensor, db: &Tensor) -> Result<()> {
         Ok(())
     })
 }
+
+/// `op(a) @ op(b)` as a new f32 tensor (`torch.matmul(a, b)`, with `a.T` / `b.T` as the
+/// flags of `trans`), on the inputs' device: the GEMM of [`matmul`].
+///
+/// Shapes: `b` is 2-D, stored `(k, n)`, or `(n, k)` when `trans.b`. Without `trans.a`, `a`
+/// is `(.., k)` (leading dimensions are rows, as `x @ W`) and the result `(.., n)`; with
+/// `trans.a`, `a` is 2-D stored `(k, m)` and the result `(m, n)`.
+///
+/// ```
+/// use fsdp::ops::{mm, Transpose};
+/// use fsdp::tensor::Tensor;
+/// let x = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], &[2, 2])?;
+/// let w = Tensor::from_vec(vec![1.0f32, 0.0, 1.0, 1.0, 2.0, 0.0], &[3, 2])?; // (out, in)
+/// let y = mm(&x, &w, Transpose::NT)?; // x @ w.T, as F.linear without bias
+/// assert_eq!((y.shape(), y.to_vec_f32()?), (&[2, 3][..], vec![1.0, 3.0, 2.0, 3.0, 7.0, 6.0]));
+/// # Ok::<(), fsdp::Error>(())
+/// ```
+///
+/// # Errors
+/// `ShapeMismatch` when the inner sizes differ or an operand has the wrong rank; as
+/// [`matmul`].
+pub fn mm(a: &Tensor, b: &Tensor, trans: Transpose) -> Result<Tensor> {
+    let (m, k, n, out_shape) = mm_shapes(a, b, trans)?;
+    let out = super::output(&out_shape, same_device("mm", &[a, b])?)?;
+    matmul(&out, a, b, MatmulDims::new(m, k, n, trans), false)?;
+    Ok(out)
+}
+
+/// `(m, k, n, output shape)` of [`mm`].
+fn mm_shapes(
+    a: &Tensor,
+    b: &Tensor,
+    trans: Transpose,
+) -> Result<(usize, usize, usize, Vec<usize>)> {
+    let bad = |expected: Vec<usize>, t: &Tensor| Error::ShapeMismatch {
+        op: "mm",
+        expected,
+        got: t.shape().to_vec(),
+    };
+    let (bk, n) = match (b.shape(), trans.b) {
+        ([k, n], false) | ([n, k], true) => (*k, *n),
+        _ => return Err(bad(vec![0, 0], b)),
+    };
+    let (m, k, mut shape) = match (a.shape(), trans.a) {
+        ([k, m], true) => (*m, *k, vec![*m]),
+        (s, false) if !s.is_empty() => {
+            let (k, lead) = s.split_last().unwrap_or((&0, &[]));
+            (lead.iter().product(), *k, lead.to_vec())
+        }
+        _ => return Err(bad(vec![0, 0], a)),
+    };
+    if k != bk {
+        return Err(bad(vec![k], b));
+    }
+    shape.push(n);
+    Ok((m, k, n, shape))
+}
+
+/// Gradients of `y = mm(a, b, trans)`: `(da, db)` in the stored shapes of `a` and `b`
+/// (`dA = dy @ op(b)^T`, `dB = op(a)^T @ dy`, transposed back where stored transposed).
+///
+/// # Errors
+/// `ShapeMismatch` when `dy` is not the product's shape; as [`mm`].
+pub fn mm_backward(
+    dy: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    trans: Transpose,
+) -> Result<(Tensor, Tensor)> {
+    let (m, k, n, shape) = mm_shapes(a, b, trans)?;
+    if dy.shape() != shape.as_slice() {
+        return Err(Error::ShapeMismatch {
+            op: "mm_backward",
+            expected: shape,
+            got: dy.shape().to_vec(),
+        });
+    }
+    let device = same_device("mm_backward", &[dy, a, b])?;
+    let (da, db) = (
+        super::output(a.shape(), device)?,
+        super::output(b.shape(), device)?,
+    );
+    let t = |a, b| Transpose { a, b };
+    if trans.a {
+        // da (k, m) = op(b) (k, n) @ dy^T (n, m)
+        matmul(
+            &da,
+            b,
+            dy,
+            MatmulDims::new(k, n, m, t(trans.b, true)),
+            false,
+        )?;
+    } else {
+        // da (m, k) = dy (m, n) @ op(b)^T (n, k)
+        matmul(
+            &da,
+            dy,
+            b,
+            MatmulDims::new(m, n, k, t(false, !trans.b)),
+            false,
+        )?;
+    }
+    if trans.b {
+        // db (n, k) = dy^T (n, m) @ op(a) (m, k)
+        matmul(
+            &db,
+            dy,
+            a,
+            MatmulDims::new(n, m, k, t(true, trans.a)),
+            false,
+        )?;
+    } else {
+        // db (k, n) = op(a)^T (k, m) @ dy (m, n)
+        matmul(
+            &db,
+            a,
+            dy,
+            MatmulDims::new(k, m, n, t(!trans.a, false)),
+            false,
+        )?;
+    }
+    Ok((da, db))
+}

@@ -15,7 +15,9 @@
 //! | file | ops | PyTorch |
 //! |---|---|---|
 //! | `elementwise.rs` | [`add_`], [`add`], [`scale_`], [`fill_`], [`sum_squares`] | `Tensor.add_`, `+`, `mul_`, `fill_` |
-//! | `linalg.rs` | [`matmul`], [`matmul_batched`], [`linear`], [`bias_add_`], [`bias_grad`] | `addmm`, `bmm`, `F.linear` |
+//! | `linalg.rs` | [`matmul`], [`matmul_batched`], [`mm`] (a new product, transposes as flags) and [`mm_backward`], [`linear`], [`bias_add_`], [`bias_grad`] | `addmm`, `bmm`, `a @ b.T`, `F.linear` |
+//! | `arith.rs` (CPU) | [`sub`], [`mul`], [`div`], [`binary`] with broadcasting; backward: [`sum_to_shape`], [`mul_backward`], [`div_backward`], [`sub_backward`] | `torch.sub`, `mul`, `div`, `sum_to_size` |
+//! | `axis.rs` (CPU) | [`sum_dim`], [`mean_dim`], [`cat`], [`split`]; backward: [`sum_dim_backward`], [`cat_backward`], [`split_backward`] | `torch.sum(x, dim)`, `mean`, `cat`, `split` |
 //! | `autocast.rs` | [`autocast()`], [`gemm_dtype`]: bf16/f16 GEMM operands in a scope | `torch.autocast` (for GEMMs) |
 //! | `activation.rs` | [`pointwise`], [`pointwise_backward`] ([`Pointwise::Relu`], [`Pointwise::Gelu`]) | `F.relu`, `F.gelu` |
 //! | `layernorm.rs` | [`layer_norm`], [`layer_norm_backward`] | `F.layer_norm` |
@@ -24,13 +26,18 @@
 //! | `flat.rs` | [`flat::pack_grad`], [`flat::unpack_grad`], [`flat::round_to_`], [`flat::rounded`] (FSDP's flat buffers, autocast's operands) | the `_reduce_grad` pre/post-divide and casts |
 //! | `loss.rs` | [`cross_entropy`], [`mse_loss`], [`sum_loss`] | `F.cross_entropy`, `F.mse_loss`, `.sum()` |
 //!
+//! The ops marked (CPU) have CPU loops only: on CUDA they return `Unsupported`. They are what
+//! a custom layer composes its forward and backward from (see `tests/custom_layer.rs`).
+//!
 //! Host synchronizations: [`sum_squares`], the losses (their value is a host `f32`), and
 //! [`embedding()`] and [`cross_entropy`] on CUDA, which read back the kernel's out-of-range
 //! flag to report a bad id or target as an error. Everything else only queues work.
 
 pub mod activation;
+pub mod arith;
 pub mod attention;
 pub mod autocast;
+pub mod axis;
 pub mod elementwise;
 pub mod embedding;
 pub mod flat;
@@ -39,15 +46,24 @@ pub mod linalg;
 pub mod loss;
 
 pub use activation::{pointwise, pointwise_backward, Pointwise};
+pub use arith::{
+    binary, broadcast_shape, div, div_backward, mul, mul_backward, sub, sub_backward, sum_to_shape,
+    BinaryOp,
+};
 pub use attention::{
     merge_heads, merge_qkv, softmax_causal, softmax_causal_backward_, split_heads, split_qkv,
     HeadDims,
 };
 pub use autocast::{autocast, gemm_dtype, AutocastGuard};
+pub use axis::{
+    cat, cat_backward, mean_dim, normalize_dim, split, split_backward, sum_dim, sum_dim_backward,
+};
 pub use elementwise::{add, add_, fill_, scale_, sum_squares};
 pub use embedding::{embedding, embedding_backward};
 pub use layernorm::{layer_norm, layer_norm_backward, LayerNormSaved};
-pub use linalg::{bias_add_, bias_grad, linear, matmul, matmul_batched, MatmulDims, Transpose};
+pub use linalg::{
+    bias_add_, bias_grad, linear, matmul, matmul_batched, mm, mm_backward, MatmulDims, Transpose,
+};
 pub use loss::{add_div_, cross_entropy, cross_entropy_tensor, mse_loss, sum_loss};
 
 use crate::backend::Device;

@@ -274,3 +274,25 @@ pub fn torchrun_env(port: u16, world: usize, rank: usize) -> Vec<(&'static str, 
         ("MASTER_PORT", port.to_string()),
     ]
 }
+
+/// The folder of the PyTorch-made module references (`tests/torch_ref/make_module_refs.py`).
+pub const MODULE_REFS: &str = "tests/torch_ref/modules";
+
+/// `module_refs.json` of [`MODULE_REFS`].
+pub fn module_refs() -> serde_json::Value {
+    let path = std::path::Path::new(MODULE_REFS).join("module_refs.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path:?}: {e}"))
+}
+
+/// A JSON array of numbers as f32 (PyTorch's `tolist()` of an f32 tensor).
+pub fn json_f32s(v: &serde_json::Value) -> Vec<f32> {
+    v.as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|x| x.as_f64())
+                .map(|x| x as f32)
+                .collect()
+        })
+        .unwrap_or_default()
+}

@@ -15,7 +15,7 @@ pub struct Fork {
 }
 
 impl Module for Fork {
-    fn type_name(&self) -> &'static str {
+    fn type_name(&self) -> &str {
         "Fork"
     }
     fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
@@ -31,6 +31,9 @@ impl Module for Fork {
     fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
         f("a", &mut self.a)?;
         f("b", &mut self.b)
+    }
+    fn for_each_param(&mut self, f: &mut fsdp::nn::ParamVisitor<'_>) -> fsdp::Result<()> {
+        fsdp::nn::no_params(f)
     }
 }
 

@@ -1,12 +1,13 @@
 //! Where each original parameter's elements sit in a unit's local chunk, and reading the
 //! elements a rank needs from a full tensor or from sharded pieces.
 
-use super::{dtype_problem, ShardPiece, ShardedTensor};
+use super::{ShardPiece, ShardedTensor};
 use crate::backend::Device;
 use crate::distributed::fingerprint::Phase;
 use crate::distributed::staged;
 use crate::error::{Error, Result};
 use crate::fsdp::{FullyShardedDataParallel, ParamInfo};
+use crate::nn::state_dict::{dtype_problem, shape_problem};
 use crate::tensor::{DType, Tensor};
 
 /// A copy of one unit's layout: enough to (un)flatten without borrowing the unit.
@@ -141,18 +142,14 @@ impl Src<'_> {
 
     /// Checks shape and dtype against `(name, shape)`; the problems found, in words.
     pub fn check(&self, name: &str, shape: &[usize]) -> Vec<String> {
-        let mut out = Vec::new();
-        if self.shape() != shape {
-            out.push(format!(
-                "'{name}': expected shape {shape:?}, got {:?}",
-                self.shape()
-            ));
-        }
+        let mut out: Vec<String> = shape_problem(name, shape, self.shape())
+            .into_iter()
+            .collect();
         match self {
-            Src::Full(t) => out.extend(dtype_problem(name, t.dtype())),
+            Src::Full(t) => out.extend(dtype_problem(name, t.dtype(), true)),
             Src::Sharded(s) => {
                 if let Some(p) = s.pieces.iter().find(|p| p.data.dtype() != DType::F32) {
-                    out.extend(dtype_problem(name, p.data.dtype()));
+                    out.extend(dtype_problem(name, p.data.dtype(), true));
                 }
                 let n = s.global_numel();
                 if let Some(p) = s.pieces.iter().find(|p| p.offset + p.data.numel() > n) {
@@ -220,31 +217,4 @@ fn read_pieces(
         )));
     }
     Ok(Ok(out))
-}
-
-/// The one error a failed load reports: every problem, then missing and unexpected keys.
-pub(super) fn load_error(
-    what: &str,
-    problems: &[String],
-    missing: &[String],
-    unexpected: &[String],
-) -> Error {
-    let mut parts: Vec<String> = problems.to_vec();
-    if !missing.is_empty() {
-        parts.push(format!("missing key(s): {}", missing.join(", ")));
-    }
-    if !unexpected.is_empty() {
-        parts.push(format!(
-            "unexpected key(s): {}",
-            unexpected
-                .iter()
-                .map(|k| format!("'{k}'"))
-                .collect::<Vec<_>>()
-                .join(", ")
-        ));
-    }
-    Error::StateDict(format!(
-        "error(s) in loading {what}; nothing was modified: {}",
-        parts.join("; ")
-    ))
 }

@@ -33,11 +33,17 @@ mod optim;
 mod optim_groups;
 mod summon;
 
+/// Whole parameters by original name (FULL_STATE_DICT); the type of every module's
+/// [`crate::nn::state_dict`].
+pub use crate::nn::FullStateDict;
+/// Keys a non-strict load skipped (`_IncompatibleKeys`), as [`crate::nn::load_state_dict`]
+/// reports them.
+pub use crate::nn::IncompatibleKeys;
 pub use optim::OptimStateDict;
 pub use optim_groups::NamedParamGroup;
 
 use crate::error::{Error, Result};
-use crate::tensor::{DType, Tensor};
+use crate::tensor::Tensor;
 
 /// Which kind of state dict (`torch.distributed.fsdp.StateDictType`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -85,31 +91,6 @@ impl StateDictConfig {
             StateDictConfig::Sharded => StateDictType::Sharded,
             StateDictConfig::Local => StateDictType::Local,
         }
-    }
-}
-
-/// Whole parameters by original name, in `model.state_dict()` order (FULL_STATE_DICT).
-/// Each tensor owns its storage, f32, with the parameter's shape.
-#[derive(Debug, Clone, Default)]
-pub struct FullStateDict {
-    /// `(name, values)` pairs.
-    pub tensors: Vec<(String, Tensor)>,
-}
-
-impl FullStateDict {
-    /// The tensor called `name`.
-    pub fn get(&self, name: &str) -> Option<&Tensor> {
-        self.tensors.iter().find(|(n, _)| n == name).map(|(_, t)| t)
-    }
-
-    /// Number of entries.
-    pub fn len(&self) -> usize {
-        self.tensors.len()
-    }
-
-    /// True when there are no entries (every rank but 0 with `rank0_only`).
-    pub fn is_empty(&self) -> bool {
-        self.tensors.is_empty()
     }
 }
 
@@ -300,18 +281,4 @@ pub struct LocalRange {
     /// Elements `[lo, hi)` of the flattened parameter in this rank's chunk; `None` when
     /// the chunk holds none of it.
     pub range: Option<(usize, usize)>,
-}
-
-/// Keys a non-strict load skipped (`torch.nn.modules.module._IncompatibleKeys`).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct IncompatibleKeys {
-    /// Parameters of the model the state dict did not have; left unchanged.
-    pub missing_keys: Vec<String>,
-    /// Keys of the state dict the model does not have; ignored.
-    pub unexpected_keys: Vec<String>,
-}
-
-/// Checks a tensor read from a state dict: f32 (the FlatParameter's dtype).
-fn dtype_problem(name: &str, dtype: DType) -> Option<String> {
-    (dtype != DType::F32).then(|| format!("'{name}': expected dtype f32, got {dtype}"))
 }

@@ -1,8 +1,7 @@
 //! `state_dict` and `load_state_dict` of the root unit (FSDP1 `_state_dict_utils.py`).
 
 use super::layout::{
-    gather_chunk, host_copy, ignored_params, load_error, lookup, unit_metas, write_f32, Src,
-    UnitMeta,
+    gather_chunk, host_copy, ignored_params, lookup, unit_metas, write_f32, Src, UnitMeta,
 };
 use super::{
     FullStateDict, FullStateDictConfig, IncompatibleKeys, LocalFlatShard, LocalRange,
@@ -394,8 +393,14 @@ impl FullyShardedDataParallel {
             })
             .cloned()
             .collect();
-        finish("LOCAL_STATE_DICT", problems, missing, unexpected, strict)
-            .map(|keys| (writes, ignored_writes, keys))
+        crate::nn::state_dict::load_verdict(
+            "LOCAL_STATE_DICT",
+            problems,
+            missing,
+            unexpected,
+            strict,
+        )
+        .map(|keys| (writes, ignored_writes, keys))
     }
 }
 
@@ -462,39 +467,6 @@ fn plan_unflat(
         .filter(|k| !known(k))
         .map(str::to_string)
         .collect();
-    finish(what, problems, missing, unexpected, strict).map(|keys| (writes, ignored_writes, keys))
-}
-
-/// The load's verdict: an error for any problem (and, with `strict`, for missing or
-/// unexpected keys); else the keys a non-strict load skipped.
-fn finish(
-    what: &str,
-    problems: Vec<String>,
-    missing: Vec<String>,
-    unexpected: Vec<String>,
-    strict: bool,
-) -> Result<IncompatibleKeys> {
-    if !problems.is_empty() || (strict && !(missing.is_empty() && unexpected.is_empty())) {
-        let (m, u): (&[String], &[String]) = if strict {
-            (&missing, &unexpected)
-        } else {
-            (&[], &[])
-        };
-        return Err(load_error(what, &problems, m, u));
-    }
-    // Missing keys are reported by name alone.
-    let missing_keys = missing
-        .iter()
-        .map(|m| {
-            m.trim_start_matches('\'')
-                .split('\'')
-                .next()
-                .unwrap_or(m)
-                .to_string()
-        })
-        .collect();
-    Ok(IncompatibleKeys {
-        missing_keys,
-        unexpected_keys: unexpected,
-    })
+    crate::nn::state_dict::load_verdict(what, problems, missing, unexpected, strict)
+        .map(|keys| (writes, ignored_writes, keys))
 }

@@ -7,7 +7,7 @@
 //! at parameter boundaries and named like the parameters, full or sharded exactly as the
 //! model's state dict, so it can be reloaded at another world size or strategy.
 
-use super::layout::{gather_chunk, ignored_params, load_error, lookup, unit_metas, UnitMeta};
+use super::layout::{gather_chunk, ignored_params, lookup, unit_metas, UnitMeta};
 use super::optim_groups::{to_named, to_positions, NamedParamGroup};
 use super::{
     FullStateDict, ShardPiece, ShardedStateDict, ShardedTensor, StateDict, StateDictConfig,
@@ -17,6 +17,7 @@ use crate::distributed::staged;
 use crate::distributed::ReduceOp;
 use crate::error::{Error, Result};
 use crate::fsdp::FullyShardedDataParallel;
+use crate::nn::state_dict::load_error;
 use crate::optim::{buffer_names, Optimizer, OptimizerState, TensorState};
 use crate::tensor::Tensor;
 
