@@ -233,42 +233,55 @@ impl Engine {
     }
 }
 
+/// i32 words of one [`RankMemory`] in a gather ([`RankMemory::to_words`]).
+pub(crate) const MEMORY_WORDS: usize = 14;
+
+impl RankMemory {
+    /// The figures as [`MEMORY_WORDS`] i32 words for a collective (each count split into
+    /// two: bits 30 and up, and the low 30 bits).
+    pub(crate) fn to_words(&self) -> [i32; MEMORY_WORDS] {
+        let fields = [
+            self.param_shard_bytes,
+            self.grad_shard_bytes,
+            self.optim_state_bytes,
+            self.peak_unsharded_param_bytes,
+            self.peak_unsharded_units,
+            self.comm_wait_us,
+            self.device_peak_bytes,
+        ];
+        let mut w = [0i32; MEMORY_WORDS];
+        for (i, f) in fields.into_iter().enumerate() {
+            w[2 * i] = (f >> 30) as i32;
+            w[2 * i + 1] = (f & ((1 << 30) - 1)) as i32;
+        }
+        w
+    }
+
+    /// Rank `rank`'s figures back from [`to_words`](Self::to_words).
+    pub(crate) fn from_words(rank: usize, w: &[i32]) -> RankMemory {
+        let f = |i: usize| ((w[2 * i] as usize) << 30) | w[2 * i + 1] as usize;
+        RankMemory {
+            rank,
+            param_shard_bytes: f(0),
+            grad_shard_bytes: f(1),
+            optim_state_bytes: f(2),
+            peak_unsharded_param_bytes: f(3),
+            peak_unsharded_units: f(4),
+            comm_wait_us: f(5),
+            device_peak_bytes: f(6),
+        }
+    }
+}
+
 /// Every rank's [`RankMemory`], gathered over `pg` (each byte count split into two i32).
 pub fn gather_memory(pg: &Group, mine: RankMemory) -> Result<Vec<RankMemory>> {
-    let fields = [
-        mine.param_shard_bytes,
-        mine.grad_shard_bytes,
-        mine.optim_state_bytes,
-        mine.peak_unsharded_param_bytes,
-        mine.peak_unsharded_units,
-        mine.comm_wait_us,
-        mine.device_peak_bytes,
-    ];
-    const WORDS: usize = 14;
-    let mut words = Vec::with_capacity(WORDS);
-    for f in fields {
-        words.push((f >> 30) as i32);
-        words.push((f & ((1 << 30) - 1)) as i32);
-    }
-    let local = Tensor::from_vec(words, &[WORDS])?;
-    let all = Tensor::zeros(&[WORDS * pg.size()], DType::I32);
+    let local = Tensor::from_vec(mine.to_words().to_vec(), &[MEMORY_WORDS])?;
+    let all = Tensor::zeros(&[MEMORY_WORDS * pg.size()], DType::I32);
     staged::all_gather_into_tensor(pg.as_ref(), &all, &local)?;
     let v = all.data::<i32>()?;
-    Ok(v.chunks_exact(WORDS)
+    Ok(v.chunks_exact(MEMORY_WORDS)
         .enumerate()
-        .map(|(rank, w)| {
-            let f = |i: usize| ((w[2 * i] as usize) << 30) | w[2 * i + 1] as usize;
-            RankMemory {
-                rank,
-                param_shard_bytes: f(0),
-                grad_shard_bytes: f(1),
-                optim_state_bytes: f(2),
-                peak_unsharded_param_bytes: f(3),
-                peak_unsharded_units: f(4),
-                comm_wait_us: f(5),
-                device_peak_bytes: f(6),
-            }
-        })
+        .map(|(rank, w)| RankMemory::from_words(rank, w))
         .collect())
 }
 

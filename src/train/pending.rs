@@ -12,10 +12,10 @@
 //! step's own host time would measure nothing). On the CPU every step flushes at once:
 //! reading costs nothing there, and the records are as they always were.
 
-use super::engine::{gather_memory, RankMemory};
+use super::engine::{RankMemory, MEMORY_WORDS};
 use crate::backend::counters::Counters;
 use crate::backend::Device;
-use crate::distributed::{staged, Group, ReduceOp};
+use crate::distributed::{staged, Group};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
 use std::time::Instant;
@@ -130,22 +130,41 @@ impl Pending {
             return Ok(Vec::new());
         }
         let values = self.slots.to_vec_f32()?;
-        let losses = Tensor::from_vec(values[..n].to_vec(), &[n])?;
-        staged::all_reduce(pg.as_ref(), &losses, ReduceOp::Avg)?;
-        let losses = losses.f32()?.to_vec();
+        // One collective for the whole window: every rank's losses (f32 bits) and memory
+        // figures, per step. On NCCL each collective of host values costs a copy back, so
+        // a logged step reads the device twice (the slots, this gather), not once per step.
+        let per_step = 1 + MEMORY_WORDS;
+        let mut words = Vec::with_capacity(n * per_step);
+        for (i, s) in self.steps.iter().enumerate() {
+            words.push(values[i].to_bits() as i32);
+            words.extend(s.mem.to_words());
+        }
+        let local = Tensor::from_vec(words, &[n * per_step])?;
+        let all = Tensor::zeros(&[n * per_step * pg.size()], DType::I32);
+        staged::all_gather_into_tensor(pg.as_ref(), &all, &local)?;
+        let all = all.data::<i32>()?;
+        let rank_words = |r: usize, i: usize| &all[(r * n + i) * per_step..][..per_step];
         let mut out = Vec::with_capacity(n);
         for (i, s) in self.steps.iter().enumerate() {
-            if !losses[i].is_finite() {
+            // The mean as the collectives' Avg computes it: f64 sum in rank order, divided
+            // by the group size, rounded once to f32.
+            let sum: f64 = (0..pg.size())
+                .map(|r| f64::from(f32::from_bits(rank_words(r, i)[0] as u32)))
+                .sum();
+            let loss = (sum / pg.size() as f64) as f32;
+            if !loss.is_finite() {
                 return Err(Error::Fsdp(format!(
-                    "loss became {} at step {}; lower --lr",
-                    losses[i], s.step
+                    "loss became {loss} at step {}; lower --lr",
+                    s.step
                 )));
             }
             out.push(Flushed {
                 step: s.step,
-                loss: losses[i],
+                loss,
                 grad_norm: s.has_norm.then_some(values[CAP + i]),
-                ranks: gather_memory(pg, s.mem)?,
+                ranks: (0..pg.size())
+                    .map(|r| RankMemory::from_words(r, &rank_words(r, i)[1..]))
+                    .collect(),
                 step_time_s: 0.0,
                 counters: s.counters,
             });
