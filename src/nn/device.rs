@@ -5,8 +5,8 @@ use crate::backend::Device;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
-/// Moves every parameter below `m`, and its gradient, to `device`, in place
-/// (`model.to(device)`). Parameters already there are left alone (no copy); tied parameters
+/// Moves every parameter below `m`, its gradient, and every buffer
+/// ([`ModuleBuffer`](super::ModuleBuffer)) to `device`, in place (`model.to(device)`). Parameters already there are left alone (no copy); tied parameters
 /// (one tensor under two names, [`Parameter::tie_to`]) stay tied; a meta parameter with an
 /// initializer is materialized on `device`. Saved activations of an unfinished forward are
 /// not moved. Move a model before wrapping it in FSDP: a unit's parameters are views of its
@@ -26,7 +26,8 @@ pub fn module_to_device(m: &mut dyn Module, device: Device) -> Result<()> {
     let mut moved: Vec<(Tensor, Tensor)> = Vec::new();
     super::visit_parameters(m, "", false, &mut |_, p| {
         move_parameter(p, device, &mut moved)
-    })
+    })?;
+    super::buffers_to_device(m, "", false, device)
 }
 
 /// The name of the first FSDP unit at or below `m`, if any.

@@ -5,7 +5,9 @@
 //!
 //! | item | file | PyTorch |
 //! |---|---|---|
-//! | [`Module`], [`Context`] | `module.rs` | `nn.Module`, `torch.no_grad` |
+//! | [`Module`], [`Context`] | `module.rs` | `nn.Module`, `torch.no_grad`, `model.train(mode)` |
+//! | [`ModuleBuffer`], [`visit_buffers`], [`named_buffers`] | `buffer.rs` | `register_buffer`, `named_buffers()` |
+//! | [`BatchNorm1d`] | `batchnorm.rs` | `nn.BatchNorm1d` |
 //! | [`module_to_device`] | `device.rs` | `nn.Module.to(device)` |
 //! | [`Parameter`] | `parameter.rs` | `nn.Parameter` |
 //! | [`Linear`] | `linear.rs` | `nn.Linear` |
@@ -22,6 +24,8 @@
 
 mod activation;
 mod attention;
+mod batchnorm;
+mod buffer;
 mod container;
 mod device;
 mod embedding;
@@ -37,6 +41,9 @@ mod transformer;
 
 pub use activation::{gelu, gelu_grad, relu, relu_grad, ReLU, GELU};
 pub use attention::CausalSelfAttention;
+pub use batchnorm::BatchNorm1d;
+pub(crate) use buffer::{buffers_to_device, round_buffers};
+pub use buffer::{named_buffers, visit_buffers, BufferVisitor, ModuleBuffer};
 pub use container::Sequential;
 pub use device::module_to_device;
 pub use embedding::{embedding_backward, embedding_lookup, Embedding};
