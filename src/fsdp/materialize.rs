@@ -125,6 +125,7 @@ pub(super) fn sync_module_states(
         micro_batch: 0,
         call: 0,
     }));
+    sync_buffers(module, prefix, rs)?;
     let held = held_tensors(module, prefix, rs)?;
     let pg = rs.pg.as_ref();
     let flags: Vec<i32> = held
@@ -177,6 +178,39 @@ pub(super) fn sync_module_states(
     {
         Some((_, t)) => p.set_data(Some(t.clone())),
         None => Ok(()),
+    })
+}
+
+/// The buffers half of `sync_module_states` (FSDP1 `_sync_module_params_and_buffers`
+/// broadcasts `module.buffers()` too): every buffer of the modules this unit owns (nested
+/// units and ignored modules excepted), persistent or not, becomes bitwise rank 0's, in its
+/// own dtype and on its own device. One broadcast over the whole world per buffer, through
+/// a host copy, so under hybrid sharding the replicas of other nodes get rank 0's values
+/// as well.
+///
+/// # Errors
+/// `NotMaterialized` for a buffer on the meta device; `CollectiveMismatch` when ranks hold
+/// buffers of different counts, shapes or dtypes; the collectives' errors.
+fn sync_buffers(module: &mut dyn Module, prefix: &str, rs: &RankState) -> Result<()> {
+    let pg = rs.pg.as_ref();
+    crate::nn::visit_buffers(module, prefix, true, &mut |name, b| {
+        if rs.is_ignored(name) {
+            return Ok(());
+        }
+        if b.data.device() == Device::Meta {
+            return Err(Error::NotMaterialized {
+                name: name.to_string(),
+                state: "a buffer on the meta device at sync_module_states",
+            });
+        }
+        let host = b.data.to_device(Device::Cpu)?;
+        let host = if host.shares_storage(&b.data) {
+            host.deep_clone()?
+        } else {
+            host
+        };
+        staged::broadcast(pg, &host, 0)?;
+        b.data.copy_from(&host)
     })
 }
 

@@ -154,6 +154,15 @@ impl FullyShardedDataParallel {
             }
         }
         drop(before);
+        // Buffers are not flattened: they stay whole in the module, on the compute device
+        // (FSDP1 `_move_module_to_device` moves them with `device_id`).
+        let dev = rs.device;
+        crate::nn::visit_buffers(module.as_mut(), prefix, true, &mut |name, b| {
+            if !rs.is_ignored(name) && b.data.device() != dev && b.data.device() != Device::Meta {
+                b.data = b.data.to_device(dev)?;
+            }
+            Ok(())
+        })?;
         if rs.sync_module_states {
             // Rank 0's values everywhere, before flattening.
             super::materialize::sync_module_states(module.as_mut(), prefix, rs)?;

@@ -1,5 +1,6 @@
 //! `state_dict` and `load_state_dict` of the root unit (FSDP1 `_state_dict_utils.py`).
 
+use super::buffers::{buffer_copies, buffer_metas, plan_buffers, write_buffers, BufferPlan};
 use super::layout::{
     gather_chunk, host_copy, ignored_params, load_error, lookup, unit_metas, write_f32, Src,
     UnitMeta,
@@ -48,12 +49,15 @@ impl FullyShardedDataParallel {
         Ok(())
     }
 
-    /// Parameter names in `model.state_dict()` order (tied parameters under each name).
+    /// Parameter and persistent-buffer names in `model.state_dict()` order (tied
+    /// parameters under each name).
     fn state_dict_order(&mut self) -> Vec<String> {
-        crate::nn::parameter_shapes(self)
-            .into_iter()
-            .map(|(n, _)| n)
-            .collect()
+        super::buffers::state_dict_keys(self).unwrap_or_else(|_| {
+            crate::nn::parameter_shapes(self)
+                .into_iter()
+                .map(|(n, _)| n)
+                .collect()
+        })
     }
 
     /// This model's state dict of the type `config` names (`model.state_dict()` under
@@ -105,6 +109,7 @@ impl FullyShardedDataParallel {
                 out.push((name.to_string(), host_copy(p.data()?)?));
                 Ok(())
             })?;
+            out.extend(buffer_copies(self, config.offload_to_cpu)?);
         }
         let order = self.state_dict_order();
         out.sort_by_key(|(n, _)| order.iter().position(|o| o == n).unwrap_or(usize::MAX));
@@ -163,6 +168,26 @@ impl FullyShardedDataParallel {
             ));
             Ok(())
         })?;
+        for (name, t) in buffer_copies(self, true)? {
+            let n = t.numel();
+            out.push((
+                name,
+                ShardedTensor {
+                    global_shape: t.shape().to_vec(),
+                    pieces: (n > 0)
+                        .then(|| -> Result<ShardPiece> {
+                            Ok(ShardPiece {
+                                offset: 0,
+                                data: t.reshape(&[n])?,
+                                rank,
+                            })
+                        })
+                        .transpose()?
+                        .into_iter()
+                        .collect(),
+                },
+            ));
+        }
         let order = self.state_dict_order();
         out.sort_by_key(|(n, _)| order.iter().position(|o| o == n).unwrap_or(usize::MAX));
         Ok(ShardedStateDict {
@@ -196,6 +221,7 @@ impl FullyShardedDataParallel {
             params.push((name.to_string(), host_copy(p.data()?)?));
             Ok(())
         })?;
+        let buffers = buffer_copies(self, true)?;
         let f = self.flat_param();
         Ok(LocalStateDict {
             world_size: self.process_group().size(),
@@ -204,6 +230,7 @@ impl FullyShardedDataParallel {
             shard_rank: f.shard_rank(),
             flat_params,
             params,
+            buffers,
         })
     }
 
@@ -263,6 +290,15 @@ impl FullyShardedDataParallel {
                 range: (n > 0).then_some((0, n)),
             });
         }
+        // Buffers are whole on every rank.
+        for b in buffer_metas(self).unwrap_or_default() {
+            let n: usize = b.shape.iter().product();
+            out.push(LocalRange {
+                name: b.name,
+                shape: b.shape,
+                range: (n > 0).then_some((0, n)),
+            });
+        }
         let order = self.state_dict_order();
         out.sort_by_key(|r| {
             order
@@ -294,9 +330,10 @@ impl FullyShardedDataParallel {
         self.check_idle("load_state_dict")?;
         let metas = unit_metas(self);
         let ignored = ignored_params(self);
+        let bufs = plan_buffers(state_dict, &buffer_metas(self)?)?;
         let (writes, ignored_writes, keys) = match state_dict {
-            StateDict::Local(l) => self.plan_local(l, &metas, &ignored, strict)?,
-            sd => plan_unflat(sd, &metas, &ignored, strict)?,
+            StateDict::Local(l) => self.plan_local(l, &metas, &ignored, &bufs, strict)?,
+            sd => plan_unflat(sd, &metas, &ignored, &bufs, strict)?,
         };
         if !write {
             return Ok(keys);
@@ -315,6 +352,7 @@ impl FullyShardedDataParallel {
                 None => Ok(()),
             },
         )?;
+        write_buffers(self, &bufs.writes)?;
         Ok(keys)
     }
 
@@ -323,6 +361,7 @@ impl FullyShardedDataParallel {
         l: &LocalStateDict,
         metas: &[UnitMeta],
         ignored: &[(String, Vec<usize>, bool)],
+        bufs: &BufferPlan,
         strict: bool,
     ) -> Result<Plan> {
         let (w, r) = (self.process_group().size(), self.process_group().rank());
@@ -343,7 +382,7 @@ impl FullyShardedDataParallel {
                 f.shard_world_size()
             )));
         }
-        let (mut problems, mut missing) = (Vec::new(), Vec::new());
+        let (mut problems, mut missing) = (bufs.problems.clone(), bufs.missing.clone());
         let mut writes = Vec::with_capacity(metas.len());
         for m in metas {
             let mut w = Vec::new();
@@ -389,8 +428,11 @@ impl FullyShardedDataParallel {
             .iter()
             .map(|(k, _)| k)
             .chain(l.params.iter().map(|(k, _)| k))
+            .chain(l.buffers.iter().map(|(k, _)| k))
             .filter(|k| {
-                !metas.iter().any(|m| &m.local_key == *k) && !ignored.iter().any(|i| &i.0 == *k)
+                !metas.iter().any(|m| &m.local_key == *k)
+                    && !ignored.iter().any(|i| &i.0 == *k)
+                    && !bufs.names.contains(k)
             })
             .cloned()
             .collect();
@@ -405,6 +447,7 @@ fn plan_unflat(
     sd: &StateDict,
     metas: &[UnitMeta],
     ignored: &[(String, Vec<usize>, bool)],
+    bufs: &BufferPlan,
     strict: bool,
 ) -> Result<Plan> {
     let lookup = |name: &str| lookup(sd, name);
@@ -412,7 +455,7 @@ fn plan_unflat(
         StateDict::Sharded(_) => "SHARDED_STATE_DICT",
         _ => "FULL_STATE_DICT",
     };
-    let (mut problems, mut missing) = (Vec::new(), Vec::new());
+    let (mut problems, mut missing) = (bufs.problems.clone(), bufs.missing.clone());
     let mut writes = Vec::with_capacity(metas.len());
     for m in metas {
         let mut w = Vec::new();
@@ -455,6 +498,7 @@ fn plan_unflat(
     let known = |k: &str| {
         metas.iter().any(|m| m.slots.iter().any(|(n, _)| n == k))
             || ignored.iter().any(|i| i.0 == k)
+            || bufs.names.iter().any(|n| n == k)
     };
     let unexpected: Vec<String> = sd
         .keys()
