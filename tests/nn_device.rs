@@ -525,3 +525,29 @@ fn gpt2_124m_preset() {
         124_439_808 - (50257 - 256) * 768
     );
 }
+
+device_test!(batchnorm1d_matches_the_cpu_with_buffers_on_device, |dev| {
+    let make = || Box::new(nn::BatchNorm1d::new(5).unwrap()) as Box<dyn Module>;
+    for shape in [&[4usize, 5][..], &[3, 5, 2]] {
+        let n: usize = shape.iter().product();
+        let x = Tensor::from_vec(values(3, n), shape)?;
+        let mut r = compare_layer("BatchNorm1d", dev, &make, &x, REL)?;
+        // module_to_device moves the buffers; the forward updates them there, to the CPU's
+        // values (the same host loops compute both).
+        let mut m = make();
+        module_to_device(m.as_mut(), dev)?;
+        m.forward(&x.to_device(dev)?, &Context::train())?;
+        let cpu = nn::named_buffers(r.model.as_mut(), false)?;
+        let on_dev = nn::named_buffers(m.as_mut(), false)?;
+        assert_eq!(on_dev.len(), 3);
+        for ((name, t), (_, c)) in on_dev.iter().zip(&cpu) {
+            assert_eq!(t.device(), dev, "{name}");
+            assert_eq!(t.to_vec_f64()?, c.to_vec_f64()?, "{name}");
+        }
+        // Eval mode: the running stats, on the device.
+        let ye = m.forward(&x.to_device(dev)?, &Context::eval())?;
+        let yc = r.model.forward(&x, &Context::eval())?;
+        check("BatchNorm1d eval y", dev, &ye, &yc, REL);
+    }
+    Ok(())
+});

@@ -142,6 +142,12 @@ pub(super) fn sync_module_states(
         .map(|(h, _)| h)
         .collect();
     let total: usize = synced.iter().map(|h| h.tensor.numel()).sum();
+    // One buffer in the parameters' dtype: f32, or f64 for a unit of f64 parameters (the
+    // values go through f64 on the host either way, exactly).
+    let dtype = match synced.first() {
+        Some(h) if h.tensor.dtype() == DType::F64 => DType::F64,
+        _ => DType::F32,
+    };
     let mut flat = Vec::with_capacity(if pg.rank() == 0 { total } else { 0 });
     if pg.rank() == 0 {
         for h in &synced {
@@ -149,14 +155,14 @@ pub(super) fn sync_module_states(
                 name: h.names[0].clone(),
                 state: "meta without an initializer on rank 0, while another rank holds its values (sync_module_states broadcasts rank 0's)",
             })?;
-            flat.extend(values.to_vec_f32()?);
+            flat.extend(values.to_vec_f64()?);
         }
     } else {
         flat.resize(total, 0.0);
     }
-    let flat = Tensor::from_vec(flat, &[total])?;
+    let flat = Tensor::from_vec(flat, &[total])?.to_dtype(dtype)?;
     staged::broadcast(pg, &flat, 0)?;
-    let flat = flat.f32()?;
+    let flat = flat.to_vec_f64()?;
     let mut at = 0;
     let mut replace: Vec<(&[String], Tensor)> = Vec::new();
     for h in &synced {
@@ -164,7 +170,8 @@ pub(super) fn sync_module_states(
         if pg.rank() != 0 || h.tensor.device() == Device::Meta {
             replace.push((
                 &h.names,
-                Tensor::from_vec(flat[at..at + n].to_vec(), h.tensor.shape())?,
+                Tensor::from_vec(flat[at..at + n].to_vec(), h.tensor.shape())?
+                    .to_dtype(h.tensor.dtype())?,
             ));
         }
         at += n;
@@ -223,7 +230,7 @@ fn held_tensors(module: &mut dyn Module, prefix: &str, rs: &RankState) -> Result
             return Ok(());
         }
         let d = match p.data() {
-            Ok(d) if d.dtype() != DType::F32 => {
+            Ok(d) if d.dtype() != DType::F32 && d.dtype() != DType::F64 => {
                 return Err(Error::Fsdp(format!(
                     "parameter '{name}' is {}; FlatParameter holds f32 master weights (use MixedPrecision for low-precision compute)",
                     d.dtype()

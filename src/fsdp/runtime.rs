@@ -235,7 +235,11 @@ impl FullyShardedDataParallel {
         // under no_sync simply keeps growing.
         let flat_grad = match self.flat.unsynced_grad.take() {
             Some(g) => g,
-            None => Tensor::zeros_on(&[self.flat.padded_numel()], DType::F32, self.rs.device)?,
+            None => Tensor::zeros_on(
+                &[self.flat.padded_numel()],
+                self.flat.dtype(),
+                self.rs.device,
+            )?,
         };
         self.point_params(Some(&flat_grad), true)?;
         self.in_backward = Some(InBackward { next, flat_grad });

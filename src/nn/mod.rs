@@ -8,7 +8,7 @@
 //! | [`Module`], [`Context`] | `module.rs` | `nn.Module`, `torch.no_grad`, `model.train(mode)` |
 //! | [`ModuleBuffer`], [`visit_buffers`], [`named_buffers`] | `buffer.rs` | `register_buffer`, `named_buffers()` |
 //! | [`BatchNorm1d`] | `batchnorm.rs` | `nn.BatchNorm1d` |
-//! | [`module_to_device`] | `device.rs` | `nn.Module.to(device)` |
+//! | [`module_to_device`], [`module_to_dtype`] | `device.rs` | `nn.Module.to(device)`, `.to(dtype)` / `.double()` |
 //! | [`Parameter`] | `parameter.rs` | `nn.Parameter` |
 //! | [`Linear`] | `linear.rs` | `nn.Linear` |
 //! | [`ReLU`], [`GELU`] | `activation.rs` | `nn.ReLU`, `nn.GELU()` |
@@ -45,7 +45,7 @@ pub use batchnorm::BatchNorm1d;
 pub(crate) use buffer::{buffers_to_device, round_buffers};
 pub use buffer::{named_buffers, visit_buffers, BufferVisitor, ModuleBuffer};
 pub use container::Sequential;
-pub use device::module_to_device;
+pub use device::{module_to_device, module_to_dtype};
 pub use embedding::{embedding_backward, embedding_lookup, Embedding};
 pub use gpt::{GptConfig, GPT};
 pub use init::{materialize, on_meta_device, InitKey, ParamInit};

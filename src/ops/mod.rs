@@ -24,6 +24,7 @@
 //! | `embedding.rs` | [`embedding()`], [`embedding_backward`] | `F.embedding` |
 //! | `flat.rs` | [`flat::pack_grad`], [`flat::unpack_grad`], [`flat::round_to_`], [`flat::rounded`] (FSDP's flat buffers, autocast's operands) | the `_reduce_grad` pre/post-divide and casts |
 //! | `loss.rs` | [`cross_entropy`], [`mse_loss`], [`sum_loss`] | `F.cross_entropy`, `F.mse_loss`, `.sum()` |
+//! | `double.rs` | the f64 host paths of [`matmul`], [`linear`], [`bias_add_`], [`bias_grad`], ReLU, [`mse_loss`], [`sum_loss`] (taken when an operand is f64) | float64 tensors |
 //!
 //! Host synchronizations: [`sum_squares`], the losses (their value is a host `f32`), and
 //! [`embedding()`] and [`cross_entropy`] on CUDA, which read back the kernel's out-of-range
@@ -33,6 +34,7 @@ pub mod activation;
 pub mod attention;
 pub mod autocast;
 pub mod batchnorm;
+mod double;
 pub mod elementwise;
 pub mod embedding;
 pub mod flat;
