@@ -10,12 +10,12 @@ mod common;
 use fsdp::checkpoint::{load_checkpoint, save_checkpoint};
 use fsdp::distributed::{launch, LaunchOptions};
 use fsdp::fsdp::{
-    module_wrap_policy, FsdpConfig, FullStateDictConfig, FullyShardedDataParallel,
-    MixedPrecision, ShardingStrategy, StateDict, StateDictConfig, StateDictType,
+    module_wrap_policy, FsdpConfig, FullStateDictConfig, FullyShardedDataParallel, MixedPrecision,
+    ShardingStrategy, StateDict, StateDictConfig, StateDictType,
 };
 use fsdp::nn::{
-    self, loss, BatchNorm1d, BufferVisitor, Context, InitKey, Linear, Module, ModuleBuffer,
-    Sequential, ReLU,
+    self, loss, BatchNorm1d, BufferVisitor, Context, InitKey, Linear, Module, ModuleBuffer, ReLU,
+    Sequential,
 };
 use fsdp::optim::Optimizer;
 use fsdp::tensor::{DType, Tensor};
@@ -79,7 +79,9 @@ fn batch(r: usize, s: usize) -> (Tensor, Tensor) {
     let mut x = Vec::new();
     for n in 0..B {
         for j in 0..IN {
-            x.push((0.37 * n as f64 + 0.11 * j as f64 + 0.7 * r as f64 + 1.3 * s as f64).sin() as f32);
+            x.push(
+                (0.37 * n as f64 + 0.11 * j as f64 + 0.7 * r as f64 + 1.3 * s as f64).sin() as f32,
+            );
         }
     }
     let mut t = Vec::new();
@@ -94,6 +96,9 @@ fn batch(r: usize, s: usize) -> (Tensor, Tensor) {
     )
 }
 
+/// `(name, values)` pairs.
+type Named = Vec<(String, Vec<f64>)>;
+
 /// Every buffer as f64 values, by name.
 fn buffers(m: &mut dyn Module) -> Vec<(String, Vec<f64>)> {
     nn::named_buffers(m, false)
@@ -105,7 +110,10 @@ fn buffers(m: &mut dyn Module) -> Vec<(String, Vec<f64>)> {
 
 fn max_err(a: &[f64], b: &[f64]) -> f64 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
 }
 
 fn check(what: &str, got: &[f64], want: &[f64], tol: f64) {
@@ -121,7 +129,12 @@ fn check(what: &str, got: &[f64], want: &[f64], tol: f64) {
 /// `L = sum(y * r)` in f64 of a BatchNorm1d in f64.
 fn bn_loss(bn: &mut BatchNorm1d, x: &Tensor, r: &[f64], cx: &Context) -> f64 {
     let y = bn.forward(x, cx).unwrap();
-    y.to_vec_f64().unwrap().iter().zip(r).map(|(a, b)| a * b).sum()
+    y.to_vec_f64()
+        .unwrap()
+        .iter()
+        .zip(r)
+        .map(|(a, b)| a * b)
+        .sum()
 }
 
 fn gradcheck(shape: &[usize], training: bool) {
@@ -146,10 +159,12 @@ fn gradcheck(shape: &[usize], training: bool) {
     nn::visit_buffers(&mut bn, "", false, &mut |name, b| {
         match name {
             "running_mean" => b.data.data_mut::<f64>()?.copy_from_slice(&f64s(2 * c, c)),
-            "running_var" => b
-                .data
-                .data_mut::<f64>()?
-                .copy_from_slice(&f64s(3 * c, c).iter().map(|x| 1.0 + x * x).collect::<Vec<_>>()),
+            "running_var" => b.data.data_mut::<f64>()?.copy_from_slice(
+                &f64s(3 * c, c)
+                    .iter()
+                    .map(|x| 1.0 + x * x)
+                    .collect::<Vec<_>>(),
+            ),
             _ => {}
         }
         Ok(())
@@ -171,7 +186,12 @@ fn gradcheck(shape: &[usize], training: bool) {
     for i in 0..n {
         let mut xp = xv.clone();
         xp[i] += h;
-        let lp = bn_loss(&mut bn, &Tensor::from_vec(xp.clone(), shape).unwrap(), &r, &probe);
+        let lp = bn_loss(
+            &mut bn,
+            &Tensor::from_vec(xp.clone(), shape).unwrap(),
+            &r,
+            &probe,
+        );
         xp[i] -= 2.0 * h;
         let lm = bn_loss(&mut bn, &Tensor::from_vec(xp, shape).unwrap(), &r, &probe);
         let num = (lp - lm) / (2.0 * h);
@@ -193,7 +213,8 @@ fn gradcheck(shape: &[usize], training: bool) {
         })
         .unwrap();
         let data = data.unwrap();
-        for k in 0..c {
+        assert_eq!(grad.len(), c);
+        for (k, &gk) in grad.iter().enumerate() {
             let orig = data.data::<f64>().unwrap()[k];
             data.data_mut::<f64>().unwrap()[k] = orig + h;
             let lp = bn_loss(&mut bn, &x, &r, &probe);
@@ -202,9 +223,8 @@ fn gradcheck(shape: &[usize], training: bool) {
             data.data_mut::<f64>().unwrap()[k] = orig;
             let num = (lp - lm) / (2.0 * h);
             assert!(
-                (num - grad[k]).abs() <= tol * (1.0 + num.abs()),
-                "d{pname}[{k}] ({shape:?}, training {training}): analytic {} numeric {num}",
-                grad[k]
+                (num - gk).abs() <= tol * (1.0 + num.abs()),
+                "d{pname}[{k}] ({shape:?}, training {training}): analytic {gk} numeric {num}"
             );
         }
     }
@@ -225,7 +245,10 @@ fn running_stats_follow_pytorch_formulas() -> Result<()> {
         let mut bn = BatchNorm1d::with_options(c, 1e-5, momentum, true, true)?;
         let (mut rm, mut rv) = (vec![0.0f64; c], vec![1.0f64; c]);
         for step in 0..3 {
-            let xv: Vec<f32> = common::values(step as u64 + 11, n * c).iter().map(|v| 2.0 * v + 0.5).collect();
+            let xv: Vec<f32> = common::values(step as u64 + 11, n * c)
+                .iter()
+                .map(|v| 2.0 * v + 0.5)
+                .collect();
             let x = Tensor::from_vec(xv.clone(), &[n, c])?;
             let y = bn.forward(&x, &Context::no_grad())?.to_vec_f64()?;
             let f = momentum.unwrap_or(1.0 / (step + 1) as f64);
@@ -241,8 +264,18 @@ fn running_stats_follow_pytorch_formulas() -> Result<()> {
                 rm[k] = (1.0 - f) * rm[k] + f * mean;
                 rv[k] = (1.0 - f) * rv[k] + f * var * n as f64 / (n as f64 - 1.0);
             }
-            check("running_mean", &bn.running_mean().unwrap().to_vec_f64()?, &rm, 1e-6);
-            check("running_var", &bn.running_var().unwrap().to_vec_f64()?, &rv, 1e-6);
+            check(
+                "running_mean",
+                &bn.running_mean().unwrap().to_vec_f64()?,
+                &rm,
+                1e-6,
+            );
+            check(
+                "running_var",
+                &bn.running_var().unwrap().to_vec_f64()?,
+                &rv,
+                1e-6,
+            );
             assert_eq!(bn.num_batches_tracked()?, Some(step as i64 + 1));
         }
         // Eval mode: running stats, unchanged by the forward; a single row is fine.
@@ -253,11 +286,19 @@ fn running_stats_follow_pytorch_formulas() -> Result<()> {
             let want = (x.to_vec_f64()?[k] - rm[k]) / (rv[k] + 1e-5).sqrt();
             assert!((y[k] - want).abs() < 1e-6);
         }
-        check("eval keeps running_mean", &bn.running_mean().unwrap().to_vec_f64()?, &kept, 0.0);
+        check(
+            "eval keeps running_mean",
+            &bn.running_mean().unwrap().to_vec_f64()?,
+            &kept,
+            0.0,
+        );
         assert_eq!(bn.num_batches_tracked()?, Some(3));
         // Training on one value per channel is PyTorch's error.
         let e = bn.forward(&x, &Context::train()).unwrap_err();
-        assert!(e.to_string().contains("more than 1 value per channel"), "{e}");
+        assert!(
+            e.to_string().contains("more than 1 value per channel"),
+            "{e}"
+        );
     }
     // No running stats: batch statistics in both modes, no buffers.
     let mut bn = BatchNorm1d::with_options(2, 1e-5, Some(0.1), false, false)?;
@@ -269,10 +310,20 @@ fn running_stats_follow_pytorch_formulas() -> Result<()> {
     assert_eq!(a, b);
     // Bad input: a clear error, no panic.
     let mut bn = BatchNorm1d::new(3)?;
-    assert!(bn.forward(&Tensor::from_vec(vec![1.0f32; 8], &[4, 2])?, &Context::train()).is_err());
+    assert!(bn
+        .forward(
+            &Tensor::from_vec(vec![1.0f32; 8], &[4, 2])?,
+            &Context::train()
+        )
+        .is_err());
     assert!(BatchNorm1d::with_options(3, -1.0, None, true, true).is_err());
     assert!(BatchNorm1d::with_options(3, 1e-5, Some(1.5), true, true).is_err());
-    assert!(bn.backward(&Tensor::from_vec(vec![1.0f32; 3], &[1, 3])?, &Context::train()).is_err());
+    assert!(bn
+        .backward(
+            &Tensor::from_vec(vec![1.0f32; 3], &[1, 3])?,
+            &Context::train()
+        )
+        .is_err());
     Ok(())
 }
 
@@ -315,7 +366,10 @@ fn named_buffers_order_and_persistence() -> Result<()> {
         Box::new(wb),
         Box::new(BatchNorm1d::new(2)?),
     ]);
-    let all: Vec<String> = nn::named_buffers(&mut m, false)?.into_iter().map(|(n, _)| n).collect();
+    let all: Vec<String> = nn::named_buffers(&mut m, false)?
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
     assert_eq!(
         all,
         [
@@ -329,7 +383,10 @@ fn named_buffers_order_and_persistence() -> Result<()> {
             "2.num_batches_tracked"
         ]
     );
-    let kept: Vec<String> = nn::named_buffers(&mut m, true)?.into_iter().map(|(n, _)| n).collect();
+    let kept: Vec<String> = nn::named_buffers(&mut m, true)?
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
     assert!(!kept.contains(&"1.scratch".to_string()) && kept.len() == 7);
     let nbt = nn::named_buffers(&mut m, true)?;
     assert_eq!(nbt[2].1.dtype(), DType::I64);
@@ -374,7 +431,9 @@ fn fsdp_run(world: usize, strategy: ShardingStrategy, wrap_bn: bool) -> Vec<Rank
         let r = pg.rank();
         let cfg = FsdpConfig {
             sharding_strategy: strategy,
-            ranks_per_node: strategy.is_hybrid().then(|| common::hybrid_ranks_per_node(world)),
+            ranks_per_node: strategy
+                .is_hybrid()
+                .then(|| common::hybrid_ranks_per_node(world)),
             auto_wrap_policy: wrap_bn.then(|| module_wrap_policy(["BatchNorm1d", "Linear"])),
             ..FsdpConfig::default()
         };
@@ -403,7 +462,7 @@ fn fsdp_run(world: usize, strategy: ShardingStrategy, wrap_bn: bool) -> Vec<Rank
 /// The single-process reference: one unwrapped replica per rank, each normalizing its own
 /// batch with its own running stats; the replicas' gradients are averaged (what FSDP's
 /// reduction computes) and every replica takes the same SGD step.
-fn replica_reference(world: usize) -> (Vec<(String, Vec<f64>)>, Vec<Vec<(String, Vec<f64>)>>) {
+fn replica_reference(world: usize) -> (Named, Vec<Named>) {
     let mut reps: Vec<Box<dyn Module>> = (0..world).map(|_| model()).collect();
     for s in 0..STEPS {
         let mut sum: Vec<Vec<f64>> = Vec::new();
@@ -447,12 +506,19 @@ fn replica_reference(world: usize) -> (Vec<(String, Vec<f64>)>, Vec<Vec<(String,
 }
 
 fn torch_refs() -> serde_json::Value {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/torch_ref/batchnorm_refs.json");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/torch_ref/batchnorm_refs.json"
+    );
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
 fn json_vec(v: &serde_json::Value) -> Vec<f64> {
-    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect()
 }
 
 #[test]
@@ -462,12 +528,21 @@ fn fsdp_batchnorm_matches_per_rank_reference_world_1_to_4() {
         let (want_params, want_bufs) = replica_reference(world);
         let torch = &refs["worlds"][world.to_string()];
         let mut runs = vec![
-            ("FullShard", fsdp_run(world, ShardingStrategy::FullShard, false)),
-            ("FullShard, nested units", fsdp_run(world, ShardingStrategy::FullShard, true)),
+            (
+                "FullShard",
+                fsdp_run(world, ShardingStrategy::FullShard, false),
+            ),
+            (
+                "FullShard, nested units",
+                fsdp_run(world, ShardingStrategy::FullShard, true),
+            ),
             ("NoShard", fsdp_run(world, ShardingStrategy::NoShard, false)),
         ];
         if world == 4 {
-            runs.push(("HybridShard", fsdp_run(world, ShardingStrategy::HybridShard, true)));
+            runs.push((
+                "HybridShard",
+                fsdp_run(world, ShardingStrategy::HybridShard, true),
+            ));
         }
         for (what, ranks) in runs {
             for (r, (params, bufs, losses)) in ranks.iter().enumerate() {
@@ -475,7 +550,12 @@ fn fsdp_batchnorm_matches_per_rank_reference_world_1_to_4() {
                 for ((n, got), (wn, want)) in params.iter().zip(&want_params) {
                     assert_eq!(n, wn);
                     check(&format!("{at}: {n}"), got, want, 1e-6);
-                    check(&format!("{at}: {n} vs PyTorch"), got, &json_vec(&torch["params"][n]), 2e-5);
+                    check(
+                        &format!("{at}: {n} vs PyTorch"),
+                        got,
+                        &json_vec(&torch["params"][n]),
+                        2e-5,
+                    );
                 }
                 assert_eq!(bufs.len(), 3, "{at}: buffers {bufs:?}");
                 for ((n, got), (wn, want)) in bufs.iter().zip(&want_bufs[r]) {
@@ -490,7 +570,12 @@ fn fsdp_batchnorm_matches_per_rank_reference_world_1_to_4() {
                     .iter()
                     .map(|s| s[r].as_f64().unwrap())
                     .collect();
-                check(&format!("{at}: losses vs PyTorch"), &losses.iter().map(|&l| l as f64).collect::<Vec<_>>(), &tl, 2e-5);
+                check(
+                    &format!("{at}: losses vs PyTorch"),
+                    &losses.iter().map(|&l| l as f64).collect::<Vec<_>>(),
+                    &tl,
+                    2e-5,
+                );
             }
             if world > 1 {
                 // Each rank's running stats are its own (different batches).
@@ -529,9 +614,13 @@ fn eval_mode_under_fsdp_uses_running_stats() -> Result<()> {
 fn perturb_buffers(m: &mut dyn Module, rank: usize) {
     nn::visit_buffers(m, "", false, &mut |name, b| {
         let n = b.data.numel();
-        let v: Vec<f64> = (0..n).map(|i| 0.25 + rank as f64 * 1.5 + i as f64 / 3.0).collect();
+        let v: Vec<f64> = (0..n)
+            .map(|i| 0.25 + rank as f64 * 1.5 + i as f64 / 3.0)
+            .collect();
         match name {
-            n if n.ends_with("num_batches_tracked") => b.data.copy_from(&Tensor::from_vec(vec![rank as i64 * 7 + 1], &[])?),
+            n if n.ends_with("num_batches_tracked") => b
+                .data
+                .copy_from(&Tensor::from_vec(vec![rank as i64 * 7 + 1], &[])?),
             _ => b.data.copy_from(&Tensor::from_vec(v, b.data.shape())?),
         }
     })
@@ -539,7 +628,9 @@ fn perturb_buffers(m: &mut dyn Module, rank: usize) {
 }
 
 fn bits(v: &[(String, Vec<f64>)]) -> Vec<(String, Vec<u64>)> {
-    v.iter().map(|(n, x)| (n.clone(), x.iter().map(|f| f.to_bits()).collect())).collect()
+    v.iter()
+        .map(|(n, x)| (n.clone(), x.iter().map(|f| f.to_bits()).collect()))
+        .collect()
 }
 
 #[test]
@@ -568,9 +659,15 @@ fn sync_module_states_broadcasts_buffers() {
             for (r, b) in got.iter().enumerate() {
                 assert_eq!(b.len(), 3);
                 if sync {
-                    assert_eq!(b, &got[0], "world {world} {strategy:?}: rank {r} differs from rank 0");
+                    assert_eq!(
+                        b, &got[0],
+                        "world {world} {strategy:?}: rank {r} differs from rank 0"
+                    );
                 } else if r > 0 {
-                    assert_ne!(b, &got[0], "world {world}: without sync_module_states ranks keep their own");
+                    assert_ne!(
+                        b, &got[0],
+                        "world {world}: without sync_module_states ranks keep their own"
+                    );
                 }
             }
         }
@@ -588,7 +685,9 @@ fn state_dicts_carry_buffers_and_load_them() -> Result<()> {
         let full = m.state_dict(StateDictConfig::Full(FullStateDictConfig::default()))?;
         let sharded = m.state_dict(StateDictConfig::Sharded)?;
         let local = m.state_dict(StateDictConfig::Local)?;
-        let StateDict::Full(f) = &full else { unreachable!() };
+        let StateDict::Full(f) = &full else {
+            unreachable!()
+        };
         let keys: Vec<&str> = full.keys();
         assert_eq!(
             keys,
@@ -606,9 +705,18 @@ fn state_dicts_carry_buffers_and_load_them() -> Result<()> {
         );
         assert_eq!(f.get("1.num_batches_tracked").unwrap().dtype(), DType::I64);
         assert_eq!(f.get("1.running_var").unwrap().to_vec_f64()?, mine[1].1);
-        let StateDict::Sharded(s) = &sharded else { unreachable!() };
-        assert_eq!(s.get("1.running_mean").unwrap().pieces[0].data.to_vec_f64()?, mine[0].1);
-        let StateDict::Local(l) = &local else { unreachable!() };
+        let StateDict::Sharded(s) = &sharded else {
+            unreachable!()
+        };
+        assert_eq!(
+            s.get("1.running_mean").unwrap().pieces[0]
+                .data
+                .to_vec_f64()?,
+            mine[0].1
+        );
+        let StateDict::Local(l) = &local else {
+            unreachable!()
+        };
         assert_eq!(l.buffers.len(), 3);
         // Each kind loads back: zero the buffers, load, compare.
         for sd in [&full, &sharded, &local] {
@@ -617,13 +725,20 @@ fn state_dicts_carry_buffers_and_load_them() -> Result<()> {
             assert_eq!(buffers(&mut m), mine, "{:?}", sd.state_dict_type());
         }
         // A wrong shape or a missing buffer is a clear error; nothing is written.
-        let StateDict::Full(mut bad) = full.clone() else { unreachable!() };
+        let StateDict::Full(mut bad) = full.clone() else {
+            unreachable!()
+        };
         bad.tensors.retain(|(n, _)| n != "1.running_mean");
-        let e = m.load_state_dict(&StateDict::Full(bad.clone()), true).unwrap_err();
+        let e = m
+            .load_state_dict(&StateDict::Full(bad.clone()), true)
+            .unwrap_err();
         assert!(e.to_string().contains("1.running_mean"), "{e}");
         let keys = m.load_state_dict(&StateDict::Full(bad.clone()), false)?;
         assert_eq!(keys.missing_keys, ["1.running_mean"]);
-        bad.tensors.push(("1.running_mean".into(), Tensor::from_vec(vec![0.0f32; 5], &[5])?));
+        bad.tensors.push((
+            "1.running_mean".into(),
+            Tensor::from_vec(vec![0.0f32; 5], &[5])?,
+        ));
         let e = m.load_state_dict(&StateDict::Full(bad), true).unwrap_err();
         assert!(e.to_string().contains("expected shape [6]"), "{e}");
         Ok(())
@@ -664,7 +779,11 @@ fn buffers_survive_checkpoint_resume_at_another_world_size() -> Result<()> {
             assert_eq!(b, &saved[0].0, "{ty:?}: rank {r} buffers");
             assert_eq!(p, &saved[0].1, "{ty:?}: rank {r} parameters");
         }
-        assert_eq!(saved[0].0[2].1, vec![2.0], "num_batches_tracked after 2 steps");
+        assert_eq!(
+            saved[0].0[2].1,
+            vec![2.0],
+            "num_batches_tracked after 2 steps"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
     Ok(())
@@ -677,7 +796,8 @@ fn buffer_dtype_rounds_buffers_at_forward() -> Result<()> {
         // Values that bf16 cannot hold.
         nn::visit_buffers(base.as_mut(), "", false, &mut |n, b| {
             if n.ends_with("running_mean") {
-                b.data.copy_from(&Tensor::from_vec(vec![0.1f32 + 1e-4; HID], &[HID])?)?;
+                b.data
+                    .copy_from(&Tensor::from_vec(vec![0.1f32 + 1e-4; HID], &[HID])?)?;
             }
             Ok(())
         })?;
@@ -693,13 +813,19 @@ fn buffer_dtype_rounds_buffers_at_forward() -> Result<()> {
         m.forward(&batch(0, 0).0, &Context::eval())?;
         let after = buffers(&mut m)[0].1.clone();
         let sd = m.state_dict(StateDictConfig::Full(FullStateDictConfig::default()))?;
-        let StateDict::Full(f) = sd else { unreachable!() };
+        let StateDict::Full(f) = sd else {
+            unreachable!()
+        };
         Ok((before, after, f.get("1.running_mean").unwrap().dtype()))
     })?;
     let (before, after, dtype) = &out[0];
     assert!(before.iter().all(|&v| v as f32 == 0.1f32 + 1e-4));
     let want = half::bf16::from_f32(0.1f32 + 1e-4).to_f32() as f64;
     assert!(after.iter().all(|&v| v == want), "{after:?} vs {want}");
-    assert_eq!(*dtype, DType::F32, "state dicts return buffers in full precision");
+    assert_eq!(
+        *dtype,
+        DType::F32,
+        "state dicts return buffers in full precision"
+    );
     Ok(())
 }

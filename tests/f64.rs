@@ -7,17 +7,19 @@ mod common;
 use common::{free_port, on_threads, torchrun_env};
 
 use fsdp::distributed::{
-    destroy_process_group, init_process_group, launch, Group, InitOptions, LaunchOptions,
-    ReduceOp,
+    destroy_process_group, init_process_group, launch, Group, InitOptions, LaunchOptions, ReduceOp,
 };
 use fsdp::fsdp::{
-    module_wrap_policy, FsdpConfig, FullStateDictConfig, FullyShardedDataParallel,
-    MixedPrecision, ShardingStrategy, StateDict, StateDictConfig,
+    module_wrap_policy, FsdpConfig, FullStateDictConfig, FullyShardedDataParallel, MixedPrecision,
+    ShardingStrategy, StateDict, StateDictConfig,
 };
 use fsdp::nn::{self, loss, Context, InitKey, Linear, Module, ReLU, Sequential};
 use fsdp::optim::{Optimizer, ParamGrad, SgdConfig, SGD};
 use fsdp::tensor::{DType, Tensor};
 use fsdp::Result;
+
+/// `(name, values)` pairs.
+type Named = Vec<(String, Vec<f64>)>;
 
 const ROWS: usize = 3;
 const STEPS: usize = 3;
@@ -60,14 +62,18 @@ fn sgd() -> SGD {
 
 fn check(what: &str, got: &[f64], want: &[f64], tol: f64) {
     assert_eq!(got.len(), want.len(), "{what}");
-    let e = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+    let e = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
     assert!(e <= tol, "{what}: max error {e:e} > {tol:e}");
 }
 
 /// Unsharded f64 training of `world` ranks' batches: each step the gradients of every
 /// rank's mean loss are averaged (FSDP's reduction) and SGD steps once. Returns the
 /// parameters after every step's update and the averaged gradient of the first step.
-fn reference(world: usize) -> (Vec<(String, Vec<f64>)>, Vec<(String, Vec<f64>)>) {
+fn reference(world: usize) -> (Named, Named) {
     let mut m = mlp();
     let mut opt = sgd();
     let mut first_grad = Vec::new();
@@ -82,7 +88,13 @@ fn reference(world: usize) -> (Vec<(String, Vec<f64>)>, Vec<(String, Vec<f64>)>)
         let mut pgs = Vec::new();
         let mut grads = Vec::new();
         nn::visit_parameters(m.as_mut(), "", false, &mut |n, p| {
-            let g: Vec<f64> = p.grad().unwrap().to_vec_f64()?.iter().map(|g| g / world as f64).collect();
+            let g: Vec<f64> = p
+                .grad()
+                .unwrap()
+                .to_vec_f64()?
+                .iter()
+                .map(|g| g / world as f64)
+                .collect();
             grads.push((n.to_string(), g.clone()));
             pgs.push(ParamGrad {
                 param: p.data()?.reshape(&[p.numel()])?,
@@ -105,7 +117,10 @@ fn reference(world: usize) -> (Vec<(String, Vec<f64>)>, Vec<(String, Vec<f64>)>)
     (params, first_grad)
 }
 
-type Run = (Vec<(String, Vec<f64>)>, Vec<(String, Option<(usize, usize)>, Vec<f64>)>);
+type Run = (
+    Vec<(String, Vec<f64>)>,
+    Vec<(String, Option<(usize, usize)>, Vec<f64>)>,
+);
 
 /// FSDP f64 training at `world`: the full parameters after the steps (rank 0's full
 /// state dict, f64) and each rank's gradient pieces of the first step.
@@ -118,7 +133,10 @@ fn fsdp_run(world: usize, strategy: ShardingStrategy, nested: bool) -> Vec<Run> 
             ..FsdpConfig::default()
         };
         let mut m = FullyShardedDataParallel::new(mlp(), pg, cfg)?;
-        assert_eq!(m.flat_param().dtype(), if nested { DType::F32 } else { DType::F64 });
+        assert_eq!(
+            m.flat_param().dtype(),
+            if nested { DType::F32 } else { DType::F64 }
+        );
         let mut opt = sgd();
         let mut grads = Vec::new();
         for s in 0..STEPS {
@@ -200,9 +218,18 @@ fn avg_loss(world: usize, values: &[(String, Vec<f64>)]) -> f64 {
     let mut l = 0.0;
     for r in 0..world {
         let (x, t) = batch(r, 0);
-        let y = m.forward(&x, &Context::eval()).unwrap().to_vec_f64().unwrap();
+        let y = m
+            .forward(&x, &Context::eval())
+            .unwrap()
+            .to_vec_f64()
+            .unwrap();
         let tv = t.to_vec_f64().unwrap();
-        l += y.iter().zip(&tv).map(|(a, b)| (a - b) * (a - b)).sum::<f64>() / y.len() as f64;
+        l += y
+            .iter()
+            .zip(&tv)
+            .map(|(a, b)| (a - b) * (a - b))
+            .sum::<f64>()
+            / y.len() as f64;
     }
     l / world as f64
 }
@@ -218,7 +245,10 @@ fn fsdp_f64_gradient_matches_finite_differences() {
     })
     .unwrap();
     // Assemble the full gradient from the ranks' pieces.
-    let mut full: Vec<(String, Vec<f64>)> = init.iter().map(|(n, v)| (n.clone(), vec![f64::NAN; v.len()])).collect();
+    let mut full: Vec<(String, Vec<f64>)> = init
+        .iter()
+        .map(|(n, v)| (n.clone(), vec![f64::NAN; v.len()]))
+        .collect();
     for (_, grads) in &runs {
         for (n, range, g) in grads {
             if let Some((lo, hi)) = range {
@@ -229,8 +259,8 @@ fn fsdp_f64_gradient_matches_finite_differences() {
     }
     let h = 1e-6;
     for (pi, (n, g)) in full.iter().enumerate() {
-        for i in 0..g.len() {
-            assert!(!g[i].is_nan(), "{n}[{i}] in no rank's piece");
+        for (i, &gi) in g.iter().enumerate() {
+            assert!(!gi.is_nan(), "{n}[{i}] in no rank's piece");
             let mut v = init.clone();
             v[pi].1[i] += h;
             let lp = avg_loss(world, &v);
@@ -238,9 +268,8 @@ fn fsdp_f64_gradient_matches_finite_differences() {
             let lm = avg_loss(world, &v);
             let num = (lp - lm) / (2.0 * h);
             assert!(
-                (num - g[i]).abs() <= 1e-8 * (1.0 + num.abs()),
-                "{n}[{i}]: FSDP gradient {} vs finite difference {num}",
-                g[i]
+                (num - gi).abs() <= 1e-8 * (1.0 + num.abs()),
+                "{n}[{i}]: FSDP gradient {gi} vs finite difference {num}"
             );
         }
     }
@@ -278,7 +307,11 @@ fn f64_refuses_mixed_precision_and_mixed_dtypes() {
 /// Rank `r`'s f64 values, over many binades and with bits beyond f32's.
 fn input(r: usize, n: usize) -> Tensor {
     let v: Vec<f64> = (0..n)
-        .map(|i| (1.0 + 1e-13 * i as f64) * ((i * 7 + r * 3) as f64).sin() * 2f64.powi((i as i32 * 5 + r as i32) % 40 - 20))
+        .map(|i| {
+            (1.0 + 1e-13 * i as f64)
+                * ((i * 7 + r * 3) as f64).sin()
+                * 2f64.powi((i as i32 * 5 + r as i32) % 40 - 20)
+        })
         .collect();
     Tensor::from_vec(v, &[n]).unwrap()
 }
@@ -294,27 +327,44 @@ fn collectives(pg: &Group) -> Result<Vec<Vec<u64>>> {
     pg.all_reduce(&t, ReduceOp::Sum)?;
     // The sum in rank order, in f64: what every backend computes.
     let want: Vec<f64> = (0..n)
-        .map(|i| (0..w).map(|q| input(q, n).to_vec_f64().unwrap()[i]).fold(0.0, |a, b| a + b))
+        .map(|i| {
+            (0..w)
+                .map(|q| input(q, n).to_vec_f64().unwrap()[i])
+                .fold(0.0, |a, b| a + b)
+        })
         .collect();
     for (g, w) in t.to_vec_f64()?.iter().zip(&want) {
-        assert!((g - w).abs() <= 4.0 * f64::EPSILON * w.abs(), "all_reduce f64: {g} vs {w}");
+        assert!(
+            (g - w).abs() <= 4.0 * f64::EPSILON * w.abs(),
+            "all_reduce f64: {g} vs {w}"
+        );
     }
     out.push(bits(&t)?);
     let full = Tensor::zeros(&[n * w], DType::F64);
     pg.all_gather_into_tensor(&full, &input(r, n))?;
     for q in 0..w {
-        assert_eq!(full.to_vec_f64()?[q * n..(q + 1) * n], input(q, n).to_vec_f64()?[..]);
+        assert_eq!(
+            full.to_vec_f64()?[q * n..(q + 1) * n],
+            input(q, n).to_vec_f64()?[..]
+        );
     }
     out.push(bits(&full)?);
     let shard = Tensor::zeros(&[n], DType::F64);
     pg.reduce_scatter_tensor(&shard, &input(r, n * w), ReduceOp::Sum)?;
     out.push(bits(&shard)?);
-    let b = if r == 0 { input(9, n) } else { Tensor::zeros(&[n], DType::F64) };
+    let b = if r == 0 {
+        input(9, n)
+    } else {
+        Tensor::zeros(&[n], DType::F64)
+    };
     pg.broadcast(&b, 0)?;
     assert_eq!(b.to_vec_f64()?, input(9, n).to_vec_f64()?);
     let i = Tensor::from_vec(vec![r as i64 + (1i64 << 40)], &[1])?;
     pg.all_reduce(&i, ReduceOp::Sum)?;
-    assert_eq!(i.data::<i64>()?[0], (0..w as i64).sum::<i64>() + w as i64 * (1i64 << 40));
+    assert_eq!(
+        i.data::<i64>()?[0],
+        (0..w as i64).sum::<i64>() + w as i64 * (1i64 << 40)
+    );
     Ok(out)
 }
 

@@ -73,8 +73,14 @@ impl BatchNorm1d {
         let c = num_features;
         let (weight, bias) = if affine {
             (
-                Some(Parameter::new("weight", Tensor::from_vec(vec![1.0f32; c], &[c])?)),
-                Some(Parameter::new("bias", Tensor::from_vec(vec![0.0f32; c], &[c])?)),
+                Some(Parameter::new(
+                    "weight",
+                    Tensor::from_vec(vec![1.0f32; c], &[c])?,
+                )),
+                Some(Parameter::new(
+                    "bias",
+                    Tensor::from_vec(vec![0.0f32; c], &[c])?,
+                )),
             )
         } else {
             (None, None)
@@ -189,7 +195,11 @@ impl Module for BatchNorm1d {
         let saved = self.saved.take().ok_or(Error::NoSavedForward {
             module: "BatchNorm1d",
         })?;
-        let w = self.weight.as_ref().map(|p| p.data().cloned()).transpose()?;
+        let w = self
+            .weight
+            .as_ref()
+            .map(|p| p.data().cloned())
+            .transpose()?;
         let dw = match &mut self.weight {
             Some(p) => p.grad_for_accumulate()?.cloned(),
             None => None,

@@ -149,7 +149,11 @@ pub(crate) fn pointwise_backward(f: Pointwise, x: &Tensor, dy: &Tensor) -> Resul
     relu_only(f)?;
     check(f.name(), &[x, dy])?;
     let (xv, gv) = (x.data::<f64>()?, dy.data::<f64>()?);
-    let v: Vec<f64> = xv.iter().zip(gv.iter()).map(|(&x, &g)| g * act(x).1).collect();
+    let v: Vec<f64> = xv
+        .iter()
+        .zip(gv.iter())
+        .map(|(&x, &g)| g * act(x).1)
+        .collect();
     Tensor::from_vec(v, x.shape())
 }
 
@@ -159,8 +163,17 @@ pub(crate) fn mse_loss(pred: &Tensor, target: &Tensor) -> Result<(f32, Tensor)> 
     check("mse_loss", &[pred, target])?;
     let (p, t) = (pred.data::<f64>()?, target.data::<f64>()?);
     let n = p.len() as f64;
-    let loss = p.iter().zip(t.iter()).map(|(a, b)| (a - b) * (a - b)).sum::<f64>() / n;
-    let grad: Vec<f64> = p.iter().zip(t.iter()).map(|(a, b)| 2.0 * (a - b) / n).collect();
+    let loss = p
+        .iter()
+        .zip(t.iter())
+        .map(|(a, b)| (a - b) * (a - b))
+        .sum::<f64>()
+        / n;
+    let grad: Vec<f64> = p
+        .iter()
+        .zip(t.iter())
+        .map(|(a, b)| 2.0 * (a - b) / n)
+        .collect();
     Ok((loss as f32, Tensor::from_vec(grad, pred.shape())?))
 }
 
@@ -168,5 +181,8 @@ pub(crate) fn mse_loss(pred: &Tensor, target: &Tensor) -> Result<(f32, Tensor)> 
 pub(crate) fn sum_loss(x: &Tensor) -> Result<(f32, Tensor)> {
     check("sum_loss", &[x])?;
     let s = x.data::<f64>()?.iter().fold(0.0f64, |s, &v| s + v);
-    Ok((s as f32, Tensor::from_vec(vec![1.0f64; x.numel()], x.shape())?))
+    Ok((
+        s as f32,
+        Tensor::from_vec(vec![1.0f64; x.numel()], x.shape())?,
+    ))
 }

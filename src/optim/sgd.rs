@@ -282,7 +282,11 @@ fn step_f64(
     for i in 0..p.len() {
         let mut d = g[i] + wd * p[i];
         if let Some(b) = b.as_mut() {
-            b[i] = if first { d } else { mom * b[i] + (1.0 - damp) * d };
+            b[i] = if first {
+                d
+            } else {
+                mom * b[i] + (1.0 - damp) * d
+            };
             d = if c.nesterov { d + mom * b[i] } else { b[i] };
         }
         p[i] -= lr * d;

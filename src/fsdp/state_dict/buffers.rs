@@ -47,7 +47,11 @@ pub(super) fn buffer_copies(
     crate::nn::named_buffers(root, true)?
         .into_iter()
         .map(|(n, t)| {
-            let c = if host { host_copy(&t)? } else { t.deep_clone()? };
+            let c = if host {
+                host_copy(&t)?
+            } else {
+                t.deep_clone()?
+            };
             Ok((n, c))
         })
         .collect()
@@ -94,10 +98,7 @@ pub(super) fn plan_buffers(sd: &StateDict, metas: &[BufferMeta]) -> Result<Buffe
     let mut plan = BufferPlan::default();
     for m in metas {
         plan.names.push(m.name.clone());
-        let what = format!(
-            "'{}' (buffer of shape {:?}, {})",
-            m.name, m.shape, m.dtype
-        );
+        let what = format!("'{}' (buffer of shape {:?}, {})", m.name, m.shape, m.dtype);
         let found: Option<Result<Tensor, String>> = match sd {
             StateDict::Full(d) => d.get(&m.name).map(|t| Ok(t.clone())),
             StateDict::Local(d) => d
@@ -123,7 +124,10 @@ pub(super) fn plan_buffers(sd: &StateDict, metas: &[BufferMeta]) -> Result<Buffe
                     .min_by_key(|p| p.rank)
                     .map(|p| p.data.clone())
                     .ok_or_else(|| {
-                        format!("'{}': no piece holds the whole buffer of {n} elements", m.name)
+                        format!(
+                            "'{}': no piece holds the whole buffer of {n} elements",
+                            m.name
+                        )
                     })
             }),
         };
@@ -169,10 +173,11 @@ pub(super) fn write_buffers(
     if writes.is_empty() {
         return Ok(());
     }
-    crate::nn::visit_buffers(root, "", false, &mut |name, b| {
-        match writes.iter().find(|(n, _)| n == name) {
-            Some((_, t)) if b.persistent => b.data.copy_from(t),
-            _ => Ok(()),
-        }
+    crate::nn::visit_buffers(root, "", false, &mut |name, b| match writes
+        .iter()
+        .find(|(n, _)| n == name)
+    {
+        Some((_, t)) if b.persistent => b.data.copy_from(t),
+        _ => Ok(()),
     })
 }

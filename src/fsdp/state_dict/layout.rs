@@ -104,7 +104,11 @@ pub(super) fn write_f32(t: &Tensor, start: usize, values: &[f32]) -> Result<()> 
 /// a copy under NoShard.
 pub(super) fn gather_chunk(u: &FullyShardedDataParallel, chunk: &Tensor) -> Result<Tensor> {
     if u.sharding_strategy().is_sharded() {
-        let full = Tensor::zeros_on(&[u.flat_param().padded_numel()], chunk.dtype(), chunk.device())?;
+        let full = Tensor::zeros_on(
+            &[u.flat_param().padded_numel()],
+            chunk.dtype(),
+            chunk.device(),
+        )?;
         let _tag = u.fingerprint(Phase::StateDict);
         staged::all_gather_into_tensor(u.shard_group().as_ref(), &full, chunk)?;
         Ok(full)
