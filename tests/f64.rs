@@ -27,7 +27,11 @@ const STEPS: usize = 3;
 /// Linear(5, 7) -> ReLU -> Linear(7, 4) -> ReLU -> Linear(4, 3) in f64: 89 parameters, a
 /// count no world size above 1 divides.
 fn mlp() -> Box<dyn Module> {
-    let k = InitKey::new(5);
+    mlp_from(5)
+}
+
+fn mlp_from(seed: u64) -> Box<dyn Module> {
+    let k = InitKey::new(seed);
     let mut m = Sequential::new(vec![
         Box::new(Linear::new(5, 7, true, &k).unwrap()),
         Box::new(ReLU::new()),
@@ -383,4 +387,77 @@ fn f64_collectives_threads_and_tcp_agree_bitwise() {
     for (r, t) in tcp.into_iter().enumerate() {
         assert_eq!(t.unwrap(), threads[r], "rank {r}: tcp differs from threads");
     }
+}
+
+/// Every entry of a full state dict as f64 bits.
+fn full_bits(m: &mut FullyShardedDataParallel) -> Result<Vec<(String, Vec<u64>)>> {
+    let StateDict::Full(f) = m.state_dict(StateDictConfig::Full(FullStateDictConfig::default()))?
+    else {
+        unreachable!()
+    };
+    f.tensors
+        .iter()
+        .map(|(n, t)| {
+            assert_eq!(t.dtype(), DType::F64, "{n}");
+            Ok((
+                n.clone(),
+                t.to_vec_f64()?.iter().map(|v| v.to_bits()).collect(),
+            ))
+        })
+        .collect()
+}
+
+#[test]
+fn f64_state_dicts_and_checkpoints_reload_exactly_at_another_world_size() -> Result<()> {
+    use fsdp::checkpoint::{load_checkpoint, save_checkpoint};
+    use fsdp::fsdp::StateDictType;
+    for ty in [StateDictType::Sharded, StateDictType::Full] {
+        let dir = std::env::temp_dir().join(format!("fsdp-f64-{}-{ty:?}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let d = dir.clone();
+        let saved = launch(&LaunchOptions::new(2), move |pg| {
+            let r = pg.rank();
+            let mut m = FullyShardedDataParallel::new(mlp(), pg, FsdpConfig::default())?;
+            let mut opt = sgd();
+            let (x, t) = batch(r, 0);
+            let y = m.forward(&x, &Context::train())?;
+            let (_, dy) = loss::mse_loss(&y, &t)?;
+            m.backward(&dy, &Context::train())?;
+            opt.step(&m.optimizer_params())?;
+            m.zero_grad();
+            // Each kind of state dict reloads into a differently initialized model.
+            let want = full_bits(&mut m)?;
+            for cfg in [
+                StateDictConfig::Full(FullStateDictConfig::default()),
+                StateDictConfig::Sharded,
+                StateDictConfig::Local,
+            ] {
+                let sd = m.state_dict(cfg)?;
+                let mut other = FullyShardedDataParallel::new(
+                    mlp_from(9),
+                    m.process_group().clone(),
+                    FsdpConfig::default(),
+                )?;
+                assert_ne!(full_bits(&mut other)?, want);
+                other.load_state_dict(&sd, true)?;
+                assert_eq!(full_bits(&mut other)?, want, "{cfg:?}");
+            }
+            save_checkpoint(&d, &mut m, None, ty, serde_json::Value::Null)?;
+            Ok(want)
+        })?;
+        let d = dir.clone();
+        let loaded = launch(&LaunchOptions::new(3), move |pg| {
+            let mut m = FullyShardedDataParallel::new(mlp_from(9), pg, FsdpConfig::default())?;
+            load_checkpoint(&d, &mut m, None)?;
+            full_bits(&mut m)
+        })?;
+        for (r, l) in loaded.iter().enumerate() {
+            assert_eq!(
+                l, &saved[0],
+                "{ty:?}: rank {r} after resuming at world size 3"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    Ok(())
 }

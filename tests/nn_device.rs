@@ -551,3 +551,47 @@ device_test!(batchnorm1d_matches_the_cpu_with_buffers_on_device, |dev| {
     }
     Ok(())
 });
+
+device_test!(fsdp_batchnorm_buffers_live_on_device_id, |dev| {
+    use fsdp::distributed::{launch, LaunchOptions};
+    use fsdp::fsdp::{FsdpConfig, FullyShardedDataParallel};
+    // Two ranks, each its own batch: the running stats (moved to device_id at wrap time)
+    // are updated there, and equal the CPU run's.
+    let run = |d: Device| {
+        launch(&LaunchOptions::new(2), move |pg| {
+            let r = pg.rank();
+            let m = Sequential::new(vec![
+                Box::new(Linear::new(3, 4, true, &InitKey::new(2))?),
+                Box::new(nn::BatchNorm1d::new(4)?),
+            ]);
+            let cfg = FsdpConfig {
+                device_id: Some(d),
+                ..FsdpConfig::default()
+            };
+            let mut m = FullyShardedDataParallel::new(Box::new(m), pg, cfg)?;
+            for step in 0..2 {
+                let x = Tensor::from_vec(values(10 * r as u64 + step, 15), &[5, 3])?;
+                let y = m.forward(&x.to_device(d)?, &Context::train())?;
+                let (_, dy) = loss::sum_loss(&y)?;
+                m.backward(&dy, &Context::train())?;
+                m.zero_grad();
+            }
+            let bufs = nn::named_buffers(&mut m, false)?;
+            for (n, t) in &bufs {
+                assert_eq!(t.device(), d, "{n}");
+            }
+            Ok(bufs
+                .into_iter()
+                .map(|(_, t)| t.to_device(Device::Cpu))
+                .collect::<Result<Vec<_>>>()?)
+        })
+    };
+    let (cpu, on_dev) = (run(Device::Cpu)?, run(dev)?);
+    for (r, (c, g)) in cpu.iter().zip(&on_dev).enumerate() {
+        for (c, g) in c.iter().zip(g) {
+            check(&format!("rank {r} buffer"), dev, g, c, REL);
+        }
+    }
+    assert_ne!(cpu[0][0].to_vec_f32()?, cpu[1][0].to_vec_f32()?);
+    Ok(())
+});

@@ -319,7 +319,9 @@ pub struct IncompatibleKeys {
     pub unexpected_keys: Vec<String>,
 }
 
-/// Checks a tensor read from a state dict: f32 (the FlatParameter's dtype).
+/// Checks a tensor read from a state dict: f32 or f64 (the FlatParameter's dtypes; a
+/// value is cast to the parameter's dtype on load, as `Tensor.copy_`).
 fn dtype_problem(name: &str, dtype: DType) -> Option<String> {
-    (dtype != DType::F32).then(|| format!("'{name}': expected dtype f32, got {dtype}"))
+    (!matches!(dtype, DType::F32 | DType::F64))
+        .then(|| format!("'{name}': expected dtype f32, got {dtype} (f32 and f64 load)"))
 }

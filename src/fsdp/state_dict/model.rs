@@ -2,7 +2,7 @@
 
 use super::buffers::{buffer_copies, buffer_metas, plan_buffers, write_buffers, BufferPlan};
 use super::layout::{
-    gather_chunk, host_copy, ignored_params, load_error, lookup, unit_metas, write_f32, Src,
+    gather_chunk, host_copy, ignored_params, load_error, lookup, unit_metas, write_values, Src,
     UnitMeta,
 };
 use super::{
@@ -14,11 +14,11 @@ use crate::fsdp::FullyShardedDataParallel;
 use crate::tensor::{DType, Tensor};
 
 /// Values to write into one unit's chunk: `(chunk start, values)`.
-type ChunkWrites = Vec<(usize, Vec<f32>)>;
+type ChunkWrites = Vec<(usize, Vec<f64>)>;
 
 /// What a load writes: per unit its chunk writes, per ignored parameter its values, and
 /// the keys a non-strict load skipped.
-type Plan = (Vec<ChunkWrites>, Vec<(String, Vec<f32>)>, IncompatibleKeys);
+type Plan = (Vec<ChunkWrites>, Vec<(String, Vec<f64>)>, IncompatibleKeys);
 
 impl FullyShardedDataParallel {
     /// `Fsdp` error unless this is the root.
@@ -344,11 +344,11 @@ impl FullyShardedDataParallel {
             let w = &writes[k];
             k += 1;
             w.iter()
-                .try_for_each(|(start, v)| write_f32(u.flat_param().local_shard(), *start, v))
+                .try_for_each(|(start, v)| write_values(u.flat_param().local_shard(), *start, v))
         })?;
         self.visit_ignored(
             &mut |name, p| match ignored_writes.iter().find(|(n, _)| n == name) {
-                Some((_, v)) => write_f32(p.data()?, 0, v),
+                Some((_, v)) => write_values(p.data()?, 0, v),
                 None => Ok(()),
             },
         )?;
@@ -401,12 +401,12 @@ impl FullyShardedDataParallel {
                         s.numel
                     ))
                 }
-                Some((_, s)) if s.shard.dtype() != DType::F32 => problems.push(format!(
-                    "'{}': expected dtype f32, got {}",
+                Some((_, s)) if !matches!(s.shard.dtype(), DType::F32 | DType::F64) => problems.push(format!(
+                    "'{}': expected dtype f32, got {} (f32 and f64 load)",
                     m.local_key,
                     s.shard.dtype()
                 )),
-                Some((_, s)) => w.push((0, s.shard.to_vec_f32()?)),
+                Some((_, s)) => w.push((0, s.shard.to_vec_f64()?)),
             }
             writes.push(w);
         }
@@ -417,7 +417,7 @@ impl FullyShardedDataParallel {
                 Some((_, t)) => {
                     let p = Src::Full(t).check(name, shape);
                     if p.is_empty() {
-                        ignored_writes.push((name.clone(), t.to_vec_f32()?));
+                        ignored_writes.push((name.clone(), t.to_vec_f64()?));
                     }
                     problems.extend(p);
                 }
@@ -471,7 +471,7 @@ fn plan_unflat(
                 continue;
             }
             if let Some((a, b, start)) = m.portion(info) {
-                match src.read(name, a, b)? {
+                match src.read_f64(name, a, b)? {
                     Ok(v) => w.push((start, v)),
                     Err(p) => problems.push(p),
                 }
@@ -490,7 +490,7 @@ fn plan_unflat(
             problems.extend(p);
             continue;
         }
-        match src.read(name, 0, shape.iter().product())? {
+        match src.read_f64(name, 0, shape.iter().product())? {
             Ok(v) => ignored_writes.push((name.clone(), v)),
             Err(p) => problems.push(p),
         }
