@@ -442,14 +442,25 @@ fn f64_state_dicts_and_checkpoints_reload_exactly_at_another_world_size() -> Res
                 other.load_state_dict(&sd, true)?;
                 assert_eq!(full_bits(&mut other)?, want, "{cfg:?}");
             }
-            save_checkpoint(&d, &mut m, None, ty, serde_json::Value::Null)?;
+            save_checkpoint(&d, &mut m, Some(&opt), ty, serde_json::Value::Null)?;
             Ok(want)
         })?;
         let d = dir.clone();
         let loaded = launch(&LaunchOptions::new(3), move |pg| {
+            let r = pg.rank();
             let mut m = FullyShardedDataParallel::new(mlp_from(9), pg, FsdpConfig::default())?;
-            load_checkpoint(&d, &mut m, None)?;
-            full_bits(&mut m)
+            let mut opt = sgd();
+            load_checkpoint(&d, &mut m, Some(&mut opt))?;
+            let loaded = full_bits(&mut m)?;
+            // Training goes on in f64 with the loaded momentum buffers (optimizer state
+            // dicts hold f32 values: the buffers come back rounded to f32).
+            let (x, t) = batch(r, 1);
+            let y = m.forward(&x, &Context::train())?;
+            let (_, dy) = loss::mse_loss(&y, &t)?;
+            m.backward(&dy, &Context::train())?;
+            opt.step(&m.optimizer_params())?;
+            assert_eq!(m.flat_param().dtype(), DType::F64);
+            Ok(loaded)
         })?;
         for (r, l) in loaded.iter().enumerate() {
             assert_eq!(

@@ -588,7 +588,9 @@ device_test!(fsdp_batchnorm_buffers_live_on_device_id, |dev| {
     let (cpu, on_dev) = (run(Device::Cpu)?, run(dev)?);
     for (r, (c, g)) in cpu.iter().zip(&on_dev).enumerate() {
         for (c, g) in c.iter().zip(g) {
-            check(&format!("rank {r} buffer"), dev, g, c, REL);
+            // Host copies (the device was checked above).
+            let what = format!("rank {r} buffer");
+            common::assert_close(&what, &g.to_vec_f32()?, &c.to_vec_f32()?, 1e-6, REL);
         }
     }
     assert_ne!(cpu[0][0].to_vec_f32()?, cpu[1][0].to_vec_f32()?);

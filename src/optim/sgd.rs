@@ -128,6 +128,10 @@ impl Optimizer for SGD {
                 // Loaded from a state dict (host values), or left behind by a move.
                 *b = b.to_device(device)?;
             }
+            if let Some(b) = buf.as_mut().filter(|b| b.dtype() != pg.param.dtype()) {
+                // An f64 parameter's buffer loaded from a state dict (which holds f32).
+                *b = b.to_dtype(pg.param.dtype())?;
+            }
             if device.is_cuda() {
                 let group = &mut on_device.entry(h.group).or_insert((c, Vec::new())).1;
                 group.push(SgdItem {
