@@ -14,12 +14,18 @@ pub enum DType {
     F16,
     /// 32-bit signed integer (token ids), as `torch.int32`.
     I32,
+    /// IEEE binary64, as `torch.float64`: parameters, gradients and collectives work as in
+    /// f32, so exact references can run in f64.
+    F64,
+    /// 64-bit signed integer, as `torch.int64` (e.g. `BatchNorm1d.num_batches_tracked`).
+    I64,
 }
 
 impl DType {
     /// Bytes per element.
     pub fn size_in_bytes(self) -> usize {
         match self {
+            DType::F64 | DType::I64 => 8,
             DType::F32 | DType::I32 => 4,
             DType::BF16 | DType::F16 => 2,
         }
@@ -27,17 +33,19 @@ impl DType {
 
     /// True for the floating-point types.
     pub fn is_float(self) -> bool {
-        !matches!(self, DType::I32)
+        !matches!(self, DType::I32 | DType::I64)
     }
 
     /// Relative rounding error of one operation in this type (machine epsilon), used by
-    /// dtype-aware tolerances: f32 2^-23, bf16 2^-7 (stored mantissa bits), f16 2^-10.
+    /// dtype-aware tolerances: f32 2^-23, bf16 2^-7 (stored mantissa bits), f16 2^-10,
+    /// f64 2^-52 (as an f32: 2.2e-16).
     pub fn epsilon(self) -> f32 {
         match self {
             DType::F32 => f32::EPSILON,
             DType::BF16 => 1.0 / 128.0,
             DType::F16 => 1.0 / 1024.0,
-            DType::I32 => 0.0,
+            DType::F64 => f64::EPSILON as f32,
+            DType::I32 | DType::I64 => 0.0,
         }
     }
 }
@@ -49,6 +57,8 @@ impl std::fmt::Display for DType {
             DType::BF16 => "bf16",
             DType::F16 => "f16",
             DType::I32 => "i32",
+            DType::F64 => "f64",
+            DType::I64 => "i64",
         };
         f.write_str(s)
     }

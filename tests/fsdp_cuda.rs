@@ -41,6 +41,8 @@ fn bytes(t: &Tensor) -> Vec<u8> {
         DType::BF16 => bytemuck::cast_slice(&h.data::<half::bf16>().unwrap()).to_vec(),
         DType::F16 => bytemuck::cast_slice(&h.data::<half::f16>().unwrap()).to_vec(),
         DType::I32 => bytemuck::cast_slice(&h.data::<i32>().unwrap()).to_vec(),
+        DType::F64 => bytemuck::cast_slice(&h.data::<f64>().unwrap()).to_vec(),
+        DType::I64 => bytemuck::cast_slice(&h.data::<i64>().unwrap()).to_vec(),
     }
 }
 

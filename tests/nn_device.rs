@@ -525,3 +525,74 @@ fn gpt2_124m_preset() {
         124_439_808 - (50257 - 256) * 768
     );
 }
+
+device_test!(batchnorm1d_matches_the_cpu_with_buffers_on_device, |dev| {
+    let make = || Box::new(nn::BatchNorm1d::new(5).unwrap()) as Box<dyn Module>;
+    for shape in [&[4usize, 5][..], &[3, 5, 2]] {
+        let n: usize = shape.iter().product();
+        let x = Tensor::from_vec(values(3, n), shape)?;
+        let mut r = compare_layer("BatchNorm1d", dev, &make, &x, REL)?;
+        // module_to_device moves the buffers; the forward updates them there, to the CPU's
+        // values (the same host loops compute both).
+        let mut m = make();
+        module_to_device(m.as_mut(), dev)?;
+        m.forward(&x.to_device(dev)?, &Context::train())?;
+        let cpu = nn::named_buffers(r.model.as_mut(), false)?;
+        let on_dev = nn::named_buffers(m.as_mut(), false)?;
+        assert_eq!(on_dev.len(), 3);
+        for ((name, t), (_, c)) in on_dev.iter().zip(&cpu) {
+            assert_eq!(t.device(), dev, "{name}");
+            assert_eq!(t.to_vec_f64()?, c.to_vec_f64()?, "{name}");
+        }
+        // Eval mode: the running stats, on the device.
+        let ye = m.forward(&x.to_device(dev)?, &Context::eval())?;
+        let yc = r.model.forward(&x, &Context::eval())?;
+        check("BatchNorm1d eval y", dev, &ye, &yc, REL);
+    }
+    Ok(())
+});
+
+device_test!(fsdp_batchnorm_buffers_live_on_device_id, |dev| {
+    use fsdp::distributed::{launch, LaunchOptions};
+    use fsdp::fsdp::{FsdpConfig, FullyShardedDataParallel};
+    // Two ranks, each its own batch: the running stats (moved to device_id at wrap time)
+    // are updated there, and equal the CPU run's.
+    let run = |d: Device| {
+        launch(&LaunchOptions::new(2), move |pg| {
+            let r = pg.rank();
+            let m = Sequential::new(vec![
+                Box::new(Linear::new(3, 4, true, &InitKey::new(2))?),
+                Box::new(nn::BatchNorm1d::new(4)?),
+            ]);
+            let cfg = FsdpConfig {
+                device_id: Some(d),
+                ..FsdpConfig::default()
+            };
+            let mut m = FullyShardedDataParallel::new(Box::new(m), pg, cfg)?;
+            for step in 0..2 {
+                let x = Tensor::from_vec(values(10 * r as u64 + step, 15), &[5, 3])?;
+                let y = m.forward(&x.to_device(d)?, &Context::train())?;
+                let (_, dy) = loss::sum_loss(&y)?;
+                m.backward(&dy, &Context::train())?;
+                m.zero_grad();
+            }
+            let bufs = nn::named_buffers(&mut m, false)?;
+            for (n, t) in &bufs {
+                assert_eq!(t.device(), d, "{n}");
+            }
+            bufs.into_iter()
+                .map(|(_, t)| t.to_device(Device::Cpu))
+                .collect::<Result<Vec<_>>>()
+        })
+    };
+    let (cpu, on_dev) = (run(Device::Cpu)?, run(dev)?);
+    for (r, (c, g)) in cpu.iter().zip(&on_dev).enumerate() {
+        for (c, g) in c.iter().zip(g) {
+            // Host copies (the device was checked above).
+            let what = format!("rank {r} buffer");
+            common::assert_close(&what, &g.to_vec_f32()?, &c.to_vec_f32()?, 1e-6, REL);
+        }
+    }
+    assert_ne!(cpu[0][0].to_vec_f32()?, cpu[1][0].to_vec_f32()?);
+    Ok(())
+});

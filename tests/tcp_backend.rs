@@ -73,6 +73,14 @@ fn bits(t: &Tensor) -> Vec<u32> {
             .map(|x| x.to_bits() as u32)
             .collect(),
         DType::I32 => t.data::<i32>().unwrap().iter().map(|&x| x as u32).collect(),
+        // Not used by these tests (tests/f64.rs checks f64): the low half of the bits.
+        DType::F64 => t
+            .data::<f64>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits() as u32)
+            .collect(),
+        DType::I64 => t.data::<i64>().unwrap().iter().map(|&x| x as u32).collect(),
     }
 }
 

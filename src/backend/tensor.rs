@@ -17,6 +17,13 @@ use super::cuda::DeviceTensor;
 #[cfg(feature = "cuda")]
 use crate::tensor::Buffer;
 
+/// Whether the CUDA `cast` kernels convert between this dtype and the other float types
+/// (f32, bf16, f16); f64 and the integer types go through the host instead.
+#[cfg(feature = "cuda")]
+fn cuda_castable(d: DType) -> bool {
+    matches!(d, DType::F32 | DType::BF16 | DType::F16)
+}
+
 impl Tensor {
     /// Zero-filled tensor on `device` (`torch.zeros(shape, dtype=, device=)`); on `Meta`,
     /// shapes only.
@@ -73,6 +80,21 @@ impl Tensor {
                 .map(|v| v.to_f32())
                 .collect(),
             DType::I32 => self.data::<i32>()?.iter().map(|&v| v as f32).collect(),
+            DType::F64 => self.data::<f64>()?.iter().map(|&v| v as f32).collect(),
+            DType::I64 => self.data::<i64>()?.iter().map(|&v| v as f32).collect(),
+        })
+    }
+
+    /// Copies the elements out as f64 (exact for every dtype but i64 beyond 2^53); a CUDA
+    /// tensor is copied to the host first.
+    pub fn to_vec_f64(&self) -> Result<Vec<f64>> {
+        if self.device().is_cuda() {
+            return self.to_device(Device::Cpu)?.to_vec_f64();
+        }
+        Ok(match self.dtype() {
+            DType::F64 => self.data::<f64>()?.to_vec(),
+            DType::I64 => self.data::<i64>()?.iter().map(|&v| v as f64).collect(),
+            _ => self.to_vec_f32()?.into_iter().map(f64::from).collect(),
         })
     }
 
@@ -124,6 +146,8 @@ impl Tensor {
             DType::BF16 => cast_into!(half::bf16),
             DType::F16 => cast_into!(half::f16),
             DType::I32 => cast_into!(i32),
+            DType::F64 => cast_into!(f64),
+            DType::I64 => cast_into!(i64),
         }
     }
 
@@ -142,6 +166,8 @@ impl Tensor {
             DType::BF16 => fill!(half::bf16),
             DType::F16 => fill!(half::f16),
             DType::I32 => fill!(i32),
+            DType::F64 => fill!(f64),
+            DType::I64 => fill!(i64),
         }
         Ok(())
     }
@@ -156,13 +182,13 @@ impl Tensor {
                 (Device::Cuda(a), Device::Cuda(b))
                     if a == b
                         && (src.dtype() == self.dtype()
-                            || (src.dtype() != DType::I32 && self.dtype() != DType::I32)) =>
+                            || (cuda_castable(src.dtype()) && cuda_castable(self.dtype()))) =>
                 {
                     let s = cuda::current_stream(a)?;
                     cuda::cast(&s, &src.as_device_tensor()?, &self.as_device_tensor()?)
                 }
                 (Device::Cuda(a), Device::Cuda(_)) => {
-                    // Across devices, or an integer <-> float cast (no kernel): through the
+                    // Across devices, or a cast without a kernel (integers, f64): through the
                     // host (the collectives of ranks on
                     // several GPUs use device-to-device copies of their own).
                     let host = src.to_device(Device::Cpu)?;
@@ -182,6 +208,8 @@ impl Tensor {
                         DType::BF16 => dst.copy_from_slice(&s, &host.data::<half::bf16>()?),
                         DType::F16 => dst.copy_from_slice(&s, &host.data::<half::f16>()?),
                         DType::I32 => dst.copy_from_slice(&s, &host.data::<i32>()?),
+                        DType::F64 => dst.copy_from_slice(&s, &host.data::<f64>()?),
+                        DType::I64 => dst.copy_from_slice(&s, &host.data::<i64>()?),
                     }
                 }
                 (_, Device::Cuda(b)) => {

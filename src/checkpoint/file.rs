@@ -54,6 +54,8 @@ fn to_st(d: DType) -> Dtype {
         DType::BF16 => Dtype::BF16,
         DType::F16 => Dtype::F16,
         DType::I32 => Dtype::I32,
+        DType::F64 => Dtype::F64,
+        DType::I64 => Dtype::I64,
     }
 }
 
@@ -63,6 +65,8 @@ fn from_st(d: Dtype) -> Option<DType> {
         Dtype::BF16 => Some(DType::BF16),
         Dtype::F16 => Some(DType::F16),
         Dtype::I32 => Some(DType::I32),
+        Dtype::F64 => Some(DType::F64),
+        Dtype::I64 => Some(DType::I64),
         _ => None,
     }
 }
@@ -77,6 +81,8 @@ fn bytes_of(t: &Tensor) -> Result<Vec<u8>> {
         DType::BF16 => bytemuck::cast_slice(&t.data::<half::bf16>()?).to_vec(),
         DType::F16 => bytemuck::cast_slice(&t.data::<half::f16>()?).to_vec(),
         DType::I32 => bytemuck::cast_slice(&t.data::<i32>()?).to_vec(),
+        DType::F64 => bytemuck::cast_slice(&t.data::<f64>()?).to_vec(),
+        DType::I64 => bytemuck::cast_slice(&t.data::<i64>()?).to_vec(),
     })
 }
 
@@ -233,6 +239,8 @@ pub fn parse_tensors(path: &Path, bytes: &[u8]) -> Result<TensorFile> {
             DType::BF16 => Tensor::from_vec(from_bytes::<half::bf16>(v.data()), &shape),
             DType::F16 => Tensor::from_vec(from_bytes::<half::f16>(v.data()), &shape),
             DType::I32 => Tensor::from_vec(from_bytes::<i32>(v.data()), &shape),
+            DType::F64 => Tensor::from_vec(from_bytes::<f64>(v.data()), &shape),
+            DType::I64 => Tensor::from_vec(from_bytes::<i64>(v.data()), &shape),
         }?;
         tensors.push((name.to_string(), t));
     }

@@ -136,6 +136,8 @@ macro_rules! dispatch {
             $crate::tensor::DType::BF16 => $self.$f::<half::bf16>($($arg),*),
             $crate::tensor::DType::F16 => $self.$f::<half::f16>($($arg),*),
             $crate::tensor::DType::I32 => $self.$f::<i32>($($arg),*),
+            $crate::tensor::DType::F64 => $self.$f::<f64>($($arg),*),
+            $crate::tensor::DType::I64 => $self.$f::<i64>($($arg),*),
         }
     };
 }

@@ -523,6 +523,8 @@ fn nccl_dtype(d: DType) -> sys::ncclDataType_t {
         DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
         DType::F16 => sys::ncclDataType_t::ncclFloat16,
         DType::I32 => sys::ncclDataType_t::ncclInt32,
+        DType::F64 => sys::ncclDataType_t::ncclFloat64,
+        DType::I64 => sys::ncclDataType_t::ncclInt64,
     }
 }
 

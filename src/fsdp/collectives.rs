@@ -36,10 +36,14 @@ impl Scheduler {
         let _tag = progress::enter(self.progress.gather(id));
         let u = &self.units[id];
         let device = self.device;
-        let full = Tensor::zeros_on(&[u.padded], DType::F32, device)?;
+        let full = Tensor::zeros_on(&[u.padded], u.shard.dtype(), device)?;
         self.mem.lock().on_unshard(full.nbytes());
         self.stats.all_gathers += 1;
-        let dtype = self.mp.compute_dtype();
+        // An f64 FlatParameter gathers in f64 (mixed precision is refused for it).
+        let dtype = match u.shard.dtype() {
+            DType::F64 => DType::F64,
+            _ => self.mp.compute_dtype(),
+        };
         let keep = vec![full.clone(), u.shard.clone()];
         let unshard = &self.streams.unshard;
         let work = if let Some(pre) = &self.streams.pre_unshard {
@@ -73,7 +77,7 @@ impl Scheduler {
                 out.copy_from(&shard)?;
                 super::mixed_precision::round_(&out, dtype)
             })
-        } else if dtype == DType::F32 {
+        } else if dtype == u.shard.dtype() {
             unshard.all_gather_into_tensor(&self.shard_pg, &full, &u.shard)
         } else {
             let (pg, shard, out, padded) = (
@@ -116,7 +120,14 @@ impl FullyShardedDataParallel {
             // The gradient of low-precision compute is a low-precision tensor.
             round_(&flat_grad, mp.compute_dtype())?;
         }
-        let rd = mp.reduce_dtype();
+        // The gradient's own dtype (f32, or f64 for an f64 FlatParameter, which reduces in
+        // f64), unless mixed precision says otherwise.
+        let gd = flat_grad.dtype();
+        let rd = if gd == DType::F64 {
+            gd
+        } else {
+            mp.reduce_dtype()
+        };
         // Averaging is over the whole data-parallel world, hybrid or not.
         let (pre, post) = gradient_divide_factors(self.rs.pg.size());
         let shard_numel = self.flat.shard_numel();
@@ -131,14 +142,14 @@ impl FullyShardedDataParallel {
         let device = self.rs.device;
         let out = Tensor::zeros_on(
             &[shard_numel],
-            DType::F32,
+            gd,
             if offload { Device::Cpu } else { device },
         )?;
         let dst = out.clone();
         let keep = vec![flat_grad.clone(), out.clone()];
         let job = move || -> Result<()> {
             // Predivide fused with the cast to reduce_dtype (in place in f32).
-            let input = if rd == DType::F32 {
+            let input = if rd == gd {
                 flat_grad.clone()
             } else {
                 Tensor::zeros_on(flat_grad.shape(), rd, device)?
@@ -159,10 +170,10 @@ impl FullyShardedDataParallel {
             // straight into the shard, or (offload) into a device buffer copied to it.
             let shard = if dst.device() == device {
                 dst.clone()
-            } else if rd == DType::F32 {
+            } else if rd == gd {
                 reduced.clone()
             } else {
-                Tensor::zeros_on(&[shard_numel], DType::F32, device)?
+                Tensor::zeros_on(&[shard_numel], gd, device)?
             };
             flat::unpack_grad(&reduced, &shard, 1.0 / post)?;
             if let Some(d) = keep_lp {

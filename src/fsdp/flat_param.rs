@@ -56,8 +56,12 @@ impl FlatParameter {
     /// ([`ParamInit`](crate::nn::ParamInit)) contributes the values of its elements in the
     /// chunk, computed here: nothing else of it is ever allocated.
     ///
+    /// Parameters are f32, or all f64 (PyTorch FSDP flattens float64 parameters into a
+    /// float64 FlatParameter; every collective then runs in f64).
+    ///
     /// # Errors
-    /// `Fsdp` for a non-f32 parameter; `NotMaterialized` for a meta parameter without an
+    /// `Fsdp` for a parameter neither f32 nor f64, or f32 and f64 parameters in one unit,
+    /// or a meta f64 parameter; `NotMaterialized` for a meta parameter without an
     /// initializer.
     pub fn new(
         params: &[(String, Tensor, bool)],
@@ -66,11 +70,19 @@ impl FlatParameter {
     ) -> Result<Self> {
         let mut infos = Vec::with_capacity(params.len());
         let mut offset = 0;
+        let dtype = params.first().map_or(DType::F32, |(_, p, _)| p.dtype());
         for (fqn, p, requires_grad) in params {
-            if p.dtype() != DType::F32 {
+            if p.dtype() != DType::F32 && p.dtype() != DType::F64 {
                 return Err(Error::Fsdp(format!(
-                    "parameter '{fqn}' is {}; FlatParameter holds f32 master weights (use MixedPrecision for low-precision compute)",
+                    "parameter '{fqn}' is {}; FlatParameter holds f32 (or f64) master weights (use MixedPrecision for low-precision compute)",
                     p.dtype()
+                )));
+            }
+            if p.dtype() != dtype {
+                return Err(Error::Fsdp(format!(
+                    "parameter '{fqn}' is {} while '{}' is {dtype}: one FlatParameter holds one dtype (wrap them in separate units)",
+                    p.dtype(),
+                    params[0].0
                 )));
             }
             infos.push(ParamInfo {
@@ -86,6 +98,9 @@ impl FlatParameter {
         let shard_numel = numel.div_ceil(shard_world.max(1));
         let lo = (shard_rank * shard_numel).min(numel);
         let hi = ((shard_rank + 1) * shard_numel).min(numel);
+        if dtype == DType::F64 {
+            return Self::new_f64(params, infos, shard_rank, shard_world, (lo, hi));
+        }
         let mut local = vec![0.0f32; shard_numel];
         // Copy the part of each parameter that falls into [lo, hi).
         for ((_, p, _), info) in params.iter().zip(&infos) {
@@ -131,6 +146,54 @@ impl FlatParameter {
             grad_shard: None,
             unsynced_grad: None,
         })
+    }
+
+    /// [`FlatParameter::new`] for f64 parameters: the chunk `[lo, hi)` copied in f64
+    /// (host or device parameters; no deferred init).
+    fn new_f64(
+        params: &[(String, Tensor, bool)],
+        infos: Vec<ParamInfo>,
+        shard_rank: usize,
+        shard_world: usize,
+        (lo, hi): (usize, usize),
+    ) -> Result<Self> {
+        let numel = infos.last().map_or(0, |i| i.offset + i.numel);
+        let shard_numel = numel.div_ceil(shard_world.max(1));
+        let mut local = vec![0.0f64; shard_numel];
+        let mut trainable_runs = Vec::new();
+        for ((_, p, _), info) in params.iter().zip(&infos) {
+            let (a, b) = (info.offset.max(lo), (info.offset + info.numel).min(hi));
+            if a >= b {
+                continue;
+            }
+            if p.device() == Device::Meta {
+                return Err(Error::NotMaterialized {
+                    name: info.fqn.clone(),
+                    state: "an f64 parameter on the meta device (deferred init computes f32)",
+                });
+            }
+            let part = p.view(a - info.offset, &[b - a])?.to_device(Device::Cpu)?;
+            local[a - lo..b - lo].copy_from_slice(&part.data::<f64>()?);
+            if info.requires_grad {
+                trainable_runs.push((a - lo, b - a));
+            }
+        }
+        Ok(FlatParameter {
+            trainable_runs,
+            infos,
+            numel,
+            shard_world,
+            shard_rank,
+            shard_numel,
+            local_shard: Tensor::from_vec(local, &[shard_numel])?,
+            grad_shard: None,
+            unsynced_grad: None,
+        })
+    }
+
+    /// The dtype of the flat parameter: f32, or f64 for a unit of f64 parameters.
+    pub fn dtype(&self) -> DType {
+        self.local_shard.dtype()
     }
 
     /// Moves this rank's chunk (and its gradient, if any) to `device` (FSDP's

@@ -131,6 +131,7 @@ pub(super) fn sync_module_states(
         micro_batch: 0,
         call: 0,
     }));
+    sync_buffers(module, prefix, rs)?;
     let held = held_tensors(module, prefix, rs)?;
     let pg = rs.pg.as_ref();
     let flags: Vec<i32> = held
@@ -147,6 +148,12 @@ pub(super) fn sync_module_states(
         .map(|(h, _)| h)
         .collect();
     let total: usize = synced.iter().map(|h| h.tensor.numel()).sum();
+    // One buffer in the parameters' dtype: f32, or f64 for a unit of f64 parameters (the
+    // values go through f64 on the host either way, exactly).
+    let dtype = match synced.first() {
+        Some(h) if h.tensor.dtype() == DType::F64 => DType::F64,
+        _ => DType::F32,
+    };
     let mut flat = Vec::with_capacity(if pg.rank() == 0 { total } else { 0 });
     if pg.rank() == 0 {
         for h in &synced {
@@ -154,14 +161,14 @@ pub(super) fn sync_module_states(
                 name: h.names[0].clone(),
                 state: "meta without an initializer on rank 0, while another rank holds its values (sync_module_states broadcasts rank 0's)",
             })?;
-            flat.extend(values.to_vec_f32()?);
+            flat.extend(values.to_vec_f64()?);
         }
     } else {
         flat.resize(total, 0.0);
     }
-    let flat = Tensor::from_vec(flat, &[total])?;
+    let flat = Tensor::from_vec(flat, &[total])?.to_dtype(dtype)?;
     staged::broadcast(pg, &flat, 0)?;
-    let flat = flat.f32()?;
+    let flat = flat.to_vec_f64()?;
     let mut at = 0;
     let mut replace: Vec<(&[String], Tensor)> = Vec::new();
     for h in &synced {
@@ -169,7 +176,8 @@ pub(super) fn sync_module_states(
         if pg.rank() != 0 || h.tensor.device() == Device::Meta {
             replace.push((
                 &h.names,
-                Tensor::from_vec(flat[at..at + n].to_vec(), h.tensor.shape())?,
+                Tensor::from_vec(flat[at..at + n].to_vec(), h.tensor.shape())?
+                    .to_dtype(h.tensor.dtype())?,
             ));
         }
         at += n;
@@ -186,6 +194,39 @@ pub(super) fn sync_module_states(
     })
 }
 
+/// The buffers half of `sync_module_states` (FSDP1 `_sync_module_params_and_buffers`
+/// broadcasts `module.buffers()` too): every buffer of the modules this unit owns (nested
+/// units and ignored modules excepted), persistent or not, becomes bitwise rank 0's, in its
+/// own dtype and on its own device. One broadcast over the whole world per buffer, through
+/// a host copy, so under hybrid sharding the replicas of other nodes get rank 0's values
+/// as well.
+///
+/// # Errors
+/// `NotMaterialized` for a buffer on the meta device; `CollectiveMismatch` when ranks hold
+/// buffers of different counts, shapes or dtypes; the collectives' errors.
+fn sync_buffers(module: &mut dyn Module, prefix: &str, rs: &RankState) -> Result<()> {
+    let pg = rs.pg.as_ref();
+    crate::nn::visit_buffers(module, prefix, true, &mut |name, b| {
+        if rs.is_ignored(name) {
+            return Ok(());
+        }
+        if b.data.device() == Device::Meta {
+            return Err(Error::NotMaterialized {
+                name: name.to_string(),
+                state: "a buffer on the meta device at sync_module_states",
+            });
+        }
+        let host = b.data.to_device(Device::Cpu)?;
+        let host = if host.shares_storage(&b.data) {
+            host.deep_clone()?
+        } else {
+            host
+        };
+        staged::broadcast(pg, &host, 0)?;
+        b.data.copy_from(&host)
+    })
+}
+
 /// The distinct tensors of the parameters `module` owns, in visit order, each with every
 /// name it has (tied parameters are one tensor).
 fn held_tensors(module: &mut dyn Module, prefix: &str, rs: &RankState) -> Result<Vec<Held>> {
@@ -195,7 +236,7 @@ fn held_tensors(module: &mut dyn Module, prefix: &str, rs: &RankState) -> Result
             return Ok(());
         }
         let d = match p.data() {
-            Ok(d) if d.dtype() != DType::F32 => {
+            Ok(d) if d.dtype() != DType::F32 && d.dtype() != DType::F64 => {
                 return Err(Error::Fsdp(format!(
                     "parameter '{name}' is {}; FlatParameter holds f32 master weights (use MixedPrecision for low-precision compute)",
                     d.dtype()

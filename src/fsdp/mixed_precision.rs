@@ -12,6 +12,7 @@
 //! | gradients as computed | `param_dtype` values |
 //! | reduce-scatter / all-reduce of gradients, pre/post-division | `reduce_dtype` (default `param_dtype`) |
 //! | sharded gradient the optimizer reads | f32, or `param_dtype` values with `keep_low_precision_grads` |
+//! | module buffers (never sharded) during forward | `buffer_dtype` values (f32 storage) |
 //!
 //! The layers compute in f32 on values rounded to `param_dtype`: parameters after the
 //! all-gather, unit inputs at the unit boundary, and the unsharded gradient before it is
@@ -35,8 +36,10 @@ pub struct MixedPrecision {
     pub param_dtype: Option<DType>,
     /// Dtype gradients are reduced in (`reduce_dtype`); `None` means `param_dtype`.
     pub reduce_dtype: Option<DType>,
-    /// Dtype of module buffers (`buffer_dtype`). The built-in layers have no buffers, so
-    /// this is validated and recorded only.
+    /// Dtype of module buffers (`buffer_dtype`): before each unit's forward, the f32
+    /// buffers of its modules (BatchNorm's running stats) are rounded to it in place, as
+    /// FSDP1 casts buffers at the first forward; integer buffers are left alone. State
+    /// dicts return buffers in their f32 storage (FSDP1 restores the original dtype).
     pub buffer_dtype: Option<DType>,
     /// Keep the sharded gradient in `param_dtype` precision instead of upcasting it to f32
     /// after the reduction (`keep_low_precision_grads`).

@@ -112,6 +112,22 @@ impl FullyShardedDataParallel {
         Ok(())
     }
 
+    /// Rounds the f32 buffers of the modules this unit owns (ignored modules' excepted) to
+    /// `buffer_dtype` before its forward (FSDP1 `_cast_buffers_to_dtype_and_device` in the
+    /// root's pre-forward; here each unit its own, which covers the same buffers). Values
+    /// stay in f32 storage, as every low-precision value of this crate; a state dict then
+    /// returns them in f32, as FSDP1 restores the original dtype. Idempotent, so a running
+    /// stat updated in f32 by the forward is rounded again at the next one.
+    fn cast_buffers(&mut self) -> Result<()> {
+        let Some(dtype) = self.rs.mp.buffer_dtype.filter(|d| *d != DType::F32) else {
+            return Ok(());
+        };
+        let rs = self.rs.clone();
+        crate::nn::round_buffers(self.module.as_mut(), &self.prefix, dtype, &|name| {
+            rs.is_ignored(name)
+        })
+    }
+
     /// Rounds a floating-point input to `param_dtype` (FSDP's `cast_forward_inputs`).
     fn cast_input(&self, x: &Tensor) -> Result<Option<Tensor>> {
         let mp = self.rs.mp;
@@ -220,7 +236,11 @@ impl FullyShardedDataParallel {
         // under no_sync simply keeps growing.
         let flat_grad = match self.flat.unsynced_grad.take() {
             Some(g) => g,
-            None => Tensor::zeros_on(&[self.flat.padded_numel()], DType::F32, self.rs.device)?,
+            None => Tensor::zeros_on(
+                &[self.flat.padded_numel()],
+                self.flat.dtype(),
+                self.rs.device,
+            )?,
         };
         self.point_params(Some(&flat_grad), true)?;
         self.in_backward = Some(InBackward { next, flat_grad });
@@ -367,6 +387,7 @@ impl Module for FullyShardedDataParallel {
     }
 
     fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
+        self.cast_buffers()?;
         self.pre_forward(cx.grad_enabled)?;
         let y = self.cast_input(x).and_then(|cast| {
             // The unit's GEMMs read param_dtype operands (see `ops::autocast`).

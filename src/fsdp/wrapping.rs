@@ -12,7 +12,7 @@ use crate::backend::Device;
 use crate::distributed::{DeviceMesh, Group};
 use crate::error::{Error, Result};
 use crate::nn::{join_name, visit_all, visit_parameters, Module, Sequential};
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 use parking_lot::Mutex;
 use std::sync::Arc;
 
@@ -157,6 +157,15 @@ impl FullyShardedDataParallel {
             }
         }
         drop(before);
+        // Buffers are not flattened: they stay whole in the module, on the compute device
+        // (FSDP1 `_move_module_to_device` moves them with `device_id`).
+        let dev = rs.device;
+        crate::nn::visit_buffers(module.as_mut(), prefix, true, &mut |name, b| {
+            if !rs.is_ignored(name) && b.data.device() != dev && b.data.device() != Device::Meta {
+                b.data = b.data.to_device(dev)?;
+            }
+            Ok(())
+        })?;
         if rs.sync_module_states {
             // Rank 0's values everywhere, before flattening.
             super::materialize::sync_module_states(module.as_mut(), prefix, rs)?;
@@ -200,6 +209,12 @@ impl FullyShardedDataParallel {
             (0, 1)
         };
         let mut flat = FlatParameter::new(&params, rank, world)?;
+        if flat.dtype() == DType::F64 && (rs.mp.is_low_precision() || rs.mp.reduce_dtype.is_some())
+        {
+            return Err(Error::Unsupported(format!(
+                "MixedPrecision param_dtype/reduce_dtype with the f64 parameters of unit '{prefix}' (an f64 FlatParameter computes and reduces in f64)"
+            )));
+        }
         if !rs.sched.lock().offload() {
             // device_id: the shard lives on the compute device (on the host under offload).
             flat.move_shard_to(rs.device)?;

@@ -5,8 +5,8 @@ use crate::backend::Device;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
-/// Moves every parameter below `m`, and its gradient, to `device`, in place
-/// (`model.to(device)`). Parameters already there are left alone (no copy); tied parameters
+/// Moves every parameter below `m`, its gradient, and every buffer
+/// ([`ModuleBuffer`](super::ModuleBuffer)) to `device`, in place (`model.to(device)`). Parameters already there are left alone (no copy); tied parameters
 /// (one tensor under two names, [`Parameter::tie_to`]) stay tied; a meta parameter with an
 /// initializer is materialized on `device`. Saved activations of an unfinished forward are
 /// not moved. Move a model before wrapping it in FSDP: a unit's parameters are views of its
@@ -26,6 +26,49 @@ pub fn module_to_device(m: &mut dyn Module, device: Device) -> Result<()> {
     let mut moved: Vec<(Tensor, Tensor)> = Vec::new();
     super::visit_parameters(m, "", false, &mut |_, p| {
         move_parameter(p, device, &mut moved)
+    })?;
+    super::buffers_to_device(m, "", false, device)
+}
+
+/// Converts every floating-point parameter and buffer below `m` to `dtype`, in place
+/// (`model.to(dtype)`, e.g. `model.double()`): f32 or f64. Integer buffers
+/// (`num_batches_tracked`) keep their dtype, as PyTorch's. Gradients are dropped (their
+/// dtype would no longer match). Convert before wrapping in FSDP.
+///
+/// # Errors
+/// `InvalidArgument` for a dtype other than f32 and f64, or when `m` contains an FSDP
+/// unit; `NotMaterialized` for a meta parameter without an initializer.
+pub fn module_to_dtype(m: &mut dyn Module, dtype: crate::tensor::DType) -> Result<()> {
+    use crate::tensor::DType;
+    if !matches!(dtype, DType::F32 | DType::F64) {
+        crate::error::bail_arg!("module_to_dtype: f32 or f64, not {dtype}");
+    }
+    if first_unit(m, "")?.is_some() {
+        crate::error::bail_arg!("module_to_dtype: convert the model before wrapping it in FSDP");
+    }
+    let mut done: Vec<(Tensor, Tensor)> = Vec::new();
+    super::visit_parameters(m, "", false, &mut |_, p| {
+        let Ok(d) = p.data() else { return Ok(()) };
+        if d.dtype() == dtype || !d.dtype().is_float() {
+            return Ok(());
+        }
+        // Tied parameters stay one tensor.
+        let c = match done.iter().find(|(src, _)| src.same_view(d)) {
+            Some((_, c)) => c.clone(),
+            None => {
+                let c = d.materialize()?.to_dtype(dtype)?;
+                done.push((d.clone(), c.clone()));
+                c
+            }
+        };
+        p.set_grad(None);
+        p.set_data(Some(c))
+    })?;
+    super::visit_buffers(m, "", false, &mut |_, b| {
+        if b.data.dtype().is_float() && b.data.dtype() != dtype {
+            b.data = b.data.to_dtype(dtype)?;
+        }
+        Ok(())
     })
 }
 

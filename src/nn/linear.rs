@@ -3,10 +3,11 @@
 use super::{Context, InitKey, Module, ParamVisitor, Parameter};
 use crate::error::{Error, Result};
 use crate::ops::{self, MatmulDims, Transpose};
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 /// Affine map over the last dimension. `weight: (out, in)`, `bias: (out)`; input
-/// `(.., in)` -> output `(.., out)`, f32. Default init as PyTorch: weight and bias
+/// `(.., in)` -> output `(.., out)`, f32 (or f64 on the host, once
+/// [`module_to_dtype`](super::module_to_dtype) made the parameters f64). Default init as PyTorch: weight and bias
 /// `U(-1/sqrt(in), 1/sqrt(in))`.
 ///
 /// Zero sizes work as in PyTorch: `Linear(in, 0)` maps `(.., in)` to `(.., 0)` and its
@@ -138,7 +139,10 @@ impl Module for Linear {
         }
         let (i, o) = (self.in_features, self.out_features);
         // dx (n, i) = dy (n, o) @ W (o, i)
-        let dx = ops::output(x.shape(), x.device())?;
+        let dx = match x.dtype() {
+            DType::F64 => Tensor::zeros(x.shape(), DType::F64),
+            _ => ops::output(x.shape(), x.device())?,
+        };
         ops::matmul(
             &dx,
             dy,

@@ -5,8 +5,10 @@
 //!
 //! | item | file | PyTorch |
 //! |---|---|---|
-//! | [`Module`], [`Context`] | `module.rs` | `nn.Module`, `torch.no_grad` |
-//! | [`module_to_device`] | `device.rs` | `nn.Module.to(device)` |
+//! | [`Module`], [`Context`] | `module.rs` | `nn.Module`, `torch.no_grad`, `model.train(mode)` |
+//! | [`ModuleBuffer`], [`visit_buffers`], [`named_buffers`] | `buffer.rs` | `register_buffer`, `named_buffers()` |
+//! | [`BatchNorm1d`] | `batchnorm.rs` | `nn.BatchNorm1d` |
+//! | [`module_to_device`], [`module_to_dtype`] | `device.rs` | `nn.Module.to(device)`, `.to(dtype)` / `.double()` |
 //! | [`Parameter`] | `parameter.rs` | `nn.Parameter` |
 //! | [`Linear`] | `linear.rs` | `nn.Linear` |
 //! | [`ReLU`], [`GELU`] | `activation.rs` | `nn.ReLU`, `nn.GELU()` |
@@ -24,6 +26,8 @@
 
 mod activation;
 mod attention;
+mod batchnorm;
+mod buffer;
 mod container;
 mod device;
 mod embedding;
@@ -40,8 +44,11 @@ mod transformer;
 
 pub use activation::{gelu, gelu_grad, relu, relu_grad, ReLU, GELU};
 pub use attention::CausalSelfAttention;
+pub use batchnorm::BatchNorm1d;
+pub(crate) use buffer::{buffers_to_device, round_buffers};
+pub use buffer::{named_buffers, visit_buffers, BufferVisitor, ModuleBuffer};
 pub use container::{ModuleDict, ModuleList, Sequential};
-pub use device::module_to_device;
+pub use device::{module_to_device, module_to_dtype};
 pub use embedding::{embedding_backward, embedding_lookup, Embedding};
 pub use gpt::{GptConfig, GPT};
 pub use init::{materialize, on_meta_device, InitKey, ParamInit};

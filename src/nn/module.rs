@@ -9,24 +9,49 @@ use super::{FullStateDict, IncompatibleKeys, Parameter};
 use crate::error::Result;
 use crate::tensor::Tensor;
 
-/// Per-call settings passed down the module tree.
-#[derive(Debug, Clone, Copy)]
+/// Per-call settings passed down the module tree: two independent switches, as in
+/// PyTorch, where `torch.no_grad()` and `model.train(False)` are separate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Context {
-    /// Save activations for `backward` (training). `false` is `torch.no_grad()`.
+    /// Save activations for `backward`. `false` is `torch.no_grad()`.
     pub grad_enabled: bool,
+    /// Training mode (`nn.Module.training`, set by `model.train()` / `model.eval()`):
+    /// BatchNorm normalizes with the batch's statistics and updates its running stats;
+    /// `false` normalizes with the running stats and leaves them alone. Layers without
+    /// such a difference ignore it.
+    pub training: bool,
 }
 
 impl Context {
-    /// Training: activations are saved for backward.
+    /// Training: activations are saved for backward, training mode
+    /// (`model.train()` under autograd).
     pub fn train() -> Self {
-        Context { grad_enabled: true }
+        Context {
+            grad_enabled: true,
+            training: true,
+        }
     }
-    /// Inference (`torch.no_grad()`): nothing is saved, and what an earlier training forward
-    /// saved is left for its backward.
+    /// Evaluation: `model.eval()` under `torch.no_grad()`: nothing is saved (what an
+    /// earlier training forward saved is left for its backward), and BatchNorm uses its
+    /// running stats. (Before eval mode existed this was `torch.no_grad()` alone; it only
+    /// differs for mode-dependent layers such as [`BatchNorm1d`](super::BatchNorm1d).)
     pub fn eval() -> Self {
         Context {
             grad_enabled: false,
+            training: false,
         }
+    }
+    /// `torch.no_grad()` in training mode: nothing is saved, but BatchNorm still uses and
+    /// updates batch statistics.
+    pub fn no_grad() -> Self {
+        Context {
+            grad_enabled: false,
+            training: true,
+        }
+    }
+    /// This context with training mode set to `training` (`model.train(training)`).
+    pub fn with_training(self, training: bool) -> Self {
+        Context { training, ..self }
     }
 }
 
@@ -111,6 +136,17 @@ pub trait Module: Send {
     /// # Errors
     /// The first error `f` returns; the children after it are not visited.
     fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()>;
+
+    /// Visits the buffers registered directly on this module (not its children's), in
+    /// registration order, with their local names (`"running_mean"`): non-trainable state
+    /// (`nn.Module.register_buffer`). The default visits nothing (most layers have none).
+    ///
+    /// # Errors
+    /// The first error `f` returns; the buffers after it are not visited.
+    fn for_each_buffer(&mut self, f: &mut super::BufferVisitor<'_>) -> Result<()> {
+        let _ = f;
+        Ok(())
+    }
 
     /// True for an FSDP unit: it owns the parameters below it, so an enclosing unit does
     /// not flatten them. Also transparent in names: its child is visited under its own name.

@@ -134,7 +134,8 @@ impl Parameter {
         self.grad = grad;
     }
 
-    /// The gradient to accumulate into, created as f32 zeros on the parameter's
+    /// The gradient to accumulate into, created as zeros of the parameter's dtype (f32,
+    /// or f64 for an f64 parameter) on the parameter's
     /// [`device`](Self::device) when absent; `None` for a frozen parameter (callers then
     /// skip the weight gradient). A gradient set by [`set_grad`](Self::set_grad) is used as
     /// it is, wherever it lives (the ops then check it is on the data's device).
@@ -146,7 +147,12 @@ impl Parameter {
             return Ok(None);
         }
         if self.grad.is_none() {
-            self.grad = Some(Tensor::zeros_on(&self.shape, DType::F32, self.device)?);
+            let dtype = if self.dtype == DType::F64 {
+                DType::F64
+            } else {
+                DType::F32
+            };
+            self.grad = Some(Tensor::zeros_on(&self.shape, dtype, self.device)?);
         }
         Ok(self.grad.as_ref())
     }

@@ -100,8 +100,13 @@ pub fn load_state_dict(
     sd: &FullStateDict,
     strict: bool,
 ) -> Result<IncompatibleKeys> {
-    if sd.tensors.iter().any(|(_, t)| t.dtype() != DType::F32) {
-        // FSDP loads f32 only; cast here as `copy_` would (integers are reported below).
+    if sd
+        .tensors
+        .iter()
+        .any(|(_, t)| matches!(t.dtype(), DType::BF16 | DType::F16))
+    {
+        // FSDP loads f32 and f64; cast 16-bit values here as `copy_` would (integers are
+        // reported below).
         let mut cast = FullStateDict::default();
         for (n, t) in &sd.tensors {
             let t = match t.dtype() {
@@ -162,17 +167,23 @@ pub(crate) fn shape_problem(name: &str, want: &[usize], got: &[usize]) -> Option
     (want != got).then(|| format!("'{name}': expected shape {want:?}, got {got:?}"))
 }
 
-/// A dtype a load cannot take: not f32 when `f32_only`, an integer otherwise.
-pub(crate) fn dtype_problem(name: &str, dtype: DType, f32_only: bool) -> Option<String> {
-    let bad = if f32_only {
-        dtype != DType::F32
+/// A dtype a load cannot take: not f32 or f64 (the FlatParameter's dtypes; a value is cast
+/// to the parameter's dtype on load, as `Tensor.copy_`) when `exact_floats`, an integer
+/// otherwise.
+pub(crate) fn dtype_problem(name: &str, dtype: DType, exact_floats: bool) -> Option<String> {
+    let bad = if exact_floats {
+        !matches!(dtype, DType::F32 | DType::F64)
     } else {
-        dtype == DType::I32
+        matches!(dtype, DType::I32 | DType::I64)
     };
     bad.then(|| {
         format!(
             "'{name}': expected dtype {}, got {dtype}",
-            if f32_only { "f32" } else { "f32, bf16 or f16" }
+            if exact_floats {
+                "f32 or f64"
+            } else {
+                "f32, f64, bf16 or f16"
+            }
         )
     })
 }

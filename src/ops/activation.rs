@@ -37,6 +37,9 @@ impl Pointwise {
 /// `DTypeMismatch` for a non-f32 input; `NotMaterialized` on meta; [`Error::Cuda`].
 pub fn pointwise(f: Pointwise, x: &Tensor) -> Result<Tensor> {
     let _device = same_device(f.name(), &[x])?;
+    if super::double::any_f64(&[x]) {
+        return super::double::pointwise(f, x);
+    }
     check_f32(f.name(), &[x])?;
     #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {
@@ -72,7 +75,6 @@ pub fn pointwise(f: Pointwise, x: &Tensor) -> Result<Tensor> {
 /// `ShapeMismatch` when `dy` and `x` differ in element count; as [`pointwise`].
 pub fn pointwise_backward(f: Pointwise, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     let _device = same_device(f.name(), &[x, dy])?;
-    check_f32(f.name(), &[x, dy])?;
     if x.numel() != dy.numel() {
         return Err(Error::ShapeMismatch {
             op: "pointwise_backward",
@@ -80,6 +82,10 @@ pub fn pointwise_backward(f: Pointwise, x: &Tensor, dy: &Tensor) -> Result<Tenso
             got: dy.shape().to_vec(),
         });
     }
+    if super::double::any_f64(&[x, dy]) {
+        return super::double::pointwise_backward(f, x, dy);
+    }
+    check_f32(f.name(), &[x, dy])?;
     #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {
         use crate::backend::cuda;

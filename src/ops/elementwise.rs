@@ -64,10 +64,17 @@ pub fn add_(dst: &Tensor, src: &Tensor) -> Result<()> {
             &mut dst.data_mut::<half::f16>()?,
             &src.data::<half::f16>()?,
         ),
-        DType::I32 => Err(Error::DTypeMismatch {
+        DType::F64 => {
+            let sv = src.data::<f64>()?;
+            for (d, &v) in dst.data_mut::<f64>()?.iter_mut().zip(sv.iter()) {
+                *d += v;
+            }
+            Ok(())
+        }
+        d @ (DType::I32 | DType::I64) => Err(Error::DTypeMismatch {
             op: "add_",
             expected: DType::F32,
-            got: DType::I32,
+            got: d,
         }),
     }
 }
@@ -101,7 +108,7 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     Ok(out)
 }
 
-/// `t *= alpha` in place on an f32 tensor (`Tensor.mul_`).
+/// `t *= alpha` in place on an f32 tensor, or an f64 one on the host (`Tensor.mul_`).
 ///
 /// # Errors
 /// `DTypeMismatch` for a non-f32 tensor; `NotMaterialized` on meta.
@@ -110,6 +117,12 @@ pub fn scale_(t: &Tensor, alpha: f32) -> Result<()> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {
         return crate::backend::cuda::scale(&*super::stream(i)?, &t.as_device_tensor()?, alpha);
+    }
+    if t.dtype() == DType::F64 {
+        t.data_mut::<f64>()?
+            .iter_mut()
+            .for_each(|v| *v *= f64::from(alpha));
+        return Ok(());
     }
     par::chunks_mut(&mut t.f32_mut()?, par::ELEMENTWISE_GRAIN, |_, d| {
         cpu_ops::scale_(d, alpha);
@@ -134,6 +147,8 @@ pub fn fill_(t: &Tensor, value: f32) -> Result<()> {
             .fill(half::bf16::from_f32(value)),
         DType::F16 => t.data_mut::<half::f16>()?.fill(half::f16::from_f32(value)),
         DType::I32 => t.data_mut::<i32>()?.fill(value as i32),
+        DType::F64 => t.data_mut::<f64>()?.fill(f64::from(value)),
+        DType::I64 => t.data_mut::<i64>()?.fill(value as i64),
     }
     Ok(())
 }

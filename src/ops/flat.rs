@@ -65,6 +65,9 @@ fn require_float(op: &'static str, t: &Tensor) -> Result<()> {
 pub fn pack_grad(grad: &Tensor, out: &Tensor, scale: f32) -> Result<()> {
     let _device = same_device("pack_grad", &[grad, out])?;
     check_pair("pack_grad", grad, out)?;
+    if grad.dtype() == DType::F64 {
+        return scale_f64("pack_grad", grad, out, scale);
+    }
     require("pack_grad", grad, DType::F32)?;
     require_float("pack_grad", out)?;
     if grad.same_view(out) {
@@ -84,8 +87,32 @@ pub fn pack_grad(grad: &Tensor, out: &Tensor, scale: f32) -> Result<()> {
         DType::F32 => cpu::pack_grad(&g, &mut out.data_mut::<f32>()?, scale),
         DType::BF16 => cpu::pack_grad(&g, &mut out.data_mut::<half::bf16>()?, scale),
         DType::F16 => cpu::pack_grad(&g, &mut out.data_mut::<half::f16>()?, scale),
-        DType::I32 => unreachable!("checked: float"),
+        d @ (DType::F64 | DType::I32 | DType::I64) => Err(Error::DTypeMismatch {
+            op: "pack_grad",
+            expected: DType::F32,
+            got: d,
+        }),
     }
+}
+
+/// `out[i] = x[i] * scale` in f64 (the f64 FlatParameter's pack and unpack: no cast, as
+/// PyTorch FSDP reduces an f64 gradient in f64). Host tensors; `out` may be `x` itself.
+fn scale_f64(op: &'static str, x: &Tensor, out: &Tensor, scale: f32) -> Result<()> {
+    require(op, x, DType::F64)?;
+    require(op, out, DType::F64)?;
+    if x.device().is_cuda() {
+        return Err(Error::Unsupported(format!(
+            "{op} of an f64 gradient on a CUDA device (f64 FSDP runs on the CPU)"
+        )));
+    }
+    if x.same_view(out) {
+        return super::scale_(out, scale);
+    }
+    let src = x.data::<f64>()?;
+    for (o, &v) in out.data_mut::<f64>()?.iter_mut().zip(src.iter()) {
+        *o = v * f64::from(scale);
+    }
+    Ok(())
 }
 
 /// `out[i] = f32(cast<x.dtype>(f32(x[i]) * scale))`: the postdivide (`scale = 1 / post`)
@@ -99,6 +126,9 @@ pub fn pack_grad(grad: &Tensor, out: &Tensor, scale: f32) -> Result<()> {
 pub fn unpack_grad(x: &Tensor, out: &Tensor, scale: f32) -> Result<()> {
     let _device = same_device("unpack_grad", &[x, out])?;
     check_pair("unpack_grad", x, out)?;
+    if out.dtype() == DType::F64 {
+        return scale_f64("unpack_grad", x, out, scale);
+    }
     require("unpack_grad", out, DType::F32)?;
     require_float("unpack_grad", x)?;
     if x.same_view(out) {
@@ -118,7 +148,11 @@ pub fn unpack_grad(x: &Tensor, out: &Tensor, scale: f32) -> Result<()> {
         DType::F32 => cpu::unpack_grad(&x.data::<f32>()?, &mut o, scale),
         DType::BF16 => cpu::unpack_grad(&x.data::<half::bf16>()?, &mut o, scale),
         DType::F16 => cpu::unpack_grad(&x.data::<half::f16>()?, &mut o, scale),
-        DType::I32 => unreachable!("checked: float"),
+        d @ (DType::F64 | DType::I32 | DType::I64) => Err(Error::DTypeMismatch {
+            op: "unpack_grad",
+            expected: DType::F32,
+            got: d,
+        }),
     }
 }
 
@@ -140,7 +174,7 @@ pub fn rounded(t: &Tensor, dtype: DType) -> Result<Tensor> {
 /// # Errors
 /// `DTypeMismatch` when `t` is not f32 or `dtype` is i32; [`Error::Cuda`].
 pub fn round_to_(t: &Tensor, dtype: DType) -> Result<()> {
-    if dtype == DType::F32 {
+    if dtype == DType::F32 || (dtype == DType::F64 && t.dtype() == DType::F64) {
         return Ok(());
     }
     let _device = same_device("round_to_", &[t])?;

@@ -63,7 +63,10 @@ pub fn matmul_batched(
     accumulate: bool,
 ) -> Result<()> {
     let _device = same_device("matmul", &[out, a, b])?;
-    check_f32("matmul", &[out, a, b])?;
+    let f64_path = super::double::any_f64(&[out, a, b]);
+    if !f64_path {
+        check_f32("matmul", &[out, a, b])?;
+    }
     let MatmulDims { m, k, n, trans } = d;
     for (t, want) in [(a, m * k), (b, k * n), (out, m * n)] {
         if t.numel() != want * batch {
@@ -76,6 +79,9 @@ pub fn matmul_batched(
     }
     if out.shares_storage(a) || out.shares_storage(b) {
         bail_arg!("matmul: the output {out:?} shares storage with an input");
+    }
+    if f64_path {
+        return super::double::matmul_batched(out, a, b, d, batch, accumulate);
     }
     #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {
@@ -160,6 +166,9 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     let mut ts = vec![x, weight];
     ts.extend(bias);
     let _device = same_device("linear", &ts)?;
+    if super::double::any_f64(&ts) {
+        return super::double::linear(x, weight, bias, o);
+    }
     check_f32("linear", &ts)?;
     let n: usize = x.shape()[..x.shape().len() - 1].iter().product();
     let mut shape = x.shape().to_vec();
@@ -240,6 +249,10 @@ fn rows_of(op: &'static str, t: &Tensor, c: usize) -> Result<usize> {
 /// and `b` share storage; device and dtype errors.
 pub fn bias_add_(y: &Tensor, b: &Tensor) -> Result<()> {
     let _device = same_device("bias_add_", &[y, b])?;
+    if super::double::any_f64(&[y, b]) {
+        rows_of("bias_add_", y, b.numel())?;
+        return super::double::bias_add_(y, b);
+    }
     check_f32("bias_add_", &[y, b])?;
     let c = b.numel();
     rows_of("bias_add_", y, c)?;
@@ -275,6 +288,10 @@ pub fn bias_add_(y: &Tensor, b: &Tensor) -> Result<()> {
 /// As [`bias_add_`].
 pub fn bias_grad(dy: &Tensor, db: &Tensor) -> Result<()> {
     let _device = same_device("bias_grad", &[dy, db])?;
+    if super::double::any_f64(&[dy, db]) {
+        rows_of("bias_grad", dy, db.numel())?;
+        return super::double::bias_grad(dy, db);
+    }
     check_f32("bias_grad", &[dy, db])?;
     let c = db.numel();
     rows_of("bias_grad", dy, c)?;

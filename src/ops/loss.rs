@@ -179,6 +179,9 @@ pub fn mse_loss(pred: &Tensor, target: &Tensor) -> Result<(f32, Tensor)> {
         });
     }
     let device = same_device("mse_loss", &[pred, target])?;
+    if super::double::any_f64(&[pred, target]) && pred.numel() > 0 {
+        return super::double::mse_loss(pred, target);
+    }
     if pred.numel() == 0 {
         super::check_f32("mse_loss", &[pred, target])?;
         return Ok((f32::NAN, super::output(pred.shape(), device)?));
@@ -217,6 +220,9 @@ pub fn mse_loss(pred: &Tensor, target: &Tensor) -> Result<(f32, Tensor)> {
 /// `DTypeMismatch` for a non-f32 tensor; `NotMaterialized` on meta; [`Error::Cuda`].
 pub fn sum_loss(x: &Tensor) -> Result<(f32, Tensor)> {
     let device = same_device("sum_loss", &[x])?;
+    if super::double::any_f64(&[x]) {
+        return super::double::sum_loss(x);
+    }
     if device.is_cuda() {
         super::check_f32("sum_loss", &[x])?;
         let s = x.to_vec_f32()?.iter().fold(0.0f64, |s, &v| s + v as f64);

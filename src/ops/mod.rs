@@ -21,10 +21,12 @@
 //! | `autocast.rs` | [`autocast()`], [`gemm_dtype`]: bf16/f16 GEMM operands in a scope | `torch.autocast` (for GEMMs) |
 //! | `activation.rs` | [`pointwise`], [`pointwise_backward`] ([`Pointwise::Relu`], [`Pointwise::Gelu`]) | `F.relu`, `F.gelu` |
 //! | `layernorm.rs` | [`layer_norm`], [`layer_norm_backward`] | `F.layer_norm` |
+//! | `batchnorm.rs` | [`batch_norm`], [`batch_norm_backward`] (host loops in f64; CUDA tensors through the host) | `F.batch_norm` |
 //! | `attention.rs` | [`split_qkv`], [`merge_qkv`], [`split_heads`], [`merge_heads`], [`softmax_causal`], [`softmax_causal_backward_`] | the permutes and masked softmax of `scaled_dot_product_attention` |
 //! | `embedding.rs` | [`embedding()`], [`embedding_backward`] | `F.embedding` |
 //! | `flat.rs` | [`flat::pack_grad`], [`flat::unpack_grad`], [`flat::round_to_`], [`flat::rounded`] (FSDP's flat buffers, autocast's operands) | the `_reduce_grad` pre/post-divide and casts |
 //! | `loss.rs` | [`cross_entropy`], [`mse_loss`], [`sum_loss`] | `F.cross_entropy`, `F.mse_loss`, `.sum()` |
+//! | `double.rs` | the f64 host paths of [`matmul`], [`linear`], [`bias_add_`], [`bias_grad`], ReLU, [`mse_loss`], [`sum_loss`] (taken when an operand is f64) | float64 tensors |
 //!
 //! The ops marked (CPU) have CPU loops only: on CUDA they return `Unsupported`. They are what
 //! a custom layer composes its forward and backward from (see `tests/custom_layer.rs`).
@@ -38,6 +40,8 @@ pub mod arith;
 pub mod attention;
 pub mod autocast;
 pub mod axis;
+pub mod batchnorm;
+mod double;
 pub mod elementwise;
 pub mod embedding;
 pub mod flat;
@@ -58,6 +62,7 @@ pub use autocast::{autocast, gemm_dtype, AutocastGuard};
 pub use axis::{
     cat, cat_backward, mean_dim, normalize_dim, split, split_backward, sum_dim, sum_dim_backward,
 };
+pub use batchnorm::{batch_norm, batch_norm_backward, BatchNormSaved, RunningStats};
 pub use elementwise::{add, add_, fill_, scale_, sum_squares};
 pub use embedding::{embedding, embedding_backward};
 pub use layernorm::{layer_norm, layer_norm_backward, LayerNormSaved};

@@ -307,11 +307,16 @@ pub fn build(kind: OptimizerKind, lr: f32, betas: (f32, f32)) -> Box<dyn Optimiz
 
 /// Checks the list against the state sizes, and one pair's sizes and dtypes.
 fn check_pair(op: &'static str, p: &ParamGrad) -> Result<()> {
+    // f32, or f64 (SGD steps f64 parameters on the host), the gradient as the parameter.
+    let want = match p.param.dtype() {
+        DType::F64 if op.starts_with("SGD") => DType::F64,
+        _ => DType::F32,
+    };
     for t in std::iter::once(&p.param).chain(p.grad.as_ref()) {
-        if t.dtype() != DType::F32 {
+        if t.dtype() != want {
             return Err(Error::DTypeMismatch {
                 op,
-                expected: DType::F32,
+                expected: want,
                 got: t.dtype(),
             });
         }

@@ -115,7 +115,7 @@ impl Optimizer for SGD {
             let n = pg.param.numel();
             let first = c.momentum != 0.0 && buf.is_none();
             if first {
-                *buf = Some(Tensor::zeros_on(&[n], DType::F32, device)?);
+                *buf = Some(Tensor::zeros_on(&[n], pg.param.dtype(), device)?);
             }
             if let Some(b) = buf.as_ref().filter(|b| b.numel() != n) {
                 return Err(Error::ShapeMismatch {
@@ -128,6 +128,10 @@ impl Optimizer for SGD {
                 // Loaded from a state dict (host values), or left behind by a move.
                 *b = b.to_device(device)?;
             }
+            if let Some(b) = buf.as_mut().filter(|b| b.dtype() != pg.param.dtype()) {
+                // An f64 parameter's buffer loaded from a state dict (which holds f32).
+                *b = b.to_dtype(pg.param.dtype())?;
+            }
             if device.is_cuda() {
                 let group = &mut on_device.entry(h.group).or_insert((c, Vec::new())).1;
                 group.push(SgdItem {
@@ -136,6 +140,10 @@ impl Optimizer for SGD {
                     buf: buf.clone(),
                     first,
                 });
+                continue;
+            }
+            if pg.param.dtype() == DType::F64 {
+                step_f64(&pg.param, grad, buf.as_ref(), &c, first)?;
                 continue;
             }
             let g = grad.f32()?;
@@ -166,7 +174,7 @@ impl Optimizer for SGD {
     }
 
     fn state_bytes(&self) -> usize {
-        self.bufs.iter().flatten().map(|b| b.numel() * 4).sum()
+        self.bufs.iter().flatten().map(|b| b.nbytes()).sum()
     }
 
     fn lr(&self) -> f32 {
@@ -258,4 +266,34 @@ impl Optimizer for SGD {
         self.groups = groups;
         Ok(())
     }
+}
+
+/// The SGD update of an f64 parameter on the host, in f64 throughout (the f32 loop of
+/// [`SGD::step`] with the hyperparameters widened): PyTorch's `_single_tensor_sgd` on a
+/// float64 parameter. `grad` and `buf` must be f64 too.
+fn step_f64(
+    param: &Tensor,
+    grad: &Tensor,
+    buf: Option<&Tensor>,
+    c: &SgdConfig,
+    first: bool,
+) -> Result<()> {
+    let (lr, wd) = (f64::from(c.lr), f64::from(c.weight_decay));
+    let (mom, damp) = (f64::from(c.momentum), f64::from(c.dampening));
+    let g = grad.data::<f64>()?;
+    let mut p = param.data_mut::<f64>()?;
+    let mut b = buf.map(|b| b.data_mut::<f64>()).transpose()?;
+    for i in 0..p.len() {
+        let mut d = g[i] + wd * p[i];
+        if let Some(b) = b.as_mut() {
+            b[i] = if first {
+                d
+            } else {
+                mom * b[i] + (1.0 - damp) * d
+            };
+            d = if c.nesterov { d + mom * b[i] } else { b[i] };
+        }
+        p[i] -= lr * d;
+    }
+    Ok(())
 }

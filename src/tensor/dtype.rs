@@ -11,9 +11,11 @@ mod sealed {
     impl Sealed for half::bf16 {}
     impl Sealed for half::f16 {}
     impl Sealed for i32 {}
+    impl Sealed for f64 {}
+    impl Sealed for i64 {}
 }
 
-/// A Rust scalar type that a tensor can hold: exactly f32, bf16, f16 and i32 (sealed).
+/// A Rust scalar type that a tensor can hold: exactly f32, bf16, f16, i32, f64 and i64 (sealed).
 pub trait Element:
     sealed::Sealed + Copy + Send + Sync + bytemuck::Pod + std::fmt::Debug + 'static
 {
@@ -104,5 +106,49 @@ impl Element for i32 {
     }
     fn from_f64(v: f64) -> Self {
         v.round() as i32
+    }
+}
+
+impl Element for f64 {
+    const DTYPE: DType = DType::F64;
+    fn into_buffer(v: Vec<Self>) -> Buffer {
+        Buffer::F64(v)
+    }
+    fn to_f32(self) -> f32 {
+        self as f32
+    }
+    fn from_f32(v: f32) -> Self {
+        v as f64
+    }
+    fn zero() -> Self {
+        0.0
+    }
+    fn to_f64(self) -> f64 {
+        self
+    }
+    fn from_f64(v: f64) -> Self {
+        v
+    }
+}
+
+impl Element for i64 {
+    const DTYPE: DType = DType::I64;
+    fn into_buffer(v: Vec<Self>) -> Buffer {
+        Buffer::I64(v)
+    }
+    fn to_f32(self) -> f32 {
+        self as f32
+    }
+    fn from_f32(v: f32) -> Self {
+        v as i64
+    }
+    fn zero() -> Self {
+        0
+    }
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+    fn from_f64(v: f64) -> Self {
+        v.round() as i64
     }
 }

@@ -317,6 +317,8 @@ fn buffer_slice<T: Element>(b: &Buffer) -> &[T] {
         Buffer::BF16(v) => bytemuck::cast_slice(v),
         Buffer::F16(v) => bytemuck::cast_slice(v),
         Buffer::I32(v) => bytemuck::cast_slice(v),
+        Buffer::F64(v) => bytemuck::cast_slice(v),
+        Buffer::I64(v) => bytemuck::cast_slice(v),
         Buffer::Meta { .. } => &[],
         Buffer::Cuda { .. } => &[],
     }
@@ -328,6 +330,8 @@ fn buffer_slice_mut<T: Element>(b: &mut Buffer) -> &mut [T] {
         Buffer::BF16(v) => bytemuck::cast_slice_mut(v),
         Buffer::F16(v) => bytemuck::cast_slice_mut(v),
         Buffer::I32(v) => bytemuck::cast_slice_mut(v),
+        Buffer::F64(v) => bytemuck::cast_slice_mut(v),
+        Buffer::I64(v) => bytemuck::cast_slice_mut(v),
         Buffer::Meta { .. } => &mut [],
         Buffer::Cuda { .. } => &mut [],
     }

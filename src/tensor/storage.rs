@@ -34,6 +34,10 @@ pub enum Buffer {
     F16(Vec<f16>),
     /// `DType::I32` values (`torch.int32`), 4 bytes each, e.g. token ids.
     I32(Vec<i32>),
+    /// `DType::F64` values (`torch.float64`), 8 bytes each.
+    F64(Vec<f64>),
+    /// `DType::I64` values (`torch.int64`), 8 bytes each, e.g. `num_batches_tracked`.
+    I64(Vec<i64>),
     /// Device memory (`Device::Cuda`): a block of the CUDA backend's caching allocator
     /// holding `len` elements of `dtype`. Its contents are reached through the backend's
     /// `DeviceTensor` views and ops, never as host slices. Only a build with the `cuda`
@@ -70,6 +74,8 @@ impl Buffer {
             DType::BF16 => Buffer::BF16(vec![bf16::ZERO; len]),
             DType::F16 => Buffer::F16(vec![f16::ZERO; len]),
             DType::I32 => Buffer::I32(vec![0; len]),
+            DType::F64 => Buffer::F64(vec![0.0; len]),
+            DType::I64 => Buffer::I64(vec![0; len]),
         }
     }
 
@@ -80,6 +86,8 @@ impl Buffer {
             Buffer::BF16(v) => v.len(),
             Buffer::F16(v) => v.len(),
             Buffer::I32(v) => v.len(),
+            Buffer::F64(v) => v.len(),
+            Buffer::I64(v) => v.len(),
             Buffer::Cuda { len, .. } => *len,
             Buffer::Meta { len, .. } => *len,
         }
@@ -97,6 +105,8 @@ impl Buffer {
             Buffer::BF16(_) => DType::BF16,
             Buffer::F16(_) => DType::F16,
             Buffer::I32(_) => DType::I32,
+            Buffer::F64(_) => DType::F64,
+            Buffer::I64(_) => DType::I64,
             Buffer::Cuda { dtype, .. } => *dtype,
             Buffer::Meta { dtype, .. } => *dtype,
         }

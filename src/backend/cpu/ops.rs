@@ -22,14 +22,23 @@ pub fn cast_into<T: Element>(src: &Tensor, dst: &mut [T]) -> Result<()> {
                 cast_slice(&s, dst);
             }
         }
+        DType::F64 => cast_slice(&src.data::<f64>()?, dst),
+        DType::I64 => cast_slice(&src.data::<i64>()?, dst),
     }
     Ok(())
 }
 
-/// `dst[i] = cast(src[i])` through f32.
+/// `dst[i] = cast(src[i])` through f32, or through f64 when either side is 64-bit (so an
+/// f64 or i64 value is rounded once, and an f32 widens exactly).
 pub fn cast_slice<S: Element, T: Element>(src: &[S], dst: &mut [T]) {
     if S::DTYPE == T::DTYPE {
         dst.copy_from_slice(bytemuck::cast_slice(src));
+        return;
+    }
+    if S::DTYPE.size_in_bytes() == 8 || T::DTYPE.size_in_bytes() == 8 {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = T::from_f64(s.to_f64());
+        }
         return;
     }
     for (d, s) in dst.iter_mut().zip(src) {

@@ -37,7 +37,7 @@ fn data_type(op: &'static str, d: DType) -> Result<cudaDataType> {
         DType::F32 => Ok(cudaDataType::CUDA_R_32F),
         DType::BF16 => Ok(cudaDataType::CUDA_R_16BF),
         DType::F16 => Ok(cudaDataType::CUDA_R_16F),
-        DType::I32 => Err(Error::DTypeMismatch {
+        DType::I32 | DType::F64 | DType::I64 => Err(Error::DTypeMismatch {
             op,
             expected: DType::F32,
             got: d,

@@ -19,6 +19,9 @@ macro_rules! kname {
             DType::BF16 => concat!($p, "_bf16"),
             DType::F16 => concat!($p, "_f16"),
             DType::I32 => concat!($p, "_i32"),
+            // No kernels of these: looking one up fails with a clear error.
+            DType::F64 => concat!($p, "_f64"),
+            DType::I64 => concat!($p, "_i64"),
         }
     };
 }
@@ -144,6 +147,9 @@ pub fn fill(s: &Stream, dst: &DeviceTensor, value: f32) -> Result<()> {
                 half::f16::from_f32(value).to_bits(),
                 n as i64,
             ),
+            d @ (DType::F64 | DType::I64) => Err(Error::Unsupported(format!(
+                "fill of a {d} tensor on a CUDA device (no kernel)"
+            ))),
         }
     }
 }

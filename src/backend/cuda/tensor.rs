@@ -142,6 +142,8 @@ impl DeviceTensor {
             DType::BF16 => Self::from_slice(stream, &t.data::<half::bf16>()?, t.shape()),
             DType::F16 => Self::from_slice(stream, &t.data::<half::f16>()?, t.shape()),
             DType::I32 => Self::from_slice(stream, &t.data::<i32>()?, t.shape()),
+            DType::F64 => Self::from_slice(stream, &t.data::<f64>()?, t.shape()),
+            DType::I64 => Self::from_slice(stream, &t.data::<i64>()?, t.shape()),
         }
     }
 
@@ -185,6 +187,8 @@ impl DeviceTensor {
             DType::BF16 => Tensor::from_vec(self.to_vec::<half::bf16>(stream)?, &self.shape),
             DType::F16 => Tensor::from_vec(self.to_vec::<half::f16>(stream)?, &self.shape),
             DType::I32 => Tensor::from_vec(self.to_vec::<i32>(stream)?, &self.shape),
+            DType::F64 => Tensor::from_vec(self.to_vec::<f64>(stream)?, &self.shape),
+            DType::I64 => Tensor::from_vec(self.to_vec::<i64>(stream)?, &self.shape),
         }
     }
 

@@ -150,7 +150,14 @@ const OPS: [&str; 5] = [
     "broadcast",
     "barrier",
 ];
-const DTYPES: [DType; 4] = [DType::F32, DType::BF16, DType::F16, DType::I32];
+const DTYPES: [DType; 6] = [
+    DType::F32,
+    DType::BF16,
+    DType::F16,
+    DType::I32,
+    DType::F64,
+    DType::I64,
+];
 const REDUCE_OPS: [ReduceOp; 5] = [
     ReduceOp::Sum,
     ReduceOp::Avg,

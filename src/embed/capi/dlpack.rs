@@ -82,6 +82,8 @@ pub(crate) fn dl_dtype(d: DType) -> DLDataType {
         DType::F16 => (KDL_FLOAT, 16),
         DType::BF16 => (KDL_BFLOAT, 16),
         DType::I32 => (KDL_INT, 32),
+        DType::F64 => (KDL_FLOAT, 64),
+        DType::I64 => (KDL_INT, 64),
     };
     DLDataType {
         code,
@@ -339,6 +341,10 @@ impl ExtTensor {
             }
             // SAFETY: as above.
             DType::I32 => Tensor::from_vec(unsafe { self.slice::<i32>() }.to_vec(), &self.shape),
+            // SAFETY: as above.
+            DType::F64 => Tensor::from_vec(unsafe { self.slice::<f64>() }.to_vec(), &self.shape),
+            // SAFETY: as above.
+            DType::I64 => Tensor::from_vec(unsafe { self.slice::<i64>() }.to_vec(), &self.shape),
         };
         Ok(t?)
     }
@@ -426,6 +432,8 @@ fn host_bytes(t: &Tensor) -> Res<Vec<u8>> {
         DType::BF16 => bytemuck::cast_slice(&t.data::<half::bf16>()?).to_vec(),
         DType::F16 => bytemuck::cast_slice(&t.data::<half::f16>()?).to_vec(),
         DType::I32 => bytemuck::cast_slice(&t.data::<i32>()?).to_vec(),
+        DType::F64 => bytemuck::cast_slice(&t.data::<f64>()?).to_vec(),
+        DType::I64 => bytemuck::cast_slice(&t.data::<i64>()?).to_vec(),
     })
 }
 
@@ -437,6 +445,8 @@ pub(crate) fn host_ptr(t: &Tensor) -> Res<*mut c_void> {
         DType::BF16 => t.data_mut::<half::bf16>()?.as_mut_ptr() as *mut c_void,
         DType::F16 => t.data_mut::<half::f16>()?.as_mut_ptr() as *mut c_void,
         DType::I32 => t.data_mut::<i32>()?.as_mut_ptr() as *mut c_void,
+        DType::F64 => t.data_mut::<f64>()?.as_mut_ptr() as *mut c_void,
+        DType::I64 => t.data_mut::<i64>()?.as_mut_ptr() as *mut c_void,
     })
 }
 

@@ -81,23 +81,18 @@ pub(super) fn host_copy(t: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// Overwrites elements `start..start + values.len()` of the f32 tensor `t`, on its device.
-pub(super) fn write_f32(t: &Tensor, start: usize, values: &[f32]) -> Result<()> {
-    if t.device().is_cuda() {
-        let src = Tensor::from_vec(values.to_vec(), &[values.len()])?;
-        return t.view(start, &[values.len()])?.copy_from(&src);
+/// Overwrites elements `start..start + values.len()` of the f32 or f64 tensor `t`, on its
+/// device, casting the f64 values to its dtype (exact for values read from an f32 source).
+pub(super) fn write_values(t: &Tensor, start: usize, values: &[f64]) -> Result<()> {
+    if start + values.len() > t.numel() {
+        return Err(Error::Fsdp(format!(
+            "write of {} elements at {start} runs past {} elements",
+            values.len(),
+            t.numel()
+        )));
     }
-    let mut d = t.f32_mut()?;
-    d.get_mut(start..start + values.len())
-        .ok_or_else(|| {
-            Error::Fsdp(format!(
-                "write of {} elements at {start} runs past {} elements",
-                values.len(),
-                t.numel()
-            ))
-        })?
-        .copy_from_slice(values);
-    Ok(())
+    let src = Tensor::from_vec(values.to_vec(), &[values.len()])?;
+    t.view(start, &[values.len()])?.copy_from(&src)
 }
 
 /// The padded flat buffer `(c W)` whose chunk on this rank is `chunk`, on the chunk's
@@ -105,7 +100,11 @@ pub(super) fn write_f32(t: &Tensor, start: usize, values: &[f32]) -> Result<()> 
 /// a copy under NoShard.
 pub(super) fn gather_chunk(u: &FullyShardedDataParallel, chunk: &Tensor) -> Result<Tensor> {
     if u.sharding_strategy().is_sharded() {
-        let full = Tensor::zeros_on(&[u.flat_param().padded_numel()], DType::F32, chunk.device())?;
+        let full = Tensor::zeros_on(
+            &[u.flat_param().padded_numel()],
+            chunk.dtype(),
+            chunk.device(),
+        )?;
         let _tag = u.fingerprint(Phase::StateDict);
         staged::all_gather_into_tensor(u.shard_group().as_ref(), &full, chunk)?;
         Ok(full)
@@ -166,15 +165,21 @@ impl Src<'_> {
         out
     }
 
-    /// Elements `[lo, hi)` of the flattened parameter; `Ok(Err(problem))` when the pieces
-    /// at hand do not cover them. Call after [`Src::check`] found no problem.
+    /// Elements `[lo, hi)` of the flattened parameter as f32; `Ok(Err(problem))` when the
+    /// pieces at hand do not cover them. Call after [`Src::check`] found no problem.
     pub fn read(&self, name: &str, lo: usize, hi: usize) -> Result<Result<Vec<f32>, String>> {
+        Ok(self
+            .read_f64(name, lo, hi)?
+            .map(|v| v.into_iter().map(|x| x as f32).collect()))
+    }
+
+    /// [`Src::read`] in f64 (exact for f32 and f64 sources): what a model load writes.
+    pub fn read_f64(&self, name: &str, lo: usize, hi: usize) -> Result<Result<Vec<f64>, String>> {
         match self {
-            Src::Full(t) if t.device().is_cuda() => Ok(Ok(t
+            Src::Full(t) => Ok(Ok(t
                 .reshape(&[t.numel()])?
                 .view(lo, &[hi - lo])?
-                .to_vec_f32()?)),
-            Src::Full(t) => Ok(Ok(t.f32()?[lo..hi].to_vec())),
+                .to_vec_f64()?)),
             Src::Sharded(s) => read_pieces(name, s, lo, hi),
         }
     }
@@ -185,8 +190,8 @@ fn read_pieces(
     s: &ShardedTensor,
     lo: usize,
     hi: usize,
-) -> Result<Result<Vec<f32>, String>> {
-    let mut out = vec![0.0f32; hi - lo];
+) -> Result<Result<Vec<f64>, String>> {
+    let mut out = vec![0.0f64; hi - lo];
     let mut hits: Vec<&ShardPiece> = s
         .pieces
         .iter()
@@ -199,13 +204,8 @@ fn read_pieces(
         if a > covered {
             break;
         }
-        if p.data.device().is_cuda() {
-            let v = p.data.view(a - p.offset, &[b - a])?.to_vec_f32()?;
-            out[a - lo..b - lo].copy_from_slice(&v);
-        } else {
-            let v = p.data.f32()?;
-            out[a - lo..b - lo].copy_from_slice(&v[a - p.offset..b - p.offset]);
-        }
+        let v = p.data.view(a - p.offset, &[b - a])?.to_vec_f64()?;
+        out[a - lo..b - lo].copy_from_slice(&v);
         covered = covered.max(b);
     }
     if covered < hi {

@@ -12,7 +12,9 @@
 //! Names are those of `model.state_dict()` on the unwrapped model (FSDP adds no prefix): a
 //! tied parameter appears under each of its names, as `nn.Module.state_dict` shows it.
 //! Values are the f32 master values, whatever the mixed-precision policy (as FSDP1, which
-//! takes state dicts in full precision).
+//! takes state dicts in full precision). Persistent module buffers (BatchNorm's running
+//! stats) are in every type, whole and in their own dtype (`buffers.rs`): each rank's own
+//! values, which a load replaces on every rank.
 //!
 //! Sharded pieces follow the FlatParameter: a parameter's piece on rank `r` is the part of
 //! its flattened elements that falls into rank `r`'s chunk, so taking a sharded state dict
@@ -23,10 +25,12 @@
 //! |---|---|
 //! | `mod.rs` | the types |
 //! | `layout.rs` | where each parameter's elements sit in a unit's chunk; reading sources |
+//! | `buffers.rs` | module buffers: taking, checking and loading them |
 //! | `model.rs` | `state_dict`, `load_state_dict` |
 //! | `optim.rs` | [`OptimStateDict`], `optim_state_dict`, `optim_state_dict_to_load` |
 //! | `summon.rs` | `summon_full_params` |
 
+mod buffers;
 mod layout;
 mod model;
 mod optim;
@@ -232,6 +236,9 @@ pub struct LocalStateDict {
     pub flat_params: Vec<(String, LocalFlatShard)>,
     /// Parameters of ignored modules, whole, by name.
     pub params: Vec<(String, Tensor)>,
+    /// Persistent module buffers, whole, by name, in their own dtype (buffers are never
+    /// flattened).
+    pub buffers: Vec<(String, Tensor)>,
 }
 
 /// A state dict of any of the three types.
@@ -265,6 +272,7 @@ impl StateDict {
                 .iter()
                 .map(|(n, _)| n.as_str())
                 .chain(d.params.iter().map(|(n, _)| n.as_str()))
+                .chain(d.buffers.iter().map(|(n, _)| n.as_str()))
                 .collect(),
         }
     }

@@ -1,7 +1,8 @@
 //! `state_dict` and `load_state_dict` of the root unit (FSDP1 `_state_dict_utils.py`).
 
+use super::buffers::{buffer_copies, buffer_metas, plan_buffers, write_buffers, BufferPlan};
 use super::layout::{
-    gather_chunk, host_copy, ignored_params, lookup, unit_metas, write_f32, Src, UnitMeta,
+    gather_chunk, host_copy, ignored_params, lookup, unit_metas, write_values, Src, UnitMeta,
 };
 use super::{
     FullStateDict, FullStateDictConfig, IncompatibleKeys, LocalFlatShard, LocalRange,
@@ -12,11 +13,11 @@ use crate::fsdp::FullyShardedDataParallel;
 use crate::tensor::{DType, Tensor};
 
 /// Values to write into one unit's chunk: `(chunk start, values)`.
-type ChunkWrites = Vec<(usize, Vec<f32>)>;
+type ChunkWrites = Vec<(usize, Vec<f64>)>;
 
 /// What a load writes: per unit its chunk writes, per ignored parameter its values, and
 /// the keys a non-strict load skipped.
-type Plan = (Vec<ChunkWrites>, Vec<(String, Vec<f32>)>, IncompatibleKeys);
+type Plan = (Vec<ChunkWrites>, Vec<(String, Vec<f64>)>, IncompatibleKeys);
 
 impl FullyShardedDataParallel {
     /// `Fsdp` error unless this is the root.
@@ -47,12 +48,15 @@ impl FullyShardedDataParallel {
         Ok(())
     }
 
-    /// Parameter names in `model.state_dict()` order (tied parameters under each name).
+    /// Parameter and persistent-buffer names in `model.state_dict()` order (tied
+    /// parameters under each name).
     fn state_dict_order(&mut self) -> Vec<String> {
-        crate::nn::parameter_shapes(self)
-            .into_iter()
-            .map(|(n, _)| n)
-            .collect()
+        super::buffers::state_dict_keys(self).unwrap_or_else(|_| {
+            crate::nn::parameter_shapes(self)
+                .into_iter()
+                .map(|(n, _)| n)
+                .collect()
+        })
     }
 
     /// This model's state dict of the type `config` names (`model.state_dict()` under
@@ -104,6 +108,7 @@ impl FullyShardedDataParallel {
                 out.push((name.to_string(), host_copy(p.data()?)?));
                 Ok(())
             })?;
+            out.extend(buffer_copies(self, config.offload_to_cpu)?);
         }
         let order = self.state_dict_order();
         out.sort_by_key(|(n, _)| order.iter().position(|o| o == n).unwrap_or(usize::MAX));
@@ -162,6 +167,26 @@ impl FullyShardedDataParallel {
             ));
             Ok(())
         })?;
+        for (name, t) in buffer_copies(self, true)? {
+            let n = t.numel();
+            out.push((
+                name,
+                ShardedTensor {
+                    global_shape: t.shape().to_vec(),
+                    pieces: (n > 0)
+                        .then(|| -> Result<ShardPiece> {
+                            Ok(ShardPiece {
+                                offset: 0,
+                                data: t.reshape(&[n])?,
+                                rank,
+                            })
+                        })
+                        .transpose()?
+                        .into_iter()
+                        .collect(),
+                },
+            ));
+        }
         let order = self.state_dict_order();
         out.sort_by_key(|(n, _)| order.iter().position(|o| o == n).unwrap_or(usize::MAX));
         Ok(ShardedStateDict {
@@ -195,6 +220,7 @@ impl FullyShardedDataParallel {
             params.push((name.to_string(), host_copy(p.data()?)?));
             Ok(())
         })?;
+        let buffers = buffer_copies(self, true)?;
         let f = self.flat_param();
         Ok(LocalStateDict {
             world_size: self.process_group().size(),
@@ -203,6 +229,7 @@ impl FullyShardedDataParallel {
             shard_rank: f.shard_rank(),
             flat_params,
             params,
+            buffers,
         })
     }
 
@@ -262,6 +289,15 @@ impl FullyShardedDataParallel {
                 range: (n > 0).then_some((0, n)),
             });
         }
+        // Buffers are whole on every rank.
+        for b in buffer_metas(self).unwrap_or_default() {
+            let n: usize = b.shape.iter().product();
+            out.push(LocalRange {
+                name: b.name,
+                shape: b.shape,
+                range: (n > 0).then_some((0, n)),
+            });
+        }
         let order = self.state_dict_order();
         out.sort_by_key(|r| {
             order
@@ -293,9 +329,10 @@ impl FullyShardedDataParallel {
         self.check_idle("load_state_dict")?;
         let metas = unit_metas(self);
         let ignored = ignored_params(self);
+        let bufs = plan_buffers(state_dict, &buffer_metas(self)?)?;
         let (writes, ignored_writes, keys) = match state_dict {
-            StateDict::Local(l) => self.plan_local(l, &metas, &ignored, strict)?,
-            sd => plan_unflat(sd, &metas, &ignored, strict)?,
+            StateDict::Local(l) => self.plan_local(l, &metas, &ignored, &bufs, strict)?,
+            sd => plan_unflat(sd, &metas, &ignored, &bufs, strict)?,
         };
         if !write {
             return Ok(keys);
@@ -306,14 +343,15 @@ impl FullyShardedDataParallel {
             let w = &writes[k];
             k += 1;
             w.iter()
-                .try_for_each(|(start, v)| write_f32(u.flat_param().local_shard(), *start, v))
+                .try_for_each(|(start, v)| write_values(u.flat_param().local_shard(), *start, v))
         })?;
         self.visit_ignored(
             &mut |name, p| match ignored_writes.iter().find(|(n, _)| n == name) {
-                Some((_, v)) => write_f32(p.data()?, 0, v),
+                Some((_, v)) => write_values(p.data()?, 0, v),
                 None => Ok(()),
             },
         )?;
+        write_buffers(self, &bufs.writes)?;
         Ok(keys)
     }
 
@@ -322,6 +360,7 @@ impl FullyShardedDataParallel {
         l: &LocalStateDict,
         metas: &[UnitMeta],
         ignored: &[(String, Vec<usize>, bool)],
+        bufs: &BufferPlan,
         strict: bool,
     ) -> Result<Plan> {
         let (w, r) = (self.process_group().size(), self.process_group().rank());
@@ -342,7 +381,7 @@ impl FullyShardedDataParallel {
                 f.shard_world_size()
             )));
         }
-        let (mut problems, mut missing) = (Vec::new(), Vec::new());
+        let (mut problems, mut missing) = (bufs.problems.clone(), bufs.missing.clone());
         let mut writes = Vec::with_capacity(metas.len());
         for m in metas {
             let mut w = Vec::new();
@@ -361,12 +400,12 @@ impl FullyShardedDataParallel {
                         s.numel
                     ))
                 }
-                Some((_, s)) if s.shard.dtype() != DType::F32 => problems.push(format!(
-                    "'{}': expected dtype f32, got {}",
+                Some((_, s)) if !matches!(s.shard.dtype(), DType::F32 | DType::F64) => problems.push(format!(
+                    "'{}': expected dtype f32, got {} (f32 and f64 load)",
                     m.local_key,
                     s.shard.dtype()
                 )),
-                Some((_, s)) => w.push((0, s.shard.to_vec_f32()?)),
+                Some((_, s)) => w.push((0, s.shard.to_vec_f64()?)),
             }
             writes.push(w);
         }
@@ -377,7 +416,7 @@ impl FullyShardedDataParallel {
                 Some((_, t)) => {
                     let p = Src::Full(t).check(name, shape);
                     if p.is_empty() {
-                        ignored_writes.push((name.clone(), t.to_vec_f32()?));
+                        ignored_writes.push((name.clone(), t.to_vec_f64()?));
                     }
                     problems.extend(p);
                 }
@@ -388,8 +427,11 @@ impl FullyShardedDataParallel {
             .iter()
             .map(|(k, _)| k)
             .chain(l.params.iter().map(|(k, _)| k))
+            .chain(l.buffers.iter().map(|(k, _)| k))
             .filter(|k| {
-                !metas.iter().any(|m| &m.local_key == *k) && !ignored.iter().any(|i| &i.0 == *k)
+                !metas.iter().any(|m| &m.local_key == *k)
+                    && !ignored.iter().any(|i| &i.0 == *k)
+                    && !bufs.names.contains(k)
             })
             .cloned()
             .collect();
@@ -410,6 +452,7 @@ fn plan_unflat(
     sd: &StateDict,
     metas: &[UnitMeta],
     ignored: &[(String, Vec<usize>, bool)],
+    bufs: &BufferPlan,
     strict: bool,
 ) -> Result<Plan> {
     let lookup = |name: &str| lookup(sd, name);
@@ -417,7 +460,7 @@ fn plan_unflat(
         StateDict::Sharded(_) => "SHARDED_STATE_DICT",
         _ => "FULL_STATE_DICT",
     };
-    let (mut problems, mut missing) = (Vec::new(), Vec::new());
+    let (mut problems, mut missing) = (bufs.problems.clone(), bufs.missing.clone());
     let mut writes = Vec::with_capacity(metas.len());
     for m in metas {
         let mut w = Vec::new();
@@ -433,7 +476,7 @@ fn plan_unflat(
                 continue;
             }
             if let Some((a, b, start)) = m.portion(info) {
-                match src.read(name, a, b)? {
+                match src.read_f64(name, a, b)? {
                     Ok(v) => w.push((start, v)),
                     Err(p) => problems.push(p),
                 }
@@ -452,7 +495,7 @@ fn plan_unflat(
             problems.extend(p);
             continue;
         }
-        match src.read(name, 0, shape.iter().product())? {
+        match src.read_f64(name, 0, shape.iter().product())? {
             Ok(v) => ignored_writes.push((name.clone(), v)),
             Err(p) => problems.push(p),
         }
@@ -460,6 +503,7 @@ fn plan_unflat(
     let known = |k: &str| {
         metas.iter().any(|m| m.slots.iter().any(|(n, _)| n == k))
             || ignored.iter().any(|i| i.0 == k)
+            || bufs.names.iter().any(|n| n == k)
     };
     let unexpected: Vec<String> = sd
         .keys()

@@ -1,0 +1,188 @@
+//! The f64 host paths of the ops a small f64 model needs (PyTorch computes float64
+//! tensors in float64): matrix products, `linear`, the bias row ops, ReLU, the MSE
+//! and sum losses. Plain loops, f64 accumulation in the natural order: the reference an
+//! exact f64 run is checked against, not a fast path. f64 tensors on a CUDA device are
+//! refused ([`Error::Unsupported`]): no f64 kernels.
+
+use super::linalg::MatmulDims;
+use super::Pointwise;
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Tensor};
+
+/// Whether any of `ts` is f64: the op takes the f64 path (which checks the rest).
+pub(crate) fn any_f64(ts: &[&Tensor]) -> bool {
+    ts.iter().any(|t| t.dtype() == DType::F64)
+}
+
+/// Every tensor is an f64 host tensor.
+fn check(op: &'static str, ts: &[&Tensor]) -> Result<()> {
+    for t in ts {
+        if t.dtype() != DType::F64 {
+            return Err(Error::DTypeMismatch {
+                op,
+                expected: DType::F64,
+                got: t.dtype(),
+            });
+        }
+        if t.device().is_cuda() {
+            return Err(Error::Unsupported(format!(
+                "{op} on f64 CUDA tensors (f64 computes on the host)"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// `out (m, n) (=|+=) op(a) @ op(b)`, `batch` independent products, f64. Shapes were
+/// checked by the caller ([`super::matmul_batched`]).
+pub(crate) fn matmul_batched(
+    out: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    d: MatmulDims,
+    batch: usize,
+    accumulate: bool,
+) -> Result<()> {
+    check("matmul", &[out, a, b])?;
+    let MatmulDims { m, k, n, trans } = d;
+    let (av, bv) = (a.data::<f64>()?, b.data::<f64>()?);
+    let mut o = out.data_mut::<f64>()?;
+    for p in 0..batch {
+        let (a, b) = (&av[p * m * k..], &bv[p * k * n..]);
+        let o = &mut o[p * m * n..(p + 1) * m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = 0.0f64;
+                for q in 0..k {
+                    // a (m, k) or stored (k, m); b (k, n) or stored (n, k).
+                    let x = if trans.a { a[q * m + i] } else { a[i * k + q] };
+                    let y = if trans.b { b[j * k + q] } else { b[q * n + j] };
+                    s += x * y;
+                }
+                o[i * n + j] = if accumulate { o[i * n + j] + s } else { s };
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `y (.., o) = x (.., i) @ W^T + b` in f64 (`F.linear`); shapes checked by the caller.
+pub(crate) fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, o: usize) -> Result<Tensor> {
+    let mut ts = vec![x, w];
+    ts.extend(bias);
+    check("linear", &ts)?;
+    let i = w.numel().checked_div(o).unwrap_or(0);
+    let rows: usize = x.shape()[..x.shape().len() - 1].iter().product();
+    let mut shape = x.shape().to_vec();
+    if let Some(l) = shape.last_mut() {
+        *l = o;
+    }
+    let y = Tensor::zeros(&shape, DType::F64);
+    if let Some(b) = bias {
+        let bv = b.data::<f64>()?;
+        for row in y.data_mut::<f64>()?.chunks_exact_mut(o.max(1)) {
+            row.copy_from_slice(&bv);
+        }
+    }
+    matmul_batched(
+        &y,
+        x,
+        w,
+        MatmulDims::new(rows, i, o, super::Transpose::NT),
+        1,
+        true,
+    )?;
+    Ok(y)
+}
+
+/// `y[r, :] += b` for every row (f64).
+pub(crate) fn bias_add_(y: &Tensor, b: &Tensor) -> Result<()> {
+    check("bias_add_", &[y, b])?;
+    let bv = b.data::<f64>()?;
+    for row in y.data_mut::<f64>()?.chunks_exact_mut(bv.len().max(1)) {
+        row.iter_mut().zip(bv.iter()).for_each(|(a, b)| *a += b);
+    }
+    Ok(())
+}
+
+/// `db += sum over rows of dy` (f64).
+pub(crate) fn bias_grad(dy: &Tensor, db: &Tensor) -> Result<()> {
+    check("bias_grad", &[dy, db])?;
+    let dyv = dy.data::<f64>()?;
+    let mut g = db.data_mut::<f64>()?;
+    let c = g.len().max(1);
+    for row in dyv.chunks_exact(c) {
+        g.iter_mut().zip(row).for_each(|(a, b)| *a += b);
+    }
+    Ok(())
+}
+
+/// ReLU and its derivative (0 at 0, as PyTorch's `threshold_backward`).
+fn act(x: f64) -> (f64, f64) {
+    if x > 0.0 {
+        (x, 1.0)
+    } else {
+        (0.0, 0.0)
+    }
+}
+
+/// ReLU only: GELU's erf has no f64 reference here.
+fn relu_only(f: Pointwise) -> Result<()> {
+    match f {
+        Pointwise::Relu => Ok(()),
+        Pointwise::Gelu => Err(Error::Unsupported(
+            "GELU on f64 tensors (ReLU is the f64 activation)".into(),
+        )),
+    }
+}
+
+/// `y = relu(x)` elementwise (f64).
+pub(crate) fn pointwise(f: Pointwise, x: &Tensor) -> Result<Tensor> {
+    relu_only(f)?;
+    check(f.name(), &[x])?;
+    let v: Vec<f64> = x.data::<f64>()?.iter().map(|&v| act(v).0).collect();
+    Tensor::from_vec(v, x.shape())
+}
+
+/// `dx = dy * relu'(x)` elementwise (f64).
+pub(crate) fn pointwise_backward(f: Pointwise, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    relu_only(f)?;
+    check(f.name(), &[x, dy])?;
+    let (xv, gv) = (x.data::<f64>()?, dy.data::<f64>()?);
+    let v: Vec<f64> = xv
+        .iter()
+        .zip(gv.iter())
+        .map(|(&x, &g)| g * act(x).1)
+        .collect();
+    Tensor::from_vec(v, x.shape())
+}
+
+/// `mean((pred - target)^2)` and its gradient `2 (pred - target) / N` (f64; the loss
+/// returned as the f32 the API gives, the gradient exact).
+pub(crate) fn mse_loss(pred: &Tensor, target: &Tensor) -> Result<(f32, Tensor)> {
+    check("mse_loss", &[pred, target])?;
+    let (p, t) = (pred.data::<f64>()?, target.data::<f64>()?);
+    let n = p.len() as f64;
+    let loss = p
+        .iter()
+        .zip(t.iter())
+        .map(|(a, b)| (a - b) * (a - b))
+        .sum::<f64>()
+        / n;
+    let grad: Vec<f64> = p
+        .iter()
+        .zip(t.iter())
+        .map(|(a, b)| 2.0 * (a - b) / n)
+        .collect();
+    Ok((loss as f32, Tensor::from_vec(grad, pred.shape())?))
+}
+
+/// `sum(x)` and its gradient, ones (f64).
+pub(crate) fn sum_loss(x: &Tensor) -> Result<(f32, Tensor)> {
+    check("sum_loss", &[x])?;
+    let s = x.data::<f64>()?.iter().fold(0.0f64, |s, &v| s + v);
+    Ok((
+        s as f32,
+        Tensor::from_vec(vec![1.0f64; x.numel()], x.shape())?,
+    ))
+}
