@@ -19,6 +19,7 @@
 //! | `autocast.rs` | [`autocast()`], [`gemm_dtype`]: bf16/f16 GEMM operands in a scope | `torch.autocast` (for GEMMs) |
 //! | `activation.rs` | [`pointwise`], [`pointwise_backward`] ([`Pointwise::Relu`], [`Pointwise::Gelu`]) | `F.relu`, `F.gelu` |
 //! | `layernorm.rs` | [`layer_norm`], [`layer_norm_backward`] | `F.layer_norm` |
+//! | `causal.rs` | [`causal_matmul`] | attention's per-head products, without the masked half on the CPU |
 //! | `attention.rs` | [`split_qkv`], [`merge_qkv`], [`split_heads`], [`merge_heads`], [`softmax_causal`], [`softmax_causal_backward_`] | the permutes and masked softmax of `scaled_dot_product_attention` |
 //! | `embedding.rs` | [`embedding()`], [`embedding_backward`] | `F.embedding` |
 //! | `flat.rs` | [`flat::pack_grad`], [`flat::unpack_grad`], [`flat::round_to_`], [`flat::rounded`] (FSDP's flat buffers, autocast's operands) | the `_reduce_grad` pre/post-divide and casts |
@@ -31,6 +32,7 @@
 pub mod activation;
 pub mod attention;
 pub mod autocast;
+pub mod causal;
 pub mod elementwise;
 pub mod embedding;
 pub mod flat;
@@ -44,6 +46,7 @@ pub use attention::{
     HeadDims,
 };
 pub use autocast::{autocast, gemm_dtype, AutocastGuard};
+pub use causal::{causal_matmul, CausalProduct};
 pub use elementwise::{add, add_, fill_, scale_, sum_squares};
 pub use embedding::{embedding, embedding_backward};
 pub use layernorm::{layer_norm, layer_norm_backward, LayerNormSaved};
