@@ -73,7 +73,7 @@ fn pays(which: CausalProduct) -> bool {
 /// Whether the blocked CPU products give the full products' bits for these sizes
 /// ([Note: causal products, same bits]).
 fn blocked(t: usize, hd: usize) -> bool {
-    t >= 2 * BLOCK && t <= 512 && hd >= 16
+    (2 * BLOCK..=512).contains(&t) && hd >= 16
 }
 
 /// The row blocks of `0..t`: starts at multiples of [`BLOCK`], the last one to `t`.
