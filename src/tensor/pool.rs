@@ -143,3 +143,18 @@ pub(crate) fn give_back(v: Vec<f32>) {
         p.free.entry(len).or_default().push(v);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_limit_is_at_least_a_gib_and_can_be_set() {
+        let default = pool_limit();
+        assert!(default >= POOL_BYTES, "{default}");
+        set_pool_limit(default + 4096);
+        assert_eq!(pool_limit(), default + 4096);
+        set_pool_limit(default);
+        assert_eq!(pool_limit(), default);
+    }
+}
