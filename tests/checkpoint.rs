@@ -233,7 +233,7 @@ fn single_safetensors_files_check_dtype_truncation_and_corruption() {
     .unwrap()
     .remove(0);
     assert!(
-        e.contains("'blocks.0.mlp.c_fc.weight': expected dtype f32, got bf16"),
+        e.contains("'blocks.0.mlp.c_fc.weight': expected dtype f32 or f64, got bf16"),
         "{e}"
     );
     // Truncated and corrupted single files.

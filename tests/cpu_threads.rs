@@ -13,13 +13,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// A model big enough that every op splits into several parts at 2 and 3 threads
-/// (GELU over 16 x 32 x 256 elements, 512 LayerNorm rows, 64 attention products).
+/// (GELU over 16 x 64 x 256 elements, 1024 LayerNorm rows, 64 attention products), with
+/// `T = 64` and head size 16 so that the blocked causal products of `ops::causal` run.
 fn config(no_fsdp: bool) -> TrainConfig {
     TrainConfig {
         world_size: 1,
         no_fsdp,
         global_batch: 16,
-        seq_len: 32,
+        seq_len: 64,
         n_layer: 2,
         n_head: 4,
         n_embd: 64,
@@ -31,7 +32,7 @@ fn corpus() -> TextDataset {
     let text: Vec<u8> = (0..20_000u32)
         .map(|i| b"to be or not to be, that is the question\n"[(i as usize * 7919) % 41])
         .collect();
-    TextDataset::from_bytes(&text, "corpus", 32).unwrap()
+    TextDataset::from_bytes(&text, "corpus", 64).unwrap()
 }
 
 /// Losses of 4 AdamW steps and the final parameters, with `threads` intra-op threads.

@@ -363,7 +363,7 @@ fn load_state_dict_checks_like_fsdp_and_writes_nothing_on_error() -> Result<()> 
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("'2.bias': expected dtype f32, bf16 or f16, got"),
+        e.contains("'2.bias': expected dtype f32, f64, bf16 or f16, got"),
         "{e}"
     );
     Ok(())

@@ -302,7 +302,7 @@ fn wrong_shape_dtype_missing_and_unexpected_keys_are_refused_naming_the_paramete
     bad.tensors[idx].1 = saved.tensors[idx].1.to_dtype(DType::BF16).unwrap();
     let e = refused(StateDict::Full(bad));
     assert!(
-        e.contains(name) && e.contains("expected dtype f32, got bf16"),
+        e.contains(name) && e.contains("expected dtype f32 or f64, got bf16"),
         "{e}"
     );
 

@@ -1,10 +1,10 @@
 //! Causal multi-head self-attention (GPT-2's `CausalSelfAttention`), on the device of its
-//! parameters: two projections, per-head batched GEMMs and a causal softmax
-//! ([`crate::ops::attention`]).
+//! parameters: two projections, per-head products without the masked half
+//! ([`crate::ops::causal`]) and a causal softmax ([`crate::ops::attention`]).
 
 use super::{ChildVisitor, Context, InitKey, Linear, Module};
 use crate::error::{Error, Result};
-use crate::ops::{self, HeadDims, MatmulDims, Transpose};
+use crate::ops::{self, CausalProduct, HeadDims};
 use crate::tensor::Tensor;
 
 /// Input `(B, T, C)` f32 -> output `(B, T, C)`. `c_attn: Linear(C, 3C)` makes q, k, v;
@@ -101,27 +101,12 @@ impl Module for CausalSelfAttention {
         drop(qkv);
         // Per head (B*H products): scores (T, T) = q (T, hd) @ k^T; P = causal softmax;
         // y_h (T, hd) = P @ v.
-        let bh = b * self.n_head;
         let scores = ops::output(&[b, self.n_head, t, t], x.device())?;
-        ops::matmul_batched(
-            &scores,
-            &q,
-            &k,
-            MatmulDims::new(t, d.hd, t, Transpose::NT),
-            bh,
-            false,
-        )?;
+        ops::causal_matmul(&scores, &q, &k, CausalProduct::Scores, d)?;
         let p = ops::softmax_causal(&scores, t, self.scale())?;
         drop(scores);
         let yh = ops::output(&[b, self.n_head, t, d.hd], x.device())?;
-        ops::matmul_batched(
-            &yh,
-            &p,
-            &v,
-            MatmulDims::new(t, t, d.hd, Transpose::NN),
-            bh,
-            false,
-        )?;
+        ops::causal_matmul(&yh, &p, &v, CausalProduct::Lower, d)?;
         let y = ops::merge_heads(&yh, d)?;
         if cx.grad_enabled {
             self.saved = Some(Saved { q, k, v, p, d });
@@ -133,51 +118,23 @@ impl Module for CausalSelfAttention {
         let Saved { q, k, v, p, d } = self.saved.take().ok_or(Error::NoSavedForward {
             module: "CausalSelfAttention",
         })?;
-        let (bh, t, hd) = (d.b * d.h, d.t, d.hd);
+        let (t, hd) = (d.t, d.hd);
         let dev = q.device();
         let dy = self.c_proj.backward(dout, cx)?;
         let dyh = ops::split_heads(&dy, d)?;
         drop(dy);
         // dP (T, T) = dy_h (T, hd) @ v^T ; dv (T, hd) = P^T @ dy_h
         let dp = ops::output(&[d.b, d.h, t, t], dev)?;
-        ops::matmul_batched(
-            &dp,
-            &dyh,
-            &v,
-            MatmulDims::new(t, hd, t, Transpose::NT),
-            bh,
-            false,
-        )?;
+        ops::causal_matmul(&dp, &dyh, &v, CausalProduct::Scores, d)?;
         let dv = ops::output(&[d.b, d.h, t, hd], dev)?;
-        ops::matmul_batched(
-            &dv,
-            &p,
-            &dyh,
-            MatmulDims::new(t, t, hd, Transpose::TN),
-            bh,
-            false,
-        )?;
+        ops::causal_matmul(&dv, &p, &dyh, CausalProduct::LowerT, d)?;
         // softmax backward, with the score scale folded in: dS = P * (dP - <P, dP>) * scale
         ops::softmax_causal_backward_(&p, &dp, t, self.scale())?;
         // dq = dS @ k ; dk = dS^T @ q
         let dq = ops::output(&[d.b, d.h, t, hd], dev)?;
-        ops::matmul_batched(
-            &dq,
-            &dp,
-            &k,
-            MatmulDims::new(t, t, hd, Transpose::NN),
-            bh,
-            false,
-        )?;
+        ops::causal_matmul(&dq, &dp, &k, CausalProduct::Lower, d)?;
         let dk = ops::output(&[d.b, d.h, t, hd], dev)?;
-        ops::matmul_batched(
-            &dk,
-            &dp,
-            &q,
-            MatmulDims::new(t, t, hd, Transpose::TN),
-            bh,
-            false,
-        )?;
+        ops::causal_matmul(&dk, &dp, &q, CausalProduct::LowerT, d)?;
         let dqkv = ops::merge_qkv(&dq, &dk, &dv, d)?;
         self.c_attn.backward(&dqkv, cx)
     }

@@ -222,7 +222,7 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
 
 /// A CPU GEMM operand as the product reads it: `t` itself, or inside an
 /// [`autocast`](super::autocast::autocast) scope a copy rounded to its dtype.
-fn cpu_operand(t: &Tensor) -> Result<Tensor> {
+pub(super) fn cpu_operand(t: &Tensor) -> Result<Tensor> {
     match gemm_dtype() {
         None => Ok(t.clone()),
         Some(lp) => super::flat::rounded(t, lp),

@@ -22,6 +22,7 @@
 //! | `activation.rs` | [`pointwise`], [`pointwise_backward`] ([`Pointwise::Relu`], [`Pointwise::Gelu`]) | `F.relu`, `F.gelu` |
 //! | `layernorm.rs` | [`layer_norm`], [`layer_norm_backward`] | `F.layer_norm` |
 //! | `batchnorm.rs` | [`batch_norm`], [`batch_norm_backward`] (host loops in f64; CUDA tensors through the host) | `F.batch_norm` |
+//! | `causal.rs` | [`causal_matmul`] | attention's per-head products, without the masked half on the CPU |
 //! | `attention.rs` | [`split_qkv`], [`merge_qkv`], [`split_heads`], [`merge_heads`], [`softmax_causal`], [`softmax_causal_backward_`] | the permutes and masked softmax of `scaled_dot_product_attention` |
 //! | `embedding.rs` | [`embedding()`], [`embedding_backward`] | `F.embedding` |
 //! | `flat.rs` | [`flat::pack_grad`], [`flat::unpack_grad`], [`flat::round_to_`], [`flat::rounded`] (FSDP's flat buffers, autocast's operands) | the `_reduce_grad` pre/post-divide and casts |
@@ -41,6 +42,7 @@ pub mod attention;
 pub mod autocast;
 pub mod axis;
 pub mod batchnorm;
+pub mod causal;
 mod double;
 pub mod elementwise;
 pub mod embedding;
@@ -63,6 +65,7 @@ pub use axis::{
     cat, cat_backward, mean_dim, normalize_dim, split, split_backward, sum_dim, sum_dim_backward,
 };
 pub use batchnorm::{batch_norm, batch_norm_backward, BatchNormSaved, RunningStats};
+pub use causal::{causal_matmul, CausalProduct};
 pub use elementwise::{add, add_, fill_, scale_, sum_squares};
 pub use embedding::{embedding, embedding_backward};
 pub use layernorm::{layer_norm, layer_norm_backward, LayerNormSaved};

@@ -4,20 +4,65 @@
 //!
 //! [`allocations`] counts the CPU tensor buffers that came from the heap (not from the
 //! pool) since the process started; tests and `fsdp bench` read it per step. The pool
-//! keeps at most [`POOL_BYTES`].
+//! keeps at most [`pool_limit`] bytes (a quarter of the machine's memory, at least
+//! [`POOL_BYTES`]; [`set_pool_limit`] changes it).
 //!
 //! A pooled buffer is handed out either zeroed (`take_f32` with `zeroed`) or holding a
 //! previous tensor's values, for an op that overwrites every element of its output
 //! ([`crate::ops`]' outputs): stale values are valid f32s, never uninitialized memory.
+//!
+//! # [Note: pool limit]
+//! A step whose buffers do not all fit under the limit hands the excess back to the
+//! allocator at its end and takes fresh pages next step: with the 8 x 256, seq 128, batch 64
+//! job (about 1.3 GB of buffers a step) a fixed 1 GiB limit left ~40 buffers of 16-32 MB a
+//! step to the allocator, and the kernel's zeroing of their pages (`clear_page_erms`) took
+//! 16-25% of the CPU time of a step. The limit is therefore tied to the machine's memory
+//! (what the pool holds is at most one step's buffers: the same memory the step needs
+//! anyway), not to one job's size.
 
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+/// The least the pool may keep by default (bytes): 1 GiB holds every activation of the main
+/// job's step (about 60 MB at world size 1).
+pub const POOL_BYTES: usize = 1 << 30;
+
+/// 0: not yet decided (the first use reads the machine's memory).
+static LIMIT: AtomicUsize = AtomicUsize::new(0);
 
 /// Most bytes the pool keeps; a buffer dropped beyond that goes back to the allocator.
-/// 1 GiB holds every activation of the main job's step (about 60 MB at world size 1) and
-/// of the 8 x 256, seq 128 configuration with room to spare.
-pub const POOL_BYTES: usize = 1 << 30;
+/// Unless [`set_pool_limit`] chose one: a quarter of the machine's physical memory, at least
+/// [`POOL_BYTES`] ([Note: pool limit]).
+pub fn pool_limit() -> usize {
+    match LIMIT.load(Ordering::Relaxed) {
+        0 => {
+            // SAFETY: sysconf has no preconditions; a failure returns -1.
+            let (pages, page) = unsafe {
+                (
+                    libc::sysconf(libc::_SC_PHYS_PAGES),
+                    libc::sysconf(libc::_SC_PAGESIZE),
+                )
+            };
+            let phys = if pages > 0 && page > 0 {
+                (pages as usize).saturating_mul(page as usize)
+            } else {
+                0
+            };
+            let limit = (phys / 4).max(POOL_BYTES);
+            LIMIT.store(limit, Ordering::Relaxed);
+            limit
+        }
+        l => l,
+    }
+}
+
+/// Sets the most bytes the pool keeps (0 keeps nothing: every buffer goes back to the
+/// allocator). Buffers already pooled beyond a lower limit are kept until taken.
+pub fn set_pool_limit(bytes: usize) {
+    // 0 means "undecided" in LIMIT; a limit of 0 bytes is stored as 1 (no buffer fits).
+    LIMIT.store(bytes.max(1), Ordering::Relaxed);
+}
 
 /// Shortest buffer (elements) the pool keeps (an empty one is no allocation).
 pub const POOL_MIN_LEN: usize = 1;
@@ -93,8 +138,23 @@ pub(crate) fn give_back(v: Vec<f32>) {
         free: HashMap::new(),
         bytes: 0,
     });
-    if p.bytes + len * 4 <= POOL_BYTES {
+    if p.bytes + len * 4 <= pool_limit() {
         p.bytes += len * 4;
         p.free.entry(len).or_default().push(v);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_limit_is_at_least_a_gib_and_can_be_set() {
+        let default = pool_limit();
+        assert!(default >= POOL_BYTES, "{default}");
+        set_pool_limit(default + 4096);
+        assert_eq!(pool_limit(), default + 4096);
+        set_pool_limit(default);
+        assert_eq!(pool_limit(), default);
     }
 }

@@ -58,25 +58,84 @@ pub fn matmul(
             });
         }
     }
+    let s = Strides {
+        out: n,
+        a: if t.a { m } else { k },
+        b: if t.b { k } else { n },
+    };
+    matmul_strided(out, a, b, (m, k, n), t, s, accumulate)
+}
+
+/// Row strides (elements) of the operands of [`matmul_strided`], as stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Strides {
+    /// Between rows of `out`.
+    pub out: usize,
+    /// Between stored rows of `a` (`(m, k)`, or `(k, m)` when transposed).
+    pub a: usize,
+    /// Between stored rows of `b` (`(k, n)`, or `(n, k)` when transposed).
+    pub b: usize,
+}
+
+/// As [`matmul`] on sub-matrices of row-major arrays: row `i` of `out (m, n)` starts at
+/// `out[i * s.out]`, stored row `r` of `a` at `a[r * s.a]`, of `b` at `b[r * s.b]`. Each
+/// element is the same sum, in the same order, as [`matmul`] of the same operands
+/// (the `gemm` crate sums `k` in order in one block for `k <= 512`).
+///
+/// # Errors
+/// `ShapeMismatch` when a slice is too short for its rows or a stride is shorter than a
+/// row.
+pub fn matmul_strided(
+    out: &mut [f32],
+    a: &[f32],
+    b: &[f32],
+    (m, k, n): (usize, usize, usize),
+    t: Transpose,
+    s: Strides,
+    accumulate: bool,
+) -> Result<()> {
+    // (stored rows, stored columns, stride, length) of each operand.
+    let (a_rows, a_cols) = if t.a { (k, m) } else { (m, k) };
+    let (b_rows, b_cols) = if t.b { (n, k) } else { (k, n) };
+    for (op, rows, cols, stride, len) in [
+        ("matmul(out)", m, n, s.out, out.len()),
+        ("matmul(a)", a_rows, a_cols, s.a, a.len()),
+        ("matmul(b)", b_rows, b_cols, s.b, b.len()),
+    ] {
+        let need = if rows == 0 || cols == 0 {
+            0
+        } else {
+            (rows - 1) * stride + cols
+        };
+        if len < need || (rows > 1 && stride < cols) {
+            return Err(Error::ShapeMismatch {
+                op,
+                expected: vec![rows, cols, stride],
+                got: vec![len],
+            });
+        }
+    }
     if m == 0 || n == 0 {
         return Ok(());
     }
     if k == 0 {
         if !accumulate {
-            out.fill(0.0);
+            out.chunks_mut(s.out.max(1))
+                .take(m)
+                .for_each(|row| row[..n].fill(0.0));
         }
         return Ok(());
     }
     // Strides in elements: (row stride, column stride) of each operand as used.
     let (a_rs, a_cs) = if t.a {
-        (1, m as isize)
+        (1, s.a as isize)
     } else {
-        (k as isize, 1)
+        (s.a as isize, 1)
     };
     let (b_rs, b_cs) = if t.b {
-        (1, k as isize)
+        (1, s.b as isize)
     } else {
-        (n as isize, 1)
+        (s.b as isize, 1)
     };
     let threads = num_threads();
     // Below ~2 MFLOP the rayon hand-off costs more than it saves (measured on 2 cores).
@@ -85,9 +144,9 @@ pub fn matmul(
     } else {
         gemm::Parallelism::None
     };
-    // SAFETY: the lengths were checked above against (m, k, n) and the strides describe
-    // row-major (m, n), (m, k)/(k, m) and (k, n)/(n, k) layouts inside those lengths; `out`
-    // is a unique borrow that overlaps neither input.
+    // SAFETY: the lengths were checked above: every element the strides reach, row
+    // `rows - 1` column `cols - 1` at most, lies inside its slice; `out` is a unique borrow
+    // that overlaps neither input, and its rows (stride >= n) do not overlap each other.
     unsafe {
         gemm::gemm(
             m,
@@ -95,7 +154,7 @@ pub fn matmul(
             k,
             out.as_mut_ptr(),
             1,
-            n as isize,
+            s.out as isize,
             accumulate,
             a.as_ptr(),
             a_cs,

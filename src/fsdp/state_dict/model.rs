@@ -401,7 +401,7 @@ impl FullyShardedDataParallel {
                     ))
                 }
                 Some((_, s)) if !matches!(s.shard.dtype(), DType::F32 | DType::F64) => problems.push(format!(
-                    "'{}': expected dtype f32, got {} (f32 and f64 load)",
+                    "'{}': expected dtype f32 or f64, got {}",
                     m.local_key,
                     s.shard.dtype()
                 )),
