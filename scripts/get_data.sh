@@ -18,10 +18,15 @@ fi
 url="https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 echo "downloading $url"
 tmp="$dest.partial"
+offline() {
+  rm -f "$tmp"
+  echo "error: could not download the corpus (no network?). Put any UTF-8 text file at $dest (tinyshakespeare: $url), or run fsdp train with --data FILE" >&2
+  exit 1
+}
 if command -v curl >/dev/null 2>&1; then
-  curl -fsSL "$url" -o "$tmp"
+  curl -fsSL "$url" -o "$tmp" || offline
 else
-  python3 -c "import sys, urllib.request; urllib.request.urlretrieve(sys.argv[1], sys.argv[2])" "$url" "$tmp"
+  python3 -c "import sys, urllib.request; urllib.request.urlretrieve(sys.argv[1], sys.argv[2])" "$url" "$tmp" || offline
 fi
 mv "$tmp" "$dest"
 echo "data ready: $dest"

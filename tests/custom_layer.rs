@@ -196,6 +196,22 @@ fn reductions_cat_and_split_match_finite_differences() -> Result<()> {
     assert!(
         matches!(ops::split(&x, &[1, 1], 1), Err(Error::InvalidArgument(m)) if m.contains("add up"))
     );
+    // Sizes whose sum overflows must not wrap around to the dimension's size.
+    assert!(matches!(
+        ops::split(&x, &[usize::MAX, 4], 1),
+        Err(Error::InvalidArgument(m)) if m.contains("add up")
+    ));
+    // add broadcasts as torch.add (it used to add two different shapes element by element).
+    let row = randt(3, &[3])?;
+    let sum = ops::add(&x, &row)?;
+    assert_eq!(sum.shape(), &[2, 3]);
+    let (xv, rv) = (x.to_vec_f32()?, row.to_vec_f32()?);
+    let want: Vec<f32> = (0..6).map(|i| xv[i] + rv[i % 3]).collect();
+    assert_eq!(sum.to_vec_f32()?, want);
+    assert!(matches!(
+        ops::add(&x, &randt(4, &[3, 2])?),
+        Err(Error::InvalidArgument(_) | Error::ShapeMismatch { .. })
+    ));
     assert!(matches!(
         ops::cat(&[&x, &randt(2, &[3, 3])?], 1),
         Err(Error::InvalidArgument(_))

@@ -104,6 +104,80 @@ fn wrapping_a_model_without_parameters_is_an_error_naming_it() {
     }
 }
 
+/// A layer whose visitor repeats a name (two parameters "w"), or names children "x" twice
+/// or "": their state-dict entries would collide, so a load would write one value into both.
+struct Clashing {
+    a: Linear,
+    b: Linear,
+    child_names: [&'static str; 2],
+}
+
+impl Module for Clashing {
+    fn type_name(&self) -> &str {
+        "Clashing"
+    }
+    fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
+        self.a.forward(x, cx)
+    }
+    fn backward(&mut self, dy: &Tensor, cx: &Context) -> Result<Tensor> {
+        self.a.backward(dy, cx)
+    }
+    fn for_each_param(&mut self, f: &mut ParamVisitor<'_>) -> Result<()> {
+        if self.child_names[0] == "params" {
+            f("w", &mut self.a.weight)?;
+            f("w", &mut self.b.weight)?;
+        }
+        Ok(())
+    }
+    fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
+        if self.child_names[0] == "params" {
+            return Ok(());
+        }
+        let mut a: Box<dyn Module> = Box::new(Linear::new(3, 2, true, &InitKey::new(1))?);
+        let mut b: Box<dyn Module> = Box::new(Linear::new(3, 2, true, &InitKey::new(2))?);
+        f(self.child_names[0], &mut a)?;
+        f(self.child_names[1], &mut b)
+    }
+}
+
+#[test]
+fn repeated_or_empty_names_are_refused_by_state_dicts_and_fsdp() {
+    let clashing = |names: [&'static str; 2]| -> Result<Clashing> {
+        Ok(Clashing {
+            a: Linear::new(3, 2, true, &InitKey::new(1))?,
+            b: Linear::new(3, 2, true, &InitKey::new(2))?,
+            child_names: names,
+        })
+    };
+    for (names, want) in [
+        (["params", ""], "names two parameters 'w'"),
+        (["x", "x"], "names two parameters 'x.weight'"),
+        (["x", ""], "names a child module \"\""),
+    ] {
+        let mut m = clashing(names).unwrap();
+        let e = nn::state_dict(&mut m).unwrap_err().to_string();
+        assert!(e.contains(want), "{names:?}: {e}");
+        let sd = nn::state_dict(&mut clashing(["ok1", "ok2"]).unwrap()).unwrap();
+        let e = nn::load_state_dict(&mut m, &sd, false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(want), "{names:?}: {e}");
+        let errs = launch(&LaunchOptions::new(2), move |pg| {
+            let m = clashing(names)?;
+            Ok(
+                FullyShardedDataParallel::new(Box::new(m), pg, FsdpConfig::default())
+                    .err()
+                    .map(|e| e.to_string()),
+            )
+        })
+        .unwrap();
+        for e in errs {
+            let e = e.expect("FSDP wrapped a model with clashing names");
+            assert!(e.contains(want), "{names:?}: {e}");
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Point 2: names
 

@@ -47,11 +47,14 @@ impl FullyShardedDataParallel {
     ///
     /// # Errors
     /// `Fsdp` when the module has no parameters (ignored modules aside; see [Note: a model
-    /// without parameters] in `wrapping.rs`). `NotMaterialized` when a parameter has no
+    /// without parameters] in `wrapping.rs`); `InvalidArgument` for an empty or repeated
+    /// parameter or child name ([`check_names`](crate::nn::check_names)). `NotMaterialized` when a parameter has no
     /// data; `Fsdp` for non-f32 parameters, for
     /// hybrid groups that do not cover `pg`, and for a `device_mesh` that is not 2-D, comes
     /// with `hybrid_groups` or `ranks_per_node`, or with a non-hybrid strategy.
     pub fn new(mut module: Box<dyn Module>, pg: Group, config: FsdpConfig) -> Result<Self> {
+        // Names first: two parameters under one name would share one state-dict entry.
+        crate::nn::check_names(module.as_mut())?;
         let (shard_pg, replicate_pg) = shard_and_replicate_groups(&pg, &config)?;
         let mp = config.mixed_precision.unwrap_or_default();
         mp.validate()?;
@@ -380,7 +383,7 @@ fn check_has_parameters(module: &mut dyn Module, rs: &RankState) -> Result<()> {
         return Ok(());
     }
     Err(Error::Fsdp(format!(
-        "the module to wrap ('{}', the root) has no parameters{}: there is nothing to shard or train. If it holds layers, its Module::for_each_param / for_each_child must visit them (see [Note: a model without parameters])",
+        "the module to wrap ('{}', the root) has no parameters{}: there is nothing to shard or train. If it holds layers, its Module::for_each_param / for_each_child must visit them (README: Your own models)",
         module.type_name(),
         if rs.ignored.is_empty() {
             ""
@@ -399,7 +402,7 @@ fn warn_if_empty(module: &mut dyn Module, fqn: &str, rs: &RankState) {
     });
     if walked.is_ok() && n == 0 && rs.pg.rank() == 0 {
         eprintln!(
-            "fsdp: warning: auto_wrap_policy wraps '{fqn}' ({}), which has no parameters of its own: its FSDP unit shards nothing (as in PyTorch); if it holds layers, its Module::for_each_param / for_each_child must visit them",
+            "fsdp: warning: auto_wrap_policy wraps '{fqn}' ({}), which has no parameters of its own: its FSDP unit shards nothing (as in PyTorch). If that is not meant: the policy may already have wrapped its layers in units of their own, or its Module::for_each_param / for_each_child do not visit them",
             module.type_name()
         );
     }

@@ -56,8 +56,8 @@ pub use layernorm::LayerNorm;
 pub use linear::Linear;
 pub(crate) use module::visit_all;
 pub use module::{
-    join_name, no_children, no_params, num_parameters, parameter_shapes, visit_parameters,
-    zero_grad, ChildVisitor, Context, Module, ParamVisitor,
+    check_names, join_name, no_children, no_params, num_parameters, parameter_shapes,
+    visit_parameters, zero_grad, ChildVisitor, Context, Module, ParamVisitor,
 };
 pub use parameter::Parameter;
 pub use state_dict::{load_state_dict, state_dict, FullStateDict, IncompatibleKeys};

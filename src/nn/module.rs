@@ -248,6 +248,57 @@ pub(crate) fn visit_all(m: &mut dyn Module, mut f: impl FnMut(&str, &mut Paramet
     debug_assert!(walked.is_ok(), "a module's walk failed: {walked:?}");
 }
 
+/// Checks the names a module tree gives its parameters and children, as PyTorch's
+/// `register_parameter` / `add_module` do (`torch/nn/modules/module.py`): no empty name,
+/// and no two parameters under one fully qualified name (a visitor that names two
+/// parameters `"w"`, or two children `"x"`, would make their state-dict entries collide and
+/// a load write one value into both). Subtrees of FSDP units are skipped: they were checked
+/// when the unit was made.
+///
+/// # Errors
+/// `InvalidArgument` naming the module path and the offending name.
+pub fn check_names(m: &mut dyn Module) -> Result<()> {
+    fn walk(
+        m: &mut dyn Module,
+        prefix: &str,
+        seen: &mut std::collections::HashSet<String>,
+    ) -> Result<()> {
+        let at = |prefix: &str| {
+            if prefix.is_empty() {
+                "the root module".to_string()
+            } else {
+                format!("module '{prefix}'")
+            }
+        };
+        m.for_each_param(&mut |name, _| {
+            if name.is_empty() {
+                crate::error::bail_arg!("{} names a parameter \"\" (empty)", at(prefix));
+            }
+            let full = join_name(prefix, name);
+            if !seen.insert(full.clone()) {
+                crate::error::bail_arg!(
+                    "{} names two parameters '{full}': each parameter needs a name of its own (PyTorch: attribute '{name}' already exists)",
+                    at(prefix)
+                );
+            }
+            Ok(())
+        })?;
+        m.for_each_child(&mut |name, child| {
+            if name.is_empty() {
+                crate::error::bail_arg!(
+                    "{} names a child module \"\" (PyTorch: module name can't be empty string)",
+                    at(prefix)
+                );
+            }
+            if child.is_fsdp_unit() {
+                return Ok(());
+            }
+            walk(child.as_mut(), &join_name(prefix, name), seen)
+        })
+    }
+    walk(m, "", &mut std::collections::HashSet::new())
+}
+
 /// `(fully qualified name, shape)` of every parameter, in `named_parameters()` order.
 pub fn parameter_shapes(m: &mut dyn Module) -> Vec<(String, Vec<usize>)> {
     let mut out = Vec::new();

@@ -71,11 +71,13 @@ pub struct IncompatibleKeys {
 ///
 /// # Errors
 /// `NotMaterialized` for a parameter without data (on the meta device, or sharded by a
-/// nested FSDP unit: take the root's state dict); a device copy's error.
+/// nested FSDP unit: take the root's state dict); a device copy's error;
+/// `InvalidArgument` for an empty or repeated name ([`check_names`](super::check_names)).
 pub fn state_dict(m: &mut dyn Module) -> Result<FullStateDict> {
     if let Some(sd) = m.state_dict_override() {
         return sd;
     }
+    super::check_names(m)?;
     let mut tensors = Vec::new();
     visit_parameters(m, "", false, &mut |name, p| {
         tensors.push((name.to_string(), p.data()?.deep_clone()?));
@@ -128,6 +130,7 @@ pub fn load_state_dict(
 
 /// The load of [`load_state_dict`] over the parameters `m` visits.
 fn load_visited(m: &mut dyn Module, sd: &FullStateDict, strict: bool) -> Result<IncompatibleKeys> {
+    super::check_names(m)?;
     let mut params: Vec<(String, Vec<usize>)> = Vec::new();
     visit_parameters(m, "", false, &mut |name, p| {
         params.push((name.to_string(), p.shape().to_vec()));

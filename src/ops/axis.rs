@@ -189,7 +189,11 @@ pub fn cat(ts: &[&Tensor], dim: isize) -> Result<Tensor> {
 pub fn split(x: &Tensor, sizes: &[usize], dim: isize) -> Result<Vec<Tensor>> {
     cpu_f32("split", &[x])?;
     let d = normalize_dim("split", dim, x.shape().len())?;
-    let total: usize = sizes.iter().sum();
+    // Checked: sizes that overflow must not wrap around to the right total.
+    let total = sizes
+        .iter()
+        .try_fold(0usize, |acc, &s| acc.checked_add(s))
+        .unwrap_or(usize::MAX);
     if total != x.shape()[d] {
         bail_arg!(
             "split: sizes {sizes:?} add up to {total}, but dimension {d} of {:?} has {}",

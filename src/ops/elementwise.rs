@@ -79,11 +79,17 @@ pub fn add_(dst: &Tensor, src: &Tensor) -> Result<()> {
     }
 }
 
-/// `a + b` as a new tensor on their device (`torch.add`): a copy of `a`, then [`add_`].
+/// `a + b` as a new tensor on their device (`torch.add`). Equal shapes: a copy of `a`, then
+/// [`add_`]. Other shapes broadcast as PyTorch's do ([`binary`](super::arith::binary), CPU
+/// f32).
 ///
 /// # Errors
-/// As [`add_`].
+/// As [`add_`]; for different shapes, as [`binary`](super::arith::binary) (shapes that do
+/// not broadcast, a CUDA tensor).
 pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if a.shape() != b.shape() {
+        return super::arith::binary(super::arith::BinaryOp::Add, a, b);
+    }
     numel_eq("add", a, b)?;
     let device = same_device("add", &[a, b])?;
     if device == crate::backend::Device::Cpu

@@ -239,7 +239,7 @@ pub(crate) const MEMORY_WORDS: usize = 14;
 impl RankMemory {
     /// The figures as [`MEMORY_WORDS`] i32 words for a collective (each count split into
     /// two: bits 30 and up, and the low 30 bits).
-    pub(crate) fn to_words(&self) -> [i32; MEMORY_WORDS] {
+    pub(crate) fn to_words(self) -> [i32; MEMORY_WORDS] {
         let fields = [
             self.param_shard_bytes,
             self.grad_shard_bytes,
