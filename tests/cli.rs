@@ -92,7 +92,7 @@ fn bad_input_is_one_line_and_a_non_zero_exit() {
     fails_with(&["--data", t, "--steps", "many"], "invalid value 'many'");
     fails_with(
         &["--data", t, "--lr", "-0.01"],
-        "--lr must be a positive number, got -0.01",
+        "--lr must be a finite positive number, got -0.01",
     );
     fails_with(&["--data", t, "--metrics", t], "is the data file");
     // A hard link to the data file is the data file too.
@@ -118,7 +118,7 @@ fn bad_input_is_one_line_and_a_non_zero_exit() {
     }
     fails_with(
         &["--data", t, "--clip-grad-norm", "-1"],
-        "--clip-grad-norm must be a positive number, got -1",
+        "--clip-grad-norm must be a finite positive number (0: no clipping), got -1",
     );
     fails_with(
         &["--data", t, "--grad-accum", "0"],

@@ -109,6 +109,83 @@ fn sequential_lr_checks_its_milestones() {
         .contains("must increase"));
 }
 
+#[test]
+fn schedules_check_their_arguments_as_pytorch_does() {
+    let bad: Vec<(Box<dyn LrScheduler>, &str)> = vec![
+        (
+            Box::new(LinearLR {
+                start_factor: 0.0,
+                end_factor: 1.0,
+                total_iters: 3,
+            }),
+            "LinearLR: start_factor 0 must be in (0, 1]",
+        ),
+        (
+            Box::new(LinearLR {
+                start_factor: 2.0,
+                end_factor: 1.0,
+                total_iters: 3,
+            }),
+            "start_factor 2",
+        ),
+        (
+            Box::new(LinearLR {
+                start_factor: 1.0,
+                end_factor: 3.0,
+                total_iters: 3,
+            }),
+            "LinearLR: end_factor 3 must be in [0, 1]",
+        ),
+        (
+            Box::new(StepLR {
+                step_size: 0,
+                gamma: 0.5,
+            }),
+            "StepLR: step_size 0",
+        ),
+        (
+            Box::new(StepLR {
+                step_size: 2,
+                gamma: f64::NAN,
+            }),
+            "StepLR: gamma NaN",
+        ),
+        (
+            Box::new(CosineAnnealingLR {
+                t_max: 4,
+                eta_min: -1.0,
+            }),
+            "CosineAnnealingLR: eta_min -1",
+        ),
+    ];
+    for (s, want) in bad {
+        let mut opt = SGD::new(SgdConfig {
+            lr: 0.1,
+            ..Default::default()
+        });
+        let e = Scheduler::new(s, &mut opt).unwrap_err().to_string();
+        assert!(e.contains(want), "{e}");
+        assert_eq!(opt.lr(), 0.1, "a refused schedule changed the lr");
+    }
+    // Inside a SequentialLR too.
+    let e = SequentialLR::new(
+        vec![
+            Box::new(StepLR {
+                step_size: 0,
+                gamma: 0.5,
+            }),
+            Box::new(StepLR {
+                step_size: 1,
+                gamma: 0.5,
+            }),
+        ],
+        vec![2],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("StepLR: step_size 0"), "{e}");
+}
+
 /// Runs `kind` over a (2, 2) weight (decay 0.1, lr 0.01) and a (2) bias (no decay, lr
 /// 0.05) with PyTorch's gradients under `LinearLR(0.5, 1, 2)`, checking every step.
 fn groups_match(kind: &str, mut opt: Box<dyn Optimizer>) {

@@ -162,6 +162,21 @@ fn a_bad_metrics_file_is_one_line_naming_file_and_line() {
         &["cannot read metrics file", "missing.jsonl"],
     );
     fails_with(&["plot", g, "--out", "x.png"], &["only SVG"]);
+    // A plot into a folder that does not exist, or over one of its own inputs.
+    let nowhere = d.join("no-such-dir").join("x.svg");
+    fails_with(
+        &["plot", g, "--out", nowhere.to_str().unwrap()],
+        &["does not exist", "no-such-dir"],
+    );
+    let svg_named = d.join("run.svg");
+    std::fs::copy(&good, &svg_named).unwrap();
+    let s = svg_named.to_str().unwrap();
+    fails_with(&["plot", s, "--out", s], &["is the metrics file"]);
+    assert_eq!(
+        std::fs::read(&svg_named).unwrap(),
+        std::fs::read(&good).unwrap(),
+        "the input survives"
+    );
     fails_with(
         &["plot", g, "--label", "a", "--label", "b", "--out", o],
         &["2 --label values for 1"],
@@ -257,5 +272,30 @@ fn train_writes_its_plot_at_the_end() {
             data.to_str().unwrap(),
         ],
         &["only SVG"],
+    );
+    let nowhere = d.join("no-such-dir").join("x.svg");
+    fails_with(
+        &[
+            "train",
+            "--plot",
+            nowhere.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+        ],
+        &["does not exist"],
+    );
+    let same = d.join("same.svg");
+    let same = same.to_str().unwrap();
+    fails_with(
+        &[
+            "train",
+            "--plot",
+            same,
+            "--metrics",
+            same,
+            "--data",
+            data.to_str().unwrap(),
+        ],
+        &["also the --metrics file"],
     );
 }

@@ -49,7 +49,14 @@ fn epochs_reorder_and_bad_ranks_are_refused() {
     assert_eq!(s.indices(), e0);
     let e = DistributedSampler::new(5, 2, 2, false, 0, false).unwrap_err();
     assert!(e.to_string().contains("invalid rank 2"), "{e}");
-    assert!(DistributedSampler::new(5, 0, 0, false, 0, false).is_err());
+    let e = DistributedSampler::new(5, 0, 0, false, 0, false).unwrap_err();
+    assert!(e.to_string().contains("num_replicas 0"), "{e}");
+    // A world far larger than the dataset: each rank gets one (repeated) index, and
+    // nothing of the size of the world is built.
+    let s = DistributedSampler::new(10, usize::MAX / 2, 12, false, 0, false).unwrap();
+    assert_eq!(s.indices(), vec![2]);
+    let e = DistributedSampler::new(usize::MAX, usize::MAX / 2 + 1, 0, false, 0, false);
+    assert!(e.unwrap_err().to_string().contains("overflows"));
     // Empty dataset: nothing anywhere.
     let s = DistributedSampler::new(0, 3, 0, true, 0, false).unwrap();
     assert!(s.is_empty() && s.indices().is_empty());

@@ -17,6 +17,15 @@ use crate::error::{Error, Result};
 pub trait LrScheduler: Send + Sync + std::fmt::Debug {
     /// The learning rate of epoch `epoch` for initial learning rate `base_lr`.
     fn lr(&self, base_lr: f64, epoch: usize) -> f64;
+
+    /// Checks the schedule's own arguments as PyTorch's constructor does ([`Scheduler::new`]
+    /// and [`SequentialLR::new`] call it).
+    ///
+    /// # Errors
+    /// `InvalidArgument` naming the schedule and the argument.
+    fn validate(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// `LinearLR(start_factor, end_factor, total_iters)`: the factor moves linearly from
@@ -41,6 +50,24 @@ pub struct LinearLR {
 }
 
 impl LrScheduler for LinearLR {
+    fn validate(&self) -> Result<()> {
+        // torch: "Starting multiplicative factor expected to be greater than 0 and less or
+        // equal to 1", "Ending multiplicative factor expected to be between 0 and 1."
+        if !(self.start_factor > 0.0 && self.start_factor <= 1.0) {
+            return Err(Error::InvalidArgument(format!(
+                "LinearLR: start_factor {} must be in (0, 1]",
+                self.start_factor
+            )));
+        }
+        if !(0.0..=1.0).contains(&self.end_factor) {
+            return Err(Error::InvalidArgument(format!(
+                "LinearLR: end_factor {} must be in [0, 1]",
+                self.end_factor
+            )));
+        }
+        Ok(())
+    }
+
     fn lr(&self, base_lr: f64, epoch: usize) -> f64 {
         if self.total_iters == 0 {
             return base_lr * self.end_factor;
@@ -70,6 +97,16 @@ pub struct CosineAnnealingLR {
 }
 
 impl LrScheduler for CosineAnnealingLR {
+    fn validate(&self) -> Result<()> {
+        if !(self.eta_min.is_finite() && self.eta_min >= 0.0) {
+            return Err(Error::InvalidArgument(format!(
+                "CosineAnnealingLR: eta_min {} must be finite and >= 0",
+                self.eta_min
+            )));
+        }
+        Ok(())
+    }
+
     fn lr(&self, base_lr: f64, epoch: usize) -> f64 {
         let t = epoch as f64 / self.t_max.max(1) as f64;
         self.eta_min + (base_lr - self.eta_min) * (1.0 + (std::f64::consts::PI * t).cos()) / 2.0
@@ -92,6 +129,22 @@ pub struct StepLR {
 }
 
 impl LrScheduler for StepLR {
+    fn validate(&self) -> Result<()> {
+        // torch divides by step_size (ZeroDivisionError at the first step).
+        if self.step_size == 0 {
+            return Err(Error::InvalidArgument(
+                "StepLR: step_size 0; it must be at least 1".into(),
+            ));
+        }
+        if !(self.gamma.is_finite() && self.gamma >= 0.0) {
+            return Err(Error::InvalidArgument(format!(
+                "StepLR: gamma {} must be finite and >= 0",
+                self.gamma
+            )));
+        }
+        Ok(())
+    }
+
     fn lr(&self, base_lr: f64, epoch: usize) -> f64 {
         base_lr * self.gamma.powi((epoch / self.step_size.max(1)) as i32)
     }
@@ -126,8 +179,10 @@ impl SequentialLR {
     /// `schedulers` switched at `milestones` (one fewer, increasing).
     ///
     /// # Errors
-    /// `InvalidArgument` when the counts do not match or the milestones do not increase.
+    /// `InvalidArgument` when the counts do not match, the milestones do not increase, or a
+    /// schedule's arguments are out of range ([`LrScheduler::validate`]).
     pub fn new(schedulers: Vec<Box<dyn LrScheduler>>, milestones: Vec<usize>) -> Result<Self> {
+        schedulers.iter().try_for_each(|s| s.validate())?;
         if schedulers.is_empty() || milestones.len() + 1 != schedulers.len() {
             return Err(Error::InvalidArgument(format!(
                 "SequentialLR: {} schedulers need {} milestones, got {}",
@@ -164,6 +219,10 @@ impl SequentialLR {
 }
 
 impl LrScheduler for SequentialLR {
+    fn validate(&self) -> Result<()> {
+        self.schedulers.iter().try_for_each(|s| s.validate())
+    }
+
     fn lr(&self, base_lr: f64, epoch: usize) -> f64 {
         let i = self.milestones.partition_point(|&m| m <= epoch);
         let start = if i == 0 { 0 } else { self.milestones[i - 1] };
@@ -197,8 +256,10 @@ impl Scheduler {
     /// Starts `schedule` on `opt` at epoch 0 (sets each group's lr to epoch 0's value).
     ///
     /// # Errors
-    /// `InvalidArgument` when the schedule gives a NaN, infinite or negative lr.
+    /// `InvalidArgument` when the schedule's arguments are out of range
+    /// ([`LrScheduler::validate`]) or it gives a NaN, infinite or negative lr.
     pub fn new(schedule: Box<dyn LrScheduler>, opt: &mut dyn Optimizer) -> Result<Self> {
+        schedule.validate()?;
         let base_lrs = opt.group_lrs().into_iter().map(f64::from).collect();
         let s = Scheduler {
             schedule,

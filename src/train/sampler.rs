@@ -56,7 +56,22 @@ impl DistributedSampler {
         seed: u64,
         drop_last: bool,
     ) -> Result<Self> {
-        if num_replicas == 0 || rank >= num_replicas {
+        if num_replicas == 0 {
+            return Err(Error::InvalidArgument(
+                "DistributedSampler: num_replicas 0; it must be at least 1 (the world size)".into(),
+            ));
+        }
+        // The padded index list holds num_samples * num_replicas entries.
+        if len
+            .div_ceil(num_replicas)
+            .checked_mul(num_replicas)
+            .is_none()
+        {
+            return Err(Error::InvalidArgument(format!(
+                "DistributedSampler: num_replicas {num_replicas} with {len} samples overflows the index list"
+            )));
+        }
+        if rank >= num_replicas {
             return Err(Error::InvalidArgument(format!(
                 "DistributedSampler: invalid rank {rank}, rank should be in the interval [0, {}]",
                 num_replicas as i64 - 1
@@ -108,26 +123,21 @@ impl DistributedSampler {
 
     /// This rank's dataset indices for the current epoch (`list(iter(sampler))`).
     pub fn indices(&self) -> Vec<usize> {
-        let mut all: Vec<usize> = if self.shuffle {
+        let all: Vec<usize> = if self.shuffle {
             TorchGenerator::manual_seed(self.seed.wrapping_add(self.epoch))
                 .randperm(self.dataset_len)
         } else {
             (0..self.dataset_len).collect()
         };
-        let total = self.total_size();
-        if self.drop_last {
-            all.truncate(total);
-        } else if !all.is_empty() {
-            // Pad by repeating the list from its start, as often as needed.
-            let n = all.len();
-            for i in 0..total.saturating_sub(n) {
-                all.push(all[i % n]);
-            }
+        if all.is_empty() {
+            return Vec::new();
         }
-        all.into_iter()
-            .skip(self.rank)
-            .step_by(self.num_replicas)
-            .take(self.num_samples)
+        // Position p of the padded (or, with drop_last, truncated) list of total_size
+        // entries is all[p % len]: PyTorch pads by repeating the list from its start. Only
+        // this rank's positions are built, so a world far larger than the dataset costs
+        // nothing more.
+        (0..self.num_samples)
+            .map(|k| all[(self.rank + k * self.num_replicas) % all.len()])
             .collect()
     }
 }

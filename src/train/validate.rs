@@ -57,7 +57,7 @@ impl TrainConfig {
         if let Some(c) = self.clip_grad_norm {
             if !(c.is_finite() && c > 0.0) {
                 return bad(format!(
-                    "--clip-grad-norm must be a positive number, got {c}"
+                    "--clip-grad-norm must be a finite positive number (0: no clipping), got {c}"
                 ));
             }
         }
@@ -71,7 +71,10 @@ impl TrainConfig {
             ));
         }
         if !(self.lr.is_finite() && self.lr > 0.0) {
-            return bad(format!("--lr must be a positive number, got {}", self.lr));
+            return bad(format!(
+                "--lr must be a finite positive number, got {}",
+                self.lr
+            ));
         }
         let (b1, b2) = self.betas;
         if !((0.0..1.0).contains(&b1) && (0.0..1.0).contains(&b2)) {

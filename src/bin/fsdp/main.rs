@@ -347,6 +347,12 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
     if let Some(p) = &a.plot {
         // Refused before training, not after it.
         plot::check_out(p)?;
+        if a.metrics.as_deref() == Some(p.as_path()) {
+            return Err(fsdp::Error::InvalidArgument(format!(
+                "--plot '{}' is also the --metrics file; give them different names",
+                p.display()
+            )));
+        }
     }
     if let Some(e) = env.filter(|e| e.rank != 0) {
         // Rank 0 prints and logs for the job; the other ranks train silently.

@@ -55,6 +55,7 @@ pub(crate) fn run_plot(a: PlotArgs) -> Result<()> {
         )));
     }
     check_out(&a.out)?;
+    check_not_an_input(&a.out, &a.metrics)?;
     let mut runs = Vec::with_capacity(a.metrics.len());
     for (i, path) in a.metrics.iter().enumerate() {
         let label = a.labels.get(i).cloned().unwrap_or_else(|| stem(path));
@@ -186,6 +187,36 @@ pub(crate) fn check_out(out: &Path) -> Result<()> {
             "plot file '{}': only SVG is written; give a name ending in .svg",
             out.display()
         )));
+    }
+    // Checked before a run starts, so a typo does not cost the whole training.
+    let dir = match out.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    if !dir.is_dir() {
+        return Err(Error::InvalidArgument(format!(
+            "plot file '{}': the folder '{}' does not exist",
+            out.display(),
+            dir.display()
+        )));
+    }
+    Ok(())
+}
+
+/// `out` must not be one of the metrics files it is drawn from (writing it would destroy
+/// them): compared by path after resolving links, when both exist.
+fn check_not_an_input(out: &Path, inputs: &[std::path::PathBuf]) -> Result<()> {
+    let Ok(o) = out.canonicalize() else {
+        return Ok(());
+    };
+    for i in inputs {
+        if i.canonicalize().is_ok_and(|c| c == o) {
+            return Err(Error::InvalidArgument(format!(
+                "plot file '{}' is the metrics file '{}' it would be drawn from; give another --out",
+                out.display(),
+                i.display()
+            )));
+        }
     }
     Ok(())
 }
