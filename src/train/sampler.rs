@@ -116,7 +116,14 @@ impl DistributedSampler {
         self.num_samples == 0
     }
 
-    /// Samples over all ranks per epoch, padding included (`total_size`).
+    /// Whether the tail that does not split evenly is dropped (`sampler.drop_last`) rather
+    /// than padded by repeating the first indices.
+    pub fn drop_last(&self) -> bool {
+        self.drop_last
+    }
+
+    /// Indices over all ranks in one epoch (`sampler.total_size`): the dataset padded to,
+    /// or with `drop_last` truncated to, a multiple of the number of replicas.
     pub fn total_size(&self) -> usize {
         self.num_samples * self.num_replicas
     }
