@@ -381,6 +381,22 @@ fn containers_check_names_and_have_no_forward_of_their_own() -> Result<()> {
     let mut l = ModuleList::new(vec![relu()]).with_type_name("Layers");
     assert_eq!(l.type_name(), "Layers");
     assert!(l.forward(&x, &Context::eval()).is_err());
+    // A parent reaches a ModuleList it holds boxed inside a ModuleDict (nanoGPT's
+    // transformer.h) and runs its children.
+    let h = ModuleList::new(vec![Box::new(LayerNorm::new(2)?), relu()]);
+    let mut t = ModuleDict::new(vec![("h", Box::new(h) as Box<dyn Module>)])?;
+    let h = t
+        .get_mut("h")
+        .and_then(|m| m.as_any_mut())
+        .and_then(|a| a.downcast_mut::<ModuleList>())
+        .expect("the boxed ModuleList downcasts");
+    let mut y = Tensor::from_vec(vec![1.0f32, 3.0], &[1, 2])?;
+    for (_, block) in h.iter_mut() {
+        y = block.forward(&y, &Context::eval())?;
+    }
+    // LayerNorm of [1, 3] is [-1, 1] (to eps), then ReLU.
+    let y = y.to_vec_f32()?;
+    assert!(y[0] == 0.0 && (y[1] - 1.0).abs() < 1e-4, "{y:?}");
     Ok(())
 }
 

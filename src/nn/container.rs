@@ -158,6 +158,9 @@ macro_rules! holder_module {
             fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
                 self.c.visit(f)
             }
+            fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+                Some(self)
+            }
         }
     };
 }
@@ -237,6 +240,9 @@ impl Module for Sequential {
     }
     fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
         self.c.visit(f)
+    }
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
     }
 }
 

@@ -154,7 +154,10 @@ pub trait Module: Send {
         false
     }
 
-    /// Downcasting hook: FSDP units return themselves so the root can find nested units.
+    /// Downcasting hook: FSDP units return themselves so the root can find nested units,
+    /// and the containers ([`Sequential`](super::Sequential), [`ModuleList`](super::ModuleList),
+    /// [`ModuleDict`](super::ModuleDict)) so a parent can reach one held as a boxed child
+    /// (`dict.get_mut("h")?.as_any_mut()?.downcast_mut::<ModuleList>()`) and run its children.
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         None
     }
