@@ -50,6 +50,68 @@ pub struct FlatParameter {
     pub(crate) unsynced_grad: Option<Tensor>,
 }
 
+/// This rank's chunk `[lo, hi)` of the f32 flat parameter, zero-padded to `shard_numel`:
+/// each parameter's part copied (from the host or a GPU) or, under deferred init,
+/// computed element by element.
+fn local_f32(
+    params: &[(String, Tensor, bool)],
+    infos: &[ParamInfo],
+    shard_numel: usize,
+    (lo, hi): (usize, usize),
+) -> Result<Tensor> {
+    let mut local = vec![0.0f32; shard_numel];
+
+    // Copy the part of each parameter that falls into [lo, hi).
+    for ((_, p, _), info) in params.iter().zip(infos) {
+        let (a, b) = (info.offset.max(lo), (info.offset + info.numel).min(hi));
+        if a < b {
+            let dst = &mut local[a - lo..b - lo];
+            match p.meta_initializer() {
+                // Deferred init: compute only this rank's elements.
+                Some((init, start)) => init.fill(start + (a - info.offset) as u64, dst),
+                None if p.device().is_cuda() => {
+                    // A parameter already on a GPU: only its part in the chunk comes over.
+                    let part = p.view(a - info.offset, &[b - a])?.to_device(Device::Cpu)?;
+                    dst.copy_from_slice(&part.f32()?);
+                }
+                None => {
+                    let src = p.f32().map_err(|_| Error::NotMaterialized {
+                        name: info.fqn.clone(),
+                        state: "meta without an initializer; give FSDP a param_init_fn",
+                    })?;
+                    dst.copy_from_slice(&src[a - info.offset..b - info.offset]);
+                }
+            }
+        }
+    }
+    Tensor::from_vec(local, &[shard_numel])
+}
+
+/// [`local_f32`] for f64 parameters (host or device parameters; no deferred init).
+fn local_f64(
+    params: &[(String, Tensor, bool)],
+    infos: &[ParamInfo],
+    shard_numel: usize,
+    (lo, hi): (usize, usize),
+) -> Result<Tensor> {
+    let mut local = vec![0.0f64; shard_numel];
+    for ((_, p, _), info) in params.iter().zip(infos) {
+        let (a, b) = (info.offset.max(lo), (info.offset + info.numel).min(hi));
+        if a >= b {
+            continue;
+        }
+        if p.device() == Device::Meta {
+            return Err(Error::NotMaterialized {
+                name: info.fqn.clone(),
+                state: "an f64 parameter on the meta device (deferred init computes f32)",
+            });
+        }
+        let part = p.view(a - info.offset, &[b - a])?.to_device(Device::Cpu)?;
+        local[a - lo..b - lo].copy_from_slice(&part.data::<f64>()?);
+    }
+    Tensor::from_vec(local, &[shard_numel])
+}
+
 impl FlatParameter {
     /// Flattens `params` (fully qualified name, values, requires_grad) in the given order
     /// and keeps chunk `shard_rank` of `shard_world`. A meta parameter with an initializer
@@ -98,33 +160,11 @@ impl FlatParameter {
         let shard_numel = numel.div_ceil(shard_world.max(1));
         let lo = (shard_rank * shard_numel).min(numel);
         let hi = ((shard_rank + 1) * shard_numel).min(numel);
-        if dtype == DType::F64 {
-            return Self::new_f64(params, infos, shard_rank, shard_world, (lo, hi));
-        }
-        let mut local = vec![0.0f32; shard_numel];
-        // Copy the part of each parameter that falls into [lo, hi).
-        for ((_, p, _), info) in params.iter().zip(&infos) {
-            let (a, b) = (info.offset.max(lo), (info.offset + info.numel).min(hi));
-            if a < b {
-                let dst = &mut local[a - lo..b - lo];
-                match p.meta_initializer() {
-                    // Deferred init: compute only this rank's elements.
-                    Some((init, start)) => init.fill(start + (a - info.offset) as u64, dst),
-                    None if p.device().is_cuda() => {
-                        // A parameter already on a GPU: only its part in the chunk comes over.
-                        let part = p.view(a - info.offset, &[b - a])?.to_device(Device::Cpu)?;
-                        dst.copy_from_slice(&part.f32()?);
-                    }
-                    None => {
-                        let src = p.f32().map_err(|_| Error::NotMaterialized {
-                            name: info.fqn.clone(),
-                            state: "meta without an initializer; give FSDP a param_init_fn",
-                        })?;
-                        dst.copy_from_slice(&src[a - info.offset..b - info.offset]);
-                    }
-                }
-            }
-        }
+        let local_shard = if dtype == DType::F64 {
+            local_f64(params, &infos, shard_numel, (lo, hi))?
+        } else {
+            local_f32(params, &infos, shard_numel, (lo, hi))?
+        };
         // One run per parameter (not merged with its neighbours), so that each entry of
         // the optimizer's list belongs to one parameter and can have its parameter group
         // (no weight decay for biases and norms).
@@ -142,50 +182,7 @@ impl FlatParameter {
             shard_world,
             shard_rank,
             shard_numel,
-            local_shard: Tensor::from_vec(local, &[shard_numel])?,
-            grad_shard: None,
-            unsynced_grad: None,
-        })
-    }
-
-    /// [`FlatParameter::new`] for f64 parameters: the chunk `[lo, hi)` copied in f64
-    /// (host or device parameters; no deferred init).
-    fn new_f64(
-        params: &[(String, Tensor, bool)],
-        infos: Vec<ParamInfo>,
-        shard_rank: usize,
-        shard_world: usize,
-        (lo, hi): (usize, usize),
-    ) -> Result<Self> {
-        let numel = infos.last().map_or(0, |i| i.offset + i.numel);
-        let shard_numel = numel.div_ceil(shard_world.max(1));
-        let mut local = vec![0.0f64; shard_numel];
-        let mut trainable_runs = Vec::new();
-        for ((_, p, _), info) in params.iter().zip(&infos) {
-            let (a, b) = (info.offset.max(lo), (info.offset + info.numel).min(hi));
-            if a >= b {
-                continue;
-            }
-            if p.device() == Device::Meta {
-                return Err(Error::NotMaterialized {
-                    name: info.fqn.clone(),
-                    state: "an f64 parameter on the meta device (deferred init computes f32)",
-                });
-            }
-            let part = p.view(a - info.offset, &[b - a])?.to_device(Device::Cpu)?;
-            local[a - lo..b - lo].copy_from_slice(&part.data::<f64>()?);
-            if info.requires_grad {
-                trainable_runs.push((a - lo, b - a));
-            }
-        }
-        Ok(FlatParameter {
-            trainable_runs,
-            infos,
-            numel,
-            shard_world,
-            shard_rank,
-            shard_numel,
-            local_shard: Tensor::from_vec(local, &[shard_numel])?,
+            local_shard,
             grad_shard: None,
             unsynced_grad: None,
         })
