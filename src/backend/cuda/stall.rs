@@ -20,7 +20,13 @@ static ENABLED: AtomicBool = AtomicBool::new(true);
 thread_local! {
     /// The (before, after) event pairs of this thread's timed waits not yet read.
     static PAIRS: RefCell<Vec<(Event, Event)>> = const { RefCell::new(Vec::new()) };
+    /// Seconds of pairs already read back but not yet taken by [`take_stream_stall_s`].
+    static FOLDED_S: std::cell::Cell<f64> = const { std::cell::Cell::new(0.0) };
 }
+
+/// Pairs held before [`Stream::wait_timed`] folds the completed ones itself, so a thread
+/// whose caller never takes the figure keeps a bounded number of events alive.
+const FOLD_AT: usize = 1024;
 
 /// Turns the timing of stream waits on (the default) or off for the whole process: each
 /// timed wait costs two event records on the waiting stream.
@@ -41,7 +47,14 @@ impl Stream {
         let before = self.record()?;
         self.wait(event)?;
         let after = self.record()?;
-        PAIRS.with(|p| p.borrow_mut().push((before, after)));
+        let held = PAIRS.with(|p| {
+            let mut p = p.borrow_mut();
+            p.push((before, after));
+            p.len()
+        });
+        if held >= FOLD_AT {
+            FOLDED_S.with(|f| f.set(f.get() + fold_completed()));
+        }
         Ok(())
     }
 }
@@ -50,6 +63,12 @@ impl Stream {
 /// events have completed since the last call; waits still in flight are kept for a later
 /// call. Never blocks the host.
 pub fn take_stream_stall_s() -> f64 {
+    fold_completed() + FOLDED_S.with(|f| f.replace(0.0))
+}
+
+/// Reads and drops this thread's completed pairs, returning their seconds; pairs still in
+/// flight stay.
+fn fold_completed() -> f64 {
     PAIRS.with(|p| {
         let mut pairs = p.borrow_mut();
         let mut total = 0.0f64;
