@@ -193,6 +193,7 @@ impl Pool {
         stream: &Arc<CudaStream>,
         account: &Arc<MemAccount>,
     ) -> Result<DeviceBuffer> {
+        crate::backend::counters::count_allocator_request();
         let size = if no_caching() {
             bytes.max(1)
         } else {
