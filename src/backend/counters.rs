@@ -50,7 +50,7 @@ pub struct Counters {
     /// `fsdp_buffer_allocs`.
     pub allocator_requests: u64,
     /// FSDP's own buffers (unsharded parameters, flat gradients, reduction and offload
-    /// staging buffers, on any device) that FSDP's buffer pool (`fsdp::buffers`) had to
+    /// staging buffers, on any device) that FSDP's buffer pool ([`crate::fsdp::BufferPool`]) had to
     /// ask the allocator for because it held no free one of that size: 0 in a steady
     /// step, where every unit reuses the buffers of the step before.
     pub fsdp_buffer_allocs: u64,
@@ -117,13 +117,18 @@ pub fn count_host_sync() {
 /// driver.
 pub fn count_device_alloc() {
     DEVICE_ALLOCS.fetch_add(1, Ordering::Relaxed);
-    static WARN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *WARN.get_or_init(|| std::env::var("FSDP_ALLOC_DEBUG").is_ok_and(|v| v == "warn")) {
+    if alloc_debug() {
         eprintln!(
             "fsdp: device allocation (FSDP_ALLOC_DEBUG=warn)\n{}",
             std::backtrace::Backtrace::force_capture()
         );
     }
+}
+
+/// Whether `FSDP_ALLOC_DEBUG=warn` is set (see [`count_device_alloc`]).
+pub fn alloc_debug() -> bool {
+    static WARN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *WARN.get_or_init(|| std::env::var("FSDP_ALLOC_DEBUG").is_ok_and(|v| v == "warn"))
 }
 
 /// Counts one request to the caching allocator.

@@ -29,6 +29,9 @@
 //! A buffer is reused only when nothing else holds its storage any more; one still
 //! shared is left to the allocator.
 //!
+//! New buffers take new device blocks ([`with_fresh_blocks`](crate::backend::cuda::with_fresh_blocks)),
+//! not blocks cached for the step's short-lived tensors.
+//!
 //! The pool is used by the compute thread only. With `enabled` false (the host, where the
 //! CPU tensor pool already reuses f32 buffers) it allocates every time and keeps nothing.
 
@@ -157,6 +160,14 @@ impl BufferPool {
             }
         }
         crate::backend::counters::count_fsdp_buffer_alloc();
+        // Kept for the run: a new block, not one the step's own tensors will want back.
+        #[cfg(feature = "cuda")]
+        if device.is_cuda() {
+            return crate::backend::cuda::with_fresh_blocks(|| {
+                Tensor::zeros_on(&[numel], dtype, device)
+            })
+            .map(|t| (t, true));
+        }
         Tensor::zeros_on(&[numel], dtype, device).map(|t| (t, true))
     }
 

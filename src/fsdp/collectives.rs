@@ -134,7 +134,7 @@ impl FullyShardedDataParallel {
         let mp = self.rs.mp;
         if mp.is_low_precision() {
             // The gradient of low-precision compute is a low-precision tensor.
-            round_(&flat_grad, mp.compute_dtype())?;
+            self.round_flat_grad(&flat_grad, mp.compute_dtype())?;
         }
         // The gradient's own dtype (f32, or f64 for an f64 FlatParameter, which reduces in
         // f64), unless mixed precision says otherwise.
@@ -217,6 +217,26 @@ impl FullyShardedDataParallel {
         };
         self.pending_grad = Some(PendingGrad { work, out });
         Ok(())
+    }
+
+    /// Rounds `flat_grad` to `dtype` in place ([`round_`]); on CUDA through a low-precision
+    /// buffer of the rank's pool, used on the compute stream only (the two casts
+    /// `round_` makes, without a new block each backward).
+    fn round_flat_grad(&mut self, flat_grad: &Tensor, dtype: DType) -> Result<()> {
+        if !flat_grad.device().is_cuda() || flat_grad.dtype() != DType::F32 || dtype == DType::F32 {
+            return round_(flat_grad, dtype);
+        }
+        let low = self.rs.sched.lock().take_buffer(
+            flat_grad.numel(),
+            dtype,
+            flat_grad.device(),
+            false,
+        )?;
+        let r = low
+            .copy_from(flat_grad)
+            .and_then(|()| flat_grad.copy_from(&low));
+        self.rs.sched.lock().buffers.give(low);
+        r
     }
 
     /// Waits for this unit's reduction in flight, if any, and accumulates its shard into
