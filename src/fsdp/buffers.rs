@@ -29,8 +29,8 @@
 //! A buffer is reused only when nothing else holds its storage any more; one still
 //! shared is left to the allocator.
 //!
-//! New buffers take new device blocks ([`with_fresh_blocks`](crate::backend::cuda::with_fresh_blocks)),
-//! not blocks cached for the step's short-lived tensors.
+//! New buffers take new device blocks (`backend::cuda::with_fresh_blocks`), not blocks
+//! cached for the step's short-lived tensors.
 //!
 //! The pool is used by the compute thread only. With `enabled` false (the host, where the
 //! CPU tensor pool already reuses f32 buffers) it allocates every time and keeps nothing.
