@@ -152,7 +152,7 @@ if [ "$what" != tests ]; then
   # only the first and last steps read their losses), at most one per rank on one that
   # does; and no device allocation on any step, the reading one included (FSDP's buffers
   # are kept from step to step, the caching allocator serves everything else), nor a new
-  # FSDP buffer or pinned host block. A change that makes a step wait for the device, or
+  # FSDP buffer. A change that makes a step wait for the device, or
   # ask the driver for memory, fails here. Under CPU offload the shards' copies to and from
   # the host still synchronize (`syncs` 0: not checked).
   counters() { # counters NAME RANKS [syncs]
@@ -163,13 +163,12 @@ recs = [json.loads(l) for l in open(path)]
 last = recs[-1]["step"] if recs else 0
 quiet = [r["counters"]["host_syncs"] for r in recs[1:] if r["step"] != last]
 read = [r["counters"]["host_syncs"] for r in recs[1:] if r["step"] == last]
-allocs = [r["counters"]["device_allocs"] + r["counters"]["fsdp_buffer_allocs"]
-          + r["counters"]["pinned_allocs"] for r in recs[1:]]
+allocs = [r["counters"]["device_allocs"] + r["counters"]["fsdp_buffer_allocs"] for r in recs[1:]]
 ok_syncs = bool(quiet) and max(quiet) == 0 and max(read) <= ranks
 ok = (ok_syncs or not syncs) and bool(allocs) and max(allocs) == 0
 print(f"{'PASS' if ok else 'FAIL'} counters {name}: host syncs per step {quiet} between reads, "
       f"{read} on the last step (at most {ranks}, one per rank{'' if syncs else '; not checked'}); "
-      f"device + FSDP buffer + pinned allocations from step 2 {allocs} (0 each)")
+      f"device + FSDP buffer allocations from step 2 {allocs} (0 each)")
 sys.exit(0 if ok else 1)
 PY
     [ $? -eq 0 ] || fail=1

@@ -1,7 +1,7 @@
 //! Process-wide counters of the calls that decide whether a GPU step runs ahead of the host:
 //! host-blocking synchronizations, device allocations and frees (the driver's, not the
 //! caching allocator's reuse), requests to the caching allocator (every tensor, and apart
-//! those of FSDP's own buffers), pinned host allocations, kernel launches (cuBLAS calls
+//! those of FSDP's own buffers), kernel launches (cuBLAS calls
 //! included) and key-value store operations. The CUDA backend and the store bump them; `fsdp train --metrics` and
 //! `fsdp bench` report their per-step difference.
 //!
@@ -18,7 +18,6 @@ static DEVICE_ALLOCS: AtomicU64 = AtomicU64::new(0);
 static DEVICE_FREES: AtomicU64 = AtomicU64::new(0);
 static ALLOCATOR_REQUESTS: AtomicU64 = AtomicU64::new(0);
 static FSDP_BUFFER_ALLOCS: AtomicU64 = AtomicU64::new(0);
-static PINNED_ALLOCS: AtomicU64 = AtomicU64::new(0);
 static KERNEL_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 static STORE_OPS: AtomicU64 = AtomicU64::new(0);
 
@@ -54,9 +53,6 @@ pub struct Counters {
     /// ask the allocator for because it held no free one of that size: 0 in a steady
     /// step, where every unit reuses the buffers of the step before.
     pub fsdp_buffer_allocs: u64,
-    /// Page-locked host allocations (`cuMemHostAlloc`): CPU offload's shards, gradients
-    /// and staging buffers.
-    pub pinned_allocs: u64,
     /// Kernel launches, one per `cuLaunchKernel` and one per cuBLAS call.
     pub kernel_launches: u64,
     /// Requests sent to the rendezvous key-value store (`TcpStore`).
@@ -72,7 +68,6 @@ impl Counters {
             device_frees: DEVICE_FREES.load(Ordering::Relaxed),
             allocator_requests: ALLOCATOR_REQUESTS.load(Ordering::Relaxed),
             fsdp_buffer_allocs: FSDP_BUFFER_ALLOCS.load(Ordering::Relaxed),
-            pinned_allocs: PINNED_ALLOCS.load(Ordering::Relaxed),
             kernel_launches: KERNEL_LAUNCHES.load(Ordering::Relaxed),
             store_ops: STORE_OPS.load(Ordering::Relaxed),
         }
@@ -90,7 +85,6 @@ impl Counters {
             fsdp_buffer_allocs: self
                 .fsdp_buffer_allocs
                 .saturating_sub(earlier.fsdp_buffer_allocs),
-            pinned_allocs: self.pinned_allocs.saturating_sub(earlier.pinned_allocs),
             kernel_launches: self.kernel_launches.saturating_sub(earlier.kernel_launches),
             store_ops: self.store_ops.saturating_sub(earlier.store_ops),
         }
@@ -139,11 +133,6 @@ pub fn count_allocator_request() {
 /// Counts one FSDP buffer the buffer pool had to allocate.
 pub fn count_fsdp_buffer_alloc() {
     FSDP_BUFFER_ALLOCS.fetch_add(1, Ordering::Relaxed);
-}
-
-/// Counts one page-locked host allocation.
-pub fn count_pinned_alloc() {
-    PINNED_ALLOCS.fetch_add(1, Ordering::Relaxed);
 }
 
 /// Counts one driver free.
