@@ -150,18 +150,25 @@ if [ "$what" != tests ]; then
   # What a step asks of the host (backend::counters, in the metrics file), from step 2 on:
   # no host-blocking synchronization on a step that reads nothing back (with --log-every 0
   # only the first and last steps read their losses), at most one per rank on one that
-  # does. A change that makes a step wait for the device fails here.
-  counters() { # counters NAME RANKS
-    python3 - "$out/$1.jsonl" "$2" "$1" <<'PY'
+  # does; and no device allocation on any step, the reading one included (FSDP's buffers
+  # are kept from step to step, the caching allocator serves everything else), nor a new
+  # FSDP buffer. A change that makes a step wait for the device, or
+  # ask the driver for memory, fails here. Under CPU offload the shards' copies to and from
+  # the host still synchronize (`syncs` 0: not checked).
+  counters() { # counters NAME RANKS [syncs]
+    python3 - "$out/$1.jsonl" "$2" "$1" "${3:-1}" <<'PY'
 import json, sys
-path, ranks, name = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+path, ranks, name, syncs = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
 recs = [json.loads(l) for l in open(path)]
 last = recs[-1]["step"] if recs else 0
 quiet = [r["counters"]["host_syncs"] for r in recs[1:] if r["step"] != last]
 read = [r["counters"]["host_syncs"] for r in recs[1:] if r["step"] == last]
-ok = bool(quiet) and max(quiet) == 0 and max(read) <= ranks
+allocs = [r["counters"]["device_allocs"] + r["counters"]["fsdp_buffer_allocs"] for r in recs[1:]]
+ok_syncs = bool(quiet) and max(quiet) == 0 and max(read) <= ranks
+ok = (ok_syncs or not syncs) and bool(allocs) and max(allocs) == 0
 print(f"{'PASS' if ok else 'FAIL'} counters {name}: host syncs per step {quiet} between reads, "
-      f"{read} on the last step (at most {ranks}, one per rank)")
+      f"{read} on the last step (at most {ranks}, one per rank{'' if syncs else '; not checked'}); "
+      f"device + FSDP buffer allocations from step 2 {allocs} (0 each)")
 sys.exit(0 if ok else 1)
 PY
     [ $? -eq 0 ] || fail=1
@@ -170,11 +177,14 @@ PY
   counters cuda-ws2 2
   counters cuda-ws2-zero2 2
   counters cuda-ws2-bf16 2
+  counters cuda-ws4 4
+  counters cuda-ws2-offload 2 0
   # NCCL (fsdp launch, rank 0's process): no host wait (the watchdog thread watches each
-  # collective) and no store request on a step that reads nothing back. The last step
-  # reads the losses back and runs the bookkeeping collectives (host tensors through the
-  # GPU: a copy back each). World size 4 is reported: 4 processes on 2 cores can make a
-  # collective slow enough (> 1 s) to publish its count, as it should.
+  # collective) and no store request on a step that reads nothing back, and no device
+  # allocation from step 2 on, the reading step included. The last step reads the losses
+  # back and runs the bookkeeping collectives (host tensors through the GPU: a copy back
+  # each). World size 4 is reported: 4 processes on 2 cores can make a collective slow
+  # enough (> 1 s) to publish its count, as it should.
   for name in nccl-ws2 nccl-ws4; do
     python3 - "$out/$name.jsonl" "$name" <<'PY' || { [ "$name" = nccl-ws2 ] && fail=1; }
 import json, sys
@@ -182,8 +192,10 @@ recs = [json.loads(l) for l in open(sys.argv[1])]
 quiet = recs[1:-1]
 syncs = [r["counters"]["host_syncs"] for r in quiet]
 ops = [r["counters"]["store_ops"] for r in quiet]
-ok = bool(quiet) and max(syncs) == 0 and max(ops) == 0
-print(f"{'PASS' if ok else 'FAIL'} counters {sys.argv[2]}: host syncs {syncs}, store ops {ops} per step between reads")
+allocs = [r["counters"]["device_allocs"] + r["counters"]["fsdp_buffer_allocs"] for r in recs[1:]]
+ok = bool(quiet) and max(syncs) == 0 and max(ops) == 0 and max(allocs) == 0
+print(f"{'PASS' if ok else 'FAIL'} counters {sys.argv[2]}: host syncs {syncs}, store ops {ops} per step between reads; "
+      f"device + FSDP buffer allocations from step 2 {allocs}")
 sys.exit(0 if ok else 1)
 PY
   done

@@ -644,3 +644,85 @@ fn harness_of_the_gpu_tests_on_the_cpu() {
     state_dicts_on(Device::Cpu);
     train_job_on(fsdp::train::TrainDevice::Cpu);
 }
+
+#[test]
+fn buffer_pool_reuses_a_buffer_only_behind_its_stream_job_cuda() {
+    let name = "buffer_pool_reuses_a_buffer_only_behind_its_stream_job_cuda";
+    let Some(_) = gpus(name) else {
+        return;
+    };
+    // As above: only under the emulator's deferral is the unordered read sure to be stale,
+    // and the check runs alone, in a child process.
+    const CHILD: &str = "FSDP_TEST_POOL_ORDER_CHILD";
+    let deferred = fsdp::backend::cuda::detect().unwrap()[0]
+        .name
+        .contains("cuda-emu")
+        && std::env::var("CUDA_EMU_SCHEDULE").map_or(true, |v| v != "eager");
+    if deferred && std::env::var_os(CHILD).is_none() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", name, "--nocapture", "--test-threads", "1"])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success() && text.contains("1 passed"), "{text}");
+        return;
+    }
+    use fsdp::fsdp::BufferPool;
+    let n = 1 << 16;
+    launch(&LaunchOptions::new(1), |_pg: Group| {
+        let stream = CommStream::on_device("test-comm", CUDA0)?;
+        // Reuse at once behind the job (no buffer kept in flight).
+        let mut pool = BufferPool::new(true, 0);
+        let buf = pool.take(n, DType::F32, CUDA0)?;
+        fsdp::ops::fill_(&buf, 7.0)?;
+        let out = Tensor::zeros_on(&[n], DType::F32, CUDA0)?;
+        let (src, dst) = (buf.clone(), out.clone());
+        let copy =
+            stream.submit_keeping(vec![buf.clone(), out.clone()], move || dst.copy_from(&src));
+        #[cfg(feature = "cuda")]
+        let ptr = buf.as_device_tensor()?.ptr();
+        pool.give_after(buf, &stream);
+        // The same block comes back, and the compute stream waits for the copy before
+        // anything it queues next: the fill below cannot overtake the copy's read.
+        let again = pool.take(n, DType::F32, CUDA0)?;
+        #[cfg(feature = "cuda")]
+        assert_eq!(
+            again.as_device_tensor()?.ptr(),
+            ptr,
+            "the buffer was not reused"
+        );
+        fsdp::ops::fill_(&again, 9.0)?;
+        // Runs the compute stream first (its fill, behind its wait for the copy).
+        assert!(again.to_vec_f32()?.iter().all(|&x| x == 9.0));
+        copy.wait()?;
+        let v = out.to_vec_f32()?;
+        assert!(
+            v.iter().all(|&x| x == 7.0),
+            "the stream job read the reused buffer's new values: {:?}",
+            &v[..4]
+        );
+        // The same steps reusing the buffer without the pool's wait: the compute stream's
+        // fill overtakes the job's read under deferral, which this check would catch.
+        let buf = Tensor::zeros_on(&[n], DType::F32, CUDA0)?;
+        fsdp::ops::fill_(&buf, 7.0)?;
+        let out = Tensor::zeros_on(&[n], DType::F32, CUDA0)?;
+        let (src, dst) = (buf.clone(), out.clone());
+        let copy =
+            stream.submit_keeping(vec![buf.clone(), out.clone()], move || dst.copy_from(&src));
+        stream.synchronize();
+        fsdp::ops::fill_(&buf, 9.0)?;
+        assert!(buf.to_vec_f32()?.iter().all(|&x| x == 9.0));
+        copy.wait()?;
+        let v = out.to_vec_f32()?;
+        if deferred {
+            assert!(
+                v.iter().any(|&x| x != 7.0),
+                "the unordered reuse did not overtake the job"
+            );
+        }
+        Ok(())
+    })
+    .unwrap();
+}

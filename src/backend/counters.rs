@@ -1,7 +1,8 @@
 //! Process-wide counters of the calls that decide whether a GPU step runs ahead of the host:
 //! host-blocking synchronizations, device allocations and frees (the driver's, not the
-//! caching allocator's reuse), kernel launches (cuBLAS calls included) and key-value store
-//! operations. The CUDA backend and the store bump them; `fsdp train --metrics` and
+//! caching allocator's reuse), requests to the caching allocator (every tensor, and apart
+//! those of FSDP's own buffers), kernel launches (cuBLAS calls
+//! included) and key-value store operations. The CUDA backend and the store bump them; `fsdp train --metrics` and
 //! `fsdp bench` report their per-step difference.
 //!
 //! PyTorch's counterparts are scattered: `torch.cuda.memory_stats()["num_device_alloc"]`,
@@ -15,6 +16,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 static HOST_SYNCS: AtomicU64 = AtomicU64::new(0);
 static DEVICE_ALLOCS: AtomicU64 = AtomicU64::new(0);
 static DEVICE_FREES: AtomicU64 = AtomicU64::new(0);
+static ALLOCATOR_REQUESTS: AtomicU64 = AtomicU64::new(0);
+static FSDP_BUFFER_ALLOCS: AtomicU64 = AtomicU64::new(0);
 static KERNEL_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 static STORE_OPS: AtomicU64 = AtomicU64::new(0);
 
@@ -40,6 +43,16 @@ pub struct Counters {
     pub device_allocs: u64,
     /// `cuMemFree` calls.
     pub device_frees: u64,
+    /// Requests to the CUDA caching allocator, whether a cached block served them or the
+    /// driver was asked (`device_allocs`): one per device tensor made (activations,
+    /// gradients, scratch). Not 0 in a steady step; compare it with
+    /// `fsdp_buffer_allocs`.
+    pub allocator_requests: u64,
+    /// FSDP's own buffers (unsharded parameters, flat gradients, reduction and offload
+    /// staging buffers, on any device) that FSDP's buffer pool ([`crate::fsdp::BufferPool`]) had to
+    /// ask the allocator for because it held no free one of that size: 0 in a steady
+    /// step, where every unit reuses the buffers of the step before.
+    pub fsdp_buffer_allocs: u64,
     /// Kernel launches, one per `cuLaunchKernel` and one per cuBLAS call.
     pub kernel_launches: u64,
     /// Requests sent to the rendezvous key-value store (`TcpStore`).
@@ -53,6 +66,8 @@ impl Counters {
             host_syncs: HOST_SYNCS.load(Ordering::Relaxed),
             device_allocs: DEVICE_ALLOCS.load(Ordering::Relaxed),
             device_frees: DEVICE_FREES.load(Ordering::Relaxed),
+            allocator_requests: ALLOCATOR_REQUESTS.load(Ordering::Relaxed),
+            fsdp_buffer_allocs: FSDP_BUFFER_ALLOCS.load(Ordering::Relaxed),
             kernel_launches: KERNEL_LAUNCHES.load(Ordering::Relaxed),
             store_ops: STORE_OPS.load(Ordering::Relaxed),
         }
@@ -64,6 +79,12 @@ impl Counters {
             host_syncs: self.host_syncs.saturating_sub(earlier.host_syncs),
             device_allocs: self.device_allocs.saturating_sub(earlier.device_allocs),
             device_frees: self.device_frees.saturating_sub(earlier.device_frees),
+            allocator_requests: self
+                .allocator_requests
+                .saturating_sub(earlier.allocator_requests),
+            fsdp_buffer_allocs: self
+                .fsdp_buffer_allocs
+                .saturating_sub(earlier.fsdp_buffer_allocs),
             kernel_launches: self.kernel_launches.saturating_sub(earlier.kernel_launches),
             store_ops: self.store_ops.saturating_sub(earlier.store_ops),
         }
@@ -85,9 +106,33 @@ pub fn count_host_sync() {
     }
 }
 
-/// Counts one driver allocation.
+/// Counts one driver allocation. With `FSDP_ALLOC_DEBUG=warn` in the environment each one
+/// also prints a backtrace to stderr, to find the buffer that made a steady step ask the
+/// driver.
 pub fn count_device_alloc() {
     DEVICE_ALLOCS.fetch_add(1, Ordering::Relaxed);
+    if alloc_debug() {
+        eprintln!(
+            "fsdp: device allocation (FSDP_ALLOC_DEBUG=warn)\n{}",
+            std::backtrace::Backtrace::force_capture()
+        );
+    }
+}
+
+/// Whether `FSDP_ALLOC_DEBUG=warn` is set (see [`count_device_alloc`]).
+pub fn alloc_debug() -> bool {
+    static WARN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *WARN.get_or_init(|| std::env::var("FSDP_ALLOC_DEBUG").is_ok_and(|v| v == "warn"))
+}
+
+/// Counts one request to the caching allocator.
+pub fn count_allocator_request() {
+    ALLOCATOR_REQUESTS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Counts one FSDP buffer the buffer pool had to allocate.
+pub fn count_fsdp_buffer_alloc() {
+    FSDP_BUFFER_ALLOCS.fetch_add(1, Ordering::Relaxed);
 }
 
 /// Counts one driver free.

@@ -2,8 +2,12 @@
 //! (on the unshard stream, after the pre-unshard stream's host-to-device copy under CPU
 //! offload) and the reduction of its flat gradient (on the post-backward stream): FSDP1's
 //! `_unshard` / `_reduce_grad` in `_runtime_utils.py`, FSDP2's `_fsdp_collectives.py`.
-//! Both allocate their output on the compute thread and hand the stream job everything it
-//! reads, so the job never touches the unit; the buffers travel with the job's `Work`.
+//! Both take their output from the rank's [`BufferPool`](super::BufferPool) on the compute
+//! thread and hand the stream job everything it reads, so the job never touches the unit;
+//! the buffers travel with the job's `Work`, and go back to the pool behind their last use
+//! (see [Note: free after event] in `buffers.rs`): from step 2 on no FSDP buffer is
+//! allocated. Scratch buffers a job makes on its own stream are freed there and reused by
+//! the caching allocator in stream order.
 
 use super::mixed_precision::round_;
 use super::progress;
@@ -27,30 +31,37 @@ impl Scheduler {
     /// Issues the all-gather of unit `id` on the stream: `param_dtype` shard -> `param_dtype`
     /// full buffer -> f32 values in `full` (under `NoShard`, only the rounded copy). `full`
     /// is allocated on the compute device by the calling (compute) thread; the stream's
-    /// scratch buffers are its own.
+    /// scratch buffers are its own. `full` (and the device copy of an offloaded shard)
+    /// come from the rank's buffer pool.
     ///
     /// # Errors
     /// [`Error::Cuda`](crate::Error::Cuda) when the buffer cannot be allocated.
     pub fn issue_gather(&mut self, id: usize) -> Result<Gather> {
         // The gather's collectives name the unit and the pass it is for.
         let _tag = progress::enter(self.progress.gather(id));
-        let u = &self.units[id];
         let device = self.device;
-        let full = Tensor::zeros_on(&[u.padded], u.shard.dtype(), device)?;
-        self.mem.lock().on_unshard(full.nbytes());
-        self.stats.all_gathers += 1;
+        let (padded, shard_dtype) = (self.units[id].padded, self.units[id].shard.dtype());
+        let full = self.take_buffer(padded, shard_dtype, device, true)?;
         // An f64 FlatParameter gathers in f64 (mixed precision is refused for it).
-        let dtype = match u.shard.dtype() {
+        let dtype = match shard_dtype {
             DType::F64 => DType::F64,
             _ => self.mp.compute_dtype(),
         };
+        let on_device = match self.streams.pre_unshard {
+            Some(_) => {
+                Some(self.take_buffer(self.units[id].shard.numel(), dtype, device, false)?)
+            }
+            None => None,
+        };
+        let u = &self.units[id];
+        self.mem.lock().on_unshard(full.nbytes());
+        self.stats.all_gathers += 1;
         let keep = vec![full.clone(), u.shard.clone()];
         let unshard = &self.streams.unshard;
-        let work = if let Some(pre) = &self.streams.pre_unshard {
+        let work = if let (Some(pre), Some(on_device)) = (&self.streams.pre_unshard, on_device) {
             // CpuOffload: the host-to-device copy (and cast to param_dtype) on the
             // pre-unshard stream, then the gather from it on the unshard stream, which
             // waits for the copy: the compute thread does not.
-            let on_device = Tensor::zeros_on(u.shard.shape(), dtype, device)?;
             let h2d = {
                 let (shard, dst) = (u.shard.clone(), on_device.clone());
                 pre.submit_keeping(vec![u.shard.clone(), on_device.clone()], move || {
@@ -60,7 +71,8 @@ impl Scheduler {
             let (pg, out, padded, sharded) =
                 (self.shard_pg.clone(), full.clone(), u.padded, self.sharded);
             let keep = vec![full.clone(), on_device.clone()];
-            unshard.submit_keeping(keep, move || {
+            let staged = on_device.clone();
+            let work = unshard.submit_keeping(keep, move || {
                 h2d.wait()?;
                 if sharded {
                     let lp_full = Tensor::zeros_on(&[padded], dtype, device)?;
@@ -69,7 +81,10 @@ impl Scheduler {
                 } else {
                     out.copy_from(&on_device)
                 }
-            })
+            });
+            // The staging buffer is free once the gather that reads it has run.
+            self.buffers.give_after(staged, unshard);
+            work
         } else if !self.sharded {
             // NoShard: the "shard" is the whole flat parameter; make the compute copy.
             let (shard, out) = (u.shard.clone(), full.clone());
@@ -110,15 +125,16 @@ impl FullyShardedDataParallel {
     /// over the shard group (then all-reduce over the replicate group under hybrid
     /// sharding; all-reduce over the world under NoShard), postdivide, all in
     /// `reduce_dtype`. FSDP1 `_post_backward_hook` / `_reduce_grad`. The f32 shard it
-    /// produces is allocated here, on the compute thread (on the host under CPU offload:
-    /// the device-to-host copy ends the job), so its memory belongs to the compute stream.
+    /// produces is taken from the rank's buffer pool here, on the compute thread (on the
+    /// host under CPU offload: the device-to-host copy ends the job), so its memory
+    /// belongs to the compute stream; `flat_grad` goes back to the pool behind the job.
     pub(super) fn issue_reduce(&mut self, flat_grad: Tensor) -> Result<()> {
         // A unit that ran backward twice in one pass: fold the first result in first.
         self.finish_reduce()?;
         let mp = self.rs.mp;
         if mp.is_low_precision() {
             // The gradient of low-precision compute is a low-precision tensor.
-            round_(&flat_grad, mp.compute_dtype())?;
+            self.round_flat_grad(&flat_grad, mp.compute_dtype())?;
         }
         // The gradient's own dtype (f32, or f64 for an f64 FlatParameter, which reduces in
         // f64), unless mixed precision says otherwise.
@@ -140,12 +156,14 @@ impl FullyShardedDataParallel {
         let (pg, rep) = (self.rs.pg.clone(), self.rs.replicate_pg.clone());
         let keep_lp = mp.keep_low_precision_grads.then(|| mp.compute_dtype());
         let device = self.rs.device;
-        let out = Tensor::zeros_on(
-            &[shard_numel],
+        let out = self.rs.sched.lock().take_buffer(
+            shard_numel,
             gd,
             if offload { Device::Cpu } else { device },
+            true,
         )?;
         let dst = out.clone();
+        let released = flat_grad.clone();
         let keep = vec![flat_grad.clone(), out.clone()];
         let job = move || -> Result<()> {
             // Predivide fused with the cast to reduce_dtype (in place in f32).
@@ -191,10 +209,34 @@ impl FullyShardedDataParallel {
             let _tag = super::progress::enter(s.progress.reduce(self.id));
             s.progress.reduced();
             s.stats.reductions += 1;
-            s.streams.post_backward().submit_keeping(keep, job)
+            let work = s.streams.post_backward().submit_keeping(keep, job);
+            // The flat gradient is free for another unit's backward once the job ran.
+            let s = &mut *s;
+            s.buffers.give_after(released, s.streams.post_backward());
+            work
         };
         self.pending_grad = Some(PendingGrad { work, out });
         Ok(())
+    }
+
+    /// Rounds `flat_grad` to `dtype` in place ([`round_`]); on CUDA through a low-precision
+    /// buffer of the rank's pool, used on the compute stream only (the two casts
+    /// `round_` makes, without a new block each backward).
+    fn round_flat_grad(&mut self, flat_grad: &Tensor, dtype: DType) -> Result<()> {
+        if !flat_grad.device().is_cuda() || flat_grad.dtype() != DType::F32 || dtype == DType::F32 {
+            return round_(flat_grad, dtype);
+        }
+        let low = self.rs.sched.lock().take_buffer(
+            flat_grad.numel(),
+            dtype,
+            flat_grad.device(),
+            false,
+        )?;
+        let r = low
+            .copy_from(flat_grad)
+            .and_then(|()| flat_grad.copy_from(&low));
+        self.rs.sched.lock().buffers.give(low);
+        r
     }
 
     /// Waits for this unit's reduction in flight, if any, and accumulates its shard into
@@ -208,7 +250,11 @@ impl FullyShardedDataParallel {
         r?;
         let shard = p.out;
         match &self.flat.grad_shard {
-            Some(acc) => crate::ops::add_(acc, &shard)?,
+            Some(acc) => {
+                crate::ops::add_(acc, &shard)?;
+                // Read on the compute stream, which waited for the reduction: free now.
+                self.rs.sched.lock().buffers.give(shard);
+            }
             None => {
                 self.rs.mem.lock().grad_shard_bytes += shard.nbytes();
                 self.flat.grad_shard = Some(shard);

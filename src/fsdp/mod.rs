@@ -9,6 +9,7 @@
 //! | a unit's all-gather and gradient reduction (predivide, reduce-scatter, all-reduce, postdivide, offload copies) | `collectives.rs` | `_runtime_utils.py`, FSDP2 `_fsdp_collectives.py` |
 //! | each unit's sharded / gathering / unsharded state, prefetch order, [`BackwardPrefetch`], `limit_all_gathers`, [`RuntimeStats`] | `scheduler.rs` | `_exec_order_utils.py`, `_limiter_utils.py`, FSDP2 `ShardedState` |
 //! | the per-rank unshard, post-backward and pre-unshard streams | `streams.rs` | `_init_streams` in `_runtime_utils.py` |
+//! | [`BufferPool`]: unsharded parameter, flat gradient and reduction buffers kept from step to step, reused behind their last stream use | `buffers.rs` | YaFSDP's persistent buffers, FSDP2's free-after-event |
 //! | the step, micro-batch and pass each collective is for (its fingerprint, checked across ranks) | `progress.rs` | `TORCH_DISTRIBUTED_DEBUG=DETAIL` |
 //! | [`MixedPrecision`] | `mixed_precision.rs` | `api.MixedPrecision` |
 //! | [`FlatParameter`] | `flat_param.rs` | `_flat_param.py` |
@@ -35,6 +36,7 @@
 //! | gradient pack/unpack, rounding | [`crate::ops::flat`] CPU loops | `pack_grad_*`, `unpack_grad_*`, `cast_*` kernels |
 //! | state dicts | host tensors | host tensors (full state dict: on the GPU without `offload_to_cpu`) |
 
+mod buffers;
 mod collectives;
 mod config;
 mod flat_param;
@@ -51,6 +53,7 @@ mod unit;
 mod wrap;
 mod wrapping;
 
+pub use buffers::BufferPool;
 pub use config::{CpuOffload, FsdpConfig, ParamInitFn, ShardingStrategy};
 pub use flat_param::{FlatParameter, ParamInfo};
 pub use memory::MemoryStats;

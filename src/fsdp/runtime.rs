@@ -69,8 +69,11 @@ impl FullyShardedDataParallel {
             return Ok(());
         }
         let freed = self.rs.sched.lock().reshard(self.id);
-        if freed.is_some() {
+        if let Some(full) = freed {
             self.point_params(None, false)?;
+            // The compute stream waited for the gather and queued every read of the
+            // parameters: the buffer is free for the next gather (of any unit this size).
+            self.rs.sched.lock().buffers.give(full);
         }
         Ok(())
     }
@@ -91,11 +94,17 @@ impl FullyShardedDataParallel {
         first.and(r)
     }
 
-    /// Waits until the stream is idle and drops unused prefetches.
+    /// Waits until the stream is idle and drops unused prefetches; every FSDP buffer a
+    /// stream job used is then free for the compute stream.
     fn drain_stream(&mut self) -> Result<()> {
         let mut s = self.rs.sched.lock();
         let r = s.drain_prefetches();
         let dt = s.streams.synchronize();
+        s.add_wait(dt);
+        // A failed job's buffer is left out; its error is the job's, reported by its own
+        // wait.
+        let _ = s.buffers.settle();
+        let dt = s.buffers.take_waited();
         s.add_wait(dt);
         r
     }
@@ -236,10 +245,11 @@ impl FullyShardedDataParallel {
         // under no_sync simply keeps growing.
         let flat_grad = match self.flat.unsynced_grad.take() {
             Some(g) => g,
-            None => Tensor::zeros_on(
-                &[self.flat.padded_numel()],
+            None => self.rs.sched.lock().take_buffer(
+                self.flat.padded_numel(),
                 self.flat.dtype(),
                 self.rs.device,
+                true,
             )?,
         };
         self.point_params(Some(&flat_grad), true)?;
@@ -301,8 +311,9 @@ impl FullyShardedDataParallel {
     /// the other, until the group timeout. See [Note: end-of-backward agreement] in
     /// `progress.rs`.
     fn agree_end_of_backward(&mut self) -> Result<()> {
+        let mut one = None;
         let work = {
-            let s = self.rs.sched.lock();
+            let mut s = self.rs.sched.lock();
             if !s.streams.reduces_apart() {
                 return Ok(());
             }
@@ -311,16 +322,21 @@ impl FullyShardedDataParallel {
                 // NCCL: a one-element all-reduce ordered on the device is the meeting (its
                 // watchdog names a rank that never comes); a barrier would block the host.
                 Some(d) if d.is_cuda() && s.shard_pg.backend() == "nccl" => {
-                    let one = Tensor::zeros_on(&[1], DType::F32, d)?;
-                    s.streams
-                        .unshard
-                        .all_reduce(&s.shard_pg, &one, ReduceOp::Sum)
+                    let t = s.take_buffer(1, DType::F32, d, true)?;
+                    let w = s.streams.unshard.all_reduce(&s.shard_pg, &t, ReduceOp::Sum);
+                    one = Some(t);
+                    w
                 }
                 _ => s.streams.unshard.barrier(&s.shard_pg),
             }
         };
         let (r, dt) = work.wait_timed();
-        self.rs.sched.lock().add_wait(dt);
+        let mut s = self.rs.sched.lock();
+        s.add_wait(dt);
+        // The compute stream waits for the all-reduce now: the element is free again.
+        if let (Ok(()), Some(t)) = (&r, one) {
+            s.buffers.give(t);
+        }
         r
     }
 

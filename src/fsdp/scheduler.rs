@@ -10,6 +10,7 @@
 //! dropped at the end of the pass. Every rank runs the same program, so every rank makes the
 //! same prefetch decisions and issues the same collectives in the same order.
 
+use super::buffers::BufferPool;
 use super::collectives::Gather;
 use super::flat_param::FlatParameter;
 use super::progress::Progress;
@@ -99,6 +100,9 @@ pub(super) struct Scheduler {
     /// The rank's memory figures: a gather's buffer counts from the moment it is issued.
     pub(super) mem: Arc<Mutex<MemoryStats>>,
     pub(super) units: Vec<UnitComm>,
+    /// The rank's FSDP buffers, reused from step to step on CUDA (`buffers.rs`): taken
+    /// and returned on the compute thread.
+    pub buffers: BufferPool,
     /// Each unit's full parameters (see [`ParamState`]).
     states: Vec<ParamState>,
     /// This iteration's pre-forward order so far, and the previous iteration's.
@@ -133,6 +137,8 @@ impl Scheduler {
             forward_prefetch: false,
             limit_all_gathers: false,
             units: Vec::new(),
+            // Double buffering for buffers a stream still uses: one stays in flight.
+            buffers: BufferPool::new(device.is_cuda(), 1),
             states: Vec::new(),
             pre_fwd: Vec::new(),
             prev_pre_fwd: Vec::new(),
@@ -332,6 +338,10 @@ impl Scheduler {
                 self.mem.lock().on_reshard(g.full.nbytes());
                 let (r, dt) = g.work.wait_timed();
                 self.stats.comm_wait_s += dt.as_secs_f64();
+                // The compute stream now waits for the gather: the buffer is free for it.
+                if r.is_ok() {
+                    self.buffers.give(g.full);
+                }
                 if first.is_ok() {
                     first = r;
                 }
@@ -343,5 +353,27 @@ impl Scheduler {
     /// Records time the compute thread spent blocked on communication.
     pub fn add_wait(&mut self, dt: Duration) {
         self.stats.comm_wait_s += dt.as_secs_f64();
+    }
+
+    /// A buffer from the rank's [`BufferPool`] ([`BufferPool::take`]; zeroed with `zero`),
+    /// the time it waited for a stream counted as communication wait.
+    ///
+    /// # Errors
+    /// As [`BufferPool::take`].
+    pub fn take_buffer(
+        &mut self,
+        numel: usize,
+        dtype: crate::tensor::DType,
+        device: Device,
+        zero: bool,
+    ) -> Result<Tensor> {
+        let t = if zero {
+            self.buffers.take_zeroed(numel, dtype, device)
+        } else {
+            self.buffers.take(numel, dtype, device)
+        };
+        let dt = self.buffers.take_waited();
+        self.add_wait(dt);
+        t
     }
 }

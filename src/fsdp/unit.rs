@@ -299,10 +299,14 @@ impl FullyShardedDataParallel {
     pub fn zero_grad(&mut self) {
         self.rs.sched.lock().progress.step_boundary();
         let mem = self.rs.mem.clone();
+        let sched = self.rs.sched.clone();
         self.each_unit(|u| {
             if let Some(g) = u.flat.grad_shard.take() {
                 let mut m = mem.lock();
                 m.grad_shard_bytes = m.grad_shard_bytes.saturating_sub(g.nbytes());
+                // Its readers (clipping, the optimizer) ran on the compute stream: the
+                // next backward's reduction can fill it again.
+                sched.lock().buffers.give(g);
             }
         });
         self.each_ignored(|_, p| p.set_grad(None));

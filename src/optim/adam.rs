@@ -78,6 +78,18 @@ fn zeros(n: usize, device: Device) -> Result<Tensor> {
     Tensor::zeros_on(&[n], DType::F32, device)
 }
 
+/// Zero moments for every tensor, unless they exist.
+fn init_moments(op: &'static str, state: &mut Vec<Moments>, params: &[ParamGrad]) -> Result<()> {
+    ensure_state(op, state, params, |pg| {
+        let (n, device) = (pg.param.numel(), pg.param.device());
+        Ok(Moments {
+            step: 0,
+            m: zeros(n, device)?,
+            v: zeros(n, device)?,
+        })
+    })
+}
+
 fn adam_step(
     config: &AdamConfig,
     groups: Option<&[ParamGroup]>,
@@ -88,14 +100,7 @@ fn adam_step(
 ) -> Result<()> {
     config.check()?;
     let hyper = resolve(groups, params.len(), config.lr, config.weight_decay)?;
-    ensure_state(op, state, params, |pg| {
-        let (n, device) = (pg.param.numel(), pg.param.device());
-        Ok(Moments {
-            step: 0,
-            m: zeros(n, device)?,
-            v: zeros(n, device)?,
-        })
-    })?;
+    init_moments(op, state, params)?;
     let (b1, b2) = config.betas;
     // The CUDA tensors of each group, stepped by one fused launch per group.
     let mut on_device: BTreeMap<usize, (AdamConfig, Vec<AdamItem>)> = BTreeMap::new();
@@ -364,6 +369,9 @@ macro_rules! impl_adam {
                     &mut self.state,
                     $op,
                 )
+            }
+            fn init_state(&mut self, params: &[ParamGrad]) -> Result<()> {
+                init_moments($op, &mut self.state, params)
             }
             fn state_bytes(&self) -> usize {
                 self.state

@@ -57,6 +57,19 @@ pub trait Optimizer: Send {
     /// length since the first step; `DTypeMismatch` for non-f32 tensors.
     fn step(&mut self, params: &[ParamGrad]) -> Result<()>;
 
+    /// Creates now the per-tensor state that the first [`step`](Self::step) would create
+    /// (Adam's moments, zeros), so that the results are the same: a trainer on CUDA calls
+    /// it before its first step, and the blocks the first step frees are where the second
+    /// step looks for them (the state would take some of them). A no-op for state that
+    /// exists already and for state made from the first gradient (SGD's momentum).
+    ///
+    /// # Errors
+    /// As [`step`](Self::step) when the list differs from the state's; allocation errors.
+    fn init_state(&mut self, params: &[ParamGrad]) -> Result<()> {
+        let _ = params;
+        Ok(())
+    }
+
     /// Bytes of optimizer state held (momentum buffers, Adam moments).
     fn state_bytes(&self) -> usize;
 

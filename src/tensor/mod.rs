@@ -71,6 +71,12 @@ impl Tensor {
         }
     }
 
+    /// Whether no other tensor (clone or view) shares this tensor's storage: a buffer pool
+    /// may then hand the storage to a new owner.
+    pub fn is_sole_owner(&self) -> bool {
+        Arc::strong_count(&self.storage) == 1
+    }
+
     /// Read access to the whole storage buffer this tensor views (for the backends: a CUDA
     /// tensor's allocation).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // only the CUDA backend reads it

@@ -247,6 +247,9 @@ pub(super) fn run_rank(
     let start = Instant::now();
     let mut records = Vec::with_capacity(cfg.steps.min(1 << 16));
     let mut pending = super::pending::Pending::new(device)?;
+    // The optimizer's state before the first step, not during it: the second step then
+    // reuses every block the first one freed (no device allocation from step 2 on).
+    opt.init_state(&engine.optimizer_params())?;
     for step in first_step..=cfg.steps {
         let (c0, l) = pending.begin()?;
         sched.set_epoch(opt.as_mut(), step - 1)?;

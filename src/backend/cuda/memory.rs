@@ -17,6 +17,12 @@
 //! size and is freed at once (the driver's free waits for the device). Slow; for finding
 //! out-of-bounds accesses and use after free (`scripts/cuda-emu.sh` runs a pass with it).
 //!
+//! Buffers that will live for the whole run (FSDP's [`BufferPool`](crate::fsdp::BufferPool))
+//! are made inside [`with_fresh_blocks`]: they take new blocks from the driver instead of
+//! cached ones, so they never hold a block that the step's short-lived tensors come back
+//! for (made from the cache during the first step, they would leave the second step
+//! short of the blocks the first one reused).
+//!
 //! [`MemAccount`]: bytes held by one rank (or any owner); every buffer is charged to one,
 //! so several ranks sharing a GPU (the threads backend) each see their own figures.
 
@@ -97,6 +103,23 @@ fn round_size(bytes: usize) -> usize {
     } else {
         bytes.div_ceil(LARGE) * LARGE
     }
+}
+
+thread_local! {
+    static FRESH: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with the calling thread's allocations taking new blocks from the driver rather
+/// than cached ones (see the module docs): for buffers kept for the whole run.
+pub fn with_fresh_blocks<R>(f: impl FnOnce() -> R) -> R {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            FRESH.with(|c| c.set(self.0));
+        }
+    }
+    let _reset = Reset(FRESH.with(|c| c.replace(true)));
+    f()
 }
 
 /// `FSDP_CUDA_NO_CACHING=1`: no cache, exact sizes (see the module docs).
@@ -193,13 +216,14 @@ impl Pool {
         stream: &Arc<CudaStream>,
         account: &Arc<MemAccount>,
     ) -> Result<DeviceBuffer> {
+        crate::backend::counters::count_allocator_request();
         let size = if no_caching() {
             bytes.max(1)
         } else {
             round_size(bytes)
         };
         let key = (stream_id(stream), size);
-        let cached = if no_caching() {
+        let cached = if no_caching() || FRESH.with(std::cell::Cell::get) {
             None
         } else {
             self.take_cached(key)
@@ -207,6 +231,15 @@ impl Pool {
         let ptr = match cached {
             Some(p) => p,
             None => {
+                if crate::backend::counters::alloc_debug() {
+                    // Why the cache missed: no block of this size for this stream, or only
+                    // blocks whose other streams' events have not completed.
+                    let waiting = self.free.lock().get(&key).map_or(0, Vec::len);
+                    eprintln!(
+                        "fsdp: cache miss for {size} B on stream {:#x}: {waiting} cached block(s) of that size wait on events",
+                        key.0
+                    );
+                }
                 let p = self.malloc(size)?;
                 self.reserved.fetch_add(size, Ordering::Relaxed);
                 p

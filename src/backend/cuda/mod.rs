@@ -62,7 +62,7 @@ pub use context::CudaDevice;
 #[cfg(feature = "cuda")]
 pub use current::{current_stream, rank_account, set_rank_account, use_stream, StreamGuard};
 #[cfg(feature = "cuda")]
-pub use memory::{DeviceBuffer, MemAccount, MemStats};
+pub use memory::{with_fresh_blocks, DeviceBuffer, MemAccount, MemStats};
 #[cfg(feature = "cuda")]
 pub use nn_ops::*;
 #[cfg(feature = "cuda")]

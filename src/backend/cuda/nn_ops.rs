@@ -8,7 +8,6 @@ use super::{DeviceTensor, Stream};
 use crate::backend::cpu::kernels::HeadDims;
 use crate::error::{Error, Result};
 use crate::tensor::DType;
-use cudarc::driver::result as cu;
 
 fn f32s(op: &'static str, s: &Stream, ts: &[&DeviceTensor]) -> Result<()> {
     check_device(op, s, ts)?;
@@ -475,14 +474,10 @@ pub fn softmax_causal_bwd(
     }
 }
 
-/// A one-element u64 flag set to `u64::MAX` on the stream (the kernels min an index in).
-fn invalid_flag(s: &Stream) -> Result<super::DeviceBuffer> {
-    let f = s.alloc_bytes(8)?;
-    // SAFETY: the buffer holds 8 bytes.
-    s.bind()?;
-    unsafe { cu::memset_d8_async(f.ptr(), 0xff, 8, s.inner.cu_stream()) }
-        .map_err(|e| Error::cuda("cuMemsetD8Async", e))?;
-    Ok(f)
+/// A one-element u64 flag set to `u64::MAX` on the stream (the kernels min an index in):
+/// a slot of the thread's index checks (`checks`), no allocation.
+fn invalid_flag(s: &Stream) -> Result<u64> {
+    super::checks::flag(s)
 }
 
 /// Cross-entropy of `logits (N, V)` against i32 `targets (N)`: per-row losses into
@@ -532,12 +527,11 @@ pub fn cross_entropy(
             n as i64,
             v as i64,
             inv_n,
-            flag.ptr(),
+            flag,
         )?;
     }
     super::checks::defer(
         s,
-        flag,
         Box::new(move |r| {
             Error::InvalidArgument(format!(
                 "cross_entropy: the target at position {r} is outside 0..{v}"
@@ -621,12 +615,11 @@ pub fn embedding_fwd(
             ids.numel() as i64,
             v as i64,
             c as i64,
-            flag.ptr(),
+            flag,
         )?;
     }
     super::checks::defer(
         s,
-        flag,
         Box::new(move |i| {
             Error::InvalidArgument(format!(
                 "embedding: the token id at position {i} is outside the vocabulary 0..{v}"

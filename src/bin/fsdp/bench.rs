@@ -187,10 +187,12 @@ pub(crate) fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
                 median(per_step.iter().map(|c| f(c) as f64).collect())
             };
             counters.push(format!(
-                "{:<36} {:>10} {:>10} {:>10} {:>10}",
+                "{:<36} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
                 name,
                 med(|c| c.host_syncs),
                 med(|c| c.device_allocs),
+                med(|c| c.allocator_requests),
+                med(|c| c.fsdp_buffer_allocs),
                 med(|c| c.kernel_launches),
                 med(|c| c.store_ops)
             ));
@@ -199,10 +201,12 @@ pub(crate) fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
     if !counters.is_empty() {
         out!("\nper step after warm-up (median, whole process): what each step asks of the host");
         out!(
-            "{:<36} {:>10} {:>10} {:>10} {:>10}",
+            "{:<36} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
             "configuration",
             "host syncs",
             "dev allocs",
+            "alloc reqs",
+            "fsdp bufs",
             "launches",
             "store ops"
         );
