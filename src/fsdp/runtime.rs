@@ -349,7 +349,8 @@ impl FullyShardedDataParallel {
     }
 
     /// `(name, gradient)` of this unit's trainable parameters between `pre_backward` and
-    /// `post_backward`: views of the flat gradient buffer, f32 of the parameters' shapes,
+    /// `post_backward`: views of the flat gradient buffer of the parameters' shapes (f32;
+    /// `param_dtype` tensors under low-precision mixed precision),
     /// into which the host adds d loss / d param (tied parameters share one view).
     ///
     /// # Errors

@@ -51,7 +51,7 @@ pub mod flat;
 pub mod layernorm;
 pub mod linalg;
 pub mod loss;
-mod lowp;
+pub(crate) mod lowp;
 
 pub use activation::{pointwise, pointwise_backward, Pointwise};
 pub use arith::{
