@@ -70,11 +70,17 @@ fn params(m: &mut ModelObj, index: usize) -> Res<Vec<Tensor>> {
 /// same ones after), folded into them by [`fold_f32_grads`].
 fn grad_tensors(m: &mut ModelObj, index: usize) -> Res<Vec<Option<Tensor>>> {
     let mut views = on_unit(m, index, |u| u.grad_views())?;
-    if views.iter().any(|(_, t)| t.dtype() != DType::F32 && t.dtype() != DType::F64) {
+    if views
+        .iter()
+        .any(|(_, t)| t.dtype() != DType::F32 && t.dtype() != DType::F64)
+    {
         let held = &mut m.units[index].grad_f32;
         if held.is_empty() {
             for (_, t) in &views {
-                held.push((Tensor::zeros_on(t.shape(), DType::F32, t.device())?, t.clone()));
+                held.push((
+                    Tensor::zeros_on(t.shape(), DType::F32, t.device())?,
+                    t.clone(),
+                ));
             }
         }
         for ((_, t), (f, _)) in views.iter_mut().zip(held.iter()) {
