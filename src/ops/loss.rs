@@ -89,6 +89,11 @@ fn cross_entropy_any(logits: &Tensor, targets: &Tensor) -> Result<(Loss, Tensor)
         crate::error::bail_arg!("cross_entropy: target {y} at position 0 is outside 0..0");
     }
     if let Some(lp) = lp {
+        #[cfg(feature = "cuda")]
+        if let crate::backend::Device::Cuda(i) = device {
+            let (loss, grad) = super::lowp::loss::cross_entropy_cuda(i, logits, targets, lp)?;
+            return Ok((Loss::Device(loss), grad));
+        }
         let (l, g) = super::lowp::loss::cross_entropy(logits, targets, v, lp)?;
         return Ok((Loss::Host(l), g));
     }

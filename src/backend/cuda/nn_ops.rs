@@ -476,7 +476,7 @@ pub fn softmax_causal_bwd(
 }
 
 /// A one-element u64 flag set to `u64::MAX` on the stream (the kernels min an index in).
-fn invalid_flag(s: &Stream) -> Result<super::DeviceBuffer> {
+pub(super) fn invalid_flag(s: &Stream) -> Result<super::DeviceBuffer> {
     let f = s.alloc_bytes(8)?;
     // SAFETY: the buffer holds 8 bytes.
     s.bind()?;

@@ -1,8 +1,9 @@
 //! `layer_norm` of a bf16/f16 input (PyTorch `native_layer_norm` for a reduced-precision
 //! input with weight and bias of the same dtype): statistics and output in f32, the output
 //! rounded once; `mean` and `rstd` are kept rounded to the input's dtype (they are
-//! `input.dtype` tensors in PyTorch's CPU kernel), and the backward recomputes
-//! `xhat = (x - mean) * rstd` in f32 from the saved input and those rounded statistics.
+//! `input.dtype` tensors in PyTorch's CPU kernel), and the backward runs PyTorch's CPU
+//! formula on the saved input and those rounded statistics (host loops on the CPU, the
+//! `lowp.cu` kernels on CUDA, the same operations in the same order).
 
 use super::{down, store, up, work_out};
 use crate::backend::Device;
@@ -25,7 +26,8 @@ pub(crate) fn forward(
     // Row means in f32: sum_j x[r, j] * (1 / C), one product per row (any device).
     let mean32 = crate::ops::output(&[n], x.device())?;
     if n > 0 && c > 0 {
-        let inv_c = Tensor::from_vec(vec![1.0 / c as f32; c], &[c])?.to_device(x.device())?;
+        let inv_c = crate::ops::output(&[c], x.device())?;
+        crate::ops::fill_(&inv_c, 1.0 / c as f32)?;
         let _f32 = crate::ops::autocast(None);
         crate::ops::matmul(
             &mean32,
@@ -106,6 +108,10 @@ pub(crate) fn backward(
             got: g.shape().to_vec(),
         });
     }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(i) = dy.device() {
+        return backward_cuda(i, dy, x, w, mean, &saved.rstd, (dw, db), dtype);
+    }
     let (xv, dyv, wv) = (x.to_vec_f32()?, dy.to_vec_f32()?, w.to_vec_f32()?);
     let (mv, av) = (mean.to_vec_f32()?, saved.rstd.to_vec_f32()?);
     let r = |v: f32| super::loss::round(v, dtype);
@@ -141,4 +147,58 @@ pub(crate) fn backward(
         }
     }
     put(dx, dy.shape(), dtype, device)
+}
+
+/// [`backward`] on `cuda:ordinal`: the `lowp.cu` kernels on the current stream (no host
+/// read). Every tensor is converted to `dtype` first (a no-op for a unit's own tensors).
+#[cfg(feature = "cuda")]
+#[allow(clippy::too_many_arguments)]
+fn backward_cuda(
+    ordinal: usize,
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    mean: &Tensor,
+    rstd: &Tensor,
+    (dw, db): (Option<&Tensor>, Option<&Tensor>),
+    dtype: DType,
+) -> Result<Tensor> {
+    use crate::backend::cuda;
+    let s = crate::ops::stream(ordinal)?;
+    let [dy, x, w, mean, rstd] = [dy, x, w, mean, rstd].map(|t| down(t, dtype));
+    let (dy, x, w, mean, rstd) = (dy?, x?, w?, mean?, rstd?);
+    let dx = Tensor::zeros_on(dy.shape(), dtype, dy.device())?;
+    cuda::layernorm_bwd_lp(
+        &s,
+        &x.as_device_tensor()?,
+        &dy.as_device_tensor()?,
+        &w.as_device_tensor()?,
+        &mean.as_device_tensor()?,
+        &rstd.as_device_tensor()?,
+        &dx.as_device_tensor()?,
+    )?;
+    if dw.is_some() || db.is_some() {
+        let c = w.numel();
+        let acc_w = Tensor::zeros_on(&[c], dtype, dy.device())?;
+        let acc_b = Tensor::zeros_on(&[c], dtype, dy.device())?;
+        cuda::layernorm_wgrad_lp(
+            &s,
+            &x.as_device_tensor()?,
+            &dy.as_device_tensor()?,
+            &mean.as_device_tensor()?,
+            &rstd.as_device_tensor()?,
+            &acc_w.as_device_tensor()?,
+            &acc_b.as_device_tensor()?,
+        )?;
+        for (g, acc) in [(dw, acc_w), (db, acc_b)] {
+            if let Some(g) = g {
+                if g.dtype() == acc.dtype() {
+                    crate::ops::add_(g, &acc)?;
+                } else {
+                    super::add_(g, &acc)?;
+                }
+            }
+        }
+    }
+    Ok(dx)
 }

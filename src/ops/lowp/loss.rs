@@ -73,6 +73,37 @@ pub(crate) fn cross_entropy(
     ))
 }
 
+/// [`cross_entropy`] on `cuda:ordinal` (`cross_entropy_lp_{dtype}`, then the f64 mean of
+/// the row losses in row order and its rounding to `dtype`, all on the device): the loss as
+/// a one-element f32 tensor there, and the gradient.
+#[cfg(feature = "cuda")]
+pub(crate) fn cross_entropy_cuda(
+    ordinal: usize,
+    logits: &Tensor,
+    targets: &Tensor,
+    dtype: DType,
+) -> Result<(Tensor, Tensor)> {
+    use crate::backend::cuda;
+    let s = crate::ops::stream(ordinal)?;
+    let n = targets.numel();
+    let dev = logits.device();
+    let w = round(1.0 / round(n as f32, dtype), dtype);
+    let losses = crate::ops::output(&[n], dev)?;
+    let grad = Tensor::zeros_on(logits.shape(), dtype, dev)?;
+    cuda::cross_entropy_lp(
+        &s,
+        &logits.as_device_tensor()?,
+        &targets.as_device_tensor()?,
+        w,
+        &losses.as_device_tensor()?,
+        &grad.as_device_tensor()?,
+    )?;
+    let loss = crate::ops::output(&[1], dev)?;
+    cuda::mean_rows(&s, &losses.as_device_tensor()?, &loss.as_device_tensor()?)?;
+    crate::ops::flat::round_to_(&loss, dtype)?;
+    Ok((loss, grad))
+}
+
 /// `mean((p - t)^2)` with a bf16/f16 prediction, non-empty: the loss and the gradient
 /// `2 (p - t) / N` computed in f32 from the widened values (the f32 op of
 /// [`crate::ops::mse_loss`]), the gradient rounded once to `dtype` (what the backward of
