@@ -167,6 +167,13 @@ pub(crate) fn add_(dst: &Tensor, src: &Tensor) -> Result<()> {
     store(dst, &d32)
 }
 
+/// [`super::scale_`] of a bf16/f16 tensor: `t = round(t * alpha)`.
+pub(crate) fn scale_(t: &Tensor, alpha: f32) -> Result<()> {
+    let t32 = up(t)?;
+    super::scale_(&t32, alpha)?;
+    store(t, &t32)
+}
+
 /// [`super::pointwise`] in `dtype`. GELU on the CPU is PyTorch's vectorized CPU kernel for
 /// reduced-precision floats, `(x 0.5) (1 + erf(x / sqrt 2))` in f32 with its
 /// Abramowitz-Stegun erf ([`erf_as`]), so the rounded outputs are PyTorch's; on CUDA (and
