@@ -7,6 +7,10 @@
 //   Fused predivide (scale = 1 / pre) and cast to reduce_dtype of the flat gradient, padded
 //   to shard_numel * world: the reduce-scatter input, with no gather (the flat gradient
 //   already has the FlatParameter's layout).
+// pack_grad_{src}_{dtype}(grad (n) src, out (n) dtype, scale, n), src in {f16, bf16}
+//   out[i] = cast<dtype>(f32(grad[i]) * scale)                                  (overwrites)
+//   The same for the param_dtype gradient of low-precision compute: the cast to
+//   reduce_dtype fused with the predivide.
 // unpack_grad_{dtype}(in (n) dtype, out (n) f32, scale, n)
 //   out[i] = f32(cast<dtype>(f32(in[i]) * scale))                               (overwrites)
 //   Fused postdivide (scale = 1 / post) in reduce_dtype and upcast of the reduced shard.
@@ -24,6 +28,13 @@
     map_elementwise(grad, out, n, [=](float g) { return from_f32<DST>(g * scale); });    \
   }
 
+#define PACK_GRAD_LP_KERNEL(NAME, SRC, DST)                                             \
+  extern "C" __global__ void NAME(const SRC* __restrict__ grad, DST* __restrict__ out,   \
+                                  float scale, int64_t n) {                              \
+    map_elementwise(grad, out, n,                                                        \
+                    [=](SRC g) { return from_f32<DST>(to_f32(g) * scale); });            \
+  }
+
 #define UNPACK_GRAD_KERNEL(NAME, SRC)                                                   \
   extern "C" __global__ void NAME(const SRC* __restrict__ in, float* __restrict__ out,  \
                                   float scale, int64_t n) {                             \
@@ -38,12 +49,18 @@
 
 PACK_GRAD_KERNEL(pack_grad_f32, float)
 PACK_GRAD_KERNEL(pack_grad_f16, __half)
+PACK_GRAD_LP_KERNEL(pack_grad_f16_f32, __half, float)
+PACK_GRAD_LP_KERNEL(pack_grad_f16_f16, __half, __half)
 UNPACK_GRAD_KERNEL(unpack_grad_f32, float)
 UNPACK_GRAD_KERNEL(unpack_grad_f16, __half)
 SUM_INTO_KERNEL(sum_into_f32, float)
 SUM_INTO_KERNEL(sum_into_f16, __half)
 #if FSDP_BF16
 PACK_GRAD_KERNEL(pack_grad_bf16, __nv_bfloat16)
+PACK_GRAD_LP_KERNEL(pack_grad_bf16_f32, __nv_bfloat16, float)
+PACK_GRAD_LP_KERNEL(pack_grad_bf16_bf16, __nv_bfloat16, __nv_bfloat16)
+PACK_GRAD_LP_KERNEL(pack_grad_f16_bf16, __half, __nv_bfloat16)
+PACK_GRAD_LP_KERNEL(pack_grad_bf16_f16, __nv_bfloat16, __half)
 UNPACK_GRAD_KERNEL(unpack_grad_bf16, __nv_bfloat16)
 SUM_INTO_KERNEL(sum_into_bf16, __nv_bfloat16)
 #endif

@@ -486,6 +486,86 @@ fn mixed_precision_bf16_on_cuda_matches_the_cpu_cuda() {
     compare("bf16 FullShard world 2", &run(CUDA0), &want[0], 2e-3, 1e-2);
 }
 
+/// The MLP of the PyTorch parity references (`tests/mixed_precision_torch.rs`):
+/// Linear(8, 16) -> GELU -> LayerNorm(16) -> Linear(16, 16) -> ReLU -> Linear(16, 4).
+fn mlp() -> Box<dyn Module> {
+    use fsdp::nn::{InitKey, LayerNorm, Linear, ReLU, Sequential, GELU};
+    let k = InitKey::new(5);
+    Box::new(Sequential::new(vec![
+        Box::new(Linear::new(8, 16, true, &k.child("0")).unwrap()),
+        Box::new(GELU::new()),
+        Box::new(LayerNorm::new(16).unwrap()),
+        Box::new(Linear::new(16, 16, true, &k.child("3")).unwrap()),
+        Box::new(ReLU::new()),
+        Box::new(Linear::new(16, 4, true, &k.child("5")).unwrap()),
+    ]))
+}
+
+#[test]
+fn bf16_and_f16_mlp_compute_on_device_tensors_as_on_the_cpu_cuda() {
+    if gpus("bf16_and_f16_mlp_compute_on_device_tensors_as_on_the_cpu_cuda").is_none() {
+        return;
+    }
+    // Every layer of a param_dtype unit takes and returns param_dtype device tensors
+    // (Linear + bias, GELU, LayerNorm and its backward, ReLU, the MSE gradient, the
+    // gradient's cast to reduce_dtype in the pack kernel), one unit per Linear, every
+    // strategy at world 2, SGD; against the same training on the CPU.
+    for d in [DType::BF16, DType::F16] {
+        for strategy in [
+            ShardingStrategy::FullShard,
+            ShardingStrategy::ShardGradOp,
+            ShardingStrategy::NoShard,
+        ] {
+            let run = |dev: Device| {
+                launch(&LaunchOptions::new(2), |pg: Group| {
+                    let cfg = FsdpConfig {
+                        sharding_strategy: strategy,
+                        auto_wrap_policy: Some(fsdp::fsdp::module_wrap_policy(["Linear"])),
+                        mixed_precision: Some(MixedPrecision {
+                            param_dtype: Some(d),
+                            reduce_dtype: Some(DType::F32),
+                            ..Default::default()
+                        }),
+                        device_id: Some(dev),
+                        ..Default::default()
+                    };
+                    let mut m = FullyShardedDataParallel::new(mlp(), pg.clone(), cfg)?;
+                    let mut o = common::sgd(0.1);
+                    let r = pg.rank();
+                    let mut outs = Vec::new();
+                    for step in 0..STEPS {
+                        let x = values(50 + step as u64, 12 * 8)[r * 48..(r + 1) * 48].to_vec();
+                        let t = values(60 + step as u64, 12 * 4)[r * 24..(r + 1) * 24].to_vec();
+                        let x = Tensor::from_vec(x, &[6, 8])?.to_device(dev)?;
+                        let t = Tensor::from_vec(t, &[6, 4])?.to_device(dev)?;
+                        let out = m.forward(&x, &Context::train())?;
+                        assert_eq!(out.dtype(), d);
+                        assert_eq!(out.device(), dev);
+                        let (_, g) = loss::mse_loss(&out, &t)?;
+                        assert_eq!(g.dtype(), d);
+                        m.backward(&g, &Context::train())?;
+                        o.step(&m.optimizer_params())?;
+                        m.zero_grad();
+                        outs.extend(out.to_vec_f32()?);
+                    }
+                    let mut p = m.full_parameters()?;
+                    p.push(("outputs".into(), outs));
+                    Ok(p)
+                })
+                .unwrap()
+            };
+            let want = run(Device::Cpu);
+            // GEMMs and row sums add in another order on the device (and the CPU's GELU
+            // uses PyTorch's CPU erf): a rounding may land one param_dtype ulp apart.
+            let got = run(CUDA0);
+            for r in 0..2 {
+                let what = format!("{d} {strategy:?} world 2 rank {r}");
+                compare(&what, &got[r..r + 1], &want[r], 4e-3, 2e-2);
+            }
+        }
+    }
+}
+
 fn clip_on(dev: Device) {
     let run = |dev: Device| {
         launch(&LaunchOptions::new(2), move |pg: Group| {

@@ -43,26 +43,26 @@ fn build(m: Model) -> Box<dyn Module> {
     }
 }
 
-/// Forward + backward on rows `lo..hi` of step `step`'s batch, the float input rounded to
-/// `round_input` first when given (what FSDP's input cast does at the root).
+/// Forward + backward on rows `lo..hi` of step `step`'s batch, the float input cast to
+/// `cast_input` first when given (what FSDP's root input cast does).
 fn step_loss(
     model: Model,
     m: &mut dyn Module,
     step: usize,
     lo: usize,
     hi: usize,
-    round_input: Option<DType>,
+    cast_input: Option<DType>,
 ) -> fsdp::Result<()> {
     let cx = Context::train();
     match model {
         Model::Uneven => {
             let x = values(100 + step as u64, ROWS * 7);
             let y = values(200 + step as u64, ROWS);
-            let mut xs = x[lo * 7..hi * 7].to_vec();
-            if let Some(d) = round_input {
-                xs = round(&xs, d);
+            let mut xt = Tensor::from_vec(x[lo * 7..hi * 7].to_vec(), &[hi - lo, 7])?;
+            if let Some(d) = cast_input {
+                xt = xt.to_dtype(d)?;
             }
-            let out = m.forward(&Tensor::from_vec(xs, &[hi - lo, 7])?, &cx)?;
+            let out = m.forward(&xt, &cx)?;
             let (_, g) =
                 loss::mse_loss(&out, &Tensor::from_vec(y[lo..hi].to_vec(), &[hi - lo, 1])?)?;
             m.backward(&g, &cx)?;
@@ -72,36 +72,34 @@ fn step_loss(
     Ok(())
 }
 
-/// Unsharded training with `param_dtype` compute emulated by hand: parameters and input
-/// rounded for forward/backward, the whole-batch gradient rounded, the f32 master stepped.
+/// Makes every parameter of `m` a `d` tensor (`model.to(d)`), keeping the f32 masters.
+fn to_low_precision(m: &mut dyn Module, d: DType) -> Vec<(String, Vec<f32>)> {
+    let master = named_values(m);
+    visit_parameters(m, "", false, &mut |_, p| {
+        let t = p.data()?.to_dtype(d)?;
+        p.set_grad(None);
+        p.set_data(Some(t))
+    })
+    .unwrap();
+    master
+}
+
+/// Unsharded training of the `param_dtype` model PyTorch FSDP runs: each step the f32
+/// masters are cast to `d`, forward and backward run on `d` tensors (every op rounding its
+/// output to `d`, gradients produced in `d`), and the gradients, cast to f32, step the f32
+/// masters.
 fn reference(model: Model, d: DType) -> Vec<(String, Vec<f32>)> {
     let mut m = build(model);
     let mut opt = sgd();
     for step in 0..STEPS {
-        let master = named_values(m.as_mut());
-        visit_parameters(m.as_mut(), "", false, &mut |_, p| {
-            let t = p.data().unwrap();
-            let r = round(&t.to_vec_f32().unwrap(), d);
-            t.f32_mut().unwrap().copy_from_slice(&r);
-            Ok(())
-        })
-        .unwrap();
-        {
-            // GEMM operands in `d`, as inside an FSDP unit.
-            let _lp = fsdp::ops::autocast(Some(d));
-            step_loss(model, m.as_mut(), step, 0, ROWS, Some(d)).unwrap();
-        }
+        let master = to_low_precision(m.as_mut(), d);
+        step_loss(model, m.as_mut(), step, 0, ROWS, Some(d)).unwrap();
         let mut i = 0;
         visit_parameters(m.as_mut(), "", false, &mut |_, p| {
-            p.data()
-                .unwrap()
-                .f32_mut()
-                .unwrap()
-                .copy_from_slice(&master[i].1);
-            if let Some(g) = p.grad() {
-                let r = round(&g.to_vec_f32().unwrap(), d);
-                g.f32_mut().unwrap().copy_from_slice(&r);
-            }
+            let g = p.grad().map(|g| g.to_dtype(DType::F32)).transpose()?;
+            let shape = p.data()?.shape().to_vec();
+            p.set_data(Some(Tensor::from_vec(master[i].1.clone(), &shape)?))?;
+            p.set_grad(g);
             i += 1;
             Ok(())
         })
@@ -161,9 +159,9 @@ fn max_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f32 {
 }
 
 #[test]
-fn bf16_forward_computes_on_rounded_parameters_and_inputs_exactly() {
-    // One unit: FSDP's forward output must be bitwise the f32 forward of the model whose
-    // parameters, input and GEMM operands were rounded to bf16.
+fn bf16_forward_is_the_forward_of_the_bf16_model() {
+    // FSDP's forward output is a bf16 tensor, bitwise the forward of the model cast to
+    // bf16 (parameters and input bf16 tensors, each op rounding its output once).
     let x = values(7, 4 * 7);
     let outs = launch(&LaunchOptions::new(2), |pg| {
         let cfg = FsdpConfig {
@@ -171,37 +169,19 @@ fn bf16_forward_computes_on_rounded_parameters_and_inputs_exactly() {
             ..Default::default()
         };
         let mut m = FullyShardedDataParallel::new(build(Model::Uneven), pg, cfg)?;
-        m.forward(&Tensor::from_vec(x.clone(), &[4, 7])?, &Context::eval())?
-            .to_vec_f32()
+        let y = m.forward(&Tensor::from_vec(x.clone(), &[4, 7])?, &Context::eval())?;
+        Ok((y.dtype(), y.to_vec_f32()?))
     })
     .unwrap();
     let mut plain = build(Model::Uneven);
-    visit_parameters(plain.as_mut(), "", false, &mut |_, p| {
-        let t = p.data().unwrap();
-        let r = round(&t.to_vec_f32().unwrap(), DType::BF16);
-        t.f32_mut().unwrap().copy_from_slice(&r);
-        Ok(())
-    })
-    .unwrap();
-    let want_without_autocast = plain
-        .forward(
-            &Tensor::from_vec(round(&x, DType::BF16), &[4, 7]).unwrap(),
-            &Context::eval(),
-        )
+    to_low_precision(plain.as_mut(), DType::BF16);
+    let xb = Tensor::from_vec(x.clone(), &[4, 7])
         .unwrap()
-        .to_vec_f32()
+        .to_dtype(DType::BF16)
         .unwrap();
-    let want = {
-        let _lp = fsdp::ops::autocast(Some(DType::BF16));
-        plain
-            .forward(
-                &Tensor::from_vec(round(&x, DType::BF16), &[4, 7]).unwrap(),
-                &Context::eval(),
-            )
-            .unwrap()
-            .to_vec_f32()
-            .unwrap()
-    };
+    let want = plain.forward(&xb, &Context::eval()).unwrap();
+    assert_eq!(want.dtype(), DType::BF16);
+    let want = want.to_vec_f32().unwrap();
     let unrounded = build(Model::Uneven)
         .forward(
             &Tensor::from_vec(x.clone(), &[4, 7]).unwrap(),
@@ -210,15 +190,12 @@ fn bf16_forward_computes_on_rounded_parameters_and_inputs_exactly() {
         .unwrap()
         .to_vec_f32()
         .unwrap();
-    for o in &outs {
+    for (dtype, o) in &outs {
+        assert_eq!(*dtype, DType::BF16);
         assert_eq!(o, &want);
     }
     assert_ne!(want, unrounded, "bf16 rounding must change the output");
-    // The hidden activations' rounding in the second and third GEMMs shows too.
-    assert_ne!(
-        want, want_without_autocast,
-        "bf16 GEMM operands must change the output"
-    );
+    assert_eq!(want, round(&want, DType::BF16), "outputs are bf16 values");
 }
 
 #[test]
@@ -376,4 +353,52 @@ fn integer_mixed_precision_dtypes_are_refused_at_wrap_time() {
     .unwrap_err()
     .to_string();
     assert!(err.contains("reduce_dtype") && err.contains("i32"), "{err}");
+}
+
+/// One training step of the small GPT (2 blocks, one unit each, FullShard at world 2) under
+/// `mp`; rank 0's memory figures.
+fn gpt_step_memory(mp: Option<MixedPrecision>) -> fsdp::fsdp::MemoryStats {
+    launch(&LaunchOptions::new(2), |pg| {
+        let cfg = FsdpConfig {
+            auto_wrap_policy: Some(transformer_auto_wrap_policy(["Block"])),
+            mixed_precision: mp,
+            ..Default::default()
+        };
+        let mut m = FullyShardedDataParallel::new(build(Model::Gpt), pg.clone(), cfg)?;
+        m.reset_peak_memory_stats();
+        let rows = ROWS / 2;
+        common::gpt_step(&mut m, 0, pg.rank() * rows, (pg.rank() + 1) * rows)?;
+        Ok(m.memory_stats())
+    })
+    .unwrap()
+    .remove(0)
+}
+
+#[test]
+fn bf16_halves_unsharded_parameter_and_saved_activation_bytes() {
+    let f32_mem = gpt_step_memory(None);
+    let bf16_mem = gpt_step_memory(Some(MixedPrecision::uniform(DType::BF16)));
+    eprintln!(
+        "peak unsharded parameter bytes f32 {} bf16 {}; saved activation bytes f32 {} bf16 {}",
+        f32_mem.peak_unsharded_param_bytes,
+        bf16_mem.peak_unsharded_param_bytes,
+        f32_mem.activation_bytes,
+        bf16_mem.activation_bytes
+    );
+    // The unsharded flat parameters are bf16 tensors: exactly half the bytes.
+    assert!(f32_mem.peak_unsharded_param_bytes > 0);
+    assert_eq!(
+        2 * bf16_mem.peak_unsharded_param_bytes,
+        f32_mem.peak_unsharded_param_bytes
+    );
+    // Every saved activation is bf16 but the token ids (i32 in both) and LayerNorm's saved
+    // statistics (two per row, where f32 saves one per row besides xhat): half, plus that.
+    assert!(f32_mem.activation_bytes > 0);
+    let ratio = bf16_mem.activation_bytes as f64 / f32_mem.activation_bytes as f64;
+    assert!(
+        (0.5..0.56).contains(&ratio),
+        "bf16 / f32 saved activation bytes {ratio}"
+    );
+    // The shards the optimizer steps on stay f32.
+    assert_eq!(bf16_mem.param_shard_bytes, f32_mem.param_shard_bytes);
 }

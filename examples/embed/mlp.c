@@ -11,10 +11,11 @@
  * unit "0" passes the host's own gradient arrays to post_backward. Both add.
  *
  * With --precision bf16 (MixedPrecision(param_dtype=reduce_dtype=bfloat16)) the parameter
- * views are bfloat16 and the host computes as torch.autocast does: every GEMM reads its
- * operands rounded to bfloat16 and accumulates in float32 (the layer input, the weight,
- * and in backward the output gradient), bias gradients and elementwise ops stay float32.
- * Unit "0" then hands its gradients to post_backward as bfloat16 arrays.
+ * views are bfloat16 and the host computes as a bfloat16 module does (PyTorch FSDP's
+ * param_dtype): every tensor is bfloat16, each layer computes in float32 and rounds its
+ * output once (the linear layers' outputs with their bias, the loss gradient, the input
+ * gradient); products accumulate in float32. Unit "0" then hands its gradients to
+ * post_backward as bfloat16 arrays.
  *
  * usage: mlp [--strategy full-shard|shard-grad-op|no-shard] [--optim sgd|adamw]
  *            [--worlds 1,2,4] [--steps 5] [--accum K] [--clip X] [--precision f32|bf16]
@@ -97,8 +98,8 @@ static void linear(const float *w, const float *b, const float *x, float *y, int
         }
 }
 
-/* dw += dy^T x, db += sum dy, dx = dy W (dx may be NULL); the GEMMs read dy as its
- * operand copy (rounded under bf16), the bias gradient the float32 dy. */
+/* dw += dy^T x, db += sum dy, dx = dy W (dx may be NULL), reading dy rounded to bfloat16
+ * under bf16 (the output gradient of a bfloat16 layer). */
 static void linear_backward(const float *w, const float *x, const float *dy, float *dw,
                             float *db, float *dx, int n, int o, int in) {
     float dyo[ROWS * OUT > ROWS * HID ? ROWS * OUT : ROWS * HID];
@@ -107,7 +108,7 @@ static void linear_backward(const float *w, const float *x, const float *dy, flo
     for (int r = 0; r < n; r++)
         for (int j = 0; j < o; j++) {
             float g = dyo[r * o + j];
-            db[j] += dy[r * o + j];
+            db[j] += g;
             for (int k = 0; k < in; k++) {
                 dw[j * in + k] += g * x[r * in + k];
                 if (dx) dx[r * in + k] += g * w[j * in + k];
@@ -160,6 +161,7 @@ static float micro_batch(fsdp_model_t model, fsdp_unit_t root, fsdp_unit_t u0, f
     operand(a, a0, n * HID);
     CHECK(fsdp_unit_pre_forward(u2, true, p, 2, NULL));
     linear(param(&p[0], w, OUT * HID), param(&p[1], b, OUT), a, y, n, OUT, HID);
+    operand(y, y, n * OUT); /* the bfloat16 output */
     CHECK(fsdp_unit_post_forward(u2, true, NULL));
     CHECK(fsdp_unit_post_forward(root, true, NULL));
     /* mse over the micro-batch's elements, scaled for accumulation */
@@ -176,6 +178,7 @@ static float micro_batch(fsdp_model_t model, fsdp_unit_t root, fsdp_unit_t u0, f
     linear_backward(param(&p[0], w, OUT * HID), a, dy, as_f32(&g[0]), as_f32(&g[1]), da, n, OUT,
                     HID);
     CHECK(fsdp_unit_post_backward(u2, NULL, 0, true, NULL));
+    operand(da, da, n * HID); /* the bfloat16 input gradient */
     for (int i = 0; i < n * HID; i++) da[i] = h[i] > 0.0f ? da[i] : 0.0f;
     CHECK(fsdp_unit_pre_backward(u0, p, NULL, 2, NULL));
     /* into the host's own arrays, handed to post_backward (as bfloat16 under bf16) */

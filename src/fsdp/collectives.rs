@@ -23,16 +23,19 @@ use crate::tensor::{DType, Tensor};
 /// An all-gather in flight (or done): its handle and the buffer it fills.
 pub(super) struct Gather {
     pub work: Work,
-    /// `(c W)` f32 values (rounded to `param_dtype` under mixed precision).
+    /// `(c W)` values: f32 (f64 for an f64 FlatParameter), or a `param_dtype` tensor
+    /// under low-precision mixed precision (the parameters' views of it are then bf16/f16
+    /// tensors, as FSDP1's unsharded flat parameter is).
     pub full: Tensor,
 }
 
 impl Scheduler {
-    /// Issues the all-gather of unit `id` on the stream: `param_dtype` shard -> `param_dtype`
-    /// full buffer -> f32 values in `full` (under `NoShard`, only the rounded copy). `full`
-    /// is allocated on the compute device by the calling (compute) thread; the stream's
-    /// scratch buffers are its own. `full` (and the device copy of an offloaded shard)
-    /// come from the rank's buffer pool.
+    /// Issues the all-gather of unit `id` on the stream: the shard cast to `param_dtype`
+    /// (FSDP1 `_use_low_precision_shard`), gathered straight into the `param_dtype` full
+    /// buffer `full` (under `NoShard`, only the cast copy). `full` is allocated on the
+    /// compute device by the calling (compute) thread; the stream's scratch buffers are its
+    /// own. `full` (and the device copy of an offloaded shard) come from the rank's buffer
+    /// pool.
     ///
     /// # Errors
     /// [`Error::Cuda`](crate::Error::Cuda) when the buffer cannot be allocated.
@@ -41,12 +44,12 @@ impl Scheduler {
         let _tag = progress::enter(self.progress.gather(id));
         let device = self.device;
         let (padded, shard_dtype) = (self.units[id].padded, self.units[id].shard.dtype());
-        let full = self.take_buffer(padded, shard_dtype, device, true)?;
         // An f64 FlatParameter gathers in f64 (mixed precision is refused for it).
         let dtype = match shard_dtype {
             DType::F64 => DType::F64,
             _ => self.mp.compute_dtype(),
         };
+        let full = self.take_buffer(padded, dtype, device, true)?;
         let on_device = match self.streams.pre_unshard {
             Some(_) => {
                 Some(self.take_buffer(self.units[id].shard.numel(), dtype, device, false)?)
@@ -68,16 +71,13 @@ impl Scheduler {
                     dst.copy_from(&shard)
                 })
             };
-            let (pg, out, padded, sharded) =
-                (self.shard_pg.clone(), full.clone(), u.padded, self.sharded);
+            let (pg, out, sharded) = (self.shard_pg.clone(), full.clone(), self.sharded);
             let keep = vec![full.clone(), on_device.clone()];
             let staged = on_device.clone();
             let work = unshard.submit_keeping(keep, move || {
                 h2d.wait()?;
                 if sharded {
-                    let lp_full = Tensor::zeros_on(&[padded], dtype, device)?;
-                    pg.all_gather_into_tensor(&lp_full, &on_device)?;
-                    out.copy_from(&lp_full)
+                    pg.all_gather_into_tensor(&out, &on_device)
                 } else {
                     out.copy_from(&on_device)
                 }
@@ -88,25 +88,15 @@ impl Scheduler {
         } else if !self.sharded {
             // NoShard: the "shard" is the whole flat parameter; make the compute copy.
             let (shard, out) = (u.shard.clone(), full.clone());
-            unshard.submit_keeping(keep, move || {
-                out.copy_from(&shard)?;
-                super::mixed_precision::round_(&out, dtype)
-            })
+            unshard.submit_keeping(keep, move || out.copy_from(&shard))
         } else if dtype == u.shard.dtype() {
             unshard.all_gather_into_tensor(&self.shard_pg, &full, &u.shard)
         } else {
-            let (pg, shard, out, padded) = (
-                self.shard_pg.clone(),
-                u.shard.clone(),
-                full.clone(),
-                u.padded,
-            );
+            let (pg, shard, out) = (self.shard_pg.clone(), u.shard.clone(), full.clone());
             unshard.submit_keeping(keep, move || {
                 // FSDP1 `_use_low_precision_shard`: cast the shard, gather low precision.
                 let lp_shard = shard.to_dtype(dtype)?;
-                let lp_full = Tensor::zeros_on(&[padded], dtype, device)?;
-                pg.all_gather_into_tensor(&lp_full, &lp_shard)?;
-                out.copy_from(&lp_full)
+                pg.all_gather_into_tensor(&out, &lp_shard)
             })
         };
         Ok(Gather { work, full })
@@ -132,13 +122,10 @@ impl FullyShardedDataParallel {
         // A unit that ran backward twice in one pass: fold the first result in first.
         self.finish_reduce()?;
         let mp = self.rs.mp;
-        if mp.is_low_precision() {
-            // The gradient of low-precision compute is a low-precision tensor.
-            self.round_flat_grad(&flat_grad, mp.compute_dtype())?;
-        }
-        // The gradient's own dtype (f32, or f64 for an f64 FlatParameter, which reduces in
-        // f64), unless mixed precision says otherwise.
-        let gd = flat_grad.dtype();
+        // The gradient of low-precision compute is a param_dtype tensor; the master shard's
+        // gradient has the FlatParameter's dtype (f32, or f64 for an f64 FlatParameter,
+        // which reduces in f64).
+        let gd = self.flat.dtype();
         let rd = if gd == DType::F64 {
             gd
         } else {
@@ -166,8 +153,9 @@ impl FullyShardedDataParallel {
         let released = flat_grad.clone();
         let keep = vec![flat_grad.clone(), out.clone()];
         let job = move || -> Result<()> {
-            // Predivide fused with the cast to reduce_dtype (in place in f32).
-            let input = if rd == gd {
+            // Predivide fused with the cast from the gradient's dtype to reduce_dtype (in
+            // place when they are one dtype).
+            let input = if rd == flat_grad.dtype() && matches!(rd, DType::F32 | DType::F64) {
                 flat_grad.clone()
             } else {
                 Tensor::zeros_on(flat_grad.shape(), rd, device)?
@@ -217,26 +205,6 @@ impl FullyShardedDataParallel {
         };
         self.pending_grad = Some(PendingGrad { work, out });
         Ok(())
-    }
-
-    /// Rounds `flat_grad` to `dtype` in place ([`round_`]); on CUDA through a low-precision
-    /// buffer of the rank's pool, used on the compute stream only (the two casts
-    /// `round_` makes, without a new block each backward).
-    fn round_flat_grad(&mut self, flat_grad: &Tensor, dtype: DType) -> Result<()> {
-        if !flat_grad.device().is_cuda() || flat_grad.dtype() != DType::F32 || dtype == DType::F32 {
-            return round_(flat_grad, dtype);
-        }
-        let low = self.rs.sched.lock().take_buffer(
-            flat_grad.numel(),
-            dtype,
-            flat_grad.device(),
-            false,
-        )?;
-        let r = low
-            .copy_from(flat_grad)
-            .and_then(|()| flat_grad.copy_from(&low));
-        self.rs.sched.lock().buffers.give(low);
-        r
     }
 
     /// Waits for this unit's reduction in flight, if any, and accumulates its shard into

@@ -23,6 +23,13 @@ pub struct MemoryStats {
     /// materialized original parameters plus the shards made so far. A model built on the
     /// meta device with initializers holds only its shards.
     pub init_peak_bytes: usize,
+    /// Bytes of the activations saved for backward at the end of the root's last
+    /// training forward ([`crate::nn::saved_activation_bytes`] over the whole model):
+    /// their peak for that step. `param_dtype` bf16/f16 halves them.
+    pub activation_bytes: usize,
+    /// Most [`activation_bytes`](Self::activation_bytes) seen since the last
+    /// [`reset_peak`](Self::reset_peak).
+    pub peak_activation_bytes: usize,
 }
 
 impl MemoryStats {
@@ -40,8 +47,14 @@ impl MemoryStats {
         self.unsharded_units = self.unsharded_units.saturating_sub(1);
     }
 
+    pub(crate) fn on_activations(&mut self, bytes: usize) {
+        self.activation_bytes = bytes;
+        self.peak_activation_bytes = self.peak_activation_bytes.max(bytes);
+    }
+
     /// Starts a new peak window at the current level.
     pub fn reset_peak(&mut self) {
+        self.peak_activation_bytes = 0;
         self.peak_unsharded_param_bytes = self.unsharded_param_bytes;
         self.peak_unsharded_units = self.unsharded_units;
     }

@@ -7,29 +7,27 @@
 //! |---|---|
 //! | sharded parameters (what the optimizer steps on) | f32, always |
 //! | all-gather of parameters (bytes on the wire) | `param_dtype` |
-//! | parameters and floating-point unit inputs during forward/backward | `param_dtype` values |
-//! | GEMM operands (linear layers, attention products), forward and backward | `param_dtype`, f32 accumulation |
-//! | gradients as computed | `param_dtype` values |
-//! | reduce-scatter / all-reduce of gradients, pre/post-division | `reduce_dtype` (default `param_dtype`) |
-//! | sharded gradient the optimizer reads | f32, or `param_dtype` values with `keep_low_precision_grads` |
+//! | unsharded flat parameter and the parameters' views of it | `param_dtype` tensors (no f32 copy) |
+//! | the root's floating-point input | cast to `param_dtype` (`cast_root_forward_inputs`; every unit's with `cast_forward_inputs`); its gradient cast back |
+//! | every layer's output, saved activations, activation gradients | `param_dtype` tensors: each op computes in f32 and rounds its output once (`ops/lowp`) |
+//! | unsharded flat gradient (what backward writes parameter gradients into) | `param_dtype` tensor |
+//! | reduce-scatter / all-reduce of gradients, pre/post-division | `reduce_dtype` (default `param_dtype`); the cast from `param_dtype` fused with the predivide (`pack_grad`) |
+//! | sharded gradient the optimizer reads | f32, or `param_dtype` values with `keep_low_precision_grads` (f32 storage) |
 //! | module buffers (never sharded) during forward | `buffer_dtype` values (f32 storage) |
 //!
-//! The layers compute in f32 on values rounded to `param_dtype`: parameters after the
-//! all-gather, unit inputs at the unit boundary, and the unsharded gradient before it is
-//! reduced, on the CPU and on CUDA alike (the rounding runs on the tensor's device). Every
-//! GEMM of a unit reads both operands as `param_dtype` with f32 accumulation, as a
-//! `param_dtype` module's `F.linear`/`bmm` does: each unit's forward and backward run in an
-//! [`crate::ops::autocast`] scope (on CUDA a cuBLAS bf16/f16 tensor-core GEMM, on the CPU
-//! the f32 GEMM of rounded copies). Elementwise ops, LayerNorm, softmax and the loss stay
-//! f32, as they would under `torch.autocast`. The collectives move real `param_dtype` /
-//! `reduce_dtype` tensors.
+//! So a unit's forward and backward run in `param_dtype` as a `param_dtype` module does in
+//! PyTorch FSDP1: the ops of a bf16/f16 tensor read their inputs as f32, accumulate in f32
+//! and round each output once to the dtype (`crate::ops` documents the rounding points of
+//! each), on the CPU and on CUDA alike. The unsharded parameters and the saved activations
+//! take half the bytes of f32. The f32 path is untouched.
 
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
 
 /// FSDP's mixed-precision policy. `None` fields keep f32. Only floating dtypes (f32, bf16,
-/// f16) are accepted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// f16) are accepted. The default is FSDP1's: nothing low precision,
+/// `cast_root_forward_inputs` on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MixedPrecision {
     /// Dtype of the unsharded parameters used in forward/backward and of the parameter
     /// all-gather (`param_dtype`).
@@ -44,6 +42,25 @@ pub struct MixedPrecision {
     /// Keep the sharded gradient in `param_dtype` precision instead of upcasting it to f32
     /// after the reduction (`keep_low_precision_grads`).
     pub keep_low_precision_grads: bool,
+    /// Every unit casts its floating-point (f32) input to `param_dtype` before its forward
+    /// (`cast_forward_inputs`, default false).
+    pub cast_forward_inputs: bool,
+    /// The root unit casts its floating-point (f32) input to `param_dtype`
+    /// (`cast_root_forward_inputs`, default true); the input gradient it returns is f32.
+    pub cast_root_forward_inputs: bool,
+}
+
+impl Default for MixedPrecision {
+    fn default() -> Self {
+        MixedPrecision {
+            param_dtype: None,
+            reduce_dtype: None,
+            buffer_dtype: None,
+            keep_low_precision_grads: false,
+            cast_forward_inputs: false,
+            cast_root_forward_inputs: true,
+        }
+    }
 }
 
 impl MixedPrecision {
@@ -53,7 +70,7 @@ impl MixedPrecision {
             param_dtype: Some(dtype),
             reduce_dtype: Some(dtype),
             buffer_dtype: Some(dtype),
-            keep_low_precision_grads: false,
+            ..MixedPrecision::default()
         }
     }
 

@@ -22,7 +22,6 @@ use super::FullyShardedDataParallel;
 use crate::distributed::ReduceOp;
 use crate::error::Result;
 use crate::nn::{ChildVisitor, Context, Module};
-use crate::ops::flat;
 use crate::tensor::{DType, Tensor};
 
 impl FullyShardedDataParallel {
@@ -137,13 +136,17 @@ impl FullyShardedDataParallel {
         })
     }
 
-    /// Rounds a floating-point input to `param_dtype` (FSDP's `cast_forward_inputs`).
+    /// Casts an f32 input to `param_dtype` (FSDP1 `_cast_forward_inputs`): on the root
+    /// with `cast_root_forward_inputs` (the default) or `cast_forward_inputs`, on a nested
+    /// unit with `cast_forward_inputs` only (its input is normally the output of
+    /// `param_dtype` layers already).
     fn cast_input(&self, x: &Tensor) -> Result<Option<Tensor>> {
         let mp = self.rs.mp;
-        if !mp.is_low_precision() || x.dtype() != DType::F32 {
+        let wanted = mp.cast_forward_inputs || (self.is_root && mp.cast_root_forward_inputs);
+        if !mp.is_low_precision() || x.dtype() != DType::F32 || !wanted {
             return Ok(None);
         }
-        flat::rounded(x, mp.compute_dtype()).map(Some)
+        x.to_dtype(mp.compute_dtype()).map(Some)
     }
 }
 
@@ -243,11 +246,17 @@ impl FullyShardedDataParallel {
         self.finish_unshard(g)?;
         // Layers accumulate (+=) into their grad views, so a gradient kept from backwards
         // under no_sync simply keeps growing.
+        // Under low-precision mixed precision the gradient is a param_dtype tensor, as
+        // autograd's gradient of FSDP1's param_dtype unsharded flat parameter.
+        let grad_dtype = match self.flat.dtype() {
+            DType::F64 => DType::F64,
+            _ => self.rs.mp.compute_dtype(),
+        };
         let flat_grad = match self.flat.unsynced_grad.take() {
             Some(g) => g,
             None => self.rs.sched.lock().take_buffer(
                 self.flat.padded_numel(),
-                self.flat.dtype(),
+                grad_dtype,
                 self.rs.device,
                 true,
             )?,
@@ -360,7 +369,8 @@ impl FullyShardedDataParallel {
     }
 
     /// `(name, gradient)` of this unit's trainable parameters between `pre_backward` and
-    /// `post_backward`: views of the flat gradient buffer, f32 of the parameters' shapes,
+    /// `post_backward`: views of the flat gradient buffer of the parameters' shapes (f32;
+    /// `param_dtype` tensors under low-precision mixed precision),
     /// into which the host adds d loss / d param (tied parameters share one view).
     ///
     /// # Errors
@@ -406,23 +416,31 @@ impl Module for FullyShardedDataParallel {
         self.cast_buffers()?;
         self.pre_forward(cx.grad_enabled)?;
         let y = self.cast_input(x).and_then(|cast| {
-            // The unit's GEMMs read param_dtype operands (see `ops::autocast`).
-            let _lp = crate::ops::autocast(self.rs.mp.param_dtype);
+            // The cast is undone in backward (the gradient of `x.to(param_dtype)`).
+            self.input_cast = cast.is_some() && cx.grad_enabled;
             self.module.forward(cast.as_ref().unwrap_or(x), cx)
         });
         self.post_forward(y.is_ok())?;
+        if self.is_root && cx.grad_enabled && y.is_ok() {
+            // Saved activations peak now, before backward consumes them.
+            let bytes = crate::nn::saved_activation_bytes(self.module.as_mut())?;
+            self.rs.mem.lock().on_activations(bytes);
+        }
         y
     }
 
     fn backward(&mut self, grad_out: &Tensor, cx: &Context) -> Result<Tensor> {
         self.check_not_summoning("backward")?;
         let result = self.pre_backward().and_then(|()| {
-            let dx = {
-                let _lp = crate::ops::autocast(self.rs.mp.param_dtype);
-                self.module.backward(grad_out, cx)
-            };
+            let dx = self.module.backward(grad_out, cx);
             self.post_backward(dx.is_ok())?;
-            dx
+            // The gradient of the input cast back to f32 (autograd's `ToCopyBackward`).
+            match dx {
+                Ok(d) if std::mem::take(&mut self.input_cast) && d.dtype() != DType::F32 => {
+                    d.to_dtype(DType::F32)
+                }
+                other => other,
+            }
         });
         if self.is_root {
             let fin = match &result {

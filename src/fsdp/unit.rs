@@ -86,6 +86,9 @@ pub struct FullyShardedDataParallel {
     pub(super) forward_grad: Option<bool>,
     /// Between `pre_backward` and `post_backward`.
     pub(super) in_backward: Option<super::runtime::InBackward>,
+    /// The last training forward cast its f32 input to `param_dtype`: the backward casts
+    /// the input gradient back to f32.
+    pub(super) input_cast: bool,
 }
 
 /// FSDP1's gradient divide factors for a data-parallel world of `dp` ranks

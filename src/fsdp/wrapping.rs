@@ -241,6 +241,7 @@ impl FullyShardedDataParallel {
             slots,
             forward_grad: None,
             in_backward: None,
+            input_cast: false,
         };
         // The originals now live in the FlatParameter: free them (sharded state).
         unit.point_params(None, false)?;

@@ -59,6 +59,9 @@ impl<F: PointwiseFn> Module for Pointwise<F> {
             .ok_or(Error::NoSavedForward { module: F::NAME })?;
         ops::pointwise_backward(F::OP, &x, dy)
     }
+    fn saved_tensors(&self, out: &mut Vec<Tensor>) {
+        out.extend(self.saved_x.clone());
+    }
     fn for_each_param(&mut self, f: &mut super::ParamVisitor<'_>) -> Result<()> {
         super::no_params(f)
     }

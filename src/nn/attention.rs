@@ -101,11 +101,11 @@ impl Module for CausalSelfAttention {
         drop(qkv);
         // Per head (B*H products): scores (T, T) = q (T, hd) @ k^T; P = causal softmax;
         // y_h (T, hd) = P @ v.
-        let scores = ops::output(&[b, self.n_head, t, t], x.device())?;
+        let scores = ops::output_like(&[b, self.n_head, t, t], &q)?;
         ops::causal_matmul(&scores, &q, &k, CausalProduct::Scores, d)?;
         let p = ops::softmax_causal(&scores, t, self.scale())?;
         drop(scores);
-        let yh = ops::output(&[b, self.n_head, t, d.hd], x.device())?;
+        let yh = ops::output_like(&[b, self.n_head, t, d.hd], &p)?;
         ops::causal_matmul(&yh, &p, &v, CausalProduct::Lower, d)?;
         let y = ops::merge_heads(&yh, d)?;
         if cx.grad_enabled {
@@ -119,24 +119,29 @@ impl Module for CausalSelfAttention {
             module: "CausalSelfAttention",
         })?;
         let (t, hd) = (d.t, d.hd);
-        let dev = q.device();
         let dy = self.c_proj.backward(dout, cx)?;
         let dyh = ops::split_heads(&dy, d)?;
         drop(dy);
         // dP (T, T) = dy_h (T, hd) @ v^T ; dv (T, hd) = P^T @ dy_h
-        let dp = ops::output(&[d.b, d.h, t, t], dev)?;
+        let dp = ops::output_like(&[d.b, d.h, t, t], &dyh)?;
         ops::causal_matmul(&dp, &dyh, &v, CausalProduct::Scores, d)?;
-        let dv = ops::output(&[d.b, d.h, t, hd], dev)?;
+        let dv = ops::output_like(&[d.b, d.h, t, hd], &dyh)?;
         ops::causal_matmul(&dv, &p, &dyh, CausalProduct::LowerT, d)?;
         // softmax backward, with the score scale folded in: dS = P * (dP - <P, dP>) * scale
         ops::softmax_causal_backward_(&p, &dp, t, self.scale())?;
         // dq = dS @ k ; dk = dS^T @ q
-        let dq = ops::output(&[d.b, d.h, t, hd], dev)?;
+        let dq = ops::output_like(&[d.b, d.h, t, hd], &dyh)?;
         ops::causal_matmul(&dq, &dp, &k, CausalProduct::Lower, d)?;
-        let dk = ops::output(&[d.b, d.h, t, hd], dev)?;
+        let dk = ops::output_like(&[d.b, d.h, t, hd], &dyh)?;
         ops::causal_matmul(&dk, &dp, &q, CausalProduct::LowerT, d)?;
         let dqkv = ops::merge_qkv(&dq, &dk, &dv, d)?;
         self.c_attn.backward(&dqkv, cx)
+    }
+
+    fn saved_tensors(&self, out: &mut Vec<Tensor>) {
+        if let Some(s) = &self.saved {
+            out.extend([s.q.clone(), s.k.clone(), s.v.clone(), s.p.clone()]);
+        }
     }
 
     fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {

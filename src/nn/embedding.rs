@@ -66,6 +66,10 @@ impl Module for Embedding {
         }
         Tensor::zeros_on(&[0], DType::F32, ids.device())
     }
+    fn saved_tensors(&self, out: &mut Vec<Tensor>) {
+        out.extend(self.saved_ids.clone());
+    }
+
     fn for_each_param(&mut self, f: &mut ParamVisitor<'_>) -> Result<()> {
         f("weight", &mut self.weight)
     }

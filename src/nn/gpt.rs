@@ -136,7 +136,7 @@ impl Module for GPT {
         }
         let h = self.ln_f.forward(&h, cx)?;
         // logits (B*T, V) = h (B*T, C) @ wte^T, wte stored (V, C)
-        let logits = ops::output(&[b, t, v], h.device())?;
+        let logits = ops::output_like(&[b, t, v], &h)?;
         ops::matmul(
             &logits,
             &h,
@@ -170,7 +170,7 @@ impl Module for GPT {
         }
         let n = b * t;
         // dh (N, C) = dlogits (N, V) @ wte (V, C)
-        let dh = ops::output(&[b, t, c], h.device())?;
+        let dh = ops::output_like(&[b, t, c], &h)?;
         ops::matmul(
             &dh,
             dlogits,
@@ -201,6 +201,12 @@ impl Module for GPT {
             ops::embedding_backward(&ids, &g, gw)?;
         }
         Tensor::zeros_on(&[0], DType::F32, ids.device())
+    }
+
+    fn saved_tensors(&self, out: &mut Vec<Tensor>) {
+        if let Some((ids, h)) = &self.saved {
+            out.extend([ids.clone(), h.clone()]);
+        }
     }
 
     fn for_each_param(&mut self, f: &mut ParamVisitor<'_>) -> Result<()> {

@@ -64,6 +64,13 @@ impl Module for LayerNorm {
         ops::layer_norm_backward(dy, &saved, &w, dw.as_ref(), db.as_ref())
     }
 
+    fn saved_tensors(&self, out: &mut Vec<Tensor>) {
+        if let Some(s) = &self.saved {
+            out.extend([s.xhat.clone(), s.rstd.clone()]);
+            out.extend(s.mean.clone());
+        }
+    }
+
     fn for_each_param(&mut self, f: &mut ParamVisitor<'_>) -> Result<()> {
         f("weight", &mut self.weight)?;
         f("bias", &mut self.bias)

@@ -141,7 +141,7 @@ impl Module for Linear {
         // dx (n, i) = dy (n, o) @ W (o, i)
         let dx = match x.dtype() {
             DType::F64 => Tensor::zeros(x.shape(), DType::F64),
-            _ => ops::output(x.shape(), x.device())?,
+            _ => ops::output_like(x.shape(), &x)?,
         };
         ops::matmul(
             &dx,
@@ -161,6 +161,10 @@ impl Module for Linear {
             }
         }
         Ok(dx)
+    }
+
+    fn saved_tensors(&self, out: &mut Vec<Tensor>) {
+        out.extend(self.saved_x.clone());
     }
 
     fn for_each_param(&mut self, f: &mut ParamVisitor<'_>) -> Result<()> {

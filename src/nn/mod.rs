@@ -38,6 +38,7 @@ mod linear;
 pub mod loss;
 mod module;
 mod parameter;
+mod saved;
 pub(crate) mod state_dict;
 pub mod torch_rng;
 mod transformer;
@@ -60,6 +61,7 @@ pub use module::{
     visit_parameters, zero_grad, ChildVisitor, Context, Module, ParamVisitor,
 };
 pub use parameter::Parameter;
+pub use saved::saved_activation_bytes;
 pub use state_dict::{load_state_dict, state_dict, FullStateDict, IncompatibleKeys};
 pub use torch_rng::TorchGenerator;
 pub use transformer::{Block, MLP};

@@ -148,6 +148,14 @@ pub trait Module: Send {
         Ok(())
     }
 
+    /// Pushes the tensors this module (not its children) holds for its backward now:
+    /// what its last training forward saved and the backward has not consumed yet. The
+    /// default pushes nothing (a layer that saves nothing, or one not accounted for);
+    /// [`saved_activation_bytes`](crate::nn::saved_activation_bytes) sums them.
+    fn saved_tensors(&self, out: &mut Vec<Tensor>) {
+        let _ = out;
+    }
+
     /// True for an FSDP unit: it owns the parameters below it, so an enclosing unit does
     /// not flatten them. Also transparent in names: its child is visited under its own name.
     fn is_fsdp_unit(&self) -> bool {

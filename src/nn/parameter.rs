@@ -134,8 +134,8 @@ impl Parameter {
         self.grad = grad;
     }
 
-    /// The gradient to accumulate into, created as zeros of the parameter's dtype (f32,
-    /// or f64 for an f64 parameter) on the parameter's
+    /// The gradient to accumulate into, created as zeros of the parameter's dtype (f32;
+    /// f64, bf16 or f16 for a parameter of that dtype) on the parameter's
     /// [`device`](Self::device) when absent; `None` for a frozen parameter (callers then
     /// skip the weight gradient). A gradient set by [`set_grad`](Self::set_grad) is used as
     /// it is, wherever it lives (the ops then check it is on the data's device).
@@ -147,10 +147,11 @@ impl Parameter {
             return Ok(None);
         }
         if self.grad.is_none() {
-            let dtype = if self.dtype == DType::F64 {
-                DType::F64
-            } else {
-                DType::F32
+            // Gradients have the parameter's floating dtype (a bf16 parameter gets bf16
+            // gradients, as in PyTorch).
+            let dtype = match self.dtype {
+                d @ (DType::F64 | DType::BF16 | DType::F16) => d,
+                _ => DType::F32,
             };
             self.grad = Some(Tensor::zeros_on(&self.shape, dtype, self.device)?);
         }

@@ -37,6 +37,9 @@ impl Pointwise {
 /// `DTypeMismatch` for a non-f32 input; `NotMaterialized` on meta; [`Error::Cuda`].
 pub fn pointwise(f: Pointwise, x: &Tensor) -> Result<Tensor> {
     let _device = same_device(f.name(), &[x])?;
+    if let Some(lp) = super::lowp::lp_of(&[x]) {
+        return super::lowp::pointwise(f, x, lp);
+    }
     if super::double::any_f64(&[x]) {
         return super::double::pointwise(f, x);
     }
@@ -84,6 +87,9 @@ pub fn pointwise_backward(f: Pointwise, x: &Tensor, dy: &Tensor) -> Result<Tenso
     }
     if super::double::any_f64(&[x, dy]) {
         return super::double::pointwise_backward(f, x, dy);
+    }
+    if let Some(lp) = super::lowp::lp_of(&[x, dy]) {
+        return super::lowp::pointwise_backward(f, x, dy, lp);
     }
     check_f32(f.name(), &[x, dy])?;
     #[cfg(feature = "cuda")]

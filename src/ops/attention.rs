@@ -40,6 +40,9 @@ fn check_numel(op: &'static str, t: &Tensor, want: usize) -> Result<()> {
 /// errors.
 pub fn split_qkv(qkv: &Tensor, d: HeadDims) -> Result<[Tensor; 3]> {
     let device = same_device("split_qkv", &[qkv])?;
+    if let Some(lp) = super::lowp::lp_of(&[qkv]) {
+        return super::lowp::split_qkv(qkv, d, lp);
+    }
     check_f32("split_qkv", &[qkv])?;
     check_numel("split_qkv", qkv, 3 * d.numel())?;
     let shape = [d.b, d.h, d.t, d.hd];
@@ -101,6 +104,9 @@ pub fn split_qkv(qkv: &Tensor, d: HeadDims) -> Result<[Tensor; 3]> {
 /// As [`split_qkv`].
 pub fn merge_qkv(dq: &Tensor, dk: &Tensor, dv: &Tensor, d: HeadDims) -> Result<Tensor> {
     let device = same_device("merge_qkv", &[dq, dk, dv])?;
+    if let Some(lp) = super::lowp::lp_of(&[dq, dk, dv]) {
+        return super::lowp::merge_qkv(dq, dk, dv, d, lp);
+    }
     check_f32("merge_qkv", &[dq, dk, dv])?;
     for t in [dq, dk, dv] {
         check_numel("merge_qkv", t, d.numel())?;
@@ -154,6 +160,9 @@ pub fn merge_qkv(dq: &Tensor, dk: &Tensor, dv: &Tensor, d: HeadDims) -> Result<T
 /// # Errors
 /// As [`split_qkv`].
 pub fn merge_heads(yh: &Tensor, d: HeadDims) -> Result<Tensor> {
+    if let Some(lp) = super::lowp::lp_of(&[yh]) {
+        return super::lowp::permute(yh, d, lp, merge_heads);
+    }
     permute_heads("merge_heads", yh, d, false)
 }
 
@@ -162,6 +171,9 @@ pub fn merge_heads(yh: &Tensor, d: HeadDims) -> Result<Tensor> {
 /// # Errors
 /// As [`split_qkv`].
 pub fn split_heads(y: &Tensor, d: HeadDims) -> Result<Tensor> {
+    if let Some(lp) = super::lowp::lp_of(&[y]) {
+        return super::lowp::permute(y, d, lp, split_heads);
+    }
     permute_heads("split_heads", y, d, true)
 }
 
@@ -227,6 +239,9 @@ fn permute_heads(op: &'static str, src: &Tensor, d: HeadDims, split: bool) -> Re
 /// CUDA errors.
 pub fn softmax_causal(s: &Tensor, t: usize, scale: f32) -> Result<Tensor> {
     let device = same_device("softmax_causal", &[s])?;
+    if let Some(lp) = super::lowp::lp_of(&[s]) {
+        return super::lowp::softmax_causal(s, t, scale, lp);
+    }
     check_f32("softmax_causal", &[s])?;
     check_square_rows("softmax_causal", s, t)?;
     let p = output(s.shape(), device)?;
@@ -262,6 +277,9 @@ pub fn softmax_causal(s: &Tensor, t: usize, scale: f32) -> Result<Tensor> {
 /// `ShapeMismatch` when `p` and `dp` differ; as [`softmax_causal`].
 pub fn softmax_causal_backward_(p: &Tensor, dp: &Tensor, t: usize, scale: f32) -> Result<()> {
     let _device = same_device("softmax_causal_backward_", &[p, dp])?;
+    if super::lowp::lp_of(&[p, dp]).is_some() {
+        return super::lowp::softmax_causal_backward_(p, dp, t, scale);
+    }
     check_f32("softmax_causal_backward_", &[p, dp])?;
     check_square_rows("softmax_causal_backward_", p, t)?;
     check_numel("softmax_causal_backward_", dp, p.numel())?;

@@ -3,12 +3,11 @@
 //! [`super::linear`] on that thread reads its two operands as that dtype and accumulates
 //! in f32 (the output stays f32).
 //!
-//! This is how [`crate::fsdp::MixedPrecision`]'s `param_dtype` reaches the GEMMs: in
-//! PyTorch FSDP the unsharded parameters are `param_dtype` tensors, so each `F.linear`
-//! and attention `bmm` of a wrapped module multiplies two `param_dtype` tensors with an
-//! f32 accumulator (cuBLAS `CUBLAS_COMPUTE_32F`). Here the layers keep f32 tensors, and
-//! FSDP opens this scope around each unit's forward and backward
-//! (`FullyShardedDataParallel` in `crate::fsdp::runtime`).
+//! `torch.autocast` for GEMMs on f32 tensors. [`crate::fsdp::MixedPrecision`] does not use
+//! it: there the unsharded parameters and activations are real `param_dtype` tensors, as
+//! in PyTorch FSDP, and every op rounds its own output (the low-precision paths of
+//! [`crate::ops`]); inside those paths the scope is closed, since their operands already
+//! hold low-precision values.
 //!
 //! | device | what a GEMM does under `autocast(bf16)` |
 //! |---|---|

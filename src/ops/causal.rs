@@ -159,6 +159,9 @@ pub fn causal_matmul(
 ) -> Result<()> {
     let (t, hd, bh) = (d.t, d.hd, d.b * d.h);
     let device = same_device("causal_matmul", &[out, a, b])?;
+    if super::lowp::lp_of(&[out, a, b]).is_some() {
+        return super::lowp::causal_matmul(out, a, b, which, d);
+    }
     check_f32("causal_matmul", &[out, a, b])?;
     let dims = which.dims(t, hd);
     if device.is_cuda() || !pays(which) || !blocked(t, hd) {

@@ -114,12 +114,16 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     Ok(out)
 }
 
-/// `t *= alpha` in place on an f32 tensor, or an f64 one on the host (`Tensor.mul_`).
+/// `t *= alpha` in place on an f32 tensor, an f64 one on the host, or a bf16/f16 one (the
+/// product in f32, rounded once) (`Tensor.mul_`).
 ///
 /// # Errors
 /// `DTypeMismatch` for a non-f32 tensor; `NotMaterialized` on meta.
 pub fn scale_(t: &Tensor, alpha: f32) -> Result<()> {
     let _device = same_device("scale_", &[t])?;
+    if super::lowp::lp_of(&[t]).is_some() {
+        return super::lowp::scale_(t, alpha);
+    }
     #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {
         return crate::backend::cuda::scale(&*super::stream(i)?, &t.as_device_tensor()?, alpha);

@@ -45,6 +45,9 @@ fn check_ids(op: &'static str, ids: &Tensor) -> Result<()> {
 /// device and CUDA errors.
 pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     let device = same_device("embedding", &[table, ids])?;
+    if let Some(lp) = super::lowp::lp_of(&[table]) {
+        return super::lowp::embedding(table, ids, lp);
+    }
     check_f32("embedding", &[table])?;
     check_ids("embedding", ids)?;
     let (v, c) = table_dims("embedding", table)?;
@@ -103,6 +106,9 @@ pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
 /// `ShapeMismatch` when `dout` does not hold `ids.numel() * C` elements; as [`embedding`].
 pub fn embedding_backward(ids: &Tensor, dout: &Tensor, grad: &Tensor) -> Result<()> {
     let _device = same_device("embedding_backward", &[ids, dout, grad])?;
+    if super::lowp::lp_of(&[dout, grad]).is_some() {
+        return super::lowp::embedding_backward(ids, dout, grad);
+    }
     check_f32("embedding_backward", &[dout, grad])?;
     check_ids("embedding_backward", ids)?;
     let (_, c) = table_dims("embedding_backward", grad)?;

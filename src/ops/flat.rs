@@ -54,10 +54,11 @@ fn require_float(op: &'static str, t: &Tensor) -> Result<()> {
 }
 
 /// `out[i] = cast<out.dtype>(grad[i] * scale)`: the predivide (`scale = 1 / pre`) and cast
-/// to `reduce_dtype` of a flat f32 gradient, giving the reduce-scatter input (FSDP1
+/// to `reduce_dtype` of a flat gradient, giving the reduce-scatter input (FSDP1
 /// `_post_backward_hook`: `grad.div_(predivide_factor)` then `.to(reduce_dtype)`). `grad`
-/// `(n)` f32, `out` `(n)` f32/bf16/f16, one device; `out` may be `grad` itself (f32, in
-/// place).
+/// `(n)` f32, or bf16/f16 (the `param_dtype` gradient of low-precision compute, read as
+/// f32: one rounding, to `out`'s dtype), `out` `(n)` f32/bf16/f16, one device; `out` may
+/// be `grad` itself when both are f32 (in place).
 ///
 /// # Errors
 /// `DeviceMismatch`, `ShapeMismatch`, `DTypeMismatch`, `InvalidArgument` (partial overlap),
@@ -68,9 +69,9 @@ pub fn pack_grad(grad: &Tensor, out: &Tensor, scale: f32) -> Result<()> {
     if grad.dtype() == DType::F64 {
         return scale_f64("pack_grad", grad, out, scale);
     }
-    require("pack_grad", grad, DType::F32)?;
+    require_float("pack_grad", grad)?;
     require_float("pack_grad", out)?;
-    if grad.same_view(out) {
+    if grad.same_view(out) && grad.dtype() == DType::F32 {
         return super::scale_(out, scale);
     }
     #[cfg(feature = "cuda")]
@@ -82,12 +83,58 @@ pub fn pack_grad(grad: &Tensor, out: &Tensor, scale: f32) -> Result<()> {
             scale,
         );
     }
+    if grad.dtype() != DType::F32 {
+        if grad.shares_storage(out) {
+            crate::error::bail_arg!(
+                "pack_grad: a {} gradient packs into another tensor",
+                grad.dtype()
+            );
+        }
+        return pack_grad_lp(grad, out, scale);
+    }
     let g = grad.f32()?;
     match out.dtype() {
         DType::F32 => cpu::pack_grad(&g, &mut out.data_mut::<f32>()?, scale),
         DType::BF16 => cpu::pack_grad(&g, &mut out.data_mut::<half::bf16>()?, scale),
         DType::F16 => cpu::pack_grad(&g, &mut out.data_mut::<half::f16>()?, scale),
         d @ (DType::F64 | DType::I32 | DType::I64) => Err(Error::DTypeMismatch {
+            op: "pack_grad",
+            expected: DType::F32,
+            got: d,
+        }),
+    }
+}
+
+/// [`pack_grad`] of a bf16/f16 gradient on the host: `out[i] = cast(f32(grad[i]) * scale)`.
+fn pack_grad_lp(grad: &Tensor, out: &Tensor, scale: f32) -> Result<()> {
+    fn run<S: crate::tensor::Element>(g: &[S], out: &Tensor, scale: f32) -> Result<()> {
+        fn into<S: crate::tensor::Element, D: crate::tensor::Element>(
+            g: &[S],
+            o: &mut [D],
+            scale: f32,
+        ) {
+            for (o, &v) in o.iter_mut().zip(g) {
+                *o = D::from_f32(v.to_f32() * scale);
+            }
+        }
+        match out.dtype() {
+            DType::F32 => into(g, &mut out.data_mut::<f32>()?, scale),
+            DType::BF16 => into(g, &mut out.data_mut::<half::bf16>()?, scale),
+            DType::F16 => into(g, &mut out.data_mut::<half::f16>()?, scale),
+            d => {
+                return Err(Error::DTypeMismatch {
+                    op: "pack_grad",
+                    expected: DType::F32,
+                    got: d,
+                })
+            }
+        }
+        Ok(())
+    }
+    match grad.dtype() {
+        DType::BF16 => run(&grad.data::<half::bf16>()?, out, scale),
+        DType::F16 => run(&grad.data::<half::f16>()?, out, scale),
+        d => Err(Error::DTypeMismatch {
             op: "pack_grad",
             expected: DType::F32,
             got: d,

@@ -19,6 +19,11 @@ pub struct LayerNormSaved {
     pub xhat: Tensor,
     /// `1 / sqrt(var + eps)` per row, `(rows)`.
     pub rstd: Tensor,
+    /// `None` for an f32 forward. After a bf16/f16 forward, the row means `(rows)` in that
+    /// dtype, and then `xhat` holds the input `x` itself and `rstd` the rounded rstd: what
+    /// PyTorch's `native_layer_norm` saves for a reduced-precision input (`input`, `mean`,
+    /// `rstd` in the input's dtype); the backward recomputes `xhat` from them in f32.
+    pub mean: Option<Tensor>,
 }
 
 fn rows(op: &'static str, x: &Tensor, c: usize) -> Result<usize> {
@@ -45,6 +50,9 @@ pub fn layer_norm(
     eps: f32,
 ) -> Result<(Tensor, LayerNormSaved)> {
     let device = same_device("layer_norm", &[x, w, b])?;
+    if let Some(lp) = super::lowp::lp_of(&[x, w, b]) {
+        return super::lowp::layernorm::forward(x, w, b, eps, lp);
+    }
     check_f32("layer_norm", &[x, w, b])?;
     let c = w.numel();
     let n = rows("layer_norm", x, c)?;
@@ -61,7 +69,14 @@ pub fn layer_norm(
         output(&[n], device)?,
     );
     if c == 0 || n == 0 {
-        return Ok((y, LayerNormSaved { xhat, rstd }));
+        return Ok((
+            y,
+            LayerNormSaved {
+                xhat,
+                rstd,
+                mean: None,
+            },
+        ));
     }
     #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = device {
@@ -75,7 +90,14 @@ pub fn layer_norm(
             &xhat.as_device_tensor()?,
             &rstd.as_device_tensor()?,
         )?;
-        return Ok((y, LayerNormSaved { xhat, rstd }));
+        return Ok((
+            y,
+            LayerNormSaved {
+                xhat,
+                rstd,
+                mean: None,
+            },
+        ));
     }
     {
         let (xv, wv, bv) = (x.f32()?, w.f32()?, b.f32()?);
@@ -93,7 +115,14 @@ pub fn layer_norm(
             },
         )?;
     }
-    Ok((y, LayerNormSaved { xhat, rstd }))
+    Ok((
+        y,
+        LayerNormSaved {
+            xhat,
+            rstd,
+            mean: None,
+        },
+    ))
 }
 
 /// Given `dy` (shape of the forward's `x`), returns `dx = rstd (dy w - mean(dy w) - xhat
@@ -110,7 +139,10 @@ pub fn layer_norm_backward(
     dw: Option<&Tensor>,
     db: Option<&Tensor>,
 ) -> Result<Tensor> {
-    let LayerNormSaved { xhat, rstd } = saved;
+    if saved.mean.is_some() || super::lowp::lp_of(&[dy, w]).is_some() {
+        return super::lowp::layernorm::backward(dy, saved, w, dw, db);
+    }
+    let LayerNormSaved { xhat, rstd, .. } = saved;
     let mut ts = vec![dy, xhat, rstd, w];
     ts.extend(dw);
     ts.extend(db);

@@ -63,6 +63,9 @@ pub fn matmul_batched(
     accumulate: bool,
 ) -> Result<()> {
     let _device = same_device("matmul", &[out, a, b])?;
+    if super::lowp::lp_of(&[out, a, b]).is_some() {
+        return super::lowp::matmul_batched(out, a, b, d, batch, accumulate);
+    }
     let f64_path = super::double::any_f64(&[out, a, b]);
     if !f64_path {
         check_f32("matmul", &[out, a, b])?;
@@ -166,6 +169,9 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     let mut ts = vec![x, weight];
     ts.extend(bias);
     let _device = same_device("linear", &ts)?;
+    if let Some(lp) = super::lowp::lp_of(&ts) {
+        return super::lowp::linear(x, weight, bias, lp);
+    }
     if super::double::any_f64(&ts) {
         return super::double::linear(x, weight, bias, o);
     }
@@ -249,6 +255,9 @@ fn rows_of(op: &'static str, t: &Tensor, c: usize) -> Result<usize> {
 /// and `b` share storage; device and dtype errors.
 pub fn bias_add_(y: &Tensor, b: &Tensor) -> Result<()> {
     let _device = same_device("bias_add_", &[y, b])?;
+    if super::lowp::lp_of(&[y, b]).is_some() {
+        return super::lowp::bias_add_(y, b);
+    }
     if super::double::any_f64(&[y, b]) {
         rows_of("bias_add_", y, b.numel())?;
         return super::double::bias_add_(y, b);
@@ -288,6 +297,9 @@ pub fn bias_add_(y: &Tensor, b: &Tensor) -> Result<()> {
 /// As [`bias_add_`].
 pub fn bias_grad(dy: &Tensor, db: &Tensor) -> Result<()> {
     let _device = same_device("bias_grad", &[dy, db])?;
+    if super::lowp::lp_of(&[dy, db]).is_some() {
+        return super::lowp::bias_grad(dy, db);
+    }
     if super::double::any_f64(&[dy, db]) {
         rows_of("bias_grad", dy, db.numel())?;
         return super::double::bias_grad(dy, db);

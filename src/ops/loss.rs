@@ -74,7 +74,10 @@ fn cross_entropy_any(logits: &Tensor, targets: &Tensor) -> Result<(Loss, Tensor)
         });
     }
     let device = same_device("cross_entropy", &[logits, targets])?;
-    super::check_f32("cross_entropy", &[logits])?;
+    let lp = super::lowp::lp_of(&[logits]);
+    if lp.is_none() {
+        super::check_f32("cross_entropy", &[logits])?;
+    }
     if n == 0 {
         // PyTorch: the mean over an empty batch is 0/0 = NaN; nothing to differentiate.
         return Ok((Loss::Host(f32::NAN), super::output(logits.shape(), device)?));
@@ -84,6 +87,15 @@ fn cross_entropy_any(logits: &Tensor, targets: &Tensor) -> Result<(Loss, Tensor)
             .to_device(crate::backend::Device::Cpu)?
             .data::<i32>()?[0];
         crate::error::bail_arg!("cross_entropy: target {y} at position 0 is outside 0..0");
+    }
+    if let Some(lp) = lp {
+        #[cfg(feature = "cuda")]
+        if let crate::backend::Device::Cuda(i) = device {
+            let (loss, grad) = super::lowp::loss::cross_entropy_cuda(i, logits, targets, lp)?;
+            return Ok((Loss::Device(loss), grad));
+        }
+        let (l, g) = super::lowp::loss::cross_entropy(logits, targets, v, lp)?;
+        return Ok((Loss::Host(l), g));
     }
     let inv_n = 1.0 / n as f32;
     #[cfg(feature = "cuda")]
@@ -182,6 +194,9 @@ pub fn mse_loss(pred: &Tensor, target: &Tensor) -> Result<(f32, Tensor)> {
     if super::double::any_f64(&[pred, target]) && pred.numel() > 0 {
         return super::double::mse_loss(pred, target);
     }
+    if let Some(lp) = super::lowp::lp_of(&[pred, target]).filter(|_| pred.numel() > 0) {
+        return super::lowp::loss::mse_loss(pred, target, lp);
+    }
     if pred.numel() == 0 {
         super::check_f32("mse_loss", &[pred, target])?;
         return Ok((f32::NAN, super::output(pred.shape(), device)?));
@@ -222,6 +237,9 @@ pub fn sum_loss(x: &Tensor) -> Result<(f32, Tensor)> {
     let device = same_device("sum_loss", &[x])?;
     if super::double::any_f64(&[x]) {
         return super::double::sum_loss(x);
+    }
+    if let Some(lp) = super::lowp::lp_of(&[x]) {
+        return super::lowp::loss::sum_loss(x, lp);
     }
     if device.is_cuda() {
         super::check_f32("sum_loss", &[x])?;

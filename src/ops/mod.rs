@@ -27,6 +27,7 @@
 //! | `embedding.rs` | [`embedding()`], [`embedding_backward`] | `F.embedding` |
 //! | `flat.rs` | [`flat::pack_grad`], [`flat::unpack_grad`], [`flat::round_to_`], [`flat::rounded`] (FSDP's flat buffers, autocast's operands) | the `_reduce_grad` pre/post-divide and casts |
 //! | `loss.rs` | [`cross_entropy`], [`mse_loss`], [`sum_loss`] | `F.cross_entropy`, `F.mse_loss`, `.sum()` |
+//! | `lowp/` | the bf16/f16 paths of the ops above (f32 compute of widened inputs, each output rounded once to the inputs' dtype; the losses and LayerNorm as PyTorch rounds them), taken when an operand is bf16/f16 | `param_dtype` modules under FSDP mixed precision |
 //! | `double.rs` | the f64 host paths of [`matmul`], [`linear`], [`bias_add_`], [`bias_grad`], ReLU, [`mse_loss`], [`sum_loss`] (taken when an operand is f64) | float64 tensors |
 //!
 //! The ops marked (CPU) have CPU loops only: on CUDA they return `Unsupported`. They are what
@@ -50,6 +51,7 @@ pub mod flat;
 pub mod layernorm;
 pub mod linalg;
 pub mod loss;
+pub(crate) mod lowp;
 
 pub use activation::{pointwise, pointwise_backward, Pointwise};
 pub use arith::{
@@ -137,6 +139,18 @@ pub(crate) fn output(shape: &[usize], device: Device) -> Result<Tensor> {
         return Ok(Tensor::scratch_f32(shape));
     }
     Tensor::zeros_on(shape, DType::F32, device)
+}
+
+/// [`output`] in the dtype of `like` when it is bf16/f16 (an nn op's output or scratch
+/// for a low-precision module), else f32 (the f32 path's [`output`] exactly).
+///
+/// # Errors
+/// As [`output`].
+pub(crate) fn output_like(shape: &[usize], like: &Tensor) -> Result<Tensor> {
+    match like.dtype() {
+        d @ (DType::BF16 | DType::F16) => Tensor::zeros_on(shape, d, like.device()),
+        _ => output(shape, like.device()),
+    }
 }
 
 /// The calling thread's current stream on `cuda:ordinal` (see

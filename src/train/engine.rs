@@ -25,6 +25,10 @@ pub struct RankMemory {
     pub peak_unsharded_param_bytes: usize,
     /// Most FSDP units unsharded (or being gathered) at once in the step, root included.
     pub peak_unsharded_units: usize,
+    /// Bytes of the activations saved for backward at the end of the step's forward
+    /// (their peak; the largest over its micro-batches): FSDP's
+    /// [`MemoryStats::peak_activation_bytes`](crate::fsdp::MemoryStats::peak_activation_bytes).
+    pub activation_bytes: usize,
     /// Microseconds the rank waited on FSDP's collectives in the step: on the CPU its
     /// compute thread's blocked time; on CUDA also the time its compute stream stood still
     /// waiting for a collective's event (read without blocking, so a wait still in flight
@@ -183,6 +187,7 @@ impl Engine {
                     optim_state_bytes,
                     peak_unsharded_param_bytes: s.peak_unsharded_param_bytes,
                     peak_unsharded_units: s.peak_unsharded_units,
+                    activation_bytes: s.peak_activation_bytes,
                     comm_wait_us: ((m.runtime_stats().comm_wait_s + stall_s) * 1e6) as usize,
                     device_peak_bytes,
                 }
@@ -234,7 +239,7 @@ impl Engine {
 }
 
 /// i32 words of one [`RankMemory`] in a gather ([`RankMemory::to_words`]).
-pub(crate) const MEMORY_WORDS: usize = 14;
+pub(crate) const MEMORY_WORDS: usize = 16;
 
 impl RankMemory {
     /// The figures as [`MEMORY_WORDS`] i32 words for a collective (each count split into
@@ -248,6 +253,7 @@ impl RankMemory {
             self.peak_unsharded_units,
             self.comm_wait_us,
             self.device_peak_bytes,
+            self.activation_bytes,
         ];
         let mut w = [0i32; MEMORY_WORDS];
         for (i, f) in fields.into_iter().enumerate() {
@@ -269,6 +275,7 @@ impl RankMemory {
             peak_unsharded_units: f(4),
             comm_wait_us: f(5),
             device_peak_bytes: f(6),
+            activation_bytes: f(7),
         }
     }
 }

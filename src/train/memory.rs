@@ -7,8 +7,8 @@
 //!
 //! | part | bytes | where |
 //! |---|---|---|
-//! | attention probabilities saved for backward | `L b H T^2` floats | `CausalSelfAttention`'s `Saved::p` |
-//! | transient attention buffer | `b H T^2` floats (2 under mixed precision) | the scores in forward, their gradient `dp` in backward; the rounded GEMM operand copy of `ops::autocast` on the CPU |
+//! | attention probabilities saved for backward | `L b H T^2` floats (half under mixed precision: bf16/f16) | `CausalSelfAttention`'s `Saved::p` |
+//! | transient attention buffer | `b H T^2` floats (4 under mixed precision) | the scores in forward, their gradient `dp` in backward; under mixed precision the low-precision softmax's f32 widening and f32 result beside the bf16 scores and probabilities (`ops::lowp`) |
 //! | other saved activations | `L b T 19 C + b T (3 V + 3 C)` floats | Linear inputs, q/k/v, LayerNorm `xhat`, GELU input; logits, their gradient and the loss's copy |
 //! | other transient activations | `b T 12 C` floats (`16 C` mixed) | gradients flowing back through a block, `qkv` before the split |
 //! | evaluation (no grad) | `b_e T (12 C + 2 V)` + `2 b_e H T^2` floats (3 mixed) | [`evaluate`](super::job) on `--global-batch / --world-size` rows: larger than a micro-batch under `--grad-accum` |
@@ -102,7 +102,11 @@ impl TrainConfig {
         let scores = b * h * t * t * F32;
         let scores_eval = b_eval * h * t * t * F32;
         let extra = if mixed { 1.0 } else { 0.0 };
-        let attn_train = (l + 1.0 + extra) * scores;
+        // Mixed precision saves bf16 probabilities (half a matrix each), and the softmax
+        // of a bf16 matrix holds it, its f32 widening, the f32 result and the rounded
+        // result at once (three f32 matrices' bytes); the bf16 buffers freed in between
+        // do not go to the f32 buffer pool (one more, measured).
+        let attn_train = if mixed { 0.5 * l + 4.0 } else { l + 1.0 } * scores;
         let attn_eval = (2.0 + extra) * scores_eval;
 
         let tokens = b * t;

@@ -106,11 +106,8 @@ impl Run {
 /// (mse over the rows, as mlp.c computes it); returns the sum of squared errors.
 fn micro(m: &mut dyn Module, s: usize, lo: usize, hi: usize, scale: f32) -> f32 {
     let (x, t) = batch(s, lo, hi);
-    let y = m
-        .forward(&x, &Context::train())
-        .unwrap()
-        .to_vec_f32()
-        .unwrap();
+    let out = m.forward(&x, &Context::train()).unwrap();
+    let y = out.to_vec_f32().unwrap();
     let n = ((hi - lo) * 3) as f32;
     let dy: Vec<f32> = y
         .iter()
@@ -118,11 +115,13 @@ fn micro(m: &mut dyn Module, s: usize, lo: usize, hi: usize, scale: f32) -> f32 
         .map(|(y, t)| 2.0 * (y - t) / n * scale)
         .collect();
     let sse = y.iter().zip(&t).map(|(y, t)| (y - t) * (y - t)).sum();
-    m.backward(
-        &Tensor::from_vec(dy, &[hi - lo, 3]).unwrap(),
-        &Context::train(),
-    )
-    .unwrap();
+    // The loss gradient in the output's dtype (bf16 under mixed precision, as the
+    // gradient of a bf16 output is).
+    let dy = Tensor::from_vec(dy, &[hi - lo, 3])
+        .unwrap()
+        .to_dtype(out.dtype())
+        .unwrap();
+    m.backward(&dy, &Context::train()).unwrap();
     sse
 }
 
@@ -301,12 +300,13 @@ fn a_c_host_with_adamw_no_sync_accumulation_and_clipping() {
     check(run, &[1, 4]);
 }
 
-/// Under `MixedPrecision(bf16)` (mlp.c reads bfloat16 views, rounds its GEMM operands as
-/// autocast does, hands unit "0"'s gradients back as bfloat16) the parameters after 5
+/// Under `MixedPrecision(bf16)` (mlp.c reads bfloat16 views, rounds each layer's output,
+/// the loss gradient and the input gradient to bfloat16 as a bf16 module does, hands unit
+/// "0"'s gradients back as bfloat16) the parameters after 5
 /// steps at world size 1 and 2 equal `fsdp::nn`'s bf16 run to 1e-6 relative (the largest
 /// `|C - fsdp::nn| / max(|fsdp::nn|, 1e-2)`). Why that tolerance holds although bf16 has
 /// 8 significant bits: both sides round the same values at the same points (parameters,
-/// GEMM operands, the gradient before its bf16 reduction), a product of two bf16 values
+/// layer outputs and gradients, the gradient before its bf16 reduction), a product of two bf16 values
 /// is exact in f32, and only the f32 summation order of the loops and the GEMM differs
 /// (~1e-7 relative, as in the f32 test); such a difference changes a later bf16 rounding
 /// only when a sum lies within it of a rounding boundary, which these fixed inputs do not

@@ -252,6 +252,12 @@ raw_kernel!(/// `softmax_causal_fwd_f32(s, p, rows, T, scale)`.
     softmax_fwd, "nn", (s_in: u64, p: u64, rows: i64, t: i64, scale: f32));
 raw_kernel!(/// `softmax_causal_bwd_f32(p, dp, ds, rows, T, scale)`.
     softmax_bwd, "nn", (p: u64, dp: u64, ds: u64, rows: i64, t: i64, scale: f32));
+raw_kernel!(/// `layernorm_bwd_lp_{dtype}(x, dy, w, mean, rstd, dx, n, c)` (`lowp.cu`).
+    layernorm_bwd_lp, "lowp", (x: u64, dy: u64, w: u64, mean: u64, rstd: u64, dx: u64, n: i64, c: i64));
+raw_kernel!(/// `layernorm_wgrad_lp_{dtype}(x, dy, mean, rstd, dw, db, n, c)` (`lowp.cu`).
+    layernorm_wgrad_lp, "lowp", (x: u64, dy: u64, mean: u64, rstd: u64, dw: u64, db: u64, n: i64, c: i64));
+raw_kernel!(/// `cross_entropy_lp_{dtype}(logits, targets, losses, dlogits, n, V, w, invalid)` (`lowp.cu`).
+    cross_entropy_lp, "lowp", (logits: u64, targets: u64, losses: u64, dlogits: u64, n: i64, v: i64, w: f32, invalid: u64));
 raw_kernel!(/// `cross_entropy_f32(logits, targets, losses, dlogits, n, V, inv_n, invalid)`.
     cross_entropy, "nn", (logits: u64, targets: u64, losses: u64, dlogits: u64, n: i64, v: i64, inv_n: f32, invalid: u64));
 raw_kernel!(/// `embedding_fwd_f32(ids, table, out, n, V, c, invalid)`.

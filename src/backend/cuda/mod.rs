@@ -39,6 +39,8 @@ mod current;
 #[cfg(feature = "cuda")]
 mod launch;
 #[cfg(feature = "cuda")]
+mod lowp;
+#[cfg(feature = "cuda")]
 mod memory;
 #[cfg(feature = "cuda")]
 mod nn_ops;
@@ -61,6 +63,8 @@ pub use clip::{scale_by, NormAccumulator};
 pub use context::CudaDevice;
 #[cfg(feature = "cuda")]
 pub use current::{current_stream, rank_account, set_rank_account, use_stream, StreamGuard};
+#[cfg(feature = "cuda")]
+pub use lowp::{cross_entropy_lp, layernorm_bwd_lp, layernorm_wgrad_lp};
 #[cfg(feature = "cuda")]
 pub use memory::{with_fresh_blocks, DeviceBuffer, MemAccount, MemStats};
 #[cfg(feature = "cuda")]

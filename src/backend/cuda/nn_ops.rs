@@ -476,7 +476,7 @@ pub fn softmax_causal_bwd(
 
 /// A one-element u64 flag set to `u64::MAX` on the stream (the kernels min an index in):
 /// a slot of the thread's index checks (`checks`), no allocation.
-fn invalid_flag(s: &Stream) -> Result<u64> {
+pub(super) fn invalid_flag(s: &Stream) -> Result<u64> {
     super::checks::flag(s)
 }
 

@@ -304,14 +304,15 @@ pub fn cast(s: &Stream, src: &DeviceTensor, dst: &DeviceTensor) -> Result<()> {
     }
 }
 
-/// `out = cast(grad * scale)` (`pack_grad_{dtype}`): predivide and cast to the reduce
-/// dtype of a flat f32 gradient, the reduce-scatter input.
+/// `out = cast(grad * scale)` (`pack_grad_{dtype}`, `pack_grad_{src}_{dtype}` for a
+/// bf16/f16 gradient): predivide and cast to the reduce dtype of a flat gradient, the
+/// reduce-scatter input.
 ///
 /// # Errors
-/// `DTypeMismatch` (grad not f32, out i32); `ShapeMismatch`; [`Error::Cuda`].
+/// `DTypeMismatch` (grad or out not a float dtype); `ShapeMismatch`; [`Error::Cuda`].
 pub fn pack_grad(s: &Stream, grad: &DeviceTensor, out: &DeviceTensor, scale: f32) -> Result<()> {
     check_device("pack_grad", s, &[grad, out])?;
-    check_dtype("pack_grad", grad, DType::F32)?;
+    float_only("pack_grad", grad.dtype())?;
     float_only("pack_grad", out.dtype())?;
     check_numel("pack_grad", grad.numel(), out)?;
     let n = grad.numel();
@@ -322,7 +323,11 @@ pub fn pack_grad(s: &Stream, grad: &DeviceTensor, out: &DeviceTensor, scale: f32
     unsafe {
         launch::pack_grad(
             s,
-            kname!("pack_grad", out.dtype()),
+            match grad.dtype() {
+                DType::BF16 => kname!("pack_grad_bf16", out.dtype()),
+                DType::F16 => kname!("pack_grad_f16", out.dtype()),
+                _ => kname!("pack_grad", out.dtype()),
+            },
             Grid::elementwise(s, n),
             grad.ptr(),
             out.ptr(),

@@ -127,7 +127,7 @@ pub(crate) fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
         })?;
     }
     out!(
-        "{:<36} {:>14} {:>10} {:>9} {:>20} {:>20} {:>6} {:>13}",
+        "{:<36} {:>14} {:>10} {:>9} {:>20} {:>20} {:>6} {:>16} {:>13}",
         "configuration",
         "median step ms",
         "tokens/s",
@@ -135,6 +135,7 @@ pub(crate) fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
         "rank-0 p+g+opt bytes",
         "peak unsharded bytes",
         "units",
+        "activation bytes",
         "comm wait ms"
     );
     let mut plain_ms = f64::NAN;
@@ -166,7 +167,7 @@ pub(crate) fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
                 .collect(),
         );
         out!(
-            "{:<36} {:>14.1} {:>10.0} {:>9.3} {:>20} {:>20} {:>6} {:>13.1}",
+            "{:<36} {:>14.1} {:>10.0} {:>9.3} {:>20} {:>20} {:>6} {:>16} {:>13.1}",
             name,
             ms,
             (cfg.global_batch * cfg.seq_len) as f64 / (ms / 1e3),
@@ -174,6 +175,7 @@ pub(crate) fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
             mem.sharded_total(),
             mem.peak_unsharded_param_bytes,
             mem.peak_unsharded_units,
+            mem.activation_bytes,
             wait_ms
         );
         if cfg.device.is_cuda() {

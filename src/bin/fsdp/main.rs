@@ -426,10 +426,10 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         report.init_peak_bytes
     );
     if let Some(r) = last {
-        out!("last step, per rank: params + grads + optimizer state bytes | peak unsharded param bytes (units) | comm wait ms:");
+        out!("last step, per rank: params + grads + optimizer state bytes | peak unsharded param bytes (units) | saved activation bytes | comm wait ms:");
         for m in &r.ranks {
             out!(
-                "  rank {}: {} + {} + {} = {} | {} ({}) | {:.1}",
+                "  rank {}: {} + {} + {} = {} | {} ({}) | {} | {:.1}",
                 m.rank,
                 m.param_shard_bytes,
                 m.grad_shard_bytes,
@@ -437,6 +437,7 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
                 m.sharded_total(),
                 m.peak_unsharded_param_bytes,
                 m.peak_unsharded_units,
+                m.activation_bytes,
                 m.comm_wait_us as f64 / 1e3
             );
         }

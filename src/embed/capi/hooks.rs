@@ -64,8 +64,29 @@ fn params(m: &mut ModelObj, index: usize) -> Res<Vec<Tensor>> {
 }
 
 /// The unit's gradient views, aligned with its parameters (`None` for frozen ones).
+/// The gradient views of unit `index` as the host sees them: float32 under every
+/// precision. Under low-precision mixed precision the unit's gradients are `param_dtype`
+/// tensors, so the host gets float32 buffers (made at the first call of a backward, the
+/// same ones after), folded into them by [`fold_f32_grads`].
 fn grad_tensors(m: &mut ModelObj, index: usize) -> Res<Vec<Option<Tensor>>> {
-    let views = on_unit(m, index, |u| u.grad_views())?;
+    let mut views = on_unit(m, index, |u| u.grad_views())?;
+    if views
+        .iter()
+        .any(|(_, t)| t.dtype() != DType::F32 && t.dtype() != DType::F64)
+    {
+        let held = &mut m.units[index].grad_f32;
+        if held.is_empty() {
+            for (_, t) in &views {
+                held.push((
+                    Tensor::zeros_on(t.shape(), DType::F32, t.device())?,
+                    t.clone(),
+                ));
+            }
+        }
+        for ((_, t), (f, _)) in views.iter_mut().zip(held.iter()) {
+            *t = f.clone();
+        }
+    }
     Ok(m.units[index]
         .params
         .iter()
@@ -76,6 +97,15 @@ fn grad_tensors(m: &mut ModelObj, index: usize) -> Res<Vec<Option<Tensor>>> {
                 .map(|(_, t)| t.clone())
         })
         .collect())
+}
+
+/// Adds the float32 gradients the host wrote (or fsdp added) into unit `index`'s
+/// `param_dtype` gradients, one rounding each, and forgets them.
+fn fold_f32_grads(m: &mut ModelObj, index: usize) -> Res {
+    for (f, g) in std::mem::take(&mut m.units[index].grad_f32) {
+        crate::ops::lowp::add_(&g, &f)?;
+    }
+    Ok(())
 }
 
 fn describe_all(m: &ModelObj, index: usize, ts: &[Option<Tensor>]) -> Res<Vec<DLTensor>> {
@@ -161,15 +191,14 @@ unsafe fn pre_forward(
     unsafe { write_views(params, n, &views, "params") }
 }
 
-/// Views of the unit's full parameters in the view dtype (16-bit casts held by the unit
-/// under mixed precision: the gathered values are float32 rounded to `param_dtype`, so
-/// the cast is exact).
+/// Views of the unit's full parameters in the view dtype (under mixed precision the
+/// gathered parameters are `param_dtype` tensors already).
 fn params_views(m: &mut ModelObj, i: usize) -> Res<Vec<DLTensor>> {
     let dt = view_dtype(m);
     let ps: Vec<Option<Tensor>> = params(m, i)?
         .into_iter()
         .map(|t| match dt {
-            DType::F32 => Ok(Some(t)),
+            d if t.dtype() == d => Ok(Some(t)),
             d => Ok(Some(t.to_dtype(d)?)),
         })
         .collect::<Res<_>>()?;
@@ -257,6 +286,7 @@ unsafe fn pre_backward(
         Err(e) => {
             let _ = on_unit(m, i, |u| u.post_backward(false));
             m.units[i].held.clear();
+            m.units[i].grad_f32.clear();
             return Err(e);
         }
     };
@@ -301,7 +331,10 @@ pub unsafe extern "C" fn fsdp_unit_post_backward(
                     // SAFETY: the caller's promise on grads.
                     unsafe { add_grads(m, i, grads, n) }?;
                 }
-                on_unit(m, i, |u| u.post_backward(ok))?;
+                let folded = if ok { fold_f32_grads(m, i) } else { Ok(()) };
+                m.units[i].grad_f32.clear();
+                on_unit(m, i, |u| u.post_backward(ok && folded.is_ok()))?;
+                folded?;
                 m.units[i].held.clear();
                 Ok(())
             })

@@ -30,6 +30,10 @@ pub(crate) struct UnitMeta {
     handle: u64,
     /// Tensors whose memory the host holds views of, until the matching post hook.
     pub(crate) held: Vec<Tensor>,
+    /// Under low-precision mixed precision, between pre_backward and post_backward: the
+    /// float32 gradient views handed to the host, each with the unit's `param_dtype`
+    /// gradient it is added into (one rounding) before the reduction.
+    pub(crate) grad_f32: Vec<(Tensor, Tensor)>,
 }
 
 /// A built model: the FSDP root, its units as the host addresses them, and the group it
@@ -164,6 +168,7 @@ pub unsafe extern "C" fn fsdp_model_new(
                 params,
                 handle: 0,
                 held: Vec::new(),
+                grad_f32: Vec::new(),
             });
         }
         let obj = Arc::new(Mutex::new(ModelObj {
