@@ -14,7 +14,7 @@
 
 use super::fast;
 use super::gemm::{self, Strides, Transpose};
-#[cfg(target_arch = "x86_64")]
+#[cfg(all(target_arch = "x86_64", fsdp_avx512))]
 use super::head_gemm::{self, Lhs};
 use super::kernels::HeadDims;
 use super::parallel as par;
@@ -70,12 +70,12 @@ fn lower_t(
 
 /// Whether the heads run [`head_gemm`]'s products (AVX-512; `T` and `hd` multiples of 16,
 /// `T <= 512` as the crate's single sum block) instead of the `gemm` crate's.
-#[cfg(target_arch = "x86_64")]
+#[cfg(all(target_arch = "x86_64", fsdp_avx512))]
 fn own_products(t: usize, hd: usize) -> bool {
     super::wide::available() && t % 16 == 0 && hd % 16 == 0 && t <= 512 && hd <= 512
 }
 
-#[cfg(target_arch = "x86_64")]
+#[cfg(all(target_arch = "x86_64", fsdp_avx512))]
 fn lhs(a: &[f32], rs: usize, cs: usize) -> Lhs<'_> {
     Lhs { a, rs, cs }
 }
@@ -121,7 +121,7 @@ pub fn forward(qkv: &[f32], y: &mut [f32], p: &mut [f32], d: HeadDims, scale: f3
                 for hi in 0..h {
                     let ph = &mut p[(j * h + hi) * t * t..][..t * t];
                     let (q, k, v) = (&x[hi * hd..], &x[c + hi * hd..], &x[2 * c + hi * hd..]);
-                    #[cfg(target_arch = "x86_64")]
+                    #[cfg(all(target_arch = "x86_64", fsdp_avx512))]
                     if own_products(t, hd) {
                         let (s, kt) = s.split_at_mut(t * t);
                         head_gemm::transpose(kt, k, 3 * c, (t, hd));
@@ -229,7 +229,7 @@ pub fn backward(
                     let ph = &p[(bi * h + hi) * t * t..][..t * t];
                     let (q, k, v) = (&x[hi * hd..], &x[c + hi * hd..], &x[2 * c + hi * hd..]);
                     let gh = &g[hi * hd..];
-                    #[cfg(target_arch = "x86_64")]
+                    #[cfg(all(target_arch = "x86_64", fsdp_avx512))]
                     if own_products(t, hd) {
                         let (dp, vt) = dp.split_at_mut(t * t);
                         head_gemm::transpose(vt, v, 3 * c, (t, hd));

@@ -8,7 +8,7 @@ use super::kernels;
 use super::ops::exp;
 use super::rows::{self, seq_sums, LANES};
 use super::simd::multiversion;
-#[cfg(target_arch = "x86_64")]
+#[cfg(all(target_arch = "x86_64", fsdp_avx512))]
 use super::wide;
 use crate::error::{bail_arg, Error, Result};
 
@@ -40,7 +40,7 @@ multiversion! {
         check_len("layernorm_fwd", x.len(), y.len())?;
         check_len("layernorm_fwd", x.len(), xhat.len())?;
         check_len("layernorm_fwd", x.len(), rstd.len() * c)?;
-        #[cfg(target_arch = "x86_64")]
+        #[cfg(all(target_arch = "x86_64", fsdp_avx512))]
         if wide::available() && c % 16 == 0 && c > 0 {
             // SAFETY: the CPU has AVX-512 (checked), c is a multiple of 16 and the lengths
             // were checked above.
@@ -108,7 +108,7 @@ multiversion! {
         check_len("layernorm_bwd", dy.len(), xhat.len())?;
         check_len("layernorm_bwd", dy.len(), dx.len())?;
         check_len("layernorm_bwd", dy.len(), rstd.len() * c)?;
-        #[cfg(target_arch = "x86_64")]
+        #[cfg(all(target_arch = "x86_64", fsdp_avx512))]
         if wide::available() && c % 16 == 0 && c > 0 {
             // SAFETY: as in `layernorm_fwd`.
             let done = unsafe { wide::layernorm_bwd(dy, xhat, rstd, w, dx) };
@@ -149,7 +149,7 @@ multiversion! {
         if t == 0 {
             return check_len("softmax_causal_fwd", 0, s.len());
         }
-        #[cfg(target_arch = "x86_64")]
+        #[cfg(all(target_arch = "x86_64", fsdp_avx512))]
         if wide::available() && t % wide::ROWS == 0 && s.len() % (t * t) == 0 {
             // SAFETY: the CPU has AVX-512 (checked); whole (T, T) matrices, T a multiple of
             // 16, lengths checked above.
@@ -208,7 +208,7 @@ multiversion! {
         if t == 0 {
             return check_len("softmax_causal_bwd", 0, p.len());
         }
-        #[cfg(target_arch = "x86_64")]
+        #[cfg(all(target_arch = "x86_64", fsdp_avx512))]
         if wide::available() && t % wide::ROWS == 0 && p.len() % (t * t) == 0 {
             // SAFETY: as in `softmax_causal_fwd`.
             unsafe { wide::softmax_causal_bwd(p, dp, t, scale) };

@@ -19,7 +19,11 @@
 //! `tests/attention_fused.rs` compares the attention built on these with the op-by-op
 //! path (the `gemm` crate) bit for bit.
 
-#[cfg(target_arch = "x86_64")]
+// The AVX-512 intrinsics are stable since rustc 1.89; build.rs sets `fsdp_avx512` only
+// for such compilers, and older ones build this module without them.
+#![allow(clippy::incompatible_msrv)]
+
+#[cfg(all(target_arch = "x86_64", fsdp_avx512))]
 use std::arch::x86_64::*;
 
 /// Rows of a tile (6 rows x 2 vectors: 12 accumulators, as the crate's 64 x 6 kernel is 24).
@@ -30,7 +34,7 @@ const TILE_ROWS: usize = 6;
 ///
 /// # Safety
 /// AVX-512 F; every address named is inside its slice (the caller's checks).
-#[cfg(target_arch = "x86_64")]
+#[cfg(all(target_arch = "x86_64", fsdp_avx512))]
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn tile<const R: usize, const V: usize>(
@@ -81,7 +85,7 @@ pub struct Lhs<'a> {
 ///
 /// # Safety
 /// The CPU has AVX-512 ([`super::wide::available`]).
-#[cfg(target_arch = "x86_64")]
+#[cfg(all(target_arch = "x86_64", fsdp_avx512))]
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn product(

@@ -14,9 +14,14 @@
 //! Callers ([`super::fast`]) use these only when [`available`] says the CPU has AVX-512;
 //! rows left over after the last block of 16 run the [`super::fast`] loops.
 
-#[cfg(target_arch = "x86_64")]
+// The AVX-512 intrinsics are stable since rustc 1.89; build.rs sets `fsdp_avx512` only
+// for such compilers, and older ones build this module without them.
+#![allow(clippy::incompatible_msrv)]
+
+#[cfg(all(target_arch = "x86_64", fsdp_avx512))]
 use std::arch::x86_64::*;
 
+#[cfg(all(target_arch = "x86_64", fsdp_avx512))]
 use super::ops::exp;
 
 /// Rows per block.
@@ -25,11 +30,11 @@ pub const ROWS: usize = 16;
 /// True when this CPU runs the kernels of this module (AVX-512 F, VL, BW, DQ).
 #[inline]
 pub fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
+    #[cfg(all(target_arch = "x86_64", fsdp_avx512))]
     {
         super::simd::has_avx512()
     }
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(not(all(target_arch = "x86_64", fsdp_avx512)))]
     {
         false
     }
@@ -40,7 +45,7 @@ pub fn available() -> bool {
 ///
 /// # Safety
 /// AVX-512 F; `p + r * stride + j` readable for `r, j < 16`.
-#[cfg(target_arch = "x86_64")]
+#[cfg(all(target_arch = "x86_64", fsdp_avx512))]
 #[target_feature(enable = "avx512f")]
 #[inline]
 unsafe fn columns(p: *const f32, stride: usize) -> [__m512; 16] {
@@ -88,7 +93,7 @@ unsafe fn columns(p: *const f32, stride: usize) -> [__m512; 16] {
 ///
 /// # Safety
 /// SSE (every x86-64).
-#[cfg(target_arch = "x86_64")]
+#[cfg(all(target_arch = "x86_64", fsdp_avx512))]
 #[inline(always)]
 unsafe fn prefetch_rows(p: *const f32, stride: usize, rows: usize, width: usize) {
     for r in 0..rows {
@@ -101,6 +106,7 @@ unsafe fn prefetch_rows(p: *const f32, stride: usize, rows: usize, width: usize)
 
 /// `max(s[j] * scale)` over `row[..len]`, as the reference fold (`f32::max` picks one of
 /// its inputs, so the order does not matter); `row.len()` is `len` rounded up to 16.
+#[cfg(all(target_arch = "x86_64", fsdp_avx512))]
 #[inline(always)]
 fn scaled_max(row: &[f32], len: usize, scale: f32) -> f32 {
     let mut lanes = [f32::NEG_INFINITY; 16];
@@ -121,7 +127,7 @@ fn scaled_max(row: &[f32], len: usize, scale: f32) -> f32 {
 ///
 /// # Safety
 /// AVX-512 ([`available`]); `s.len() == p.len()`, a multiple of `t * t`; `t % 16 == 0`.
-#[cfg(target_arch = "x86_64")]
+#[cfg(all(target_arch = "x86_64", fsdp_avx512))]
 #[target_feature(enable = "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")]
 pub unsafe fn softmax_causal_fwd(s: &[f32], p: &mut [f32], t: usize, scale: f32) {
     let n = s.len() / t;
@@ -167,7 +173,7 @@ pub unsafe fn softmax_causal_fwd(s: &[f32], p: &mut [f32], t: usize, scale: f32)
 ///
 /// # Safety
 /// As [`softmax_causal_fwd`], with `dp` for `s`.
-#[cfg(target_arch = "x86_64")]
+#[cfg(all(target_arch = "x86_64", fsdp_avx512))]
 #[target_feature(enable = "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")]
 pub unsafe fn softmax_causal_bwd(p: &[f32], dp: &mut [f32], t: usize, scale: f32) {
     let n = p.len() / t;
@@ -215,7 +221,7 @@ pub unsafe fn softmax_causal_bwd(p: &[f32], dp: &mut [f32], t: usize, scale: f32
 ///
 /// # Safety
 /// AVX-512 ([`available`]); `c % 16 == 0`; the slices sized as the reference's.
-#[cfg(target_arch = "x86_64")]
+#[cfg(all(target_arch = "x86_64", fsdp_avx512))]
 #[target_feature(enable = "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn layernorm_fwd(
@@ -278,7 +284,7 @@ pub unsafe fn layernorm_fwd(
 ///
 /// # Safety
 /// AVX-512 ([`available`]); `c % 16 == 0`; the slices sized as the reference's.
-#[cfg(target_arch = "x86_64")]
+#[cfg(all(target_arch = "x86_64", fsdp_avx512))]
 #[target_feature(enable = "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")]
 pub unsafe fn layernorm_bwd(
     dy: &[f32],
@@ -321,7 +327,7 @@ pub unsafe fn layernorm_bwd(
     full
 }
 
-#[cfg(all(test, target_arch = "x86_64"))]
+#[cfg(all(test, target_arch = "x86_64", fsdp_avx512))]
 mod tests {
     use super::*;
 
