@@ -21,6 +21,31 @@ use std::process::Command;
 
 const DEFAULT_CAPS: &[u32] = &[80, 90];
 
+/// `fsdp_avx512`: the compiler has stable AVX-512 intrinsics (rustc 1.89 or later), which
+/// the CPU row kernels and attention products (`backend::cpu::wide`, `head_gemm`) use;
+/// older compilers (the crate's MSRV is 1.85) build without them and run the portable
+/// loops, with the same results.
+fn avx512_intrinsics_cfg() {
+    println!("cargo::rustc-check-cfg=cfg(fsdp_avx512)");
+    let rustc = env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
+    let minor = Command::new(rustc)
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|v| {
+            // "rustc 1.95.0 (...)"
+            let ver = v.split_whitespace().nth(1)?.to_string();
+            let mut parts = ver.split('.');
+            let major: u32 = parts.next()?.parse().ok()?;
+            let minor: u32 = parts.next()?.parse().ok()?;
+            (major == 1).then_some(minor)
+        });
+    if minor.is_some_and(|m| m >= 89) {
+        println!("cargo:rustc-cfg=fsdp_avx512");
+    }
+}
+
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     // tests/capi compiles C hosts with the cc crate, which needs the target triple.
@@ -28,6 +53,7 @@ fn main() {
         "cargo:rustc-env=FSDP_TARGET={}",
         env::var("TARGET").unwrap_or_default()
     );
+    avx512_intrinsics_cfg();
     println!("cargo:rerun-if-changed=kernels");
     for var in ["NVCC", "CUDA_HOME", "CUDA_PATH", "CUDA_COMPUTE_CAP", "PATH"] {
         println!("cargo:rerun-if-env-changed={var}");

@@ -24,13 +24,30 @@ pub struct CausalSelfAttention {
     saved: Option<Saved>,
 }
 
-/// q, k, v `(B, H, T, hd)`, the probabilities `(B, H, T, T)`, and the dims.
-struct Saved {
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    p: Tensor,
-    d: HeadDims,
+/// What backward needs: q, k, v `(B, H, T, hd)` (op by op) or the projection `qkv (B, T,
+/// 3C)` (the CPU's per-head path), the probabilities `(B, H, T, T)`, and the dims.
+enum Saved {
+    Heads {
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        p: Tensor,
+        d: HeadDims,
+    },
+    Fused {
+        qkv: Tensor,
+        p: Tensor,
+        d: HeadDims,
+    },
+}
+
+/// Whether the CPU's per-head attention ([`crate::backend::cpu::attention`], the same bits
+/// as the op-by-op path) runs on `qkv`: f32 on the CPU outside autocast (whose operands are
+/// rounded copies).
+fn fused(qkv: &Tensor) -> bool {
+    qkv.device() == crate::backend::Device::Cpu
+        && qkv.dtype() == crate::tensor::DType::F32
+        && ops::gemm_dtype().is_none()
 }
 
 impl CausalSelfAttention {
@@ -97,6 +114,21 @@ impl Module for CausalSelfAttention {
         let (b, t) = self.dims(x, "CausalSelfAttention.forward")?;
         let d = self.head_dims(b, t);
         let qkv = self.c_attn.forward(x, cx)?;
+        if fused(&qkv) {
+            let y = ops::output(&[b, t, self.n_embd], x.device())?;
+            let p = ops::output(&[b, self.n_head, t, t], x.device())?;
+            crate::backend::cpu::attention::forward(
+                &qkv.f32()?,
+                &mut y.f32_mut()?,
+                &mut p.f32_mut()?,
+                d,
+                self.scale(),
+            )?;
+            if cx.grad_enabled {
+                self.saved = Some(Saved::Fused { qkv, p, d });
+            }
+            return self.c_proj.forward(&y, cx);
+        }
         let [q, k, v] = ops::split_qkv(&qkv, d)?;
         drop(qkv);
         // Per head (B*H products): scores (T, T) = q (T, hd) @ k^T; P = causal softmax;
@@ -109,17 +141,33 @@ impl Module for CausalSelfAttention {
         ops::causal_matmul(&yh, &p, &v, CausalProduct::Lower, d)?;
         let y = ops::merge_heads(&yh, d)?;
         if cx.grad_enabled {
-            self.saved = Some(Saved { q, k, v, p, d });
+            self.saved = Some(Saved::Heads { q, k, v, p, d });
         }
         self.c_proj.forward(&y, cx)
     }
 
     fn backward(&mut self, dout: &Tensor, cx: &Context) -> Result<Tensor> {
-        let Saved { q, k, v, p, d } = self.saved.take().ok_or(Error::NoSavedForward {
+        let saved = self.saved.take().ok_or(Error::NoSavedForward {
             module: "CausalSelfAttention",
         })?;
-        let (t, hd) = (d.t, d.hd);
         let dy = self.c_proj.backward(dout, cx)?;
+        let (q, k, v, p, d) = match saved {
+            Saved::Heads { q, k, v, p, d } => (q, k, v, p, d),
+            Saved::Fused { qkv, p, d } => {
+                let dqkv = ops::output(qkv.shape(), qkv.device())?;
+                crate::backend::cpu::attention::backward(
+                    &qkv.f32()?,
+                    &p.f32()?,
+                    &dy.f32()?,
+                    &mut dqkv.f32_mut()?,
+                    d,
+                    self.scale(),
+                )?;
+                drop((qkv, p, dy));
+                return self.c_attn.backward(&dqkv, cx);
+            }
+        };
+        let (t, hd) = (d.t, d.hd);
         let dyh = ops::split_heads(&dy, d)?;
         drop(dy);
         // dP (T, T) = dy_h (T, hd) @ v^T ; dv (T, hd) = P^T @ dy_h
@@ -139,8 +187,12 @@ impl Module for CausalSelfAttention {
     }
 
     fn saved_tensors(&self, out: &mut Vec<Tensor>) {
-        if let Some(s) = &self.saved {
-            out.extend([s.q.clone(), s.k.clone(), s.v.clone(), s.p.clone()]);
+        match &self.saved {
+            Some(Saved::Heads { q, k, v, p, .. }) => {
+                out.extend([q.clone(), k.clone(), v.clone(), p.clone()])
+            }
+            Some(Saved::Fused { qkv, p, .. }) => out.extend([qkv.clone(), p.clone()]),
+            None => {}
         }
     }
 

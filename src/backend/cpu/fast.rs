@@ -8,6 +8,8 @@ use super::kernels;
 use super::ops::exp;
 use super::rows::{self, seq_sums, LANES};
 use super::simd::multiversion;
+#[cfg(all(target_arch = "x86_64", fsdp_avx512))]
+use super::wide;
 use crate::error::{bail_arg, Error, Result};
 
 fn check_len(op: &'static str, expected: usize, got: usize) -> Result<()> {
@@ -38,6 +40,24 @@ multiversion! {
         check_len("layernorm_fwd", x.len(), y.len())?;
         check_len("layernorm_fwd", x.len(), xhat.len())?;
         check_len("layernorm_fwd", x.len(), rstd.len() * c)?;
+        #[cfg(all(target_arch = "x86_64", fsdp_avx512))]
+        if wide::available() && c % 16 == 0 && c > 0 {
+            // SAFETY: the CPU has AVX-512 (checked), c is a multiple of 16 and the lengths
+            // were checked above.
+            let done = unsafe { wide::layernorm_fwd(x, w, b, eps, y, xhat, rstd) };
+            if done > 0 {
+                let k = done * c;
+                return layernorm_fwd(
+                    &x[k..],
+                    w,
+                    b,
+                    eps,
+                    &mut y[k..],
+                    &mut xhat[k..],
+                    &mut rstd[done..],
+                );
+            }
+        }
         let full = rstd.len() / LANES * LANES;
         for r0 in (0..full).step_by(LANES) {
             let xs = &x[r0 * c..(r0 + LANES) * c];
@@ -88,6 +108,15 @@ multiversion! {
         check_len("layernorm_bwd", dy.len(), xhat.len())?;
         check_len("layernorm_bwd", dy.len(), dx.len())?;
         check_len("layernorm_bwd", dy.len(), rstd.len() * c)?;
+        #[cfg(all(target_arch = "x86_64", fsdp_avx512))]
+        if wide::available() && c % 16 == 0 && c > 0 {
+            // SAFETY: as in `layernorm_fwd`.
+            let done = unsafe { wide::layernorm_bwd(dy, xhat, rstd, w, dx) };
+            if done > 0 {
+                let k = done * c;
+                return layernorm_bwd(&dy[k..], &xhat[k..], &rstd[done..], w, &mut dx[k..]);
+            }
+        }
         let full = rstd.len() / LANES * LANES;
         for r0 in (0..full).step_by(LANES) {
             let (dys, xs) = (&dy[r0 * c..(r0 + LANES) * c], &xhat[r0 * c..(r0 + LANES) * c]);
@@ -119,6 +148,13 @@ multiversion! {
         check_len("softmax_causal_fwd", s.len(), p.len())?;
         if t == 0 {
             return check_len("softmax_causal_fwd", 0, s.len());
+        }
+        #[cfg(all(target_arch = "x86_64", fsdp_avx512))]
+        if wide::available() && t % wide::ROWS == 0 && s.len() % (t * t) == 0 {
+            // SAFETY: the CPU has AVX-512 (checked); whole (T, T) matrices, T a multiple of
+            // 16, lengths checked above.
+            unsafe { wide::softmax_causal_fwd(s, p, t, scale) };
+            return Ok(());
         }
         let n = s.len() / t;
         let full = n / LANES * LANES;
@@ -171,6 +207,12 @@ multiversion! {
         check_len("softmax_causal_bwd", p.len(), dp.len())?;
         if t == 0 {
             return check_len("softmax_causal_bwd", 0, p.len());
+        }
+        #[cfg(all(target_arch = "x86_64", fsdp_avx512))]
+        if wide::available() && t % wide::ROWS == 0 && p.len() % (t * t) == 0 {
+            // SAFETY: as in `softmax_causal_fwd`.
+            unsafe { wide::softmax_causal_bwd(p, dp, t, scale) };
+            return Ok(());
         }
         let n = p.len() / t;
         let mut r0 = 0;
@@ -277,7 +319,7 @@ mod tests {
 
     #[test]
     fn layernorm_matches_the_reference_bit_for_bit() {
-        for (rows, c) in [(19, 7), (8, 128), (3, 5), (0, 4), (33, 64)] {
+        for (rows, c) in [(19, 7), (8, 128), (3, 5), (0, 4), (33, 64), (50, 256)] {
             let (x, dy) = (data(rows * c, 1), data(rows * c, 2));
             let (w, b) = (data(c, 3), data(c, 4));
             let run = |fwd: LayerNormFwd| {
@@ -299,7 +341,7 @@ mod tests {
 
     #[test]
     fn softmax_matches_the_reference_bit_for_bit() {
-        for (mats, t) in [(3, 5), (2, 64), (1, 1), (5, 13), (0, 8)] {
+        for (mats, t) in [(3, 5), (2, 64), (1, 1), (5, 13), (0, 8), (3, 128), (2, 16)] {
             let (s, g) = (data(mats * t * t, 5), data(mats * t * t, 6));
             let (mut p1, mut p2) = (vec![1.0; s.len()], vec![2.0; s.len()]);
             kernels::softmax_causal_fwd(&s, &mut p1, t, 0.3).unwrap();

@@ -7,13 +7,19 @@
 //! | `fast.rs`, `rows.rs` | faster row kernels beside them (8 rows summed side by side), the same bits |
 //! | `parallel.rs` | the per-rank thread budget and the row/column/elementwise splits (the same bits for any thread count) |
 //! | `simd.rs` | `multiversion!`: AVX-512 / AVX2 / baseline copies of a loop, chosen at run time |
+//! | `wide.rs` | LayerNorm and causal-softmax row sums 16 rows at a time with AVX-512 (columns transposed in registers), the same bits |
+//! | `attention.rs` | causal self-attention one head at a time on a scratch in cache, q/k/v read from the projection in place (the op-by-op path's bits) |
+//! | `head_gemm.rs` | attention's per-head products with AVX-512, the `gemm` crate's sums without its cost per call |
 //! | `gemm.rs` | GEMMs through the `gemm` crate (faster than `matrixmultiply` on every shape of the main job, `benches/gemm.rs`) |
 
+pub mod attention;
 pub mod fast;
 pub mod gemm;
+pub mod head_gemm;
 pub mod kernels;
 pub mod ops;
 pub mod parallel;
 pub mod rows;
 pub mod scalar;
 pub mod simd;
+pub mod wide;
