@@ -156,13 +156,7 @@ pub fn layer_norm_backward(
             got: dy.shape().to_vec(),
         });
     }
-    if let Some(g) = dw.into_iter().chain(db).find(|g| g.numel() != c) {
-        return Err(Error::ShapeMismatch {
-            op: "layer_norm_backward(grad)",
-            expected: vec![c],
-            got: g.shape().to_vec(),
-        });
-    }
+    check_grad_shapes(dw, db, c)?;
     let dx = output(dy.shape(), device)?;
     if c == 0 || dy.numel() == 0 {
         return Ok(dx);
@@ -216,4 +210,20 @@ pub fn layer_norm_backward(
         fast::layernorm_bwd(&dys[span.clone()], &xhs[span], &rs[r], ws, dx)
     })?;
     Ok(dx)
+}
+
+/// The parameter gradients `dw` and `db`, when given, hold `c` elements each (the
+/// LayerNorm's normalized size).
+///
+/// # Errors
+/// `ShapeMismatch` naming the first gradient of another size.
+pub(crate) fn check_grad_shapes(dw: Option<&Tensor>, db: Option<&Tensor>, c: usize) -> Result<()> {
+    match dw.into_iter().chain(db).find(|g| g.numel() != c) {
+        Some(g) => Err(Error::ShapeMismatch {
+            op: "layer_norm_backward(grad)",
+            expected: vec![c],
+            got: g.shape().to_vec(),
+        }),
+        None => Ok(()),
+    }
 }

@@ -101,13 +101,7 @@ pub(crate) fn backward(
             got: dy.shape().to_vec(),
         });
     }
-    if let Some(g) = dw.into_iter().chain(db).find(|g| g.numel() != c) {
-        return Err(Error::ShapeMismatch {
-            op: "layer_norm_backward(grad)",
-            expected: vec![c],
-            got: g.shape().to_vec(),
-        });
-    }
+    crate::ops::layernorm::check_grad_shapes(dw, db, c)?;
     #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = dy.device() {
         return backward_cuda(i, dy, x, w, mean, &saved.rstd, (dw, db), dtype);
