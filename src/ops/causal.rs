@@ -34,9 +34,9 @@ use crate::backend::cpu::parallel as par;
 use crate::error::{bail_arg, Error, Result};
 use crate::tensor::Tensor;
 
-/// Rows of a block of the blocked CPU products (32: 4 blocks at `T = 128`; smaller blocks
-/// make more, smaller GEMM calls whose fixed costs eat the saved work).
-pub const BLOCK: usize = 32;
+/// Rows of a block of the blocked CPU products
+/// ([`crate::backend::cpu::kernels::CAUSAL_BLOCK`], where the per-head CPU attention reads it).
+pub use crate::backend::cpu::kernels::CAUSAL_BLOCK as BLOCK;
 
 /// Which causal product [`causal_matmul`] computes (the table in the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

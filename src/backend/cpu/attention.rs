@@ -16,10 +16,9 @@ use super::fast;
 use super::gemm::{self, Strides, Transpose};
 #[cfg(all(target_arch = "x86_64", fsdp_avx512))]
 use super::head_gemm::{self, Lhs};
-use super::kernels::HeadDims;
+use super::kernels::{HeadDims, CAUSAL_BLOCK as BLOCK};
 use super::parallel as par;
 use crate::error::{Error, Result};
-use crate::ops::causal::BLOCK;
 use std::cell::RefCell;
 
 thread_local! {

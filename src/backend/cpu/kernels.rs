@@ -24,6 +24,11 @@ fn check_len(op: &'static str, expected: usize, got: usize) -> Result<()> {
     Ok(())
 }
 
+/// Rows of a block of the blocked causal products on the CPU (`ops::causal` and the
+/// per-head attention of [`super::attention`]): 32, 4 blocks at `T = 128`; smaller blocks
+/// make more, smaller GEMM calls whose fixed costs eat the saved work.
+pub const CAUSAL_BLOCK: usize = 32;
+
 /// `pad_copy_{dtype}`: `dst[i] = src[i]` for `i < src.len()`, zero after (=).
 ///
 /// # Errors
