@@ -33,6 +33,19 @@ impl<F: PointwiseFn> Pointwise<F> {
     }
 }
 
+impl<F: PointwiseFn> Pointwise<F> {
+    /// The input saved by the last training forward, if any (what backward reads).
+    pub(crate) fn saved_input(&self) -> Option<&Tensor> {
+        self.saved_x.as_ref()
+    }
+
+    /// Drops the saved input: a caller that ran this module's backward itself (the MLP's
+    /// fused GELU and bias gradient) ends its forward-backward pair.
+    pub(crate) fn clear_saved(&mut self) {
+        self.saved_x = None;
+    }
+}
+
 impl<F: PointwiseFn> Default for Pointwise<F> {
     fn default() -> Self {
         Self::new()
@@ -61,6 +74,9 @@ impl<F: PointwiseFn> Module for Pointwise<F> {
     }
     fn saved_tensors(&self, out: &mut Vec<Tensor>) {
         out.extend(self.saved_x.clone());
+    }
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
     }
     fn for_each_param(&mut self, f: &mut super::ParamVisitor<'_>) -> Result<()> {
         super::no_params(f)

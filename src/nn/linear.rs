@@ -105,22 +105,11 @@ impl Linear {
     }
 }
 
-impl Module for Linear {
-    fn type_name(&self) -> &str {
-        "Linear"
-    }
-
-    fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
-        self.rows(x, "Linear.forward", self.in_features)?;
-        let bias = self.bias.as_ref().map(|b| b.data()).transpose()?;
-        let y = ops::linear(x, self.weight.data()?, bias)?;
-        if cx.grad_enabled {
-            self.saved_x = Some(x.clone());
-        }
-        Ok(y)
-    }
-
-    fn backward(&mut self, dy: &Tensor, _cx: &Context) -> Result<Tensor> {
+impl Linear {
+    /// [`Module::backward`]; `bias_grad: false` leaves the bias gradient to the caller,
+    /// which has already added it (the MLP's GELU backward fused with it,
+    /// [`ops::gelu_backward_bias_grad`]).
+    pub(crate) fn backward_inner(&mut self, dy: &Tensor, bias_grad: bool) -> Result<Tensor> {
         let x = self
             .saved_x
             .take()
@@ -154,7 +143,7 @@ impl Module for Linear {
             // dW (o, i) += dy^T (o, n) @ x (n, i)
             ops::matmul(g, dy, &x, MatmulDims::new(o, n, i, Transpose::TN), true)?;
         }
-        if let Some(b) = &mut self.bias {
+        if let (Some(b), true) = (&mut self.bias, bias_grad) {
             if let Some(g) = b.grad_for_accumulate()? {
                 // db (o) += sum over rows of dy (n, o)
                 ops::bias_grad(dy, g)?;
@@ -162,9 +151,33 @@ impl Module for Linear {
         }
         Ok(dx)
     }
+}
+
+impl Module for Linear {
+    fn type_name(&self) -> &str {
+        "Linear"
+    }
+
+    fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
+        self.rows(x, "Linear.forward", self.in_features)?;
+        let bias = self.bias.as_ref().map(|b| b.data()).transpose()?;
+        let y = ops::linear(x, self.weight.data()?, bias)?;
+        if cx.grad_enabled {
+            self.saved_x = Some(x.clone());
+        }
+        Ok(y)
+    }
+
+    fn backward(&mut self, dy: &Tensor, _cx: &Context) -> Result<Tensor> {
+        self.backward_inner(dy, true)
+    }
 
     fn saved_tensors(&self, out: &mut Vec<Tensor>) {
         out.extend(self.saved_x.clone());
+    }
+
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
     }
 
     fn for_each_param(&mut self, f: &mut ParamVisitor<'_>) -> Result<()> {

@@ -38,6 +38,41 @@ impl MLP {
     }
 }
 
+impl MLP {
+    /// GELU's backward and `c_fc`'s bias gradient in one pass
+    /// ([`crate::ops::gelu_backward_bias_grad`]), then the rest of `c_fc`'s backward, when
+    /// `gelu` is a [`GELU`], `c_fc` a [`Linear`] with a bias that takes a gradient, and the
+    /// fused pass applies (CPU, f32, one intra-op thread). `None`, with nothing changed,
+    /// otherwise. Same bits as the two modules' backwards.
+    fn fused_gelu_fc_backward(&mut self, g: &Tensor) -> Result<Option<Tensor>> {
+        let Some(gelu) = self
+            .gelu
+            .as_any_mut()
+            .and_then(|a| a.downcast_mut::<GELU>())
+        else {
+            return Ok(None);
+        };
+        let Some(fc) = self
+            .c_fc
+            .as_any_mut()
+            .and_then(|a| a.downcast_mut::<Linear>())
+        else {
+            return Ok(None);
+        };
+        let (Some(x), Some(bias)) = (gelu.saved_input(), fc.bias.as_mut()) else {
+            return Ok(None);
+        };
+        let Some(db) = bias.grad_for_accumulate()? else {
+            return Ok(None);
+        };
+        let Some(dh) = crate::ops::gelu_backward_bias_grad(x, g, db)? else {
+            return Ok(None);
+        };
+        gelu.clear_saved();
+        fc.backward_inner(&dh, false).map(Some)
+    }
+}
+
 impl Module for MLP {
     fn type_name(&self) -> &str {
         "MLP"
@@ -49,6 +84,9 @@ impl Module for MLP {
     }
     fn backward(&mut self, dy: &Tensor, cx: &Context) -> Result<Tensor> {
         let g = self.c_proj.backward(dy, cx)?;
+        if let Some(dx) = self.fused_gelu_fc_backward(&g)? {
+            return Ok(dx);
+        }
         let g = self.gelu.backward(&g, cx)?;
         self.c_fc.backward(&g, cx)
     }
@@ -116,5 +154,75 @@ impl Module for Block {
     }
     fn for_each_param(&mut self, f: &mut super::ParamVisitor<'_>) -> Result<()> {
         super::no_params(f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::parallel::with_num_threads;
+
+    fn wave(n: usize, k: f32) -> Vec<f32> {
+        (0..n).map(|i| (0.37 * i as f32 + k).sin()).collect()
+    }
+
+    fn linear(m: &mut dyn Module) -> &mut Linear {
+        m.as_any_mut()
+            .and_then(|a| a.downcast_mut::<Linear>())
+            .expect("a Linear")
+    }
+
+    /// One forward and backward of an MLP (C = 12, with a nonzero bias gradient already
+    /// held, so the fused pass must add to it) under `threads` intra-op threads: the input
+    /// gradient, then every parameter gradient, as bits.
+    fn run(threads: usize) -> Vec<Vec<u32>> {
+        with_num_threads(threads, || {
+            let mut mlp = MLP::new(12, &InitKey::new(7)).unwrap();
+            let held = Tensor::from_vec(wave(48, 0.5), &[48]).unwrap();
+            linear(mlp.c_fc.as_mut())
+                .bias
+                .as_mut()
+                .unwrap()
+                .set_grad(Some(held));
+            let cx = Context::train();
+            let x = Tensor::from_vec(wave(3 * 5 * 12, 0.1), &[3, 5, 12]).unwrap();
+            let y = mlp.forward(&x, &cx).unwrap();
+            let dy = Tensor::from_vec(wave(y.numel(), 1.3), y.shape()).unwrap();
+            let dx = mlp.backward(&dy, &cx).unwrap();
+            let bits = |t: &Tensor| {
+                t.to_vec_f32()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect()
+            };
+            let mut out = vec![bits(&dx)];
+            for m in [&mut mlp.c_fc, &mut mlp.c_proj] {
+                let l = linear(m.as_mut());
+                out.push(bits(l.weight.grad().unwrap()));
+                out.push(bits(l.bias.as_ref().unwrap().grad().unwrap()));
+            }
+            out
+        })
+    }
+
+    #[test]
+    fn fused_gelu_and_bias_gradient_give_the_bits_of_the_two_passes() {
+        // One intra-op thread takes the fused pass, two the two separate ops.
+        let (fused, separate) = (run(1), run(2));
+        assert_eq!(fused.len(), 5);
+        for (i, (a, b)) in fused.iter().zip(&separate).enumerate() {
+            assert_eq!(
+                a, b,
+                "gradient {i} differs between the fused and the two passes"
+            );
+        }
+        // The fused op runs at one thread and declines at two.
+        let x = Tensor::from_vec(wave(24, 0.2), &[2, 12]).unwrap();
+        let db = Tensor::from_vec(vec![0.0f32; 12], &[12]).unwrap();
+        let one = with_num_threads(1, || crate::ops::gelu_backward_bias_grad(&x, &x, &db));
+        assert!(one.unwrap().is_some());
+        let two = with_num_threads(2, || crate::ops::gelu_backward_bias_grad(&x, &x, &db));
+        assert!(two.unwrap().is_none());
     }
 }

@@ -119,3 +119,40 @@ pub fn pointwise_backward(f: Pointwise, x: &Tensor, dy: &Tensor) -> Result<Tenso
     }
     Ok(dx)
 }
+
+/// GELU backward fused with the bias gradient of the `Linear` whose output it read (an
+/// MLP's `c_fc`): `dx = dy * gelu'(x)` (a new tensor) and `db += ` the sum over rows of
+/// `dx`, in one pass instead of two, with the bits of [`pointwise_backward`] followed by
+/// [`super::bias_grad`]. `x` and `dy` are `(.., C)` f32, `db` is `(C)` f32.
+///
+/// Returns `None`, touching nothing, where the fused pass does not run: off the CPU, for
+/// another dtype, when the calling thread may use more than one intra-op thread (there the
+/// two passes are split across threads), or when the shapes do not line up; the caller
+/// then runs the two ops.
+///
+/// # Errors
+/// Only a failed borrow of a tensor's storage.
+pub fn gelu_backward_bias_grad(x: &Tensor, dy: &Tensor, db: &Tensor) -> Result<Option<Tensor>> {
+    let off = [x, dy, db].iter().any(|t| {
+        t.device() != crate::backend::Device::Cpu || t.dtype() != crate::tensor::DType::F32
+    });
+    let c = db.numel();
+    if off
+        || par::num_threads() != 1
+        || x.shape() != dy.shape()
+        || c == 0
+        || x.numel() % c != 0
+        || x.shape().last() != Some(&c)
+        || db.shares_storage(dy)
+        || db.shares_storage(x)
+    {
+        return Ok(None);
+    }
+    let dx = super::output(x.shape(), crate::backend::Device::Cpu)?;
+    {
+        let (xv, gv) = (x.f32()?, dy.f32()?);
+        let (mut dxv, mut dbv) = (dx.f32_mut()?, db.f32_mut()?);
+        cpu::gelu_bwd_bias_grad(&xv, &gv, &mut dxv, &mut dbv)?;
+    }
+    Ok(Some(dx))
+}

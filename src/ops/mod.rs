@@ -19,7 +19,7 @@
 //! | `arith.rs` (CPU) | [`sub`], [`mul`], [`div`], [`binary`] with broadcasting; backward: [`sum_to_shape`], [`mul_backward`], [`div_backward`], [`sub_backward`] | `torch.sub`, `mul`, `div`, `sum_to_size` |
 //! | `axis.rs` (CPU) | [`sum_dim`], [`mean_dim`], [`cat`], [`split`]; backward: [`sum_dim_backward`], [`cat_backward`], [`split_backward`] | `torch.sum(x, dim)`, `mean`, `cat`, `split` |
 //! | `autocast.rs` | [`autocast()`], [`gemm_dtype`]: bf16/f16 GEMM operands in a scope | `torch.autocast` (for GEMMs) |
-//! | `activation.rs` | [`pointwise`], [`pointwise_backward`] ([`Pointwise::Relu`], [`Pointwise::Gelu`]) | `F.relu`, `F.gelu` |
+//! | `activation.rs` | [`pointwise`], [`pointwise_backward`] ([`Pointwise::Relu`], [`Pointwise::Gelu`]), [`gelu_backward_bias_grad`] (GELU backward with the preceding bias's gradient in one pass) | `F.relu`, `F.gelu` |
 //! | `layernorm.rs` | [`layer_norm`], [`layer_norm_backward`] | `F.layer_norm` |
 //! | `batchnorm.rs` | [`batch_norm`], [`batch_norm_backward`] (host loops in f64; CUDA tensors through the host) | `F.batch_norm` |
 //! | `causal.rs` | [`causal_matmul`] | attention's per-head products, without the masked half on the CPU |
@@ -53,7 +53,7 @@ pub mod linalg;
 pub mod loss;
 pub(crate) mod lowp;
 
-pub use activation::{pointwise, pointwise_backward, Pointwise};
+pub use activation::{gelu_backward_bias_grad, pointwise, pointwise_backward, Pointwise};
 pub use arith::{
     binary, broadcast_shape, div, div_backward, mul, mul_backward, sub, sub_backward, sum_to_shape,
     BinaryOp,

@@ -159,6 +159,41 @@ multiversion! {
 }
 
 multiversion! {
+    /// `dx = dy * gelu'(x)` for rows of `db.len()` elements, and `db += ` the sum of the
+    /// rows of `dx`, added row after row: [`gelu_bwd`] followed by `ops::bias_grad` (the
+    /// GELU before a `Linear`'s bias, backward), bit for bit, in one pass over memory.
+    ///
+    /// # Errors
+    /// `ShapeMismatch` when the lengths differ or are not whole rows.
+    pub fn gelu_bwd_bias_grad(
+        x: &[f32],
+        dy: &[f32],
+        dx: &mut [f32],
+        db: &mut [f32],
+    ) -> Result<()> {
+        check_len("gelu_bwd_bias_grad", x.len(), dy.len())?;
+        check_len("gelu_bwd_bias_grad", x.len(), dx.len())?;
+        let c = db.len();
+        if c == 0 || x.len() % c != 0 {
+            return Err(Error::ShapeMismatch {
+                op: "gelu_bwd_bias_grad",
+                expected: vec![x.len() / c.max(1), c],
+                got: vec![x.len()],
+            });
+        }
+        for ((xr, gr), or) in x.chunks_exact(c).zip(dy.chunks_exact(c)).zip(dx.chunks_exact_mut(c)) {
+            for ((o, &g), &v) in or.iter_mut().zip(gr).zip(xr) {
+                *o = g * gelu_grad(v);
+            }
+            for (b, &o) in db.iter_mut().zip(or.iter()) {
+                *b += o;
+            }
+        }
+        Ok(())
+    }
+}
+
+multiversion! {
     /// `relu_fwd_f32`: `y = max(x, 0)` (=).
     pub fn relu_fwd(x: &[f32], y: &mut [f32]) -> Result<()> {
         check_len("relu_fwd", x.len(), y.len())?;
