@@ -6,7 +6,8 @@
 //! communicator's asynchronous error (`ncclCommGetAsyncError`). A collective slow past a
 //! quarter of the group timeout (at most 10 s) records this rank's collective count in the
 //! store, as PyTorch's desync debugging asks each rank; a healthy one costs no store
-//! request and no host wait. Once a second it looks for a peer's recorded failure. On a
+//! request and no host wait. Once a collective is that slow, it also looks for a peer's
+//! recorded failure, at most once a second per group. On a
 //! failure, and past the group timeout, it records the error on the group and aborts the
 //! communicator (its kernels end, the streams drain); the group's next call returns the
 //! error: [`Error::Timeout`] naming the ranks that never entered the collective (their
@@ -68,7 +69,9 @@ impl InFlight {
             self.published = true;
             self.group.publish_seq(self.seq);
         }
-        if self.issued.elapsed() > Duration::from_secs(1) && self.group.peer_check_due() {
+        // A peer's recorded failure is looked for only once this collective is slow too:
+        // a healthy step (however loaded the machine) touches the store never.
+        if age > self.slow() && self.group.peer_check_due() {
             if let Some((failed_rank, reason)) = self.group.failed_peer() {
                 return Some(Err(Error::PeerFailed {
                     failed_rank,
