@@ -1,6 +1,6 @@
 //! Process-wide counters of the calls that decide whether a GPU step runs ahead of the host:
 //! host-blocking synchronizations, device allocations and frees (the driver's, not the
-//! caching allocator's reuse), requests to the caching allocator (every tensor, and apart
+//! caching allocator's reuse), page-locked host allocations, requests to the caching allocator (every tensor, and apart
 //! those of FSDP's own buffers), kernel launches (cuBLAS calls
 //! included) and key-value store operations. The CUDA backend and the store bump them; `fsdp train --metrics` and
 //! `fsdp bench` report their per-step difference.
@@ -17,6 +17,7 @@ static HOST_SYNCS: AtomicU64 = AtomicU64::new(0);
 static DEVICE_ALLOCS: AtomicU64 = AtomicU64::new(0);
 static DEVICE_FREES: AtomicU64 = AtomicU64::new(0);
 static ALLOCATOR_REQUESTS: AtomicU64 = AtomicU64::new(0);
+static PINNED_ALLOCS: AtomicU64 = AtomicU64::new(0);
 static FSDP_BUFFER_ALLOCS: AtomicU64 = AtomicU64::new(0);
 static KERNEL_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 static STORE_OPS: AtomicU64 = AtomicU64::new(0);
@@ -43,6 +44,9 @@ pub struct Counters {
     pub device_allocs: u64,
     /// `cuMemFree` calls.
     pub device_frees: u64,
+    /// `cuMemHostAlloc` calls: page-locked host buffers (CPU offload's parameter and
+    /// gradient shards). 0 in a steady step, where FSDP reuses them.
+    pub pinned_allocs: u64,
     /// Requests to the CUDA caching allocator, whether a cached block served them or the
     /// driver was asked (`device_allocs`): one per device tensor made (activations,
     /// gradients, scratch). Not 0 in a steady step; compare it with
@@ -66,6 +70,7 @@ impl Counters {
             host_syncs: HOST_SYNCS.load(Ordering::Relaxed),
             device_allocs: DEVICE_ALLOCS.load(Ordering::Relaxed),
             device_frees: DEVICE_FREES.load(Ordering::Relaxed),
+            pinned_allocs: PINNED_ALLOCS.load(Ordering::Relaxed),
             allocator_requests: ALLOCATOR_REQUESTS.load(Ordering::Relaxed),
             fsdp_buffer_allocs: FSDP_BUFFER_ALLOCS.load(Ordering::Relaxed),
             kernel_launches: KERNEL_LAUNCHES.load(Ordering::Relaxed),
@@ -79,6 +84,7 @@ impl Counters {
             host_syncs: self.host_syncs.saturating_sub(earlier.host_syncs),
             device_allocs: self.device_allocs.saturating_sub(earlier.device_allocs),
             device_frees: self.device_frees.saturating_sub(earlier.device_frees),
+            pinned_allocs: self.pinned_allocs.saturating_sub(earlier.pinned_allocs),
             allocator_requests: self
                 .allocator_requests
                 .saturating_sub(earlier.allocator_requests),
@@ -123,6 +129,18 @@ pub fn count_device_alloc() {
 pub fn alloc_debug() -> bool {
     static WARN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *WARN.get_or_init(|| std::env::var("FSDP_ALLOC_DEBUG").is_ok_and(|v| v == "warn"))
+}
+
+/// Counts one page-locked host allocation (with `FSDP_ALLOC_DEBUG=warn`, with a
+/// backtrace on stderr).
+pub fn count_pinned_alloc() {
+    PINNED_ALLOCS.fetch_add(1, Ordering::Relaxed);
+    if alloc_debug() {
+        eprintln!(
+            "fsdp: pinned host allocation (FSDP_ALLOC_DEBUG=warn)\n{}",
+            std::backtrace::Backtrace::force_capture()
+        );
+    }
 }
 
 /// Counts one request to the caching allocator.

@@ -151,6 +151,44 @@ impl Tensor {
         }
     }
 
+    /// A zeroed CPU tensor in page-locked host memory (`torch.zeros(..).pin_memory()`),
+    /// pinned through `cuda:ordinal`'s driver (`cuMemHostAlloc`): a host tensor to every
+    /// op, that [`copy_from_non_blocking`](Self::copy_from_non_blocking) copies to and
+    /// from CUDA tensors without a host wait. Counted in
+    /// [`pinned_allocs`](crate::backend::counters::Counters::pinned_allocs).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the device is unavailable or the allocation fails (and without
+    /// the `cuda` feature).
+    pub fn pinned_zeros(shape: &[usize], dtype: DType, ordinal: usize) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        {
+            cuda::pinned_zeros(shape, dtype, ordinal)
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (shape, dtype, ordinal);
+            Err(cuda::no_cuda_build())
+        }
+    }
+
+    /// `self = src` as [`copy_from`](Self::copy_from), but between a CUDA tensor and a
+    /// pinned CPU tensor of the same dtype the copy is only queued on the calling thread's
+    /// current stream (`Tensor.copy_(src, non_blocking=True)`): the host must not read a
+    /// pinned destination, nor write a pinned source, before that stream's work up to here
+    /// has run (a stream synchronization, or an event wait the host does), and both must
+    /// live until then. Any other pair copies as `copy_from` does.
+    ///
+    /// # Errors
+    /// As [`copy_from`](Self::copy_from).
+    pub fn copy_from_non_blocking(&self, src: &Tensor) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if src.numel() == self.numel() && cuda::copy_async(self, src)? {
+            return Ok(());
+        }
+        self.copy_from(src)
+    }
+
     /// Sets every element to zero.
     pub fn zero_(&self) -> Result<()> {
         if self.device().is_cuda() {

@@ -18,7 +18,7 @@ mod storage;
 pub use crate::device::Device;
 pub use crate::dtype::DType;
 pub use dtype::Element;
-pub use storage::{Buffer, DeviceAllocation, Storage};
+pub use storage::{Buffer, DeviceAllocation, HostAllocation, Storage};
 
 use crate::error::{Error, Result};
 use parking_lot::{
@@ -68,6 +68,26 @@ impl Tensor {
             offset,
             shape: shape.to_vec(),
             dtype,
+        }
+    }
+
+    /// Whether the storage is page-locked host memory (`Tensor.is_pinned()`): a CPU
+    /// tensor the CUDA backend copies to and from asynchronously.
+    pub fn is_pinned(&self) -> bool {
+        matches!(&*self.storage.buf.read(), Buffer::Pinned { .. })
+    }
+
+    /// The host address of this view's first element when the storage is pinned (for the
+    /// CUDA backend's asynchronous copies; valid while the storage lives).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // only the CUDA backend copies
+    pub(crate) fn pinned_ptr(&self) -> Option<*mut u8> {
+        match &*self.storage.buf.read() {
+            Buffer::Pinned { buf, .. } => {
+                let at = self.offset * self.dtype.size_in_bytes();
+                // In bounds: a view never runs past its storage.
+                Some(buf.as_ptr().wrapping_add(at))
+            }
+            _ => None,
         }
     }
 
@@ -325,6 +345,12 @@ fn buffer_slice<T: Element>(b: &Buffer) -> &[T] {
         Buffer::I32(v) => bytemuck::cast_slice(v),
         Buffer::F64(v) => bytemuck::cast_slice(v),
         Buffer::I64(v) => bytemuck::cast_slice(v),
+        Buffer::Pinned { buf, .. } => {
+            // SAFETY: the allocation holds `len_bytes` bytes, valid while `b` is borrowed
+            // (the storage owns the allocation); the storage's lock is held for reading.
+            let bytes = unsafe { std::slice::from_raw_parts(buf.as_ptr(), buf.len_bytes()) };
+            bytemuck::cast_slice(bytes)
+        }
         Buffer::Meta { .. } => &[],
         Buffer::Cuda { .. } => &[],
     }
@@ -338,6 +364,12 @@ fn buffer_slice_mut<T: Element>(b: &mut Buffer) -> &mut [T] {
         Buffer::I32(v) => bytemuck::cast_slice_mut(v),
         Buffer::F64(v) => bytemuck::cast_slice_mut(v),
         Buffer::I64(v) => bytemuck::cast_slice_mut(v),
+        Buffer::Pinned { buf, .. } => {
+            // SAFETY: as in `buffer_slice`; the storage's lock is held for writing, so this
+            // is the only reference to the bytes on the host.
+            let bytes = unsafe { std::slice::from_raw_parts_mut(buf.as_ptr(), buf.len_bytes()) };
+            bytemuck::cast_slice_mut(bytes)
+        }
         Buffer::Meta { .. } => &mut [],
         Buffer::Cuda { .. } => &mut [],
     }

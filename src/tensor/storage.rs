@@ -23,6 +23,23 @@ pub trait DeviceAllocation: std::fmt::Debug + Send + Sync + 'static {
     fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
 }
 
+/// Page-locked ("pinned") host memory a backend allocated (CUDA's `cuMemHostAlloc`):
+/// ordinary host memory to the CPU ops, which the device can copy to and from
+/// asynchronously (PyTorch's `Tensor.pin_memory()` / `is_pinned()`). The backend's
+/// `PinnedBuffer` implements it and frees the memory when the last view drops.
+///
+/// # Safety
+/// `as_ptr` must point to `len_bytes` bytes, aligned to at least 8 bytes, valid for
+/// reads and writes for the allocation's whole life and owned by it alone.
+pub unsafe trait HostAllocation: std::fmt::Debug + Send + Sync + 'static {
+    /// The first byte.
+    fn as_ptr(&self) -> *mut u8;
+    /// Size in bytes.
+    fn len_bytes(&self) -> usize;
+    /// The allocation as `Any`, for the backend that made it to downcast.
+    fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
+}
+
 /// The typed contents of a storage.
 #[derive(Debug)]
 pub enum Buffer {
@@ -45,6 +62,18 @@ pub enum Buffer {
     Cuda {
         /// The allocation, shared with `DeviceTensor` views of it.
         buf: Arc<dyn DeviceAllocation>,
+        /// Element type.
+        dtype: DType,
+        /// Element count.
+        len: usize,
+    },
+    /// Page-locked host memory (`Device::Cpu`): `len` elements of `dtype` in a
+    /// [`HostAllocation`] (CUDA's `cuMemHostAlloc`). The CPU reads and writes it as any
+    /// host buffer; the CUDA backend copies it to and from the device asynchronously.
+    /// Only a build with the `cuda` feature makes one.
+    Pinned {
+        /// The allocation.
+        buf: Arc<dyn HostAllocation>,
         /// Element type.
         dtype: DType,
         /// Element count.
@@ -88,7 +117,7 @@ impl Buffer {
             Buffer::I32(v) => v.len(),
             Buffer::F64(v) => v.len(),
             Buffer::I64(v) => v.len(),
-            Buffer::Cuda { len, .. } => *len,
+            Buffer::Cuda { len, .. } | Buffer::Pinned { len, .. } => *len,
             Buffer::Meta { len, .. } => *len,
         }
     }
@@ -107,7 +136,7 @@ impl Buffer {
             Buffer::I32(_) => DType::I32,
             Buffer::F64(_) => DType::F64,
             Buffer::I64(_) => DType::I64,
-            Buffer::Cuda { dtype, .. } => *dtype,
+            Buffer::Cuda { dtype, .. } | Buffer::Pinned { dtype, .. } => *dtype,
             Buffer::Meta { dtype, .. } => *dtype,
         }
     }

@@ -11,7 +11,8 @@
 //! Beneath them: `context.rs` (a lazily created `CudaDevice` per ordinal, holding the
 //! driver context and the kernel modules, loaded once per device from the fat binaries
 //! build.rs embedded), `memory.rs` (a caching allocator with per-rank byte accounting),
-//! `stream.rs` (streams and events), `tensor.rs` (`DeviceTensor`, host <-> device copies).
+//! `stream.rs` (streams and events), `tensor.rs` (`DeviceTensor`, host <-> device copies),
+//! `pinned.rs` (page-locked host memory and the asynchronous copies it allows).
 //!
 //! Everything but [`detect`] and [`DeviceInfo`] needs the `cuda` feature. cudarc loads
 //! `libcuda.so` and `libcublas.so` at run time: a build needs no CUDA library, and a run
@@ -49,6 +50,8 @@ mod ops;
 #[cfg(feature = "cuda")]
 mod optim;
 #[cfg(feature = "cuda")]
+mod pinned;
+#[cfg(feature = "cuda")]
 mod stall;
 #[cfg(feature = "cuda")]
 mod stream;
@@ -73,6 +76,10 @@ pub use nn_ops::*;
 pub use ops::*;
 #[cfg(feature = "cuda")]
 pub use optim::{adam_step, sgd_step, AdamHyper, AdamSlot, SgdHyper, SgdSlot};
+#[cfg(feature = "cuda")]
+pub(crate) use pinned::copy_async;
+#[cfg(feature = "cuda")]
+pub use pinned::{pinned_zeros, PinnedBuffer};
 #[cfg(feature = "cuda")]
 pub use stall::{take_stream_stall_s, time_stream_waits};
 #[cfg(feature = "cuda")]

@@ -189,10 +189,11 @@ pub(crate) fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
                 median(per_step.iter().map(|c| f(c) as f64).collect())
             };
             counters.push(format!(
-                "{:<36} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
+                "{:<36} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
                 name,
                 med(|c| c.host_syncs),
                 med(|c| c.device_allocs),
+                med(|c| c.pinned_allocs),
                 med(|c| c.allocator_requests),
                 med(|c| c.fsdp_buffer_allocs),
                 med(|c| c.kernel_launches),
@@ -203,10 +204,11 @@ pub(crate) fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
     if !counters.is_empty() {
         out!("\nper step after warm-up (median, whole process): what each step asks of the host");
         out!(
-            "{:<36} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
+            "{:<36} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
             "configuration",
             "host syncs",
             "dev allocs",
+            "pinned",
             "alloc reqs",
             "fsdp bufs",
             "launches",
