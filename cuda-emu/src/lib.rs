@@ -22,7 +22,9 @@
 //! And the device's asynchrony (`queue.rs`): every kernel, copy, memset, GEMM and
 //! collective waits in its stream's queue until a host synchronization or an event wait
 //! forces it, so a missing event wait between two streams (or ranks) reads stale memory and
-//! the tests fail. `CUDA_EMU_SCHEDULE=eager` runs each operation when issued instead.
+//! the tests fail. Copies to and from page-locked host memory (`cuMemHostAlloc`) wait too,
+//! so a host that reads a pinned buffer before synchronizing with the copy that fills it
+//! reads what was there before. `CUDA_EMU_SCHEDULE=eager` runs each operation when issued instead.
 //!
 //! Its environment variables (`CUDA_EMU_DEVICES`, `CUDA_EMU_SCHEDULE`, `CUDA_EMU_SEED`) are
 //! listed in `env.rs`; a bad value is named in one warning line on stderr.

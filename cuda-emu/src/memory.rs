@@ -1,6 +1,10 @@
 //! Emulated device memory: each `cuMemAlloc` is its own anonymous mapping, ending at a
 //! `PROT_NONE` guard page, filled with `0xff`; a table of live allocations answers the range
 //! checks of copies, memsets and kernel pointer arguments.
+//!
+//! Page-locked host memory (`cuMemHostAlloc`) is a mapping of its own too, in a second
+//! table: a host-device copy whose host side lies wholly in one is asynchronous
+//! (`driver/copies.rs`).
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -66,6 +70,58 @@ pub fn alloc(len: usize, device: i32) -> Option<usize> {
         },
     );
     Some(start)
+}
+
+/// Live page-locked host allocations: start -> (length, mapping base, mapping length).
+static PINNED: Mutex<BTreeMap<usize, (usize, usize, usize)>> = Mutex::new(BTreeMap::new());
+
+fn pinned() -> std::sync::MutexGuard<'static, BTreeMap<usize, (usize, usize, usize)>> {
+    PINNED.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A new page-locked host allocation of `len` bytes (at least 1), page aligned and filled
+/// with `0xff` (its contents are undefined, as `cuMemHostAlloc`'s), or None.
+pub fn host_alloc(len: usize) -> Option<usize> {
+    let len = len.max(1);
+    let map_len = len.div_ceil(PAGE) * PAGE;
+    // SAFETY: an anonymous private mapping; nothing else refers to it yet.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            map_len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if base == libc::MAP_FAILED {
+        return None;
+    }
+    let base = base as usize;
+    // SAFETY: the mapping is `map_len >= len` writable bytes.
+    unsafe { std::ptr::write_bytes(base as *mut u8, 0xff, len) };
+    pinned().insert(base, (len, base, map_len));
+    Some(base)
+}
+
+/// Frees the page-locked allocation starting at `ptr`; false when none starts there.
+pub fn host_free(ptr: usize) -> bool {
+    let Some((_, base, map_len)) = pinned().remove(&ptr) else {
+        return false;
+    };
+    // SAFETY: the mapping made by `host_alloc`, no longer in the table.
+    unsafe { libc::munmap(base as *mut libc::c_void, map_len) };
+    true
+}
+
+/// Whether `[ptr, ptr + len)` lies wholly in one live page-locked host allocation.
+pub fn is_pinned(ptr: usize, len: usize) -> bool {
+    let t = pinned();
+    let Some((start, (n, _, _))) = t.range(..=ptr).next_back() else {
+        return false;
+    };
+    ptr.checked_add(len).is_some_and(|end| end <= start + n)
 }
 
 /// Frees the allocation starting at `ptr`; false when no live allocation starts there.

@@ -1,4 +1,11 @@
-//! Device memory entry points: allocation, host/device and peer copies, memsets.
+//! Device memory entry points: allocation, page-locked host allocation, host/device and
+//! peer copies, memsets.
+//!
+//! A copy between the device and page-locked host memory (`cuMemHostAlloc`) is queued on
+//! its stream like a kernel, reading or writing the host memory when it runs: a host that
+//! reads a pinned destination before synchronizing sees what was there before (the fresh
+//! allocation's `0xff` bytes, or an older value). With pageable host memory the copy to
+//! the device stages the source at once and the copy to the host synchronizes, as CUDA's.
 
 use super::*;
 
@@ -35,6 +42,41 @@ pub extern "C" fn cuMemFree_v2(ptr: u64) -> CUresult {
 }
 
 #[no_mangle]
+pub unsafe extern "C" fn cuMemHostAlloc(
+    pp: *mut *mut c_void,
+    bytes: usize,
+    _flags: c_uint,
+) -> CUresult {
+    try_cu!(current());
+    if pp.is_null() {
+        return INVALID_VALUE;
+    }
+    match memory::host_alloc(bytes) {
+        Some(p) => unsafe { out(pp, p as *mut c_void) },
+        None => OUT_OF_MEMORY,
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocHost_v2(pp: *mut *mut c_void, bytes: usize) -> CUresult {
+    unsafe { cuMemHostAlloc(pp, bytes, 0) }
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemFreeHost(p: *mut c_void) -> CUresult {
+    try_cu!(current());
+    // Copies still queued may read or write the memory: every device's work runs first.
+    for d in 0..device_count() {
+        queue::synchronize_device(d);
+    }
+    if memory::host_free(p as usize) {
+        SUCCESS
+    } else {
+        INVALID_VALUE
+    }
+}
+
+#[no_mangle]
 pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
     let dev = try_cu!(current());
     let r = unsafe { out(free, TOTAL_MEM.saturating_sub(memory::used(dev))) };
@@ -62,6 +104,20 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
     let dev = try_cu!(device_range(dst, bytes));
     if src.is_null() {
         return INVALID_VALUE;
+    }
+    if memory::is_pinned(src as usize, bytes) {
+        // From page-locked memory the copy engine reads the source when the copy runs.
+        let src = src as usize;
+        queue::issue(
+            stream as usize,
+            dev,
+            Work::new(move || {
+                // SAFETY: both ranges were checked at issue; a free drains the device first
+                // (cuMemFreeHost too).
+                unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) }
+            }),
+        );
+        return SUCCESS;
     }
     // From pageable host memory the driver stages the source before returning: copy it now.
     // SAFETY: src is the caller's host buffer of `bytes` bytes.
@@ -91,6 +147,19 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
     try_cu!(device_range(src, bytes));
     if dst.is_null() {
         return INVALID_VALUE;
+    }
+    if memory::is_pinned(dst as usize, bytes) {
+        // Into page-locked memory: queued, written when the stream runs it.
+        let dst = dst as usize;
+        queue::issue(
+            stream as usize,
+            dev,
+            Work::new(move || {
+                // SAFETY: as in cuMemcpyHtoDAsync_v2's pinned case.
+                unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) }
+            }),
+        );
+        return SUCCESS;
     }
     // To pageable host memory the copy is synchronous: the stream's work first, then it.
     queue::synchronize(stream as usize, dev);
