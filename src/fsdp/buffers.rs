@@ -32,6 +32,10 @@
 //! New buffers take new device blocks (`backend::cuda::with_fresh_blocks`), not blocks
 //! cached for the step's short-lived tensors.
 //!
+//! Under CPU offload on a GPU ([`pin_host`](BufferPool::pin_host)) the host buffers (the
+//! offloaded gradient shards) are page-locked (`cuMemHostAlloc`), so the device copies
+//! into them asynchronously; kept like the others, no step after the first pins memory.
+//!
 //! The pool is used by the compute thread only. With `enabled` false (the host, where the
 //! CPU tensor pool already reuses f32 buffers) it allocates every time and keeps nothing.
 
@@ -58,6 +62,8 @@ struct Entry {
 /// Buffers FSDP reuses from step to step (see the module docs).
 pub struct BufferPool {
     enabled: bool,
+    /// Host buffers are pinned through this device's driver (CPU offload on a GPU).
+    pin: Option<usize>,
     in_flight: usize,
     classes: HashMap<(usize, DType, Device), VecDeque<Entry>>,
     waited: Duration,
@@ -79,10 +85,18 @@ impl BufferPool {
     pub fn new(enabled: bool, in_flight: usize) -> BufferPool {
         BufferPool {
             enabled,
+            pin: None,
             in_flight,
             classes: HashMap::new(),
             waited: Duration::ZERO,
         }
+    }
+
+    /// Makes the new host (`Device::Cpu`) buffers page-locked through `cuda:ordinal`'s
+    /// driver ([`Tensor::pinned_zeros`]): CPU offload's gradient shards, which the device
+    /// then fills without a host wait.
+    pub fn pin_host(&mut self, ordinal: usize) {
+        self.pin = Some(ordinal);
     }
 
     /// Buffers the pool holds now (idle, or waiting for their job).
@@ -160,6 +174,9 @@ impl BufferPool {
             }
         }
         crate::backend::counters::count_fsdp_buffer_alloc();
+        if let (Device::Cpu, Some(ordinal)) = (device, self.pin) {
+            return Tensor::pinned_zeros(&[numel], dtype, ordinal).map(|t| (t, true));
+        }
         // Kept for the run: a new block, not one the step's own tensors will want back.
         #[cfg(feature = "cuda")]
         if device.is_cuda() {

@@ -50,12 +50,19 @@ impl Scheduler {
             _ => self.mp.compute_dtype(),
         };
         let full = self.take_buffer(padded, dtype, device, true)?;
+        let numel = self.units[id].shard.numel();
         let on_device = match self.streams.pre_unshard {
-            Some(_) => {
-                Some(self.take_buffer(self.units[id].shard.numel(), dtype, device, false)?)
-            }
+            Some(_) => Some(self.take_buffer(numel, dtype, device, false)?),
             None => None,
         };
+        // A pinned shard goes to the device as it is, asynchronously, and is cast to
+        // param_dtype there (a pageable one is cast on the host, then staged).
+        let widened =
+            if on_device.is_some() && dtype != shard_dtype && self.units[id].shard.is_pinned() {
+                Some(self.take_buffer(numel, shard_dtype, device, false)?)
+            } else {
+                None
+            };
         let u = &self.units[id];
         self.mem.lock().on_unshard(full.nbytes());
         self.stats.all_gathers += 1;
@@ -66,11 +73,22 @@ impl Scheduler {
             // pre-unshard stream, then the gather from it on the unshard stream, which
             // waits for the copy: the compute thread does not.
             let h2d = {
-                let (shard, dst) = (u.shard.clone(), on_device.clone());
-                pre.submit_keeping(vec![u.shard.clone(), on_device.clone()], move || {
-                    dst.copy_from(&shard)
+                let (shard, dst, wide) = (u.shard.clone(), on_device.clone(), widened.clone());
+                let mut keep = vec![u.shard.clone(), on_device.clone()];
+                keep.extend(widened.clone());
+                pre.submit_keeping(keep, move || match &wide {
+                    // FSDP1 `_use_low_precision_shard`: the cast on the pre-unshard stream.
+                    Some(w) => {
+                        w.copy_from_non_blocking(&shard)?;
+                        dst.copy_from(w)
+                    }
+                    None => dst.copy_from_non_blocking(&shard),
                 })
             };
+            if let Some(w) = widened {
+                // Read by the cast on the pre-unshard stream only.
+                self.buffers.give_after(w, pre);
+            }
             let (pg, out, sharded) = (self.shard_pg.clone(), full.clone(), self.sharded);
             let keep = vec![full.clone(), on_device.clone()];
             let staged = on_device.clone();
@@ -103,10 +121,11 @@ impl Scheduler {
     }
 }
 
-/// A gradient reduction in flight: its handle and the f32 shard it fills (complete once
-/// the handle is).
+/// A gradient reduction in flight (`work` set) or waited for and still to be added into
+/// the sharded gradient (`work` taken): the f32 shard it fills (complete once the handle
+/// is; on the host under CPU offload, once the host synchronized with the device).
 pub(super) struct PendingGrad {
-    work: Work,
+    work: Option<Work>,
     out: Tensor,
 }
 
@@ -185,9 +204,11 @@ impl FullyShardedDataParallel {
             if let Some(d) = keep_lp {
                 round_(&shard, d)?;
             }
-            // CpuOffload: the device-to-host copy of the gradient shard.
+            // CpuOffload: the device-to-host copy of the gradient shard, queued on this
+            // stream without a host wait when the shard is pinned; the host reads it after
+            // the end of backward's synchronization (`runtime.rs`).
             if !shard.same_view(&dst) {
-                dst.copy_from(&shard)?;
+                dst.copy_from_non_blocking(&shard)?;
             }
             Ok(())
         };
@@ -203,24 +224,66 @@ impl FullyShardedDataParallel {
             s.buffers.give_after(released, s.streams.post_backward());
             work
         };
-        self.pending_grad = Some(PendingGrad { work, out });
+        self.pending_grad = Some(PendingGrad {
+            work: Some(work),
+            out,
+        });
         Ok(())
     }
 
     /// Waits for this unit's reduction in flight, if any, and accumulates its shard into
-    /// the sharded gradient.
+    /// the sharded gradient (under CPU offload on a GPU, after the host synchronized with
+    /// the device when there is one to add to).
     pub(super) fn finish_reduce(&mut self) -> Result<()> {
+        self.wait_reduce()?;
+        if self.pending_grad.is_some() {
+            self.sync_offloaded_grads()?;
+        }
+        self.accumulate_reduced()
+    }
+
+    /// Waits for this unit's reduction in flight, if any (the compute stream waits for it
+    /// on the device). Its shard becomes the sharded gradient when there is none yet;
+    /// otherwise it stays pending for [`accumulate_reduced`](Self::accumulate_reduced),
+    /// which reads it: under CPU offload on a GPU, only once the host synchronized.
+    pub(super) fn wait_reduce(&mut self) -> Result<()> {
+        let Some(p) = self.pending_grad.as_mut() else {
+            return Ok(());
+        };
+        if let Some(work) = p.work.take() {
+            let (r, dt) = work.wait_timed();
+            self.rs.sched.lock().add_wait(dt);
+            if let Err(e) = r {
+                self.pending_grad = None;
+                return Err(e);
+            }
+        }
+        if self.flat.grad_shard.is_none() {
+            if let Some(p) = self.pending_grad.take() {
+                self.rs.mem.lock().grad_shard_bytes += p.out.nbytes();
+                self.flat.grad_shard = Some(p.out);
+            }
+        }
+        Ok(())
+    }
+
+    /// Adds the shard [`wait_reduce`](Self::wait_reduce) left pending into the sharded
+    /// gradient, and returns the shard's buffer to the pool.
+    pub(super) fn accumulate_reduced(&mut self) -> Result<()> {
         let Some(p) = self.pending_grad.take() else {
             return Ok(());
         };
-        let (r, dt) = p.work.wait_timed();
-        self.rs.sched.lock().add_wait(dt);
-        r?;
+        if let Some(work) = p.work {
+            // Callers wait first; a handle still here is waited for now.
+            let (r, dt) = work.wait_timed();
+            self.rs.sched.lock().add_wait(dt);
+            r?;
+        }
         let shard = p.out;
         match &self.flat.grad_shard {
             Some(acc) => {
                 crate::ops::add_(acc, &shard)?;
-                // Read on the compute stream, which waited for the reduction: free now.
+                // Read on the compute stream (or by the host after it synchronized): free now.
                 self.rs.sched.lock().buffers.give(shard);
             }
             None => {

@@ -134,7 +134,10 @@ pub type ParamInitFn =
 /// With `offload_params`, each unit's parameter shard and gradient shard stay in host
 /// memory and the optimizer steps there; unshard first copies the shard to the compute
 /// device (on the pre-unshard stream, ahead of use when prefetching) and the reduced
-/// gradient shard is copied back to the host. On the CPU backend the "device" copy is a
+/// gradient shard is copied back to the host. On CUDA both shards live in pinned host
+/// memory (`cuMemHostAlloc`), so both copies are asynchronous (FSDP1 `_flat_param.py`,
+/// `_runtime_utils.py`): the host waits for the device once per backward, at its end,
+/// before the optimizer reads the gradients. On the CPU backend the "device" copy is a
 /// separate staging buffer, so the data path and its numbers are exercised without a GPU.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CpuOffload {

@@ -207,6 +207,24 @@ impl FlatParameter {
         Ok(())
     }
 
+    /// Moves this rank's chunk into page-locked host memory pinned through `cuda:ordinal`
+    /// (CPU offload on a GPU, FSDP1 `_flat_param.py`'s pinned `_local_shard`): the
+    /// pre-unshard stream then copies it to the device without a host wait. A no-op for
+    /// a shard not on the host or already pinned.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`](crate::Error::Cuda) when the allocation fails.
+    pub(crate) fn pin_shard(&mut self, ordinal: usize) -> Result<()> {
+        let s = &self.local_shard;
+        if s.device() != Device::Cpu || s.is_pinned() {
+            return Ok(());
+        }
+        let pinned = Tensor::pinned_zeros(s.shape(), s.dtype(), ordinal)?;
+        pinned.copy_from(s)?;
+        self.local_shard = pinned;
+        Ok(())
+    }
+
     /// The device this rank's chunk lives on.
     pub fn device(&self) -> Device {
         self.local_shard.device()

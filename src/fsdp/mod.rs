@@ -29,9 +29,9 @@
 //!
 //! | state | CPU (`device_id` none or cpu) | CUDA (`device_id = cuda:i`) |
 //! |---|---|---|
-//! | parameter shard (f32 master) | host | `cuda:i` (host under CPU offload) |
+//! | parameter shard (f32 master) | host | `cuda:i` (pinned host memory under CPU offload) |
 //! | unsharded parameters, flat gradient, low-precision copies | host | `cuda:i` |
-//! | reduced gradient shard | host | `cuda:i` (host under CPU offload) |
+//! | reduced gradient shard | host | `cuda:i` (pinned host memory under CPU offload) |
 //! | unshard / post-backward / pre-unshard streams | a worker thread each | a worker thread each, with its own CUDA stream, ordered by events |
 //! | gradient pack/unpack, rounding | [`crate::ops::flat`] CPU loops | `pack_grad_*`, `unpack_grad_*`, `cast_*` kernels |
 //! | state dicts | host tensors | host tensors (full state dict: on the GPU without `offload_to_cpu`) |

@@ -78,19 +78,52 @@ impl FullyShardedDataParallel {
     }
 
     /// End of the root's backward (FSDP1 `_post_backward_final_callback`): every unit's
-    /// reduction is waited for and accumulated, unused prefetches dropped.
+    /// reduction is waited for and accumulated, unused prefetches dropped. Under CPU
+    /// offload on a GPU the host then synchronizes with the compute stream once, which
+    /// waited for every reduction and gather: the gradient shards' device-to-host copies
+    /// have landed for the host's readers (accumulation, clipping, the CPU optimizer), and
+    /// the parameter shards' host-to-device copies have read the shards the optimizer is
+    /// about to write. FSDP1 `_post_backward_final_callback`'s
+    /// `current_stream().synchronize()` under `offload_params`.
     fn finalize_backward(&mut self) -> Result<()> {
         // Every unit's reduction is finished even after one fails (nothing is left in
         // flight); the first error is the one to report.
         let mut first: Result<()> = Ok(());
         self.each_unit(|u| {
-            let r = u.finish_reduce();
+            let r = u.wait_reduce();
             if first.is_ok() {
                 first = r;
             }
         });
         let r = self.drain_stream();
-        first.and(r)
+        first = first.and(r);
+        let r = self.sync_offloaded_grads();
+        first = first.and(r);
+        self.each_unit(|u| {
+            let r = u.accumulate_reduced();
+            if first.is_ok() {
+                first = r;
+            }
+        });
+        first
+    }
+
+    /// Under CPU offload on a GPU: blocks the host until the compute stream's work so far
+    /// has run (one host synchronization; see
+    /// [`finalize_backward`](Self::finalize_backward)). A no-op otherwise.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`](crate::Error::Cuda) with the stream's first asynchronous error.
+    pub(super) fn sync_offloaded_grads(&self) -> Result<()> {
+        let device = self.rs.device;
+        if !device.is_cuda() || !self.rs.sched.lock().offload() || skip_offload_sync() {
+            return Ok(());
+        }
+        #[cfg(feature = "cuda")]
+        if let crate::backend::Device::Cuda(i) = device {
+            return crate::backend::cuda::current_stream(i)?.synchronize();
+        }
+        Ok(())
     }
 
     /// Waits until the stream is idle and drops unused prefetches; every FSDP buffer a
@@ -147,6 +180,20 @@ impl FullyShardedDataParallel {
             return Ok(None);
         }
         x.to_dtype(mp.compute_dtype()).map(Some)
+    }
+}
+
+/// Test hook (builds with `test-hooks`): `FSDP_TEST_OFFLOAD_NO_SYNC=1` skips the end of
+/// backward's synchronization under CPU offload, so that a test sees the host read
+/// gradient shards whose device-to-host copies have not run (and fail).
+fn skip_offload_sync() -> bool {
+    #[cfg(feature = "test-hooks")]
+    {
+        std::env::var("FSDP_TEST_OFFLOAD_NO_SYNC").is_ok_and(|v| v == "1")
+    }
+    #[cfg(not(feature = "test-hooks"))]
+    {
+        false
     }
 }
 

@@ -126,6 +126,11 @@ impl Scheduler {
         mem: Arc<Mutex<MemoryStats>>,
         device: Device,
     ) -> Self {
+        let mut buffers = BufferPool::new(device.is_cuda(), 1);
+        if let (Device::Cuda(i), true) = (device, streams.pre_unshard.is_some()) {
+            // CPU offload on a GPU: the host gradient shards are pinned.
+            buffers.pin_host(i);
+        }
         Scheduler {
             mem,
             device,
@@ -138,7 +143,7 @@ impl Scheduler {
             limit_all_gathers: false,
             units: Vec::new(),
             // Double buffering for buffers a stream still uses: one stays in flight.
-            buffers: BufferPool::new(device.is_cuda(), 1),
+            buffers,
             states: Vec::new(),
             pre_fwd: Vec::new(),
             prev_pre_fwd: Vec::new(),

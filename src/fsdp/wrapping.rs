@@ -221,6 +221,10 @@ impl FullyShardedDataParallel {
         if !rs.sched.lock().offload() {
             // device_id: the shard lives on the compute device (on the host under offload).
             flat.move_shard_to(rs.device)?;
+        } else if let Device::Cuda(i) = rs.device {
+            // Offloaded on a GPU: in pinned host memory, copied to the device
+            // asynchronously.
+            flat.pin_shard(i)?;
         }
         // Peak at init: the originals are still alive next to every shard made so far.
         let shards = rs.mem.lock().param_shard_bytes + flat.local_shard.nbytes();
