@@ -45,7 +45,8 @@ if [ "$what" != curves ]; then
   if cargo test -q -p cuda-emu --release >"$out/emu-self.log" 2>&1; then echo "PASS cuda-emu self-tests"; else
     echo "FAIL cuda-emu self-tests (log: $out/emu-self.log)"; tail -n 15 "$out/emu-self.log"; fail=1
   fi
-  tests="kernels kernels_nn ops_device nn_device zero_size fsdp_zero_size fsdp_cuda mixed_precision_torch distributed capi_cuda"
+  # test-hooks: offload_pinned's hook that skips the end of backward's synchronization.
+  tests="kernels kernels_nn ops_device nn_device zero_size fsdp_zero_size fsdp_cuda offload_pinned mixed_precision_torch distributed capi_cuda"
   args=""; for t in $tests; do args="$args --test $t"; done
   # Two emulated GPUs (ranks spread over devices: peer copies) and one (every rank on
   # cuda:0, as on a lent H200), unless CUDA_EMU_DEVICES names one count. The one-GPU pass
@@ -57,7 +58,7 @@ if [ "$what" != curves ]; then
     nocache=0; [ "$devices" = 1 ] && nocache=1
     echo "== CUDA tests on cuda-emu ($devices emulated device(s), FSDP_CUDA_NO_CACHING=$nocache)"
     # shellcheck disable=SC2086
-    if CUDA_EMU_DEVICES=$devices FSDP_CUDA_NO_CACHING=$nocache cargo test --features cuda $args -- --nocapture >"$log" 2>&1; then
+    if CUDA_EMU_DEVICES=$devices FSDP_CUDA_NO_CACHING=$nocache cargo test --features cuda,test-hooks $args -- --nocapture >"$log" 2>&1; then
       ok=$(grep -c '_cuda \.\.\. ok\|nccl.* \.\.\. ok' "$log")
       one=$(grep "skipping" "$log" | grep -c ": one GPU")
       if [ "$one" -gt 0 ]; then
@@ -78,7 +79,7 @@ if [ "$what" != curves ]; then
   # tests/distributed/nccl_world.rs): worlds of 2 and 4 on 4 emulated devices.
   log="$out/tests-nccl-4.log"
   echo "== NCCL worlds of 2 and 4 thread ranks on cuda-emu (4 emulated devices)"
-  if CUDA_EMU_DEVICES=4 cargo test --features cuda --test distributed nccl_ -- --nocapture >"$log" 2>&1; then
+  if CUDA_EMU_DEVICES=4 cargo test --features cuda,test-hooks --test distributed nccl_ -- --nocapture >"$log" 2>&1; then
     echo "PASS nccl worlds: $(grep -c 'nccl.* \.\.\. ok' "$log") tests ok"
     if grep -q "skipping" "$log"; then
       echo "FAIL nccl worlds: skipped on 4 emulated devices:"; grep "skipping" "$log" | head -n 3; fail=1
@@ -122,7 +123,12 @@ if [ "$what" != tests ]; then
   run cuda-ws2-zero2 "$fsdp" train --device cuda --world-size 2 --strategy shard-grad-op
   run cpu-ws2-bf16 "$fsdp" train --device cpu --world-size 2 --mixed-precision bf16
   run cuda-ws2-bf16 "$fsdp" train --device cuda --world-size 2 --mixed-precision bf16
+  run cuda-ws1-bf16 "$fsdp" train --device cuda --world-size 1 --mixed-precision bf16
+  run cuda-ws1-offload "$fsdp" train --device cuda --world-size 1 --cpu-offload
+  run cuda-ws1-bf16-offload "$fsdp" train --device cuda --world-size 1 --mixed-precision bf16 --cpu-offload
   run cuda-ws2-offload "$fsdp" train --device cuda --world-size 2 --cpu-offload
+  run cuda-ws2-bf16-offload "$fsdp" train --device cuda --world-size 2 --mixed-precision bf16 --cpu-offload
+  run cpu-ws2-offload "$fsdp" train --device cpu --world-size 2 --cpu-offload
   run nccl-ws1 "$fsdp" launch --nproc-per-node 1 --master-port 0 -- "$fsdp" train --device cuda --world-size 1
   run nccl-ws2 "$fsdp" launch --nproc-per-node 2 --master-port 0 -- "$fsdp" train --device cuda --world-size 2
   run nccl-ws2-bf16 "$fsdp" launch --nproc-per-node 2 --master-port 0 -- "$fsdp" train --device cuda --world-size 2 --mixed-precision bf16
@@ -132,7 +138,14 @@ if [ "$what" != tests ]; then
   check "cuda vs cpu, 2 ranks on $CUDA_EMU_DEVICES device(s) (f32)" cuda-ws2 cpu-ws2
   check "cuda vs cpu, 2 ranks, shard-grad-op" cuda-ws2-zero2 cpu-ws2-zero2
   check "cuda vs cpu, 2 ranks, bf16 mixed precision" cuda-ws2-bf16 cpu-ws2-bf16 1e-2
-  check "cuda with cpu offload vs cuda, 2 ranks" cuda-ws2-offload cuda-ws2
+  # CPU offload (shards in pinned host memory, the optimizer on the host): bit for bit the
+  # same run without offload (the emulated kernels are the host's arithmetic), and (f32)
+  # close to the CPU's offload run.
+  check "cuda with cpu offload vs cuda, 1 rank" cuda-ws1-offload cuda-ws1 0
+  check "cuda with cpu offload vs cuda, 1 rank, bf16" cuda-ws1-bf16-offload cuda-ws1-bf16 0
+  check "cuda with cpu offload vs cuda, 2 ranks" cuda-ws2-offload cuda-ws2 0
+  check "cuda with cpu offload vs cuda, 2 ranks, bf16" cuda-ws2-bf16-offload cuda-ws2-bf16 0
+  check "cuda with cpu offload vs cpu with cpu offload, 2 ranks" cuda-ws2-offload cpu-ws2-offload
   check "nccl (fsdp launch, 1 process) vs threads, cuda" nccl-ws1 cuda-ws1
   # The emulated NCCL reduces in rank order in f64 as the threads backend does: bit for bit.
   check "nccl (fsdp launch, 2 processes) vs threads, cuda" nccl-ws2 cuda-ws2 0
@@ -152,23 +165,26 @@ if [ "$what" != tests ]; then
   # only the first and last steps read their losses), at most one per rank on one that
   # does; and no device allocation on any step, the reading one included (FSDP's buffers
   # are kept from step to step, the caching allocator serves everything else), nor a new
-  # FSDP buffer. A change that makes a step wait for the device, or
-  # ask the driver for memory, fails here. Under CPU offload the shards' copies to and from
-  # the host still synchronize (`syncs` 0: not checked).
-  counters() { # counters NAME RANKS [syncs]
-    python3 - "$out/$1.jsonl" "$2" "$1" "${3:-1}" <<'PY'
+  # FSDP buffer, nor a pinned host one. A change that makes a step wait for the device, or
+  # ask the driver for memory, fails here. Under CPU offload (`offload` 1) each rank's host
+  # waits once a step, at the end of backward, for the gradient shards' copies to the host
+  # (pinned: the copies themselves are asynchronous) before the CPU optimizer reads them:
+  # at most one per rank between reads, two on the reading step.
+  counters() { # counters NAME RANKS [offload]
+    python3 - "$out/$1.jsonl" "$2" "$1" "${3:-0}" <<'PY'
 import json, sys
-path, ranks, name, syncs = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
+path, ranks, name, offload = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 recs = [json.loads(l) for l in open(path)]
 last = recs[-1]["step"] if recs else 0
 quiet = [r["counters"]["host_syncs"] for r in recs[1:] if r["step"] != last]
 read = [r["counters"]["host_syncs"] for r in recs[1:] if r["step"] == last]
-allocs = [r["counters"]["device_allocs"] + r["counters"]["fsdp_buffer_allocs"] for r in recs[1:]]
-ok_syncs = bool(quiet) and max(quiet) == 0 and max(read) <= ranks
-ok = (ok_syncs or not syncs) and bool(allocs) and max(allocs) == 0
-print(f"{'PASS' if ok else 'FAIL'} counters {name}: host syncs per step {quiet} between reads, "
-      f"{read} on the last step (at most {ranks}, one per rank{'' if syncs else '; not checked'}); "
-      f"device + FSDP buffer allocations from step 2 {allocs} (0 each)")
+c = lambda r, k: r["counters"].get(k, 0)
+allocs = [c(r, "device_allocs") + c(r, "fsdp_buffer_allocs") + c(r, "pinned_allocs") for r in recs[1:]]
+ok_syncs = bool(quiet) and max(quiet) <= offload * ranks and max(read) <= (1 + offload) * ranks
+ok = ok_syncs and bool(allocs) and max(allocs) == 0
+print(f"{'PASS' if ok else 'FAIL'} counters {name}: host syncs per step {quiet} between reads "
+      f"(at most {offload * ranks}), {read} on the last step (at most {(1 + offload) * ranks}); "
+      f"device + FSDP buffer + pinned allocations from step 2 {allocs} (0 each)")
 sys.exit(0 if ok else 1)
 PY
     [ $? -eq 0 ] || fail=1
@@ -178,7 +194,10 @@ PY
   counters cuda-ws2-zero2 2
   counters cuda-ws2-bf16 2
   counters cuda-ws4 4
-  counters cuda-ws2-offload 2 0
+  counters cuda-ws1-offload 1 1
+  counters cuda-ws1-bf16-offload 1 1
+  counters cuda-ws2-offload 2 1
+  counters cuda-ws2-bf16-offload 2 1
   # NCCL (fsdp launch, rank 0's process): no host wait (the watchdog thread watches each
   # collective) and no store request on a step that reads nothing back, and no device
   # allocation from step 2 on, the reading step included. The last step reads the losses

@@ -5,11 +5,12 @@
 //! FlatParameter's unsharded buffer (FSDP1 `FlatParamHandle._get_unflat_views`), with no
 //! copy. Tensors are contiguous row-major; ops that need a transpose take it as a flag.
 //!
-//! This layer holds storage (host vectors, a device allocation behind
-//! [`DeviceAllocation`], or nothing on the meta device), views and host access, and
-//! imports no backend. The methods that move, copy, cast or fill a tensor by its device
-//! (`to_device`, `copy_from`, `to_dtype`, `zeros_on`, `zero_`, `to_vec_f32`) are defined
-//! one layer up, in `backend/tensor.rs`, where the backends are.
+//! This layer holds storage (host vectors, pinned host memory behind [`HostAllocation`],
+//! a device allocation behind [`DeviceAllocation`], or nothing on the meta device), views
+//! and host access, and imports no backend. The methods that move, copy, cast or fill a
+//! tensor by its device (`to_device`, `copy_from`, `to_dtype`, `zeros_on`, `zero_`,
+//! `to_vec_f32`, `pinned_zeros`) are defined one layer up, in `backend/tensor.rs`, where
+//! the backends are.
 
 mod dtype;
 pub mod pool;
