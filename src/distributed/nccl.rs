@@ -414,6 +414,11 @@ impl Shared {
     /// (their outputs undefined) and the streams drain; later collectives fail with `err`.
     pub(super) fn fail(&self, err: Error) {
         self.linger();
+        // Before the abort that fails the peers' collectives: they read it to name the same
+        // ranks.
+        if let Error::Timeout { missing_ranks, .. } = &err {
+            self.evidence.record_timeout(missing_ranks);
+        }
         let mut comm = self.comm.lock();
         if comm.failure.is_none() {
             comm.failure = Some(err);
@@ -428,16 +433,26 @@ impl Shared {
     }
 
     /// NCCL's asynchronous error as the error to report for collective number `seq`: a
-    /// peer that recorded its failure is the cause; else the first other rank that had not
-    /// entered the collective; else this one. None while healthy. With `wait`, waits for
+    /// peer that recorded its failure is the cause; else a timeout a peer recorded (it
+    /// aborted because ranks never arrived: the same [`Error::Timeout`] naming them); else
+    /// the first other rank that had not entered the collective; else this one. None while
+    /// healthy. With `wait`, waits for
     /// a communicator another thread holds; without (the watchdog, which must not stall
     /// behind a call), answers None then: it asks again at its next poll.
     pub(super) fn async_failure(&self, op: &str, seq: u64, wait: bool) -> Option<Error> {
         let text = self.async_error(op, wait)?;
-        Some(match self.evidence.failed_peer() {
-            Some((failed_rank, reason)) => Error::PeerFailed {
+        if let Some((failed_rank, reason)) = self.evidence.failed_peer() {
+            return Some(Error::PeerFailed {
                 failed_rank,
                 reason: format!("{reason} ({text})"),
+            });
+        }
+        Some(match self.evidence.timed_out() {
+            Some(missing_ranks) => Error::Timeout {
+                op: op.to_string(),
+                rank: self.world_rank,
+                timeout_s: self.timeout.as_secs_f64(),
+                missing_ranks,
             },
             None => Error::PeerFailed {
                 failed_rank: self

@@ -12,6 +12,10 @@
 //!   rank}"`, behind its place in the job's order of failures (the counter
 //!   `"nccl/failure_order"`, the store's atomic `add`). A peer names the earliest: the rank
 //!   that failed first, not one that failed because of it and recorded so too.
+//! - **Timeouts.** A rank whose collective timed out records the ranks it found missing,
+//!   under `"{prefix}/timeout"`, before it aborts its communicator. A peer whose collective
+//!   then fails because that rank aborted (NCCL's remote error) reports the same timeout
+//!   naming the same ranks, not the rank that gave up on them.
 //!
 //! The store is hosted by rank 0's process: when rank 0's group fails, the watchdog keeps
 //! the group (and so the store server) alive for a while (`nccl_watchdog::linger`), so
@@ -78,6 +82,30 @@ impl Evidence {
             }
         }
         first.map(|(_, r, reason)| (r, reason))
+    }
+
+    /// Records in the store that a collective of the group timed out at this rank,
+    /// `missing` (world ranks) never having entered it; a store error only loses that.
+    pub(super) fn record_timeout(&self, missing: &[usize]) {
+        let text: Vec<String> = missing.iter().map(|r| r.to_string()).collect();
+        let _ = self.store.set(
+            &format!("{}/timeout", self.prefix),
+            text.join(",").as_bytes(),
+        );
+    }
+
+    /// The ranks a peer found missing when a collective of the group timed out there, if
+    /// one recorded that (see [`record_timeout`](Self::record_timeout)).
+    pub(super) fn timed_out(&self) -> Option<Vec<usize>> {
+        let key = format!("{}/timeout", self.prefix);
+        if !self.store.check(&[key.as_str()]).ok()? {
+            return None;
+        }
+        let text = String::from_utf8(self.store.get(&key).ok()?).ok()?;
+        text.split(',')
+            .filter(|s| !s.is_empty())
+            .map(|s| s.parse().ok())
+            .collect()
     }
 
     /// Records in the store that this rank entered `seq` collectives of the group (for a
@@ -171,5 +199,15 @@ mod tests {
         assert_eq!(ranks[1].lagging_ranks(3), vec![2]);
         assert_eq!(ranks[2].lagging_ranks(3), vec![1]);
         assert_eq!(ranks[1].lagging_ranks(5), vec![0, 2, 3]);
+    }
+
+    /// What one rank records at its timeout, every peer reads back.
+    #[test]
+    fn a_recorded_timeout_names_the_missing_ranks_to_every_peer() {
+        let ranks = views(3);
+        assert_eq!(ranks[1].timed_out(), None);
+        ranks[0].record_timeout(&[2]);
+        assert_eq!(ranks[1].timed_out(), Some(vec![2]));
+        assert_eq!(ranks[2].timed_out(), Some(vec![2]));
     }
 }
