@@ -42,6 +42,8 @@ mod mesh;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 #[cfg(feature = "cuda")]
+mod nccl_evidence;
+#[cfg(feature = "cuda")]
 mod nccl_watchdog;
 mod rendezvous;
 mod signals;

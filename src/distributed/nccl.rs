@@ -18,8 +18,9 @@
 //!   the timeout or 10 s, records its collective count in the store, as PyTorch's desync
 //!   debugging asks its peers on a timeout; a healthy collective makes no store request and
 //!   no host wait), and an asynchronous NCCL error or a peer's recorded failure becomes
-//!   [`Error::PeerFailed`]; the group's next call (or [`barrier`](ProcessGroup::barrier),
-//!   which waits on the host) returns it;
+//!   [`Error::PeerFailed`] naming the peer that failed first (`nccl_evidence.rs`); the
+//!   group's next call (or [`barrier`](ProcessGroup::barrier), which waits on the host)
+//!   returns it;
 //! - an aborted communicator fails every later collective with the first error;
 //! - `new_group` builds a communicator for the members from a fresh unique id under a key
 //!   naming the members and how many groups of them were made before.
@@ -32,6 +33,7 @@
 //! timeout naming the ranks that did not enter (or, for differing sizes, as corrupt data);
 //! run the same job on the `threads` backend to get the exact mismatch.
 
+use super::nccl_evidence::Evidence;
 use super::threads::{is_chunk_of, unaliased};
 use super::{Group, ProcessGroup, ReduceOp, Store};
 use crate::backend::cuda as cu;
@@ -41,6 +43,7 @@ use crate::tensor::{DType, Tensor};
 use cudarc::nccl::{result as nccl, sys};
 use parking_lot::Mutex;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -155,15 +158,15 @@ pub struct NcclGroup {
 /// The part of a group the watchdog thread needs while the group's collectives are in
 /// flight (and keeps alive until they end: the communicator is not destroyed under them).
 pub(super) struct Shared {
-    rank: usize,
-    size: usize,
-    members: Vec<usize>,
     world_rank: usize,
     pub(super) timeout: Duration,
-    store: Arc<dyn Store>,
-    /// Key prefix of this group in the store.
-    prefix: String,
+    /// This group's records in the store: collective counts, failures
+    /// (`nccl_evidence.rs`).
+    pub(super) evidence: Evidence,
     comm: Mutex<Comm>,
+    /// Whether this group's store handle was handed to `nccl_watchdog::linger` (once, at
+    /// the group's failure).
+    lingering: AtomicBool,
     /// When the watchdog last looked for a peer's recorded failure (a store request): at
     /// most once a second per group, however many collectives are in flight.
     last_peer_check: Mutex<std::time::Instant>,
@@ -257,14 +260,16 @@ impl NcclGroup {
             members: members.clone(),
             world_rank,
             shared: Arc::new(Shared {
-                rank,
-                size,
-                members,
                 world_rank,
                 timeout,
-                store,
-                prefix,
+                evidence: Evidence {
+                    rank,
+                    members,
+                    store,
+                    prefix,
+                },
                 comm: Mutex::new(Comm { raw, failure: None }),
+                lingering: AtomicBool::new(false),
                 last_peer_check: Mutex::new(std::time::Instant::now()),
             }),
             seq: Mutex::new(0),
@@ -294,10 +299,11 @@ impl NcclGroup {
         )?))
     }
 
-    /// Records that this rank failed (`reason`) where every peer's watchdog looks (they
-    /// stop within a second, naming this rank), and marks the communicator failed so that
-    /// it is aborted, not destroyed, when dropped. Never blocks on a collective in flight:
-    /// that one ends by the watchdog.
+    /// Records that this rank failed (`reason`) where every peer's watchdog looks, in the
+    /// job's order of failures (they stop within a second, naming the rank that failed
+    /// first: this one, unless it fails because a peer did), and marks the communicator
+    /// failed so that it is aborted, not destroyed, when dropped. Never blocks on a
+    /// collective in flight: that one ends by the watchdog.
     pub(crate) fn mark_failed(&self, reason: String) {
         self.shared.mark_failed(reason);
     }
@@ -376,9 +382,8 @@ impl NcclGroup {
 impl Shared {
     /// Records this rank's failure in the store (see [`NcclGroup::mark_failed`]).
     fn mark_failed(&self, reason: String) {
-        let _ = self
-            .store
-            .set(&failure_key(self.world_rank), reason.as_bytes());
+        self.evidence.record_failure(&reason);
+        self.linger();
         let Some(mut comm) = self.comm.try_lock() else {
             return;
         };
@@ -387,6 +392,15 @@ impl Shared {
                 failed_rank: self.world_rank,
                 reason,
             });
+        }
+    }
+
+    /// Keeps this failed group's store handle alive a while (once), past the group: the
+    /// store server this rank may host stays up for the peers that look for the cause a
+    /// little later (`nccl_watchdog::linger`).
+    fn linger(&self) {
+        if !self.lingering.swap(true, Ordering::AcqRel) {
+            super::nccl_watchdog::linger(self.evidence.store.clone(), self.timeout);
         }
     }
 
@@ -399,6 +413,12 @@ impl Shared {
     /// communicator at once, as ProcessGroupNCCL's watchdog does: its kernels in flight end
     /// (their outputs undefined) and the streams drain; later collectives fail with `err`.
     pub(super) fn fail(&self, err: Error) {
+        self.linger();
+        // Before the abort that fails the peers' collectives: they read it to name the same
+        // ranks.
+        if let Error::Timeout { missing_ranks, .. } = &err {
+            self.evidence.record_timeout(missing_ranks);
+        }
         let mut comm = self.comm.lock();
         if comm.failure.is_none() {
             comm.failure = Some(err);
@@ -413,20 +433,33 @@ impl Shared {
     }
 
     /// NCCL's asynchronous error as the error to report for collective number `seq`: a
-    /// peer that recorded its failure is the cause; else the first other rank that had not
-    /// entered the collective; else this one. None while healthy.
-    pub(super) fn async_failure(&self, op: &str, seq: u64) -> Option<Error> {
-        let text = self.async_error(op)?;
-        Some(match self.failed_peer() {
-            Some((failed_rank, reason)) => Error::PeerFailed {
+    /// peer that recorded its failure is the cause; else a timeout a peer recorded (it
+    /// aborted because ranks never arrived: the same [`Error::Timeout`] naming them); else
+    /// the first other rank that had not entered the collective; else this one. None while
+    /// healthy. With `wait`, waits for
+    /// a communicator another thread holds; without (the watchdog, which must not stall
+    /// behind a call), answers None then: it asks again at its next poll.
+    pub(super) fn async_failure(&self, op: &str, seq: u64, wait: bool) -> Option<Error> {
+        let text = self.async_error(op, wait)?;
+        if let Some((failed_rank, reason)) = self.evidence.failed_peer() {
+            return Some(Error::PeerFailed {
                 failed_rank,
                 reason: format!("{reason} ({text})"),
+            });
+        }
+        Some(match self.evidence.timed_out() {
+            Some(missing_ranks) => Error::Timeout {
+                op: op.to_string(),
+                rank: self.world_rank,
+                timeout_s: self.timeout.as_secs_f64(),
+                missing_ranks,
             },
             None => Error::PeerFailed {
                 failed_rank: self
+                    .evidence
                     .lagging_ranks(seq)
-                    .into_iter()
-                    .find(|&r| r != self.world_rank)
+                    .first()
+                    .copied()
                     .unwrap_or(self.world_rank),
                 reason: text,
             },
@@ -434,9 +467,13 @@ impl Shared {
     }
 
     /// NCCL's asynchronous error of the communicator, with its text; None while healthy
-    /// (or while another thread holds the communicator: asked again at the next poll).
-    fn async_error(&self, op: &str) -> Option<String> {
-        let comm = self.comm.try_lock()?;
+    /// (or, without `wait`, while another thread holds the communicator).
+    fn async_error(&self, op: &str, wait: bool) -> Option<String> {
+        let comm = if wait {
+            self.comm.lock()
+        } else {
+            self.comm.try_lock()?
+        };
         if comm.raw.is_null() {
             return None;
         }
@@ -462,59 +499,6 @@ impl Shared {
     pub(super) fn world_rank(&self) -> usize {
         self.world_rank
     }
-
-    /// The first peer that recorded a failure, with its reason.
-    pub(super) fn failed_peer(&self) -> Option<(usize, String)> {
-        self.members.iter().copied().find_map(|r| {
-            if r == self.world_rank {
-                return None;
-            }
-            let key = failure_key(r);
-            match self.store.check(&[key.as_str()]) {
-                Ok(true) => Some((
-                    r,
-                    self.store
-                        .get(&key)
-                        .map(|v| String::from_utf8_lossy(&v).into_owned())
-                        .unwrap_or_default(),
-                )),
-                _ => None,
-            }
-        })
-    }
-
-    /// Records in the store that this rank entered `seq` collectives (for a peer's
-    /// [`lagging_ranks`](Self::lagging_ranks)); a store error only loses that hint.
-    pub(super) fn publish_seq(&self, seq: u64) {
-        let _ = self.store.set(
-            &format!("{}/seq/{}", self.prefix, self.rank),
-            seq.to_string().as_bytes(),
-        );
-    }
-
-    /// World ranks whose recorded collective count is below `seq` (they never entered the
-    /// collective this rank is stuck in).
-    pub(super) fn lagging_ranks(&self, seq: u64) -> Vec<usize> {
-        (0..self.size)
-            .filter(|&r| {
-                let key = format!("{}/seq/{r}", self.prefix);
-                let set = self.store.check(&[key.as_str()]).unwrap_or(false);
-                let theirs = set
-                    .then(|| self.store.get(&key).ok())
-                    .flatten()
-                    .and_then(|v| String::from_utf8(v).ok())
-                    .and_then(|s| s.parse::<u64>().ok())
-                    .unwrap_or(0);
-                theirs < seq
-            })
-            .map(|r| self.members[r])
-            .collect()
-    }
-}
-
-/// The store key where world rank `rank` records its failure.
-fn failure_key(rank: usize) -> String {
-    format!("nccl/failed/{rank}")
 }
 
 fn nccl_dtype(d: DType) -> sys::ncclDataType_t {
@@ -608,7 +592,7 @@ impl ProcessGroup for NcclGroup {
             members,
             self.world_rank,
             self.ordinal,
-            self.shared.store.clone(),
+            self.shared.evidence.store.clone(),
             self.shared.timeout,
             prefix,
         )?;
@@ -718,9 +702,10 @@ impl ProcessGroup for NcclGroup {
         let t = Tensor::zeros_on(&[1], DType::F32, self.device())?;
         self.all_reduce(&t, ReduceOp::Sum)?;
         cu::current_stream(self.ordinal)?.synchronize()?;
-        // The watchdog may not have looked since the stream drained: look here too.
+        // The watchdog may not have looked since the stream drained: look here too (and
+        // wait for the communicator if the watchdog holds it, or a failure would pass).
         let seq = *self.seq.lock();
-        if let Some(e) = self.shared.async_failure("barrier", seq) {
+        if let Some(e) = self.shared.async_failure("barrier", seq, true) {
             self.shared.fail(e);
         }
         match self.failure() {

@@ -7,13 +7,17 @@
 //! quarter of the group timeout (at most 10 s) records this rank's collective count in the
 //! store, as PyTorch's desync debugging asks each rank; a healthy one costs no store
 //! request and no host wait. Once a collective is that slow, it also looks for a peer's
-//! recorded failure, at most once a second per group. On a
-//! failure, and past the group timeout, it records the error on the group and aborts the
-//! communicator (its kernels end, the streams drain); the group's next call returns the
-//! error: [`Error::Timeout`] naming the ranks that never entered the collective (their
-//! counts are below it), [`Error::PeerFailed`] naming a failed peer, or NCCL's error.
+//! recorded failure, at most once a second per group. On a failure, and past the group
+//! timeout (once this rank's count has been in the store a quarter of the timeout, so that
+//! peers watched as late as this one recorded theirs), it records the error on the group
+//! and aborts the communicator (its kernels end, the streams drain); the group's next call
+//! returns the error: [`Error::Timeout`] naming the ranks that never entered the
+//! collective (their counts are below it), [`Error::PeerFailed`] naming the peer that
+//! failed first, or NCCL's error. A failed group's store handle is kept a while
+//! ([`linger`]), so that the store rank 0 hosts outlives its failure for the peers.
 
 use super::nccl::Shared;
+use super::Store;
 use crate::backend::cuda::Event;
 use crate::error::Error;
 use parking_lot::{Condvar, Mutex};
@@ -28,7 +32,8 @@ pub(super) struct InFlight {
     seq: u64,
     done: Event,
     issued: Instant,
-    published: bool,
+    /// When this rank recorded its collective count in the store (once slow).
+    published: Option<Instant>,
 }
 
 impl InFlight {
@@ -39,7 +44,7 @@ impl InFlight {
             seq,
             done,
             issued: Instant::now(),
-            published: false,
+            published: None,
         }
     }
 
@@ -61,31 +66,35 @@ impl InFlight {
             Ok(false) => {}
             Err(e) => return Some(Err(e)),
         }
-        if let Some(e) = self.group.async_failure(self.op, self.seq) {
+        if let Some(e) = self.group.async_failure(self.op, self.seq, false) {
             return Some(Err(e));
         }
         let age = self.issued.elapsed();
-        if !self.published && (age > self.slow() || age > self.group.timeout) {
-            self.published = true;
-            self.group.publish_seq(self.seq);
+        if self.published.is_none() && age > self.slow() {
+            self.published = Some(Instant::now());
+            self.group.evidence.publish_seq(self.seq);
         }
         // A peer's recorded failure is looked for only once this collective is slow too:
         // a healthy step (however loaded the machine) touches the store never.
         if age > self.slow() && self.group.peer_check_due() {
-            if let Some((failed_rank, reason)) = self.group.failed_peer() {
+            if let Some((failed_rank, reason)) = self.group.evidence.failed_peer() {
                 return Some(Err(Error::PeerFailed {
                     failed_rank,
                     reason,
                 }));
             }
         }
-        // Past the timeout, one more `slow` for a peer that entered late to publish.
-        if age > self.group.timeout + self.slow() {
+        // Past the timeout, one more `slow` for a peer that entered late to record its
+        // count; and this rank's own count recorded at least `slow` ago, so that a peer
+        // that entered, watched as late as this rank (the watchdog of a loaded process
+        // may look seconds late), had as long to record its own.
+        let recorded = self.published.is_some_and(|t| t.elapsed() > self.slow());
+        if age > self.group.timeout + self.slow() && recorded {
             return Some(Err(Error::Timeout {
                 op: self.op.to_string(),
                 rank: self.group.world_rank(),
                 timeout_s: self.group.timeout.as_secs_f64(),
-                missing_ranks: self.group.lagging_ranks(self.seq),
+                missing_ranks: self.group.evidence.lagging_ranks(self.seq),
             }));
         }
         None
@@ -110,6 +119,22 @@ fn watchdog() -> &'static Watchdog {
             .expect("spawning the NCCL watchdog thread");
         w
     })
+}
+
+/// Keeps `store`, the store handle of a group that failed, alive for the group's
+/// `timeout` (at most a minute) past the group: the store server that rank 0 hosts stays
+/// up while peers that find the failure later than this rank look in the store for its
+/// cause (`nccl_evidence.rs`). A process that exits ends it sooner.
+pub(super) fn linger(store: Arc<dyn Store>, timeout: Duration) {
+    let keep = timeout.min(Duration::from_secs(60));
+    // Without a thread the handle is dropped at once: peers may then name a rank
+    // without evidence, never hang.
+    let _ = std::thread::Builder::new()
+        .name("fsdp-nccl-linger".into())
+        .spawn(move || {
+            std::thread::sleep(keep);
+            drop(store);
+        });
 }
 
 /// Hands a collective just issued to the watchdog.

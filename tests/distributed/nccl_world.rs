@@ -179,7 +179,6 @@ fn errors(results: Vec<fsdp::Result<()>>, ranks: &[usize]) -> Vec<Error> {
 }
 
 #[test]
-#[ignore = "flaky on cuda-emu (fails about 1 run in 2 on the 2-core VM, also at 363dd53): the process-wide watchdog polls late and a victim rank can be named; run with --ignored"]
 fn nccl_a_rank_that_never_arrives_is_named_by_every_peer() {
     if !can_run(3) {
         return;
@@ -207,7 +206,6 @@ fn nccl_a_rank_that_never_arrives_is_named_by_every_peer() {
 }
 
 #[test]
-#[ignore = "flaky on cuda-emu (fails about 1 run in 2 on the 2-core VM, also at 363dd53): the process-wide watchdog polls late and a victim rank can be named; run with --ignored"]
 fn nccl_a_failed_rank_is_named_by_every_peer_within_seconds() {
     if !can_run(3) {
         return;
@@ -245,7 +243,6 @@ fn nccl_a_failed_rank_is_named_by_every_peer_within_seconds() {
 }
 
 #[test]
-#[ignore = "flaky on cuda-emu (fails about 1 run in 2 on the 2-core VM, also at 363dd53): the process-wide watchdog polls late and a victim rank can be named; run with --ignored"]
 fn nccl_ranks_that_call_different_collectives_fail_promptly() {
     if !can_run(2) {
         return;

@@ -154,19 +154,13 @@ impl Shared {
         let _ = write_atomically(&self.dir, &format!("abort.{}", self.rank), b"");
     }
 
-    /// Removes this rank's files, and the directory once it is empty.
+    /// Leaves the communicator: removes this rank's membership, and the directory once
+    /// no member is left. The files this rank posted stay until then: a peer may not have
+    /// read them yet (on a GPU, a rank that finished a collective and destroyed its
+    /// communicator does not take back what it sent); a peer that finds every part of a
+    /// collective finishes it, or sees that the ranks called different collectives.
     pub fn leave(&self) {
-        let me = format!(".{}", self.rank);
-        if let Ok(entries) = fs::read_dir(&self.dir) {
-            for e in entries.flatten() {
-                let name = e.file_name().to_string_lossy().into_owned();
-                let mine = name.ends_with(&me) || name.ends_with(&format!("{me}.read"));
-                if mine && !name.starts_with("abort.") {
-                    let _ = fs::remove_file(e.path());
-                }
-            }
-        }
-        // The last member out removes what the others left (their abort markers).
+        let _ = fs::remove_file(self.dir.join(format!("member.{}", self.rank)));
         let members_left = fs::read_dir(&self.dir).is_ok_and(|entries| {
             entries
                 .flatten()
@@ -313,7 +307,6 @@ impl Collective {
             }
         }
         self.finish(&files);
-        let _ = fs::write(sh.dir.join(format!("{}.{me}.read", self.seq)), b"");
         true
     }
 
