@@ -45,7 +45,7 @@ if [ "$what" != curves ]; then
   if cargo test -q -p cuda-emu --release >"$out/emu-self.log" 2>&1; then echo "PASS cuda-emu self-tests"; else
     echo "FAIL cuda-emu self-tests (log: $out/emu-self.log)"; tail -n 15 "$out/emu-self.log"; fail=1
   fi
-  tests="kernels kernels_nn ops_device nn_device zero_size fsdp_zero_size fsdp_cuda mixed_precision_torch distributed capi_cuda"
+  tests="kernels kernels_nn ops_device nn_device zero_size fsdp_zero_size fsdp_cuda mixed_precision_torch distributed capi_cuda f64_device"
   args=""; for t in $tests; do args="$args --test $t"; done
   # Two emulated GPUs (ranks spread over devices: peer copies) and one (every rank on
   # cuda:0, as on a lent H200), unless CUDA_EMU_DEVICES names one count. The one-GPU pass

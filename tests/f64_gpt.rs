@@ -300,3 +300,62 @@ fn fsdp_f64_gpt_gradient_matches_finite_differences() {
     }
     assert!(checked >= 3 * want_grad.len(), "{checked} entries checked");
 }
+
+#[test]
+fn fsdp_f64_clip_grad_norm_is_computed_in_f64() {
+    let world = 2;
+    let (_, want_grad) = reference(world, false);
+    let total = want_grad
+        .iter()
+        .flat_map(|(_, g)| g.iter())
+        .map(|v| v * v)
+        .sum::<f64>()
+        .sqrt();
+    let max_norm = 0.1f32;
+    let coef = 0.1 / (total + 1e-6);
+    assert!(coef < 0.5, "the test must clip: total norm {total}");
+    let runs = launch(&LaunchOptions::new(world), move |pg| {
+        let r = pg.rank();
+        let cfg = FsdpConfig {
+            auto_wrap_policy: Some(transformer_auto_wrap_policy(["Block"])),
+            ..FsdpConfig::default()
+        };
+        let mut m = FullyShardedDataParallel::new(gpt(), pg, cfg)?;
+        let (ids, tg) = batch(r, 0);
+        let logits = m.forward(&ids, &Context::train())?;
+        let (_, dl) = ops::cross_entropy(&logits, &tg)?;
+        m.backward(&dl, &Context::train())?;
+        let norm = m.clip_grad_norm_(max_norm, 2.0)?;
+        let ps = m.optimizer_params();
+        let names = m.optimizer_param_names();
+        let mut pieces = Vec::new();
+        for range in m.state_dict_ranges() {
+            if let (Some(i), Some(rg)) = (
+                names.iter().position(|(n, _)| *n == range.name),
+                range.range,
+            ) {
+                pieces.push((range.name, rg, ps[i].grad.as_ref().unwrap().to_vec_f64()?));
+            }
+        }
+        Ok((norm, pieces))
+    })
+    .unwrap();
+    for (r, (norm, pieces)) in runs.iter().enumerate() {
+        assert!(
+            (f64::from(*norm) - total).abs() <= 1e-7 * total,
+            "rank {r}: norm {norm} vs {total}"
+        );
+        assert!(!pieces.is_empty());
+        for (n, (lo, hi), g) in pieces {
+            let (_, w) = want_grad.iter().find(|(wn, _)| wn == n).unwrap();
+            let want: Vec<f64> = w[*lo..*hi].iter().map(|v| v * coef).collect();
+            // An f32 norm or coefficient would be off by ~1e-8 relative.
+            for (a, b) in g.iter().zip(&want) {
+                assert!(
+                    (a - b).abs() <= 1e-14 * b.abs().max(1e-300),
+                    "rank {r}: clipped {n}: {a} vs {b}"
+                );
+            }
+        }
+    }
+}

@@ -21,7 +21,10 @@ fn wave(n: usize, k: f64) -> Vec<f64> {
         .collect()
 }
 
-fn optimizers() -> Vec<(&'static str, Box<dyn Fn() -> Box<dyn Optimizer>>)> {
+/// Makes a fresh optimizer.
+type Make = Box<dyn Fn() -> Box<dyn Optimizer>>;
+
+fn optimizers() -> Vec<(&'static str, Make)> {
     vec![
         ("Adam", Box::new(|| Box::new(Adam::new(AdamConfig::adam())))),
         (
@@ -179,14 +182,11 @@ fn fsdp_f64_adam_state_is_f64_and_reloads_exactly_at_another_world_size() -> Res
             }
             // Loading either kind back reproduces the state bit for bit.
             let full_cfg = StateDictConfig::Full(FullStateDictConfig::default());
-            let want = osd_bits(&m.optim_state_dict(&opt, full_cfg.clone())?);
-            for osd in [sharded, m.optim_state_dict(&opt, full_cfg.clone())?] {
+            let want = osd_bits(&m.optim_state_dict(&opt, full_cfg)?);
+            for osd in [sharded, m.optim_state_dict(&opt, full_cfg)?] {
                 let mut other = Adam::new(AdamConfig::adam());
                 m.load_optim_state_dict(&mut other, &osd)?;
-                assert_eq!(
-                    osd_bits(&m.optim_state_dict(&other, full_cfg.clone())?),
-                    want
-                );
+                assert_eq!(osd_bits(&m.optim_state_dict(&other, full_cfg)?), want);
             }
             save_checkpoint(&d, &mut m, Some(&opt), ty, serde_json::Value::Null)?;
             Ok(want)
