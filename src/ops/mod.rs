@@ -28,7 +28,7 @@
 //! | `flat.rs` | [`flat::pack_grad`], [`flat::unpack_grad`], [`flat::round_to_`], [`flat::rounded`] (FSDP's flat buffers, autocast's operands) | the `_reduce_grad` pre/post-divide and casts |
 //! | `loss.rs` | [`cross_entropy`] ([`cross_entropy_f64`]: the f64 loss of f64 logits), [`mse_loss`], [`sum_loss`] | `F.cross_entropy`, `F.mse_loss`, `.sum()` |
 //! | `lowp/` | the bf16/f16 paths of the ops above (f32 compute of widened inputs, each output rounded once to the inputs' dtype; the losses and LayerNorm as PyTorch rounds them), taken when an operand is bf16/f16 | `param_dtype` modules under FSDP mixed precision |
-//! | `double/` | the f64 host paths of [`matmul`], [`linear`], [`bias_add_`], [`bias_grad`], ReLU, GELU, [`layer_norm`], [`softmax_causal`], attention's permutes, [`embedding()`], [`cross_entropy`], [`mse_loss`], [`sum_loss`], [`sum_squares`] (taken when an operand is f64; CUDA f64 tensors are refused with `Unsupported`) | float64 tensors |
+//! | `double/` | the f64 host paths of [`matmul`], [`linear`], [`bias_add_`], [`bias_grad`], ReLU, GELU, [`layer_norm`], [`softmax_causal`], attention's permutes, [`embedding()`], [`cross_entropy`], [`mse_loss`], [`sum_loss`], [`sum_squares`] (taken when an operand is f64; CUDA f64 tensors are refused with `Unsupported`, except by the products: cuBLAS f64) | float64 tensors |
 //!
 //! The ops marked (CPU) have CPU loops only: on CUDA they return `Unsupported`. They are what
 //! a custom layer composes its forward and backward from (see `tests/custom_layer.rs`).

@@ -4,7 +4,7 @@
 //! embedding, cross-entropy and the sum of squares. Plain loops, f64 accumulation in the
 //! natural order: the reference an exact f64 run is checked against, not a fast path.
 //! f64 tensors on a CUDA device are refused ([`Error::Unsupported`] naming the op): no f64
-//! kernels.
+//! kernels (the products are the exception: `ops::linalg` runs them through cuBLAS in f64).
 
 mod nn;
 pub(crate) use nn::*;
