@@ -118,3 +118,27 @@ device_test!(f64_ops_without_cuda_kernels_name_themselves, |dev| {
     }
     Ok(())
 });
+
+device_test!(f64_fsdp_runs_on_the_cpu_and_refuses_cuda_clearly, |dev| {
+    use fsdp::distributed::{launch, LaunchOptions};
+    use fsdp::fsdp::{FsdpConfig, FullyShardedDataParallel};
+    use fsdp::nn::{self, InitKey, Linear};
+    let out = launch(&LaunchOptions::new(1), move |pg| {
+        let mut m = Linear::new(3, 2, true, &InitKey::new(1))?;
+        nn::module_to_dtype(&mut m, fsdp::tensor::DType::F64)?;
+        let cfg = FsdpConfig {
+            device_id: Some(dev),
+            ..FsdpConfig::default()
+        };
+        Ok(FullyShardedDataParallel::new(Box::new(m), pg, cfg).map(|_| ()))
+    })?;
+    match (dev, &out[0]) {
+        (Device::Cpu, r) => assert!(r.is_ok(), "{r:?}"),
+        (_, Ok(())) => panic!("f64 FSDP on {dev} was accepted: it has no f64 layer kernels"),
+        (_, Err(e)) => {
+            let s = e.to_string();
+            assert!(s.contains("f64") && s.contains("cuda"), "{s}");
+        }
+    }
+    Ok(())
+});
