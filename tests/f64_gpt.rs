@@ -2,7 +2,10 @@
 //! trained with Adam under FSDP (every sharding strategy, flat and one unit per block,
 //! world sizes 1 to 4 on thread ranks) it equals unsharded f64 training to 1e-12, its
 //! first-step gradient included; the whole model's gradient matches central finite
-//! differences of the f64 loss.
+//! differences of the f64 loss; `clip_grad_norm_` clips in f64; the train job runs in f64
+//! (`--mixed-precision f64`).
+
+mod common;
 
 use fsdp::distributed::{launch, LaunchOptions};
 use fsdp::fsdp::{
@@ -358,4 +361,48 @@ fn fsdp_f64_clip_grad_norm_is_computed_in_f64() {
             }
         }
     }
+}
+
+#[test]
+fn the_train_job_runs_in_f64() {
+    use fsdp::train::{train, Precision, Silent, TrainConfig};
+    let data = common::corpus_file("f64-job");
+    let job = |w: usize, p: Precision| TrainConfig {
+        mixed_precision: p,
+        ..common::small_job(data.clone(), w)
+    };
+    let run = |cfg: TrainConfig| {
+        train(&cfg, &Silent)
+            .unwrap_or_else(|e| panic!("{cfg:?}: {e}"))
+            .losses()
+    };
+    let (one, two) = (run(job(1, Precision::F64)), run(job(2, Precision::F64)));
+    let f32_losses = run(job(1, Precision::None));
+    assert_eq!(one.len(), 30);
+    assert!(one[29] < one[0] - 1.0, "loss did not fall: {one:?}");
+    let (mut across_worlds, mut vs_f32) = (0.0f32, 0.0f32);
+    for ((a, b), c) in one.iter().zip(&two).zip(&f32_losses) {
+        across_worlds = across_worlds.max((a - b).abs() / a);
+        vs_f32 = vs_f32.max((a - c).abs() / a);
+    }
+    println!("f64 job: world 1 vs 2 {across_worlds:e}, f64 vs f32 {vs_f32:e}");
+    // The f64 losses reach the report as f32: world sizes agree to its rounding.
+    assert!(across_worlds <= 1e-6, "world 1 vs 2: {across_worlds:e}");
+    // f64 arithmetic, not f32's: the curves part by f32 rounding, and no more.
+    assert!(vs_f32 > 0.0 && vs_f32 < 1e-2, "f64 vs f32: {vs_f32:e}");
+    let e = fsdp::train::train(
+        &TrainConfig {
+            device: fsdp::train::TrainDevice::Cuda,
+            ..job(1, Precision::F64)
+        },
+        &Silent,
+    )
+    .unwrap_err();
+    // Refused before any compute: for f64 where CUDA is there (the device is checked
+    // first), else for want of CUDA.
+    let s = e.to_string();
+    assert!(
+        s.contains("--mixed-precision f64 trains on the CPU") || s.contains("no CUDA support"),
+        "{s}"
+    );
 }
