@@ -10,13 +10,13 @@
 //   op: 0 Sum, 1 Avg, 2 Max, 3 Min, 4 Product (distributed::ReduceOp, in that order).
 //   narrow: f32 = (float)acc; bf16/f16 = round((float)acc), i.e. through f32 as
 //   Element::from_f64 does; i32 = round half away from zero, saturating, NaN -> 0 (Rust's
-//   `acc.round() as i32`). Max/Min are IEEE maxNum/minNum like Rust's f64::max/min.
+//   `acc.round() as i32`); f64 = acc. Max/Min are IEEE maxNum/minNum like Rust's f64::max/min.
 //   A destination may be one of the sources (in-place all-reduce and reduce-scatter): every
 //   element is read from every source before it is written, by the same thread; so no
 //   __restrict__ on these pointers.
 //   The pointer tables live in device memory; every pointer addresses memory of the
 //   launching device (sources of other devices are first copied to local scratch).
-// dtype in {f32, bf16, f16, i32}; the float conversions need no sm_80 arithmetic (bf16 is
+// dtype in {f32, bf16, f16, i32, f64}; the float conversions need no sm_80 arithmetic (bf16 is
 // converted through f32 with the cuda_bf16.h intrinsics available on every target).
 #include "common.cuh"
 
@@ -24,10 +24,13 @@ __device__ inline double widen(float v) { return (double)v; }
 __device__ inline double widen(__half v) { return (double)__half2float(v); }
 __device__ inline double widen(__nv_bfloat16 v) { return (double)__bfloat162float(v); }
 __device__ inline double widen(int32_t v) { return (double)v; }
+__device__ inline double widen(double v) { return v; }
 
 template <typename T> __device__ inline T narrow(double v);
 // (float)v on a double is round-to-nearest-even, as Rust's `v as f32`.
 template <> __device__ inline float narrow<float>(double v) { return __double2float_rn(v); }
+// f64: the f64 accumulator itself (no rounding), as the host reduction of f64 tensors.
+template <> __device__ inline double narrow<double>(double v) { return v; }
 template <> __device__ inline __half narrow<__half>(double v) {
   return __float2half_rn(__double2float_rn(v));
 }
@@ -71,3 +74,4 @@ REDUCE_RANKS_KERNEL(f32, float)
 REDUCE_RANKS_KERNEL(bf16, __nv_bfloat16)
 REDUCE_RANKS_KERNEL(f16, __half)
 REDUCE_RANKS_KERNEL(i32, int32_t)
+REDUCE_RANKS_KERNEL(f64, double)

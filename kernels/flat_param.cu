@@ -14,7 +14,7 @@
 //   dsts[s][j] = src[offsets[s] + j]                                            (overwrites)
 // flatten/unflatten: blockIdx.y walks the segments (stride gridDim.y), x is grid-stride
 // within one segment; pointer and offset tables live in device memory.
-// dtype in {f32, bf16, f16, i32}; kernels move bits, so bf16 needs no sm_80 guard here.
+// dtype in {f32, bf16, f16, i32, f64}; kernels move bits, so bf16 needs no sm_80 guard here.
 // copy, pad_copy, flatten and unflatten move 128-bit vectors where source and destination
 // are both 16-byte aligned, with a scalar tail (map_elementwise in common.cuh).
 #include "common.cuh"
@@ -90,3 +90,4 @@ FLAT_PARAM_KERNELS(f32, float)
 FLAT_PARAM_KERNELS(bf16, __nv_bfloat16)
 FLAT_PARAM_KERNELS(f16, __half)
 FLAT_PARAM_KERNELS(i32, int32_t)
+FLAT_PARAM_KERNELS(f64, double)

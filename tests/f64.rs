@@ -452,8 +452,8 @@ fn f64_state_dicts_and_checkpoints_reload_exactly_at_another_world_size() -> Res
             let mut opt = sgd();
             load_checkpoint(&d, &mut m, Some(&mut opt))?;
             let loaded = full_bits(&mut m)?;
-            // Training goes on in f64 with the loaded momentum buffers (optimizer state
-            // dicts hold f32 values: the buffers come back rounded to f32).
+            // Training goes on in f64 with the loaded momentum buffers (f64 state, kept
+            // exactly: tests/f64_optim.rs).
             let (x, t) = batch(r, 1);
             let y = m.forward(&x, &Context::train())?;
             let (_, dy) = loss::mse_loss(&y, &t)?;

@@ -46,8 +46,9 @@ fn bytes(t: &Tensor) -> Vec<u8> {
     }
 }
 
-/// `n` values of `dtype` on `dev`: spread floats (many binades after reduction), or
-/// integers up to +-1000 (a product over 4 ranks saturates i32).
+/// `n` values of `dtype` on `dev`: spread floats (many binades after reduction; f64 ones
+/// with bits beyond f32's), or integers up to +-1000 (a product over 4 ranks saturates
+/// i32).
 fn input(dtype: DType, seed: u64, n: usize, dev: Device) -> fsdp::Result<Tensor> {
     let v: Vec<f32> = values(seed, n)
         .iter()
@@ -57,6 +58,14 @@ fn input(dtype: DType, seed: u64, n: usize, dev: Device) -> fsdp::Result<Tensor>
             _ => x * (1u32 << (i % 9)) as f32 / 16.0,
         })
         .collect();
+    if dtype == DType::F64 {
+        let v: Vec<f64> = v
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| f64::from(x) * (1.0 + 1e-10 * i as f64))
+            .collect();
+        return Tensor::from_vec(v, &[n])?.to_device(dev);
+    }
     Tensor::from_vec(v, &[n])?.to_dtype(dtype)?.to_device(dev)
 }
 
@@ -144,7 +153,7 @@ fn run_coll(
 
 fn check_collectives(worlds: &[usize], sizes: &[usize], place: &(dyn Fn(usize) -> Device + Sync)) {
     for &w in worlds {
-        for dtype in [DType::F32, DType::BF16, DType::F16, DType::I32] {
+        for dtype in [DType::F32, DType::BF16, DType::F16, DType::I32, DType::F64] {
             for &n in sizes {
                 for coll in colls(w) {
                     let want = run_coll(coll, w, dtype, n, &|_| Device::Cpu);

@@ -1,7 +1,9 @@
 //! The cuBLAS subset fsdp calls: handles bound to a stream, and `cublasGemmStridedBatchedEx`
-//! / `cublasGemmEx` for f32, f16 and bf16 storage with f32 compute, column-major as cuBLAS
-//! (`C = alpha op(A) op(B) + beta C`, C not read when beta is 0). The sums run in f32 over
-//! k in order: not cuBLAS's order, so fsdp's tests compare GEMM results with a tolerance.
+//! / `cublasGemmEx` for f32, f16 and bf16 storage with f32 compute, and f64 storage with f64
+//! compute (`CUBLAS_COMPUTE_64F`, what `cublasDgemm` runs), column-major as cuBLAS
+//! (`C = alpha op(A) op(B) + beta C`, C not read when beta is 0). The sums run in the
+//! compute type over k in order: not cuBLAS's order, so fsdp's tests compare GEMM results
+//! with a tolerance.
 
 use crate::driver;
 use crate::memory;
@@ -86,11 +88,13 @@ enum Ty {
     F32,
     F16,
     Bf16,
+    F64,
 }
 
 fn ty(t: c_int) -> Option<Ty> {
     match t {
         0 => Some(Ty::F32),   // CUDA_R_32F
+        1 => Some(Ty::F64),   // CUDA_R_64F
         2 => Some(Ty::F16),   // CUDA_R_16F
         14 => Some(Ty::Bf16), // CUDA_R_16BF
         _ => None,
@@ -99,30 +103,34 @@ fn ty(t: c_int) -> Option<Ty> {
 
 impl Ty {
     fn size(self) -> usize {
-        if self == Ty::F32 {
-            4
-        } else {
-            2
+        match self {
+            Ty::F64 => 8,
+            Ty::F32 => 4,
+            Ty::F16 | Ty::Bf16 => 2,
         }
     }
-    /// Element `i` of the matrix at `p`.
-    unsafe fn load(self, p: *const c_void, i: usize) -> f32 {
+    /// Element `i` of the matrix at `p` (f32 storage and below widen exactly).
+    unsafe fn load(self, p: *const c_void, i: usize) -> f64 {
         // SAFETY: the caller checked the range.
         unsafe {
             match self {
-                Ty::F32 => *(p as *const f32).add(i),
-                Ty::F16 => f16::from_bits(*(p as *const u16).add(i)).to_f32(),
-                Ty::Bf16 => bf16::from_bits(*(p as *const u16).add(i)).to_f32(),
+                Ty::F32 => f64::from(*(p as *const f32).add(i)),
+                Ty::F16 => f64::from(f16::from_bits(*(p as *const u16).add(i)).to_f32()),
+                Ty::Bf16 => f64::from(bf16::from_bits(*(p as *const u16).add(i)).to_f32()),
+                Ty::F64 => *(p as *const f64).add(i),
             }
         }
     }
-    unsafe fn store(self, p: *mut c_void, i: usize, v: f32) {
+    /// Stores `v`, computed in the compute type (an f32 value for 32F compute: its
+    /// narrowing to f32 is exact).
+    unsafe fn store(self, p: *mut c_void, i: usize, v: f64) {
         // SAFETY: the caller checked the range.
         unsafe {
             match self {
-                Ty::F32 => *(p as *mut f32).add(i) = v,
-                Ty::F16 => *(p as *mut u16).add(i) = f16::from_f32(v).to_bits(),
-                Ty::Bf16 => *(p as *mut u16).add(i) = bf16::from_f32(v).to_bits(),
+                Ty::F32 => *(p as *mut f32).add(i) = v as f32,
+                Ty::F16 => *(p as *mut u16).add(i) = f16::from_f32(v as f32).to_bits(),
+                Ty::Bf16 => *(p as *mut u16).add(i) = bf16::from_f32(v as f32).to_bits(),
+                Ty::F64 => *(p as *mut f64).add(i) = v,
             }
         }
     }
@@ -166,8 +174,29 @@ unsafe fn pack(
     for (o, v) in out.chunks_exact_mut(k.max(1)).enumerate() {
         for (q, x) in v.iter_mut().enumerate() {
             let at = if o_fastest { o + q * ld } else { q + o * ld };
+            // SAFETY: forwarded from the caller; values of f32 storage or narrower.
+            *x = unsafe { t.load(p, base + at) } as f32;
+        }
+    }
+}
+
+/// [`pack`] for f64 storage and compute.
+///
+/// # Safety
+/// As [`pack`].
+unsafe fn pack64(
+    p: *const c_void,
+    base: usize,
+    ld: usize,
+    o_fastest: bool,
+    out: &mut [f64],
+    k: usize,
+) {
+    for (o, v) in out.chunks_exact_mut(k.max(1)).enumerate() {
+        for (q, x) in v.iter_mut().enumerate() {
+            let at = if o_fastest { o + q * ld } else { q + o * ld };
             // SAFETY: forwarded from the caller.
-            *x = unsafe { t.load(p, base + at) };
+            *x = unsafe { Ty::F64.load(p, base + at) };
         }
     }
 }
@@ -210,15 +239,21 @@ pub unsafe extern "C" fn cublasGemmStridedBatchedEx(
     if driver::current_device() != Some(dev) {
         return EXECUTION_FAILED;
     }
-    // 68 CUBLAS_COMPUTE_32F, 69 32F_PEDANTIC, 74..77 32F_FAST_* (all f32 sums here)
-    if !matches!(compute, 68 | 69 | 74 | 75 | 76 | 77) {
+    // 68 CUBLAS_COMPUTE_32F, 69 32F_PEDANTIC, 74..77 32F_FAST_* (all f32 sums here);
+    // 70 CUBLAS_COMPUTE_64F, 71 64F_PEDANTIC (f64 sums, f64 storage only).
+    let f64_compute = matches!(compute, 70 | 71);
+    if !f64_compute && !matches!(compute, 68 | 69 | 74 | 75 | 76 | 77) {
         return NOT_SUPPORTED;
     }
     let (Some(ta), Some(tb), Some(tc)) = (ty(a_type), ty(b_type), ty(c_type)) else {
         return NOT_SUPPORTED;
     };
     // The 32F-compute rows of cuBLAS's table: equal input types; output of that type or f32.
-    if ta != tb || (tc != ta && tc != Ty::F32) {
+    // The 64F row: f64 everywhere.
+    let f64_types = ta == Ty::F64 && tb == Ty::F64 && tc == Ty::F64;
+    if f64_compute != f64_types
+        || (!f64_compute && (ta == Ty::F64 || ta != tb || (tc != ta && tc != Ty::F32)))
+    {
         return NOT_SUPPORTED;
     }
     if m < 0 || n < 0 || k < 0 || batch < 0 || stride_a < 0 || stride_b < 0 || stride_c < 0 {
@@ -249,10 +284,44 @@ pub unsafe extern "C" fn cublasGemmStridedBatchedEx(
     {
         return INVALID_VALUE;
     }
+    let (a, b, c) = (a as usize, b as usize, c as usize);
+    if f64_compute {
+        // SAFETY: host scalars (the default pointer mode), f64 for the f64 compute type.
+        let (alpha, beta) = unsafe { (*(alpha as *const f64), *(beta as *const f64)) };
+        let run = move || {
+            let (a, b, c) = (a as *const c_void, b as *const c_void, c as *mut c_void);
+            let mut ra = vec![0.0f64; m * k];
+            let mut rb = vec![0.0f64; n * k];
+            for bi in 0..batch {
+                // SAFETY: inside the ranges checked by `covered`.
+                unsafe {
+                    pack64(a, bi * sa, lda, transa == 0, &mut ra, k);
+                    pack64(b, bi * sb, ldb, transb != 0, &mut rb, k);
+                }
+                for j in 0..n {
+                    let col = &rb[j * k..(j + 1) * k];
+                    for i in 0..m {
+                        let row = &ra[i * k..(i + 1) * k];
+                        let acc = row.iter().zip(col).fold(0.0f64, |s, (x, y)| s + x * y);
+                        let ci = bi * sc + i + j * ldc;
+                        let v = if beta == 0.0 {
+                            alpha * acc
+                        } else {
+                            // SAFETY: inside the range checked by `covered`.
+                            alpha * acc + beta * unsafe { Ty::F64.load(c, ci) }
+                        };
+                        // SAFETY: as above.
+                        unsafe { Ty::F64.store(c, ci, v) };
+                    }
+                }
+            }
+        };
+        crate::queue::issue(stream as usize, dev, crate::queue::Work::new(run));
+        return SUCCESS;
+    }
     // SAFETY: host scalars (the default pointer mode), f32 for an f32 compute type.
     let (alpha, beta) = unsafe { (*(alpha as *const f32), *(beta as *const f32)) };
     // Deferred to the handle's stream like any device work; the matrices are read when it runs.
-    let (a, b, c) = (a as usize, b as usize, c as usize);
     let run = move || {
         let (a, b, c) = (a as *const c_void, b as *const c_void, c as *mut c_void);
         // op(A) as m rows of k and op(B)^T as n rows of k, in f32: each C element is then one
@@ -278,10 +347,10 @@ pub unsafe extern "C" fn cublasGemmStridedBatchedEx(
                         alpha * acc
                     } else {
                         // SAFETY: inside the range checked by `covered`.
-                        alpha * acc + beta * unsafe { tc.load(c, ci) }
+                        alpha * acc + beta * unsafe { tc.load(c, ci) } as f32
                     };
                     // SAFETY: as above.
-                    unsafe { tc.store(c, ci, v) };
+                    unsafe { tc.store(c, ci, f64::from(v)) };
                 }
             }
         }

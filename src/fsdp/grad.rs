@@ -6,7 +6,7 @@ use crate::distributed::fingerprint::Phase;
 use crate::distributed::staged;
 use crate::distributed::ReduceOp;
 use crate::error::{Error, Result};
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 impl FullyShardedDataParallel {
     /// Runs `f` with gradient synchronization off: backward passes inside accumulate each
@@ -83,6 +83,13 @@ impl FullyShardedDataParallel {
         if let Some(ordinal) = on_one_gpu(&grads, &ignored, norm_type) {
             return self.clip_on_device(ordinal, max_norm, &grads, &ignored);
         }
+        if grads
+            .iter()
+            .chain(&ignored)
+            .any(|g| g.dtype() == DType::F64)
+        {
+            return self.clip_f64(max_norm, norm_type, &grads, &ignored);
+        }
         let inf = norm_type == f32::INFINITY;
         let local = norm_accumulate(0.0, &grads, norm_type)?;
         let t = Tensor::from_vec(vec![local as f32], &[1])?;
@@ -108,6 +115,67 @@ impl FullyShardedDataParallel {
             .first()
             .map_or(crate::backend::Device::Cpu, Tensor::device);
         Tensor::from_vec(vec![total], &[1])?.to_device(device)
+    }
+
+    /// The host path for f64 gradients, in f64 throughout (PyTorch computes the norm and
+    /// the clip coefficient of float64 gradients in float64): the local sums, their
+    /// reduction as an f64 tensor, the root, `coef = max_norm / (total + 1e-6)` clamped to
+    /// 1, and `g *= coef` in f64 (`max_norm` as the decimal it spells). Returns the total
+    /// norm rounded to the f32 the API gives.
+    fn clip_f64(
+        &self,
+        max_norm: f32,
+        norm_type: f32,
+        grads: &[Tensor],
+        ignored: &[Tensor],
+    ) -> Result<Tensor> {
+        if let Some(g) = grads
+            .iter()
+            .chain(ignored)
+            .find(|g| g.dtype() != DType::F64 || g.device().is_cuda())
+        {
+            return Err(Error::Unsupported(format!(
+                "clip_grad_norm_ over f64 gradients with a {} gradient on {} (f64 clips on the host, every gradient f64)",
+                g.dtype(),
+                g.device()
+            )));
+        }
+        let inf = norm_type == f32::INFINITY;
+        let p = crate::ops::double::widen(norm_type);
+        let accumulate = |acc: f64, ts: &[Tensor]| -> Result<f64> {
+            let mut acc = acc;
+            for g in ts {
+                for v in g.to_vec_f64()? {
+                    let a = v.abs();
+                    acc = if inf {
+                        acc.max(a)
+                    } else if p == 2.0 {
+                        acc + a * a
+                    } else {
+                        acc + a.powf(p)
+                    };
+                }
+            }
+            Ok(acc)
+        };
+        let t = Tensor::from_vec(vec![accumulate(0.0, grads)?], &[1])?;
+        self.reduce_norm(&t, inf)?;
+        let total = accumulate(t.data::<f64>()?[0], ignored)?;
+        let total = if inf {
+            total
+        } else if p == 2.0 {
+            total.sqrt()
+        } else {
+            total.powf(1.0 / p)
+        };
+        let coef = (crate::ops::double::widen(max_norm) / (total + 1e-6)).min(1.0);
+        for g in grads.iter().chain(ignored) {
+            g.data_mut::<f64>()?.iter_mut().for_each(|v| *v *= coef);
+        }
+        let device = grads
+            .first()
+            .map_or(crate::backend::Device::Cpu, Tensor::device);
+        Tensor::from_vec(vec![total as f32], &[1])?.to_device(device)
     }
 
     /// Combines the ranks' local sums (or maxima for `inf`) in `t` (one f32, on any
@@ -143,7 +211,6 @@ impl FullyShardedDataParallel {
     ) -> Result<Tensor> {
         use crate::backend::cuda::{scale_by, NormAccumulator};
         use crate::backend::Device;
-        use crate::tensor::DType;
         let s = crate::backend::cuda::current_stream(ordinal)?;
         let acc = NormAccumulator::zeros(&s)?;
         for g in grads {

@@ -93,6 +93,11 @@ impl CausalSelfAttention {
         1.0 / ((self.n_embd / self.n_head) as f32).sqrt()
     }
 
+    /// `1 / sqrt(hd)` in f64 (a float64 module's score scale).
+    fn scale_f64(&self) -> f64 {
+        1.0 / ((self.n_embd / self.n_head) as f64).sqrt()
+    }
+
     fn dims(&self, x: &Tensor, op: &'static str) -> Result<(usize, usize)> {
         match x.shape() {
             [b, t, c] if *c == self.n_embd => Ok((*b, *t)),
@@ -135,7 +140,12 @@ impl Module for CausalSelfAttention {
         // y_h (T, hd) = P @ v.
         let scores = ops::output_like(&[b, self.n_head, t, t], &q)?;
         ops::causal_matmul(&scores, &q, &k, CausalProduct::Scores, d)?;
-        let p = ops::softmax_causal(&scores, t, self.scale())?;
+        let p = if scores.dtype() == crate::tensor::DType::F64 {
+            // A float64 module scales by 1 / sqrt(hd) in f64.
+            ops::attention::softmax_causal_f64(&scores, t, self.scale_f64())?
+        } else {
+            ops::softmax_causal(&scores, t, self.scale())?
+        };
         drop(scores);
         let yh = ops::output_like(&[b, self.n_head, t, d.hd], &p)?;
         ops::causal_matmul(&yh, &p, &v, CausalProduct::Lower, d)?;
@@ -176,7 +186,11 @@ impl Module for CausalSelfAttention {
         let dv = ops::output_like(&[d.b, d.h, t, hd], &dyh)?;
         ops::causal_matmul(&dv, &p, &dyh, CausalProduct::LowerT, d)?;
         // softmax backward, with the score scale folded in: dS = P * (dP - <P, dP>) * scale
-        ops::softmax_causal_backward_(&p, &dp, t, self.scale())?;
+        if p.dtype() == crate::tensor::DType::F64 {
+            ops::attention::softmax_causal_backward_f64_(&p, &dp, t, self.scale_f64())?;
+        } else {
+            ops::softmax_causal_backward_(&p, &dp, t, self.scale())?;
+        }
         // dq = dS @ k ; dk = dS^T @ q
         let dq = ops::output_like(&[d.b, d.h, t, hd], &dyh)?;
         ops::causal_matmul(&dq, &dp, &k, CausalProduct::Lower, d)?;

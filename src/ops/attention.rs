@@ -43,6 +43,10 @@ pub fn split_qkv(qkv: &Tensor, d: HeadDims) -> Result<[Tensor; 3]> {
     if let Some(lp) = super::lowp::lp_of(&[qkv]) {
         return super::lowp::split_qkv(qkv, d, lp);
     }
+    if super::double::any_f64(&[qkv]) {
+        check_numel("split_qkv", qkv, 3 * d.numel())?;
+        return super::double::split_qkv(qkv, d);
+    }
     check_f32("split_qkv", &[qkv])?;
     check_numel("split_qkv", qkv, 3 * d.numel())?;
     let shape = [d.b, d.h, d.t, d.hd];
@@ -107,9 +111,15 @@ pub fn merge_qkv(dq: &Tensor, dk: &Tensor, dv: &Tensor, d: HeadDims) -> Result<T
     if let Some(lp) = super::lowp::lp_of(&[dq, dk, dv]) {
         return super::lowp::merge_qkv(dq, dk, dv, d, lp);
     }
-    check_f32("merge_qkv", &[dq, dk, dv])?;
+    let f64_path = super::double::any_f64(&[dq, dk, dv]);
+    if !f64_path {
+        check_f32("merge_qkv", &[dq, dk, dv])?;
+    }
     for t in [dq, dk, dv] {
         check_numel("merge_qkv", t, d.numel())?;
+    }
+    if f64_path {
+        return super::double::merge_qkv(dq, dk, dv, d);
     }
     let c = d.h * d.hd;
     let dqkv = output(&[d.b, d.t, 3 * c], device)?;
@@ -179,6 +189,10 @@ pub fn split_heads(y: &Tensor, d: HeadDims) -> Result<Tensor> {
 
 fn permute_heads(op: &'static str, src: &Tensor, d: HeadDims, split: bool) -> Result<Tensor> {
     let device = same_device(op, &[src])?;
+    if super::double::any_f64(&[src]) {
+        check_numel(op, src, d.numel())?;
+        return super::double::permute_heads(src, d, split);
+    }
     check_f32(op, &[src])?;
     check_numel(op, src, d.numel())?;
     let HeadDims { b, t, h, hd } = d;
@@ -242,6 +256,10 @@ pub fn softmax_causal(s: &Tensor, t: usize, scale: f32) -> Result<Tensor> {
     if let Some(lp) = super::lowp::lp_of(&[s]) {
         return super::lowp::softmax_causal(s, t, scale, lp);
     }
+    if super::double::any_f64(&[s]) {
+        check_square_rows("softmax_causal", s, t)?;
+        return softmax_causal_f64(s, t, f64::from(scale));
+    }
     check_f32("softmax_causal", &[s])?;
     check_square_rows("softmax_causal", s, t)?;
     let p = output(s.shape(), device)?;
@@ -280,6 +298,9 @@ pub fn softmax_causal_backward_(p: &Tensor, dp: &Tensor, t: usize, scale: f32) -
     if super::lowp::lp_of(&[p, dp]).is_some() {
         return super::lowp::softmax_causal_backward_(p, dp, t, scale);
     }
+    if super::double::any_f64(&[p, dp]) {
+        return softmax_causal_backward_f64_(p, dp, t, f64::from(scale));
+    }
     check_f32("softmax_causal_backward_", &[p, dp])?;
     check_square_rows("softmax_causal_backward_", p, t)?;
     check_numel("softmax_causal_backward_", dp, p.numel())?;
@@ -310,6 +331,43 @@ pub fn softmax_causal_backward_(p: &Tensor, dp: &Tensor, t: usize, scale: f32) -
         1,
         |r, dp| fast::softmax_causal_bwd(&pv[r.start * t * t..r.end * t * t], dp, t, scale),
     )
+}
+
+/// [`softmax_causal`] of f64 scores with an f64 `scale` (a float64 attention passes
+/// `1 / sqrt(hd)` in f64, where the f32 op's `scale` would round it).
+///
+/// # Errors
+/// As [`softmax_causal`]; `DTypeMismatch` unless `s` is f64, `Unsupported` on CUDA.
+pub(crate) fn softmax_causal_f64(s: &Tensor, t: usize, scale: f64) -> Result<Tensor> {
+    same_device("softmax_causal", &[s])?;
+    check_square_rows("softmax_causal", s, t)?;
+    if s.numel() == 0 {
+        return s.deep_clone();
+    }
+    super::double::softmax_causal(s, t, scale)
+}
+
+/// [`softmax_causal_backward_`] in f64 with an f64 `scale`.
+///
+/// # Errors
+/// As [`softmax_causal_backward_`]; `DTypeMismatch` unless both are f64, `Unsupported` on
+/// CUDA.
+pub(crate) fn softmax_causal_backward_f64_(
+    p: &Tensor,
+    dp: &Tensor,
+    t: usize,
+    scale: f64,
+) -> Result<()> {
+    same_device("softmax_causal_backward_", &[p, dp])?;
+    check_square_rows("softmax_causal_backward_", p, t)?;
+    check_numel("softmax_causal_backward_", dp, p.numel())?;
+    if p.shares_storage(dp) {
+        crate::error::bail_arg!("softmax_causal_backward_: dp shares storage with p");
+    }
+    if p.numel() == 0 {
+        return Ok(());
+    }
+    super::double::softmax_causal_backward_(p, dp, t, scale)
 }
 
 fn check_square_rows(op: &'static str, s: &Tensor, t: usize) -> Result<()> {

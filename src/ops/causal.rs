@@ -162,8 +162,12 @@ pub fn causal_matmul(
     if super::lowp::lp_of(&[out, a, b]).is_some() {
         return super::lowp::causal_matmul(out, a, b, which, d);
     }
-    check_f32("causal_matmul", &[out, a, b])?;
     let dims = which.dims(t, hd);
+    if super::double::any_f64(&[out, a, b]) {
+        // f64: the full per-head products (the masked half of a causal operand is 0).
+        return super::matmul_batched(out, a, b, dims, bh, false);
+    }
+    check_f32("causal_matmul", &[out, a, b])?;
     if device.is_cuda() || !pays(which) || !blocked(t, hd) {
         return super::matmul_batched(out, a, b, dims, bh, false);
     }

@@ -164,12 +164,17 @@ pub fn fill_(t: &Tensor, value: f32) -> Result<()> {
 }
 
 /// `sum_i t[i]^2` of an f32 tensor, accumulated in f64 (the square of the 2-norm that
-/// `clip_grad_norm_` needs). On CUDA this waits for the current stream.
+/// `clip_grad_norm_` needs), or of an f64 host tensor in f64. On CUDA this waits for the
+/// current stream.
 ///
 /// # Errors
-/// `DTypeMismatch` for a non-f32 tensor; [`Error::Cuda`].
+/// `DTypeMismatch` for a tensor neither f32 nor f64; `Unsupported` for an f64 CUDA tensor;
+/// [`Error::Cuda`].
 pub fn sum_squares(t: &Tensor) -> Result<f64> {
     let _device = same_device("sum_squares", &[t])?;
+    if t.dtype() == DType::F64 {
+        return super::double::sum_squares(t);
+    }
     #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {
         return crate::backend::cuda::sum_squares(&*super::stream(i)?, &t.as_device_tensor()?);

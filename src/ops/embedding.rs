@@ -48,11 +48,25 @@ pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     if let Some(lp) = super::lowp::lp_of(&[table]) {
         return super::lowp::embedding(table, ids, lp);
     }
-    check_f32("embedding", &[table])?;
+    let f64_path = super::double::any_f64(&[table]);
+    if !f64_path {
+        check_f32("embedding", &[table])?;
+    }
     check_ids("embedding", ids)?;
     let (v, c) = table_dims("embedding", table)?;
     let mut shape = ids.shape().to_vec();
     shape.push(c);
+    if f64_path {
+        super::double::check("embedding", &[table])?;
+        let iv = ids.data::<i32>()?;
+        if let Some(i) = iv.iter().position(|&id| id < 0 || id as usize >= v) {
+            let id = iv[i];
+            crate::error::bail_arg!(
+                "embedding: token id {id} at position {i} is outside the vocabulary 0..{v}"
+            );
+        }
+        return super::double::embedding(table, &iv, &shape);
+    }
     let out = output(&shape, device)?;
     if c == 0 {
         // Nothing to copy, but a bad id is still an error (as `F.embedding` on a (V, 0)
@@ -109,7 +123,10 @@ pub fn embedding_backward(ids: &Tensor, dout: &Tensor, grad: &Tensor) -> Result<
     if super::lowp::lp_of(&[dout, grad]).is_some() {
         return super::lowp::embedding_backward(ids, dout, grad);
     }
-    check_f32("embedding_backward", &[dout, grad])?;
+    let f64_path = super::double::any_f64(&[dout, grad]);
+    if !f64_path {
+        check_f32("embedding_backward", &[dout, grad])?;
+    }
     check_ids("embedding_backward", ids)?;
     let (_, c) = table_dims("embedding_backward", grad)?;
     if dout.numel() != ids.numel() * c {
@@ -118,6 +135,9 @@ pub fn embedding_backward(ids: &Tensor, dout: &Tensor, grad: &Tensor) -> Result<
             expected: vec![ids.numel(), c],
             got: dout.shape().to_vec(),
         });
+    }
+    if f64_path {
+        return super::double::embedding_backward(ids, dout, grad);
     }
     #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {

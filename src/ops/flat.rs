@@ -144,6 +144,9 @@ fn pack_grad_lp(grad: &Tensor, out: &Tensor, scale: f32) -> Result<()> {
 
 /// `out[i] = x[i] * scale` in f64 (the f64 FlatParameter's pack and unpack: no cast, as
 /// PyTorch FSDP reduces an f64 gradient in f64). Host tensors; `out` may be `x` itself.
+/// A `scale` that is the f32 reciprocal of a divisor `d = k / 2^j` (FSDP's divide factors:
+/// `gradient_divide_factors(3)` is `(2, 1.5)`) divides by `d` in f64, as PyTorch's
+/// `div_(factor)` on an f64 gradient does, instead of multiplying by the rounded reciprocal.
 fn scale_f64(op: &'static str, x: &Tensor, out: &Tensor, scale: f32) -> Result<()> {
     require(op, x, DType::F64)?;
     require(op, out, DType::F64)?;
@@ -152,14 +155,30 @@ fn scale_f64(op: &'static str, x: &Tensor, out: &Tensor, scale: f32) -> Result<(
             "{op} of an f64 gradient on a CUDA device (f64 FSDP runs on the CPU)"
         )));
     }
+    let divisor = divisor_of(scale);
+    let f = |v: f64| match divisor {
+        Some(d) => v / d,
+        None => v * f64::from(scale),
+    };
     if x.same_view(out) {
-        return super::scale_(out, scale);
+        out.data_mut::<f64>()?.iter_mut().for_each(|v| *v = f(*v));
+        return Ok(());
     }
     let src = x.data::<f64>()?;
     for (o, &v) in out.data_mut::<f64>()?.iter_mut().zip(src.iter()) {
-        *o = v * f64::from(scale);
+        *o = f(v);
     }
     Ok(())
+}
+
+/// The divisor `d = k / 2^j` (`j <= 8`, `d >= 1`) whose f32 reciprocal is `scale`, if any.
+fn divisor_of(scale: f32) -> Option<f64> {
+    let inv = 1.0 / f64::from(scale);
+    (0..=8).find_map(|j| {
+        let p = f64::from(1u32 << j);
+        let d = (inv * p).round() / p;
+        (d >= 1.0 && (1.0 / d) as f32 == scale).then_some(d)
+    })
 }
 
 /// `out[i] = f32(cast<x.dtype>(f32(x[i]) * scale))`: the postdivide (`scale = 1 / post`)

@@ -53,7 +53,10 @@ pub fn layer_norm(
     if let Some(lp) = super::lowp::lp_of(&[x, w, b]) {
         return super::lowp::layernorm::forward(x, w, b, eps, lp);
     }
-    check_f32("layer_norm", &[x, w, b])?;
+    let f64_path = super::double::any_f64(&[x, w, b]);
+    if !f64_path {
+        check_f32("layer_norm", &[x, w, b])?;
+    }
     let c = w.numel();
     let n = rows("layer_norm", x, c)?;
     if b.numel() != c {
@@ -62,6 +65,10 @@ pub fn layer_norm(
             expected: vec![c],
             got: b.shape().to_vec(),
         });
+    }
+    if f64_path {
+        // eps as the decimal it spells (PyTorch's eps is a Python float).
+        return super::double::layer_norm(x, w, b, super::double::widen(eps));
     }
     let (y, xhat, rstd) = (
         output(x.shape(), device)?,
@@ -147,7 +154,10 @@ pub fn layer_norm_backward(
     ts.extend(dw);
     ts.extend(db);
     let device = same_device("layer_norm_backward", &ts)?;
-    check_f32("layer_norm_backward", &ts)?;
+    let f64_path = super::double::any_f64(&ts);
+    if !f64_path {
+        check_f32("layer_norm_backward", &ts)?;
+    }
     let c = w.numel();
     if dy.numel() != xhat.numel() || rstd.numel() * c != xhat.numel() {
         return Err(Error::ShapeMismatch {
@@ -157,6 +167,9 @@ pub fn layer_norm_backward(
         });
     }
     check_grad_shapes(dw, db, c)?;
+    if f64_path {
+        return super::double::layer_norm_backward(dy, saved, w, dw, db);
+    }
     let dx = output(dy.shape(), device)?;
     if c == 0 || dy.numel() == 0 {
         return Ok(dx);

@@ -40,6 +40,7 @@ impl MatmulDims {
 /// `out (m, n) = op(a) @ op(b)`, or `+=` when `accumulate` (`torch.matmul` /
 /// `torch.addmm(out, a, b)`), f32 with f32 accumulation; inside an
 /// [`autocast`](super::autocast::autocast) scope the operands are read as its bf16/f16.
+/// f64 tensors multiply in f64 (host loops; on CUDA cuBLAS with `CUBLAS_COMPUTE_64F`).
 /// Only element counts are checked against `d`: shapes are the caller's business.
 ///
 /// # Errors
@@ -83,7 +84,7 @@ pub fn matmul_batched(
     if out.shares_storage(a) || out.shares_storage(b) {
         bail_arg!("matmul: the output {out:?} shares storage with an input");
     }
-    if f64_path {
+    if f64_path && !_device.is_cuda() {
         return super::double::matmul_batched(out, a, b, d, batch, accumulate);
     }
     #[cfg(feature = "cuda")]
@@ -94,8 +95,9 @@ pub fn matmul_batched(
             return Ok(()); // adds an empty sum
         }
         let beta = if accumulate { 1.0 } else { 0.0 };
-        // Under autocast: bf16/f16 copies of both operands, cuBLAS lp x lp -> f32.
-        let (a, b) = match gemm_dtype() {
+        // Under autocast: bf16/f16 copies of both operands, cuBLAS lp x lp -> f32. f64
+        // operands stay f64 (autocast leaves float64 ops alone): cuBLAS f64 compute.
+        let (a, b) = match gemm_dtype().filter(|_| !f64_path) {
             Some(lp) => (a.to_dtype(lp)?, b.to_dtype(lp)?),
             None => (a.clone(), b.clone()),
         };

@@ -32,6 +32,24 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<(f32, Tensor)>
     }
 }
 
+/// [`cross_entropy`] of f64 `logits (.., V)` with the loss as the f64 it is computed in
+/// (the f32 op rounds it): the exact reference a float64 run is checked against. The
+/// gradient is the same tensor [`cross_entropy`] returns.
+///
+/// # Errors
+/// As [`cross_entropy`]; `DTypeMismatch` unless `logits` is f64; `Unsupported` for CUDA
+/// tensors.
+pub fn cross_entropy_f64(logits: &Tensor, targets: &Tensor) -> Result<(f64, Tensor)> {
+    super::double::check("cross_entropy_f64", &[logits])?;
+    let (_, grad) = cross_entropy_any(logits, targets)?;
+    if targets.numel() == 0 {
+        return Ok((f64::NAN, grad));
+    }
+    let v = logits.shape().last().copied().unwrap_or(0);
+    let (loss, _) = super::double::cross_entropy(logits, &targets.data::<i32>()?, v)?;
+    Ok((loss, grad))
+}
+
 /// Where [`cross_entropy_any`] left the loss: a host value (no tensor buffer, so a CPU
 /// step allocates nothing for it), or one f32 on the device.
 enum Loss {
@@ -75,18 +93,33 @@ fn cross_entropy_any(logits: &Tensor, targets: &Tensor) -> Result<(Loss, Tensor)
     }
     let device = same_device("cross_entropy", &[logits, targets])?;
     let lp = super::lowp::lp_of(&[logits]);
-    if lp.is_none() {
+    let f64_path = super::double::any_f64(&[logits]);
+    if lp.is_none() && !f64_path {
         super::check_f32("cross_entropy", &[logits])?;
     }
     if n == 0 {
         // PyTorch: the mean over an empty batch is 0/0 = NaN; nothing to differentiate.
-        return Ok((Loss::Host(f32::NAN), super::output(logits.shape(), device)?));
+        let grad = match f64_path {
+            true => Tensor::zeros_on(logits.shape(), DType::F64, device)?,
+            false => super::output(logits.shape(), device)?,
+        };
+        return Ok((Loss::Host(f32::NAN), grad));
     }
     if v == 0 {
         let y = targets
             .to_device(crate::backend::Device::Cpu)?
             .data::<i32>()?[0];
         crate::error::bail_arg!("cross_entropy: target {y} at position 0 is outside 0..0");
+    }
+    if f64_path {
+        super::double::check("cross_entropy", &[logits])?;
+        let tv = targets.data::<i32>()?;
+        if let Some(i) = tv.iter().position(|&y| y < 0 || y as usize >= v) {
+            let y = tv[i];
+            crate::error::bail_arg!("cross_entropy: target {y} at position {i} is outside 0..{v}");
+        }
+        let (l, g) = super::double::cross_entropy(logits, &tv, v)?;
+        return Ok((Loss::Host(l as f32), g));
     }
     if let Some(lp) = lp {
         #[cfg(feature = "cuda")]

@@ -26,9 +26,9 @@
 //! | `attention.rs` | [`split_qkv`], [`merge_qkv`], [`split_heads`], [`merge_heads`], [`softmax_causal`], [`softmax_causal_backward_`] | the permutes and masked softmax of `scaled_dot_product_attention` |
 //! | `embedding.rs` | [`embedding()`], [`embedding_backward`] | `F.embedding` |
 //! | `flat.rs` | [`flat::pack_grad`], [`flat::unpack_grad`], [`flat::round_to_`], [`flat::rounded`] (FSDP's flat buffers, autocast's operands) | the `_reduce_grad` pre/post-divide and casts |
-//! | `loss.rs` | [`cross_entropy`], [`mse_loss`], [`sum_loss`] | `F.cross_entropy`, `F.mse_loss`, `.sum()` |
+//! | `loss.rs` | [`cross_entropy`] ([`cross_entropy_f64`]: the f64 loss of f64 logits), [`mse_loss`], [`sum_loss`] | `F.cross_entropy`, `F.mse_loss`, `.sum()` |
 //! | `lowp/` | the bf16/f16 paths of the ops above (f32 compute of widened inputs, each output rounded once to the inputs' dtype; the losses and LayerNorm as PyTorch rounds them), taken when an operand is bf16/f16 | `param_dtype` modules under FSDP mixed precision |
-//! | `double.rs` | the f64 host paths of [`matmul`], [`linear`], [`bias_add_`], [`bias_grad`], ReLU, [`mse_loss`], [`sum_loss`] (taken when an operand is f64) | float64 tensors |
+//! | `double/` | the f64 host paths of [`matmul`], [`linear`], [`bias_add_`], [`bias_grad`], ReLU, GELU, [`layer_norm`], [`softmax_causal`], attention's permutes, [`embedding()`], [`cross_entropy`], [`mse_loss`], [`sum_loss`], [`sum_squares`] (taken when an operand is f64; CUDA f64 tensors are refused with `Unsupported`, except by the products: cuBLAS f64) | float64 tensors |
 //!
 //! The ops marked (CPU) have CPU loops only: on CUDA they return `Unsupported`. They are what
 //! a custom layer composes its forward and backward from (see `tests/custom_layer.rs`).
@@ -44,7 +44,7 @@ pub mod autocast;
 pub mod axis;
 pub mod batchnorm;
 pub mod causal;
-mod double;
+pub(crate) mod double;
 pub mod elementwise;
 pub mod embedding;
 pub mod flat;
@@ -74,7 +74,9 @@ pub use layernorm::{layer_norm, layer_norm_backward, LayerNormSaved};
 pub use linalg::{
     bias_add_, bias_grad, linear, matmul, matmul_batched, mm, mm_backward, MatmulDims, Transpose,
 };
-pub use loss::{add_div_, cross_entropy, cross_entropy_tensor, mse_loss, sum_loss};
+pub use loss::{
+    add_div_, cross_entropy, cross_entropy_f64, cross_entropy_tensor, mse_loss, sum_loss,
+};
 
 use crate::backend::Device;
 use crate::error::{Error, Result};
@@ -142,13 +144,14 @@ pub(crate) fn output(shape: &[usize], device: Device) -> Result<Tensor> {
 }
 
 /// [`output`] in the dtype of `like` when it is bf16/f16 (an nn op's output or scratch
-/// for a low-precision module), else f32 (the f32 path's [`output`] exactly).
+/// for a low-precision module) or f64 (zeros, for a float64 module), else f32 (the f32
+/// path's [`output`] exactly).
 ///
 /// # Errors
 /// As [`output`].
 pub(crate) fn output_like(shape: &[usize], like: &Tensor) -> Result<Tensor> {
     match like.dtype() {
-        d @ (DType::BF16 | DType::F16) => Tensor::zeros_on(shape, d, like.device()),
+        d @ (DType::BF16 | DType::F16 | DType::F64) => Tensor::zeros_on(shape, d, like.device()),
         _ => output(shape, like.device()),
     }
 }

@@ -78,14 +78,23 @@ fn zeros(n: usize, device: Device) -> Result<Tensor> {
     Tensor::zeros_on(&[n], DType::F32, device)
 }
 
+/// The dtype of a parameter's moments: f64 for an f64 parameter (PyTorch keeps state in
+/// the parameter's dtype), else f32.
+fn state_dtype(param: &Tensor) -> DType {
+    match param.dtype() {
+        DType::F64 => DType::F64,
+        _ => DType::F32,
+    }
+}
+
 /// Zero moments for every tensor, unless they exist.
 fn init_moments(op: &'static str, state: &mut Vec<Moments>, params: &[ParamGrad]) -> Result<()> {
     ensure_state(op, state, params, |pg| {
-        let (n, device) = (pg.param.numel(), pg.param.device());
+        let (n, device, dt) = (pg.param.numel(), pg.param.device(), state_dtype(&pg.param));
         Ok(Moments {
             step: 0,
-            m: zeros(n, device)?,
-            v: zeros(n, device)?,
+            m: Tensor::zeros_on(&[n], dt, device)?,
+            v: Tensor::zeros_on(&[n], dt, device)?,
         })
     })
 }
@@ -114,10 +123,11 @@ fn adam_step(
         let Some(grad) = &pg.grad else { continue };
         let device = crate::ops::same_device(op, &[&pg.param, grad])?;
         let n = pg.param.numel();
+        let dt = state_dtype(&pg.param);
         if st.m.numel() == 0 && st.step == 0 {
             // A tensor that had no state when a state dict was loaded.
-            st.m = zeros(n, device)?;
-            st.v = zeros(n, device)?;
+            st.m = Tensor::zeros_on(&[n], dt, device)?;
+            st.v = Tensor::zeros_on(&[n], dt, device)?;
         }
         if st.m.numel() != n || st.v.numel() != n {
             return Err(Error::ShapeMismatch {
@@ -127,12 +137,25 @@ fn adam_step(
             });
         }
         for t in [&mut st.m, &mut st.v] {
+            if t.dtype() != dt {
+                // An f64 parameter's state loaded from f32 values (or the reverse).
+                *t = t.to_dtype(dt)?;
+            }
             if t.device() != device {
                 // Loaded from a state dict (host values), or left behind by a move.
                 *t = t.to_device(device)?;
             }
         }
         st.step += 1;
+        if dt == DType::F64 {
+            if device.is_cuda() {
+                return Err(Error::Unsupported(format!(
+                    "{op} of an f64 parameter on {device} (f64 optimizer steps run on the CPU)"
+                )));
+            }
+            adam_update_f64(c, decoupled, st.step, &pg.param, grad, &st.m, &st.v)?;
+            continue;
+        }
         if device.is_cuda() {
             let group = &mut on_device.entry(hp.group).or_insert((*c, Vec::new())).1;
             group.push(AdamItem {
@@ -181,6 +204,56 @@ fn adam_step(
 }
 
 /// The scalars of one Adam/AdamW update.
+/// One Adam/AdamW update of an f64 parameter with f64 moments, in PyTorch's single-tensor
+/// order (`torch/optim/adam.py` `_single_tensor_adam`): the weight decay (added to the
+/// gradient, or AdamW's `param *= 1 - lr wd`), `exp_avg.lerp_(grad, 1 - beta1)` (CPU lerp:
+/// `m + w (g - m)` for a weight below 0.5), `exp_avg_sq = beta2 v + (1 - beta2) g^2`, then
+/// `param -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)`. The hyperparameters are the f64
+/// their decimal spelling names (PyTorch's are Python floats).
+fn adam_update_f64(
+    c: &AdamConfig,
+    decoupled: bool,
+    step: u64,
+    param: &Tensor,
+    grad: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+) -> Result<()> {
+    let w = crate::ops::double::widen;
+    let (lr, b1, b2, eps, wd) = (
+        w(c.lr),
+        w(c.betas.0),
+        w(c.betas.1),
+        w(c.eps),
+        w(c.weight_decay),
+    );
+    let g = grad.data::<f64>()?;
+    let mut p = param.data_mut::<f64>()?;
+    let (mut m, mut v) = (m.data_mut::<f64>()?, v.data_mut::<f64>()?);
+    // `beta ** step` as Python computes it (C `pow`).
+    let bc1 = 1.0 - b1.powf(step as f64);
+    let bc2_sqrt = (1.0 - b2.powf(step as f64)).sqrt();
+    let step_size = lr / bc1;
+    let weight = 1.0 - b1;
+    for i in 0..p.len() {
+        let mut gi = g[i];
+        if decoupled {
+            p[i] *= 1.0 - lr * wd;
+        } else if wd != 0.0 {
+            gi += wd * p[i];
+        }
+        m[i] = if weight < 0.5 {
+            m[i] + weight * (gi - m[i])
+        } else {
+            gi - (gi - m[i]) * (1.0 - weight)
+        };
+        v[i] = v[i] * b2 + gi * gi * (1.0 - b2);
+        let denom = v[i].sqrt() / bc2_sqrt + eps;
+        p[i] -= step_size * (m[i] / denom);
+    }
+    Ok(())
+}
+
 struct AdamScalars {
     b1: f32,
     b2: f32,
@@ -278,13 +351,10 @@ fn export(
             .map(|s| {
                 (s.step > 0 || s.m.numel() > 0)
                     .then(|| {
-                        Ok(TensorState {
-                            step: Some(s.step),
-                            buffers: vec![
-                                ("exp_avg".into(), s.m.to_vec_f32()?),
-                                ("exp_avg_sq".into(), s.v.to_vec_f32()?),
-                            ],
-                        })
+                        TensorState::from_tensors(
+                            Some(s.step),
+                            &[("exp_avg", &s.m), ("exp_avg_sq", &s.v)],
+                        )
                     })
                     .transpose()
             })
@@ -324,25 +394,18 @@ fn import(
         let step = t
             .step
             .ok_or_else(|| Error::StateDict(format!("{kind} state of tensor {i} has no 'step'")))?;
-        let buf = |name: &str| {
-            t.buffer(name).map(<[f32]>::to_vec).ok_or_else(|| {
-                Error::StateDict(format!("{kind} state of tensor {i} has no '{name}'"))
-            })
-        };
-        let (m, v) = (buf("exp_avg")?, buf("exp_avg_sq")?);
-        if m.len() != v.len() {
+        let (m, v) = (
+            t.buffer_tensor(kind, i, "exp_avg")?,
+            t.buffer_tensor(kind, i, "exp_avg_sq")?,
+        );
+        if m.numel() != v.numel() {
             return Err(Error::StateDict(format!(
                 "{kind} state of tensor {i}: exp_avg has {} elements and exp_avg_sq {}",
-                m.len(),
-                v.len()
+                m.numel(),
+                v.numel()
             )));
         }
-        let n = m.len();
-        out.push(Moments {
-            step,
-            m: Tensor::from_vec(m, &[n])?,
-            v: Tensor::from_vec(v, &[n])?,
-        });
+        out.push(Moments { step, m, v });
     }
     Ok((config, groups, out))
 }
@@ -376,7 +439,7 @@ macro_rules! impl_adam {
             fn state_bytes(&self) -> usize {
                 self.state
                     .iter()
-                    .map(|s| (s.m.numel() + s.v.numel()) * 4 + 8)
+                    .map(|s| s.m.nbytes() + s.v.nbytes() + 8)
                     .sum()
             }
             fn lr(&self) -> f32 {

@@ -159,22 +159,67 @@ pub trait Optimizer: Send {
 }
 
 /// What an optimizer keeps for one tensor of its list (`optimizer.state[p]`).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct TensorState {
     /// Updates applied to this tensor (`state["step"]`); `None` for SGD, which counts none.
     pub step: Option<u64>,
     /// Named f32 buffers, each with the tensor's element count: `exp_avg` and `exp_avg_sq`
     /// (Adam, AdamW), `momentum_buffer` (SGD with momentum).
     pub buffers: Vec<(String, Vec<f32>)>,
+    /// The exact values of an f64 parameter's buffers (PyTorch keeps the state of a
+    /// float64 parameter in float64), by the same names; `buffers` then holds them rounded
+    /// to f32 for readers of f32 state. Empty for other parameters.
+    pub buffers_f64: Vec<(String, Vec<f64>)>,
 }
 
 impl TensorState {
-    /// The buffer called `name`, if present.
+    /// The buffer called `name`, if present (f32; an f64 buffer rounded).
     pub fn buffer(&self, name: &str) -> Option<&[f32]> {
         self.buffers
             .iter()
             .find(|(n, _)| n == name)
             .map(|(_, v)| v.as_slice())
+    }
+
+    /// The f64 values of the buffer called `name`, if it was kept in f64.
+    pub fn buffer_f64(&self, name: &str) -> Option<&[f64]> {
+        self.buffers_f64
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_slice())
+    }
+
+    /// Buffer `name` as a host tensor `(n)`: f64 when it was kept in f64, else f32.
+    ///
+    /// # Errors
+    /// `StateDict` naming `kind`, tensor `i` and `name` when the buffer is missing.
+    pub(crate) fn buffer_tensor(&self, kind: &str, i: usize, name: &str) -> Result<Tensor> {
+        if let Some(v) = self.buffer_f64(name) {
+            return Tensor::from_vec(v.to_vec(), &[v.len()]);
+        }
+        let v = self.buffer(name).ok_or_else(|| {
+            Error::StateDict(format!("{kind} state of tensor {i} has no '{name}'"))
+        })?;
+        Tensor::from_vec(v.to_vec(), &[v.len()])
+    }
+
+    /// A state whose buffers are `bufs` (host values): f32 ones as they are, f64 ones both
+    /// exactly (`buffers_f64`) and rounded (`buffers`).
+    ///
+    /// # Errors
+    /// A failed read of a tensor (CUDA copy).
+    pub(crate) fn from_tensors(step: Option<u64>, bufs: &[(&str, &Tensor)]) -> Result<Self> {
+        let mut st = TensorState {
+            step,
+            ..TensorState::default()
+        };
+        for (name, t) in bufs {
+            st.buffers.push((name.to_string(), t.to_vec_f32()?));
+            if t.dtype() == DType::F64 {
+                st.buffers_f64.push((name.to_string(), t.to_vec_f64()?));
+            }
+        }
+        Ok(st)
     }
 }
 
@@ -322,7 +367,7 @@ pub fn build(kind: OptimizerKind, lr: f32, betas: (f32, f32)) -> Box<dyn Optimiz
 fn check_pair(op: &'static str, p: &ParamGrad) -> Result<()> {
     // f32, or f64 (SGD steps f64 parameters on the host), the gradient as the parameter.
     let want = match p.param.dtype() {
-        DType::F64 if op.starts_with("SGD") => DType::F64,
+        DType::F64 => DType::F64,
         _ => DType::F32,
     };
     for t in std::iter::once(&p.param).chain(p.grad.as_ref()) {

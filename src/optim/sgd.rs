@@ -129,7 +129,7 @@ impl Optimizer for SGD {
                 *b = b.to_device(device)?;
             }
             if let Some(b) = buf.as_mut().filter(|b| b.dtype() != pg.param.dtype()) {
-                // An f64 parameter's buffer loaded from a state dict (which holds f32).
+                // An f64 parameter's buffer loaded from f32 state (or the reverse).
                 *b = b.to_dtype(pg.param.dtype())?;
             }
             if device.is_cuda() {
@@ -221,12 +221,7 @@ impl Optimizer for SGD {
                 .iter()
                 .map(|b| {
                     b.as_ref()
-                        .map(|b| {
-                            Ok(TensorState {
-                                step: None,
-                                buffers: vec![("momentum_buffer".into(), b.to_vec_f32()?)],
-                            })
-                        })
+                        .map(|b| TensorState::from_tensors(None, &[("momentum_buffer", b)]))
                         .transpose()
                 })
                 .collect::<Result<_>>()?,
@@ -251,14 +246,7 @@ impl Optimizer for SGD {
         for (i, t) in st.tensors.iter().enumerate() {
             bufs.push(match t {
                 None => None,
-                Some(t) => {
-                    let b = t.buffer("momentum_buffer").ok_or_else(|| {
-                        Error::StateDict(format!(
-                            "SGD state of tensor {i} has no 'momentum_buffer'"
-                        ))
-                    })?;
-                    Some(Tensor::from_vec(b.to_vec(), &[b.len()])?)
-                }
+                Some(t) => Some(t.buffer_tensor("SGD", i, "momentum_buffer")?),
             });
         }
         self.config = config;
@@ -278,8 +266,11 @@ fn step_f64(
     c: &SgdConfig,
     first: bool,
 ) -> Result<()> {
-    let (lr, wd) = (f64::from(c.lr), f64::from(c.weight_decay));
-    let (mom, damp) = (f64::from(c.momentum), f64::from(c.dampening));
+    // The hyperparameters as the f64 their decimal spelling names (PyTorch's are Python
+    // floats): lr 0.05 is 0.05, not 0.0500000007.
+    let w = crate::ops::double::widen;
+    let (lr, wd) = (w(c.lr), w(c.weight_decay));
+    let (mom, damp) = (w(c.momentum), w(c.dampening));
     let g = grad.data::<f64>()?;
     let mut p = param.data_mut::<f64>()?;
     let mut b = buf.map(|b| b.data_mut::<f64>()).transpose()?;

@@ -138,7 +138,10 @@ pub fn gpu_summary(cfg: &super::TrainConfig, report: &super::TrainReport) -> Vec
         .collect();
     tps.sort_by(|a, b| a.total_cmp(b));
     let tps = tps.get(tps.len() / 2).copied().unwrap_or(f64::NAN);
-    let lp = cfg.mixed_precision != super::Precision::None;
+    let lp = matches!(
+        cfg.mixed_precision,
+        super::Precision::Bf16 | super::Precision::F16
+    );
     let mfu = mfu(report.num_params, tps, &name, gpus, lp).map_or_else(
         || "- (GPU not in the peak table)".to_string(),
         |m| format!("{:.1}%", m * 100.0),

@@ -100,16 +100,27 @@ impl Observer for Silent {
 /// is built on the meta device and only this rank's shards are computed.
 pub fn build_engine(cfg: &TrainConfig, pg: Group) -> Result<Engine> {
     let device = cfg.device.for_rank(pg.rank())?;
+    let f64_model = cfg.mixed_precision == super::Precision::F64;
     if cfg.no_fsdp {
         let mut model: Box<dyn Module> = Box::new(GPT::new(cfg.gpt_config(), cfg.seed)?);
+        if f64_model {
+            crate::nn::module_to_dtype(model.as_mut(), crate::tensor::DType::F64)?;
+        }
         super::engine::module_to_device(model.as_mut(), device)?;
         return Ok(Engine::Plain(model));
     }
     // Deferred init: the model is built on the meta device (shapes and initializers only)
-    // and FSDP computes each rank's shard; no rank ever holds the whole model.
-    let model: Box<dyn Module> = Box::new(crate::nn::on_meta_device(|| {
-        GPT::new(cfg.gpt_config(), cfg.seed)
-    })?);
+    // and FSDP computes each rank's shard; no rank ever holds the whole model. An f64 model
+    // is built whole and converted (`model.double()`), the same values in f64.
+    let model: Box<dyn Module> = if f64_model {
+        let mut m = GPT::new(cfg.gpt_config(), cfg.seed)?;
+        crate::nn::module_to_dtype(&mut m, crate::tensor::DType::F64)?;
+        Box::new(m)
+    } else {
+        Box::new(crate::nn::on_meta_device(|| {
+            GPT::new(cfg.gpt_config(), cfg.seed)
+        })?)
+    };
     let fsdp_cfg = FsdpConfig {
         sharding_strategy: cfg.strategy,
         auto_wrap_policy: match cfg.wrap {

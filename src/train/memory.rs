@@ -93,7 +93,9 @@ impl TrainConfig {
             self.seq_len as f64,
         );
         let v = VOCAB_SIZE as f64;
-        let mixed = self.mixed_precision != Precision::None;
+        // bf16/f16 compute. (An f64 job is estimated as the f32 one: its tensors take about
+        // twice these bytes.)
+        let mixed = matches!(self.mixed_precision, Precision::Bf16 | Precision::F16);
         // Rows per rank: a training micro-batch, and an evaluation batch (not split by K).
         let b = (self.global_batch / w / k).max(1) as f64;
         let b_eval = (self.global_batch / w).max(1) as f64;
@@ -200,7 +202,7 @@ impl TrainConfig {
         } else {
             units
         };
-        let mixed = if self.mixed_precision == Precision::None {
+        let mixed = if !matches!(self.mixed_precision, Precision::Bf16 | Precision::F16) {
             0.0
         } else {
             // Low-precision all-gather and reduce-scatter buffers, 2 bytes each.

@@ -64,13 +64,16 @@ pub enum Precision {
     Bf16,
     /// `MixedPrecision::uniform(f16)`.
     F16,
+    /// No mixed precision: the model in f64 throughout (`model.double()`: parameters,
+    /// gradients, reductions and optimizer state in f64), an exact reference on the CPU.
+    F64,
 }
 
 impl Precision {
-    /// The FSDP policy, `None` for f32.
+    /// The FSDP policy, `None` for f32 and f64.
     pub fn policy(self) -> Option<MixedPrecision> {
         match self {
-            Precision::None => None,
+            Precision::None | Precision::F64 => None,
             Precision::Bf16 => Some(MixedPrecision::uniform(DType::BF16)),
             Precision::F16 => Some(MixedPrecision::uniform(DType::F16)),
         }

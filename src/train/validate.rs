@@ -85,7 +85,13 @@ impl TrainConfig {
         if self.no_fsdp && self.world_size != 1 {
             return bad("--no-fsdp trains without sharding and needs --world-size 1".into());
         }
-        if self.no_fsdp && (self.mixed_precision != Precision::None || self.cpu_offload) {
+        if self.mixed_precision == Precision::F64 && self.device.is_cuda() {
+            return bad(
+                "--mixed-precision f64 trains on the CPU (f64 has no CUDA layer kernels); use --device cpu".into(),
+            );
+        }
+        let lp = matches!(self.mixed_precision, Precision::Bf16 | Precision::F16);
+        if self.no_fsdp && (lp || self.cpu_offload) {
             return bad(
                 "--mixed-precision and --cpu-offload are FSDP options; drop --no-fsdp".into(),
             );

@@ -36,7 +36,7 @@ fn nccl_world_of_one_is_exact_or_refused_clearly() {
     let Some(g) = world_of_one() else { return };
     assert_eq!((g.rank(), g.size(), g.backend()), (0, 1, "nccl"));
     let dev = Device::Cuda(0);
-    for dtype in [DType::F32, DType::BF16, DType::F16, DType::I32] {
+    for dtype in [DType::F32, DType::BF16, DType::F16, DType::I32, DType::F64] {
         for n in [0usize, 1, 5, 33] {
             let vals: Vec<f32> = (0..n).map(|i| i as f32 - 3.0).collect();
             let host = Tensor::from_vec(vals.clone(), &[n])

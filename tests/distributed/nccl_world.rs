@@ -119,7 +119,7 @@ fn nccl_thread_ranks_move_and_reduce_exactly() {
         let n = 6;
         let (results, _) = world_of(world, Duration::from_secs(30), |g| {
             let r = g.rank();
-            for dtype in [DType::F32, DType::BF16, DType::I32] {
+            for dtype in [DType::F32, DType::BF16, DType::I32, DType::F64] {
                 let values = |p: usize, n: usize| values_of(p, n, dtype);
                 let mine = values(r, n);
                 let x = on_device(g, &mine, dtype)?;

@@ -4,7 +4,8 @@
 //!
 //! Dtypes: f32 in and out (plain f32 compute: no TF32, so results match the CPU to f32
 //! rounding), or bf16/f16 inputs with f32 accumulation and an f32 output or one of the
-//! inputs' type (cuBLAS supports no other mix under `CUBLAS_COMPUTE_32F`).
+//! inputs' type (cuBLAS supports no other mix under `CUBLAS_COMPUTE_32F`); or f64 in and out
+//! with f64 compute (`CUBLAS_COMPUTE_64F`, the `cublasDgemm` of float64 tensors).
 //!
 //! Row-major to cuBLAS's column-major: a row-major `C` is the column-major `C^T`, and
 //! `C^T = op(B)^T op(A)^T`, so B goes first, `m` and `n` swap, and each leading dimension
@@ -37,7 +38,8 @@ fn data_type(op: &'static str, d: DType) -> Result<cudaDataType> {
         DType::F32 => Ok(cudaDataType::CUDA_R_32F),
         DType::BF16 => Ok(cudaDataType::CUDA_R_16BF),
         DType::F16 => Ok(cudaDataType::CUDA_R_16F),
-        DType::I32 | DType::F64 | DType::I64 => Err(Error::DTypeMismatch {
+        DType::F64 => Ok(cudaDataType::CUDA_R_64F),
+        DType::I32 | DType::I64 => Err(Error::DTypeMismatch {
             op,
             expected: DType::F32,
             got: d,
@@ -81,7 +83,8 @@ fn plan(
             got: b.dtype(),
         });
     }
-    if c.dtype() != a.dtype() && c.dtype() != DType::F32 {
+    let f64_mix = (a.dtype() == DType::F64) != (c.dtype() == DType::F64);
+    if f64_mix || (c.dtype() != a.dtype() && c.dtype() != DType::F32) {
         return Err(Error::DTypeMismatch {
             op,
             expected: a.dtype(),
@@ -154,14 +157,30 @@ pub fn gemm_strided_batched(
         return super::ops::fill(s, c, 0.0);
     }
     let handle = s.blas()?;
+    let f64_compute = a.dtype() == DType::F64;
     let (alpha, beta) = (1.0f32, beta);
+    let (alpha64, beta64) = (1.0f64, f64::from(beta));
+    let (alpha_ptr, beta_ptr, compute) = if f64_compute {
+        (
+            &alpha64 as *const f64 as *const c_void,
+            &beta64 as *const f64 as *const c_void,
+            cublasComputeType_t::CUBLAS_COMPUTE_64F,
+        )
+    } else {
+        (
+            &alpha as *const f32 as *const c_void,
+            &beta as *const f32 as *const c_void,
+            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        )
+    };
     s.dev
         .ctx
         .bind_to_thread()
         .map_err(|e| Error::cuda("binding the context for cuBLAS", e))?;
     crate::backend::counters::count_kernel_launch();
     // SAFETY: the handle is bound to `s`'s stream; every pointer addresses `batch` blocks of
-    // the sizes checked in `plan`; alpha/beta are f32 as CUBLAS_COMPUTE_32F requires.
+    // the sizes checked in `plan`; alpha/beta are f32 as CUBLAS_COMPUTE_32F requires, f64
+    // for CUBLAS_COMPUTE_64F (f64 operands, checked in `plan`), and outlive the call.
     unsafe {
         blas::gemm_strided_batched_ex(
             *handle.handle(),
@@ -170,7 +189,7 @@ pub fn gemm_strided_batched(
             g.n as i32,
             g.m as i32,
             g.k as i32,
-            &alpha as *const f32 as *const c_void,
+            alpha_ptr,
             b.ptr() as *const c_void,
             p.types.0,
             p.lda,
@@ -179,13 +198,13 @@ pub fn gemm_strided_batched(
             p.types.1,
             p.ldb,
             (g.m * g.k) as i64,
-            &beta as *const f32 as *const c_void,
+            beta_ptr,
             c.ptr() as *mut c_void,
             p.types.2,
             g.n as i32,
             (g.m * g.n) as i64,
             batch as i32,
-            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            compute,
             cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
     }

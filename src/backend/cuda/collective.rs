@@ -132,7 +132,8 @@ pub(crate) unsafe fn reduce_ranks(
         DType::BF16 => "reduce_ranks_bf16",
         DType::F16 => "reduce_ranks_f16",
         DType::I32 => "reduce_ranks_i32",
-        d @ (DType::F64 | DType::I64) => {
+        DType::F64 => "reduce_ranks_f64",
+        d @ DType::I64 => {
             return Err(Error::Unsupported(format!(
                 "reducing {d} tensors on CUDA devices (no reduce_ranks kernel)"
             )))

@@ -129,7 +129,7 @@ impl BackwardPrefetchArg {
 #[derive(Args, Clone)]
 struct FsdpArgs {
     /// Compute in bf16 or f16 over f32 master shards (MixedPrecision with param, reduce and
-    /// buffer dtype all set), or f32 throughout.
+    /// buffer dtype all set), f32 throughout, or f64 throughout (an exact reference; CPU).
     #[arg(long, value_enum, default_value_t = D.mixed_precision)]
     mixed_precision: Precision,
     /// When backward all-gathers the next unit.

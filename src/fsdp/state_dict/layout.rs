@@ -27,6 +27,9 @@ pub(super) struct UnitMeta {
     pub shard_numel: usize,
     /// Trainable runs `(start, len)` of the chunk (what the optimizer steps on).
     pub runs: Vec<(usize, usize)>,
+    /// The FlatParameter's dtype (f32, or f64 for a float64 model, whose optimizer state
+    /// is f64 too).
+    pub dtype: crate::tensor::DType,
 }
 
 impl UnitMeta {
@@ -56,6 +59,7 @@ pub(super) fn unit_metas(root: &mut FullyShardedDataParallel) -> Vec<UnitMeta> {
             numel: f.numel(),
             shard_numel: f.shard_numel(),
             runs: f.trainable_runs.clone(),
+            dtype: f.dtype(),
         });
     });
     out

@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::fsdp::FullyShardedDataParallel;
 use crate::nn::state_dict::load_error;
 use crate::optim::{buffer_names, Optimizer, OptimizerState, TensorState};
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 /// An optimizer's state by original parameter name (what `FSDP.optim_state_dict` returns):
 /// the optimizer kind and hyperparameters, each parameter's step, and each per-element
@@ -277,18 +277,29 @@ impl FullyShardedDataParallel {
                 local
             };
             for (b, bname) in names.iter().enumerate() {
-                // The buffer in chunk layout (zero outside trainable runs with state).
-                let mut chunk = vec![0.0f32; m.shard_numel];
+                // The buffer in chunk layout (zero outside trainable runs with state), in
+                // the FlatParameter's dtype: f64 state of an f64 model stays exact.
+                let mut chunk = vec![0.0f64; m.shard_numel];
                 for (pi, p) in pos.iter().enumerate() {
                     if let (Position::Run { unit, start, len }, Some(t)) = (p, state_at(pi)) {
                         if *unit == ui {
-                            if let Some(v) = t.buffer(bname).filter(|v| v.len() == *len) {
-                                chunk[*start..start + len].copy_from_slice(v);
+                            let dst = &mut chunk[*start..start + len];
+                            if let Some(v) = t.buffer_f64(bname).filter(|v| v.len() == *len) {
+                                dst.copy_from_slice(v);
+                            } else if let Some(v) = t.buffer(bname).filter(|v| v.len() == *len) {
+                                dst.iter_mut().zip(v).for_each(|(d, &s)| *d = f64::from(s));
                             }
                         }
                     }
                 }
-                let chunk = Tensor::from_vec(chunk, &[m.shard_numel])?;
+                let chunk = match m.dtype {
+                    DType::F64 => Tensor::from_vec(chunk, &[m.shard_numel])?,
+                    // f32 values widened and rounded back: the same bits.
+                    _ => Tensor::from_vec(
+                        chunk.into_iter().map(|v| v as f32).collect::<Vec<f32>>(),
+                        &[m.shard_numel],
+                    )?,
+                };
                 if full.is_some() {
                     let whole = gather_chunk(u, &chunk)?;
                     for (name, idx) in m.slots.iter().filter(|(_, i)| step_of[*i] >= 0) {
@@ -339,8 +350,8 @@ impl FullyShardedDataParallel {
                 .find(|i| &i.0 == name)
                 .map_or(vec![*numel], |i| i.1.clone());
             for (b, bname) in names.iter().enumerate() {
-                if let Some(v) = t.buffer(bname) {
-                    let data = Tensor::from_vec(v.to_vec(), &[v.len()])?;
+                if t.buffer(bname).is_some() || t.buffer_f64(bname).is_some() {
+                    let data = t.buffer_tensor(&st.kind, pi, bname)?;
                     match full {
                         Some(_) => bufs[b].push((name.clone(), data.reshape(&shape)?)),
                         None => pieces[b].push((
@@ -434,10 +445,11 @@ impl FullyShardedDataParallel {
             return Err(load_error("optimizer state", &problems, &[], &[]));
         }
         // Per unit and buffer: the chunk-layout values, and per parameter whether it has state.
-        let mut chunks: Vec<Vec<Vec<f32>>> = Vec::new();
+        // f64 values (exact for f32 and f64 sources), kept as f64 state for an f64 unit.
+        let mut chunks: Vec<Vec<Vec<f64>>> = Vec::new();
         let mut has: Vec<Vec<Option<u64>>> = Vec::new();
         for m in &metas {
-            let mut c = vec![vec![0.0f32; m.shard_numel]; names.len()];
+            let mut c = vec![vec![0.0f64; m.shard_numel]; names.len()];
             let mut h: Vec<Option<u64>> = vec![None; m.infos.len()];
             for (name, idx) in &m.slots {
                 let info = &m.infos[*idx];
@@ -463,7 +475,7 @@ impl FullyShardedDataParallel {
                     };
                     h[*idx] = Some(step);
                     if let Some((a, bb, start)) = m.portion(info) {
-                        match src.read(name, a, bb)? {
+                        match src.read_f64(name, a, bb)? {
                             Ok(v) => c[b][start..start + v.len()].copy_from_slice(&v),
                             Err(p) => problems.push(p),
                         }
@@ -500,17 +512,22 @@ impl FullyShardedDataParallel {
                         })
                         .map(|(i, _)| has[*unit][i])
                         .collect();
+                    let exact = m.dtype == DType::F64;
+                    let values = |b: usize| &chunks[*unit][b][*start..start + len];
                     steps.iter().flatten().max().map(|&step| TensorState {
                         step: counts_steps.then_some(step),
                         buffers: names
                             .iter()
                             .enumerate()
                             .map(|(b, n)| {
-                                (
-                                    n.to_string(),
-                                    chunks[*unit][b][*start..start + len].to_vec(),
-                                )
+                                (n.to_string(), values(b).iter().map(|&v| v as f32).collect())
                             })
+                            .collect(),
+                        buffers_f64: names
+                            .iter()
+                            .enumerate()
+                            .filter(|_| exact)
+                            .map(|(b, n)| (n.to_string(), values(b).to_vec()))
                             .collect(),
                     })
                 }
@@ -534,6 +551,7 @@ impl FullyShardedDataParallel {
                         }
                     }
                     (bufs.len() == names.len() && !bufs.is_empty()).then(|| TensorState {
+                        buffers_f64: Vec::new(),
                         step: counts_steps.then(|| osd.step(name).unwrap_or(0)),
                         buffers: bufs,
                     })

@@ -1,8 +1,13 @@
-//! The f64 host paths of the ops a small f64 model needs (PyTorch computes float64
-//! tensors in float64): matrix products, `linear`, the bias row ops, ReLU, the MSE
-//! and sum losses. Plain loops, f64 accumulation in the natural order: the reference an
-//! exact f64 run is checked against, not a fast path. f64 tensors on a CUDA device are
-//! refused ([`Error::Unsupported`]): no f64 kernels.
+//! The f64 host paths of the ops the nn layers use (PyTorch computes float64 tensors in
+//! float64): here matrix products, `linear`, the bias row ops, ReLU and GELU, the MSE and
+//! sum losses; in `nn.rs` LayerNorm, the causal softmax and attention's permutes,
+//! embedding, cross-entropy and the sum of squares. Plain loops, f64 accumulation in the
+//! natural order: the reference an exact f64 run is checked against, not a fast path.
+//! f64 tensors on a CUDA device are refused ([`Error::Unsupported`] naming the op): no f64
+//! kernels (the products are the exception: `ops::linalg` runs them through cuBLAS in f64).
+
+mod nn;
+pub(crate) use nn::*;
 
 use super::linalg::MatmulDims;
 use super::Pointwise;
@@ -15,7 +20,11 @@ pub(crate) fn any_f64(ts: &[&Tensor]) -> bool {
 }
 
 /// Every tensor is an f64 host tensor.
-fn check(op: &'static str, ts: &[&Tensor]) -> Result<()> {
+///
+/// # Errors
+/// `DTypeMismatch` naming `op` for another dtype; `Unsupported` naming `op` for a CUDA
+/// tensor.
+pub(crate) fn check(op: &'static str, ts: &[&Tensor]) -> Result<()> {
     for t in ts {
         if t.dtype() != DType::F64 {
             return Err(Error::DTypeMismatch {
@@ -117,42 +126,38 @@ pub(crate) fn bias_grad(dy: &Tensor, db: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// ReLU and its derivative (0 at 0, as PyTorch's `threshold_backward`).
-fn act(x: f64) -> (f64, f64) {
-    if x > 0.0 {
-        (x, 1.0)
-    } else {
-        (0.0, 0.0)
-    }
-}
-
-/// ReLU only: GELU's erf has no f64 reference here.
-fn relu_only(f: Pointwise) -> Result<()> {
+/// `f(x)` and `f'(x)`: ReLU's derivative is 0 at 0 (PyTorch's `threshold_backward`);
+/// exact GELU `x Phi(x)` has derivative `Phi(x) + x phi(x)` (as `GeluBackward` with
+/// `approximate='none'`), erf from `libm` in f64.
+fn act(f: Pointwise, x: f64) -> (f64, f64) {
     match f {
-        Pointwise::Relu => Ok(()),
-        Pointwise::Gelu => Err(Error::Unsupported(
-            "GELU on f64 tensors (ReLU is the f64 activation)".into(),
-        )),
+        Pointwise::Relu if x > 0.0 => (x, 1.0),
+        Pointwise::Relu => (0.0, 0.0),
+        Pointwise::Gelu => {
+            let cdf = 0.5 * (1.0 + libm::erf(x * std::f64::consts::FRAC_1_SQRT_2));
+            // 1 / sqrt(2 pi)
+            let k = std::f64::consts::FRAC_2_SQRT_PI * std::f64::consts::FRAC_1_SQRT_2 * 0.5;
+            let pdf = (-0.5 * x * x).exp() * k;
+            (x * cdf, cdf + x * pdf)
+        }
     }
 }
 
-/// `y = relu(x)` elementwise (f64).
+/// `y = f(x)` elementwise (f64).
 pub(crate) fn pointwise(f: Pointwise, x: &Tensor) -> Result<Tensor> {
-    relu_only(f)?;
     check(f.name(), &[x])?;
-    let v: Vec<f64> = x.data::<f64>()?.iter().map(|&v| act(v).0).collect();
+    let v: Vec<f64> = x.data::<f64>()?.iter().map(|&v| act(f, v).0).collect();
     Tensor::from_vec(v, x.shape())
 }
 
-/// `dx = dy * relu'(x)` elementwise (f64).
+/// `dx = dy * f'(x)` elementwise (f64).
 pub(crate) fn pointwise_backward(f: Pointwise, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
-    relu_only(f)?;
     check(f.name(), &[x, dy])?;
     let (xv, gv) = (x.data::<f64>()?, dy.data::<f64>()?);
     let v: Vec<f64> = xv
         .iter()
         .zip(gv.iter())
-        .map(|(&x, &g)| g * act(x).1)
+        .map(|(&x, &g)| g * act(f, x).1)
         .collect();
     Tensor::from_vec(v, x.shape())
 }
