@@ -7,7 +7,9 @@ use crate::ops::{self, BatchNormSaved, RunningStats};
 use crate::tensor::{DType, Tensor};
 
 /// `y = (x - mean) / sqrt(var + eps) * weight + bias` per channel of an input `(N, C)` or
-/// `(N, C, L)`, f32 (or f64 when its parameters and buffers are f64).
+/// `(N, C, L)`, f32 (or f64 when its parameters and buffers are f64; a bf16/f16 input, e.g.
+/// under FSDP `MixedPrecision`, is computed with f32 statistics and rounded where
+/// PyTorch's CPU kernel rounds: `ops::batch_norm`).
 ///
 /// Training mode ([`Context::training`]) normalizes with the batch's mean and biased
 /// variance over `N` (and `L`) and updates the running stats: `running_mean = (1 - m)
@@ -127,13 +129,14 @@ impl BatchNorm1d {
     }
 
     /// Converts the parameters and the floating-point buffers to `dtype` (`module.to(dtype)`
-    /// for f32 / f64).
+    /// for f32 / f64 / bf16 / f16; a bf16/f16 module computes as PyTorch's CPU kernel for
+    /// reduced-precision floats, see `ops::batch_norm`).
     ///
     /// # Errors
-    /// `InvalidArgument` for a dtype other than f32 and f64.
+    /// `InvalidArgument` for a dtype other than f32, f64, bf16 and f16.
     pub fn to_dtype(&mut self, dtype: DType) -> Result<()> {
-        if !matches!(dtype, DType::F32 | DType::F64) {
-            crate::error::bail_arg!("BatchNorm1d computes in f32 or f64, not {dtype}");
+        if !matches!(dtype, DType::F32 | DType::F64 | DType::BF16 | DType::F16) {
+            crate::error::bail_arg!("BatchNorm1d computes in f32, f64, bf16 or f16, not {dtype}");
         }
         for p in self.weight.iter_mut().chain(self.bias.iter_mut()) {
             let d = p.data()?.to_dtype(dtype)?;

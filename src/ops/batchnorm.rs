@@ -4,7 +4,9 @@
 //! (`torch/nn/modules/batchnorm.py`, `aten/src/ATen/native/Normalization.cpp`).
 //!
 //! The reference loops run on the host and accumulate in f64, writing results in the
-//! input's dtype (f32 or f64). A CUDA tensor is computed through the same loops: its
+//! input's dtype (f32 or f64). A bf16/f16 input takes PyTorch's reduced-precision CPU
+//! kernel instead (f32 statistics, rounded saved statistics, one rounding per output:
+//! `lowp/batchnorm.rs`). A CUDA tensor is computed through the same loops: its
 //! values are copied to the host and the results back to its device, so every tensor a
 //! caller sees stays on the device (no kernel yet; one `(N, C)` copy each way per call).
 
@@ -16,19 +18,22 @@ use crate::tensor::{DType, Tensor};
 /// What [`batch_norm_backward`] needs from the forward (host memory).
 #[derive(Debug, Clone)]
 pub struct BatchNormSaved {
-    /// `(x - mean) * rstd` per element, row-major `(N, C, L)`.
-    xhat: Vec<f64>,
+    /// `(x - mean) * rstd` per element, row-major `(N, C, L)` (bf16/f16 input: `x`).
+    pub(super) xhat: Vec<f64>,
     /// `1 / sqrt(var + eps)` per channel `(C)` (batch variance in training, running
-    /// variance in evaluation).
-    rstd: Vec<f64>,
+    /// variance in evaluation; bf16/f16 input: PyTorch's saved `invstd`, see
+    /// `lowp/batchnorm.rs`).
+    pub(super) rstd: Vec<f64>,
+    /// The mean per channel a bf16/f16 backward reads (empty for f32/f64).
+    pub(super) mean: Vec<f64>,
     /// Whether the statistics were the batch's (the backward then differentiates through
     /// them).
-    batch_stats: bool,
+    pub(super) batch_stats: bool,
     /// `(N, C, L)` of the input, and its shape, dtype and device.
-    dims: (usize, usize, usize),
-    shape: Vec<usize>,
-    dtype: DType,
-    device: Device,
+    pub(super) dims: (usize, usize, usize),
+    pub(super) shape: Vec<usize>,
+    pub(super) dtype: DType,
+    pub(super) device: Device,
 }
 
 /// The running statistics a training forward updates: `running = (1 - f) running + f
@@ -45,7 +50,7 @@ pub struct RunningStats<'a> {
 }
 
 /// `(N, C, L)` of an input `(N, C)` or `(N, C, L)` with `C` channels.
-fn dims(op: &'static str, x: &Tensor, c: usize) -> Result<(usize, usize, usize)> {
+pub(super) fn dims(op: &'static str, x: &Tensor, c: usize) -> Result<(usize, usize, usize)> {
     match *x.shape() {
         [n, cc] if cc == c => Ok((n, c, 1)),
         [n, cc, l] if cc == c => Ok((n, c, l)),
@@ -57,9 +62,9 @@ fn dims(op: &'static str, x: &Tensor, c: usize) -> Result<(usize, usize, usize)>
     }
 }
 
-fn float(op: &'static str, t: &Tensor) -> Result<()> {
+pub(super) fn float(op: &'static str, t: &Tensor) -> Result<()> {
     match t.dtype() {
-        DType::F32 | DType::F64 => Ok(()),
+        DType::F32 | DType::F64 | DType::BF16 | DType::F16 => Ok(()),
         got => Err(Error::DTypeMismatch {
             op,
             expected: DType::F32,
@@ -68,7 +73,12 @@ fn float(op: &'static str, t: &Tensor) -> Result<()> {
     }
 }
 
-fn channel_vec(op: &'static str, t: Option<&Tensor>, c: usize, fill: f64) -> Result<Vec<f64>> {
+pub(super) fn channel_vec(
+    op: &'static str,
+    t: Option<&Tensor>,
+    c: usize,
+    fill: f64,
+) -> Result<Vec<f64>> {
     match t {
         None => Ok(vec![fill; c]),
         Some(t) if t.numel() == c => {
@@ -84,7 +94,7 @@ fn channel_vec(op: &'static str, t: Option<&Tensor>, c: usize, fill: f64) -> Res
 }
 
 /// A tensor of `shape` and `dtype` holding `v`, on `device`.
-fn put(v: Vec<f64>, shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+pub(super) fn put(v: Vec<f64>, shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
     let host = Tensor::from_vec(v, shape)?;
     let host = if dtype == DType::F64 {
         host
@@ -95,12 +105,12 @@ fn put(v: Vec<f64>, shape: &[usize], dtype: DType, device: Device) -> Result<Ten
 }
 
 /// Overwrites `t` with `v` (cast to its dtype, on its device).
-fn overwrite(t: &Tensor, v: Vec<f64>) -> Result<()> {
+pub(super) fn overwrite(t: &Tensor, v: Vec<f64>) -> Result<()> {
     t.copy_from(&Tensor::from_vec(v, t.shape())?)
 }
 
 /// `t += v` (cast to its dtype, on its device): a parameter gradient accumulates.
-fn accumulate(t: &Tensor, v: &[f64]) -> Result<()> {
+pub(super) fn accumulate(t: &Tensor, v: &[f64]) -> Result<()> {
     let sum: Vec<f64> = t.to_vec_f64()?.iter().zip(v).map(|(a, b)| a + b).collect();
     overwrite(t, sum)
 }
@@ -135,6 +145,9 @@ pub fn batch_norm(
     }
     let device = same_device(op, &all)?;
     float(op, x)?;
+    if let Some(lp) = super::lowp::lp_of(&[x]) {
+        return super::lowp::batchnorm::forward(x, w, b, running, batch_stats, eps, lp);
+    }
     let c = match w.or(running.as_ref().map(|r| r.mean)) {
         Some(t) => t.numel(),
         None => x.shape().get(1).copied().unwrap_or(0),
@@ -220,6 +233,7 @@ pub fn batch_norm(
         BatchNormSaved {
             xhat,
             rstd,
+            mean: Vec::new(),
             batch_stats,
             dims: (n, c, l),
             shape: x.shape().to_vec(),
@@ -258,6 +272,9 @@ pub fn batch_norm_backward(
             expected: saved.shape.clone(),
             got: dy.shape().to_vec(),
         });
+    }
+    if !saved.mean.is_empty() {
+        return super::lowp::batchnorm::backward(dy, saved, w, dw, db);
     }
     let (n, c, l) = saved.dims;
     let wv = channel_vec(op, w, c, 1.0)?;

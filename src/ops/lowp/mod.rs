@@ -22,10 +22,12 @@
 //! | `embedding_backward` | the table gradient (`grad + sum over positions`, f32 sum) |
 //! | `layer_norm`, backward | `y`; the saved mean and rstd; `dx`; `dw`, `db` row by row (`layernorm.rs`) |
 //! | losses | see `loss.rs` |
+//! | `batch_norm`, backward | `y`; saved mean and invstd; running stats in `param_t` arithmetic; `dx`, `dw`, `db` (`batchnorm.rs`) |
 //!
 //! The f32 ops themselves are untouched: an f32 call never reaches this module, so the f32
 //! path keeps its bits.
 
+pub(crate) mod batchnorm;
 pub(crate) mod layernorm;
 pub(crate) mod loss;
 
