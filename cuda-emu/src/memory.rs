@@ -35,11 +35,9 @@ pub fn used(device: i32) -> usize {
         .sum()
 }
 
-/// A new allocation of `len` bytes (at least 1) on `device`, or None when the mapping fails.
-pub fn alloc(len: usize, device: i32) -> Option<usize> {
-    let len = len.max(1);
-    let body = len.div_ceil(PAGE) * PAGE;
-    let map_len = body + PAGE;
+/// A fresh anonymous private read-write mapping of `map_len` bytes: its base address, or
+/// None when the mapping fails.
+fn anon_map(map_len: usize) -> Option<usize> {
     // SAFETY: an anonymous private mapping; nothing else refers to it yet.
     let base = unsafe {
         libc::mmap(
@@ -54,7 +52,15 @@ pub fn alloc(len: usize, device: i32) -> Option<usize> {
     if base == libc::MAP_FAILED {
         return None;
     }
-    let base = base as usize;
+    Some(base as usize)
+}
+
+/// A new allocation of `len` bytes (at least 1) on `device`, or None when the mapping fails.
+pub fn alloc(len: usize, device: i32) -> Option<usize> {
+    let len = len.max(1);
+    let body = len.div_ceil(PAGE) * PAGE;
+    let map_len = body + PAGE;
+    let base = anon_map(map_len)?;
     // SAFETY: the last page of our own mapping.
     unsafe { libc::mprotect((base + body) as *mut libc::c_void, PAGE, libc::PROT_NONE) };
     let start = base + body - len.div_ceil(ALIGN) * ALIGN;
@@ -84,21 +90,7 @@ fn pinned() -> std::sync::MutexGuard<'static, BTreeMap<usize, (usize, usize, usi
 pub fn host_alloc(len: usize) -> Option<usize> {
     let len = len.max(1);
     let map_len = len.div_ceil(PAGE) * PAGE;
-    // SAFETY: an anonymous private mapping; nothing else refers to it yet.
-    let base = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            map_len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    if base == libc::MAP_FAILED {
-        return None;
-    }
-    let base = base as usize;
+    let base = anon_map(map_len)?;
     // SAFETY: the mapping is `map_len >= len` writable bytes.
     unsafe { std::ptr::write_bytes(base as *mut u8, 0xff, len) };
     pinned().insert(base, (len, base, map_len));

@@ -107,16 +107,7 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
     }
     if memory::is_pinned(src as usize, bytes) {
         // From page-locked memory the copy engine reads the source when the copy runs.
-        let src = src as usize;
-        queue::issue(
-            stream as usize,
-            dev,
-            Work::new(move || {
-                // SAFETY: both ranges were checked at issue; a free drains the device first
-                // (cuMemFreeHost too).
-                unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) }
-            }),
-        );
+        queue_pinned_copy(stream, dev, src as usize, dst as usize, bytes);
         return SUCCESS;
     }
     // From pageable host memory the driver stages the source before returning: copy it now.
@@ -150,15 +141,7 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
     }
     if memory::is_pinned(dst as usize, bytes) {
         // Into page-locked memory: queued, written when the stream runs it.
-        let dst = dst as usize;
-        queue::issue(
-            stream as usize,
-            dev,
-            Work::new(move || {
-                // SAFETY: as in cuMemcpyHtoDAsync_v2's pinned case.
-                unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) }
-            }),
-        );
+        queue_pinned_copy(stream, dev, src as usize, dst as usize, bytes);
         return SUCCESS;
     }
     // To pageable host memory the copy is synchronous: the stream's work first, then it.
@@ -270,4 +253,18 @@ pub unsafe extern "C" fn cuMemsetD32Async(
 fn copy_work(dst: u64, src: u64, bytes: usize) -> Work {
     // SAFETY: both ranges were checked at issue; a free drains the device first.
     Work::new(move || unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) })
+}
+
+/// Queues on `stream` of `dev` a copy of `bytes` bytes from `src` to `dst` where the host
+/// side is page-locked: the copy engine touches the host memory when the copy runs.
+fn queue_pinned_copy(stream: *mut c_void, dev: i32, src: usize, dst: usize, bytes: usize) {
+    queue::issue(
+        stream as usize,
+        dev,
+        Work::new(move || {
+            // SAFETY: both ranges were checked at issue; a free drains the device first
+            // (cuMemFreeHost too).
+            unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) }
+        }),
+    );
 }
