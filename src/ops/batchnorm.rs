@@ -73,6 +73,33 @@ pub(super) fn float(op: &'static str, t: &Tensor) -> Result<()> {
     }
 }
 
+/// `(N, C, L)` of `x` (`L = 1` for `(N, C)`), C taken from the weight, else the running
+/// mean, else `x`'s second dimension; checked by [`dims`].
+pub(super) fn input_dims(
+    op: &'static str,
+    x: &Tensor,
+    w: Option<&Tensor>,
+    running: Option<&RunningStats<'_>>,
+) -> Result<(usize, usize, usize)> {
+    let c = match w.or(running.map(|r| r.mean)) {
+        Some(t) => t.numel(),
+        None => x.shape().get(1).copied().unwrap_or(0),
+    };
+    dims(op, x, c)
+}
+
+/// Batch statistics need more than one value per channel (`m = N L` of them): PyTorch's
+/// `InvalidArgument` otherwise.
+pub(super) fn batch_values(x: &Tensor, m: usize, c: usize) -> Result<()> {
+    if m <= 1 && c > 0 {
+        crate::error::bail_arg!(
+            "batch_norm: expected more than 1 value per channel when training, got input of shape {:?}",
+            x.shape()
+        );
+    }
+    Ok(())
+}
+
 pub(super) fn channel_vec(
     op: &'static str,
     t: Option<&Tensor>,
@@ -148,11 +175,7 @@ pub fn batch_norm(
     if let Some(lp) = super::lowp::lp_of(&[x]) {
         return super::lowp::batchnorm::forward(x, w, b, running, batch_stats, eps, lp);
     }
-    let c = match w.or(running.as_ref().map(|r| r.mean)) {
-        Some(t) => t.numel(),
-        None => x.shape().get(1).copied().unwrap_or(0),
-    };
-    let (n, c, l) = dims(op, x, c)?;
+    let (n, c, l) = input_dims(op, x, w, running.as_ref())?;
     let wv = channel_vec(op, w, c, 1.0)?;
     let bv = channel_vec(op, b, c, 0.0)?;
     let xv = x.to_vec_f64()?;
@@ -160,12 +183,7 @@ pub fn batch_norm(
     // x[i, k, j] sits at (i C + k) L + j.
     let at = |i: usize, k: usize, j: usize| (i * c + k) * l + j;
     let (mean, var) = if batch_stats {
-        if m <= 1 && c > 0 {
-            crate::error::bail_arg!(
-                "batch_norm: expected more than 1 value per channel when training, got input of shape {:?}",
-                x.shape()
-            );
-        }
+        batch_values(x, m, c)?;
         let mut mean = vec![0.0f64; c];
         let mut var = vec![0.0f64; c];
         for k in 0..c {

@@ -26,7 +26,9 @@
 //! `dw += rp(dot invstd)`, `db += rp(s)`.
 
 use crate::error::Result;
-use crate::ops::batchnorm::{accumulate, channel_vec, dims, overwrite, put, BatchNormSaved};
+use crate::ops::batchnorm::{
+    accumulate, batch_values, channel_vec, input_dims, overwrite, put, BatchNormSaved,
+};
 use crate::ops::RunningStats;
 use crate::tensor::{DType, Tensor};
 
@@ -85,11 +87,7 @@ pub(crate) fn forward(
     lp: DType,
 ) -> Result<(Tensor, BatchNormSaved)> {
     let op = "batch_norm";
-    let c = match w.or(running.as_ref().map(|r| r.mean)) {
-        Some(t) => t.numel(),
-        None => x.shape().get(1).copied().unwrap_or(0),
-    };
-    let (n, c, l) = dims(op, x, c)?;
+    let (n, c, l) = input_dims(op, x, w, running.as_ref())?;
     // param_t: the weight's (or running stats') dtype; the input's without either.
     let pt = w
         .or(running.as_ref().map(|r| r.mean))
@@ -100,12 +98,7 @@ pub(crate) fn forward(
     let m = n * l;
     let at = |i: usize, k: usize, j: usize| (i * c + k) * l + j;
     let (mean, invstd): (Vec<f32>, Vec<f32>) = if batch_stats {
-        if m <= 1 && c > 0 {
-            crate::error::bail_arg!(
-                "batch_norm: expected more than 1 value per channel when training, got input of shape {:?}",
-                x.shape()
-            );
-        }
+        batch_values(x, m, c)?;
         let mut mean_s = vec![0.0f32; c];
         let mut var_sum = vec![0.0f32; c];
         for k in 0..c {
