@@ -26,10 +26,11 @@
 //! `dx = r(fma(-(x - mean), k, dy - s / m) invstd w)`; evaluation: `dx = r(dy invstd w)`;
 //! `dw += rp(dot invstd)`, `db += rp(s)`.
 //!
-//! Measured against torch 2.11 (AVX-512 machine, one thread; `tests/batchnorm_lowp.rs` and
-//! 280k random values of both dtypes, every value bit for bit), three things the source
-//! does not show: (1) the kernel runs PyTorch's AVX2 build (`Vectorized<Half>` of 16
-//! values, two 8-lane f32 accumulators' worth per block) and adds the 8 lanes in order
+//! Measured against torch 2.11 (AVX-512 machine, one thread; `tests/batchnorm_lowp.rs`, and
+//! once 280k random values of both dtypes, training and evaluation, every value bit for
+//! bit), three things the source does not show: (1) the kernel runs PyTorch's AVX2 build
+//! (`Vectorized<Half>` / `<BFloat16>` of 16 values, converted into two 8-lane f32 vectors
+//! that add into one 8-lane accumulator) and adds the 8 lanes in order
 //! (`vec_reduce_all` with a size); (2) it is compiled with FMA contraction, so `x alpha +
 //! beta`, `acc + a b` and `dy - s / m - (x - mean) k` are fused multiply-adds; (3) for Half
 //! the statistics stay in f32 (`rs` is no rounding): the running stats are updated from the
