@@ -6,7 +6,7 @@
 //! | input | CPU | CUDA |
 //! |---|---|---|
 //! | f32, f64 | `host.rs`: loops accumulating in f64, results in the input's dtype | `batchnorm_*_{f32,f64}` of `kernels/batchnorm.cu` (`cuda.rs`), the same operations in the same order |
-//! | bf16, f16 | `ops/lowp/batchnorm.rs`: PyTorch's reduced-precision CPU kernel (f32 statistics in its summation order, its rounding points) | `batchnorm_*_lp_*`, the same bit for bit |
+//! | bf16, f16 | `ops/lowp/batchnorm.rs`: PyTorch's reduced-precision CPU kernel (f32 arithmetic in its summation order, its rounding points) | `batchnorm_*_lp_*`, the same bit for bit |
 //!
 //! On CUDA nothing is read back to the host and the statistics stay on the device
 //! ([`BatchNormSaved`]); a combination of dtypes the kernels do not cover (a channel tensor
