@@ -12,6 +12,7 @@
 //! | `optim.cu` | `sgd_f32`, `adam_f32` | [`crate::optim`] (`SGD`, `Adam`, `AdamW`) |
 //! | `nn.cu` | `gelu_*`, `relu_*`, `layernorm_*`, `softmax_*`, `cross_entropy_*`, `embedding_*`, `bias_*` | [`crate::backend::cpu::kernels`], [`crate::nn`] |
 //! | `collective.cu` | `reduce_ranks_{dtype}` | the threads backend's host reduction (`distributed::threads`) |
+//! | `batchnorm.cu` | `batchnorm_{stats,fwd,bwd_stats,bwd_dx}_{f32,f64}`, `_lp_{bf16,f16}_{param}`, `batchnorm_count_i64` | `ops::batchnorm` (host loops), `ops::lowp::batchnorm` |
 
 #[cfg(feature = "cuda")]
 mod embedded {

@@ -3,7 +3,7 @@
 
 use super::{BufferVisitor, ChildVisitor, Context, Module, ModuleBuffer, ParamVisitor, Parameter};
 use crate::error::{Error, Result};
-use crate::ops::{self, BatchNormSaved, RunningStats};
+use crate::ops::{self, BatchNormSaved, RunningStats, UpdateFactor};
 use crate::tensor::{DType, Tensor};
 
 /// `y = (x - mean) / sqrt(var + eps) * weight + bias` per channel of an input `(N, C)` or
@@ -166,24 +166,23 @@ impl Module for BatchNorm1d {
         // PyTorch: batch statistics in training, or whenever no running stats are kept.
         let batch_stats = cx.training || self.stats.is_none();
         let mut running = None;
-        if let Some(s) = &mut self.stats {
-            if cx.training {
-                // num_batches_tracked += 1, then the factor (batchnorm.py `forward`).
-                let t = s[2].data.to_vec_f64()?.first().copied().unwrap_or(0.0) as i64 + 1;
-                s[2].data.copy_from(&Tensor::from_vec(vec![t], &[])?)?;
-                let factor = self.momentum.unwrap_or(1.0 / t as f64);
-                running = Some(RunningStats {
-                    mean: &s[0].data,
-                    var: &s[1].data,
-                    factor,
-                });
+        if let Some([mean, var, count]) = &self.stats {
+            let factor = if cx.training {
+                // num_batches_tracked += 1, then the factor (batchnorm.py `forward`); on
+                // the count's device, so a CUDA forward reads nothing back.
+                ops::batch_norm_count_(&count.data)?;
+                match self.momentum {
+                    Some(m) => UpdateFactor::Momentum(m),
+                    None => UpdateFactor::CumulativeAverage(&count.data),
+                }
             } else {
-                running = Some(RunningStats {
-                    mean: &s[0].data,
-                    var: &s[1].data,
-                    factor: 0.0,
-                });
-            }
+                UpdateFactor::Momentum(0.0)
+            };
+            running = Some(RunningStats {
+                mean: &mean.data,
+                var: &var.data,
+                factor,
+            });
         }
         let w = self.weight.as_ref().map(|p| p.data()).transpose()?;
         let b = self.bias.as_ref().map(|p| p.data()).transpose()?;

@@ -21,7 +21,7 @@
 //! | `autocast.rs` | [`autocast()`], [`gemm_dtype`]: bf16/f16 GEMM operands in a scope | `torch.autocast` (for GEMMs) |
 //! | `activation.rs` | [`pointwise`], [`pointwise_backward`] ([`Pointwise::Relu`], [`Pointwise::Gelu`]), [`gelu_backward_bias_grad`] (GELU backward with the preceding bias's gradient in one pass) | `F.relu`, `F.gelu` |
 //! | `layernorm.rs` | [`layer_norm`], [`layer_norm_backward`] | `F.layer_norm` |
-//! | `batchnorm.rs` | [`batch_norm`], [`batch_norm_backward`] (host loops in f64; CUDA tensors through the host) | `F.batch_norm` |
+//! | `batchnorm/` | [`batch_norm`], [`batch_norm_backward`] (host loops in f64, `batchnorm.cu` on CUDA), [`batch_norm_count_`] | `F.batch_norm` |
 //! | `causal.rs` | [`causal_matmul`] | attention's per-head products, without the masked half on the CPU |
 //! | `attention.rs` | [`split_qkv`], [`merge_qkv`], [`split_heads`], [`merge_heads`], [`softmax_causal`], [`softmax_causal_backward_`] | the permutes and masked softmax of `scaled_dot_product_attention` |
 //! | `embedding.rs` | [`embedding()`], [`embedding_backward`] | `F.embedding` |
@@ -66,7 +66,9 @@ pub use autocast::{autocast, gemm_dtype, AutocastGuard};
 pub use axis::{
     cat, cat_backward, mean_dim, normalize_dim, split, split_backward, sum_dim, sum_dim_backward,
 };
-pub use batchnorm::{batch_norm, batch_norm_backward, BatchNormSaved, RunningStats};
+pub use batchnorm::{
+    batch_norm, batch_norm_backward, batch_norm_count_, BatchNormSaved, RunningStats, UpdateFactor,
+};
 pub use causal::{causal_matmul, CausalProduct};
 pub use elementwise::{add, add_, fill_, scale_, sum_squares};
 pub use embedding::{embedding, embedding_backward};

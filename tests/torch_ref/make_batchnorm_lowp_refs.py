@@ -3,7 +3,8 @@ bf16 or f16 input, weight, bias and running stats (what `MixedPrecision(param_dt
 buffer_dtype)` gives a BatchNorm1d), training and evaluation, forward and backward.
 
 Cases (N, C, L), L = 1 meaning an (N, C) input: (7, 6, 3), (32, 8, 1), (16, 8, 5),
-(3, 4, 40) (L >= 32: PyTorch's vector loop along L), (100, 6, 1). Closed-form values, no
+(3, 4, 40), (100, 6, 1), (5, 3, 17), (4, 2, 70), (6, 5, 16): L below, at and above the
+16-value blocks and 32-value vectors of PyTorch's vectorized loops along L. Closed-form values, no
 RNG, computed in f32 and rounded to the dtype (index tensors n, c, l; s = case index):
   x = 0.8 sin(0.37 n + 0.11 c + 0.5 l + s) + 0.3 c
   dy = 0.5 cos(0.21 n + 0.9 c + 0.3 l + s)
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 torch.set_num_threads(1)
-CASES = [(7, 6, 3), (32, 8, 1), (16, 8, 5), (3, 4, 40), (100, 6, 1)]
+CASES = [(7, 6, 3), (32, 8, 1), (16, 8, 5), (3, 4, 40), (100, 6, 1), (5, 3, 17), (4, 2, 70), (6, 5, 16)]
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16}
 
 

@@ -20,6 +20,8 @@ pub(crate) enum Arg {
     I32(i32),
     /// `float`.
     F32(f32),
+    /// `double`.
+    F64(f64),
     /// A 2-byte value (`__half`/`__nv_bfloat16` bits).
     U16(u16),
 }
@@ -31,6 +33,7 @@ impl Arg {
             Arg::I64(v) => v as u64,
             Arg::I32(v) => v as u32 as u64,
             Arg::F32(v) => v.to_bits() as u64,
+            Arg::F64(v) => v.to_bits(),
             Arg::U16(v) => v as u64,
         }
     }
@@ -54,6 +57,11 @@ impl From<i32> for Arg {
 impl From<f32> for Arg {
     fn from(v: f32) -> Arg {
         Arg::F32(v)
+    }
+}
+impl From<f64> for Arg {
+    fn from(v: f64) -> Arg {
+        Arg::F64(v)
     }
 }
 impl From<u16> for Arg {
@@ -268,3 +276,13 @@ raw_kernel!(/// `add_div_f32(acc, x, d)`.
     add_div, "nn", (acc: u64, x: u64, d: f32));
 raw_kernel!(/// `embedding_bwd_f32(ids, dout, grad, n, V, c)`.
     embedding_bwd, "nn", (ids: u64, dout: u64, grad: u64, n: i64, v: i64, c: i64));
+raw_kernel!(/// `batchnorm_stats_{dtype}(x, rm, rv, count, factor, eps, stats, n, c, l, batch)` (`batchnorm.cu`).
+    batchnorm_stats, "batchnorm", (x: u64, rm: u64, rv: u64, count: u64, factor: f64, eps: f64, stats: u64, n: i64, c: i64, l: i64, batch: i32));
+raw_kernel!(/// `batchnorm_fwd_{dtype}(x, w, b, stats, y, n, c, l)` (`batchnorm.cu`).
+    batchnorm_fwd, "batchnorm", (x: u64, w: u64, b: u64, stats: u64, y: u64, n: i64, c: i64, l: i64));
+raw_kernel!(/// `batchnorm_bwd_stats_{dtype}(x, dy, stats, sums, dw, db, n, c, l)` (`batchnorm.cu`).
+    batchnorm_bwd_stats, "batchnorm", (x: u64, dy: u64, stats: u64, sums: u64, dw: u64, db: u64, n: i64, c: i64, l: i64));
+raw_kernel!(/// `batchnorm_bwd_dx_{dtype}(x, dy, w, stats, sums, dx, n, c, l, batch)` (`batchnorm.cu`).
+    batchnorm_bwd_dx, "batchnorm", (x: u64, dy: u64, w: u64, stats: u64, sums: u64, dx: u64, n: i64, c: i64, l: i64, batch: i32));
+raw_kernel!(/// `batchnorm_count_i64(count)` (`batchnorm.cu`).
+    batchnorm_count, "batchnorm", (count: u64));

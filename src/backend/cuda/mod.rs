@@ -5,7 +5,7 @@
 //! | layer | file | what |
 //! |---|---|---|
 //! | raw launchers | `launch.rs` | one `unsafe fn` per `extern "C"` kernel, arguments in the C order |
-//! | typed ops | `ops.rs`, `nn_ops.rs`, `optim.rs`, `blas.rs` | check lengths, dtypes and devices; return `Result` |
+//! | typed ops | `ops.rs`, `nn_ops.rs`, `lowp.rs`, `batchnorm.rs`, `optim.rs`, `blas.rs` | check lengths, dtypes and devices; return `Result` |
 //! | algorithms | `fsdp`, the scheduler | never see a device pointer |
 //!
 //! Beneath them: `context.rs` (a lazily created `CudaDevice` per ordinal, holding the
@@ -25,6 +25,8 @@
 
 use crate::error::{Error, Result};
 
+#[cfg(feature = "cuda")]
+mod batchnorm;
 #[cfg(feature = "cuda")]
 mod blas;
 #[cfg(feature = "cuda")]
@@ -58,6 +60,11 @@ mod stream;
 #[cfg(feature = "cuda")]
 mod tensor;
 
+#[cfg(feature = "cuda")]
+pub use batchnorm::{
+    batchnorm_bwd_dx, batchnorm_bwd_stats, batchnorm_count, batchnorm_fwd, batchnorm_stats, BnDims,
+    BnRunning, BnTypes,
+};
 #[cfg(feature = "cuda")]
 pub use blas::{gemm, gemm_strided_batched, GemmShape};
 #[cfg(feature = "cuda")]
