@@ -1,8 +1,11 @@
 //! The f64 host paths of the ops the nn layers use (PyTorch computes float64 tensors in
 //! float64): here matrix products, `linear`, the bias row ops, ReLU and GELU, the MSE and
 //! sum losses; in `nn.rs` LayerNorm, the causal softmax and attention's permutes,
-//! embedding, cross-entropy and the sum of squares. Plain loops, f64 accumulation in the
-//! natural order: the reference an exact f64 run is checked against, not a fast path.
+//! embedding, cross-entropy and the sum of squares. f64 accumulation throughout: the
+//! products through the `gemm` crate's f64 kernels (as f32 products run, fused
+//! multiply-adds in `k` order per element), the rest plain loops in the natural order,
+//! split over the thread budget by rows or columns as the f32 ops are ([Note: determinism
+//! across thread counts] in `backend::cpu::parallel`).
 //! f64 tensors on a CUDA device are refused ([`Error::Unsupported`] naming the op): no f64
 //! kernels (the products are the exception: `ops::linalg` runs them through cuBLAS in f64).
 
@@ -42,8 +45,10 @@ pub(crate) fn check(op: &'static str, ts: &[&Tensor]) -> Result<()> {
     Ok(())
 }
 
-/// `out (m, n) (=|+=) op(a) @ op(b)`, `batch` independent products, f64. Shapes were
-/// checked by the caller ([`super::matmul_batched`]).
+/// `out (m, n) (=|+=) op(a) @ op(b)`, `batch` independent products, f64 accumulation
+/// through the `gemm` crate's f64 kernels, on the calling thread's budget as f32 products
+/// (the same per-element sum whatever the thread count). Shapes were checked by the caller
+/// ([`super::matmul_batched`]).
 pub(crate) fn matmul_batched(
     out: &Tensor,
     a: &Tensor,
@@ -53,26 +58,9 @@ pub(crate) fn matmul_batched(
     accumulate: bool,
 ) -> Result<()> {
     check("matmul", &[out, a, b])?;
-    let MatmulDims { m, k, n, trans } = d;
     let (av, bv) = (a.data::<f64>()?, b.data::<f64>()?);
     let mut o = out.data_mut::<f64>()?;
-    for p in 0..batch {
-        let (a, b) = (&av[p * m * k..], &bv[p * k * n..]);
-        let o = &mut o[p * m * n..(p + 1) * m * n];
-        for i in 0..m {
-            for j in 0..n {
-                let mut s = 0.0f64;
-                for q in 0..k {
-                    // a (m, k) or stored (k, m); b (k, n) or stored (n, k).
-                    let x = if trans.a { a[q * m + i] } else { a[i * k + q] };
-                    let y = if trans.b { b[j * k + q] } else { b[q * n + j] };
-                    s += x * y;
-                }
-                o[i * n + j] = if accumulate { o[i * n + j] + s } else { s };
-            }
-        }
-    }
-    Ok(())
+    super::linalg::cpu_batched(&mut o, &av, &bv, d, batch, accumulate)
 }
 
 /// `y (.., o) = x (.., i) @ W^T + b` in f64 (`F.linear`); shapes checked by the caller.
