@@ -14,6 +14,7 @@ use crate::error::Result;
 use crate::tensor::{DType, Tensor};
 
 /// `v` rounded to `dtype` (round to nearest even), back in f32.
+#[inline]
 pub(crate) fn round(v: f32, dtype: DType) -> f32 {
     match dtype {
         DType::BF16 => crate::backend::cpu::bf16::round(v),
