@@ -40,7 +40,8 @@ impl MatmulDims {
 /// `out (m, n) = op(a) @ op(b)`, or `+=` when `accumulate` (`torch.matmul` /
 /// `torch.addmm(out, a, b)`), f32 with f32 accumulation; inside an
 /// [`autocast`](super::autocast::autocast) scope the operands are read as its bf16/f16.
-/// f64 tensors multiply in f64 (host loops; on CUDA cuBLAS with `CUBLAS_COMPUTE_64F`).
+/// f64 tensors multiply in f64 (the `gemm` crate's f64 kernels on the host; on CUDA cuBLAS with
+/// `CUBLAS_COMPUTE_64F`).
 /// Only element counts are checked against `d`: shapes are the caller's business.
 ///
 /// # Errors

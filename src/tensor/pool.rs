@@ -156,6 +156,29 @@ mod tests {
     use super::*;
 
     #[test]
+    fn buffers_of_every_host_dtype_come_back_by_dtype_and_length() {
+        // A length no other test uses, so parallel tests do not take these buffers.
+        let len = 12_347;
+        give_back(Buffer::BF16(vec![half::bf16::ONE; len]));
+        give_back(Buffer::F64(vec![2.5; len]));
+        // Stale values for an op that overwrites them, zeros when asked.
+        match take(DType::BF16, len, false) {
+            Buffer::BF16(v) => assert!(v.iter().all(|x| *x == half::bf16::ONE)),
+            b => panic!("{:?}", b.dtype()),
+        }
+        match take(DType::F64, len, true) {
+            Buffer::F64(v) => assert!(v.len() == len && v.iter().all(|x| *x == 0.0)),
+            b => panic!("{:?}", b.dtype()),
+        }
+        // Another dtype of the same length is not served a bf16 buffer.
+        give_back(Buffer::BF16(vec![half::bf16::ONE; len]));
+        match take(DType::F16, len, false) {
+            Buffer::F16(v) => assert!(v.iter().all(|x| *x == half::f16::ZERO)),
+            b => panic!("{:?}", b.dtype()),
+        }
+    }
+
+    #[test]
     fn the_limit_is_at_least_a_gib_and_can_be_set() {
         let default = pool_limit();
         assert!(default >= POOL_BYTES, "{default}");

@@ -69,7 +69,15 @@ mod tests {
     fn patterns() -> Vec<u32> {
         let mut v = Vec::new();
         for hi in 0..=0xFFFFu32 {
-            for lo in [0u32, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF, (hi * 7919) & 0xFFFF] {
+            for lo in [
+                0u32,
+                1,
+                0x7FFF,
+                0x8000,
+                0x8001,
+                0xFFFF,
+                (hi * 7919) & 0xFFFF,
+            ] {
                 v.push((hi << 16) | lo);
             }
         }
@@ -88,7 +96,12 @@ mod tests {
             let want = bf16::from_f32(x);
             assert_eq!(bits_of(x), want.to_bits(), "{:#010x}", p[i]);
             assert_eq!(dst[i].to_bits(), want.to_bits(), "{:#010x}", p[i]);
-            assert_eq!(rounded[i].to_bits(), want.to_f32().to_bits(), "{:#010x}", p[i]);
+            assert_eq!(
+                rounded[i].to_bits(),
+                want.to_f32().to_bits(),
+                "{:#010x}",
+                p[i]
+            );
         }
     }
 

@@ -105,7 +105,10 @@ pub(crate) fn backward(
     let scale = 1.0 / c as f32;
     let dx32 = crate::ops::output(dy.shape(), Device::Cpu)?;
     let mut dx = dx32.f32_mut()?;
-    let (acc_w32, acc_b32) = (Tensor::zeros(&[c], DType::F32), Tensor::zeros(&[c], DType::F32));
+    let (acc_w32, acc_b32) = (
+        Tensor::zeros(&[c], DType::F32),
+        Tensor::zeros(&[c], DType::F32),
+    );
     let (mut acc_w, mut acc_b) = (acc_w32.f32_mut()?, acc_b32.f32_mut()?);
     for i in 0..n {
         let span = i * c..(i + 1) * c;
