@@ -1,7 +1,9 @@
 //! One training step of the default `fsdp train` GPT (4 layers, 128 wide, seq 64, batch 32,
 //! AdamW) at world size 1: plain training vs FSDP FullShard (per-block units), side by side
 //! in one run. The FSDP overhead at world size 1 is the cost of flattening, gathering (a
-//! copy at world size 1), and reducing gradients; target ratio <= 1.10.
+//! copy at world size 1), and reducing gradients; target ratio <= 1.10. Then the FSDP step
+//! with `--mixed-precision bf16` and `f64` beside it: the CPU costs of the low-precision
+//! paths (widening copies, rounding) and of f64 compute against the f32 step.
 //!
 //! `cargo bench --bench train_step`; `fsdp bench` prints the same comparison plus world
 //! sizes 2 and 4 and per-rank memory.
@@ -13,7 +15,7 @@ use fsdp::optim::Optimizer;
 use fsdp::tensor::Tensor;
 use fsdp::train::data::{Split, TextDataset};
 use fsdp::train::engine::Engine;
-use fsdp::train::{build_engine, TrainConfig};
+use fsdp::train::{build_engine, Precision, TrainConfig};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -62,9 +64,15 @@ fn bench_step(c: &mut Criterion) {
         .sample_size(10)
         .measurement_time(Duration::from_secs(8))
         .warm_up_time(Duration::from_secs(2));
-    for (name, no_fsdp) in [("plain", true), ("fsdp_full_shard", false)] {
+    for (name, no_fsdp, mixed_precision) in [
+        ("plain", true, Precision::None),
+        ("fsdp_full_shard", false, Precision::None),
+        ("fsdp_full_shard_bf16", false, Precision::Bf16),
+        ("fsdp_full_shard_f64", false, Precision::F64),
+    ] {
         let cfg = TrainConfig {
             no_fsdp,
+            mixed_precision,
             ..cfg.clone()
         };
         let pg: Group = Arc::new(

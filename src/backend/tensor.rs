@@ -101,8 +101,8 @@ impl Tensor {
     /// A new tensor of `dtype` on the same device with these values
     /// (round-to-nearest-even when narrowing).
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
-        let out = if self.device() == Device::Cpu && dtype == DType::F32 {
-            Tensor::scratch_f32(self.shape()) // copy_from overwrites every element
+        let out = if self.device() == Device::Cpu {
+            Tensor::scratch(self.shape(), dtype) // copy_from overwrites every element
         } else {
             Tensor::zeros_on(self.shape(), dtype, self.device())?
         };

@@ -40,7 +40,8 @@ impl MatmulDims {
 /// `out (m, n) = op(a) @ op(b)`, or `+=` when `accumulate` (`torch.matmul` /
 /// `torch.addmm(out, a, b)`), f32 with f32 accumulation; inside an
 /// [`autocast`](super::autocast::autocast) scope the operands are read as its bf16/f16.
-/// f64 tensors multiply in f64 (host loops; on CUDA cuBLAS with `CUBLAS_COMPUTE_64F`).
+/// f64 tensors multiply in f64 (the `gemm` crate's f64 kernels on the host; on CUDA cuBLAS with
+/// `CUBLAS_COMPUTE_64F`).
 /// Only element counts are checked against `d`: shapes are the caller's business.
 ///
 /// # Errors
@@ -71,7 +72,7 @@ pub fn matmul_batched(
     if !f64_path {
         check_f32("matmul", &[out, a, b])?;
     }
-    let MatmulDims { m, k, n, trans } = d;
+    let MatmulDims { m, k, n, .. } = d;
     for (t, want) in [(a, m * k), (b, k * n), (out, m * n)] {
         if t.numel() != want * batch {
             return Err(Error::ShapeMismatch {
@@ -90,7 +91,12 @@ pub fn matmul_batched(
     #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {
         use crate::backend::cuda;
-        let g = cuda::GemmShape { m, k, n, trans };
+        let g = cuda::GemmShape {
+            m,
+            k,
+            n,
+            trans: d.trans,
+        };
         if k == 0 && accumulate {
             return Ok(()); // adds an empty sum
         }
@@ -113,19 +119,32 @@ pub fn matmul_batched(
     }
     let (a, b) = (cpu_operand(a)?, cpu_operand(b)?);
     let (mut o, av, bv) = (out.f32_mut()?, a.f32()?, b.f32()?);
+    cpu_batched(&mut o, &av, &bv, d, batch, accumulate)
+}
+
+/// The host loop of [`matmul_batched`] for f32 and f64 (`ops::double`): `batch` products
+/// of consecutive blocks through the `gemm` crate.
+pub(crate) fn cpu_batched<T: gemm::GemmScalar>(
+    o: &mut [T],
+    av: &[T],
+    bv: &[T],
+    d: MatmulDims,
+    batch: usize,
+    accumulate: bool,
+) -> Result<()> {
+    let MatmulDims { m, k, n, trans } = d;
     if batch == 1 {
-        return gemm::matmul(&mut o, &av, &bv, m, k, n, trans, accumulate);
+        return gemm::matmul(o, av, bv, m, k, n, trans, accumulate);
     }
     let (mk, kn, mn) = (m * k, k * n, m * n);
-    let (avs, bvs): (&[f32], &[f32]) = (&av, &bv);
     // Products are independent: parts own whole products, each one GEMM as without threads
     // (the gemm crate's result does not depend on its thread count).
-    par::rows_mut(&mut o, batch, mn, 1, |r, o| {
+    par::rows_mut(o, batch, mn, 1, |r, o| {
         for (j, i) in r.enumerate() {
             gemm::matmul(
                 &mut o[j * mn..(j + 1) * mn],
-                &avs[i * mk..(i + 1) * mk],
-                &bvs[i * kn..(i + 1) * kn],
+                &av[i * mk..(i + 1) * mk],
+                &bv[i * kn..(i + 1) * kn],
                 m,
                 k,
                 n,

@@ -114,7 +114,7 @@ impl Tensor {
         }
     }
 
-    /// Zero-filled CPU tensor (an f32 one from the [buffer pool](pool) when it can).
+    /// Zero-filled CPU tensor (from the [buffer pool](pool) when it can).
     pub fn zeros(shape: &[usize], dtype: DType) -> Tensor {
         Self::from_buffer(Buffer::zeros(dtype, numel_of(shape)), shape)
     }
@@ -123,7 +123,12 @@ impl Tensor {
     /// stale values when one of that length is free, else a new zeroed one (see
     /// [`pool`]). Never uninitialized memory.
     pub(crate) fn scratch_f32(shape: &[usize]) -> Tensor {
-        Self::from_buffer(Buffer::F32(pool::take_f32(numel_of(shape), false)), shape)
+        Self::scratch(shape, DType::F32)
+    }
+
+    /// [`Tensor::scratch_f32`] in any host dtype.
+    pub(crate) fn scratch(shape: &[usize], dtype: DType) -> Tensor {
+        Self::from_buffer(pool::take(dtype, numel_of(shape), false), shape)
     }
 
     /// A tensor on `Device::Meta`: shape and dtype, no memory. Reading it is an error.

@@ -1,15 +1,17 @@
-//! The CPU buffer pool: f32 buffers of dropped tensors are kept, by length, and handed to
-//! the next tensor of that length, so a training step allocates (and page-faults) nothing
-//! once the first step has run: every step makes the same shapes in the same order.
+//! The CPU buffer pool: host buffers of dropped tensors (every dtype: f32, bf16, f16, f64,
+//! i32, i64) are kept, by dtype and length, and handed to the next tensor of that dtype
+//! and length, so a training step allocates (and page-faults) nothing once the first step
+//! has run: every step makes the same shapes in the same order (a bf16 or f64 step as much
+//! as an f32 one).
 //!
 //! [`allocations`] counts the CPU tensor buffers that came from the heap (not from the
 //! pool) since the process started; tests and `fsdp bench` read it per step. The pool
 //! keeps at most [`pool_limit`] bytes (a quarter of the machine's memory, at least
 //! [`POOL_BYTES`]; [`set_pool_limit`] changes it).
 //!
-//! A pooled buffer is handed out either zeroed (`take_f32` with `zeroed`) or holding a
+//! A pooled buffer is handed out either zeroed (`take` with `zeroed`) or holding a
 //! previous tensor's values, for an op that overwrites every element of its output
-//! ([`crate::ops`]' outputs): stale values are valid f32s, never uninitialized memory.
+//! ([`crate::ops`]' outputs): stale values are valid elements, never uninitialized memory.
 //!
 //! # [Note: pool limit]
 //! A step whose buffers do not all fit under the limit hands the excess back to the
@@ -20,6 +22,8 @@
 //! (what the pool holds is at most one step's buffers: the same memory the step needs
 //! anyway), not to one job's size.
 
+use super::storage::Buffer;
+use crate::dtype::DType;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -71,7 +75,8 @@ static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
 static REUSES: AtomicU64 = AtomicU64::new(0);
 
 struct Pool {
-    free: HashMap<usize, Vec<Vec<f32>>>,
+    /// Free host buffers by (dtype, length).
+    free: HashMap<(DType, usize), Vec<Buffer>>,
     bytes: usize,
 }
 
@@ -106,47 +111,72 @@ pub(crate) fn count_allocation(len: usize) {
     }
 }
 
-/// An f32 buffer of `len` elements: a pooled one when there is one (zeroed when `zeroed`,
-/// else holding stale values), else a new zeroed allocation.
-pub(crate) fn take_f32(len: usize, zeroed: bool) -> Vec<f32> {
+/// A host buffer of `len` elements of `dtype`: a pooled one when there is one (zeroed when
+/// `zeroed`, else holding stale values), else a new zeroed allocation.
+pub(crate) fn take(dtype: DType, len: usize, zeroed: bool) -> Buffer {
     if len >= POOL_MIN_LEN {
         let hit = POOL.lock().as_mut().and_then(|p| {
-            let v = p.free.get_mut(&len)?.pop()?;
-            p.bytes -= len * 4;
-            Some(v)
+            let b = p.free.get_mut(&(dtype, len))?.pop()?;
+            p.bytes -= len * dtype.size_in_bytes();
+            Some(b)
         });
-        if let Some(mut v) = hit {
+        if let Some(mut b) = hit {
             REUSES.fetch_add(1, Ordering::Relaxed);
             if zeroed {
-                v.fill(0.0);
+                b.fill_zero();
             }
-            return v;
+            return b;
         }
     }
     count_allocation(len);
-    vec![0.0; len]
+    Buffer::new_zeroed(dtype, len)
 }
 
-/// Takes back the buffer of a dropped tensor, when it is worth keeping and fits.
-pub(crate) fn give_back(v: Vec<f32>) {
-    let len = v.len();
-    if len < POOL_MIN_LEN {
+/// Takes back the host buffer of a dropped tensor, when it is worth keeping and fits
+/// (other buffers are dropped).
+pub(crate) fn give_back(b: Buffer) {
+    let (dtype, len) = (b.dtype(), b.len());
+    if len < POOL_MIN_LEN || !b.is_host_vec() {
         return;
     }
+    let bytes = len * dtype.size_in_bytes();
     let mut guard = POOL.lock();
     let p = guard.get_or_insert_with(|| Pool {
         free: HashMap::new(),
         bytes: 0,
     });
-    if p.bytes + len * 4 <= pool_limit() {
-        p.bytes += len * 4;
-        p.free.entry(len).or_default().push(v);
+    if p.bytes + bytes <= pool_limit() {
+        p.bytes += bytes;
+        p.free.entry((dtype, len)).or_default().push(b);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn buffers_of_every_host_dtype_come_back_by_dtype_and_length() {
+        // A length no other test uses, so parallel tests do not take these buffers.
+        let len = 12_347;
+        give_back(Buffer::BF16(vec![half::bf16::ONE; len]));
+        give_back(Buffer::F64(vec![2.5; len]));
+        // Stale values for an op that overwrites them, zeros when asked.
+        match take(DType::BF16, len, false) {
+            Buffer::BF16(v) => assert!(v.iter().all(|x| *x == half::bf16::ONE)),
+            b => panic!("{:?}", b.dtype()),
+        }
+        match take(DType::F64, len, true) {
+            Buffer::F64(v) => assert!(v.len() == len && v.iter().all(|x| *x == 0.0)),
+            b => panic!("{:?}", b.dtype()),
+        }
+        // Another dtype of the same length is not served a bf16 buffer.
+        give_back(Buffer::BF16(vec![half::bf16::ONE; len]));
+        match take(DType::F16, len, false) {
+            Buffer::F16(v) => assert!(v.iter().all(|x| *x == half::f16::ZERO)),
+            b => panic!("{:?}", b.dtype()),
+        }
+    }
 
     #[test]
     fn the_limit_is_at_least_a_gib_and_can_be_set() {

@@ -92,12 +92,14 @@ pub enum Buffer {
 }
 
 impl Buffer {
-    /// Zero-filled CPU buffer of `len` elements.
+    /// Zero-filled CPU buffer of `len` elements (from the [buffer pool](super::pool) when
+    /// it holds one of that dtype and length).
     pub fn zeros(dtype: DType, len: usize) -> Buffer {
-        if dtype == DType::F32 {
-            return Buffer::F32(super::pool::take_f32(len, true));
-        }
-        super::pool::count_allocation(len);
+        super::pool::take(dtype, len, true)
+    }
+
+    /// A newly allocated zero-filled CPU buffer (what the pool falls back on).
+    pub(crate) fn new_zeroed(dtype: DType, len: usize) -> Buffer {
         match dtype {
             DType::F32 => Buffer::F32(vec![0.0; len]),
             DType::BF16 => Buffer::BF16(vec![bf16::ZERO; len]),
@@ -105,6 +107,32 @@ impl Buffer {
             DType::I32 => Buffer::I32(vec![0; len]),
             DType::F64 => Buffer::F64(vec![0.0; len]),
             DType::I64 => Buffer::I64(vec![0; len]),
+        }
+    }
+
+    /// Whether this is host memory the pool can keep (a `Vec` of one of the host dtypes).
+    pub(crate) fn is_host_vec(&self) -> bool {
+        matches!(
+            self,
+            Buffer::F32(_)
+                | Buffer::BF16(_)
+                | Buffer::F16(_)
+                | Buffer::I32(_)
+                | Buffer::F64(_)
+                | Buffer::I64(_)
+        )
+    }
+
+    /// Sets every element of a host buffer to zero (other buffers are left alone).
+    pub(crate) fn fill_zero(&mut self) {
+        match self {
+            Buffer::F32(v) => v.fill(0.0),
+            Buffer::BF16(v) => v.fill(bf16::ZERO),
+            Buffer::F16(v) => v.fill(f16::ZERO),
+            Buffer::I32(v) => v.fill(0),
+            Buffer::F64(v) => v.fill(0.0),
+            Buffer::I64(v) => v.fill(0),
+            Buffer::Cuda { .. } | Buffer::Pinned { .. } | Buffer::Meta { .. } => {}
         }
     }
 
@@ -142,7 +170,7 @@ impl Buffer {
     }
 }
 
-/// One allocation: a buffer behind a lock, on a device. A CPU f32 buffer goes back to the
+/// One allocation: a buffer behind a lock, on a device. A CPU buffer goes back to the
 /// [buffer pool](super::pool) when the last view of it drops.
 #[derive(Debug)]
 pub struct Storage {
@@ -167,8 +195,9 @@ impl Storage {
 
 impl Drop for Storage {
     fn drop(&mut self) {
-        if let Buffer::F32(v) = self.buf.get_mut() {
-            super::pool::give_back(std::mem::take(v));
+        let b = self.buf.get_mut();
+        if b.is_host_vec() {
+            super::pool::give_back(std::mem::replace(b, Buffer::F32(Vec::new())));
         }
     }
 }

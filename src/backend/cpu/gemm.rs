@@ -1,4 +1,5 @@
-//! Row-major f32 matrix multiply on the CPU, through the `gemm` crate.
+//! Row-major f32 and f64 matrix multiply on the CPU, through the `gemm` crate (its f32
+//! and f64 kernels; [`GemmScalar`] names the two).
 //!
 //! `out (m, n) = [out +] op(a) @ op(b)` where `op(a)` is `a (m, k)` or, transposed, the
 //! stored `a (k, m)`; likewise `op(b)` is `b (k, n)` or the stored `b (n, k)`. Transposes
@@ -26,15 +27,34 @@ impl Transpose {
     pub const TN: Transpose = Transpose { a: true, b: false };
 }
 
-/// `out (m, n) (=|+=) op(a) @ op(b)` with f32 accumulation.
+/// An element type the `gemm` crate multiplies natively: f32 or f64, accumulated in the
+/// same type.
+pub trait GemmScalar: Copy + Send + Sync + 'static {
+    /// Additive identity (an empty sum).
+    const ZERO: Self;
+    /// Multiplicative identity (the scale of both the old output and the product).
+    const ONE: Self;
+}
+
+impl GemmScalar for f32 {
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+}
+
+impl GemmScalar for f64 {
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+}
+
+/// `out (m, n) (=|+=) op(a) @ op(b)`, accumulated in `T` (f32 or f64).
 ///
 /// # Errors
 /// `ShapeMismatch` when a slice length disagrees with `(m, k, n)`.
 #[allow(clippy::too_many_arguments)]
-pub fn matmul(
-    out: &mut [f32],
-    a: &[f32],
-    b: &[f32],
+pub fn matmul<T: GemmScalar>(
+    out: &mut [T],
+    a: &[T],
+    b: &[T],
     m: usize,
     k: usize,
     n: usize,
@@ -85,10 +105,10 @@ pub struct Strides {
 /// # Errors
 /// `ShapeMismatch` when a slice is too short for its rows or a stride is shorter than a
 /// row.
-pub fn matmul_strided(
-    out: &mut [f32],
-    a: &[f32],
-    b: &[f32],
+pub fn matmul_strided<T: GemmScalar>(
+    out: &mut [T],
+    a: &[T],
+    b: &[T],
     (m, k, n): (usize, usize, usize),
     t: Transpose,
     s: Strides,
@@ -122,7 +142,7 @@ pub fn matmul_strided(
         if !accumulate {
             out.chunks_mut(s.out.max(1))
                 .take(m)
-                .for_each(|row| row[..n].fill(0.0));
+                .for_each(|row| row[..n].fill(T::ZERO));
         }
         return Ok(());
     }
@@ -162,8 +182,8 @@ pub fn matmul_strided(
             b.as_ptr(),
             b_cs,
             b_rs,
-            1.0,
-            1.0,
+            T::ONE,
+            T::ONE,
             false,
             false,
             false,

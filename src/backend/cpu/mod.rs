@@ -3,6 +3,7 @@
 //! | file | what |
 //! |---|---|
 //! | `kernels.rs`, `ops.rs` | the references: plain loops with shapes in comments |
+//! | `bf16.rs` | bf16 <-> f32 conversions without branches (vectorized slice loops), the `half` crate's bits |
 //! | `scalar.rs` | the one-value functions they apply (`exp`, `erf`, `gelu`, `relu` and derivatives) |
 //! | `fast.rs`, `rows.rs` | faster row kernels beside them (8 rows summed side by side), the same bits |
 //! | `parallel.rs` | the per-rank thread budget and the row/column/elementwise splits (the same bits for any thread count) |
@@ -13,6 +14,7 @@
 //! | `gemm.rs` | GEMMs through the `gemm` crate (faster than `matrixmultiply` on every shape of the main job, `benches/gemm.rs`) |
 
 pub mod attention;
+pub mod bf16;
 pub mod fast;
 pub mod gemm;
 pub mod head_gemm;

@@ -35,6 +35,22 @@ pub fn cast_slice<S: Element, T: Element>(src: &[S], dst: &mut [T]) {
         dst.copy_from_slice(bytemuck::cast_slice(src));
         return;
     }
+    // bf16 <-> f32, the mixed-precision casts: vectorized, the same bits (`bf16.rs`).
+    match (S::DTYPE, T::DTYPE) {
+        (DType::F32, DType::BF16) => {
+            return super::bf16::from_f32_slice(
+                bytemuck::cast_slice(src),
+                bytemuck::cast_slice_mut(dst),
+            );
+        }
+        (DType::BF16, DType::F32) => {
+            return super::bf16::to_f32_slice(
+                bytemuck::cast_slice(src),
+                bytemuck::cast_slice_mut(dst),
+            );
+        }
+        _ => {}
+    }
     if S::DTYPE.size_in_bytes() == 8 || T::DTYPE.size_in_bytes() == 8 {
         for (d, s) in dst.iter_mut().zip(src) {
             *d = T::from_f64(s.to_f64());

@@ -1,8 +1,11 @@
 //! The f64 host paths of the ops the nn layers use (PyTorch computes float64 tensors in
 //! float64): here matrix products, `linear`, the bias row ops, ReLU and GELU, the MSE and
 //! sum losses; in `nn.rs` LayerNorm, the causal softmax and attention's permutes,
-//! embedding, cross-entropy and the sum of squares. Plain loops, f64 accumulation in the
-//! natural order: the reference an exact f64 run is checked against, not a fast path.
+//! embedding, cross-entropy and the sum of squares. f64 accumulation throughout: the
+//! products through the `gemm` crate's f64 kernels (as f32 products run, fused
+//! multiply-adds in `k` order per element), the rest plain loops in the natural order,
+//! split over the thread budget by rows or columns as the f32 ops are ([Note: determinism
+//! across thread counts] in `backend::cpu::parallel`).
 //! f64 tensors on a CUDA device are refused ([`Error::Unsupported`] naming the op): no f64
 //! kernels (the products are the exception: `ops::linalg` runs them through cuBLAS in f64).
 
@@ -11,6 +14,7 @@ pub(crate) use nn::*;
 
 use super::linalg::MatmulDims;
 use super::Pointwise;
+use crate::backend::cpu::parallel as par;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
 
@@ -42,8 +46,10 @@ pub(crate) fn check(op: &'static str, ts: &[&Tensor]) -> Result<()> {
     Ok(())
 }
 
-/// `out (m, n) (=|+=) op(a) @ op(b)`, `batch` independent products, f64. Shapes were
-/// checked by the caller ([`super::matmul_batched`]).
+/// `out (m, n) (=|+=) op(a) @ op(b)`, `batch` independent products, f64 accumulation
+/// through the `gemm` crate's f64 kernels, on the calling thread's budget as f32 products
+/// (the same per-element sum whatever the thread count). Shapes were checked by the caller
+/// ([`super::matmul_batched`]).
 pub(crate) fn matmul_batched(
     out: &Tensor,
     a: &Tensor,
@@ -53,26 +59,9 @@ pub(crate) fn matmul_batched(
     accumulate: bool,
 ) -> Result<()> {
     check("matmul", &[out, a, b])?;
-    let MatmulDims { m, k, n, trans } = d;
     let (av, bv) = (a.data::<f64>()?, b.data::<f64>()?);
     let mut o = out.data_mut::<f64>()?;
-    for p in 0..batch {
-        let (a, b) = (&av[p * m * k..], &bv[p * k * n..]);
-        let o = &mut o[p * m * n..(p + 1) * m * n];
-        for i in 0..m {
-            for j in 0..n {
-                let mut s = 0.0f64;
-                for q in 0..k {
-                    // a (m, k) or stored (k, m); b (k, n) or stored (n, k).
-                    let x = if trans.a { a[q * m + i] } else { a[i * k + q] };
-                    let y = if trans.b { b[j * k + q] } else { b[q * n + j] };
-                    s += x * y;
-                }
-                o[i * n + j] = if accumulate { o[i * n + j] + s } else { s };
-            }
-        }
-    }
-    Ok(())
+    super::linalg::cpu_batched(&mut o, &av, &bv, d, batch, accumulate)
 }
 
 /// `y (.., o) = x (.., i) @ W^T + b` in f64 (`F.linear`); shapes checked by the caller.
@@ -126,40 +115,71 @@ pub(crate) fn bias_grad(dy: &Tensor, db: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// `f(x)` and `f'(x)`: ReLU's derivative is 0 at 0 (PyTorch's `threshold_backward`);
-/// exact GELU `x Phi(x)` has derivative `Phi(x) + x phi(x)` (as `GeluBackward` with
-/// `approximate='none'`), erf from `libm` in f64.
-fn act(f: Pointwise, x: f64) -> (f64, f64) {
+/// `f(x)`: ReLU, or exact GELU `x Phi(x)` with erf from `libm` in f64.
+fn act(f: Pointwise, x: f64) -> f64 {
     match f {
-        Pointwise::Relu if x > 0.0 => (x, 1.0),
-        Pointwise::Relu => (0.0, 0.0),
+        Pointwise::Relu if x > 0.0 => x,
+        Pointwise::Relu => 0.0,
+        Pointwise::Gelu => x * cdf(x),
+    }
+}
+
+/// `Phi(x) = (1 + erf(x / sqrt 2)) / 2` in f64.
+fn cdf(x: f64) -> f64 {
+    0.5 * (1.0 + libm::erf(x * std::f64::consts::FRAC_1_SQRT_2))
+}
+
+/// `f'(x)`: ReLU's derivative is 0 at 0 (PyTorch's `threshold_backward`); exact GELU's is
+/// `Phi(x) + x phi(x)` (as `GeluBackward` with `approximate='none'`).
+fn act_grad(f: Pointwise, x: f64) -> f64 {
+    match f {
+        Pointwise::Relu if x > 0.0 => 1.0,
+        Pointwise::Relu => 0.0,
         Pointwise::Gelu => {
-            let cdf = 0.5 * (1.0 + libm::erf(x * std::f64::consts::FRAC_1_SQRT_2));
             // 1 / sqrt(2 pi)
             let k = std::f64::consts::FRAC_2_SQRT_PI * std::f64::consts::FRAC_1_SQRT_2 * 0.5;
             let pdf = (-0.5 * x * x).exp() * k;
-            (x * cdf, cdf + x * pdf)
+            cdf(x) + x * pdf
         }
     }
 }
 
-/// `y = f(x)` elementwise (f64).
-pub(crate) fn pointwise(f: Pointwise, x: &Tensor) -> Result<Tensor> {
-    check(f.name(), &[x])?;
-    let v: Vec<f64> = x.data::<f64>()?.iter().map(|&v| act(f, v).0).collect();
-    Tensor::from_vec(v, x.shape())
+/// A new f64 host tensor of `shape` whose every element the caller writes (pooled).
+pub(crate) fn scratch(shape: &[usize]) -> Tensor {
+    Tensor::scratch(shape, DType::F64)
 }
 
-/// `dx = dy * f'(x)` elementwise (f64).
+/// `y = f(x)` elementwise (f64), split over the thread budget (any split: same bits).
+pub(crate) fn pointwise(f: Pointwise, x: &Tensor) -> Result<Tensor> {
+    check(f.name(), &[x])?;
+    let y = scratch(x.shape());
+    {
+        let (xv, mut yv) = (x.data::<f64>()?, y.data_mut::<f64>()?);
+        par::chunks_mut(&mut yv, par::HEAVY_GRAIN, |r, out| {
+            out.iter_mut()
+                .zip(&xv[r])
+                .for_each(|(o, &v)| *o = act(f, v));
+            Ok(())
+        })?;
+    }
+    Ok(y)
+}
+
+/// `dx = dy * f'(x)` elementwise (f64), split as [`pointwise`].
 pub(crate) fn pointwise_backward(f: Pointwise, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     check(f.name(), &[x, dy])?;
-    let (xv, gv) = (x.data::<f64>()?, dy.data::<f64>()?);
-    let v: Vec<f64> = xv
-        .iter()
-        .zip(gv.iter())
-        .map(|(&x, &g)| g * act(f, x).1)
-        .collect();
-    Tensor::from_vec(v, x.shape())
+    let dx = scratch(x.shape());
+    {
+        let (xv, gv, mut dv) = (x.data::<f64>()?, dy.data::<f64>()?, dx.data_mut::<f64>()?);
+        par::chunks_mut(&mut dv, par::HEAVY_GRAIN, |r, out| {
+            out.iter_mut()
+                .zip(&xv[r.clone()])
+                .zip(&gv[r])
+                .for_each(|((o, &x), &g)| *o = g * act_grad(f, x));
+            Ok(())
+        })?;
+    }
+    Ok(dx)
 }
 
 /// `mean((pred - target)^2)` and its gradient `2 (pred - target) / N` (f64; the loss

@@ -6,11 +6,11 @@
 //! `ops::attention`, `ops::embedding`, `ops::loss`), one row after another, sums in index
 //! order. The callers in `ops` have checked shapes; these check dtypes and the device.
 
-use super::check;
+use super::{check, scratch};
 use crate::backend::cpu::kernels::HeadDims;
 use crate::error::Result;
 use crate::ops::LayerNormSaved;
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 /// An f32 hyperparameter (LayerNorm's eps, a score scale) as the f64 its decimal spelling
 /// names: `1e-5f32` becomes `1e-5f64` (PyTorch passes eps as a Python float), not
@@ -31,7 +31,12 @@ pub(crate) fn layer_norm(
     let c = w.numel();
     let n = x.numel().checked_div(c).unwrap_or(0);
     let (xv, wv, bv) = (x.data::<f64>()?, w.data::<f64>()?, b.data::<f64>()?);
-    let (mut y, mut xhat, mut rstd) = (vec![0.0; n * c], vec![0.0; n * c], vec![0.0; n]);
+    let (yt, xhat_t, rstd_t) = (scratch(x.shape()), scratch(x.shape()), scratch(&[n]));
+    let (mut y, mut xhat, mut rstd) = (
+        yt.data_mut::<f64>()?,
+        xhat_t.data_mut::<f64>()?,
+        rstd_t.data_mut::<f64>()?,
+    );
     for r in 0..n {
         let row = &xv[r * c..(r + 1) * c];
         let mean = row.iter().sum::<f64>() / c as f64;
@@ -44,11 +49,12 @@ pub(crate) fn layer_norm(
             y[r * c + j] = h * wv[j] + bv[j];
         }
     }
+    drop((y, xhat, rstd));
     Ok((
-        Tensor::from_vec(y, x.shape())?,
+        yt,
         LayerNormSaved {
-            xhat: Tensor::from_vec(xhat, x.shape())?,
-            rstd: Tensor::from_vec(rstd, &[n])?,
+            xhat: xhat_t,
+            rstd: rstd_t,
             mean: None,
         },
     ))
@@ -92,7 +98,8 @@ pub(crate) fn layer_norm_backward(
             }
         }
     }
-    let mut dx = vec![0.0; n * c];
+    let dx_t = scratch(dy.shape());
+    let mut dx = dx_t.data_mut::<f64>()?;
     for r in 0..n {
         let (d, h) = (&dyv[r * c..(r + 1) * c], &xh[r * c..(r + 1) * c]);
         let (mut m1, mut m2) = (0.0, 0.0);
@@ -105,7 +112,8 @@ pub(crate) fn layer_norm_backward(
             dx[r * c + j] = rs[r] * (d[j] * wv[j] - m1 - h[j] * m2);
         }
     }
-    Tensor::from_vec(dx, dy.shape())
+    drop(dx);
+    Ok(dx_t)
 }
 
 /// Causal softmax of `s (rows, T)`, row `r` being query `r mod T`: `p[j] = exp(s[j] scale -
@@ -113,7 +121,8 @@ pub(crate) fn layer_norm_backward(
 pub(crate) fn softmax_causal(s: &Tensor, t: usize, scale: f64) -> Result<Tensor> {
     check("softmax_causal", &[s])?;
     let sv = s.data::<f64>()?;
-    let mut p = vec![0.0; sv.len()];
+    let p_t = Tensor::zeros(s.shape(), DType::F64);
+    let mut p = p_t.data_mut::<f64>()?;
     for (r, (row, out)) in sv
         .chunks_exact(t.max(1))
         .zip(p.chunks_exact_mut(t.max(1)))
@@ -131,7 +140,8 @@ pub(crate) fn softmax_causal(s: &Tensor, t: usize, scale: f64) -> Result<Tensor>
         }
         out[..=q].iter_mut().for_each(|v| *v /= sum);
     }
-    Tensor::from_vec(p, s.shape())
+    drop(p);
+    Ok(p_t)
 }
 
 /// In place: `dp` becomes `p (dp - <p, dp>) scale` per row, 0 above the diagonal.
@@ -168,10 +178,12 @@ pub(crate) fn split_qkv(qkv: &Tensor, d: HeadDims) -> Result<[Tensor; 3]> {
     let HeadDims { b, t, h, hd } = d;
     let c = h * hd;
     let src = qkv.data::<f64>()?;
+    let shape = [b, h, t, hd];
+    let ts = [scratch(&shape), scratch(&shape), scratch(&shape)];
     let mut out = [
-        vec![0.0; d.numel()],
-        vec![0.0; d.numel()],
-        vec![0.0; d.numel()],
+        ts[0].data_mut::<f64>()?,
+        ts[1].data_mut::<f64>()?,
+        ts[2].data_mut::<f64>()?,
     ];
     for bi in 0..b {
         for ti in 0..t {
@@ -184,13 +196,8 @@ pub(crate) fn split_qkv(qkv: &Tensor, d: HeadDims) -> Result<[Tensor; 3]> {
             }
         }
     }
-    let shape = [b, h, t, hd];
-    let [q, k, v] = out;
-    Ok([
-        Tensor::from_vec(q, &shape)?,
-        Tensor::from_vec(k, &shape)?,
-        Tensor::from_vec(v, &shape)?,
-    ])
+    drop(out);
+    Ok(ts)
 }
 
 /// `dq, dk, dv (B, H, T, hd)` -> `dqkv (B, T, 3C)`.
@@ -198,7 +205,8 @@ pub(crate) fn merge_qkv(dq: &Tensor, dk: &Tensor, dv: &Tensor, d: HeadDims) -> R
     check("merge_qkv", &[dq, dk, dv])?;
     let HeadDims { b, t, h, hd } = d;
     let c = h * hd;
-    let mut out = vec![0.0; 3 * d.numel()];
+    let out_t = scratch(&[b, t, 3 * c]);
+    let mut out = out_t.data_mut::<f64>()?;
     for (w, src) in [dq, dk, dv].into_iter().enumerate() {
         let sv = src.data::<f64>()?;
         for bi in 0..b {
@@ -211,7 +219,8 @@ pub(crate) fn merge_qkv(dq: &Tensor, dk: &Tensor, dv: &Tensor, d: HeadDims) -> R
             }
         }
     }
-    Tensor::from_vec(out, &[b, t, 3 * c])
+    drop(out);
+    Ok(out_t)
 }
 
 /// `(B, T, C)` -> `(B, H, T, hd)` when `split`, else back.
@@ -220,7 +229,12 @@ pub(crate) fn permute_heads(src: &Tensor, d: HeadDims, split: bool) -> Result<Te
     let HeadDims { b, t, h, hd } = d;
     let c = h * hd;
     let sv = src.data::<f64>()?;
-    let mut out = vec![0.0; d.numel()];
+    let out_t = if split {
+        scratch(&[b, h, t, hd])
+    } else {
+        scratch(&[b, t, c])
+    };
+    let mut out = out_t.data_mut::<f64>()?;
     for bi in 0..b {
         for hi in 0..h {
             for ti in 0..t {
@@ -235,11 +249,8 @@ pub(crate) fn permute_heads(src: &Tensor, d: HeadDims, split: bool) -> Result<Te
             }
         }
     }
-    if split {
-        Tensor::from_vec(out, &[b, h, t, hd])
-    } else {
-        Tensor::from_vec(out, &[b, t, c])
-    }
+    drop(out);
+    Ok(out_t)
 }
 
 /// `out[i, :] = table (V, C)[ids[i], :]`; the ids were checked against `V` by the caller.
@@ -282,7 +293,8 @@ pub(crate) fn cross_entropy(logits: &Tensor, targets: &[i32], v: usize) -> Resul
     let lv = logits.data::<f64>()?;
     let n = targets.len();
     let inv_n = 1.0 / n as f64;
-    let mut grad = vec![0.0; n * v];
+    let grad_t = scratch(logits.shape());
+    let mut grad = grad_t.data_mut::<f64>()?;
     let mut total = 0.0;
     for (r, &y) in targets.iter().enumerate() {
         let row = &lv[r * v..(r + 1) * v];
@@ -296,7 +308,8 @@ pub(crate) fn cross_entropy(logits: &Tensor, targets: &[i32], v: usize) -> Resul
             grad[r * v + j] = (p - onehot) * inv_n;
         }
     }
-    Ok((total * inv_n, Tensor::from_vec(grad, logits.shape())?))
+    drop(grad);
+    Ok((total * inv_n, grad_t))
 }
 
 /// `sum_i t[i]^2` of an f64 tensor, in index order.

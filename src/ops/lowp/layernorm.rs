@@ -47,16 +47,6 @@ pub(crate) fn forward(
     Ok((down(&y32, dtype)?, saved))
 }
 
-/// `v` as a `dtype` tensor of `shape` on `device`.
-fn put(v: Vec<f32>, shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
-    let t = Tensor::from_vec(v, shape)?.to_dtype(dtype)?;
-    if device == Device::Cpu {
-        Ok(t)
-    } else {
-        t.to_device(device)
-    }
-}
-
 /// The backward of [`forward`], as PyTorch's CPU `layer_norm_backward` runs it on a
 /// reduced-precision input (host loops; on CUDA through the host), from `x` and the
 /// ROUNDED saved `mean` `m` and `rstd` `a`, per row of `C` elements:
@@ -106,12 +96,20 @@ pub(crate) fn backward(
     if let Device::Cuda(i) = dy.device() {
         return backward_cuda(i, dy, x, w, mean, &saved.rstd, (dw, db), dtype);
     }
-    let (xv, dyv, wv) = (x.to_vec_f32()?, dy.to_vec_f32()?, w.to_vec_f32()?);
-    let (mv, av) = (mean.to_vec_f32()?, saved.rstd.to_vec_f32()?);
+    // Pooled f32 copies (the CPU's host loops read f32).
+    let [x32, dy32, w32, m32, a32] = [x, dy, w, mean, &saved.rstd].map(up);
+    let (x32, dy32, w32, m32, a32) = (x32?, dy32?, w32?, m32?, a32?);
+    let (xv, dyv, wv) = (x32.f32()?, dy32.f32()?, w32.f32()?);
+    let (mv, av) = (m32.f32()?, a32.f32()?);
     let r = |v: f32| super::loss::round(v, dtype);
     let scale = 1.0 / c as f32;
-    let mut dx = vec![0.0f32; xv.len()];
-    let (mut acc_w, mut acc_b) = (vec![0.0f32; c], vec![0.0f32; c]);
+    let dx32 = crate::ops::output(dy.shape(), Device::Cpu)?;
+    let mut dx = dx32.f32_mut()?;
+    let (acc_w32, acc_b32) = (
+        Tensor::zeros(&[c], DType::F32),
+        Tensor::zeros(&[c], DType::F32),
+    );
+    let (mut acc_w, mut acc_b) = (acc_w32.f32_mut()?, acc_b32.f32_mut()?);
     for i in 0..n {
         let span = i * c..(i + 1) * c;
         let (xr, dyr) = (&xv[span.clone()], &dyv[span.clone()]);
@@ -129,10 +127,10 @@ pub(crate) fn backward(
             acc_b[j] = r(acc_b[j] + dyr[j]);
         }
     }
-    let device = dy.device();
-    for (g, acc) in [(dw, acc_w), (db, acc_b)] {
+    drop((dx, acc_w, acc_b));
+    for (g, acc) in [(dw, acc_w32), (db, acc_b32)] {
         if let Some(g) = g {
-            let acc = put(acc, &[c], g.dtype(), device)?;
+            let acc = down(&acc, g.dtype())?;
             if g.dtype() == acc.dtype() {
                 crate::ops::add_(g, &acc)?;
             } else {
@@ -140,7 +138,7 @@ pub(crate) fn backward(
             }
         }
     }
-    put(dx, dy.shape(), dtype, device)
+    down(&dx32, dtype)
 }
 
 /// [`backward`] on `cuda:ordinal`: the `lowp.cu` kernels on the current stream (no host

@@ -14,21 +14,12 @@ use crate::error::Result;
 use crate::tensor::{DType, Tensor};
 
 /// `v` rounded to `dtype` (round to nearest even), back in f32.
+#[inline]
 pub(crate) fn round(v: f32, dtype: DType) -> f32 {
     match dtype {
-        DType::BF16 => half::bf16::from_f32(v).to_f32(),
+        DType::BF16 => crate::backend::cpu::bf16::round(v),
         DType::F16 => half::f16::from_f32(v).to_f32(),
         _ => v,
-    }
-}
-
-/// A `dtype` tensor of `shape` on `device` holding `values` (already representable).
-fn tensor_on(values: Vec<f32>, shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
-    let t = Tensor::from_vec(values, shape)?.to_dtype(dtype)?;
-    if device == Device::Cpu {
-        Ok(t)
-    } else {
-        t.to_device(device)
     }
 }
 
@@ -39,7 +30,8 @@ pub(crate) fn cross_entropy(
     v: usize,
     dtype: DType,
 ) -> Result<(f32, Tensor)> {
-    let x = logits.to_vec_f32()?;
+    let x32 = super::up(&logits.to_device(Device::Cpu)?)?;
+    let x = x32.f32()?;
     let ys = targets.to_device(Device::Cpu)?;
     let ys = ys.data::<i32>()?;
     let n = ys.len();
@@ -49,7 +41,8 @@ pub(crate) fn cross_entropy(
     }
     // nll_loss_backward: grad_output (1) / total_weight (N as a `dtype` value), rounded.
     let w = round(1.0 / round(n as f32, dtype), dtype);
-    let mut grad = vec![0.0f32; x.len()];
+    let grad32 = crate::ops::output(logits.shape(), Device::Cpu)?;
+    let mut grad = grad32.f32_mut()?;
     let mut total = 0.0f64;
     for (r, &y) in ys.iter().enumerate() {
         let row = &x[r * v..(r + 1) * v];
@@ -67,10 +60,9 @@ pub(crate) fn cross_entropy(
         }
     }
     let loss = round((total / n as f64) as f32, dtype);
-    Ok((
-        loss,
-        tensor_on(grad, logits.shape(), dtype, logits.device())?,
-    ))
+    drop(grad);
+    let grad = super::down(&grad32, dtype)?;
+    Ok((loss, grad.to_device(logits.device())?))
 }
 
 /// [`cross_entropy`] on `cuda:ordinal` (`cross_entropy_lp_{dtype}`, then the f64 mean of

@@ -35,6 +35,7 @@ use super::attention::HeadDims;
 use super::causal::CausalProduct;
 use super::linalg::MatmulDims;
 use super::Pointwise;
+use crate::backend::cpu::parallel as par;
 use crate::error::Result;
 use crate::tensor::{DType, Tensor};
 
@@ -182,12 +183,19 @@ pub(crate) fn scale_(t: &Tensor, alpha: f32) -> Result<()> {
 /// for ReLU, exact anyway) the f32 kernel.
 pub(crate) fn pointwise(f: Pointwise, x: &Tensor, dtype: DType) -> Result<Tensor> {
     if f == Pointwise::Gelu && x.device() == crate::backend::Device::Cpu {
-        let y: Vec<f32> = x
-            .to_vec_f32()?
-            .into_iter()
-            .map(|v| v * 0.5 * (1.0 + erf_as(v * std::f32::consts::FRAC_1_SQRT_2)))
-            .collect();
-        return Tensor::from_vec(y, x.shape())?.to_dtype(dtype);
+        let x32 = up(x)?;
+        let y32 = super::output(x.shape(), x.device())?;
+        {
+            let (xv, mut yv) = (x32.f32()?, y32.f32_mut()?);
+            // Elementwise: any split gives the same bits.
+            par::chunks_mut(&mut yv, par::HEAVY_GRAIN, |r, y| {
+                for (o, &v) in y.iter_mut().zip(&xv[r]) {
+                    *o = v * 0.5 * (1.0 + erf_as(v * std::f32::consts::FRAC_1_SQRT_2));
+                }
+                Ok(())
+            })?;
+        }
+        return down(&y32, dtype);
     }
     down(&super::pointwise(f, &up(x)?)?, dtype)
 }
