@@ -3,8 +3,9 @@
 //! sum losses; in `nn.rs` LayerNorm, the causal softmax and attention's permutes,
 //! embedding, cross-entropy and the sum of squares. Plain loops, f64 accumulation in the
 //! natural order: the reference an exact f64 run is checked against, not a fast path.
-//! f64 tensors on a CUDA device are refused ([`Error::Unsupported`] naming the op): no f64
-//! kernels (the products are the exception: `ops::linalg` runs them through cuBLAS in f64).
+//! f64 tensors on a CUDA device take the `_f64` kernels instead (the dispatching ops check
+//! the device first; products run through cuBLAS in f64); these loops refuse them
+//! ([`Error::Unsupported`] naming the op), which leaves the MSE and sum losses host-only.
 
 mod nn;
 pub(crate) use nn::*;
