@@ -11,7 +11,9 @@ mod f64_model;
 
 use f64_model::{batch, gpt, max_err, optimizer, params, Named, Run, CFG, STEPS};
 use fsdp::distributed::{launch, LaunchOptions};
-use fsdp::fsdp::{transformer_auto_wrap_policy, FsdpConfig, FullyShardedDataParallel, ShardingStrategy};
+use fsdp::fsdp::{
+    transformer_auto_wrap_policy, FsdpConfig, FullyShardedDataParallel, ShardingStrategy,
+};
 use fsdp::nn::{self, Context};
 use fsdp::ops;
 use fsdp::optim::ParamGrad;
