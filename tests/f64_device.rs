@@ -29,6 +29,14 @@ fn on(v: Vec<f64>, shape: &[usize], dev: Device) -> Tensor {
     Tensor::from_vec(v, shape).unwrap().to_device(dev).unwrap()
 }
 
+/// Runs this binary's tests one at a time: the train job's test reads the per-step
+/// counters of the process (`backend::counters`), which another test's CUDA work would
+/// add to.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// `op(a) @ op(b)` per block, summed in f64 in `k` order.
 fn reference(a: &[f64], b: &[f64], m: usize, k: usize, n: usize, t: Transpose) -> Vec<f64> {
     let mut out = vec![0.0; m * n];
@@ -47,6 +55,7 @@ fn reference(a: &[f64], b: &[f64], m: usize, k: usize, n: usize, t: Transpose) -
 }
 
 device_test!(f64_matmul_computes_in_f64, |dev| {
+    let _serial = serial();
     let layouts = [
         Transpose::NN,
         Transpose::NT,
@@ -142,6 +151,7 @@ const ELEM: f64 = 1e-15;
 const REDUCE: f64 = 1e-14;
 
 device_test!(f64_layer_ops_match_the_cpu, |dev| {
+    let _serial = serial();
     let mut worst = 0.0f64;
     let mut check = |what: &str, got: &Tensor, want: &Tensor, rel: f64| {
         worst = worst.max(close(what, dev, got, want, rel));
@@ -271,6 +281,7 @@ device_test!(f64_layer_ops_match_the_cpu, |dev| {
 });
 
 device_test!(f64_flat_and_elementwise_ops_match_the_cpu, |dev| {
+    let _serial = serial();
     let n = 1003;
     let mut worst = 0.0f64;
     let mut check = |what: &str, got: &Tensor, want: &Tensor, rel: f64| {
@@ -325,6 +336,7 @@ device_test!(f64_flat_and_elementwise_ops_match_the_cpu, |dev| {
 });
 
 device_test!(f64_optimizer_steps_match_the_cpu_bitwise, |dev| {
+    let _serial = serial();
     use fsdp::optim::{Adam, AdamConfig, AdamW, Optimizer, ParamGrad, SgdConfig, SGD};
     // Three steps over two tensors: the f64 updates (no transcendental function, IEEE
     // division and root) give the CPU's bits on every device.
@@ -394,6 +406,7 @@ device_test!(f64_optimizer_steps_match_the_cpu_bitwise, |dev| {
 device_test!(
     f64_fsdp_refuses_mixed_precision_and_wraps_otherwise,
     |dev| {
+        let _serial = serial();
         use fsdp::distributed::{launch, LaunchOptions};
         use fsdp::fsdp::{FsdpConfig, FullyShardedDataParallel, MixedPrecision};
         use fsdp::nn::{self, InitKey, Linear};
@@ -433,6 +446,7 @@ fn gpus(test: &str) -> Option<usize> {
 
 #[test]
 fn f64_fsdp_gpt_on_cuda_equals_the_cpu_cuda() {
+    let _serial = serial();
     use f64_model::{fsdp_train, Run};
     use fsdp::fsdp::ShardingStrategy;
     let Some(n) = gpus("f64_fsdp_gpt_on_cuda_equals_the_cpu") else {
@@ -501,6 +515,7 @@ fn f64_fsdp_gpt_on_cuda_equals_the_cpu_cuda() {
 
 #[test]
 fn f64_train_job_on_cuda_matches_the_cpu_cuda() {
+    let _serial = serial();
     use fsdp::train::{train, Precision, Silent, TrainConfig, TrainDevice};
     if gpus("f64_train_job_on_cuda_matches_the_cpu").is_none() {
         return;

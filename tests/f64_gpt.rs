@@ -9,12 +9,12 @@ mod common;
 #[path = "common/f64_model.rs"]
 mod f64_model;
 
-use f64_model::{batch, gpt, max_err, optimizer, params, Named, Run, CFG, STEPS};
+use f64_model::{batch, gpt, max_err, optimizer, params, Named, Run, STEPS};
 use fsdp::distributed::{launch, LaunchOptions};
 use fsdp::fsdp::{
     transformer_auto_wrap_policy, FsdpConfig, FullyShardedDataParallel, ShardingStrategy,
 };
-use fsdp::nn::{self, Context};
+use fsdp::nn::{self, Context, Module};
 use fsdp::ops;
 use fsdp::optim::ParamGrad;
 use fsdp::tensor::{DType, Tensor};
