@@ -234,7 +234,7 @@ device_test!(f64_layer_ops_match_the_cpu, |dev| {
     check("softmax_causal backward", &g[1], &w[1], REDUCE);
     // Embedding with repeated ids (atomic adds on CUDA).
     let ids = |d| {
-        Tensor::from_vec((0..12).map(|i| (i * 5 % 7) as i32).collect(), &[3, 4])
+        Tensor::from_vec((0..12).map(|i| i * 5 % 7).collect::<Vec<i32>>(), &[3, 4])
             .unwrap()
             .to_device(d)
             .unwrap()
@@ -250,7 +250,7 @@ device_test!(f64_layer_ops_match_the_cpu, |dev| {
     check("embedding backward", &g[1], &w[1], REDUCE);
     // Cross-entropy: the f64 loss, its f32 rounding, and the gradient.
     let targets = |d| {
-        Tensor::from_vec((0..9).map(|i| (i * 4 % 11) as i32).collect(), &[9])
+        Tensor::from_vec((0..9).map(|i| i * 4 % 11).collect::<Vec<i32>>(), &[9])
             .unwrap()
             .to_device(d)
             .unwrap()
@@ -340,7 +340,8 @@ device_test!(f64_optimizer_steps_match_the_cpu_bitwise, |dev| {
     use fsdp::optim::{Adam, AdamConfig, AdamW, Optimizer, ParamGrad, SgdConfig, SGD};
     // Three steps over two tensors: the f64 updates (no transcendental function, IEEE
     // division and root) give the CPU's bits on every device.
-    let opts: Vec<(&str, Box<dyn Fn() -> Box<dyn Optimizer>>)> = vec![
+    type Make = Box<dyn Fn() -> Box<dyn Optimizer>>;
+    let opts: Vec<(&str, Make)> = vec![
         (
             "SGD",
             Box::new(|| {

@@ -73,7 +73,7 @@ fn reference(world: usize, decoupled: bool) -> (Named, Named) {
 
 /// Rank results: the full parameters after the steps, and the rank's pieces of the first
 /// step's averaged gradient `(name, flat range, values)`.
-type RankResult = (Named, Vec<(String, Option<(usize, usize)>, Vec<f64>)>);
+type RankResult = (Named, f64_model::GradPieces);
 
 fn fsdp_run(
     world: usize,

@@ -94,6 +94,9 @@ pub fn params(m: &mut dyn Module) -> Named {
     out
 }
 
+/// A rank's pieces of a gradient: `(name, flat range, values)`.
+pub type GradPieces = Vec<(String, Option<(usize, usize)>, Vec<f64>)>;
+
 /// What one rank of [`fsdp_train`] saw.
 pub struct RankRun {
     /// The rank's f64 mean loss at each step (`ops::cross_entropy_f64`).
@@ -102,7 +105,7 @@ pub struct RankRun {
     pub params: Named,
     /// The rank's pieces of the first step's averaged gradient `(name, flat range,
     /// values)`.
-    pub grads: Vec<(String, Option<(usize, usize)>, Vec<f64>)>,
+    pub grads: GradPieces,
 }
 
 /// How [`fsdp_train`] wraps and trains.
