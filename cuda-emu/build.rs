@@ -28,7 +28,9 @@ fn matching(text: &str, open: usize, l: u8, r: u8) -> Option<usize> {
 }
 
 /// What, in a kernel body, makes threads of a block wait for each other (cuda_emu.h).
-const BARRIERS: [&str; 7] = [
+/// `_synced`: the kernels/*.cu convention for a templated body that reaches a barrier,
+/// called from an `extern "C"` wrapper whose own body holds only that call.
+const BARRIERS: [&str; 8] = [
     "__syncthreads",
     "__shfl",
     "block_sum",
@@ -36,6 +38,7 @@ const BARRIERS: [&str; 7] = [
     "warp_sum",
     "warp_max",
     "column_sums",
+    "_synced",
 ];
 
 /// The `extern "C"` kernels of a preprocessed `.cu`: name, and whether the body reaches a

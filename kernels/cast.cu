@@ -5,7 +5,8 @@
 // and stores where both pointers are aligned (map_elementwise in common.cuh).
 // CPU reference: backend::cpu::ops::cast_slice (and kernels::cast).
 // Kernels: cast_{src}_{dst} for src, dst in {f32, f16, bf16}, src != dst; the ones that
-// touch bf16 behind FSDP_BF16 (sm_80+).
+// touch bf16 behind FSDP_BF16 (sm_80+); cast_f64_f32 (round to nearest even, as Rust's
+// `as f32`) and cast_f32_f64 (exact).
 #include "common.cuh"
 
 #define CAST_KERNEL(NAME, SRC, DST)                                                    \
@@ -15,6 +16,8 @@
   }
 
 CAST_KERNEL(cast_f32_f16, float, __half)
+CAST_KERNEL(cast_f64_f32, double, float)
+CAST_KERNEL(cast_f32_f64, float, double)
 CAST_KERNEL(cast_f16_f32, __half, float)
 #if FSDP_BF16
 CAST_KERNEL(cast_f16_bf16, __half, __nv_bfloat16)

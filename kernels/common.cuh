@@ -7,6 +7,8 @@
 // - ROW_KERNEL: the launch bound of the one-block-per-row kernels
 // - warp/block sum and max reductions (blockDim.x a multiple of 32, at most 1024)
 // - map_elementwise: an elementwise map with 128-bit vector loads and stores where aligned
+// - the per-dtype math of the kernels templated on the element type T (float, double):
+//   k_exp/k_log/k_sqrt/k_max, is_f64<T>
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -81,11 +83,13 @@ __device__ inline void map_elementwise(const SRC* __restrict__ in, DST* __restri
 __device__ inline float to_f32(float v) { return v; }
 __device__ inline float to_f32(__half v) { return __half2float(v); }
 __device__ inline float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ inline float to_f32(double v) { return __double2float_rn(v); }
 
 template <typename T> __device__ inline T from_f32(float v);
 template <> __device__ inline float from_f32<float>(float v) { return v; }
 template <> __device__ inline __half from_f32<__half>(float v) { return __float2half_rn(v); }
 template <> __device__ inline __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ inline double from_f32<double>(float v) { return (double)v; }
 
 // e^x as backend::cpu::ops::exp (Cephes expf): clamp, x = n ln2 + r, degree-6 polynomial,
 // 2^n from the exponent bits. Same operations in the same order as the Rust reference.
@@ -120,36 +124,58 @@ __device__ inline float fsdp_erf(float x) {
   return copysignf(y, x);
 }
 
-__device__ inline float warp_sum(float v) {
+// ---- math of the kernels templated on T in {float, double} -----------------------------
+// f32: the CPU reference's polynomials (bitwise equal to it). f64: the C library's double
+// functions, as the CPU's f64 ops call them (ops::double: Rust's f64::exp/ln and libm's
+// erf): on the emulator the host's libm, on a GPU CUDA's (within 2 ulp). PyTorch computes
+// float64 tensors in float64.
+template <typename T>
+constexpr bool is_f64 = sizeof(T) == 8;
+__device__ inline float k_exp(float x) { return fsdp_exp(x); }
+__device__ inline double k_exp(double x) { return exp(x); }
+__device__ inline float k_erf(float x) { return fsdp_erf(x); }
+__device__ inline double k_erf(double x) { return erf(x); }
+__device__ inline float k_log(float x) { return logf(x); }
+__device__ inline double k_log(double x) { return log(x); }
+__device__ inline float k_sqrt(float x) { return sqrtf(x); }
+__device__ inline double k_sqrt(double x) { return sqrt(x); }
+__device__ inline float k_max(float a, float b) { return fmaxf(a, b); }
+__device__ inline double k_max(double a, double b) { return fmax(a, b); }
+
+template <typename T>
+__device__ inline T warp_sum(T v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
 
-__device__ inline float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+template <typename T>
+__device__ inline T warp_max(T v) {
+  for (int o = 16; o > 0; o >>= 1) v = k_max(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
 
-// Sum of v over the block, returned to every thread. `shared` holds 32 floats. Ends with a
+// Sum of v over the block, returned to every thread. `shared` holds 32 values. Ends with a
 // barrier, so the caller may reuse `shared` right after.
-__device__ inline float block_sum(float v, float* shared) {
+template <typename T>
+__device__ inline T block_sum(T v, T* shared) {
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   v = warp_sum(v);
   if (lane == 0) shared[warp] = v;
   __syncthreads();
-  float t = lane < nwarps ? shared[lane] : 0.0f;
+  T t = lane < nwarps ? shared[lane] : (T)0;
   t = warp_sum(t);
   __syncthreads();
   return t;
 }
 
 // Max of v over the block, returned to every thread; as block_sum.
-__device__ inline float block_max(float v, float* shared) {
+template <typename T>
+__device__ inline T block_max(T v, T* shared) {
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   v = warp_max(v);
   if (lane == 0) shared[warp] = v;
   __syncthreads();
-  float t = lane < nwarps ? shared[lane] : -INFINITY;
+  T t = lane < nwarps ? shared[lane] : (T)-INFINITY;
   t = warp_max(t);
   __syncthreads();
   return t;

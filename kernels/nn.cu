@@ -1,12 +1,17 @@
 // nn.cu: the layer kernels of the GPT (src/nn/): GELU, bias, LayerNorm, the attention
-// permutes and causal softmax, cross-entropy, embedding. f32 activations throughout (the
-// GEMMs around them are cuBLAS's). CPU references: backend::cpu::kernels (same names),
-// which reproduce the nn modules' loops. Row kernels take one block per row
-// (blockDim.x a multiple of 32), rows walked with stride gridDim.x.
+// permutes and causal softmax, cross-entropy, embedding (the GEMMs around them are
+// cuBLAS's). Each is a template on the element type T, stamped out as `<name>_f32` (float)
+// and `<name>_f64` (double): f64 tensors compute in f64 throughout, scalar arguments
+// (eps, scale, inv_n) included. CPU references: backend::cpu::kernels (same names) for
+// f32, which reproduce the nn modules' loops; ops::double for f64 (same formulas, the
+// libm functions in double: see k_exp in common.cuh). Row kernels take one block per row
+// (blockDim.x a multiple of 32), rows walked with stride gridDim.x. The signatures below
+// say f32; the f64 kernels take double where they take float.
 //
 // gelu_fwd_f32(x (n), y (n), n)              y = x Phi(x), exact-erf GELU         (=)
 // gelu_bwd_f32(x (n), dy (n), dx (n), n)      dx = dy GELU'(x)                    (=)
-//   Same erf/exp polynomials as the CPU (common.cuh): bitwise equal.
+//   f32: same erf/exp polynomials as the CPU (common.cuh): bitwise equal. f64: ops::double's
+//   x (Phi(x)) and Phi(x) + x phi(x), erf/exp in double.
 // relu_fwd_f32(x (n), y (n), n)              y = max(x, 0)                       (=)
 // relu_bwd_f32(x (n), dy (n), dx (n), n)      dx = dy * (x > 0 ? 1 : 0)           (=)
 //   As nn::activation::{relu, relu_grad}: bitwise equal.
@@ -33,19 +38,38 @@
 // split_heads_f32(y (B, T, H, hd), yh (B, H, T, hd), B, T, H, hd)                  (=)
 // softmax_causal_fwd_f32(s (rows, T), p (rows, T), rows, T, scale)
 //   row r is query t = r mod T: p[j] = exp(s[j] scale - max) / sum for j <= t, 0 after (=)
+//   (f32 multiplies by 1 / sum as the CPU's f32 loop; f64 divides as ops::double)
 // softmax_causal_bwd_f32(p (rows, T), dp (rows, T), ds (rows, T), rows, T, scale)
 //   ds[j] = p[j] (dp[j] - sum_i p[i] dp[i]) scale for j <= t, 0 after; ds may alias dp (=)
 // cross_entropy_f32(logits (N, V), targets (N) i32, losses (N), dlogits (N, V), N, V,
 //                   inv_n, invalid)
 //   losses[r] = logsumexp(row) - row[y]; dlogits = (softmax - onehot(y)) inv_n        (=)
+//   f32: dlogits = exp(x - max) (inv_n / sum) [- inv_n], loss log(sum) + max - x[y] (the
+//   CPU's f32 loop); f64: lse = max + log(sum), dlogits = (exp(x - lse) - onehot) inv_n,
+//   loss lse - x[y] (ops::double).
 //   A target outside [0, V): its row is left unwritten and the smallest such r is
 //   atomically min-ed into *invalid (the host sets it to u64::MAX first).
 // embedding_fwd_f32(ids (N) i32, table (V, C), out (N, C), N, V, C, invalid)
 //   out[i, :] = table[ids[i], :]; an id outside [0, V) writes zeros and min-s i into *invalid (=)
 // embedding_bwd_f32(ids (N), dout (N, C), grad (V, C), N, V, C)
 //   grad[ids[i], :] += dout[i, :] with atomicAdd: repeated ids add in any order     (+=)
+//   (double atomicAdd: sm_60 and later)
 //   ids outside [0, V) are skipped (the forward already reported them).
+// mean_rows_f32(losses (n) f32, n, out (1) f32)
+//   out[0] = f32((sum over r in order of f64(losses[r])) / n)     one thread: the host's sum
+// mean_rows_f64(losses (n) f64, n, out (1) f64)
+//   out[0] = (sum over r in order of losses[r]) * (1 / n)   as ops::double::cross_entropy
+// add_div_f32(acc (1) f32, x (1) f32, d)      acc[0] = acc[0] + x[0] / d         (f32)
+//   The loss on the device (no host read): a step's mean over micro-batches accumulates as
+//   the host's `l += lk / K` did.
+//
+// Templated bodies whose threads meet at a barrier are named `*_synced`: the emulator
+// (cuda-emu/build.rs) runs a kernel as fibers when its body names a barrier, and the
+// extern "C" wrapper's body only names the template.
 #include "common.cuh"
+
+// The f32 and f64 instances of a kernel: M(suffix, element type).
+#define F32_F64(M) M(f32, float) M(f64, double)
 
 __device__ inline float gelu_f(float x) {
   const float FRAC_1_SQRT_2 = 0.70710678118654752440f;
@@ -60,49 +84,61 @@ __device__ inline float gelu_df(float x) {
   return cdf + x * pdf;
 }
 
-extern "C" __global__ void gelu_fwd_f32(const float* __restrict__ x, float* __restrict__ y,
-                                        int64_t n) {
-  GRID_STRIDE_LOOP(i, n) { y[i] = gelu_f(x[i]); }
+// f64: ops::double's `act`, in its order (Rust's FRAC_1_SQRT_2 and FRAC_2_SQRT_PI).
+__device__ inline double gelu_f(double x) {
+  const double FRAC_1_SQRT_2 = 0.707106781186547524400844362104849039;
+  return x * (0.5 * (1.0 + erf(x * FRAC_1_SQRT_2)));
 }
 
-extern "C" __global__ void gelu_bwd_f32(const float* __restrict__ x, const float* __restrict__ dy,
-                                        float* __restrict__ dx, int64_t n) {
-  GRID_STRIDE_LOOP(i, n) { dx[i] = dy[i] * gelu_df(x[i]); }
+__device__ inline double gelu_df(double x) {
+  const double FRAC_1_SQRT_2 = 0.707106781186547524400844362104849039;
+  const double FRAC_2_SQRT_PI = 1.12837916709551257389615890312154517;
+  const double k = FRAC_2_SQRT_PI * FRAC_1_SQRT_2 * 0.5;  // 1 / sqrt(2 pi)
+  double cdf = 0.5 * (1.0 + erf(x * FRAC_1_SQRT_2));
+  double pdf = exp(-0.5 * x * x) * k;
+  return cdf + x * pdf;
 }
 
-extern "C" __global__ void relu_fwd_f32(const float* __restrict__ x, float* __restrict__ y,
-                                        int64_t n) {
-  GRID_STRIDE_LOOP(i, n) { y[i] = fmaxf(x[i], 0.0f); }
-}
-
-extern "C" __global__ void relu_bwd_f32(const float* __restrict__ x, const float* __restrict__ dy,
-                                        float* __restrict__ dx, int64_t n) {
-  GRID_STRIDE_LOOP(i, n) { dx[i] = dy[i] * (x[i] > 0.0f ? 1.0f : 0.0f); }
-}
-
-extern "C" __global__ void bias_add_f32(float* __restrict__ y, const float* __restrict__ b,
-                                        int64_t rows, int64_t c) {
-  GRID_STRIDE_LOOP(i, rows * c) { y[i] = y[i] + b[i % c]; }
-}
+#define POINTWISE_KERNELS(S, T)                                                             \
+  extern "C" __global__ void gelu_fwd_##S(const T* __restrict__ x, T* __restrict__ y,      \
+                                          int64_t n) {                                     \
+    GRID_STRIDE_LOOP(i, n) { y[i] = gelu_f(x[i]); }                                        \
+  }                                                                                        \
+  extern "C" __global__ void gelu_bwd_##S(const T* __restrict__ x, const T* __restrict__ dy, \
+                                          T* __restrict__ dx, int64_t n) {                 \
+    GRID_STRIDE_LOOP(i, n) { dx[i] = dy[i] * gelu_df(x[i]); }                              \
+  }                                                                                        \
+  extern "C" __global__ void relu_fwd_##S(const T* __restrict__ x, T* __restrict__ y,      \
+                                          int64_t n) {                                     \
+    GRID_STRIDE_LOOP(i, n) { y[i] = k_max(x[i], (T)0); }                                   \
+  }                                                                                        \
+  extern "C" __global__ void relu_bwd_##S(const T* __restrict__ x, const T* __restrict__ dy, \
+                                          T* __restrict__ dx, int64_t n) {                 \
+    GRID_STRIDE_LOOP(i, n) { dx[i] = dy[i] * (x[i] > (T)0 ? (T)1 : (T)0); }                \
+  }                                                                                        \
+  extern "C" __global__ void bias_add_##S(T* __restrict__ y, const T* __restrict__ b,      \
+                                          int64_t rows, int64_t c) {                       \
+    GRID_STRIDE_LOOP(i, rows * c) { y[i] = y[i] + b[i % c]; }                              \
+  }
+F32_F64(POINTWISE_KERNELS)
 
 #define COLUMN_TILE 32
 #define COLUMN_ROWS 32
 
 // sum_r a[r, j] (and sum_r a[r, j] b[r, j] when b is not null) for this block's columns,
 // added into out_a[j] (and out_ab[j]). Every thread of the block must call it.
-__device__ __forceinline__ void column_sums(const float* __restrict__ a,
-                                            const float* __restrict__ b,
-                                            float* __restrict__ out_a,
-                                            float* __restrict__ out_ab, int64_t rows,
-                                            int64_t c) {
-  __shared__ float part_a[COLUMN_ROWS][COLUMN_TILE + 1];
-  __shared__ float part_ab[COLUMN_ROWS][COLUMN_TILE + 1];
+template <typename T>
+__device__ __forceinline__ void column_sums(const T* __restrict__ a, const T* __restrict__ b,
+                                            T* __restrict__ out_a, T* __restrict__ out_ab,
+                                            int64_t rows, int64_t c) {
+  __shared__ T part_a[COLUMN_ROWS][COLUMN_TILE + 1];
+  __shared__ T part_ab[COLUMN_ROWS][COLUMN_TILE + 1];
   const int x = threadIdx.x % COLUMN_TILE, y = threadIdx.x / COLUMN_TILE;
   const int64_t j = (int64_t)blockIdx.x * COLUMN_TILE + x;
-  float sa = 0.0f, sab = 0.0f;
+  T sa = 0, sab = 0;
   if (j < c) {
     for (int64_t r = y; r < rows; r += COLUMN_ROWS) {
-      float v = a[r * c + j];
+      T v = a[r * c + j];
       sa += v;
       if (b != nullptr) sab += v * b[r * c + j];
     }
@@ -111,7 +147,7 @@ __device__ __forceinline__ void column_sums(const float* __restrict__ a,
   part_ab[y][x] = sab;
   __syncthreads();
   if (y == 0 && j < c) {
-    float ta = 0.0f, tab = 0.0f;
+    T ta = 0, tab = 0;
     for (int k = 0; k < COLUMN_ROWS; ++k) {
       ta += part_a[k][x];
       tab += part_ab[k][x];
@@ -121,179 +157,223 @@ __device__ __forceinline__ void column_sums(const float* __restrict__ a,
   }
 }
 
-extern "C" __global__ void ROW_KERNEL bias_grad_f32(const float* __restrict__ dy,
-                                                    float* __restrict__ db, int64_t rows,
-                                                    int64_t c) {
-  column_sums(dy, nullptr, db, nullptr, rows, c);
-}
+#define COLUMN_KERNELS(S, T)                                                                \
+  extern "C" __global__ void ROW_KERNEL bias_grad_##S(const T* __restrict__ dy,             \
+                                                      T* __restrict__ db, int64_t rows,     \
+                                                      int64_t c) {                          \
+    column_sums<T>(dy, nullptr, db, nullptr, rows, c);                                      \
+  }                                                                                         \
+  extern "C" __global__ void ROW_KERNEL layernorm_bwd_params_##S(                           \
+      const T* __restrict__ dy, const T* __restrict__ xhat, T* __restrict__ dw,             \
+      T* __restrict__ db, int64_t rows, int64_t c) {                                        \
+    column_sums<T>(dy, xhat, db, dw, rows, c);                                              \
+  }
+F32_F64(COLUMN_KERNELS)
 
-extern "C" __global__ void ROW_KERNEL layernorm_fwd_f32(const float* __restrict__ x, const float* __restrict__ w,
-                                             const float* __restrict__ b, float* __restrict__ y,
-                                             float* __restrict__ xhat, float* __restrict__ rstd,
-                                             int64_t rows, int64_t c, float eps) {
-  __shared__ float shared[32];
+template <typename T>
+__device__ inline void layernorm_fwd_synced(const T* __restrict__ x, const T* __restrict__ w,
+                                            const T* __restrict__ b, T* __restrict__ y,
+                                            T* __restrict__ xhat, T* __restrict__ rstd,
+                                            int64_t rows, int64_t c, T eps) {
+  __shared__ T shared[32];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const float* xr = x + r * c;
-    float s = 0.0f;
+    const T* xr = x + r * c;
+    T s = 0;
     for (int64_t j = threadIdx.x; j < c; j += blockDim.x) s += xr[j];
-    float mean = block_sum(s, shared) / (float)c;
-    float q = 0.0f;
+    T mean = block_sum(s, shared) / (T)c;
+    T q = 0;
     for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
-      float d = xr[j] - mean;
+      T d = xr[j] - mean;
       q += d * d;
     }
-    float var = block_sum(q, shared) / (float)c;
-    float rs = 1.0f / sqrtf(var + eps);
+    T var = block_sum(q, shared) / (T)c;
+    T rs = (T)1 / k_sqrt(var + eps);
     if (threadIdx.x == 0) rstd[r] = rs;
     for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
-      float nrm = (xr[j] - mean) * rs;
+      T nrm = (xr[j] - mean) * rs;
       if (xhat != nullptr) xhat[r * c + j] = nrm;
       y[r * c + j] = nrm * w[j] + b[j];
     }
   }
 }
 
-extern "C" __global__ void ROW_KERNEL layernorm_bwd_f32(const float* __restrict__ dy, const float* __restrict__ xhat,
-                                             const float* __restrict__ rstd, const float* __restrict__ w,
-                                             float* __restrict__ dx, int64_t rows, int64_t c) {
-  __shared__ float shared[32];
+template <typename T>
+__device__ inline void layernorm_bwd_synced(const T* __restrict__ dy, const T* __restrict__ xhat,
+                                            const T* __restrict__ rstd, const T* __restrict__ w,
+                                            T* __restrict__ dx, int64_t rows, int64_t c) {
+  __shared__ T shared[32];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const float* dyr = dy + r * c;
-    const float* xr = xhat + r * c;
-    float m1 = 0.0f, m2 = 0.0f;
+    const T* dyr = dy + r * c;
+    const T* xr = xhat + r * c;
+    T m1 = 0, m2 = 0;
     for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
-      float d = dyr[j] * w[j];
+      T d = dyr[j] * w[j];
       m1 += d;
       m2 += d * xr[j];
     }
-    m1 = block_sum(m1, shared) / (float)c;
-    m2 = block_sum(m2, shared) / (float)c;
-    float rs = rstd[r];
+    m1 = block_sum(m1, shared) / (T)c;
+    m2 = block_sum(m2, shared) / (T)c;
+    T rs = rstd[r];
     for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
       dx[r * c + j] = rs * (dyr[j] * w[j] - m1 - xr[j] * m2);
     }
   }
 }
 
-extern "C" __global__ void ROW_KERNEL layernorm_bwd_params_f32(const float* __restrict__ dy,
-                                                               const float* __restrict__ xhat,
-                                                               float* __restrict__ dw,
-                                                               float* __restrict__ db,
-                                                               int64_t rows, int64_t c) {
-  column_sums(dy, xhat, db, dw, rows, c);
-}
+#define LAYERNORM_KERNELS(S, T)                                                              \
+  extern "C" __global__ void ROW_KERNEL layernorm_fwd_##S(                                   \
+      const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,             \
+      T* __restrict__ y, T* __restrict__ xhat, T* __restrict__ rstd, int64_t rows,           \
+      int64_t c, T eps) {                                                                    \
+    layernorm_fwd_synced<T>(x, w, b, y, xhat, rstd, rows, c, eps);                           \
+  }                                                                                          \
+  extern "C" __global__ void ROW_KERNEL layernorm_bwd_##S(                                   \
+      const T* __restrict__ dy, const T* __restrict__ xhat, const T* __restrict__ rstd,      \
+      const T* __restrict__ w, T* __restrict__ dx, int64_t rows, int64_t c) {                \
+    layernorm_bwd_synced<T>(dy, xhat, rstd, w, dx, rows, c);                                 \
+  }
+F32_F64(LAYERNORM_KERNELS)
 
 // (B, T, 3, H, hd) <-> 3 x (B, H, T, hd); i walks the head-major layout.
-extern "C" __global__ void split_qkv_f32(const float* __restrict__ qkv, float* __restrict__ q,
-                                         float* __restrict__ k, float* __restrict__ v, int64_t B,
-                                         int64_t T, int64_t H, int64_t hd) {
-  GRID_STRIDE_LOOP(i, B * H * T * hd) {
-    int64_t d = i % hd, t = (i / hd) % T, h = (i / (hd * T)) % H, b = i / (hd * T * H);
-    int64_t src = ((b * T + t) * 3 * H + h) * hd + d;
-    q[i] = qkv[src];
-    k[i] = qkv[src + H * hd];
-    v[i] = qkv[src + 2 * H * hd];
+#define HEAD_KERNELS(S, T)                                                                   \
+  extern "C" __global__ void split_qkv_##S(const T* __restrict__ qkv, T* __restrict__ q,     \
+                                           T* __restrict__ k, T* __restrict__ v, int64_t B,  \
+                                           int64_t Tn, int64_t H, int64_t hd) {              \
+    GRID_STRIDE_LOOP(i, B * H * Tn * hd) {                                                   \
+      int64_t d = i % hd, t = (i / hd) % Tn, h = (i / (hd * Tn)) % H, b = i / (hd * Tn * H); \
+      int64_t src = ((b * Tn + t) * 3 * H + h) * hd + d;                                     \
+      q[i] = qkv[src];                                                                       \
+      k[i] = qkv[src + H * hd];                                                              \
+      v[i] = qkv[src + 2 * H * hd];                                                          \
+    }                                                                                        \
+  }                                                                                          \
+  extern "C" __global__ void merge_qkv_##S(const T* __restrict__ dq, const T* __restrict__ dk, \
+                                           const T* __restrict__ dv, T* __restrict__ dqkv,   \
+                                           int64_t B, int64_t Tn, int64_t H, int64_t hd) {   \
+    GRID_STRIDE_LOOP(i, B * H * Tn * hd) {                                                   \
+      int64_t d = i % hd, t = (i / hd) % Tn, h = (i / (hd * Tn)) % H, b = i / (hd * Tn * H); \
+      int64_t dst = ((b * Tn + t) * 3 * H + h) * hd + d;                                     \
+      dqkv[dst] = dq[i];                                                                     \
+      dqkv[dst + H * hd] = dk[i];                                                            \
+      dqkv[dst + 2 * H * hd] = dv[i];                                                        \
+    }                                                                                        \
+  }                                                                                          \
+  extern "C" __global__ void merge_heads_##S(const T* __restrict__ yh, T* __restrict__ y,    \
+                                             int64_t B, int64_t Tn, int64_t H, int64_t hd) { \
+    GRID_STRIDE_LOOP(i, B * H * Tn * hd) {                                                   \
+      int64_t d = i % hd, t = (i / hd) % Tn, h = (i / (hd * Tn)) % H, b = i / (hd * Tn * H); \
+      y[((b * Tn + t) * H + h) * hd + d] = yh[i];                                            \
+    }                                                                                        \
+  }                                                                                          \
+  extern "C" __global__ void split_heads_##S(const T* __restrict__ y, T* __restrict__ yh,    \
+                                             int64_t B, int64_t Tn, int64_t H, int64_t hd) { \
+    GRID_STRIDE_LOOP(i, B * H * Tn * hd) {                                                   \
+      int64_t d = i % hd, t = (i / hd) % Tn, h = (i / (hd * Tn)) % H, b = i / (hd * Tn * H); \
+      yh[i] = y[((b * Tn + t) * H + h) * hd + d];                                            \
+    }                                                                                        \
   }
-}
+F32_F64(HEAD_KERNELS)
 
-extern "C" __global__ void merge_qkv_f32(const float* __restrict__ dq, const float* __restrict__ dk,
-                                         const float* __restrict__ dv, float* __restrict__ dqkv,
-                                         int64_t B, int64_t T, int64_t H, int64_t hd) {
-  GRID_STRIDE_LOOP(i, B * H * T * hd) {
-    int64_t d = i % hd, t = (i / hd) % T, h = (i / (hd * T)) % H, b = i / (hd * T * H);
-    int64_t dst = ((b * T + t) * 3 * H + h) * hd + d;
-    dqkv[dst] = dq[i];
-    dqkv[dst + H * hd] = dk[i];
-    dqkv[dst + 2 * H * hd] = dv[i];
-  }
-}
+// p = e / sum: the f32 CPU loop multiplies by the reciprocal, ops::double divides.
+__device__ inline float normalize(float e, float sum) { return e * (1.0f / sum); }
+__device__ inline double normalize(double e, double sum) { return e / sum; }
 
-extern "C" __global__ void merge_heads_f32(const float* __restrict__ yh, float* __restrict__ y,
-                                           int64_t B, int64_t T, int64_t H, int64_t hd) {
-  GRID_STRIDE_LOOP(i, B * H * T * hd) {
-    int64_t d = i % hd, t = (i / hd) % T, h = (i / (hd * T)) % H, b = i / (hd * T * H);
-    y[((b * T + t) * H + h) * hd + d] = yh[i];
-  }
-}
-
-extern "C" __global__ void split_heads_f32(const float* __restrict__ y, float* __restrict__ yh,
-                                           int64_t B, int64_t T, int64_t H, int64_t hd) {
-  GRID_STRIDE_LOOP(i, B * H * T * hd) {
-    int64_t d = i % hd, t = (i / hd) % T, h = (i / (hd * T)) % H, b = i / (hd * T * H);
-    yh[i] = y[((b * T + t) * H + h) * hd + d];
-  }
-}
-
-extern "C" __global__ void ROW_KERNEL softmax_causal_fwd_f32(const float* __restrict__ s, float* __restrict__ p,
-                                                  int64_t rows, int64_t T, float scale) {
-  __shared__ float shared[32];
+template <typename T>
+__device__ inline void softmax_causal_fwd_synced(const T* __restrict__ s, T* __restrict__ p,
+                                                 int64_t rows, int64_t Tn, T scale) {
+  __shared__ T shared[32];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    int64_t t = r % T;
-    const float* sr = s + r * T;
-    float* pr = p + r * T;
-    float mx = -INFINITY;
-    for (int64_t j = threadIdx.x; j <= t; j += blockDim.x) mx = fmaxf(mx, sr[j] * scale);
+    int64_t t = r % Tn;
+    const T* sr = s + r * Tn;
+    T* pr = p + r * Tn;
+    T mx = -INFINITY;
+    for (int64_t j = threadIdx.x; j <= t; j += blockDim.x) mx = k_max(mx, sr[j] * scale);
     mx = block_max(mx, shared);
-    float sum = 0.0f;
-    for (int64_t j = threadIdx.x; j <= t; j += blockDim.x) sum += fsdp_exp(sr[j] * scale - mx);
-    float inv = 1.0f / block_sum(sum, shared);
-    for (int64_t j = threadIdx.x; j < T; j += blockDim.x) {
-      pr[j] = j <= t ? fsdp_exp(sr[j] * scale - mx) * inv : 0.0f;
+    T sum = 0;
+    for (int64_t j = threadIdx.x; j <= t; j += blockDim.x) sum += k_exp(sr[j] * scale - mx);
+    sum = block_sum(sum, shared);
+    for (int64_t j = threadIdx.x; j < Tn; j += blockDim.x) {
+      pr[j] = j <= t ? normalize(k_exp(sr[j] * scale - mx), sum) : (T)0;
     }
   }
 }
 
 // No __restrict__ on dp/ds: the runtime computes ds in place of dp.
-extern "C" __global__ void ROW_KERNEL softmax_causal_bwd_f32(const float* __restrict__ p, const float* dp,
-                                                  float* ds, int64_t rows, int64_t T, float scale) {
-  __shared__ float shared[32];
+template <typename T>
+__device__ inline void softmax_causal_bwd_synced(const T* __restrict__ p, const T* dp, T* ds,
+                                                 int64_t rows, int64_t Tn, T scale) {
+  __shared__ T shared[32];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    int64_t t = r % T;
-    const float* pr = p + r * T;
-    const float* dr = dp + r * T;
-    float dot = 0.0f;
+    int64_t t = r % Tn;
+    const T* pr = p + r * Tn;
+    const T* dr = dp + r * Tn;
+    T dot = 0;
     for (int64_t j = threadIdx.x; j <= t; j += blockDim.x) dot += pr[j] * dr[j];
     dot = block_sum(dot, shared);  // ends with a barrier: every read of dp is done
-    for (int64_t j = threadIdx.x; j < T; j += blockDim.x) {
-      ds[r * T + j] = j <= t ? pr[j] * (dr[j] - dot) * scale : 0.0f;
+    for (int64_t j = threadIdx.x; j < Tn; j += blockDim.x) {
+      ds[r * Tn + j] = j <= t ? pr[j] * (dr[j] - dot) * scale : (T)0;
     }
   }
 }
 
-extern "C" __global__ void ROW_KERNEL cross_entropy_f32(const float* __restrict__ logits,
-                                             const int32_t* __restrict__ targets,
-                                             float* __restrict__ losses, float* __restrict__ dlogits,
-                                             int64_t n, int64_t V, float inv_n,
-                                             unsigned long long* __restrict__ invalid) {
-  __shared__ float shared[32];
+#define SOFTMAX_KERNELS(S, T)                                                                \
+  extern "C" __global__ void ROW_KERNEL softmax_causal_fwd_##S(                              \
+      const T* __restrict__ s, T* __restrict__ p, int64_t rows, int64_t Tn, T scale) {       \
+    softmax_causal_fwd_synced<T>(s, p, rows, Tn, scale);                                     \
+  }                                                                                          \
+  extern "C" __global__ void ROW_KERNEL softmax_causal_bwd_##S(                              \
+      const T* __restrict__ p, const T* dp, T* ds, int64_t rows, int64_t Tn, T scale) {      \
+    softmax_causal_bwd_synced<T>(p, dp, ds, rows, Tn, scale);                                \
+  }
+F32_F64(SOFTMAX_KERNELS)
+
+template <typename T>
+__device__ inline void cross_entropy_synced(const T* __restrict__ logits,
+                                            const int32_t* __restrict__ targets,
+                                            T* __restrict__ losses, T* __restrict__ dlogits,
+                                            int64_t n, int64_t V, T inv_n,
+                                            unsigned long long* __restrict__ invalid) {
+  __shared__ T shared[32];
   for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
     int32_t y = targets[r];
     if (y < 0 || (int64_t)y >= V) {
       if (threadIdx.x == 0) atomicMin(invalid, (unsigned long long)r);
       continue;  // uniform across the block: no barrier is skipped by part of it
     }
-    const float* lr = logits + r * V;
-    float* gr = dlogits + r * V;
-    float mx = -INFINITY;
-    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, lr[j]);
+    const T* lr = logits + r * V;
+    T* gr = dlogits + r * V;
+    T mx = -INFINITY;
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) mx = k_max(mx, lr[j]);
     mx = block_max(mx, shared);
-    float sum = 0.0f;
-    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) sum += fsdp_exp(lr[j] - mx);
+    T sum = 0;
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) sum += k_exp(lr[j] - mx);
     sum = block_sum(sum, shared);
-    float inv = inv_n / sum;
-    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
-      float g = fsdp_exp(lr[j] - mx) * inv;
-      gr[j] = j == y ? g - inv_n : g;
+    if constexpr (is_f64<T>) {
+      const T lse = mx + k_log(sum);
+      for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+        gr[j] = (k_exp(lr[j] - lse) - (j == y ? (T)1 : (T)0)) * inv_n;
+      }
+      if (threadIdx.x == 0) losses[r] = lse - lr[y];
+    } else {
+      T inv = inv_n / sum;
+      for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+        T g = k_exp(lr[j] - mx) * inv;
+        gr[j] = j == y ? g - inv_n : g;
+      }
+      if (threadIdx.x == 0) losses[r] = k_log(sum) + mx - lr[y];
     }
-    if (threadIdx.x == 0) losses[r] = logf(sum) + mx - lr[y];
   }
 }
 
-// mean_rows_f32(losses (n) f32, n, out (1) f32)
-//   out[0] = f32((sum over r in order of f64(losses[r])) / n)     one thread: the host's sum
-// add_div_f32(acc (1) f32, x (1) f32, d)      acc[0] = acc[0] + x[0] / d         (f32)
-//   The loss on the device (no host read): a step's mean over micro-batches accumulates as
-//   the host's `l += lk / K` did.
+#define CROSS_ENTROPY_KERNEL(S, T)                                                          \
+  extern "C" __global__ void ROW_KERNEL cross_entropy_##S(                                  \
+      const T* __restrict__ logits, const int32_t* __restrict__ targets,                    \
+      T* __restrict__ losses, T* __restrict__ dlogits, int64_t n, int64_t V, T inv_n,       \
+      unsigned long long* __restrict__ invalid) {                                           \
+    cross_entropy_synced<T>(logits, targets, losses, dlogits, n, V, inv_n, invalid);        \
+  }
+F32_F64(CROSS_ENTROPY_KERNEL)
+
 extern "C" __global__ void mean_rows_f32(const float* __restrict__ losses, int64_t n,
                                          float* __restrict__ out) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
@@ -301,33 +381,43 @@ extern "C" __global__ void mean_rows_f32(const float* __restrict__ losses, int64
   for (int64_t r = 0; r < n; ++r) total += (double)losses[r];
   out[0] = (float)(total / (double)n);
 }
+extern "C" __global__ void mean_rows_f64(const double* __restrict__ losses, int64_t n,
+                                         double* __restrict__ out) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  double total = 0.0;
+  for (int64_t r = 0; r < n; ++r) total += losses[r];
+  out[0] = total * (1.0 / (double)n);
+}
 extern "C" __global__ void add_div_f32(float* __restrict__ acc, const float* __restrict__ x,
                                        float d) {
   if (blockIdx.x == 0 && threadIdx.x == 0) acc[0] = acc[0] + x[0] / d;
 }
 
-extern "C" __global__ void embedding_fwd_f32(const int32_t* __restrict__ ids,
-                                             const float* __restrict__ table, float* __restrict__ out,
-                                             int64_t n, int64_t V, int64_t c,
-                                             unsigned long long* __restrict__ invalid) {
-  GRID_STRIDE_LOOP(i, n * c) {
-    int64_t row = i / c, j = i % c;
-    int32_t id = ids[row];
-    if (id < 0 || (int64_t)id >= V) {
-      out[i] = 0.0f;
-      if (j == 0) atomicMin(invalid, (unsigned long long)row);
-    } else {
-      out[i] = table[(int64_t)id * c + j];
-    }
+#define EMBEDDING_KERNELS(S, T)                                                             \
+  extern "C" __global__ void embedding_fwd_##S(const int32_t* __restrict__ ids,             \
+                                               const T* __restrict__ table,                 \
+                                               T* __restrict__ out, int64_t n, int64_t V,   \
+                                               int64_t c,                                   \
+                                               unsigned long long* __restrict__ invalid) {  \
+    GRID_STRIDE_LOOP(i, n * c) {                                                            \
+      int64_t row = i / c, j = i % c;                                                       \
+      int32_t id = ids[row];                                                                \
+      if (id < 0 || (int64_t)id >= V) {                                                     \
+        out[i] = (T)0;                                                                      \
+        if (j == 0) atomicMin(invalid, (unsigned long long)row);                            \
+      } else {                                                                              \
+        out[i] = table[(int64_t)id * c + j];                                                \
+      }                                                                                     \
+    }                                                                                       \
+  }                                                                                         \
+  extern "C" __global__ void embedding_bwd_##S(const int32_t* __restrict__ ids,             \
+                                               const T* __restrict__ dout,                  \
+                                               T* __restrict__ grad, int64_t n, int64_t V,  \
+                                               int64_t c) {                                 \
+    GRID_STRIDE_LOOP(i, n * c) {                                                            \
+      int64_t row = i / c, j = i % c;                                                       \
+      int32_t id = ids[row];                                                                \
+      if (id >= 0 && (int64_t)id < V) atomicAdd(&grad[(int64_t)id * c + j], dout[i]);      \
+    }                                                                                       \
   }
-}
-
-extern "C" __global__ void embedding_bwd_f32(const int32_t* __restrict__ ids,
-                                             const float* __restrict__ dout, float* __restrict__ grad,
-                                             int64_t n, int64_t V, int64_t c) {
-  GRID_STRIDE_LOOP(i, n * c) {
-    int64_t row = i / c, j = i % c;
-    int32_t id = ids[row];
-    if (id >= 0 && (int64_t)id < V) atomicAdd(&grad[(int64_t)id * c + j], dout[i]);
-  }
-}
+F32_F64(EMBEDDING_KERNELS)

@@ -17,7 +17,12 @@
 // sum_into_{dtype}(acc (n), x (n), n)
 //   acc[i] = cast<dtype>(f32(acc[i]) + f32(x[i]))                               (accumulates)
 //   The threads backend's reduction on device buffers: one rounding per added rank.
-// scale_f32(x (n), alpha, n)      x[i] = x[i] * alpha                          (in place)
+//   sum_into_f64: acc[i] = acc[i] + x[i] in f64.
+// scale_{f32,f64}(x (n), alpha, n)      x[i] = x[i] * alpha                    (in place)
+// div_scale_f64(x (n) f64, out (n) f64, factor, divide, n)
+//   out[i] = divide ? x[i] / factor : x[i] * factor                    (=; out may be x)
+//   The f64 FlatParameter's pack and unpack (ops::flat: PyTorch FSDP reduces an f64
+//   gradient in f64, dividing by the divide factor).
 // dtype in {f32, f16, bf16}; bf16 behind FSDP_BF16 (sm_80+). pack/unpack use 128-bit
 // vector loads and stores where aligned (map_elementwise in common.cuh).
 #include "common.cuh"
@@ -55,6 +60,11 @@ UNPACK_GRAD_KERNEL(unpack_grad_f32, float)
 UNPACK_GRAD_KERNEL(unpack_grad_f16, __half)
 SUM_INTO_KERNEL(sum_into_f32, float)
 SUM_INTO_KERNEL(sum_into_f16, __half)
+// f64: acc[i] = acc[i] + x[i] in f64 (Tensor.add_ of f64 tensors).
+extern "C" __global__ void sum_into_f64(double* __restrict__ acc, const double* __restrict__ x,
+                                        int64_t n) {
+  GRID_STRIDE_LOOP(i, n) { acc[i] = acc[i] + x[i]; }
+}
 #if FSDP_BF16
 PACK_GRAD_KERNEL(pack_grad_bf16, __nv_bfloat16)
 PACK_GRAD_LP_KERNEL(pack_grad_bf16_f32, __nv_bfloat16, float)
@@ -65,16 +75,26 @@ UNPACK_GRAD_KERNEL(unpack_grad_bf16, __nv_bfloat16)
 SUM_INTO_KERNEL(sum_into_bf16, __nv_bfloat16)
 #endif
 
-extern "C" __global__ void scale_f32(float* __restrict__ x, float alpha, int64_t n) {
-  GRID_STRIDE_LOOP(i, n) { x[i] = x[i] * alpha; }
+#define SCALE_KERNEL(S, T)                                                  \
+  extern "C" __global__ void scale_##S(T* __restrict__ x, T alpha, int64_t n) { \
+    GRID_STRIDE_LOOP(i, n) { x[i] = x[i] * alpha; }                          \
+  }
+SCALE_KERNEL(f32, float)
+SCALE_KERNEL(f64, double)
+
+// No __restrict__: out may be x (in place), each element read and written by one thread.
+extern "C" __global__ void div_scale_f64(const double* x, double* out, double factor,
+                                         int32_t divide, int64_t n) {
+  GRID_STRIDE_LOOP(i, n) { out[i] = divide ? x[i] / factor : x[i] * factor; }
 }
 
-// sumsq_partial_f32(x (n) f32, partial (gridDim.x) f64, n)
+// sumsq_partial_{f32,f64}(x (n), partial (gridDim.x) f64, n)
 //   partial[b] = sum over the elements block b visits of f64(x[i])^2            (overwrites)
 //   The first pass of clip_grad_norm_'s squared 2-norm: the host adds the per-block partials
 //   in f64, in block order (deterministic for a fixed grid). Launch with 256 threads.
-extern "C" __global__ void sumsq_partial_f32(const float* __restrict__ x,
-                                             double* __restrict__ partial, int64_t n) {
+template <typename T>
+__device__ inline void sumsq_partial_synced(const T* __restrict__ x, double* __restrict__ partial,
+                                            int64_t n) {
   __shared__ double acc[256];
   double s = 0.0;
   GRID_STRIDE_LOOP(i, n) {
@@ -89,6 +109,13 @@ extern "C" __global__ void sumsq_partial_f32(const float* __restrict__ x,
   }
   if (threadIdx.x == 0) partial[blockIdx.x] = acc[0];
 }
+#define SUMSQ_KERNEL(S, T)                                                              \
+  extern "C" __global__ void sumsq_partial_##S(const T* __restrict__ x,                 \
+                                               double* __restrict__ partial, int64_t n) { \
+    sumsq_partial_synced<T>(x, partial, n);                                             \
+  }
+SUMSQ_KERNEL(f32, float)
+SUMSQ_KERNEL(f64, double)
 
 // The rest of clip_grad_norm_ on the device (PyTorch's way: no host read of the norm).
 // sumsq_fold_f64(partial (nblocks) f64, nblocks, acc (1) f64)
@@ -120,9 +147,23 @@ extern "C" __global__ void clip_coef_f32(const double* __restrict__ sumsq, float
   coef[0] = fminf(max_norm / (total + 1e-6f), 1.0f);
 }
 
-// scale_by_f32(x (n) f32, alpha (1) f32, n)      x[i] = x[i] * alpha[0]          (in place)
-extern "C" __global__ void scale_by_f32(float* __restrict__ x, const float* __restrict__ alpha,
-                                        int64_t n) {
-  const float a = alpha[0];
-  GRID_STRIDE_LOOP(i, n) { x[i] = x[i] * a; }
+// clip_coef_f64(sumsq (1) f64, max_norm, norm (1) f32, coef (1) f64)
+//   total = sqrt(sumsq[0]); norm[0] = f32(total); coef[0] = min(max_norm / (total + 1e-6), 1)
+//   in f64 (fsdp::grad's host path for f64 gradients; max_norm the f64 it spells)
+extern "C" __global__ void clip_coef_f64(const double* __restrict__ sumsq, double max_norm,
+                                         float* __restrict__ norm, double* __restrict__ coef) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  const double total = sqrt(sumsq[0]);
+  norm[0] = (float)total;
+  coef[0] = fmin(max_norm / (total + 1e-6), 1.0);
 }
+
+// scale_by_{f32,f64}(x (n), alpha (1), n)      x[i] = x[i] * alpha[0]            (in place)
+#define SCALE_BY_KERNEL(S, T)                                                             \
+  extern "C" __global__ void scale_by_##S(T* __restrict__ x, const T* __restrict__ alpha, \
+                                          int64_t n) {                                    \
+    const T a = alpha[0];                                                                 \
+    GRID_STRIDE_LOOP(i, n) { x[i] = x[i] * a; }                                           \
+  }
+SCALE_BY_KERNEL(f32, float)
+SCALE_BY_KERNEL(f64, double)

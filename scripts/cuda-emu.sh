@@ -7,8 +7,8 @@
 #      threads backend on device buffers, NCCL at world size 1, the C ABI with device
 #      tensors and the host's stream) against the CPU;
 #   2. `fsdp train --device cuda` loss curves against `--device cpu`: world size 1, 2 ranks
-#      on 2 emulated devices (peer copies), mixed precision, CPU offload, and one process
-#      under `fsdp launch` (NCCL).
+#      on 2 emulated devices (peer copies), mixed precision, f64, CPU offload, and one
+#      process under `fsdp launch` (NCCL).
 # Stream work is deferred until something forces it (cuda-emu/src/queue.rs), so a missing
 # event wait fails the checks; CUDA_EMU_SCHEDULE=eager runs work when issued instead.
 # Each check prints PASS or FAIL; the script exits 1 when one failed. A test that skips its
@@ -132,12 +132,17 @@ if [ "$what" != tests ]; then
   run nccl-ws1 "$fsdp" launch --nproc-per-node 1 --master-port 0 -- "$fsdp" train --device cuda --world-size 1
   run nccl-ws2 "$fsdp" launch --nproc-per-node 2 --master-port 0 -- "$fsdp" train --device cuda --world-size 2
   run nccl-ws2-bf16 "$fsdp" launch --nproc-per-node 2 --master-port 0 -- "$fsdp" train --device cuda --world-size 2 --mixed-precision bf16
+  # f64 (`model.double()`): the _f64 kernels against the CPU's f64 loops.
+  run cpu-ws2-f64 "$fsdp" train --device cpu --world-size 2 --mixed-precision f64
+  run cuda-ws2-f64 "$fsdp" train --device cuda --world-size 2 --mixed-precision f64
   run cuda-ws4 "$fsdp" train --device cuda --world-size 4
   run nccl-ws4 "$fsdp" launch --nproc-per-node 4 --master-port 0 -- "$fsdp" train --device cuda --world-size 4
   check "cuda vs cpu, world size 1 (f32)" cuda-ws1 cpu-ws1
   check "cuda vs cpu, 2 ranks on $CUDA_EMU_DEVICES device(s) (f32)" cuda-ws2 cpu-ws2
   check "cuda vs cpu, 2 ranks, shard-grad-op" cuda-ws2-zero2 cpu-ws2-zero2
   check "cuda vs cpu, 2 ranks, bf16 mixed precision" cuda-ws2-bf16 cpu-ws2-bf16 1e-2
+  # f64 losses reach the metrics rounded to f32: equal to its rounding.
+  check "cuda vs cpu, 2 ranks, f64" cuda-ws2-f64 cpu-ws2-f64 1e-6
   # CPU offload (shards in pinned host memory, the optimizer on the host): bit for bit the
   # same run without offload (the emulated kernels are the host's arithmetic), and (f32)
   # close to the CPU's offload run.
@@ -193,6 +198,7 @@ PY
   counters cuda-ws2 2
   counters cuda-ws2-zero2 2
   counters cuda-ws2-bf16 2
+  counters cuda-ws2-f64 2
   counters cuda-ws4 4
   counters cuda-ws1-offload 1 1
   counters cuda-ws1-bf16-offload 1 1

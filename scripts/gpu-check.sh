@@ -30,7 +30,7 @@ root="$(pwd)"
 bin="$root/.gpu-bin"
 # Test binaries with CUDA variants (`*_cuda` tests); missing ones are skipped, so a test
 # file another branch adds (the nn layers on device) is picked up once it exists.
-CUDA_TESTS="kernels kernels_nn ops_device nn_device zero_size fsdp_zero_size fsdp_cuda distributed"
+CUDA_TESTS="kernels kernels_nn ops_device nn_device zero_size fsdp_zero_size fsdp_cuda distributed f64_device"
 
 exe_of() { # exe_of KIND: the last executable of that kind in cargo's JSON messages
   python3 -c 'import json,sys

@@ -7,10 +7,10 @@
 //! | file | kernels | CPU reference |
 //! |---|---|---|
 //! | `flat_param.cu` | `copy_{dtype}`, `fill_{dtype}`, `pad_copy_{dtype}` | [`crate::backend::cpu::kernels`] |
-//! | `reduce_scatter.cu` | `pack_grad_{dtype}`, `sum_into_{dtype}`, `scale_f32` | [`crate::backend::cpu::kernels`] |
+//! | `reduce_scatter.cu` | `pack_grad_{dtype}`, `sum_into_{dtype}`, `scale_{f32,f64}`, `div_scale_f64`, `sumsq_partial_{f32,f64}`, `clip_coef_{f32,f64}` | [`crate::backend::cpu::kernels`] |
 //! | `cast.cu` | `cast_{src}_{dst}` | [`cast_slice`](crate::backend::cpu::ops::cast_slice) |
-//! | `optim.cu` | `sgd_f32`, `adam_f32` | [`crate::optim`] (`SGD`, `Adam`, `AdamW`) |
-//! | `nn.cu` | `gelu_*`, `relu_*`, `layernorm_*`, `softmax_*`, `cross_entropy_*`, `embedding_*`, `bias_*` | [`crate::backend::cpu::kernels`], [`crate::nn`] |
+//! | `optim.cu` | `sgd_{f32,f64}`, `adam_{f32,f64}` | [`crate::optim`] (`SGD`, `Adam`, `AdamW`) |
+//! | `nn.cu` | `gelu_*`, `relu_*`, `layernorm_*`, `softmax_*`, `cross_entropy_*`, `embedding_*`, `bias_*` (each `_f32` and `_f64`) | [`crate::backend::cpu::kernels`], [`crate::nn`] (f64: `ops::double`) |
 //! | `collective.cu` | `reduce_ranks_{dtype}` | the threads backend's host reduction (`distributed::threads`) |
 //! | `batchnorm.cu` | `batchnorm_{stats,fwd,bwd_stats,bwd_dx}_{f32,f64}`, `_lp_{bf16,f16}_{param}`, `batchnorm_count_i64` | `ops::batchnorm` (host loops), `ops::lowp::batchnorm` |
 

@@ -3,93 +3,21 @@
 //! world sizes 1 to 4 on thread ranks) it equals unsharded f64 training to 1e-12, its
 //! first-step gradient included; the whole model's gradient matches central finite
 //! differences of the f64 loss; `clip_grad_norm_` clips in f64; the train job runs in f64
-//! (`--mixed-precision f64`).
+//! (`--mixed-precision f64`). The same model and loop on CUDA: `tests/f64_device.rs`.
 
 mod common;
+#[path = "common/f64_model.rs"]
+mod f64_model;
 
+use f64_model::{batch, gpt, max_err, optimizer, params, Named, Run, STEPS};
 use fsdp::distributed::{launch, LaunchOptions};
 use fsdp::fsdp::{
-    transformer_auto_wrap_policy, FsdpConfig, FullStateDictConfig, FullyShardedDataParallel,
-    ShardingStrategy, StateDict, StateDictConfig,
+    transformer_auto_wrap_policy, FsdpConfig, FullyShardedDataParallel, ShardingStrategy,
 };
-use fsdp::nn::{self, Context, GptConfig, Module, GPT};
+use fsdp::nn::{self, Context, Module};
 use fsdp::ops;
-use fsdp::optim::{Adam, AdamConfig, AdamW, Optimizer, ParamGrad};
+use fsdp::optim::ParamGrad;
 use fsdp::tensor::{DType, Tensor};
-
-/// `(name, values)` pairs.
-type Named = Vec<(String, Vec<f64>)>;
-
-/// 2 blocks of width 8 with 2 heads over 13 tokens: 1,872 parameters (`wpe` rows past `T`
-/// get no gradient: `T` is the block size here, so every row does).
-const CFG: GptConfig = GptConfig {
-    vocab_size: 13,
-    block_size: 5,
-    n_layer: 2,
-    n_head: 2,
-    n_embd: 8,
-};
-const B: usize = 2;
-const STEPS: usize = 3;
-
-fn gpt() -> Box<dyn Module> {
-    let mut m = GPT::new(CFG, 11).unwrap();
-    nn::module_to_dtype(&mut m, DType::F64).unwrap();
-    Box::new(m)
-}
-
-/// Rank `r`'s token ids and targets `(B, T)` at step `s`.
-fn batch(r: usize, s: usize) -> (Tensor, Tensor) {
-    let t = CFG.block_size;
-    let v = CFG.vocab_size;
-    let ids: Vec<i32> = (0..B * t)
-        .map(|i| ((7 * i + 3 * r + 5 * s + 1) % v) as i32)
-        .collect();
-    let tg: Vec<i32> = (0..B * t)
-        .map(|i| ((5 * i + 2 * r + 3 * s + 4) % v) as i32)
-        .collect();
-    (
-        Tensor::from_vec(ids, &[B, t]).unwrap(),
-        Tensor::from_vec(tg, &[B, t]).unwrap(),
-    )
-}
-
-/// Adam (the main job's optimizer), or AdamW with its weight decay.
-fn optimizer(decoupled: bool) -> Box<dyn Optimizer> {
-    let c = AdamConfig {
-        lr: 1e-2,
-        ..AdamConfig::adam()
-    };
-    if decoupled {
-        Box::new(AdamW::new(AdamConfig {
-            weight_decay: 0.1,
-            ..c
-        }))
-    } else {
-        Box::new(Adam::new(c))
-    }
-}
-
-fn max_err(what: &str, got: &[f64], want: &[f64], tol: f64) -> f64 {
-    assert_eq!(got.len(), want.len(), "{what}");
-    let e = got
-        .iter()
-        .zip(want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f64::max);
-    assert!(e <= tol, "{what}: max error {e:e} > {tol:e}");
-    e
-}
-
-fn params(m: &mut dyn Module) -> Named {
-    let mut out = Vec::new();
-    nn::visit_parameters(m, "", false, &mut |n, p| {
-        out.push((n.to_string(), p.data()?.to_vec_f64()?));
-        Ok(())
-    })
-    .unwrap();
-    out
-}
 
 /// Unsharded f64 training on every rank's batch: each step the gradients of the ranks'
 /// mean losses are summed in rank order and divided by the world size (FSDP's reduction,
@@ -145,60 +73,27 @@ fn reference(world: usize, decoupled: bool) -> (Named, Named) {
 
 /// Rank results: the full parameters after the steps, and the rank's pieces of the first
 /// step's averaged gradient `(name, flat range, values)`.
-type Run = (Named, Vec<(String, Option<(usize, usize)>, Vec<f64>)>);
+type RankResult = (Named, f64_model::GradPieces);
 
-fn fsdp_run(world: usize, strategy: ShardingStrategy, nested: bool, decoupled: bool) -> Vec<Run> {
-    launch(&LaunchOptions::new(world), move |pg| {
-        let r = pg.rank();
-        let cfg = FsdpConfig {
-            sharding_strategy: strategy,
-            ranks_per_node: strategy.is_hybrid().then_some(2),
-            auto_wrap_policy: nested.then(|| transformer_auto_wrap_policy(["Block"])),
-            ..FsdpConfig::default()
-        };
-        let mut m = FullyShardedDataParallel::new(gpt(), pg, cfg)?;
-        assert_eq!(m.flat_param().dtype(), DType::F64);
-        let mut opt = optimizer(decoupled);
-        let mut grads = Vec::new();
-        for s in 0..STEPS {
-            let (ids, tg) = batch(r, s);
-            let logits = m.forward(&ids, &Context::train())?;
-            assert_eq!(logits.dtype(), DType::F64);
-            let (_, dl) = ops::cross_entropy(&logits, &tg)?;
-            m.backward(&dl, &Context::train())?;
-            let ps = m.optimizer_params();
-            if s == 0 {
-                let names = m.optimizer_param_names();
-                for range in m.state_dict_ranges() {
-                    let g = match names.iter().position(|(n, _)| *n == range.name) {
-                        Some(i) => ps[i].grad.as_ref().unwrap().to_vec_f64()?,
-                        None => Vec::new(),
-                    };
-                    grads.push((range.name, range.range, g));
-                }
-            }
-            opt.step(&ps)?;
-            m.zero_grad();
-        }
-        let StateDict::Full(f) =
-            m.state_dict(StateDictConfig::Full(FullStateDictConfig::default()))?
-        else {
-            unreachable!()
-        };
-        let params = f
-            .tensors
-            .iter()
-            .map(|(n, t)| {
-                assert_eq!(t.dtype(), DType::F64, "{n}");
-                (n.clone(), t.to_vec_f64().unwrap())
-            })
-            .collect();
-        Ok((params, grads))
+fn fsdp_run(
+    world: usize,
+    strategy: ShardingStrategy,
+    nested: bool,
+    decoupled: bool,
+) -> Vec<RankResult> {
+    f64_model::fsdp_train(Run {
+        world,
+        strategy,
+        nested,
+        decoupled,
+        gpus: None,
     })
-    .unwrap()
+    .into_iter()
+    .map(|r| (r.params, r.grads))
+    .collect()
 }
 
-fn check_runs(at: &str, runs: &[Run], want: &Named, want_grad: &Named) {
+fn check_runs(at: &str, runs: &[RankResult], want: &Named, want_grad: &Named) {
     let (mut worst_p, mut worst_g) = (0.0f64, 0.0f64);
     for (r, (params, grads)) in runs.iter().enumerate() {
         assert_eq!(params.len(), want.len(), "{at}");
@@ -390,19 +285,4 @@ fn the_train_job_runs_in_f64() {
     assert!(across_worlds <= 1e-6, "world 1 vs 2: {across_worlds:e}");
     // f64 arithmetic, not f32's: the curves part by f32 rounding, and no more.
     assert!(vs_f32 > 0.0 && vs_f32 < 1e-2, "f64 vs f32: {vs_f32:e}");
-    let e = fsdp::train::train(
-        &TrainConfig {
-            device: fsdp::train::TrainDevice::Cuda,
-            ..job(1, Precision::F64)
-        },
-        &Silent,
-    )
-    .unwrap_err();
-    // Refused before any compute: for f64 where CUDA is there (the device is checked
-    // first), else for want of CUDA.
-    let s = e.to_string();
-    assert!(
-        s.contains("--mixed-precision f64 trains on the CPU") || s.contains("no CUDA support"),
-        "{s}"
-    );
 }

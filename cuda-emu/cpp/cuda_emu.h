@@ -145,6 +145,18 @@ inline float atomicAdd(float* p, float v) {
   }
   return emu_u2f(old);
 }
+inline double atomicAdd(double* p, double v) {
+  uint64_t* u = reinterpret_cast<uint64_t*>(p);
+  uint64_t old = __atomic_load_n(u, __ATOMIC_RELAXED);
+  for (;;) {
+    double o, r;
+    memcpy(&o, &old, 8);
+    r = o + v;
+    uint64_t nu;
+    memcpy(&nu, &r, 8);
+    if (__atomic_compare_exchange_n(u, &old, nu, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) return o;
+  }
+}
 inline unsigned long long atomicMin(unsigned long long* p, unsigned long long v) {
   unsigned long long old = __atomic_load_n(p, __ATOMIC_RELAXED);
   while (v < old && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {

@@ -17,11 +17,14 @@ use super::cuda::DeviceTensor;
 #[cfg(feature = "cuda")]
 use crate::tensor::Buffer;
 
-/// Whether the CUDA `cast` kernels convert between this dtype and the other float types
-/// (f32, bf16, f16); f64 and the integer types go through the host instead.
+/// Whether a CUDA `cast` kernel converts `from` to `to`: between f32, bf16 and f16, and
+/// between f32 and f64; other pairs (f64 with bf16/f16, the integer types) go through the
+/// host instead.
 #[cfg(feature = "cuda")]
-fn cuda_castable(d: DType) -> bool {
-    matches!(d, DType::F32 | DType::BF16 | DType::F16)
+fn cuda_castable(from: DType, to: DType) -> bool {
+    let lp = |d| matches!(d, DType::F32 | DType::BF16 | DType::F16);
+    let wide = |d| matches!(d, DType::F32 | DType::F64);
+    (lp(from) && lp(to)) || (wide(from) && wide(to))
 }
 
 impl Tensor {
@@ -220,7 +223,7 @@ impl Tensor {
                 (Device::Cuda(a), Device::Cuda(b))
                     if a == b
                         && (src.dtype() == self.dtype()
-                            || (cuda_castable(src.dtype()) && cuda_castable(self.dtype()))) =>
+                            || cuda_castable(src.dtype(), self.dtype())) =>
                 {
                     let s = cuda::current_stream(a)?;
                     cuda::cast(&s, &src.as_device_tensor()?, &self.as_device_tensor()?)

@@ -80,8 +80,8 @@ impl FullyShardedDataParallel {
         let mut ignored: Vec<Tensor> = Vec::new();
         self.each_ignored(|_, p| ignored.extend(p.grad().cloned()));
         #[cfg(feature = "cuda")]
-        if let Some(ordinal) = on_one_gpu(&grads, &ignored, norm_type) {
-            return self.clip_on_device(ordinal, max_norm, &grads, &ignored);
+        if let Some((ordinal, dtype)) = on_one_gpu(&grads, &ignored, norm_type) {
+            return self.clip_on_device(ordinal, dtype, max_norm, &grads, &ignored);
         }
         if grads
             .iter()
@@ -121,7 +121,8 @@ impl FullyShardedDataParallel {
     /// the clip coefficient of float64 gradients in float64): the local sums, their
     /// reduction as an f64 tensor, the root, `coef = max_norm / (total + 1e-6)` clamped to
     /// 1, and `g *= coef` in f64 (`max_norm` as the decimal it spells). Returns the total
-    /// norm rounded to the f32 the API gives.
+    /// norm rounded to the f32 the API gives. f64 gradients on one GPU with `norm_type` 2
+    /// take `clip_on_device` instead (with the `cuda` feature), the same steps as kernels.
     fn clip_f64(
         &self,
         max_norm: f32,
@@ -200,11 +201,14 @@ impl FullyShardedDataParallel {
     }
 
     /// The 2-norm clip on `cuda:ordinal` (see [`clip_grad_norm_tensor_`](Self::clip_grad_norm_tensor_)):
-    /// the host path's steps, in its order, as kernels on the current stream.
+    /// the host path's steps, in its order, as kernels on the current stream. `dtype` is
+    /// the gradients' (all f32, or all f64): f64 gradients all-reduce the f64 sum and
+    /// scale by an f64 coefficient, as [`clip_f64`](Self::clip_f64) does on the host.
     #[cfg(feature = "cuda")]
     fn clip_on_device(
         &self,
         ordinal: usize,
+        dtype: DType,
         max_norm: f32,
         grads: &[Tensor],
         ignored: &[Tensor],
@@ -217,14 +221,19 @@ impl FullyShardedDataParallel {
             acc.add_squares(&s, &g.as_device_tensor()?)?;
         }
         let dev = Device::Cuda(ordinal);
-        let t = Tensor::zeros_on(&[1], DType::F32, dev)?;
-        acc.store_f32(&s, &t.as_device_tensor()?)?;
+        let t = Tensor::zeros_on(&[1], dtype, dev)?;
+        acc.store(&s, &t.as_device_tensor()?)?;
         self.reduce_norm(&t, false)?;
-        acc.load_f32(&s, &t.as_device_tensor()?)?;
+        acc.load(&s, &t.as_device_tensor()?)?;
         for g in ignored {
             acc.add_squares(&s, &g.as_device_tensor()?)?;
         }
-        let (norm, coef) = (t, Tensor::zeros_on(&[1], DType::F32, dev)?);
+        let norm = Tensor::zeros_on(&[1], DType::F32, dev)?;
+        let coef = Tensor::zeros_on(&[1], dtype, dev)?;
+        let max_norm = match dtype {
+            DType::F64 => crate::ops::double::widen(max_norm),
+            _ => f64::from(max_norm),
+        };
         acc.clip_coef(
             &s,
             max_norm,
@@ -239,23 +248,25 @@ impl FullyShardedDataParallel {
     }
 }
 
-/// The GPU all of `grads` and `ignored` are on, as f32, when `norm_type` is 2 (the
-/// device path); `None` otherwise (host path, which handles every case).
+/// The GPU all of `grads` and `ignored` are on, and their dtype, when they are all f32 or
+/// all f64 and `norm_type` is 2 (the device path); `None` otherwise (host path).
 #[cfg(feature = "cuda")]
-fn on_one_gpu(grads: &[Tensor], ignored: &[Tensor], norm_type: f32) -> Option<usize> {
+fn on_one_gpu(grads: &[Tensor], ignored: &[Tensor], norm_type: f32) -> Option<(usize, DType)> {
     use crate::backend::Device;
     if norm_type != 2.0 {
         return None;
     }
-    let mut ordinal = None;
+    let mut found = None;
     for g in grads.iter().chain(ignored) {
-        match (g.device(), ordinal) {
-            (Device::Cuda(i), None) if g.dtype() == crate::tensor::DType::F32 => ordinal = Some(i),
-            (Device::Cuda(i), Some(o)) if i == o && g.dtype() == crate::tensor::DType::F32 => {}
+        match (g.device(), found) {
+            (Device::Cuda(i), None) if matches!(g.dtype(), DType::F32 | DType::F64) => {
+                found = Some((i, g.dtype()))
+            }
+            (Device::Cuda(i), Some(f)) if f == (i, g.dtype()) => {}
             _ => return None,
         }
     }
-    ordinal
+    found
 }
 
 /// `acc` combined with the sum of `|g|^p` (or the max of `|g|` for `p = inf`) over `grads`,

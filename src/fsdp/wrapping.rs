@@ -218,12 +218,6 @@ impl FullyShardedDataParallel {
                 "MixedPrecision param_dtype/reduce_dtype with the f64 parameters of unit '{prefix}' (an f64 FlatParameter computes and reduces in f64)"
             )));
         }
-        if flat.dtype() == DType::F64 && rs.device.is_cuda() {
-            return Err(Error::Unsupported(format!(
-                "the f64 parameters of unit '{prefix}' on {}: f64 FSDP computes on the CPU (CUDA has f64 collectives and GEMMs, not f64 layer, gradient or optimizer kernels)",
-                rs.device
-            )));
-        }
         if !rs.sched.lock().offload() {
             // device_id: the shard lives on the compute device (on the host under offload).
             flat.move_shard_to(rs.device)?;

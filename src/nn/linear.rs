@@ -3,10 +3,10 @@
 use super::{Context, InitKey, Module, ParamVisitor, Parameter};
 use crate::error::{Error, Result};
 use crate::ops::{self, MatmulDims, Transpose};
-use crate::tensor::{DType, Tensor};
+use crate::tensor::Tensor;
 
 /// Affine map over the last dimension. `weight: (out, in)`, `bias: (out)`; input
-/// `(.., in)` -> output `(.., out)`, f32 (or f64 on the host, once
+/// `(.., in)` -> output `(.., out)`, f32 (or f64, on the host or a CUDA device, once
 /// [`module_to_dtype`](super::module_to_dtype) made the parameters f64). Default init as PyTorch: weight and bias
 /// `U(-1/sqrt(in), 1/sqrt(in))`.
 ///
@@ -128,10 +128,7 @@ impl Linear {
         }
         let (i, o) = (self.in_features, self.out_features);
         // dx (n, i) = dy (n, o) @ W (o, i)
-        let dx = match x.dtype() {
-            DType::F64 => Tensor::zeros(x.shape(), DType::F64),
-            _ => ops::output_like(x.shape(), &x)?,
-        };
+        let dx = ops::output_like(x.shape(), &x)?;
         ops::matmul(
             &dx,
             dy,

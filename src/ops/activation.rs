@@ -2,9 +2,10 @@
 //! exact (erf) GELU. CPU: the reference loops of [`crate::backend::cpu::kernels`] (the
 //! scalar functions of [`crate::backend::cpu::scalar`]) over contiguous pieces, in
 //! parallel; CUDA: `relu_*_f32` / `gelu_*_f32` of `nn.cu`, which use the same polynomials
-//! and round alike (bitwise equal).
+//! and round alike (bitwise equal). f64: the host loops of `double/`, on CUDA the `_f64`
+//! kernels (erf and exp in double).
 
-use super::{check_f32, same_device};
+use super::{compute_dtype, same_device};
 use crate::backend::cpu::kernels as cpu;
 use crate::backend::cpu::parallel as par;
 #[cfg(feature = "cuda")]
@@ -31,23 +32,24 @@ impl Pointwise {
     }
 }
 
-/// `y = f(x)`, a new f32 tensor of `x`'s shape on its device.
+/// `y = f(x)`, a new tensor of `x`'s shape and dtype on its device.
 ///
 /// # Errors
-/// `DTypeMismatch` for a non-f32 input; `NotMaterialized` on meta; [`Error::Cuda`].
+/// `DTypeMismatch` for an input neither f32, f64 nor bf16/f16; `NotMaterialized` on meta;
+/// [`Error::Cuda`].
 pub fn pointwise(f: Pointwise, x: &Tensor) -> Result<Tensor> {
     let _device = same_device(f.name(), &[x])?;
     if let Some(lp) = super::lowp::lp_of(&[x]) {
         return super::lowp::pointwise(f, x, lp);
     }
-    if super::double::any_f64(&[x]) {
+    if super::double::any_f64(&[x]) && !_device.is_cuda() {
         return super::double::pointwise(f, x);
     }
-    check_f32(f.name(), &[x])?;
+    let _dt = compute_dtype(f.name(), &[x], _device)?;
     #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {
         use crate::backend::cuda;
-        let y = super::output(x.shape(), _device)?;
+        let y = super::output_as(x.shape(), _device, _dt)?;
         let (s, xd, yd) = (
             super::stream(i)?,
             x.as_device_tensor()?,
@@ -72,7 +74,7 @@ pub fn pointwise(f: Pointwise, x: &Tensor) -> Result<Tensor> {
     Ok(y)
 }
 
-/// `dx = dy * f'(x)`, a new f32 tensor of `x`'s shape on its device.
+/// `dx = dy * f'(x)`, a new tensor of `x`'s shape and dtype on its device.
 ///
 /// # Errors
 /// `ShapeMismatch` when `dy` and `x` differ in element count; as [`pointwise`].
@@ -85,17 +87,17 @@ pub fn pointwise_backward(f: Pointwise, x: &Tensor, dy: &Tensor) -> Result<Tenso
             got: dy.shape().to_vec(),
         });
     }
-    if super::double::any_f64(&[x, dy]) {
+    if super::double::any_f64(&[x, dy]) && !_device.is_cuda() {
         return super::double::pointwise_backward(f, x, dy);
     }
     if let Some(lp) = super::lowp::lp_of(&[x, dy]) {
         return super::lowp::pointwise_backward(f, x, dy, lp);
     }
-    check_f32(f.name(), &[x, dy])?;
+    let _dt = compute_dtype(f.name(), &[x, dy], _device)?;
     #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {
         use crate::backend::cuda;
-        let dx = super::output(x.shape(), _device)?;
+        let dx = super::output_as(x.shape(), _device, _dt)?;
         let s = super::stream(i)?;
         let (xd, gd, dxd) = (
             x.as_device_tensor()?,

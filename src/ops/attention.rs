@@ -11,16 +11,17 @@
 //!
 //! CPU: row copies (the references in [`crate::backend::cpu::kernels`] index element by
 //! element; same results); CUDA: `split_qkv_f32`, `merge_qkv_f32`, `merge_heads_f32`,
-//! `split_heads_f32`, `softmax_causal_*_f32` of `nn.cu`.
+//! `split_heads_f32`, `softmax_causal_*_f32` of `nn.cu`, and their `_f64` instances for
+//! f64 tensors (which on the CPU take the host loops of `double/`).
 
-use super::{check_f32, output, same_device};
+use super::{check_f32, compute_dtype, output, output_as, same_device};
 use crate::backend::cpu::fast;
 pub use crate::backend::cpu::kernels::HeadDims;
 use crate::backend::cpu::parallel as par;
 #[cfg(feature = "cuda")]
 use crate::backend::Device;
 use crate::error::{Error, Result};
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 fn check_numel(op: &'static str, t: &Tensor, want: usize) -> Result<()> {
     if t.numel() != want {
@@ -43,17 +44,17 @@ pub fn split_qkv(qkv: &Tensor, d: HeadDims) -> Result<[Tensor; 3]> {
     if let Some(lp) = super::lowp::lp_of(&[qkv]) {
         return super::lowp::split_qkv(qkv, d, lp);
     }
-    if super::double::any_f64(&[qkv]) {
+    if super::double::any_f64(&[qkv]) && !device.is_cuda() {
         check_numel("split_qkv", qkv, 3 * d.numel())?;
         return super::double::split_qkv(qkv, d);
     }
-    check_f32("split_qkv", &[qkv])?;
+    let dt = compute_dtype("split_qkv", &[qkv], device)?;
     check_numel("split_qkv", qkv, 3 * d.numel())?;
     let shape = [d.b, d.h, d.t, d.hd];
     let out = [
-        output(&shape, device)?,
-        output(&shape, device)?,
-        output(&shape, device)?,
+        output_as(&shape, device, dt)?,
+        output_as(&shape, device, dt)?,
+        output_as(&shape, device, dt)?,
     ];
     #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = device {
@@ -111,10 +112,11 @@ pub fn merge_qkv(dq: &Tensor, dk: &Tensor, dv: &Tensor, d: HeadDims) -> Result<T
     if let Some(lp) = super::lowp::lp_of(&[dq, dk, dv]) {
         return super::lowp::merge_qkv(dq, dk, dv, d, lp);
     }
-    let f64_path = super::double::any_f64(&[dq, dk, dv]);
-    if !f64_path {
-        check_f32("merge_qkv", &[dq, dk, dv])?;
-    }
+    let f64_path = super::double::any_f64(&[dq, dk, dv]) && !device.is_cuda();
+    let dt = match f64_path {
+        true => DType::F64,
+        false => compute_dtype("merge_qkv", &[dq, dk, dv], device)?,
+    };
     for t in [dq, dk, dv] {
         check_numel("merge_qkv", t, d.numel())?;
     }
@@ -122,7 +124,7 @@ pub fn merge_qkv(dq: &Tensor, dk: &Tensor, dv: &Tensor, d: HeadDims) -> Result<T
         return super::double::merge_qkv(dq, dk, dv, d);
     }
     let c = d.h * d.hd;
-    let dqkv = output(&[d.b, d.t, 3 * c], device)?;
+    let dqkv = output_as(&[d.b, d.t, 3 * c], device, dt)?;
     #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = device {
         crate::backend::cuda::merge_qkv(
@@ -189,18 +191,18 @@ pub fn split_heads(y: &Tensor, d: HeadDims) -> Result<Tensor> {
 
 fn permute_heads(op: &'static str, src: &Tensor, d: HeadDims, split: bool) -> Result<Tensor> {
     let device = same_device(op, &[src])?;
-    if super::double::any_f64(&[src]) {
+    if super::double::any_f64(&[src]) && !device.is_cuda() {
         check_numel(op, src, d.numel())?;
         return super::double::permute_heads(src, d, split);
     }
-    check_f32(op, &[src])?;
+    let dt = compute_dtype(op, &[src], device)?;
     check_numel(op, src, d.numel())?;
     let HeadDims { b, t, h, hd } = d;
     let c = h * hd;
     let dst = if split {
-        output(&[b, h, t, hd], device)?
+        output_as(&[b, h, t, hd], device, dt)?
     } else {
-        output(&[b, t, c], device)?
+        output_as(&[b, t, c], device, dt)?
     };
     #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = device {
@@ -273,7 +275,7 @@ pub fn softmax_causal(s: &Tensor, t: usize, scale: f32) -> Result<Tensor> {
             &s.as_device_tensor()?,
             &p.as_device_tensor()?,
             t,
-            scale,
+            f64::from(scale),
         )?;
         return Ok(p);
     }
@@ -319,7 +321,7 @@ pub fn softmax_causal_backward_(p: &Tensor, dp: &Tensor, t: usize, scale: f32) -
             &g,
             &g,
             t,
-            scale,
+            f64::from(scale),
         );
     }
     let pv = p.f32()?;
@@ -334,31 +336,45 @@ pub fn softmax_causal_backward_(p: &Tensor, dp: &Tensor, t: usize, scale: f32) -
 }
 
 /// [`softmax_causal`] of f64 scores with an f64 `scale` (a float64 attention passes
-/// `1 / sqrt(hd)` in f64, where the f32 op's `scale` would round it).
+/// `1 / sqrt(hd)` in f64, where the f32 op's `scale` would round it): the host loop of
+/// `double/`, or `softmax_causal_fwd_f64` on CUDA.
 ///
 /// # Errors
-/// As [`softmax_causal`]; `DTypeMismatch` unless `s` is f64, `Unsupported` on CUDA.
+/// As [`softmax_causal`]; `DTypeMismatch` unless `s` is f64.
 pub(crate) fn softmax_causal_f64(s: &Tensor, t: usize, scale: f64) -> Result<Tensor> {
-    same_device("softmax_causal", &[s])?;
+    let _device = same_device("softmax_causal", &[s])?;
     check_square_rows("softmax_causal", s, t)?;
     if s.numel() == 0 {
         return s.deep_clone();
     }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(i) = _device {
+        compute_dtype("softmax_causal", &[s], _device)?;
+        let p = output_as(s.shape(), _device, DType::F64)?;
+        crate::backend::cuda::softmax_causal_fwd(
+            &*super::stream(i)?,
+            &s.as_device_tensor()?,
+            &p.as_device_tensor()?,
+            t,
+            scale,
+        )?;
+        return Ok(p);
+    }
     super::double::softmax_causal(s, t, scale)
 }
 
-/// [`softmax_causal_backward_`] in f64 with an f64 `scale`.
+/// [`softmax_causal_backward_`] in f64 with an f64 `scale` (`softmax_causal_bwd_f64` on
+/// CUDA).
 ///
 /// # Errors
-/// As [`softmax_causal_backward_`]; `DTypeMismatch` unless both are f64, `Unsupported` on
-/// CUDA.
+/// As [`softmax_causal_backward_`]; `DTypeMismatch` unless both are f64.
 pub(crate) fn softmax_causal_backward_f64_(
     p: &Tensor,
     dp: &Tensor,
     t: usize,
     scale: f64,
 ) -> Result<()> {
-    same_device("softmax_causal_backward_", &[p, dp])?;
+    let _device = same_device("softmax_causal_backward_", &[p, dp])?;
     check_square_rows("softmax_causal_backward_", p, t)?;
     check_numel("softmax_causal_backward_", dp, p.numel())?;
     if p.shares_storage(dp) {
@@ -366,6 +382,19 @@ pub(crate) fn softmax_causal_backward_f64_(
     }
     if p.numel() == 0 {
         return Ok(());
+    }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(i) = _device {
+        compute_dtype("softmax_causal_backward_", &[p, dp], _device)?;
+        let g = dp.as_device_tensor()?;
+        return crate::backend::cuda::softmax_causal_bwd(
+            &*super::stream(i)?,
+            &p.as_device_tensor()?,
+            &g,
+            &g,
+            t,
+            scale,
+        );
     }
     super::double::softmax_causal_backward_(p, dp, t, scale)
 }

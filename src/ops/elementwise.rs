@@ -1,4 +1,4 @@
-//! Elementwise ops and reductions on f32 tensors (bf16/f16 where said), on any device.
+//! Elementwise ops and reductions on f32 tensors (bf16/f16 and f64 where said), on any device.
 //! CPU references: [`crate::backend::cpu::ops`]; CUDA: `reduce_scatter.cu`, `flat_param.cu`.
 
 use super::same_device;
@@ -114,8 +114,8 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     Ok(out)
 }
 
-/// `t *= alpha` in place on an f32 tensor, an f64 one on the host, or a bf16/f16 one (the
-/// product in f32, rounded once) (`Tensor.mul_`).
+/// `t *= alpha` in place on an f32 tensor, an f64 one (by `alpha` widened), or a bf16/f16
+/// one (the product in f32, rounded once) (`Tensor.mul_`).
 ///
 /// # Errors
 /// `DTypeMismatch` for a non-f32 tensor; `NotMaterialized` on meta.
@@ -164,15 +164,14 @@ pub fn fill_(t: &Tensor, value: f32) -> Result<()> {
 }
 
 /// `sum_i t[i]^2` of an f32 tensor, accumulated in f64 (the square of the 2-norm that
-/// `clip_grad_norm_` needs), or of an f64 host tensor in f64. On CUDA this waits for the
+/// `clip_grad_norm_` needs), or of an f64 tensor in f64. On CUDA this waits for the
 /// current stream.
 ///
 /// # Errors
-/// `DTypeMismatch` for a tensor neither f32 nor f64; `Unsupported` for an f64 CUDA tensor;
-/// [`Error::Cuda`].
+/// `DTypeMismatch` for a tensor neither f32 nor f64; [`Error::Cuda`].
 pub fn sum_squares(t: &Tensor) -> Result<f64> {
     let _device = same_device("sum_squares", &[t])?;
-    if t.dtype() == DType::F64 {
+    if t.dtype() == DType::F64 && !_device.is_cuda() {
         return super::double::sum_squares(t);
     }
     #[cfg(feature = "cuda")]

@@ -1,9 +1,10 @@
 //! Embedding lookup and its gradient on any device (`F.embedding`). CPU:
 //! [`crate::backend::cpu::kernels::embedding_fwd`] / `embedding_bwd` (row copies, rows
 //! added in order); CUDA: `embedding_*_f32` of `nn.cu` (the backward adds repeated ids with
-//! atomics, in any order).
+//! atomics, in any order); f64 tables: `embedding_*_f64` on CUDA, the host loops of
+//! `double/` on the CPU.
 
-use super::{check_f32, output, same_device};
+use super::same_device;
 use crate::backend::cpu::kernels as cpu;
 use crate::backend::cpu::parallel as par;
 #[cfg(feature = "cuda")]
@@ -48,10 +49,11 @@ pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     if let Some(lp) = super::lowp::lp_of(&[table]) {
         return super::lowp::embedding(table, ids, lp);
     }
-    let f64_path = super::double::any_f64(&[table]);
-    if !f64_path {
-        check_f32("embedding", &[table])?;
-    }
+    let f64_path = super::double::any_f64(&[table]) && !device.is_cuda();
+    let dt = match f64_path {
+        true => crate::tensor::DType::F64,
+        false => super::compute_dtype("embedding", &[table], device)?,
+    };
     check_ids("embedding", ids)?;
     let (v, c) = table_dims("embedding", table)?;
     let mut shape = ids.shape().to_vec();
@@ -67,7 +69,7 @@ pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
         }
         return super::double::embedding(table, &iv, &shape);
     }
-    let out = output(&shape, device)?;
+    let out = super::output_as(&shape, device, dt)?;
     if c == 0 {
         // Nothing to copy, but a bad id is still an error (as `F.embedding` on a (V, 0)
         // table): check the ids on the host, where the kernels cannot (they find V as
@@ -123,9 +125,9 @@ pub fn embedding_backward(ids: &Tensor, dout: &Tensor, grad: &Tensor) -> Result<
     if super::lowp::lp_of(&[dout, grad]).is_some() {
         return super::lowp::embedding_backward(ids, dout, grad);
     }
-    let f64_path = super::double::any_f64(&[dout, grad]);
+    let f64_path = super::double::any_f64(&[dout, grad]) && !_device.is_cuda();
     if !f64_path {
-        check_f32("embedding_backward", &[dout, grad])?;
+        super::compute_dtype("embedding_backward", &[dout, grad], _device)?;
     }
     check_ids("embedding_backward", ids)?;
     let (_, c) = table_dims("embedding_backward", grad)?;

@@ -5,6 +5,7 @@
 //! |---|---|---|
 //! | [`pack_grad`] | [`crate::backend::cpu::kernels::pack_grad`] | `pack_grad_{dtype}` (`reduce_scatter.cu`) |
 //! | [`unpack_grad`] | [`crate::backend::cpu::kernels::unpack_grad`] | `unpack_grad_{dtype}` |
+//! | both, f64 (no cast) | a loop in f64 | `div_scale_f64` |
 //! | [`round_to_`] | `dtype::from_f32(v).to_f32()` per element | `cast_f32_{dtype}` then `cast_{dtype}_f32` |
 //!
 //! The CPU paths are the exact loops FSDP ran before these ops existed, so CPU training is
@@ -143,19 +144,29 @@ fn pack_grad_lp(grad: &Tensor, out: &Tensor, scale: f32) -> Result<()> {
 }
 
 /// `out[i] = x[i] * scale` in f64 (the f64 FlatParameter's pack and unpack: no cast, as
-/// PyTorch FSDP reduces an f64 gradient in f64). Host tensors; `out` may be `x` itself.
-/// A `scale` that is the f32 reciprocal of a divisor `d = k / 2^j` (FSDP's divide factors:
+/// PyTorch FSDP reduces an f64 gradient in f64); `out` may be `x` itself. A `scale` that
+/// is the f32 reciprocal of a divisor `d = k / 2^j` (FSDP's divide factors:
 /// `gradient_divide_factors(3)` is `(2, 1.5)`) divides by `d` in f64, as PyTorch's
 /// `div_(factor)` on an f64 gradient does, instead of multiplying by the rounded reciprocal.
+/// On CUDA `div_scale_f64` (`reduce_scatter.cu`), the same arithmetic.
 fn scale_f64(op: &'static str, x: &Tensor, out: &Tensor, scale: f32) -> Result<()> {
     require(op, x, DType::F64)?;
     require(op, out, DType::F64)?;
-    if x.device().is_cuda() {
-        return Err(Error::Unsupported(format!(
-            "{op} of an f64 gradient on a CUDA device (f64 FSDP runs on the CPU)"
-        )));
-    }
     let divisor = divisor_of(scale);
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(i) = x.device() {
+        let (factor, divide) = match divisor {
+            Some(d) => (d, true),
+            None => (f64::from(scale), false),
+        };
+        return crate::backend::cuda::div_scale_f64(
+            &*super::stream(i)?,
+            &x.as_device_tensor()?,
+            &out.as_device_tensor()?,
+            factor,
+            divide,
+        );
+    }
     let f = |v: f64| match divisor {
         Some(d) => v / d,
         None => v * f64::from(scale),

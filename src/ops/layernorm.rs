@@ -2,9 +2,10 @@
 //! affine weight and bias): the forward, and the backward to the input and parameters.
 //! CPU: [`crate::backend::cpu::fast::layernorm_fwd`] / `layernorm_bwd` (the references in
 //! `backend::cpu::kernels` with 8 rows interleaved, same bits) over blocks of rows in
-//! parallel, and column-split parameter loops; CUDA: `layernorm_*_f32` of `nn.cu`.
+//! parallel, and column-split parameter loops; CUDA: `layernorm_*_f32` of `nn.cu` (f64
+//! tensors: `layernorm_*_f64` there, the host loops of `double/` on the CPU).
 
-use super::{check_f32, output, same_device};
+use super::same_device;
 use crate::backend::cpu::fast;
 use crate::backend::cpu::parallel as par;
 #[cfg(feature = "cuda")]
@@ -53,10 +54,11 @@ pub fn layer_norm(
     if let Some(lp) = super::lowp::lp_of(&[x, w, b]) {
         return super::lowp::layernorm::forward(x, w, b, eps, lp);
     }
-    let f64_path = super::double::any_f64(&[x, w, b]);
-    if !f64_path {
-        check_f32("layer_norm", &[x, w, b])?;
-    }
+    let f64_path = super::double::any_f64(&[x, w, b]) && !device.is_cuda();
+    let dt = match f64_path {
+        true => crate::tensor::DType::F64,
+        false => super::compute_dtype("layer_norm", &[x, w, b], device)?,
+    };
     let c = w.numel();
     let n = rows("layer_norm", x, c)?;
     if b.numel() != c {
@@ -71,9 +73,9 @@ pub fn layer_norm(
         return super::double::layer_norm(x, w, b, super::double::widen(eps));
     }
     let (y, xhat, rstd) = (
-        output(x.shape(), device)?,
-        output(x.shape(), device)?,
-        output(&[n], device)?,
+        super::output_as(x.shape(), device, dt)?,
+        super::output_as(x.shape(), device, dt)?,
+        super::output_as(&[n], device, dt)?,
     );
     if c == 0 || n == 0 {
         return Ok((
@@ -92,7 +94,11 @@ pub fn layer_norm(
             &x.as_device_tensor()?,
             &w.as_device_tensor()?,
             &b.as_device_tensor()?,
-            eps,
+            // f64: eps as the decimal it spells, as the host's f64 path.
+            match dt {
+                crate::tensor::DType::F64 => super::double::widen(eps),
+                _ => f64::from(eps),
+            },
             &y.as_device_tensor()?,
             &xhat.as_device_tensor()?,
             &rstd.as_device_tensor()?,
@@ -154,10 +160,11 @@ pub fn layer_norm_backward(
     ts.extend(dw);
     ts.extend(db);
     let device = same_device("layer_norm_backward", &ts)?;
-    let f64_path = super::double::any_f64(&ts);
-    if !f64_path {
-        check_f32("layer_norm_backward", &ts)?;
-    }
+    let f64_path = super::double::any_f64(&ts) && !device.is_cuda();
+    let dt = match f64_path {
+        true => crate::tensor::DType::F64,
+        false => super::compute_dtype("layer_norm_backward", &ts, device)?,
+    };
     let c = w.numel();
     if dy.numel() != xhat.numel() || rstd.numel() * c != xhat.numel() {
         return Err(Error::ShapeMismatch {
@@ -170,7 +177,7 @@ pub fn layer_norm_backward(
     if f64_path {
         return super::double::layer_norm_backward(dy, saved, w, dw, db);
     }
-    let dx = output(dy.shape(), device)?;
+    let dx = super::output_as(dy.shape(), device, dt)?;
     if c == 0 || dy.numel() == 0 {
         return Ok(dx);
     }
@@ -179,7 +186,7 @@ pub fn layer_norm_backward(
         // The kernels write both parameter gradients: a frozen one gets a scratch buffer.
         let scratch = |g: Option<&Tensor>| match g {
             Some(g) => Ok(g.clone()),
-            None => Tensor::zeros_on(&[c], crate::tensor::DType::F32, device),
+            None => Tensor::zeros_on(&[c], dt, device),
         };
         let (dw, db) = (scratch(dw)?, scratch(db)?);
         crate::backend::cuda::layernorm_bwd(

@@ -193,17 +193,17 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     if let Some(lp) = super::lowp::lp_of(&ts) {
         return super::lowp::linear(x, weight, bias, lp);
     }
-    if super::double::any_f64(&ts) {
+    if super::double::any_f64(&ts) && !_device.is_cuda() {
         return super::double::linear(x, weight, bias, o);
     }
-    check_f32("linear", &ts)?;
+    let _dt = super::compute_dtype("linear", &ts, _device)?;
     let n: usize = x.shape()[..x.shape().len() - 1].iter().product();
     let mut shape = x.shape().to_vec();
     *shape.last_mut().unwrap_or(&mut 0) = o;
     let d = MatmulDims::new(n, i, o, Transpose::NT);
     #[cfg(feature = "cuda")]
     if _device.is_cuda() {
-        let y = super::output(&shape, _device)?;
+        let y = super::output_as(&shape, _device, _dt)?;
         matmul(&y, x, weight, d, false)?;
         if let Some(b) = bias {
             bias_add_(&y, b)?;
@@ -279,11 +279,11 @@ pub fn bias_add_(y: &Tensor, b: &Tensor) -> Result<()> {
     if super::lowp::lp_of(&[y, b]).is_some() {
         return super::lowp::bias_add_(y, b);
     }
-    if super::double::any_f64(&[y, b]) {
+    if super::double::any_f64(&[y, b]) && !_device.is_cuda() {
         rows_of("bias_add_", y, b.numel())?;
         return super::double::bias_add_(y, b);
     }
-    check_f32("bias_add_", &[y, b])?;
+    super::compute_dtype("bias_add_", &[y, b], _device)?;
     let c = b.numel();
     rows_of("bias_add_", y, c)?;
     if y.shares_storage(b) {
@@ -321,11 +321,11 @@ pub fn bias_grad(dy: &Tensor, db: &Tensor) -> Result<()> {
     if super::lowp::lp_of(&[dy, db]).is_some() {
         return super::lowp::bias_grad(dy, db);
     }
-    if super::double::any_f64(&[dy, db]) {
+    if super::double::any_f64(&[dy, db]) && !_device.is_cuda() {
         rows_of("bias_grad", dy, db.numel())?;
         return super::double::bias_grad(dy, db);
     }
-    check_f32("bias_grad", &[dy, db])?;
+    super::compute_dtype("bias_grad", &[dy, db], _device)?;
     let c = db.numel();
     rows_of("bias_grad", dy, c)?;
     if dy.shares_storage(db) {

@@ -3,7 +3,7 @@
 //!
 //! | op | CPU | CUDA |
 //! |---|---|---|
-//! | [`cross_entropy`] | one pass per row | `cross_entropy_f32` (row losses + gradient), `mean_rows_f32` (f64, row order) |
+//! | [`cross_entropy`] | one pass per row | `cross_entropy_f32` (row losses + gradient), `mean_rows_f32` (f64, row order); f64 logits: `cross_entropy_f64`, `mean_rows_f64` |
 //! | [`mse_loss`] | one pass | `p - t` with `add_`/`scale_`, `sum_squares` |
 //! | [`sum_loss`] | one pass | the values summed on the host, `fill_` for the gradient |
 
@@ -28,7 +28,7 @@ use crate::tensor::{DType, Tensor};
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<(f32, Tensor)> {
     match cross_entropy_any(logits, targets)? {
         (Loss::Host(l), grad) => Ok((l, grad)),
-        (Loss::Device(t), grad) => Ok((t.to_vec_f32()?[0], grad)),
+        (Loss::Device(t, _), grad) => Ok((t.to_vec_f32()?[0], grad)),
     }
 }
 
@@ -37,9 +37,16 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<(f32, Tensor)>
 /// gradient is the same tensor [`cross_entropy`] returns.
 ///
 /// # Errors
-/// As [`cross_entropy`]; `DTypeMismatch` unless `logits` is f64; `Unsupported` for CUDA
-/// tensors.
+/// As [`cross_entropy`]; `DTypeMismatch` unless `logits` is f64.
 pub fn cross_entropy_f64(logits: &Tensor, targets: &Tensor) -> Result<(f64, Tensor)> {
+    if logits.device().is_cuda() {
+        super::compute_dtype("cross_entropy_f64", &[logits], logits.device())?;
+        return match cross_entropy_any(logits, targets)? {
+            (Loss::Device(_, Some(mean)), grad) => Ok((mean.to_vec_f64()?[0], grad)),
+            // An empty batch (NaN) or no classes (an error before this).
+            (_, grad) => Ok((f64::NAN, grad)),
+        };
+    }
     super::double::check("cross_entropy_f64", &[logits])?;
     let (_, grad) = cross_entropy_any(logits, targets)?;
     if targets.numel() == 0 {
@@ -55,7 +62,8 @@ pub fn cross_entropy_f64(logits: &Tensor, targets: &Tensor) -> Result<(f64, Tens
 enum Loss {
     Host(f32),
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    Device(Tensor),
+    /// The f32 loss, and for f64 logits the f64 mean it rounds.
+    Device(Tensor, Option<Tensor>),
 }
 
 /// [`cross_entropy`] with the loss as a one-element f32 tensor on the inputs' device, so
@@ -71,7 +79,7 @@ pub fn cross_entropy_tensor(logits: &Tensor, targets: &Tensor) -> Result<(Tensor
             let device = grad.device();
             Ok((Tensor::from_vec(vec![l], &[1])?.to_device(device)?, grad))
         }
-        (Loss::Device(t), grad) => Ok((t, grad)),
+        (Loss::Device(t, _), grad) => Ok((t, grad)),
     }
 }
 
@@ -96,6 +104,11 @@ fn cross_entropy_any(logits: &Tensor, targets: &Tensor) -> Result<(Loss, Tensor)
     let f64_path = super::double::any_f64(&[logits]);
     if lp.is_none() && !f64_path {
         super::check_f32("cross_entropy", &[logits])?;
+    }
+    #[cfg(feature = "cuda")]
+    if let (crate::backend::Device::Cuda(i), true, false) = (device, f64_path, n == 0 || v == 0) {
+        let (loss, grad, mean) = cross_entropy_cuda(i, logits, targets)?;
+        return Ok((Loss::Device(loss, Some(mean)), grad));
     }
     if n == 0 {
         // PyTorch: the mean over an empty batch is 0/0 = NaN; nothing to differentiate.
@@ -125,7 +138,7 @@ fn cross_entropy_any(logits: &Tensor, targets: &Tensor) -> Result<(Loss, Tensor)
         #[cfg(feature = "cuda")]
         if let crate::backend::Device::Cuda(i) = device {
             let (loss, grad) = super::lowp::loss::cross_entropy_cuda(i, logits, targets, lp)?;
-            return Ok((Loss::Device(loss), grad));
+            return Ok((Loss::Device(loss, None), grad));
         }
         let (l, g) = super::lowp::loss::cross_entropy(logits, targets, v, lp)?;
         return Ok((Loss::Host(l), g));
@@ -133,23 +146,8 @@ fn cross_entropy_any(logits: &Tensor, targets: &Tensor) -> Result<(Loss, Tensor)
     let inv_n = 1.0 / n as f32;
     #[cfg(feature = "cuda")]
     if let crate::backend::Device::Cuda(i) = device {
-        let losses = super::output(&[n], device)?;
-        let grad = super::output(logits.shape(), device)?;
-        crate::backend::cuda::cross_entropy(
-            &*super::stream(i)?,
-            &logits.as_device_tensor()?,
-            &targets.as_device_tensor()?,
-            inv_n,
-            &losses.as_device_tensor()?,
-            &grad.as_device_tensor()?,
-        )?;
-        let loss = super::output(&[1], device)?;
-        crate::backend::cuda::mean_rows(
-            &*super::stream(i)?,
-            &losses.as_device_tensor()?,
-            &loss.as_device_tensor()?,
-        )?;
-        return Ok((Loss::Device(loss), grad));
+        let (loss, grad, _) = cross_entropy_cuda(i, logits, targets)?;
+        return Ok((Loss::Device(loss, None), grad));
     }
     let lv = logits.f32()?;
     let tv = targets.data::<i32>()?;
@@ -173,6 +171,49 @@ fn cross_entropy_any(logits: &Tensor, targets: &Tensor) -> Result<(Loss, Tensor)
     }
     let total = losses.iter().fold(0.0f64, |t, &l| t + l as f64);
     Ok((Loss::Host((total / n.max(1) as f64) as f32), grad))
+}
+
+/// Cross-entropy of f32 or f64 `logits (N, V)` (`N, V > 0`) on `cuda:ordinal`, nothing
+/// read back: `cross_entropy_{f32,f64}` (row losses and the gradient, in the logits'
+/// dtype), then `mean_rows_{f32,f64}`. Returns the loss as one f32 (f64 logits: the f64
+/// mean rounded, as the host path's), the gradient, and the mean in the logits' dtype.
+#[cfg(feature = "cuda")]
+fn cross_entropy_cuda(
+    ordinal: usize,
+    logits: &Tensor,
+    targets: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    use crate::backend::cuda;
+    let device = crate::backend::Device::Cuda(ordinal);
+    let dt = logits.dtype();
+    let n = targets.numel();
+    let s = super::stream(ordinal)?;
+    let losses = super::output_as(&[n], device, dt)?;
+    let grad = super::output_as(logits.shape(), device, dt)?;
+    // inv_n as the f32 path rounds it, or exactly in f64 (ops::double).
+    let inv_n = match dt {
+        DType::F64 => 1.0 / n as f64,
+        _ => f64::from(1.0 / n as f32),
+    };
+    cuda::cross_entropy(
+        &s,
+        &logits.as_device_tensor()?,
+        &targets.as_device_tensor()?,
+        inv_n,
+        &losses.as_device_tensor()?,
+        &grad.as_device_tensor()?,
+    )?;
+    let mean = super::output_as(&[1], device, dt)?;
+    cuda::mean_rows(&s, &losses.as_device_tensor()?, &mean.as_device_tensor()?)?;
+    let loss = match dt {
+        DType::F64 => {
+            let l = super::output(&[1], device)?;
+            l.copy_from(&mean)?;
+            l
+        }
+        _ => mean.clone(),
+    };
+    Ok((loss, grad, mean))
 }
 
 /// `acc[0] = acc[0] + x[0] / d` for one-element f32 tensors on one device (f32

@@ -28,7 +28,7 @@
 //! | `flat.rs` | [`flat::pack_grad`], [`flat::unpack_grad`], [`flat::round_to_`], [`flat::rounded`] (FSDP's flat buffers, autocast's operands) | the `_reduce_grad` pre/post-divide and casts |
 //! | `loss.rs` | [`cross_entropy`] ([`cross_entropy_f64`]: the f64 loss of f64 logits), [`mse_loss`], [`sum_loss`] | `F.cross_entropy`, `F.mse_loss`, `.sum()` |
 //! | `lowp/` | the bf16/f16 paths of the ops above (f32 compute of widened inputs, each output rounded once to the inputs' dtype; the losses and LayerNorm as PyTorch rounds them), taken when an operand is bf16/f16 | `param_dtype` modules under FSDP mixed precision |
-//! | `double/` | the f64 host paths of [`matmul`], [`linear`], [`bias_add_`], [`bias_grad`], ReLU, GELU, [`layer_norm`], [`softmax_causal`], attention's permutes, [`embedding()`], [`cross_entropy`], [`mse_loss`], [`sum_loss`], [`sum_squares`] (taken when an operand is f64; CUDA f64 tensors are refused with `Unsupported`, except by the products: cuBLAS f64) | float64 tensors |
+//! | `double/` | the f64 host paths of [`matmul`], [`linear`], [`bias_add_`], [`bias_grad`], ReLU, GELU, [`layer_norm`], [`softmax_causal`], attention's permutes, [`embedding()`], [`cross_entropy`], [`mse_loss`], [`sum_loss`], [`sum_squares`] (taken when an operand is an f64 host tensor; f64 CUDA tensors run the `_f64` kernels of these ops, and cuBLAS in f64 for the products, see `compute_dtype`) | float64 tensors |
 //!
 //! The ops marked (CPU) have CPU loops only: on CUDA they return `Unsupported`. They are what
 //! a custom layer composes its forward and backward from (see `tests/custom_layer.rs`).
@@ -125,6 +125,44 @@ pub(crate) fn check_f32(op: &'static str, ts: &[&Tensor]) -> Result<()> {
         }),
         None => Ok(()),
     }
+}
+
+/// The dtype an op computes `ts` in on `device`: f32, or f64 on a CUDA device when any of
+/// `ts` is f64 (the `_f64` kernels; every tensor must then be f64). f64 host tensors take
+/// the loops of `double/` before this check.
+///
+/// # Errors
+/// `DTypeMismatch` naming `op` and the first tensor of another dtype.
+pub(crate) fn compute_dtype(op: &'static str, ts: &[&Tensor], device: Device) -> Result<DType> {
+    if device.is_cuda() && double::any_f64(ts) {
+        return match ts.iter().find(|t| t.dtype() != DType::F64) {
+            Some(t) => Err(Error::DTypeMismatch {
+                op,
+                expected: DType::F64,
+                got: t.dtype(),
+            }),
+            None => Ok(DType::F64),
+        };
+    }
+    check_f32(op, ts)?;
+    Ok(DType::F32)
+}
+
+/// [`output`] of `dtype`: f32 exactly [`output`]; another dtype uninitialized on CUDA, zeros
+/// elsewhere.
+///
+/// # Errors
+/// As [`output`].
+pub(crate) fn output_as(shape: &[usize], device: Device, dtype: DType) -> Result<Tensor> {
+    if dtype == DType::F32 {
+        return output(shape, device);
+    }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(i) = device {
+        let t = crate::backend::cuda::DeviceTensor::empty(&*stream(i)?, shape, dtype)?;
+        return Ok(Tensor::from_device_tensor(t));
+    }
+    Tensor::zeros_on(shape, dtype, device)
 }
 
 /// A new f32 tensor of `shape` on `device` that the calling op overwrites entirely: on the

@@ -1,19 +1,23 @@
 //! The CUDA side of the optimizers: the tensors of one step that live on CUDA devices,
-//! updated by the fused multi-tensor kernels of `optim.cu` (`sgd_f32`, `adam_f32`) with one
-//! launch per device, on the calling thread's current stream. Same arithmetic in the same
-//! order as the CPU loops of `sgd.rs` / `adam.rs` (bitwise equal, see `optim.cu`); the
-//! callers check sizes, dtypes and devices and own the state tensors and step counts.
+//! updated by the fused multi-tensor kernels of `optim.cu` (`sgd_f32`, `adam_f32`; for f64
+//! parameters `sgd_f64`, `adam_f64`) with one launch per device and dtype, on the calling
+//! thread's current stream. Same arithmetic in the same order as the CPU loops of `sgd.rs`
+//! / `adam.rs` (bitwise equal, see `optim.cu`; f64 with the hyperparameters as the f64
+//! their decimal spelling names, as the CPU's f64 updates); the callers check sizes,
+//! dtypes and devices and own the state tensors and step counts.
 
 use super::{AdamConfig, SgdConfig};
 use crate::error::Result;
+#[cfg(feature = "cuda")]
+use crate::tensor::DType;
 use crate::tensor::Tensor;
 
 /// One CUDA tensor of an SGD step.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // only built with CUDA tensors
 pub(super) struct SgdItem {
-    /// f32 parameter, updated in place.
+    /// f32 or f64 parameter, updated in place.
     pub param: Tensor,
-    /// Its f32 gradient (same element count, same device).
+    /// Its gradient (same dtype, element count and device).
     pub grad: Tensor,
     /// The momentum buffer on the same device, when momentum is on.
     pub buf: Option<Tensor>,
@@ -24,9 +28,9 @@ pub(super) struct SgdItem {
 /// One CUDA tensor of an Adam/AdamW step.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // only built with CUDA tensors
 pub(super) struct AdamItem {
-    /// f32 parameter, updated in place.
+    /// f32 or f64 parameter, updated in place.
     pub param: Tensor,
-    /// Its f32 gradient.
+    /// Its gradient (same dtype).
     pub grad: Tensor,
     /// First moment, updated in place.
     pub m: Tensor,
@@ -36,18 +40,30 @@ pub(super) struct AdamItem {
     pub step: u64,
 }
 
-/// The distinct device ordinals of `items`, in order of first appearance.
+/// The distinct (device ordinal, dtype) pairs of `items`' parameters, in order of first
+/// appearance: one launch each.
 #[cfg(feature = "cuda")]
-fn ordinals<T>(items: &[T], param: impl Fn(&T) -> &Tensor) -> Vec<usize> {
+fn launches<T>(items: &[T], param: impl Fn(&T) -> &Tensor) -> Vec<(usize, DType)> {
     let mut out = Vec::new();
     for it in items {
-        if let crate::backend::Device::Cuda(i) = param(it).device() {
-            if !out.contains(&i) {
-                out.push(i);
+        let p = param(it);
+        if let crate::backend::Device::Cuda(i) = p.device() {
+            if !out.contains(&(i, p.dtype())) {
+                out.push((i, p.dtype()));
             }
         }
     }
     out
+}
+
+/// An f32 hyperparameter for the kernel of `dtype`: exactly itself for f32, the decimal it
+/// spells for f64 (as the CPU's f64 updates take it).
+#[cfg(feature = "cuda")]
+fn hyper(dtype: DType, v: f32) -> f64 {
+    match dtype {
+        DType::F64 => crate::ops::double::widen(v),
+        _ => f64::from(v),
+    }
 }
 
 /// One SGD step over `items` (all on CUDA devices).
@@ -61,17 +77,20 @@ pub(super) fn sgd(items: &[SgdItem], c: &SgdConfig) -> Result<()> {
     #[cfg(feature = "cuda")]
     {
         use crate::backend::cuda::{sgd_step, SgdHyper, SgdSlot};
-        let h = SgdHyper {
-            lr: c.lr,
-            momentum: c.momentum,
-            dampening: c.dampening,
-            weight_decay: c.weight_decay,
-            nesterov: c.nesterov,
-        };
-        for ordinal in ordinals(items, |it| &it.param) {
+        for (ordinal, dt) in launches(items, |it| &it.param) {
+            let h = SgdHyper {
+                lr: hyper(dt, c.lr),
+                momentum: hyper(dt, c.momentum),
+                dampening: hyper(dt, c.dampening),
+                weight_decay: hyper(dt, c.weight_decay),
+                nesterov: c.nesterov,
+            };
             let group: Vec<&SgdItem> = items
                 .iter()
-                .filter(|it| it.param.device() == crate::backend::Device::Cuda(ordinal))
+                .filter(|it| {
+                    it.param.device() == crate::backend::Device::Cuda(ordinal)
+                        && it.param.dtype() == dt
+                })
                 .collect();
             let views = group
                 .iter()
@@ -115,17 +134,20 @@ pub(super) fn adam(items: &[AdamItem], c: &AdamConfig, decoupled: bool) -> Resul
     #[cfg(feature = "cuda")]
     {
         use crate::backend::cuda::{adam_step, AdamHyper, AdamSlot};
-        let h = AdamHyper {
-            lr: c.lr,
-            betas: c.betas,
-            eps: c.eps,
-            weight_decay: c.weight_decay,
-            decoupled,
-        };
-        for ordinal in ordinals(items, |it| &it.param) {
+        for (ordinal, dt) in launches(items, |it| &it.param) {
+            let h = AdamHyper {
+                lr: hyper(dt, c.lr),
+                betas: (hyper(dt, c.betas.0), hyper(dt, c.betas.1)),
+                eps: hyper(dt, c.eps),
+                weight_decay: hyper(dt, c.weight_decay),
+                decoupled,
+            };
             let group: Vec<&AdamItem> = items
                 .iter()
-                .filter(|it| it.param.device() == crate::backend::Device::Cuda(ordinal))
+                .filter(|it| {
+                    it.param.device() == crate::backend::Device::Cuda(ordinal)
+                        && it.param.dtype() == dt
+                })
                 .collect();
             let views = group
                 .iter()

@@ -65,7 +65,8 @@ pub enum Precision {
     /// `MixedPrecision::uniform(f16)`.
     F16,
     /// No mixed precision: the model in f64 throughout (`model.double()`: parameters,
-    /// gradients, reductions and optimizer state in f64), an exact reference on the CPU.
+    /// gradients, reductions and optimizer state in f64), an exact reference, on the CPU or
+    /// a CUDA device (the `_f64` kernels).
     F64,
 }
 

@@ -85,11 +85,6 @@ impl TrainConfig {
         if self.no_fsdp && self.world_size != 1 {
             return bad("--no-fsdp trains without sharding and needs --world-size 1".into());
         }
-        if self.mixed_precision == Precision::F64 && self.device.is_cuda() {
-            return bad(
-                "--mixed-precision f64 trains on the CPU (f64 has no CUDA layer kernels); use --device cpu".into(),
-            );
-        }
         let lp = matches!(self.mixed_precision, Precision::Bf16 | Precision::F16);
         if self.no_fsdp && (lp || self.cpu_offload) {
             return bad(

@@ -353,7 +353,7 @@ impl Backend {
                     out::<f32>(s, x.len())?,
                     out::<f32>(s, rows)?,
                 );
-                cu::layernorm_fwd(s, &tx, &tw, &tb, eps, &y, &xh, &rs)?;
+                cu::layernorm_fwd(s, &tx, &tw, &tb, eps.into(), &y, &xh, &rs)?;
                 Ok((down(s, &y)?, down(s, &xh)?, down(s, &rs)?))
             }
         )
@@ -451,8 +451,8 @@ impl Backend {
             },
             |s| {
                 let (a, p, g) = (up(s, sc)?, out::<f32>(s, sc.len())?, up(s, dp)?);
-                cu::softmax_causal_fwd(s, &a, &p, t, scale)?;
-                cu::softmax_causal_bwd(s, &p, &g, &g, t, scale)?;
+                cu::softmax_causal_fwd(s, &a, &p, t, scale.into())?;
+                cu::softmax_causal_bwd(s, &p, &g, &g, t, scale.into())?;
                 Ok((down(s, &p)?, down(s, &g)?))
             }
         )
@@ -475,7 +475,7 @@ impl Backend {
             |s| {
                 let (a, y) = (up(s, logits)?, up(s, targets)?);
                 let (l, g) = (out::<f32>(s, targets.len())?, out::<f32>(s, logits.len())?);
-                cu::cross_entropy(s, &a, &y, inv_n, &l, &g)?;
+                cu::cross_entropy(s, &a, &y, inv_n.into(), &l, &g)?;
                 Ok((down(s, &l)?, down(s, &g)?))
             }
         )

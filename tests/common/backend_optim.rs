@@ -80,10 +80,10 @@ impl Backend {
                                 })
                                 .collect();
                             let h = cu::SgdHyper {
-                                lr: c.lr,
-                                momentum: c.momentum,
-                                dampening: c.dampening,
-                                weight_decay: c.weight_decay,
+                                lr: c.lr.into(),
+                                momentum: c.momentum.into(),
+                                dampening: c.dampening.into(),
+                                weight_decay: c.weight_decay.into(),
                                 nesterov: c.nesterov,
                             };
                             cu::sgd_step(s, &slots, &h)?;
@@ -99,10 +99,10 @@ impl Backend {
                                 })
                                 .collect();
                             let h = cu::AdamHyper {
-                                lr: c.lr,
-                                betas: c.betas,
-                                eps: c.eps,
-                                weight_decay: c.weight_decay,
+                                lr: c.lr.into(),
+                                betas: (c.betas.0.into(), c.betas.1.into()),
+                                eps: c.eps.into(),
+                                weight_decay: c.weight_decay.into(),
                                 decoupled,
                             };
                             cu::adam_step(s, &slots, &h)?;

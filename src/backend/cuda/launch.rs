@@ -64,6 +64,16 @@ impl From<f64> for Arg {
         Arg::F64(v)
     }
 }
+impl Arg {
+    /// A floating-point scalar argument of a kernel templated on its element type: `double`
+    /// for the f64 instance, else `float` (`v` rounded to nearest).
+    pub(crate) fn float_of(dtype: crate::tensor::DType, v: f64) -> Arg {
+        match dtype {
+            crate::tensor::DType::F64 => Arg::F64(v),
+            _ => Arg::F32(v as f32),
+        }
+    }
+}
 impl From<u16> for Arg {
     fn from(v: u16) -> Arg {
         Arg::U16(v)
@@ -206,6 +216,8 @@ raw_kernel!(/// `copy_{dtype}(src, dst, n)`.
     copy, "flat_param", (src: u64, dst: u64, n: i64));
 raw_kernel!(/// `fill_{dtype}(dst, value, n)` for 4-byte dtypes (value bits as i32).
     fill32, "flat_param", (dst: u64, value: i32, n: i64));
+raw_kernel!(/// `fill_{dtype}(dst, value, n)` for 8-byte dtypes (value bits as i64).
+    fill64, "flat_param", (dst: u64, value: i64, n: i64));
 raw_kernel!(/// `fill_{dtype}(dst, value, n)` for 2-byte dtypes (value bits).
     fill16, "flat_param", (dst: u64, value: u16, n: i64));
 raw_kernel!(/// `pad_copy_{dtype}(src, src_n, dst, dst_n)`.
@@ -220,61 +232,64 @@ raw_kernel!(/// `pack_grad_{dtype}(grad, out, scale, n)` and `unpack_grad_{dtype
     pack_grad, "reduce_scatter", (input: u64, out: u64, scale: f32, n: i64));
 raw_kernel!(/// `sum_into_{dtype}(acc, x, n)`.
     sum_into, "reduce_scatter", (acc: u64, x: u64, n: i64));
-raw_kernel!(/// `scale_f32(x, alpha, n)`.
-    scale, "reduce_scatter", (x: u64, alpha: f32, n: i64));
-raw_kernel!(/// `sumsq_partial_f32(x, partial, n)`.
+raw_kernel!(/// `scale_{f32,f64}(x, alpha, n)`: `alpha` of the element type.
+    scale, "reduce_scatter", (x: u64, alpha: Arg, n: i64));
+raw_kernel!(/// `div_scale_f64(x, out, factor, divide, n)`.
+    div_scale, "reduce_scatter", (x: u64, out: u64, factor: f64, divide: i32, n: i64));
+raw_kernel!(/// `sumsq_partial_{f32,f64}(x, partial, n)`.
     sumsq_partial, "reduce_scatter", (x: u64, partial: u64, n: i64));
 raw_kernel!(/// `sumsq_fold_f64(partial, nblocks, acc)`.
     sumsq_fold, "reduce_scatter", (partial: u64, nblocks: i64, acc: u64));
 raw_kernel!(/// `narrow_f64_f32(x, out)` and `widen_f32_f64(x, out)`: one element.
     convert1, "reduce_scatter", (x: u64, out: u64));
-raw_kernel!(/// `clip_coef_f32(sumsq, max_norm, norm, coef)`.
-    clip_coef, "reduce_scatter", (sumsq: u64, max_norm: f32, norm: u64, coef: u64));
-raw_kernel!(/// `scale_by_f32(x, alpha, n)`: `alpha` is a device pointer to one f32.
+raw_kernel!(/// `clip_coef_{f32,f64}(sumsq, max_norm, norm, coef)`: `max_norm` of the coefficient's type.
+    clip_coef, "reduce_scatter", (sumsq: u64, max_norm: Arg, norm: u64, coef: u64));
+raw_kernel!(/// `scale_by_{f32,f64}(x, alpha, n)`: `alpha` is a device pointer to one element.
     scale_by, "reduce_scatter", (x: u64, alpha: u64, n: i64));
-raw_kernel!(/// `sgd_f32(tensors, k, lr, momentum, dampening, weight_decay, nesterov)`.
-    sgd, "optim", (tensors: u64, k: i64, lr: f32, momentum: f32, dampening: f32, weight_decay: f32, nesterov: i32));
-raw_kernel!(/// `adam_f32(tensors, k, lr, beta1, beta2, eps, weight_decay, decoupled)`.
-    adam, "optim", (tensors: u64, k: i64, lr: f32, beta1: f32, beta2: f32, eps: f32, weight_decay: f32, decoupled: i32));
-raw_kernel!(/// `gelu_fwd_f32(x, y, n)`.
+raw_kernel!(/// `sgd_{f32,f64}(tensors, k, lr, momentum, dampening, weight_decay, nesterov)`.
+    sgd, "optim", (tensors: u64, k: i64, lr: Arg, momentum: Arg, dampening: Arg, weight_decay: Arg, nesterov: i32));
+raw_kernel!(/// `adam_{f32,f64}(tensors, k, lr, beta1, beta2, eps, weight_decay, decoupled)`.
+    adam, "optim", (tensors: u64, k: i64, lr: Arg, beta1: Arg, beta2: Arg, eps: Arg, weight_decay: Arg, decoupled: i32));
+raw_kernel!(/// `gelu_fwd_{f32,f64}(x, y, n)` (the nn.cu launchers below take both instances; scalar
+    /// arguments of the element type are [`Arg::float_of`]).
     gelu_fwd, "nn", (x: u64, y: u64, n: i64));
-raw_kernel!(/// `gelu_bwd_f32(x, dy, dx, n)`.
+raw_kernel!(/// `gelu_bwd_{f32,f64}(x, dy, dx, n)`.
     gelu_bwd, "nn", (x: u64, dy: u64, dx: u64, n: i64));
-raw_kernel!(/// `relu_fwd_f32(x, y, n)`.
+raw_kernel!(/// `relu_fwd_{f32,f64}(x, y, n)`.
     relu_fwd, "nn", (x: u64, y: u64, n: i64));
-raw_kernel!(/// `relu_bwd_f32(x, dy, dx, n)`.
+raw_kernel!(/// `relu_bwd_{f32,f64}(x, dy, dx, n)`.
     relu_bwd, "nn", (x: u64, dy: u64, dx: u64, n: i64));
-raw_kernel!(/// `bias_add_f32(y, b, rows, c)` and `bias_grad_f32(dy, db, rows, c)`.
+raw_kernel!(/// `bias_add_{f32,f64}(y, b, rows, c)` and `bias_grad_{f32,f64}(dy, db, rows, c)`.
     bias, "nn", (y: u64, b: u64, rows: i64, c: i64));
-raw_kernel!(/// `layernorm_fwd_f32(x, w, b, y, xhat, rstd, rows, c, eps)`.
-    layernorm_fwd, "nn", (x: u64, w: u64, b: u64, y: u64, xhat: u64, rstd: u64, rows: i64, c: i64, eps: f32));
-raw_kernel!(/// `layernorm_bwd_f32(dy, xhat, rstd, w, dx, rows, c)`.
+raw_kernel!(/// `layernorm_fwd_{f32,f64}(x, w, b, y, xhat, rstd, rows, c, eps)`.
+    layernorm_fwd, "nn", (x: u64, w: u64, b: u64, y: u64, xhat: u64, rstd: u64, rows: i64, c: i64, eps: Arg));
+raw_kernel!(/// `layernorm_bwd_{f32,f64}(dy, xhat, rstd, w, dx, rows, c)`.
     layernorm_bwd, "nn", (dy: u64, xhat: u64, rstd: u64, w: u64, dx: u64, rows: i64, c: i64));
-raw_kernel!(/// `layernorm_bwd_params_f32(dy, xhat, dw, db, rows, c)`.
+raw_kernel!(/// `layernorm_bwd_params_{f32,f64}(dy, xhat, dw, db, rows, c)`.
     layernorm_bwd_params, "nn", (dy: u64, xhat: u64, dw: u64, db: u64, rows: i64, c: i64));
-raw_kernel!(/// `split_qkv_f32(qkv, q, k, v, B, T, H, hd)` and `merge_qkv_f32(dq, dk, dv, dqkv, B, T, H, hd)`.
+raw_kernel!(/// `split_qkv_{f32,f64}(qkv, q, k, v, B, T, H, hd)` and `merge_qkv_{f32,f64}(dq, dk, dv, dqkv, B, T, H, hd)`.
     qkv, "nn", (a: u64, b: u64, c: u64, d: u64, bsz: i64, t: i64, h: i64, hd: i64));
-raw_kernel!(/// `merge_heads_f32(yh, y, B, T, H, hd)` and `split_heads_f32(y, yh, B, T, H, hd)`.
+raw_kernel!(/// `merge_heads_{f32,f64}(yh, y, B, T, H, hd)` and `split_heads_{f32,f64}(y, yh, B, T, H, hd)`.
     heads, "nn", (src: u64, dst: u64, bsz: i64, t: i64, h: i64, hd: i64));
-raw_kernel!(/// `softmax_causal_fwd_f32(s, p, rows, T, scale)`.
-    softmax_fwd, "nn", (s_in: u64, p: u64, rows: i64, t: i64, scale: f32));
-raw_kernel!(/// `softmax_causal_bwd_f32(p, dp, ds, rows, T, scale)`.
-    softmax_bwd, "nn", (p: u64, dp: u64, ds: u64, rows: i64, t: i64, scale: f32));
+raw_kernel!(/// `softmax_causal_fwd_{f32,f64}(s, p, rows, T, scale)`.
+    softmax_fwd, "nn", (s_in: u64, p: u64, rows: i64, t: i64, scale: Arg));
+raw_kernel!(/// `softmax_causal_bwd_{f32,f64}(p, dp, ds, rows, T, scale)`.
+    softmax_bwd, "nn", (p: u64, dp: u64, ds: u64, rows: i64, t: i64, scale: Arg));
 raw_kernel!(/// `layernorm_bwd_lp_{dtype}(x, dy, w, mean, rstd, dx, n, c)` (`lowp.cu`).
     layernorm_bwd_lp, "lowp", (x: u64, dy: u64, w: u64, mean: u64, rstd: u64, dx: u64, n: i64, c: i64));
 raw_kernel!(/// `layernorm_wgrad_lp_{dtype}(x, dy, mean, rstd, dw, db, n, c)` (`lowp.cu`).
     layernorm_wgrad_lp, "lowp", (x: u64, dy: u64, mean: u64, rstd: u64, dw: u64, db: u64, n: i64, c: i64));
 raw_kernel!(/// `cross_entropy_lp_{dtype}(logits, targets, losses, dlogits, n, V, w, invalid)` (`lowp.cu`).
     cross_entropy_lp, "lowp", (logits: u64, targets: u64, losses: u64, dlogits: u64, n: i64, v: i64, w: f32, invalid: u64));
-raw_kernel!(/// `cross_entropy_f32(logits, targets, losses, dlogits, n, V, inv_n, invalid)`.
-    cross_entropy, "nn", (logits: u64, targets: u64, losses: u64, dlogits: u64, n: i64, v: i64, inv_n: f32, invalid: u64));
-raw_kernel!(/// `embedding_fwd_f32(ids, table, out, n, V, c, invalid)`.
+raw_kernel!(/// `cross_entropy_{f32,f64}(logits, targets, losses, dlogits, n, V, inv_n, invalid)`.
+    cross_entropy, "nn", (logits: u64, targets: u64, losses: u64, dlogits: u64, n: i64, v: i64, inv_n: Arg, invalid: u64));
+raw_kernel!(/// `embedding_fwd_{f32,f64}(ids, table, out, n, V, c, invalid)`.
     embedding_fwd, "nn", (ids: u64, table: u64, out: u64, n: i64, v: i64, c: i64, invalid: u64));
-raw_kernel!(/// `mean_rows_f32(losses, n, out)`.
+raw_kernel!(/// `mean_rows_{f32,f64}(losses, n, out)`.
     mean_rows, "nn", (losses: u64, n: i64, out: u64));
 raw_kernel!(/// `add_div_f32(acc, x, d)`.
     add_div, "nn", (acc: u64, x: u64, d: f32));
-raw_kernel!(/// `embedding_bwd_f32(ids, dout, grad, n, V, c)`.
+raw_kernel!(/// `embedding_bwd_{f32,f64}(ids, dout, grad, n, V, c)`.
     embedding_bwd, "nn", (ids: u64, dout: u64, grad: u64, n: i64, v: i64, c: i64));
 raw_kernel!(/// `batchnorm_stats_{dtype}(x, rm, rv, count, factor, eps, stats, n, c, l, batch)` (`batchnorm.cu`).
     batchnorm_stats, "batchnorm", (x: u64, rm: u64, rv: u64, count: u64, factor: f64, eps: f64, stats: u64, n: i64, c: i64, l: i64, batch: i32));

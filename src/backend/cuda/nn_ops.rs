@@ -1,20 +1,28 @@
-//! Typed ops for the layer kernels of `nn.cu` (f32 activations). Each checks devices,
-//! dtypes and shapes, then launches on the stream. CPU references: the functions of the
-//! same names in [`crate::backend::cpu::kernels`].
+//! Typed ops for the layer kernels of `nn.cu`, on f32 or f64 tensors (the `_f32` or `_f64`
+//! instance of each kernel, by the tensors' dtype; every float tensor of one call has the
+//! same). Each checks devices, dtypes and shapes, then launches on the stream. Scalar
+//! arguments (`eps`, `scale`, `inv_n`) are f64, rounded to f32 for the f32 kernels. CPU
+//! references: the functions of the same names in [`crate::backend::cpu::kernels`] (f32),
+//! the f64 ops of `ops::double` (f64).
 
-use super::launch::{self, Grid};
-use super::ops::{check_device, check_dtype, check_numel};
+use super::launch::{self, Arg, Grid};
+use super::ops::{check_device, check_dtype, check_numel, kname};
 use super::{DeviceTensor, Stream};
 use crate::backend::cpu::kernels::HeadDims;
 use crate::error::{Error, Result};
 use crate::tensor::DType;
 
-fn f32s(op: &'static str, s: &Stream, ts: &[&DeviceTensor]) -> Result<()> {
+/// The element type of a layer kernel's float tensors `ts`: f32 or f64, the same for all.
+fn floats(op: &'static str, s: &Stream, ts: &[&DeviceTensor]) -> Result<DType> {
     check_device(op, s, ts)?;
+    let d = match ts.first().map(|t| t.dtype()) {
+        Some(DType::F64) => DType::F64,
+        _ => DType::F32,
+    };
     for t in ts {
-        check_dtype(op, t, DType::F32)?;
+        check_dtype(op, t, d)?;
     }
-    Ok(())
+    Ok(d)
 }
 
 /// Threads per block for a row kernel over rows of `c` elements: a warp per 32 elements,
@@ -23,22 +31,22 @@ fn row_block(c: usize) -> u32 {
     (c.div_ceil(32) * 32).clamp(32, 1024) as u32
 }
 
-/// `y = gelu(x)` (`gelu_fwd_f32`, exact-erf GELU; bitwise equal to the CPU).
+/// `y = gelu(x)` (`gelu_fwd_{f32,f64}`, exact-erf GELU; bitwise equal to the CPU).
 ///
 /// # Errors
 /// `DTypeMismatch`, `ShapeMismatch`, [`Error::Cuda`].
 pub fn gelu_fwd(s: &Stream, x: &DeviceTensor, y: &DeviceTensor) -> Result<()> {
-    f32s("gelu_fwd", s, &[x, y])?;
+    let dt = floats("gelu_fwd", s, &[x, y])?;
     check_numel("gelu_fwd", x.numel(), y)?;
     let n = x.numel();
     if n == 0 {
         return Ok(());
     }
-    // SAFETY: x, y hold n f32 on this device.
+    // SAFETY: x, y hold n elements of the dtype on this device.
     unsafe {
         launch::gelu_fwd(
             s,
-            "gelu_fwd_f32",
+            kname!("gelu_fwd", dt),
             Grid::elementwise(s, n),
             x.ptr(),
             y.ptr(),
@@ -47,23 +55,23 @@ pub fn gelu_fwd(s: &Stream, x: &DeviceTensor, y: &DeviceTensor) -> Result<()> {
     }
 }
 
-/// `dx = dy * gelu'(x)` (`gelu_bwd_f32`).
+/// `dx = dy * gelu'(x)` (`gelu_bwd_{f32,f64}`).
 ///
 /// # Errors
 /// As [`gelu_fwd`].
 pub fn gelu_bwd(s: &Stream, x: &DeviceTensor, dy: &DeviceTensor, dx: &DeviceTensor) -> Result<()> {
-    f32s("gelu_bwd", s, &[x, dy, dx])?;
+    let dt = floats("gelu_bwd", s, &[x, dy, dx])?;
     check_numel("gelu_bwd", x.numel(), dy)?;
     check_numel("gelu_bwd", x.numel(), dx)?;
     let n = x.numel();
     if n == 0 {
         return Ok(());
     }
-    // SAFETY: all hold n f32.
+    // SAFETY: all hold n elements of the dtype.
     unsafe {
         launch::gelu_bwd(
             s,
-            "gelu_bwd_f32",
+            kname!("gelu_bwd", dt),
             Grid::elementwise(s, n),
             x.ptr(),
             dy.ptr(),
@@ -73,22 +81,22 @@ pub fn gelu_bwd(s: &Stream, x: &DeviceTensor, dy: &DeviceTensor, dx: &DeviceTens
     }
 }
 
-/// `y = max(x, 0)` (`relu_fwd_f32`; bitwise equal to the CPU).
+/// `y = max(x, 0)` (`relu_fwd_{f32,f64}`; bitwise equal to the CPU).
 ///
 /// # Errors
 /// As [`gelu_fwd`].
 pub fn relu_fwd(s: &Stream, x: &DeviceTensor, y: &DeviceTensor) -> Result<()> {
-    f32s("relu_fwd", s, &[x, y])?;
+    let dt = floats("relu_fwd", s, &[x, y])?;
     check_numel("relu_fwd", x.numel(), y)?;
     let n = x.numel();
     if n == 0 {
         return Ok(());
     }
-    // SAFETY: x, y hold n f32 on this device.
+    // SAFETY: x, y hold n elements of the dtype on this device.
     unsafe {
         launch::relu_fwd(
             s,
-            "relu_fwd_f32",
+            kname!("relu_fwd", dt),
             Grid::elementwise(s, n),
             x.ptr(),
             y.ptr(),
@@ -97,23 +105,23 @@ pub fn relu_fwd(s: &Stream, x: &DeviceTensor, y: &DeviceTensor) -> Result<()> {
     }
 }
 
-/// `dx = dy * (x > 0 ? 1 : 0)` (`relu_bwd_f32`).
+/// `dx = dy * (x > 0 ? 1 : 0)` (`relu_bwd_{f32,f64}`).
 ///
 /// # Errors
 /// As [`gelu_fwd`].
 pub fn relu_bwd(s: &Stream, x: &DeviceTensor, dy: &DeviceTensor, dx: &DeviceTensor) -> Result<()> {
-    f32s("relu_bwd", s, &[x, dy, dx])?;
+    let dt = floats("relu_bwd", s, &[x, dy, dx])?;
     check_numel("relu_bwd", x.numel(), dy)?;
     check_numel("relu_bwd", x.numel(), dx)?;
     let n = x.numel();
     if n == 0 {
         return Ok(());
     }
-    // SAFETY: all hold n f32.
+    // SAFETY: all hold n elements of the dtype.
     unsafe {
         launch::relu_bwd(
             s,
-            "relu_bwd_f32",
+            kname!("relu_bwd", dt),
             Grid::elementwise(s, n),
             x.ptr(),
             dy.ptr(),
@@ -134,21 +142,21 @@ fn rows_of(op: &'static str, t: &DeviceTensor, c: usize) -> Result<usize> {
     Ok(t.numel() / c)
 }
 
-/// `y[r, j] += b[j]` over `y (rows, C)`, `b (C)` (`bias_add_f32`).
+/// `y[r, j] += b[j]` over `y (rows, C)`, `b (C)` (`bias_add_{f32,f64}`).
 ///
 /// # Errors
 /// `ShapeMismatch` when `y`'s size is not a multiple of `C`; as [`gelu_fwd`].
 pub fn bias_add(s: &Stream, y: &DeviceTensor, b: &DeviceTensor) -> Result<()> {
-    f32s("bias_add", s, &[y, b])?;
+    let dt = floats("bias_add", s, &[y, b])?;
     let rows = rows_of("bias_add", y, b.numel())?;
     if y.numel() == 0 {
         return Ok(());
     }
-    // SAFETY: y holds rows * C, b C f32.
+    // SAFETY: y holds rows * C, b C elements of the dtype.
     unsafe {
         launch::bias(
             s,
-            "bias_add_f32",
+            kname!("bias_add", dt),
             Grid::elementwise(s, y.numel()),
             y.ptr(),
             b.ptr(),
@@ -158,22 +166,22 @@ pub fn bias_add(s: &Stream, y: &DeviceTensor, b: &DeviceTensor) -> Result<()> {
     }
 }
 
-/// `db[j] += sum_r dy[r, j]` (`bias_grad_f32`: 32 columns per 1024-thread block, a fixed
+/// `db[j] += sum_r dy[r, j]` (`bias_grad_{f32,f64}`: 32 columns per 1024-thread block, a fixed
 /// summation order, so deterministic).
 ///
 /// # Errors
 /// As [`bias_add`].
 pub fn bias_grad(s: &Stream, dy: &DeviceTensor, db: &DeviceTensor) -> Result<()> {
-    f32s("bias_grad", s, &[dy, db])?;
+    let dt = floats("bias_grad", s, &[dy, db])?;
     let rows = rows_of("bias_grad", dy, db.numel())?;
     if db.numel() == 0 {
         return Ok(());
     }
-    // SAFETY: dy holds rows * C, db C f32.
+    // SAFETY: dy holds rows * C, db C elements of the dtype.
     unsafe {
         launch::bias(
             s,
-            "bias_grad_f32",
+            kname!("bias_grad", dt),
             Grid::columns(db.numel()),
             dy.ptr(),
             db.ptr(),
@@ -184,7 +192,7 @@ pub fn bias_grad(s: &Stream, dy: &DeviceTensor, db: &DeviceTensor) -> Result<()>
 }
 
 /// LayerNorm forward over rows of `x (rows, C)`: writes `y`, `xhat` (same shape) and
-/// `rstd (rows)` (`layernorm_fwd_f32`), as `nn::LayerNorm::forward`.
+/// `rstd (rows)` (`layernorm_fwd_{f32,f64}`), as `nn::LayerNorm::forward`.
 ///
 /// # Errors
 /// `ShapeMismatch` when the sizes disagree; as [`gelu_fwd`].
@@ -194,12 +202,12 @@ pub fn layernorm_fwd(
     x: &DeviceTensor,
     w: &DeviceTensor,
     b: &DeviceTensor,
-    eps: f32,
+    eps: f64,
     y: &DeviceTensor,
     xhat: &DeviceTensor,
     rstd: &DeviceTensor,
 ) -> Result<()> {
-    f32s("layernorm_fwd", s, &[x, w, b, y, xhat, rstd])?;
+    let dt = floats("layernorm_fwd", s, &[x, w, b, y, xhat, rstd])?;
     let c = w.numel();
     check_numel("layernorm_fwd", c, b)?;
     let rows = rows_of("layernorm_fwd", x, c)?;
@@ -213,7 +221,7 @@ pub fn layernorm_fwd(
     unsafe {
         launch::layernorm_fwd(
             s,
-            "layernorm_fwd_f32",
+            kname!("layernorm_fwd", dt),
             Grid::rows(s, rows, row_block(c)),
             x.ptr(),
             w.ptr(),
@@ -223,13 +231,13 @@ pub fn layernorm_fwd(
             rstd.ptr(),
             rows as i64,
             c as i64,
-            eps,
+            Arg::float_of(dt, eps),
         )
     }
 }
 
 /// LayerNorm backward: `dx` (=), and `dw += sum dy xhat`, `db += sum dy` (+=)
-/// (`layernorm_bwd_f32`, `layernorm_bwd_params_f32`).
+/// (`layernorm_bwd_{f32,f64}`, `layernorm_bwd_params_{f32,f64}`).
 ///
 /// # Errors
 /// As [`layernorm_fwd`].
@@ -244,7 +252,7 @@ pub fn layernorm_bwd(
     dw: &DeviceTensor,
     db: &DeviceTensor,
 ) -> Result<()> {
-    f32s("layernorm_bwd", s, &[dy, xhat, rstd, w, dx, dw, db])?;
+    let dt = floats("layernorm_bwd", s, &[dy, xhat, rstd, w, dx, dw, db])?;
     let c = w.numel();
     let rows = rows_of("layernorm_bwd", dy, c)?;
     check_numel("layernorm_bwd", dy.numel(), xhat)?;
@@ -259,7 +267,7 @@ pub fn layernorm_bwd(
     unsafe {
         launch::layernorm_bwd(
             s,
-            "layernorm_bwd_f32",
+            kname!("layernorm_bwd", dt),
             Grid::rows(s, rows, row_block(c)),
             dy.ptr(),
             xhat.ptr(),
@@ -271,7 +279,7 @@ pub fn layernorm_bwd(
         )?;
         launch::layernorm_bwd_params(
             s,
-            "layernorm_bwd_params_f32",
+            kname!("layernorm_bwd_params", dt),
             Grid::columns(c),
             dy.ptr(),
             xhat.ptr(),
@@ -287,7 +295,7 @@ fn head_args(d: HeadDims) -> (i64, i64, i64, i64) {
     (d.b as i64, d.t as i64, d.h as i64, d.hd as i64)
 }
 
-/// `qkv (B, T, 3, H, hd)` -> `q, k, v (B, H, T, hd)` (`split_qkv_f32`).
+/// `qkv (B, T, 3, H, hd)` -> `q, k, v (B, H, T, hd)` (`split_qkv_{f32,f64}`).
 ///
 /// # Errors
 /// `ShapeMismatch` when a size disagrees with `d`; as [`gelu_fwd`].
@@ -299,7 +307,7 @@ pub fn split_qkv(
     v: &DeviceTensor,
     d: HeadDims,
 ) -> Result<()> {
-    f32s("split_qkv", s, &[qkv, q, k, v])?;
+    let dt = floats("split_qkv", s, &[qkv, q, k, v])?;
     check_numel("split_qkv", 3 * d.numel(), qkv)?;
     for t in [q, k, v] {
         check_numel("split_qkv", d.numel(), t)?;
@@ -312,7 +320,7 @@ pub fn split_qkv(
     unsafe {
         launch::qkv(
             s,
-            "split_qkv_f32",
+            kname!("split_qkv", dt),
             Grid::elementwise(s, d.numel()),
             qkv.ptr(),
             q.ptr(),
@@ -326,7 +334,7 @@ pub fn split_qkv(
     }
 }
 
-/// `dq, dk, dv (B, H, T, hd)` -> `dqkv (B, T, 3, H, hd)` (`merge_qkv_f32`).
+/// `dq, dk, dv (B, H, T, hd)` -> `dqkv (B, T, 3, H, hd)` (`merge_qkv_{f32,f64}`).
 ///
 /// # Errors
 /// As [`split_qkv`].
@@ -338,7 +346,7 @@ pub fn merge_qkv(
     dqkv: &DeviceTensor,
     d: HeadDims,
 ) -> Result<()> {
-    f32s("merge_qkv", s, &[dq, dk, dv, dqkv])?;
+    let dt = floats("merge_qkv", s, &[dq, dk, dv, dqkv])?;
     check_numel("merge_qkv", 3 * d.numel(), dqkv)?;
     for t in [dq, dk, dv] {
         check_numel("merge_qkv", d.numel(), t)?;
@@ -351,7 +359,7 @@ pub fn merge_qkv(
     unsafe {
         launch::qkv(
             s,
-            "merge_qkv_f32",
+            kname!("merge_qkv", dt),
             Grid::elementwise(s, d.numel()),
             dq.ptr(),
             dk.ptr(),
@@ -365,8 +373,8 @@ pub fn merge_qkv(
     }
 }
 
-/// `yh (B, H, T, hd)` -> `y (B, T, H, hd)` (`merge_heads_f32`); with `inverse`, the other
-/// way (`split_heads_f32`, `src` = y, `dst` = yh).
+/// `yh (B, H, T, hd)` -> `y (B, T, H, hd)` (`merge_heads_{f32,f64}`); with `inverse`, the other
+/// way (`split_heads_{f32,f64}`, `src` = y, `dst` = yh).
 ///
 /// # Errors
 /// As [`split_qkv`].
@@ -377,16 +385,16 @@ pub fn permute_heads(
     d: HeadDims,
     inverse: bool,
 ) -> Result<()> {
-    f32s("permute_heads", s, &[src, dst])?;
+    let dt = floats("permute_heads", s, &[src, dst])?;
     check_numel("permute_heads", d.numel(), src)?;
     check_numel("permute_heads", d.numel(), dst)?;
     if d.numel() == 0 {
         return Ok(());
     }
     let name = if inverse {
-        "split_heads_f32"
+        kname!("split_heads", dt)
     } else {
-        "merge_heads_f32"
+        kname!("merge_heads", dt)
     };
     let (b, t, h, hd) = head_args(d);
     // SAFETY: sizes checked above.
@@ -406,7 +414,7 @@ pub fn permute_heads(
 }
 
 /// Causal softmax of attention scores `s (rows, T)`, row `r` the query `r mod T`
-/// (`softmax_causal_fwd_f32`).
+/// (`softmax_causal_fwd_{f32,f64}`).
 ///
 /// # Errors
 /// `ShapeMismatch` when a size is not a multiple of `T`; as [`gelu_fwd`].
@@ -415,9 +423,9 @@ pub fn softmax_causal_fwd(
     s: &DeviceTensor,
     p: &DeviceTensor,
     t: usize,
-    scale: f32,
+    scale: f64,
 ) -> Result<()> {
-    f32s("softmax_causal_fwd", st, &[s, p])?;
+    let dt = floats("softmax_causal_fwd", st, &[s, p])?;
     let rows = rows_of("softmax_causal_fwd", s, t)?;
     check_numel("softmax_causal_fwd", s.numel(), p)?;
     if rows == 0 {
@@ -427,18 +435,18 @@ pub fn softmax_causal_fwd(
     unsafe {
         launch::softmax_fwd(
             st,
-            "softmax_causal_fwd_f32",
+            kname!("softmax_causal_fwd", dt),
             Grid::rows(st, rows, row_block(t)),
             s.ptr(),
             p.ptr(),
             rows as i64,
             t as i64,
-            scale,
+            Arg::float_of(dt, scale),
         )
     }
 }
 
-/// Causal softmax backward `ds = p (dp - <p, dp>) scale` (`softmax_causal_bwd_f32`);
+/// Causal softmax backward `ds = p (dp - <p, dp>) scale` (`softmax_causal_bwd_{f32,f64}`);
 /// `ds` may be `dp` itself.
 ///
 /// # Errors
@@ -449,9 +457,9 @@ pub fn softmax_causal_bwd(
     dp: &DeviceTensor,
     ds: &DeviceTensor,
     t: usize,
-    scale: f32,
+    scale: f64,
 ) -> Result<()> {
-    f32s("softmax_causal_bwd", st, &[p, dp, ds])?;
+    let dt = floats("softmax_causal_bwd", st, &[p, dp, ds])?;
     let rows = rows_of("softmax_causal_bwd", p, t)?;
     check_numel("softmax_causal_bwd", p.numel(), dp)?;
     check_numel("softmax_causal_bwd", p.numel(), ds)?;
@@ -462,14 +470,14 @@ pub fn softmax_causal_bwd(
     unsafe {
         launch::softmax_bwd(
             st,
-            "softmax_causal_bwd_f32",
+            kname!("softmax_causal_bwd", dt),
             Grid::rows(st, rows, row_block(t)),
             p.ptr(),
             dp.ptr(),
             ds.ptr(),
             rows as i64,
             t as i64,
-            scale,
+            Arg::float_of(dt, scale),
         )
     }
 }
@@ -481,7 +489,7 @@ pub(super) fn invalid_flag(s: &Stream) -> Result<u64> {
 }
 
 /// Cross-entropy of `logits (N, V)` against i32 `targets (N)`: per-row losses into
-/// `losses (N)` and `dlogits = (softmax - onehot) * inv_n` (`cross_entropy_f32`).
+/// `losses (N)` and `dlogits = (softmax - onehot) * inv_n` (`cross_entropy_{f32,f64}`).
 /// The targets are checked on the device; a target outside `0..V` is reported by the
 /// calling thread's next host read (`checks`), with no synchronization here.
 ///
@@ -492,11 +500,11 @@ pub fn cross_entropy(
     s: &Stream,
     logits: &DeviceTensor,
     targets: &DeviceTensor,
-    inv_n: f32,
+    inv_n: f64,
     losses: &DeviceTensor,
     dlogits: &DeviceTensor,
 ) -> Result<()> {
-    f32s("cross_entropy", s, &[logits, losses, dlogits])?;
+    let dt = floats("cross_entropy", s, &[logits, losses, dlogits])?;
     check_device("cross_entropy", s, &[targets])?;
     check_dtype("cross_entropy", targets, DType::I32)?;
     let n = targets.numel();
@@ -518,7 +526,7 @@ pub fn cross_entropy(
     unsafe {
         launch::cross_entropy(
             s,
-            "cross_entropy_f32",
+            kname!("cross_entropy", dt),
             Grid::rows(s, n, row_block(v)),
             logits.ptr(),
             targets.ptr(),
@@ -526,7 +534,7 @@ pub fn cross_entropy(
             dlogits.ptr(),
             n as i64,
             v as i64,
-            inv_n,
+            Arg::float_of(dt, inv_n),
             flag,
         )?;
     }
@@ -540,23 +548,24 @@ pub fn cross_entropy(
     )
 }
 
-/// `out[0] = f32(sum_r f64(losses[r]) / n)` in row order (`mean_rows_f32`): the mean
-/// cross-entropy without a host read. `out` holds one f32.
+/// The mean cross-entropy without a host read, `out` holding one element of `losses`'
+/// dtype: f32 `out[0] = f32(sum_r f64(losses[r]) / n)` in row order (`mean_rows_f32`), f64
+/// `out[0] = (sum_r losses[r]) * (1 / n)` (`mean_rows_f64`, as `ops::double`).
 ///
 /// # Errors
 /// Shape and dtype errors; [`Error::Cuda`].
 pub fn mean_rows(s: &Stream, losses: &DeviceTensor, out: &DeviceTensor) -> Result<()> {
-    f32s("mean_rows", s, &[losses, out])?;
+    let dt = floats("mean_rows", s, &[losses, out])?;
     check_numel("mean_rows", 1, out)?;
     let one = Grid {
         grid: (1, 1, 1),
         block: 1,
     };
-    // SAFETY: losses holds n f32, out one.
+    // SAFETY: losses holds n elements of the dtype, out one.
     unsafe {
         launch::mean_rows(
             s,
-            "mean_rows_f32",
+            kname!("mean_rows", dt),
             one,
             losses.ptr(),
             losses.numel() as i64,
@@ -570,7 +579,9 @@ pub fn mean_rows(s: &Stream, losses: &DeviceTensor, out: &DeviceTensor) -> Resul
 /// # Errors
 /// Shape and dtype errors; [`Error::Cuda`].
 pub fn add_div(s: &Stream, acc: &DeviceTensor, x: &DeviceTensor, d: f32) -> Result<()> {
-    f32s("add_div", s, &[acc, x])?;
+    check_device("add_div", s, &[acc, x])?;
+    check_dtype("add_div", acc, DType::F32)?;
+    check_dtype("add_div", x, DType::F32)?;
     check_numel("add_div", 1, acc)?;
     check_numel("add_div", 1, x)?;
     let one = Grid {
@@ -581,7 +592,7 @@ pub fn add_div(s: &Stream, acc: &DeviceTensor, x: &DeviceTensor, d: f32) -> Resu
     unsafe { launch::add_div(s, "add_div_f32", one, acc.ptr(), x.ptr(), d) }
 }
 
-/// `out[i, :] = table (V, C)[ids[i], :]` (`embedding_fwd_f32`). The ids are checked on the
+/// `out[i, :] = table (V, C)[ids[i], :]` (`embedding_fwd_{f32,f64}`). The ids are checked on the
 /// device; one outside `0..V` is reported by the calling thread's next host read
 /// (`checks`), with no synchronization here (PyTorch's device-side assert, named).
 ///
@@ -594,7 +605,7 @@ pub fn embedding_fwd(
     table: &DeviceTensor,
     out: &DeviceTensor,
 ) -> Result<()> {
-    f32s("embedding_fwd", s, &[table, out])?;
+    let dt = floats("embedding_fwd", s, &[table, out])?;
     check_device("embedding_fwd", s, &[ids])?;
     check_dtype("embedding_fwd", ids, DType::I32)?;
     let (v, c) = table_dims("embedding_fwd", table)?;
@@ -607,7 +618,7 @@ pub fn embedding_fwd(
     unsafe {
         launch::embedding_fwd(
             s,
-            "embedding_fwd_f32",
+            kname!("embedding_fwd", dt),
             Grid::elementwise(s, out.numel()),
             ids.ptr(),
             table.ptr(),
@@ -628,7 +639,7 @@ pub fn embedding_fwd(
     )
 }
 
-/// `grad[ids[i], :] += dout[i, :]` (`embedding_bwd_f32`, atomic adds: repeated ids add in
+/// `grad[ids[i], :] += dout[i, :]` (`embedding_bwd_{f32,f64}`, atomic adds: repeated ids add in
 /// any order, so results may differ from the CPU in the last bits).
 ///
 /// # Errors
@@ -639,7 +650,7 @@ pub fn embedding_bwd(
     dout: &DeviceTensor,
     grad: &DeviceTensor,
 ) -> Result<()> {
-    f32s("embedding_bwd", s, &[dout, grad])?;
+    let dt = floats("embedding_bwd", s, &[dout, grad])?;
     check_device("embedding_bwd", s, &[ids])?;
     check_dtype("embedding_bwd", ids, DType::I32)?;
     let (v, c) = table_dims("embedding_bwd", grad)?;
@@ -651,7 +662,7 @@ pub fn embedding_bwd(
     unsafe {
         launch::embedding_bwd(
             s,
-            "embedding_bwd_f32",
+            kname!("embedding_bwd", dt),
             Grid::elementwise(s, dout.numel()),
             ids.ptr(),
             dout.ptr(),

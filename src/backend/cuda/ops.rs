@@ -4,7 +4,7 @@
 //! after [`Stream::synchronize`]). Empty tensors launch nothing. CPU references:
 //! [`crate::backend::cpu::kernels`], [`crate::backend::cpu::ops::cast_slice`].
 
-use super::launch::{self, Grid};
+use super::launch::{self, Arg, Grid};
 use super::memory::DeviceBuffer;
 use super::{DeviceTensor, Stream};
 use crate::error::{Error, Result};
@@ -19,13 +19,15 @@ macro_rules! kname {
             DType::BF16 => concat!($p, "_bf16"),
             DType::F16 => concat!($p, "_f16"),
             DType::I32 => concat!($p, "_i32"),
-            // f64: the flat_param.cu copies and reduce_ranks only; i64: none. Looking up a
-            // kernel that does not exist fails with a clear error.
+            // f64: the flat_param.cu copies, reduce_ranks and the f32/f64 templates of nn.cu,
+            // optim.cu and reduce_scatter.cu; i64: none. Looking up a kernel that does not
+            // exist fails with a clear error.
             DType::F64 => concat!($p, "_f64"),
             DType::I64 => concat!($p, "_i64"),
         }
     };
 }
+pub(super) use kname;
 
 /// Every tensor is on `s`'s device.
 pub(crate) fn check_device(op: &'static str, s: &Stream, ts: &[&DeviceTensor]) -> Result<()> {
@@ -148,9 +150,17 @@ pub fn fill(s: &Stream, dst: &DeviceTensor, value: f32) -> Result<()> {
                 half::f16::from_f32(value).to_bits(),
                 n as i64,
             ),
-            d @ (DType::F64 | DType::I64) => Err(Error::Unsupported(format!(
-                "fill of a {d} tensor on a CUDA device (no kernel)"
-            ))),
+            DType::F64 => launch::fill64(
+                s,
+                name,
+                g,
+                dst.ptr(),
+                f64::from(value).to_bits() as i64,
+                n as i64,
+            ),
+            DType::I64 => Err(Error::Unsupported(
+                "fill of an i64 tensor on a CUDA device (no kernel)".into(),
+            )),
         }
     }
 }
@@ -266,11 +276,11 @@ pub fn unflatten(s: &Stream, src: &DeviceTensor, dsts: &[&DeviceTensor]) -> Resu
     }
 }
 
-/// `dst = cast(src)` (`cast_{src}_{dst}`) between f32, bf16 and f16; the same dtype is a
-/// [`copy`].
+/// `dst = cast(src)` (`cast_{src}_{dst}`) between f32, bf16 and f16, and between f32 and
+/// f64; the same dtype is a [`copy`].
 ///
 /// # Errors
-/// `DTypeMismatch` for i32; `ShapeMismatch`; [`Error::Cuda`].
+/// `DTypeMismatch` for i32, i64, or f64 with bf16/f16; `ShapeMismatch`; [`Error::Cuda`].
 pub fn cast(s: &Stream, src: &DeviceTensor, dst: &DeviceTensor) -> Result<()> {
     if src.dtype() == dst.dtype() {
         return copy(s, src, dst);
@@ -290,7 +300,16 @@ pub fn cast(s: &Stream, src: &DeviceTensor, dst: &DeviceTensor) -> Result<()> {
         (F16, BF16) => "cast_f16_bf16",
         (BF16, F16) => "cast_bf16_f16",
         (F32, BF16) => "cast_f32_bf16",
-        _ => "cast_bf16_f32",
+        (BF16, F32) => "cast_bf16_f32",
+        (F64, F32) => "cast_f64_f32",
+        (F32, F64) => "cast_f32_f64",
+        (a, b) => {
+            return Err(Error::DTypeMismatch {
+                op: "cast",
+                expected: if a == F64 { F32 } else { a },
+                got: b,
+            })
+        }
     };
     // SAFETY: both tensors hold n elements of their dtypes.
     unsafe {
@@ -392,25 +411,64 @@ pub fn sum_into(s: &Stream, acc: &DeviceTensor, x: &DeviceTensor) -> Result<()> 
     }
 }
 
-/// `x = x * alpha` in place (`scale_f32`), e.g. the postdivide of an f32 shard.
+/// `x = x * alpha` in place (`scale_f32`, or `scale_f64` with `alpha` widened), e.g. the
+/// postdivide of an f32 shard.
 ///
 /// # Errors
-/// `DTypeMismatch` for a non-f32 tensor; [`Error::Cuda`].
+/// `DTypeMismatch` for a tensor neither f32 nor f64; [`Error::Cuda`].
 pub fn scale(s: &Stream, x: &DeviceTensor, alpha: f32) -> Result<()> {
     check_device("scale", s, &[x])?;
-    check_dtype("scale", x, DType::F32)?;
+    if x.dtype() != DType::F64 {
+        check_dtype("scale", x, DType::F32)?;
+    }
     let n = x.numel();
     if n == 0 {
         return Ok(());
     }
-    // SAFETY: x holds n f32.
+    // SAFETY: x holds n elements of its dtype; alpha is passed as that type.
     unsafe {
         launch::scale(
             s,
-            "scale_f32",
+            kname!("scale", x.dtype()),
             Grid::elementwise(s, n),
             x.ptr(),
-            alpha,
+            Arg::float_of(x.dtype(), f64::from(alpha)),
+            n as i64,
+        )
+    }
+}
+
+/// `out = x / factor` (`divide`) or `out = x * factor` on f64 tensors (`div_scale_f64`):
+/// the f64 FlatParameter's predivide and postdivide (PyTorch reduces an f64 gradient in
+/// f64, `div_` by the factor). `out` may be `x` itself.
+///
+/// # Errors
+/// `DTypeMismatch` unless both are f64; `ShapeMismatch`; [`Error::Cuda`].
+pub fn div_scale_f64(
+    s: &Stream,
+    x: &DeviceTensor,
+    out: &DeviceTensor,
+    factor: f64,
+    divide: bool,
+) -> Result<()> {
+    check_device("div_scale_f64", s, &[x, out])?;
+    check_dtype("div_scale_f64", x, DType::F64)?;
+    check_dtype("div_scale_f64", out, DType::F64)?;
+    check_numel("div_scale_f64", x.numel(), out)?;
+    let n = x.numel();
+    if n == 0 {
+        return Ok(());
+    }
+    // SAFETY: both hold n f64 (the kernel allows out == x).
+    unsafe {
+        launch::div_scale(
+            s,
+            "div_scale_f64",
+            Grid::elementwise(s, n),
+            x.ptr(),
+            out.ptr(),
+            factor,
+            divide as i32,
             n as i64,
         )
     }
@@ -419,15 +477,17 @@ pub fn scale(s: &Stream, x: &DeviceTensor, alpha: f32) -> Result<()> {
 /// Blocks of the [`sum_squares`] first pass: fixed, so the f64 sum is deterministic.
 const SUMSQ_BLOCKS: u32 = 256;
 
-/// `sum_i f64(x[i])^2` of an f32 tensor (`sumsq_partial_f32`, then the host adds the 256
-/// block partials in order). Synchronizes the stream. CPU reference:
+/// `sum_i f64(x[i])^2` of an f32 or f64 tensor (`sumsq_partial_{f32,f64}`, then the host
+/// adds the 256 block partials in order). Synchronizes the stream. CPU reference:
 /// [`crate::backend::cpu::ops::sum_squares`] (equal up to f64 summation order).
 ///
 /// # Errors
-/// `DTypeMismatch` for a non-f32 tensor; [`Error::Cuda`].
+/// `DTypeMismatch` for a tensor neither f32 nor f64; [`Error::Cuda`].
 pub fn sum_squares(s: &Stream, x: &DeviceTensor) -> Result<f64> {
     check_device("sum_squares", s, &[x])?;
-    check_dtype("sum_squares", x, DType::F32)?;
+    if x.dtype() != DType::F64 {
+        check_dtype("sum_squares", x, DType::F32)?;
+    }
     let n = x.numel();
     if n == 0 {
         return Ok(0.0);
@@ -437,8 +497,9 @@ pub fn sum_squares(s: &Stream, x: &DeviceTensor) -> Result<f64> {
         grid: (SUMSQ_BLOCKS, 1, 1),
         block: 256,
     };
-    // SAFETY: x holds n f32; partial holds one f64 per block.
-    unsafe { launch::sumsq_partial(s, "sumsq_partial_f32", g, x.ptr(), partial.ptr(), n as i64)? };
+    let name = kname!("sumsq_partial", x.dtype());
+    // SAFETY: x holds n elements of its dtype; partial holds one f64 per block.
+    unsafe { launch::sumsq_partial(s, name, g, x.ptr(), partial.ptr(), n as i64)? };
     let mut v = vec![0f64; SUMSQ_BLOCKS as usize];
     // SAFETY: the buffer holds SUMSQ_BLOCKS f64; synchronized before `v` is read.
     s.bind()?;

@@ -1,17 +1,19 @@
 //! Fused multi-tensor optimizer steps (`optim.cu`): one launch updates every tensor of a
 //! list, with exactly the arithmetic of [`crate::optim::SGD`] and
-//! [`crate::optim::Adam`]/[`crate::optim::AdamW`] (bitwise equal, see `optim.cu`). The
+//! [`crate::optim::Adam`]/[`crate::optim::AdamW`] (bitwise equal, see `optim.cu`): f32
+//! tensors with the f32 update (`sgd_f32`, `adam_f32`), f64 ones with the f64 update of
+//! f64 parameters (`sgd_f64`, `adam_f64`), by the tensors' dtype (one per call). The
 //! caller owns the state tensors (momentum buffers, moments) and the step counts, as the
 //! CPU optimizers do per list position.
 
-use super::launch::{self, Grid};
-use super::ops::{check_device, check_dtype, check_numel, upload_table};
+use super::launch::{self, Arg, Grid};
+use super::ops::{check_device, check_dtype, check_numel, kname, upload_table};
 use super::{DeviceTensor, Stream};
 use crate::error::Result;
 use crate::tensor::DType;
 
-/// One tensor of an SGD step: f32 `param` updated in place from f32 `grad` (same element
-/// count), with its momentum buffer when momentum is on.
+/// One tensor of an SGD step: f32 (or f64) `param` updated in place from `grad` of its
+/// dtype (same element count), with its momentum buffer when momentum is on.
 #[derive(Debug, Clone, Copy)]
 pub struct SgdSlot<'a> {
     /// Parameter shard, updated in place.
@@ -24,23 +26,26 @@ pub struct SgdSlot<'a> {
     pub first: bool,
 }
 
-/// SGD hyperparameters, as [`crate::optim::SgdConfig`].
+/// SGD hyperparameters, as [`crate::optim::SgdConfig`], in f64: the f32 kernel rounds each
+/// to f32 (pass an f32 value widened, `f64::from`, to get it back exactly), the f64 one
+/// takes them as given (the optimizers pass the f64 the f32 setting's decimal spells, as
+/// PyTorch's Python floats are).
 #[derive(Debug, Clone, Copy)]
 pub struct SgdHyper {
     /// Learning rate.
-    pub lr: f32,
+    pub lr: f64,
     /// Momentum factor (0: no buffer is read or written).
-    pub momentum: f32,
+    pub momentum: f64,
     /// Dampening after the first step.
-    pub dampening: f32,
+    pub dampening: f64,
     /// L2 penalty `wd * p` added to the gradient.
-    pub weight_decay: f32,
+    pub weight_decay: f64,
     /// Nesterov momentum.
     pub nesterov: bool,
 }
 
-/// One tensor of an Adam/AdamW step: f32 `param`, `grad`, moments `m`, `v`, all the same
-/// element count; `step` is this tensor's step count after the update (1 on the first).
+/// One tensor of an Adam/AdamW step: f32 (or f64) `param`, `grad`, moments `m`, `v`, all
+/// the same dtype and element count; `step` is this tensor's step count after the update (1 on the first).
 #[derive(Debug, Clone, Copy)]
 pub struct AdamSlot<'a> {
     /// Parameter shard, updated in place.
@@ -55,17 +60,17 @@ pub struct AdamSlot<'a> {
     pub step: u64,
 }
 
-/// Adam/AdamW hyperparameters, as [`crate::optim::AdamConfig`].
+/// Adam/AdamW hyperparameters, as [`crate::optim::AdamConfig`], in f64 as [`SgdHyper`]'s.
 #[derive(Debug, Clone, Copy)]
 pub struct AdamHyper {
     /// Learning rate.
-    pub lr: f32,
+    pub lr: f64,
     /// `(beta1, beta2)`.
-    pub betas: (f32, f32),
+    pub betas: (f64, f64),
     /// Denominator epsilon.
-    pub eps: f32,
+    pub eps: f64,
     /// Weight decay: L2 on the gradient (Adam) or decoupled (AdamW).
-    pub weight_decay: f32,
+    pub weight_decay: f64,
     /// AdamW's decoupled decay `p *= 1 - lr wd` instead of L2.
     pub decoupled: bool,
 }
@@ -95,34 +100,57 @@ struct AdamTensor {
     bc2_sqrt: f32,
 }
 
+/// `struct AdamTensor64` of optim.cu.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AdamTensor64 {
+    p: u64,
+    g: u64,
+    m: u64,
+    v: u64,
+    n: i64,
+    step_size: f64,
+    bc2_sqrt: f64,
+}
+
+/// The dtype of a step's tensors: the first parameter's (f32 when there is none).
+fn step_dtype(mut params: impl Iterator<Item = DType>) -> DType {
+    params.next().unwrap_or(DType::F32)
+}
+
 fn check_slot(
     op: &'static str,
     s: &Stream,
+    dtype: DType,
     p: &DeviceTensor,
     others: &[&DeviceTensor],
 ) -> Result<()> {
     check_device(op, s, &[p])?;
     check_device(op, s, others)?;
-    check_dtype(op, p, DType::F32)?;
+    if dtype != DType::F64 {
+        check_dtype(op, p, DType::F32)?;
+    }
+    check_dtype(op, p, dtype)?;
     for t in others {
-        check_dtype(op, t, DType::F32)?;
+        check_dtype(op, t, dtype)?;
         check_numel(op, p.numel(), t)?;
     }
     Ok(())
 }
 
-/// One SGD step over every slot, in one launch (`sgd_f32`).
+/// One SGD step over every slot, in one launch (`sgd_f32`, or `sgd_f64` for f64 slots).
 ///
 /// # Errors
-/// `DTypeMismatch` (not f32), `ShapeMismatch` (sizes differ within a slot), `InvalidArgument`
-/// (device), [`crate::Error::Cuda`].
+/// `DTypeMismatch` (neither f32 nor f64, or dtypes differ), `ShapeMismatch` (sizes differ
+/// within a slot), `InvalidArgument` (device), [`crate::Error::Cuda`].
 pub fn sgd_step(s: &Stream, slots: &[SgdSlot<'_>], h: &SgdHyper) -> Result<()> {
+    let dt = step_dtype(slots.iter().map(|sl| sl.param.dtype()));
     let mut table = Vec::with_capacity(slots.len());
     let mut longest = 0;
     for sl in slots {
         let mut others = vec![sl.grad];
         others.extend(sl.momentum_buf);
-        check_slot("sgd_step", s, sl.param, &others)?;
+        check_slot("sgd_step", s, dt, sl.param, &others)?;
         longest = longest.max(sl.param.numel());
         table.push(SgdTensor {
             p: sl.param.ptr(),
@@ -141,68 +169,99 @@ pub fn sgd_step(s: &Stream, slots: &[SgdSlot<'_>], h: &SgdHyper) -> Result<()> {
         return Ok(());
     }
     let t = upload_table(s, &table)?;
-    // SAFETY: every descriptor points at f32 tensors of n elements on this device (checked
-    // above); the table lives until the kernel ran.
+    let f = |v: f64| Arg::float_of(dt, v);
+    // SAFETY: every descriptor points at tensors of n elements of `dt` on this device
+    // (checked above; SgdTensor's layout is the same for both); the table lives until the
+    // kernel ran.
     unsafe {
         launch::sgd(
             s,
-            "sgd_f32",
+            kname!("sgd", dt),
             Grid::segments(s, slots.len(), longest),
             t.ptr(),
             slots.len() as i64,
-            h.lr,
-            h.momentum,
-            h.dampening,
-            h.weight_decay,
+            f(h.lr),
+            f(h.momentum),
+            f(h.dampening),
+            f(h.weight_decay),
             h.nesterov as i32,
         )
     }
 }
 
-/// One Adam/AdamW step over every slot, in one launch (`adam_f32`). Bias corrections are
-/// computed per slot on the host in f64, as the CPU optimizer does.
+/// One Adam/AdamW step over every slot, in one launch (`adam_f32`, or `adam_f64` for f64
+/// slots). Bias corrections are computed per slot on the host in f64, as the CPU optimizer
+/// does (f32: `powi` of the f32 betas; f64: `powf` of the given betas, Python's `**`).
 ///
 /// # Errors
 /// As [`sgd_step`]; `InvalidArgument` for a step count of 0.
 pub fn adam_step(s: &Stream, slots: &[AdamSlot<'_>], h: &AdamHyper) -> Result<()> {
+    let dt = step_dtype(slots.iter().map(|sl| sl.param.dtype()));
     let (b1, b2) = h.betas;
-    let mut table = Vec::with_capacity(slots.len());
+    let (mut t32, mut t64) = (Vec::new(), Vec::new());
     let mut longest = 0;
     for sl in slots {
-        check_slot("adam_step", s, sl.param, &[sl.grad, sl.m, sl.v])?;
+        check_slot("adam_step", s, dt, sl.param, &[sl.grad, sl.m, sl.v])?;
         if sl.step == 0 {
             crate::error::bail_arg!("adam_step: step counts start at 1");
         }
         longest = longest.max(sl.param.numel());
-        let bc1 = 1.0 - (b1 as f64).powi(sl.step as i32);
-        let bc2 = 1.0 - (b2 as f64).powi(sl.step as i32);
-        table.push(AdamTensor {
-            p: sl.param.ptr(),
-            g: sl.grad.ptr(),
-            m: sl.m.ptr(),
-            v: sl.v.ptr(),
-            n: sl.param.numel() as i64,
-            step_size: (h.lr as f64 / bc1) as f32,
-            bc2_sqrt: bc2.sqrt() as f32,
-        });
+        let (p, g, m, v, n) = (
+            sl.param.ptr(),
+            sl.grad.ptr(),
+            sl.m.ptr(),
+            sl.v.ptr(),
+            sl.param.numel() as i64,
+        );
+        if dt == DType::F64 {
+            let bc1 = 1.0 - b1.powf(sl.step as f64);
+            let bc2_sqrt = (1.0 - b2.powf(sl.step as f64)).sqrt();
+            t64.push(AdamTensor64 {
+                p,
+                g,
+                m,
+                v,
+                n,
+                step_size: h.lr / bc1,
+                bc2_sqrt,
+            });
+        } else {
+            // The f32 optimizer's: its f32 betas, widened.
+            let (b1, b2) = (f64::from(b1 as f32), f64::from(b2 as f32));
+            let bc1 = 1.0 - b1.powi(sl.step as i32);
+            let bc2 = 1.0 - b2.powi(sl.step as i32);
+            t32.push(AdamTensor {
+                p,
+                g,
+                m,
+                v,
+                n,
+                step_size: (f64::from(h.lr as f32) / bc1) as f32,
+                bc2_sqrt: bc2.sqrt() as f32,
+            });
+        }
     }
     if longest == 0 {
         return Ok(());
     }
-    let t = upload_table(s, &table)?;
-    // SAFETY: as in `sgd_step`.
+    let t = match dt {
+        DType::F64 => upload_table(s, &t64)?,
+        _ => upload_table(s, &t32)?,
+    };
+    let f = |v: f64| Arg::float_of(dt, v);
+    // SAFETY: as in `sgd_step`, with the descriptor type of `dt`.
     unsafe {
         launch::adam(
             s,
-            "adam_f32",
+            kname!("adam", dt),
             Grid::segments(s, slots.len(), longest),
             t.ptr(),
             slots.len() as i64,
-            h.lr,
-            b1,
-            b2,
-            h.eps,
-            h.weight_decay,
+            f(h.lr),
+            f(b1),
+            f(b2),
+            f(h.eps),
+            f(h.weight_decay),
             h.decoupled as i32,
         )
     }

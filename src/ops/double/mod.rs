@@ -6,8 +6,9 @@
 //! multiply-adds in `k` order per element), the rest plain loops in the natural order,
 //! split over the thread budget by rows or columns as the f32 ops are ([Note: determinism
 //! across thread counts] in `backend::cpu::parallel`).
-//! f64 tensors on a CUDA device are refused ([`Error::Unsupported`] naming the op): no f64
-//! kernels (the products are the exception: `ops::linalg` runs them through cuBLAS in f64).
+//! f64 tensors on a CUDA device take the `_f64` kernels instead (the dispatching ops check
+//! the device first; products run through cuBLAS in f64); these loops refuse them
+//! ([`Error::Unsupported`] naming the op), which leaves the MSE and sum losses host-only.
 
 mod nn;
 pub(crate) use nn::*;
