@@ -111,8 +111,8 @@ impl Grid {
     }
 }
 
-/// Most arguments a kernel of `kernels/` takes (layernorm_fwd's 9, with room).
-const MAX_ARGS: usize = 12;
+/// Most arguments a kernel of `kernels/` takes (`sdpa.cu`'s backward kernels: 14).
+const MAX_ARGS: usize = 16;
 
 /// Launches `module`'s kernel `name` on `s`: no heap allocation and, once the kernel was
 /// launched before on this device, no lock.
@@ -268,3 +268,9 @@ raw_kernel!(/// `add_div_f32(acc, x, d)`.
     add_div, "nn", (acc: u64, x: u64, d: f32));
 raw_kernel!(/// `embedding_bwd_f32(ids, dout, grad, n, V, c)`.
     embedding_bwd, "nn", (ids: u64, dout: u64, grad: u64, n: i64, v: i64, c: i64));
+raw_kernel!(/// `sdpa_fwd_{dtype}(q, k, v, out, lse, BH, T, hd, qs, kvs, scale)` (`sdpa.cu`).
+    sdpa_fwd, "sdpa", (q: u64, k: u64, v: u64, out: u64, lse: u64, bh: i64, t: i64, hd: i64, qs: i64, kvs: i64, scale: f32));
+raw_kernel!(/// `sdpa_bwd_dq_{dtype}(q, k, v, out, lse, dout, dq, dsum, BH, T, hd, qs, kvs, scale)` (`sdpa.cu`).
+    sdpa_bwd_dq, "sdpa", (q: u64, k: u64, v: u64, out: u64, lse: u64, dout: u64, dq: u64, dsum: u64, bh: i64, t: i64, hd: i64, qs: i64, kvs: i64, scale: f32));
+raw_kernel!(/// `sdpa_bwd_dkv_{dtype}(q, k, v, lse, dout, dsum, dk, dv, BH, T, hd, qs, kvs, scale)` (`sdpa.cu`).
+    sdpa_bwd_dkv, "sdpa", (q: u64, k: u64, v: u64, lse: u64, dout: u64, dsum: u64, dk: u64, dv: u64, bh: i64, t: i64, hd: i64, qs: i64, kvs: i64, scale: f32));
