@@ -36,6 +36,9 @@
 //! `kernels/sdpa.cu` runs the same steps in the same order (the CUDA variant of the test
 //! compares the two bit for bit on cuda-emu).
 
+// Index loops spell PyTorch's (and sdpa.cu's) loops one to one.
+#![allow(clippy::needless_range_loop)]
+
 use super::kernels::HeadDims;
 use super::parallel as par;
 use super::sdpa_math::{dot_rows, fexp_u20, sleef_expf_u10, tree16, LANES};
@@ -223,7 +226,7 @@ multiversion! {
                             axpy(acc, p[c], &v[(n + c) * hd..(n + c + 1) * hd]);
                         }
                         for (e, a) in d.iter_mut().zip(acc.iter()) {
-                            *e = *a + *e;
+                            *e += *a;
                         }
                     }
                 }

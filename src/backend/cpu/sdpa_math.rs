@@ -16,6 +16,9 @@
 //! Everything is `mul`/`add` or an explicit `mul_add` where the vector code has an FMA:
 //! the results do not depend on the machine running them.
 
+// Index loops spell PyTorch's (and sdpa.cu's) loops one to one.
+#![allow(clippy::needless_range_loop)]
+
 /// Query rows per block of PyTorch's kernel for a sequence of `t` queries (its
 /// `q_split_size`: 32 below 192 queries, 64 below 768, 256 from there; at most `t`).
 pub fn q_split(t: usize) -> usize {
