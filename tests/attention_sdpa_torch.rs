@@ -1,20 +1,22 @@
 //! `ops::sdpa_causal` and its backward (bf16/f16 causal attention in one op) against
 //! PyTorch 2.11's CPU `F.scaled_dot_product_attention(q, k, v, is_causal=True)`
 //! (`tests/torch_ref/sdpa_refs.safetensors`, made by `tests/torch_ref/make_sdpa_refs.py`):
-//! - forward: `out` and the saved log-sum-exp `lse` bit for bit, bf16 and f16, every case
-//!   (T = 1 to 200, multiples of 16 and not, head widths 8 to 64);
-//! - backward: `dq, dk, dv` within [`ULPS`] units in the last place of the dtype, at most
-//!   [`FRACTION`] of the elements differing at all. The forward is bitwise because every
-//!   step is emulated in PyTorch's order; in the backward PyTorch's GEMMs sum some products
-//!   in another order than ours (oneDNN's bf16 GEMM pairs them, f16 has no oneDNN GEMM on
-//!   this CPU and its fallback rounds `alpha * sum + c` differently), which moves a
-//!   gradient by one last place now and then: measured, bf16 2 elements of 25k (one off by
-//!   8 ulps, a near-cancellation at T = 200), f16 36 elements (at most 2 ulps but where the
-//!   value is near 0). A wrong rounding point (an f32 probability, a gradient rounded once
-//!   instead of per query block) moves 10-60% of the elements.
+//! - forward: bf16 `out` and the saved log-sum-exp `lse` bit for bit in every case (T = 1
+//!   to 200, multiples of 16 and not, head widths 8 to 64); f16 `out` within 1 ulp (1
+//!   element of 25k differs) and `lse` within [`F16_LSE_ULPS`] f32 ulps: PyTorch runs f16
+//!   GEMMs in a fallback (no oneDNN f16 GEMM on this CPU) that sums the scores in another
+//!   order than its bf16 GEMM (and ours);
+//! - backward: `dq, dk, dv` within [`ULPS`] of each value or [`SCALE_ULPS`] of the tensor's
+//!   largest (a near-cancelled element), at most [`FRACTION`] of the elements differing at
+//!   all. The steps are PyTorch's, but its GEMMs sum some products in another order (and
+//!   round `alpha * sum + c` in f16 at per-query-block accumulations): measured, bf16 1
+//!   element of 63k (a near-0 dq, 8 of its ulps, 8e-6 ulp of the largest), f16 55 of 63k
+//!   (at most 2 ulps, or 1 ulp of the largest). (`expf` in place of `exp_u20` alone
+//!   moves 2-31% of the outputs.)
 //! - the CUDA variant (`_cuda`) runs the device kernels on the same inputs and compares
 //!   them with the CPU op bit for bit under cuda-emu (`CUDA_EMU_DEVICES` set: the kernels
-//!   are the host's arithmetic), within 1 ulp on a real GPU (its `expf`/`logf` differ).
+//!   are the host's arithmetic), within the tolerances above on a real GPU (its `expf`
+//!   and `logf` differ).
 //! - `CausalSelfAttention` in bf16 runs this op: its output equals the op's on the same
 //!   projections.
 
