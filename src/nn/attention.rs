@@ -10,7 +10,9 @@ use crate::tensor::Tensor;
 /// Input `(B, T, C)` f32 -> output `(B, T, C)`. `c_attn: Linear(C, 3C)` makes q, k, v;
 /// heads `H` of width `C / H`; scores scaled by `1 / sqrt(C / H)` with a causal mask
 /// (position t sees 0..=t); `c_proj: Linear(C, C)`. Same math as
-/// `F.scaled_dot_product_attention(q, k, v, is_causal=True)`.
+/// `F.scaled_dot_product_attention(q, k, v, is_causal=True)`; in bf16/f16 (a `param_dtype`
+/// module under mixed precision) the attention is one op, [`ops::sdpa_causal`], rounded as
+/// PyTorch's CPU flash-attention kernel rounds it.
 pub struct CausalSelfAttention {
     /// Input projection `Linear(C, 3C)` producing q, k, v concatenated on the last dim
     /// (`attn.c_attn` in GPT-2); weight `(3C, C)`, bias `(3C)`.
@@ -25,7 +27,8 @@ pub struct CausalSelfAttention {
 }
 
 /// What backward needs: q, k, v `(B, H, T, hd)` (op by op) or the projection `qkv (B, T,
-/// 3C)` (the CPU's per-head path), the probabilities `(B, H, T, T)`, and the dims.
+/// 3C)` (the CPU's per-head path), the probabilities `(B, H, T, T)`, and the dims; or, in
+/// bf16/f16, what [`ops::sdpa_causal_backward`] needs.
 enum Saved {
     Heads {
         q: Tensor,
@@ -39,6 +42,25 @@ enum Saved {
         p: Tensor,
         d: HeadDims,
     },
+    /// bf16/f16 ([`ops::sdpa_causal`]): the heads, the output and its row log-sum-exps.
+    Sdpa {
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        d: HeadDims,
+    },
+}
+
+/// Whether the bf16/f16 attention of `qkv` runs as one op ([`ops::sdpa_causal`], PyTorch's
+/// `scaled_dot_product_attention` rounding): a 16-bit `qkv` (a `param_dtype` module) of
+/// heads the device's kernel takes.
+fn one_op(qkv: &Tensor, d: HeadDims) -> bool {
+    matches!(
+        qkv.dtype(),
+        crate::tensor::DType::BF16 | crate::tensor::DType::F16
+    ) && ops::sdpa_supported(qkv.device(), d)
 }
 
 /// Whether the CPU's per-head attention ([`crate::backend::cpu::attention`], the same bits
@@ -135,6 +157,22 @@ impl Module for CausalSelfAttention {
             return self.c_proj.forward(&y, cx);
         }
         let [q, k, v] = ops::split_qkv(&qkv, d)?;
+        if one_op(&qkv, d) {
+            drop(qkv);
+            let (yh, lse) = ops::sdpa_causal(&q, &k, &v, d)?;
+            let y = ops::merge_heads(&yh, d)?;
+            if cx.grad_enabled {
+                self.saved = Some(Saved::Sdpa {
+                    q,
+                    k,
+                    v,
+                    out: yh,
+                    lse,
+                    d,
+                });
+            }
+            return self.c_proj.forward(&y, cx);
+        }
         drop(qkv);
         // Per head (B*H products): scores (T, T) = q (T, hd) @ k^T; P = causal softmax;
         // y_h (T, hd) = P @ v.
@@ -163,6 +201,21 @@ impl Module for CausalSelfAttention {
         let dy = self.c_proj.backward(dout, cx)?;
         let (q, k, v, p, d) = match saved {
             Saved::Heads { q, k, v, p, d } => (q, k, v, p, d),
+            Saved::Sdpa {
+                q,
+                k,
+                v,
+                out,
+                lse,
+                d,
+            } => {
+                let dyh = ops::split_heads(&dy, d)?;
+                drop(dy);
+                let [dq, dk, dv] = ops::sdpa_causal_backward((&q, &k, &v), &out, &lse, &dyh, d)?;
+                drop((q, k, v, out, lse, dyh));
+                let dqkv = ops::merge_qkv(&dq, &dk, &dv, d)?;
+                return self.c_attn.backward(&dqkv, cx);
+            }
             Saved::Fused { qkv, p, d } => {
                 let dqkv = ops::output(qkv.shape(), qkv.device())?;
                 crate::backend::cpu::attention::backward(
@@ -206,6 +259,14 @@ impl Module for CausalSelfAttention {
                 out.extend([q.clone(), k.clone(), v.clone(), p.clone()])
             }
             Some(Saved::Fused { qkv, p, .. }) => out.extend([qkv.clone(), p.clone()]),
+            Some(Saved::Sdpa {
+                q,
+                k,
+                v,
+                out: o,
+                lse,
+                ..
+            }) => out.extend([q.clone(), k.clone(), v.clone(), o.clone(), lse.clone()]),
             None => {}
         }
     }

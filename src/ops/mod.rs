@@ -24,6 +24,7 @@
 //! | `batchnorm/` | [`batch_norm`], [`batch_norm_backward`] (host loops in f64, `batchnorm.cu` on CUDA), [`batch_norm_count_`] | `F.batch_norm` |
 //! | `causal.rs` | [`causal_matmul`] | attention's per-head products, without the masked half on the CPU |
 //! | `attention.rs` | [`split_qkv`], [`merge_qkv`], [`split_heads`], [`merge_heads`], [`softmax_causal`], [`softmax_causal_backward_`] | the permutes and masked softmax of `scaled_dot_product_attention` |
+//! | `sdpa.rs` | [`sdpa_causal`], [`sdpa_causal_backward`]: causal attention of bf16/f16 heads in one op, rounded as PyTorch's CPU flash attention | `F.scaled_dot_product_attention(is_causal=True)` in bf16/f16 |
 //! | `embedding.rs` | [`embedding()`], [`embedding_backward`] | `F.embedding` |
 //! | `flat.rs` | [`flat::pack_grad`], [`flat::unpack_grad`], [`flat::round_to_`], [`flat::rounded`] (FSDP's flat buffers, autocast's operands) | the `_reduce_grad` pre/post-divide and casts |
 //! | `loss.rs` | [`cross_entropy`] ([`cross_entropy_f64`]: the f64 loss of f64 logits), [`mse_loss`], [`sum_loss`] | `F.cross_entropy`, `F.mse_loss`, `.sum()` |
@@ -52,6 +53,7 @@ pub mod layernorm;
 pub mod linalg;
 pub mod loss;
 pub(crate) mod lowp;
+pub mod sdpa;
 
 pub use activation::{gelu_backward_bias_grad, pointwise, pointwise_backward, Pointwise};
 pub use arith::{
@@ -79,6 +81,7 @@ pub use linalg::{
 pub use loss::{
     add_div_, cross_entropy, cross_entropy_f64, cross_entropy_tensor, mse_loss, sum_loss,
 };
+pub use sdpa::{sdpa_causal, sdpa_causal_backward, sdpa_supported};
 
 use crate::backend::Device;
 use crate::error::{Error, Result};

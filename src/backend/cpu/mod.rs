@@ -10,6 +10,7 @@
 //! | `simd.rs` | `multiversion!`: AVX-512 / AVX2 / baseline copies of a loop, chosen at run time |
 //! | `wide.rs` | LayerNorm and causal-softmax row sums 16 rows at a time with AVX-512 (columns transposed in registers), the same bits |
 //! | `attention.rs` | causal self-attention one head at a time on a scratch in cache, q/k/v read from the projection in place (the op-by-op path's bits) |
+//! | `sdpa.rs`, `sdpa_math.rs` | causal attention of bf16/f16 heads as PyTorch's CPU flash-attention kernel rounds it (its exponentials and lane sums emulated in `sdpa_math.rs`) |
 //! | `head_gemm.rs` | attention's per-head products with AVX-512, the `gemm` crate's sums without its cost per call |
 //! | `gemm.rs` | GEMMs through the `gemm` crate (faster than `matrixmultiply` on every shape of the main job, `benches/gemm.rs`) |
 
@@ -23,5 +24,7 @@ pub mod ops;
 pub mod parallel;
 pub mod rows;
 pub mod scalar;
+pub mod sdpa;
+pub mod sdpa_math;
 pub mod simd;
 pub mod wide;

@@ -129,8 +129,8 @@ impl Grid {
     }
 }
 
-/// Most arguments a kernel of `kernels/` takes (layernorm_fwd's 9, with room).
-const MAX_ARGS: usize = 12;
+/// Most arguments a kernel of `kernels/` takes (`sdpa.cu`'s backward kernels: 14).
+const MAX_ARGS: usize = 16;
 
 /// Launches `module`'s kernel `name` on `s`: no heap allocation and, once the kernel was
 /// launched before on this device, no lock.
@@ -301,3 +301,9 @@ raw_kernel!(/// `batchnorm_bwd_dx_{dtype}(x, dy, w, stats, sums, dx, n, c, l, ba
     batchnorm_bwd_dx, "batchnorm", (x: u64, dy: u64, w: u64, stats: u64, sums: u64, dx: u64, n: i64, c: i64, l: i64, batch: i32));
 raw_kernel!(/// `batchnorm_count_i64(count)` (`batchnorm.cu`).
     batchnorm_count, "batchnorm", (count: u64));
+raw_kernel!(/// `sdpa_fwd_{dtype}(q, k, v, out, lse, BH, T, hd, qs, kvs, scale)` (`sdpa.cu`).
+    sdpa_fwd, "sdpa", (q: u64, k: u64, v: u64, out: u64, lse: u64, bh: i64, t: i64, hd: i64, qs: i64, kvs: i64, scale: f32));
+raw_kernel!(/// `sdpa_bwd_dq_{dtype}(q, k, v, out, lse, dout, dq, dsum, BH, T, hd, qs, kvs, scale)` (`sdpa.cu`).
+    sdpa_bwd_dq, "sdpa", (q: u64, k: u64, v: u64, out: u64, lse: u64, dout: u64, dq: u64, dsum: u64, bh: i64, t: i64, hd: i64, qs: i64, kvs: i64, scale: f32));
+raw_kernel!(/// `sdpa_bwd_dkv_{dtype}(q, k, v, lse, dout, dsum, dk, dv, BH, T, hd, qs, kvs, scale)` (`sdpa.cu`).
+    sdpa_bwd_dkv, "sdpa", (q: u64, k: u64, v: u64, lse: u64, dout: u64, dsum: u64, dk: u64, dv: u64, bh: i64, t: i64, hd: i64, qs: i64, kvs: i64, scale: f32));

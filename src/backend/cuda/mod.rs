@@ -54,6 +54,8 @@ mod optim;
 #[cfg(feature = "cuda")]
 mod pinned;
 #[cfg(feature = "cuda")]
+mod sdpa;
+#[cfg(feature = "cuda")]
 mod stall;
 #[cfg(feature = "cuda")]
 mod stream;
@@ -87,6 +89,8 @@ pub use optim::{adam_step, sgd_step, AdamHyper, AdamSlot, SgdHyper, SgdSlot};
 pub(crate) use pinned::copy_async;
 #[cfg(feature = "cuda")]
 pub use pinned::{pinned_zeros, PinnedBuffer};
+#[cfg(feature = "cuda")]
+pub use sdpa::{sdpa_backward, sdpa_forward, SDPA_MAX_HD};
 #[cfg(feature = "cuda")]
 pub use stall::{take_stream_stall_s, time_stream_waits};
 #[cfg(feature = "cuda")]
