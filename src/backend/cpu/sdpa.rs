@@ -67,20 +67,13 @@ impl Lp {
         }
     }
 
-    /// `x` rounded to nearest even in this dtype, as an f32 (bf16: the carry trick on the
-    /// bits, branch-free so that loops vectorize; the same values as `half::bf16`).
+    /// `x` rounded to nearest even in this dtype, as an f32 (bf16 through
+    /// [`super::bf16::round`], branch-free so that loops vectorize; the same values as
+    /// `half::bf16`).
     #[inline(always)]
     fn round(self, x: f32) -> f32 {
         match self {
-            Lp::Bf16 => {
-                let b = x.to_bits();
-                let r = f32::from_bits(b.wrapping_add(0x7fff + ((b >> 16) & 1)) & 0xffff_0000);
-                if x.is_nan() {
-                    x
-                } else {
-                    r
-                }
-            }
+            Lp::Bf16 => super::bf16::round(x),
             Lp::F16 => half::f16::from_f32(x).to_f32(),
         }
     }
