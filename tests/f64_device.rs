@@ -277,6 +277,30 @@ device_test!(f64_layer_ops_match_the_cpu, |dev| {
     Ok(())
 });
 
+device_test!(f64_losses_match_the_cpu, |dev| {
+    let _serial = serial();
+    // MSE and sum of f64 tensors on any device: the f64 loss as the CPU computes it, the
+    // gradient on the input's device, bit for bit.
+    let (g, w) = both(dev, |d| {
+        let (pred, target) = (
+            on(wave(5 * 9, 0.4), &[5, 9], d),
+            on(wave(45, 1.3), &[5, 9], d),
+        );
+        let (mse, dmse) = ops::mse_loss(&pred, &target).unwrap();
+        let (sum, dsum) = ops::sum_loss(&pred).unwrap();
+        ((mse, sum), [dmse, dsum])
+    });
+    assert_eq!(g.0, w.0, "mse and sum losses on {dev}");
+    assert!(
+        w.0 .0 > 0.1 && w.0 .1.abs() > 1e-3,
+        "degenerate losses {:?}",
+        w.0
+    );
+    close("mse_loss gradient", dev, &g.1[0], &w.1[0], 0.0);
+    close("sum_loss gradient", dev, &g.1[1], &w.1[1], 0.0);
+    Ok(())
+});
+
 device_test!(f64_flat_and_elementwise_ops_match_the_cpu, |dev| {
     let _serial = serial();
     let n = 1003;

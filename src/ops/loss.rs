@@ -266,7 +266,9 @@ pub fn mse_loss(pred: &Tensor, target: &Tensor) -> Result<(f32, Tensor)> {
     }
     let device = same_device("mse_loss", &[pred, target])?;
     if super::double::any_f64(&[pred, target]) && pred.numel() > 0 {
-        return super::double::mse_loss(pred, target);
+        return on_host(device, &[pred, target], |t| {
+            super::double::mse_loss(&t[0], &t[1])
+        });
     }
     if let Some(lp) = super::lowp::lp_of(&[pred, target]).filter(|_| pred.numel() > 0) {
         return super::lowp::loss::mse_loss(pred, target, lp);
@@ -310,7 +312,7 @@ pub fn mse_loss(pred: &Tensor, target: &Tensor) -> Result<(f32, Tensor)> {
 pub fn sum_loss(x: &Tensor) -> Result<(f32, Tensor)> {
     let device = same_device("sum_loss", &[x])?;
     if super::double::any_f64(&[x]) {
-        return super::double::sum_loss(x);
+        return on_host(device, &[x], |t| super::double::sum_loss(&t[0]));
     }
     if let Some(lp) = super::lowp::lp_of(&[x]) {
         return super::lowp::loss::sum_loss(x, lp);
@@ -328,4 +330,25 @@ pub fn sum_loss(x: &Tensor) -> Result<(f32, Tensor)> {
         s as f32,
         Tensor::from_vec(vec![1.0f32; x.numel()], x.shape())?,
     ))
+}
+
+/// An f64 loss computed by its host loop (`ops::double`), for tensors on `device`: on a CUDA
+/// device the inputs are copied to the host and the gradient back (the loss is a host value
+/// either way, as the f32 device path waits for its sum too; PyTorch computes f64 losses in
+/// f64 on any device).
+fn on_host(
+    device: crate::backend::Device,
+    inputs: &[&Tensor],
+    loss: impl FnOnce(&[Tensor]) -> Result<(f32, Tensor)>,
+) -> Result<(f32, Tensor)> {
+    if !device.is_cuda() {
+        let owned: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
+        return loss(&owned);
+    }
+    let host = inputs
+        .iter()
+        .map(|t| t.to_device(crate::backend::Device::Cpu))
+        .collect::<Result<Vec<_>>>()?;
+    let (l, grad) = loss(&host)?;
+    Ok((l, grad.to_device(device)?))
 }

@@ -8,7 +8,8 @@
 //! across thread counts] in `backend::cpu::parallel`).
 //! f64 tensors on a CUDA device take the `_f64` kernels instead (the dispatching ops check
 //! the device first; products run through cuBLAS in f64); these loops refuse them
-//! ([`Error::Unsupported`] naming the op), which leaves the MSE and sum losses host-only.
+//! ([`Error::Unsupported`] naming the op); `ops::mse_loss` and `ops::sum_loss` run theirs on host
+//! copies of CUDA tensors.
 
 mod nn;
 pub(crate) use nn::*;
