@@ -4,6 +4,8 @@
 //! in f64.
 
 mod common;
+#[path = "common/f64_model.rs"]
+mod f64_model;
 use common::{free_port, on_threads, torchrun_env};
 
 use fsdp::distributed::{
@@ -149,34 +151,13 @@ fn fsdp_run(world: usize, strategy: ShardingStrategy, nested: bool) -> Vec<Run> 
             assert_eq!(y.dtype(), DType::F64);
             let (_, dy) = loss::mse_loss(&y, &t)?;
             m.backward(&dy, &Context::train())?;
-            let ps = m.optimizer_params();
             if s == 0 {
-                // This rank's piece of each parameter's averaged gradient.
-                let names = m.optimizer_param_names();
-                for range in m.state_dict_ranges() {
-                    let g = match names.iter().position(|(n, _)| *n == range.name) {
-                        Some(i) => ps[i].grad.as_ref().unwrap().to_vec_f64()?,
-                        None => Vec::new(),
-                    };
-                    grads.push((range.name, range.range, g));
-                }
+                grads = f64_model::grad_pieces(&mut m)?;
             }
-            opt.step(&ps)?;
+            opt.step(&m.optimizer_params())?;
             m.zero_grad();
         }
-        let sd = m.state_dict(StateDictConfig::Full(FullStateDictConfig::default()))?;
-        let StateDict::Full(f) = sd else {
-            unreachable!()
-        };
-        let params = f
-            .tensors
-            .iter()
-            .map(|(n, t)| {
-                assert_eq!(t.dtype(), DType::F64, "{n}");
-                (n.clone(), t.to_vec_f64().unwrap())
-            })
-            .collect();
-        Ok((params, grads))
+        Ok((f64_model::full_params(&mut m)?, grads))
     })
     .unwrap()
 }

@@ -154,38 +154,48 @@ pub fn fsdp_train(run: Run) -> Vec<RankRun> {
             let (loss, dl) = ops::cross_entropy_f64(&logits, &tg)?;
             losses.push(loss);
             m.backward(&dl, &Context::train())?;
-            let ps = m.optimizer_params();
             if s == 0 {
-                let names = m.optimizer_param_names();
-                for range in m.state_dict_ranges() {
-                    let g = match names.iter().position(|(n, _)| *n == range.name) {
-                        Some(i) => ps[i].grad.as_ref().unwrap().to_vec_f64()?,
-                        None => Vec::new(),
-                    };
-                    grads.push((range.name, range.range, g));
-                }
+                grads = grad_pieces(&mut m)?;
             }
-            opt.step(&ps)?;
+            opt.step(&m.optimizer_params())?;
             m.zero_grad();
         }
-        let StateDict::Full(f) =
-            m.state_dict(StateDictConfig::Full(FullStateDictConfig::default()))?
-        else {
-            unreachable!()
-        };
-        let params = f
-            .tensors
-            .iter()
-            .map(|(n, t)| {
-                assert_eq!(t.dtype(), DType::F64, "{n}");
-                (n.clone(), t.to_vec_f64().unwrap())
-            })
-            .collect();
         Ok(RankRun {
             losses,
-            params,
+            params: full_params(&mut m)?,
             grads,
         })
     })
     .unwrap()
+}
+
+/// This rank's pieces of each parameter's averaged gradient (after a backward), by the
+/// unit's state-dict ranges; an empty piece where the rank holds none of a parameter.
+pub fn grad_pieces(m: &mut FullyShardedDataParallel) -> fsdp::Result<GradPieces> {
+    let ps = m.optimizer_params();
+    let names = m.optimizer_param_names();
+    let mut out = Vec::new();
+    for range in m.state_dict_ranges() {
+        let g = match names.iter().position(|(n, _)| *n == range.name) {
+            Some(i) => ps[i].grad.as_ref().unwrap().to_vec_f64()?,
+            None => Vec::new(),
+        };
+        out.push((range.name, range.range, g));
+    }
+    Ok(out)
+}
+
+/// The full parameters from the full state dict, each asserted f64.
+pub fn full_params(m: &mut FullyShardedDataParallel) -> fsdp::Result<Named> {
+    let StateDict::Full(f) = m.state_dict(StateDictConfig::Full(FullStateDictConfig::default()))?
+    else {
+        unreachable!()
+    };
+    Ok(f.tensors
+        .iter()
+        .map(|(n, t)| {
+            assert_eq!(t.dtype(), DType::F64, "{n}");
+            (n.clone(), t.to_vec_f64().unwrap())
+        })
+        .collect())
 }
