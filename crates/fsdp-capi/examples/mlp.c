@@ -22,7 +22,9 @@
  * prints, per world size: "loss WORLD STEP VALUE" lines and "param WORLD NAME v0 v1 ..."
  * lines (%.9g: float32 values round-trip exactly).
  *
- * Build: cc -O2 examples/embed/mlp.c -Iinclude -Ltarget/release -lfsdp -lpthread
+ * Build (at the workspace root, after `cargo build --release -p fsdp-capi`):
+ *   cc -O2 crates/fsdp-capi/examples/mlp.c -Icrates/fsdp-capi/include -Ltarget/release \
+ *      -lfsdp_capi -lpthread -lm
  */
 #include "fsdp.h"
 
@@ -335,7 +337,7 @@ int main(int argc, char **argv) {
         }
     }
     if (fsdp_abi_version() != FSDP_ABI_VERSION) {
-        fprintf(stderr, "libfsdp ABI %u, header %u\n", fsdp_abi_version(), FSDP_ABI_VERSION);
+        fprintf(stderr, "libfsdp_capi ABI %u, header %u\n", fsdp_abi_version(), FSDP_ABI_VERSION);
         return 1;
     }
     for (int w = 0; w < nworlds; w++) {

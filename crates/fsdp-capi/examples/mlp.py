@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """A Python host (ctypes and numpy, no PyTorch) that computes an MLP with numpy and trains
-it with FSDP through libfsdp's C ABI (include/fsdp.h). One process per rank, started by
-`fsdp launch` (or torchrun): the tcp backend meets through the torchrun environment.
+it with FSDP through fsdp's C ABI (libfsdp_capi.so, crates/fsdp-capi/include/fsdp.h). One
+process per rank, started by `fsdp launch` (or torchrun): the tcp backend meets through the
+torchrun environment.
 
-    fsdp launch --nproc-per-node 2 -- python3 examples/embed/mlp.py --lib target/release/libfsdp.so
+    fsdp launch --nproc-per-node 2 -- python3 crates/fsdp-capi/examples/mlp.py \
+        --lib target/release/libfsdp_capi.so
 
-The model, data and optimizer are examples/embed/mlp.c's: Linear "0" (5x7) - ReLU -
+The model, data and optimizer are mlp.c's (beside this file): Linear "0" (5x7) - ReLU -
 Linear "2" (3x5), a global batch of 8 rows split across the ranks, SGD (lr 0.1, momentum
 0.9), 5 steps. Rank 0 prints "loss STEP VALUE" and "param NAME v0 v1 ..." lines.
 """
@@ -71,7 +73,7 @@ CALLBACK = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.c_char_p, C.POINTER(DLTensor))
 
 
 class Fsdp:
-    """libfsdp with every call checked: a status other than FSDP_OK raises."""
+    """libfsdp_capi with every call checked: a status other than FSDP_OK raises."""
 
     def __init__(self, path):
         self.lib = C.CDLL(path)
@@ -131,7 +133,9 @@ def batch(step, lo, hi):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--lib", default=os.environ.get("FSDP_LIB", "target/release/libfsdp.so"))
+    ap.add_argument(
+        "--lib", default=os.environ.get("FSDP_LIB", "target/release/libfsdp_capi.so")
+    )
     ap.add_argument("--strategy", default="full-shard", choices=STRATEGIES)
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()

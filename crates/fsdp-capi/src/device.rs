@@ -26,8 +26,8 @@
 //! devices with `FSDP_ERR_UNSUPPORTED`.
 
 use super::{Fail, Res, FSDP_ERR_UNSUPPORTED};
-use crate::backend::Device;
-use crate::tensor::{DType, Tensor};
+use fsdp::backend::Device;
+use fsdp::tensor::{DType, Tensor};
 use std::ffi::c_void;
 
 /// Runs `body` for a call on `device` with the host's `stream`, ordered as the module
@@ -73,7 +73,7 @@ fn check_null(stream: *mut c_void, device: Device) -> Res {
 pub(crate) fn no_cuda(what: &str) -> Fail {
     Fail::new(
         FSDP_ERR_UNSUPPORTED,
-        format!("{what}: {}", crate::backend::cuda::no_cuda_build()),
+        format!("{what}: {}", fsdp::backend::cuda::no_cuda_build()),
     )
 }
 
@@ -112,10 +112,10 @@ pub(crate) fn device_ptr(t: &Tensor) -> Res<u64> {
 #[cfg(feature = "cuda")]
 mod imp {
     use super::super::{Fail, Res};
-    use crate::backend::cuda::{self, DeviceTensor};
-    use crate::error::Error;
-    use crate::tensor::{DType, Tensor};
     use cudarc::driver::{result as cu, sys};
+    use fsdp::backend::cuda::{self, DeviceTensor};
+    use fsdp::error::Error;
+    use fsdp::tensor::{DType, Tensor};
     use std::ffi::c_void;
 
     fn cuda_fail(what: &str, e: impl std::fmt::Display) -> Fail {
@@ -149,7 +149,7 @@ mod imp {
         );
         // SAFETY: current_stream bound the device's context; `stream` is the host's
         // promise (a stream of that device or NULL).
-        unsafe { order(s.inner.cu_stream(), stream as sys::CUstream, &what) }
+        unsafe { order(s.cu_stream(), stream as sys::CUstream, &what) }
     }
 
     /// The host's `stream` waits for fsdp's stream of this thread on `cuda:ordinal`.
@@ -157,7 +157,7 @@ mod imp {
         let s = cuda::current_stream(ordinal)?;
         let what = format!("ordering the host's stream {stream:p} after fsdp's on cuda:{ordinal}");
         // SAFETY: as in fsdp_after_host.
-        unsafe { order(stream as sys::CUstream, s.inner.cu_stream(), &what) }
+        unsafe { order(stream as sys::CUstream, s.cu_stream(), &what) }
     }
 
     pub(super) unsafe fn copy_in(
@@ -172,7 +172,7 @@ mod imp {
         if t.nbytes() > 0 {
             // SAFETY: `t` is a fresh allocation of nbytes; `src` holds as many readable
             // bytes in stream order (the caller's promise).
-            unsafe { cu::memcpy_dtod_async(t.ptr(), src, t.nbytes(), s.inner.cu_stream()) }
+            unsafe { cu::memcpy_dtod_async(t.ptr(), src, t.nbytes(), s.cu_stream()) }
                 .map_err(|e| cuda_fail(&format!("{what}: copying the host's device memory"), e))?;
         }
         Ok(Tensor::from_device_tensor(t))
@@ -185,10 +185,9 @@ mod imp {
             // SAFETY: `d` holds nbytes; `dst` is writable for as many (the caller's
             // promise); the queued copy keeps `d`'s block from reuse by ordering (it was
             // allocated on, and is freed to, this stream).
-            unsafe { cu::memcpy_dtod_async(dst, d.ptr(), d.nbytes(), s.inner.cu_stream()) }
-                .map_err(|e| {
-                    cuda_fail(&format!("{what}: copying into the host's device memory"), e)
-                })?;
+            unsafe { cu::memcpy_dtod_async(dst, d.ptr(), d.nbytes(), s.cu_stream()) }.map_err(
+                |e| cuda_fail(&format!("{what}: copying into the host's device memory"), e),
+            )?;
         }
         Ok(())
     }
@@ -202,7 +201,7 @@ mod imp {
 mod imp {
     use super::super::Res;
     use super::no_cuda;
-    use crate::tensor::{DType, Tensor};
+    use fsdp::tensor::{DType, Tensor};
     use std::ffi::c_void;
 
     pub(super) fn fsdp_after_host(_: usize, _: *mut c_void) -> Res {

@@ -16,8 +16,8 @@ use super::{
     Fail, Res, FSDP_ERR_DEVICE_MISMATCH, FSDP_ERR_DTYPE_MISMATCH, FSDP_ERR_SHAPE_MISMATCH,
     FSDP_ERR_UNSUPPORTED,
 };
-use crate::backend::Device;
-use crate::tensor::{DType, Element, Tensor};
+use fsdp::backend::Device;
+use fsdp::tensor::{DType, Element, Tensor};
 use std::ffi::c_void;
 
 /// `DLDevice`: where a tensor's memory is (`device_type` a `DLDeviceType`: `kDLCPU` = 1,
@@ -412,7 +412,7 @@ impl ExtTensor {
                 DType::F32 => t,
                 _ => t.to_dtype(DType::F32)?,
             };
-            return Ok(crate::ops::add_(dst, &t)?);
+            return Ok(fsdp::ops::add_(dst, &t)?);
         }
         let mut d = dst.f32_mut()?;
         // SAFETY: the dtype is f32, readability is the caller's promise, and the memory

@@ -16,7 +16,7 @@ use super::device::on_stream;
 use super::dlpack::{DLTensor, ExtTensor};
 use super::handles::{self, fsdp_group_t, Object};
 use super::{c_str, fsdp_status, guard, write_out, Fail, Res, FSDP_ERR_INVALID_HANDLE};
-use crate::distributed::{self, Group, InitOptions, ReduceOp};
+use fsdp::distributed::{self, Group, InitOptions, ReduceOp};
 use std::collections::HashMap;
 use std::ffi::{c_char, c_void};
 use std::sync::Arc;
@@ -363,7 +363,7 @@ pub unsafe extern "C" fn fsdp_all_gather_into_tensor(
         on_stream(o.device, stream, || {
             // SAFETY: readable (the caller's promise); the output is overwritten whole.
             let ti = unsafe { i.to_tensor() }?;
-            let to = crate::tensor::Tensor::zeros_on(&o.shape, o.dtype, o.device)?;
+            let to = fsdp::tensor::Tensor::zeros_on(&o.shape, o.dtype, o.device)?;
             g.all_gather_into_tensor(&to, &ti)?;
             // SAFETY: writable (the caller's promise), the collective is over.
             unsafe { o.write_from(&to) }
@@ -409,7 +409,7 @@ pub unsafe extern "C" fn fsdp_reduce_scatter_tensor(
         on_stream(o.device, stream, || {
             // SAFETY: readable (the caller's promise); the output is overwritten whole.
             let ti = unsafe { i.to_tensor() }?;
-            let to = crate::tensor::Tensor::zeros_on(&o.shape, o.dtype, o.device)?;
+            let to = fsdp::tensor::Tensor::zeros_on(&o.shape, o.dtype, o.device)?;
             g.reduce_scatter_tensor(&to, &ti, op)?;
             // SAFETY: writable (the caller's promise), the collective is over.
             unsafe { o.write_from(&to) }
@@ -476,7 +476,7 @@ fn sizes(got: usize, want: usize, what: &str, of: &str) -> Res {
 unsafe fn in_place(
     tensor: *mut DLTensor,
     stream: *mut c_void,
-    run: impl FnOnce(&crate::tensor::Tensor) -> Res,
+    run: impl FnOnce(&fsdp::tensor::Tensor) -> Res,
 ) -> Res {
     // SAFETY: the caller's promise on `tensor`.
     let h = unsafe { ExtTensor::check(tensor, "tensor") }?;

@@ -1,6 +1,6 @@
 //! The hooks around the host's compute of each unit, and the root's gradient utilities
 //! (`no_sync`, `clip_grad_norm_`, `zero_grad`). The order, as
-//! [`FullyShardedDataParallel::pre_forward`](crate::fsdp::FullyShardedDataParallel::pre_forward)
+//! [`FullyShardedDataParallel::pre_forward`](fsdp::fsdp::FullyShardedDataParallel::pre_forward)
 //! documents it:
 //!
 //! ```text
@@ -25,8 +25,8 @@ use super::dlpack::{describe, empty_tensor, write_views, DLTensor, ExtTensor};
 use super::handles::{fsdp_model_t, fsdp_unit_t};
 use super::model::{with_model, with_unit, ModelObj};
 use super::{fsdp_status, guard, write_out, Fail, Res, FSDP_ERR_USAGE};
-use crate::backend::Device;
-use crate::tensor::{DType, Tensor};
+use fsdp::backend::Device;
+use fsdp::tensor::{DType, Tensor};
 use std::ffi::c_void;
 
 /// The device the model computes on (`fsdp_config.device`).
@@ -43,7 +43,7 @@ fn view_dtype(m: &ModelObj) -> DType {
 fn on_unit<R>(
     m: &mut ModelObj,
     index: usize,
-    f: impl FnOnce(&mut crate::fsdp::FullyShardedDataParallel) -> crate::Result<R>,
+    f: impl FnOnce(&mut fsdp::fsdp::FullyShardedDataParallel) -> fsdp::Result<R>,
 ) -> Res<R> {
     let name = m.units[index].name.clone();
     Ok(m.fsdp.with_unit(&name, f)??)
@@ -103,7 +103,7 @@ fn grad_tensors(m: &mut ModelObj, index: usize) -> Res<Vec<Option<Tensor>>> {
 /// `param_dtype` gradients, one rounding each, and forgets them.
 fn fold_f32_grads(m: &mut ModelObj, index: usize) -> Res {
     for (f, g) in std::mem::take(&mut m.units[index].grad_f32) {
-        crate::ops::lowp::add_(&g, &f)?;
+        fsdp::ops::add_promoted_(&g, &f)?;
     }
     Ok(())
 }

@@ -1,12 +1,13 @@
-//! The C ABI of [`crate::embed`]: FSDP for a host in C, C++, Python (ctypes), Julia, ...
-//! that keeps its own tensors, compute and autograd. The header is `include/fsdp.h`,
-//! generated from this module by cbindgen (`tests/capi/header.rs` fails when it is stale,
-//! and reads it back with bindgen to check every declaration against these functions).
-//! Built into `libfsdp.so` (cdylib) and `libfsdp.a` (staticlib).
+//! The C ABI of [`fsdp::embed`]: FSDP for a host in C, C++, Python (ctypes), Julia, ...
+//! that keeps its own tensors, compute and autograd. The header is `include/fsdp.h` (in
+//! this crate's folder, `crates/fsdp-capi/`), generated from this crate by cbindgen
+//! (`tests/capi/header.rs` fails when it is stale, and reads it back with bindgen to check
+//! every declaration against these functions). Built into `libfsdp_capi.so` (cdylib) and
+//! `libfsdp_capi.a` (staticlib); it uses only the public API of the `fsdp` library.
 //!
 //! | concern | C | file |
 //! |---|---|---|
-//! | status codes, `fsdp_last_error`, the entry-point guard | `fsdp_status`, `FSDP_ERR_*` | `mod.rs` |
+//! | status codes, `fsdp_last_error`, the entry-point guard | `fsdp_status`, `FSDP_ERR_*` | `lib.rs` |
 //! | opaque handles with generation counters | `fsdp_group_t`, `fsdp_spec_t`, `fsdp_model_t`, `fsdp_unit_t`, `fsdp_optimizer_t` | `handles.rs` |
 //! | DLPack tensors (v0.8/1.0 layout), host or device memory | `DLTensor`, `DLDevice`, `DLDataType` | `dlpack.rs` |
 //! | the host's CUDA stream ordered with fsdp's, device copies | every `stream` argument | `device.rs` |
@@ -18,7 +19,7 @@
 //! | state dict and checkpoints | `fsdp_model_full_state_dict`, `fsdp_checkpoint_save`, `fsdp_checkpoint_load` | `state.rs` |
 //!
 //! Every function returns an [`fsdp_status`]: [`FSDP_OK`] (0) or one `FSDP_ERR_*` code per
-//! error class of [`crate::Error`] (plus [`FSDP_ERR_INVALID_HANDLE`], [`FSDP_ERR_CALLBACK`]
+//! error class of [`fsdp::Error`] (plus [`FSDP_ERR_INVALID_HANDLE`], [`FSDP_ERR_CALLBACK`]
 //! and [`FSDP_ERR_PANIC`]); [`fsdp_last_error`] gives the calling thread's message. No
 //! panic crosses the boundary: each entry point runs under `catch_unwind`, and a model
 //! whose call panicked half-way is refused afterwards instead of being used inconsistent.
@@ -34,6 +35,8 @@
 //! Semantics: FSDP2's `fully_shard` hooks (`FSDPParamGroup.pre_forward`, ...:
 //! `_fsdp_param_group.py`) and its stream discipline; Horovod's split between a C core
 //! that communicates and a host that computes (`horovod/common/operations.cc`).
+
+#![warn(missing_docs)]
 
 mod device;
 mod dlpack;
@@ -54,7 +57,7 @@ pub use optim::*;
 pub use spec::*;
 pub use state::*;
 
-use crate::error::Error;
+use fsdp::error::Error;
 use std::cell::RefCell;
 use std::ffi::{c_char, CStr, CString};
 

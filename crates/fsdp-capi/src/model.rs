@@ -1,13 +1,13 @@
 //! Building the sharded model from a declaration (`fsdp_model_new`:
-//! [`crate::embed::fully_shard`]); units by name or index, their parameters' names and
+//! [`fsdp::embed::fully_shard`]); units by name or index, their parameters' names and
 //! shapes; freeing. The declaration itself is `spec.rs`.
 
 use super::handles::{self, fsdp_group_t, fsdp_model_t, fsdp_spec_t, fsdp_unit_t, Kind, Object};
 use super::spec::{fsdp_config, fsdp_config_default};
 use super::{c_str, fsdp_status, guard, write_out, Fail, Res, FSDP_ERR_INVALID_HANDLE};
-use crate::embed::fully_shard;
-use crate::fsdp::FullyShardedDataParallel;
-use crate::tensor::Tensor;
+use fsdp::embed::fully_shard;
+use fsdp::fsdp::FullyShardedDataParallel;
+use fsdp::tensor::Tensor;
 use parking_lot::Mutex;
 use std::ffi::{c_char, CString};
 use std::sync::Arc;
@@ -153,7 +153,7 @@ pub unsafe extern "C" fn fsdp_model_new(
             let params = params
                 .iter()
                 .map(|p| {
-                    let fqn = crate::nn::join_name(&name, &p.name);
+                    let fqn = fsdp::nn::join_name(&name, &p.name);
                     Ok(ParamMeta {
                         c_name: cstring(&fqn)?,
                         fqn,

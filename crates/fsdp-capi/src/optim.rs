@@ -7,7 +7,7 @@ use super::handles::{self, fsdp_model_t, fsdp_optimizer_t, Kind, Object};
 use super::hooks::device;
 use super::model::with_model;
 use super::{fsdp_status, guard, write_out, Fail, Res};
-use crate::optim::{Adam, AdamConfig, AdamW, Optimizer, SgdConfig, SGD};
+use fsdp::optim::{Adam, AdamConfig, AdamW, Optimizer, SgdConfig, SGD};
 use parking_lot::Mutex;
 use std::ffi::c_void;
 use std::sync::Arc;

@@ -4,10 +4,10 @@
 use super::dlpack::{config_device, DLDevice};
 use super::handles::{self, fsdp_spec_t, Kind, Object};
 use super::{c_str, fsdp_status, guard, write_out, Fail, Res};
-use crate::embed::{ParamSpec, UnitSpec};
-use crate::fsdp::{BackwardPrefetch, CpuOffload, FsdpConfig, MixedPrecision, ShardingStrategy};
-use crate::nn::{InitKey, ParamInit};
-use crate::tensor::DType;
+use fsdp::embed::{ParamSpec, UnitSpec};
+use fsdp::fsdp::{BackwardPrefetch, CpuOffload, FsdpConfig, MixedPrecision, ShardingStrategy};
+use fsdp::nn::{InitKey, ParamInit};
+use fsdp::tensor::DType;
 use parking_lot::Mutex;
 use std::ffi::c_char;
 use std::sync::Arc;
@@ -336,10 +336,10 @@ pub unsafe extern "C" fn fsdp_spec_add_param_init(
         let key = InitKey::new(seed).child(unit);
         let init = match init {
             FSDP_INIT_UNIFORM => {
-                crate::nn::on_meta_device(|| key.uniform(name, &shape, scale))?.meta_initializer()
+                fsdp::nn::on_meta_device(|| key.uniform(name, &shape, scale))?.meta_initializer()
             }
             FSDP_INIT_NORMAL => {
-                crate::nn::on_meta_device(|| key.normal(name, &shape, scale))?.meta_initializer()
+                fsdp::nn::on_meta_device(|| key.normal(name, &shape, scale))?.meta_initializer()
             }
             FSDP_INIT_CONSTANT => Some((ParamInit::Constant(scale), 0)),
             i => return Err(Fail::arg(format!("init {i} is not an FSDP_INIT_* value"))),

@@ -9,8 +9,8 @@ use super::hooks::device;
 use super::model::with_model;
 use super::optim::with_optimizer;
 use super::{c_str, fsdp_status, guard, Fail, Res, FSDP_ERR_CALLBACK};
-use crate::checkpoint::{load_checkpoint, save_checkpoint};
-use crate::fsdp::{FullStateDictConfig, StateDictType};
+use fsdp::checkpoint::{load_checkpoint, save_checkpoint};
+use fsdp::fsdp::{FullStateDictConfig, StateDictType};
 use std::ffi::{c_char, c_void, CString};
 use std::path::Path;
 

@@ -1,8 +1,9 @@
-//! The C ABI (`src/embed/capi`, `include/fsdp.h`) from foreign hosts: a C program that
+//! The C ABI (this crate, `include/fsdp.h`) from foreign hosts: a C program that
 //! computes an MLP and trains it through the ABI on its own threads (`c_host`), a Python
 //! program with ctypes and numpy under `fsdp launch` (`python_host`), bad input from C
 //! (`bad_input`), and the header against the Rust declarations (`header`).
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 #[path = "capi/bad_input.rs"]
@@ -17,7 +18,8 @@ mod python_host;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// Where cargo put `libfsdp.so` and `libfsdp.a` for this test binary (its own folder).
+/// Where cargo put `libfsdp_capi.so` and `libfsdp_capi.a` for this test binary (its own
+/// folder).
 pub fn lib_dir() -> PathBuf {
     std::env::current_exe()
         .unwrap()
@@ -27,7 +29,7 @@ pub fn lib_dir() -> PathBuf {
 }
 
 /// Compiles the C program `src` (relative to the crate root) against `include/fsdp.h`
-/// and links `libfsdp.so` with the cc crate's compiler, once per test process (tests run
+/// and links `libfsdp_capi.so` with the cc crate's compiler, once per test process (tests run
 /// in parallel); returns the executable.
 pub fn compile_c(src: &str) -> PathBuf {
     static BUILT: std::sync::Mutex<Vec<(String, PathBuf)>> = std::sync::Mutex::new(Vec::new());
@@ -68,7 +70,7 @@ fn compile_c_now(src: &str) -> PathBuf {
     .arg("-o")
     .arg(&out)
     .arg(format!("-L{}", lib.display()))
-    .arg("-lfsdp")
+    .arg("-lfsdp_capi")
     .arg(format!("-Wl,-rpath,{}", lib.display()))
     .arg("-lm");
     let o = cmd.output().unwrap();

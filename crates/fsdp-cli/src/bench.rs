@@ -1,5 +1,6 @@
 //! `fsdp bench`: plain training against FSDP at several world sizes, side by side.
 
+use crate::choice::choice;
 use crate::{base_config, ModelArgs, D};
 use clap::Args;
 use fsdp::fsdp::{BackwardPrefetch, ShardingStrategy};
@@ -10,7 +11,7 @@ use std::path::PathBuf;
 #[derive(Args)]
 pub(crate) struct BenchArgs {
     /// Where to compute: `cpu`, or `cuda` (rank r on cuda:(r % GPUs)).
-    #[arg(long, value_enum, default_value_t = D.device)]
+    #[arg(long, value_parser = choice::<train::TrainDevice>(), default_value_t = D.device)]
     device: train::TrainDevice,
     #[arg(long, default_value = "data/tinyshakespeare.txt")]
     data: PathBuf,
@@ -30,14 +31,14 @@ pub(crate) struct BenchArgs {
     world_sizes: Vec<usize>,
     /// Strategies to run at each world size (hybrid ones as 2 nodes when the world size is
     /// even, else one rank per node).
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "full-shard")]
+    #[arg(long, value_parser = choice::<ShardingStrategy>(), value_delimiter = ',', default_value = "full-shard")]
     strategies: Vec<ShardingStrategy>,
     /// Prefetch settings to run every FSDP configuration with: `on` (BackwardPre and
     /// forward prefetch), `off` (gather each unit on demand).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "on,off")]
     prefetch: Vec<PrefetchMode>,
     /// Compute precision of the FSDP runs.
-    #[arg(long, value_enum, default_value_t = D.mixed_precision)]
+    #[arg(long, value_parser = choice::<Precision>(), default_value_t = D.mixed_precision)]
     mixed_precision: Precision,
     #[command(flatten)]
     model: ModelArgs,
@@ -83,8 +84,7 @@ pub(crate) fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
         },
     ));
     for &strategy in &a.strategies {
-        let name = clap::ValueEnum::to_possible_value(&strategy)
-            .map_or(String::new(), |v| v.get_name().to_string());
+        let name = strategy.flag_name();
         for &w in &a.world_sizes {
             let ranks_per_node = strategy
                 .is_hybrid()

@@ -30,10 +30,12 @@ macro_rules! out {
 }
 
 mod bench;
+mod choice;
 mod launch;
 mod plot;
 
 use bench::{run_bench, BenchArgs};
+use choice::choice;
 use launch::{run_launch, LaunchArgs};
 use plot::{run_plot, PlotArgs};
 
@@ -70,7 +72,7 @@ enum Cmd {
 #[derive(Args, Clone)]
 pub(crate) struct ModelArgs {
     /// A named model shape instead of --n-layer, --n-embd, --n-head and --seq-len.
-    #[arg(long, value_enum, conflicts_with_all = ["seq_len", "n_layer", "n_head", "n_embd"])]
+    #[arg(long, value_parser = choice::<train::Preset>(), conflicts_with_all = ["seq_len", "n_layer", "n_head", "n_embd"])]
     preset: Option<train::Preset>,
     /// Sequence length T (tokens per row).
     #[arg(long, allow_hyphen_values = true, default_value_t = D.seq_len)]
@@ -93,12 +95,12 @@ pub(crate) struct ModelArgs {
     #[arg(long, allow_hyphen_values = true, default_value_t = D.betas.1)]
     beta2: f32,
     /// Learning-rate schedule after the warm-up.
-    #[arg(long, value_enum, default_value_t = D.lr_schedule)]
+    #[arg(long, value_parser = choice::<LrSchedule>(), default_value_t = D.lr_schedule)]
     lr_schedule: LrSchedule,
     /// Linear learning-rate warm-up steps (capped at --steps).
     #[arg(long, allow_hyphen_values = true, default_value_t = D.warmup_steps)]
     warmup_steps: usize,
-    #[arg(long, value_enum, default_value_t = D.optimizer)]
+    #[arg(long, value_parser = choice::<OptimizerKind>(), default_value_t = D.optimizer)]
     optimizer: OptimizerKind,
     #[arg(long, allow_hyphen_values = true, default_value_t = D.seed)]
     seed: u64,
@@ -130,7 +132,7 @@ impl BackwardPrefetchArg {
 struct FsdpArgs {
     /// Compute in bf16 or f16 over f32 master shards (MixedPrecision with param, reduce and
     /// buffer dtype all set), f32 throughout, or f64 throughout (an exact reference; CPU).
-    #[arg(long, value_enum, default_value_t = D.mixed_precision)]
+    #[arg(long, value_parser = choice::<Precision>(), default_value_t = D.mixed_precision)]
     mixed_precision: Precision,
     /// When backward all-gathers the next unit.
     #[arg(long, value_enum, default_value_t = BackwardPrefetchArg::Pre)]
@@ -153,7 +155,7 @@ struct FsdpArgs {
 struct TrainArgs {
     /// Where to compute: `cpu`, or `cuda` (needs a build with `--features cuda`, a driver
     /// and a GPU).
-    #[arg(long, value_enum, default_value_t = D.device)]
+    #[arg(long, value_parser = choice::<fsdp::train::TrainDevice>(), default_value_t = D.device)]
     device: fsdp::train::TrainDevice,
     /// UTF-8 text file; tokens are its bytes, the last 10% held out for eval.
     #[arg(long, default_value = "data/tinyshakespeare.txt")]
@@ -163,7 +165,7 @@ struct TrainArgs {
     /// process being one of them (default WORLD_SIZE; a different value is an error).
     #[arg(long, allow_hyphen_values = true)]
     world_size: Option<usize>,
-    #[arg(long, value_enum, default_value_t = D.strategy)]
+    #[arg(long, value_parser = choice::<ShardingStrategy>(), default_value_t = D.strategy)]
     strategy: ShardingStrategy,
     /// FSDP units: `transformer` (one per Block, plus the root), `size:N` (size-based
     /// policy, min N parameters per unit) or `none` (one unit for the whole model).
@@ -213,7 +215,7 @@ struct TrainArgs {
     #[arg(long, allow_hyphen_values = true, default_value_t = D.keep_last)]
     keep_last: usize,
     /// Checkpoint layout: one file per rank (sharded) or one file by rank 0 (full).
-    #[arg(long, value_enum, default_value_t = D.checkpoint_type)]
+    #[arg(long, value_parser = choice::<CheckpointType>(), default_value_t = D.checkpoint_type)]
     checkpoint_type: CheckpointType,
     /// Continue from a checkpoint directory or a --save-dir (its latest), at any
     /// --world-size and --strategy; pass the run's other options unchanged.

@@ -1,6 +1,7 @@
 //! `fsdp train` as a user runs it: bad input gives one line naming the problem and a
 //! non-zero exit, never a panic; a small run prints losses, eval loss and a sample.
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 use std::path::PathBuf;

@@ -2,6 +2,7 @@
 //! between them, and losses bit-identical to the thread-rank run of the same options; a
 //! failing rank stops the job with one line naming it; bad arguments are clear errors.
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 use std::path::PathBuf;

@@ -2,6 +2,7 @@
 //! per quantity with one point per record (eval loss: per evaluation), in step order; a bad
 //! metrics file is one line naming the file and the line.
 
+#[path = "../../../tests/common/mod.rs"]
 mod common;
 
 use std::path::{Path, PathBuf};

@@ -1,4 +1,4 @@
-//! `examples/embed/mlp.c`, a C host that computes an MLP in plain loops and trains it
+//! `examples/mlp.c`, a C host that computes an MLP in plain loops and trains it
 //! through the C ABI on 1, 2 and 4 pthreads: after 5 steps its parameters equal the same
 //! model trained by `fsdp::nn` under FSDP (same strategy and world size) and trained
 //! unsharded on the whole batch; so do its losses. Under bf16 mixed precision (bfloat16
@@ -225,7 +225,7 @@ fn parse(out: &str) -> Parsed {
 }
 
 fn check(run: Run, worlds: &[usize]) {
-    let exe = super::compile_c("examples/embed/mlp.c");
+    let exe = super::compile_c("examples/mlp.c");
     let worlds_arg = worlds
         .iter()
         .map(|w| w.to_string())
@@ -323,7 +323,7 @@ fn a_c_host_in_bf16_trains_like_fsdp_nn_in_bf16() {
         bf16: true,
     };
     let worlds = [1, 2];
-    let exe = super::compile_c("examples/embed/mlp.c");
+    let exe = super::compile_c("examples/mlp.c");
     let out = super::run(Command::new(&exe).args(run.args()).args([
         "--worlds",
         "1,2",

@@ -2,8 +2,8 @@
 //! checked-in file (`FSDP_BLESS=1` rewrites it); bindgen reads it back with libclang and
 //! every declaration (functions with argument and return types, structs with field names,
 //! types, sizes, alignments and offsets, typedefs, constants) must match the Rust side,
-//! parsed from `src/embed/capi/` with syn and measured with `size_of`/`offset_of!`; every
-//! function must be exported by `libfsdp.so`.
+//! parsed from this crate's `src/` with syn and measured with `size_of`/`offset_of!`;
+//! every function must be exported by `libfsdp_capi.so`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -17,7 +17,7 @@ fn generate() -> String {
     let mut out = Vec::new();
     cbindgen::Builder::new()
         .with_config(config)
-        .with_src(root().join("src/embed/capi/mod.rs"))
+        .with_src(root().join("src/lib.rs"))
         .generate()
         .expect("cbindgen could not generate include/fsdp.h")
         .write(&mut out);
@@ -40,7 +40,7 @@ fn checked_in_header_equals_the_generated_one() {
             .position(|(a, b)| a != b)
             .unwrap_or(got.lines().count().min(want.lines().count()));
         panic!(
-            "include/fsdp.h is stale: line {} is {:?}, cbindgen generates {:?}; run `FSDP_BLESS=1 cargo test --test capi header` and commit the header",
+            "include/fsdp.h is stale: line {} is {:?}, cbindgen generates {:?}; run `FSDP_BLESS=1 cargo test -p fsdp-capi --test capi header` and commit the header",
             line + 1,
             got.lines().nth(line).unwrap_or("<end of file>"),
             want.lines().nth(line).unwrap_or("<end of file>")
@@ -183,7 +183,7 @@ fn signature(s: &syn::Signature) -> (Vec<syn::Type>, Option<syn::Type>) {
 
 fn rust_side() -> Decls {
     let mut d = Decls::default();
-    let dir = root().join("src/embed/capi");
+    let dir = root().join("src");
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -265,7 +265,7 @@ fn names<V>(m: &BTreeMap<String, V>) -> Vec<String> {
 /// Size, alignment and field offsets of the Rust structs of the ABI.
 macro_rules! layouts {
     ($($ty:ident { $($f:ident),* }),* $(,)?) => {{
-        use fsdp::embed::capi::*;
+        use fsdp_capi::*;
         let mut v: Vec<(String, usize)> = Vec::new();
         $(
             v.push((format!("Size of {}", stringify!($ty)), std::mem::size_of::<$ty>()));
@@ -443,7 +443,7 @@ fn bindgen_reads_the_header_back_as_the_rust_declarations() {
         problems.push(format!("layouts differ: {diff:?}"));
     }
     // Every declared function is exported by the shared library.
-    let lib = super::lib_dir().join("libfsdp.so");
+    let lib = super::lib_dir().join("libfsdp_capi.so");
     for name in c.fns.keys() {
         if !exported(&lib, name) {
             problems.push(format!("{name} is not exported by {}", lib.display()));

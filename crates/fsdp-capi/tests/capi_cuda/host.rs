@@ -11,7 +11,7 @@
 
 use super::common::{assert_close, values};
 use cudarc::driver::{result as cu, sys};
-use fsdp::embed::capi::*;
+use fsdp_capi::*;
 use std::ffi::{c_char, c_void, CStr, CString};
 
 const IN: usize = 7;
