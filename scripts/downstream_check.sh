@@ -46,7 +46,8 @@ cp "$fsdp_dir/Cargo.lock" "$crate/Cargo.lock"
 
 build=(cargo build --manifest-path "$crate/Cargo.toml" --message-format=json-render-diagnostics)
 if [ "$measure" = 1 ]; then
-  /usr/bin/time -v -o "$work/time.txt" env CARGO_TARGET_DIR="$tgt" "${build[@]}" >"$work/messages.json"
+  /usr/bin/time -v -o "$work/time.txt" env CARGO_TARGET_DIR="$tgt" "${build[@]}" \
+    >"$work/messages.json"
   grep -E "Elapsed \(wall|User time|System time|Maximum resident" "$work/time.txt"
   echo "target folder: $(du -sh "$tgt" | cut -f1)"
 else
@@ -65,10 +66,10 @@ for line in open(sys.argv[1]):
     name = m["target"]["name"]
     if name in ("clap", "indicatif", "mimalloc", "fsdp_capi", "fsdp-capi", "fsdp-cli"):
         bad.append(f"built {name}, a crate the library must not pull in")
-    if name == "fsdp" and "lib" in m["target"]["kind"]:
+    if name == "fsdp" and "bin" not in m["target"]["kind"]:
         fsdp_seen = True
         kinds = m["target"]["crate_types"]
-        if kinds != ["lib"] and kinds != ["rlib"]:
+        if kinds not in (["lib"], ["rlib"]):
             bad.append(f"the fsdp library has crate types {kinds}, want only the rlib")
         for f in m["filenames"]:
             if not f.endswith((".rlib", ".rmeta")):

@@ -79,7 +79,9 @@ macro_rules! choice_enum {
             }
             fn doc(self) -> &'static str {
                 match self {
-                    $(Self::$variant => $crate::choice::doc_text!([] $([$($vattr)*])*).trim_ascii(),)+
+                    $(Self::$variant => {
+                        $crate::choice::doc_text!([] $([$($vattr)*])*).trim_ascii()
+                    })+
                 }
             }
         }

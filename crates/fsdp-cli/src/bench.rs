@@ -31,7 +31,12 @@ pub(crate) struct BenchArgs {
     world_sizes: Vec<usize>,
     /// Strategies to run at each world size (hybrid ones as 2 nodes when the world size is
     /// even, else one rank per node).
-    #[arg(long, value_parser = choice::<ShardingStrategy>(), value_delimiter = ',', default_value = "full-shard")]
+    #[arg(
+        long,
+        value_parser = choice::<ShardingStrategy>(),
+        value_delimiter = ',',
+        default_value = "full-shard"
+    )]
     strategies: Vec<ShardingStrategy>,
     /// Prefetch settings to run every FSDP configuration with: `on` (BackwardPre and
     /// forward prefetch), `off` (gather each unit on demand).

@@ -72,7 +72,11 @@ enum Cmd {
 #[derive(Args, Clone)]
 pub(crate) struct ModelArgs {
     /// A named model shape instead of --n-layer, --n-embd, --n-head and --seq-len.
-    #[arg(long, value_parser = choice::<train::Preset>(), conflicts_with_all = ["seq_len", "n_layer", "n_head", "n_embd"])]
+    #[arg(
+        long,
+        value_parser = choice::<train::Preset>(),
+        conflicts_with_all = ["seq_len", "n_layer", "n_head", "n_embd"]
+    )]
     preset: Option<train::Preset>,
     /// Sequence length T (tokens per row).
     #[arg(long, allow_hyphen_values = true, default_value_t = D.seq_len)]
