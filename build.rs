@@ -48,11 +48,6 @@ fn avx512_intrinsics_cfg() {
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
-    // tests/capi compiles C hosts with the cc crate, which needs the target triple.
-    println!(
-        "cargo:rustc-env=FSDP_TARGET={}",
-        env::var("TARGET").unwrap_or_default()
-    );
     avx512_intrinsics_cfg();
     println!("cargo:rerun-if-changed=kernels");
     for var in ["NVCC", "CUDA_HOME", "CUDA_PATH", "CUDA_COMPUTE_CAP", "PATH"] {

@@ -60,7 +60,7 @@ if [ "${1:-}" = "prepare" ]; then
   cp target/release/fsdp "$bin/fsdp"
   strip "$bin"/* || true
   # What it was built from, for the summary (the GPU machine may have no git).
-  echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD -- src kernels tests benches build.rs Cargo.toml Cargo.lock 2>/dev/null || echo ' + uncommitted changes'), prepared $(date -u +%FT%TZ)" >"$bin/PREPARED"
+  echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD -- src crates kernels tests benches build.rs Cargo.toml Cargo.lock 2>/dev/null || echo ' + uncommitted changes'), prepared $(date -u +%FT%TZ)" >"$bin/PREPARED"
   du -sh "$bin"
   echo "prepared $bin: carry it (run's carry: [\".gpu-bin\"]) and run scripts/gpu-check.sh there"
   exit 0

@@ -14,7 +14,7 @@
 //!
 //! | layer | modules | owns |
 //! |---|---|---|
-//! | shared | [`device`], [`dtype`], [`init`], [`reduce`], [`error`], `hash`, [`kernels`] | leaves every layer names: `Device`, `DType`, parameter initializers (`ParamInit`), `ReduceOp`, the error enum, FNV-1a, the embedded CUDA fat binaries |
+//! | shared | [`device`], [`dtype`], [`init`], [`reduce`], [`error`], [`choice`], `hash`, [`kernels`] | leaves every layer names: `Device`, `DType`, parameter initializers (`ParamInit`), `ReduceOp`, the error enum, the named option enums' `Choice`, FNV-1a, the embedded CUDA fat binaries |
 //! | tensor | [`tensor`] | storage (host, device behind a trait, meta), views, host access, the buffer pool |
 //! | backend | [`backend`] | CPU reference ops and scalar math, GEMM, the CUDA backend; `Tensor`'s device methods (`to_device`, `copy_from`, `to_dtype`) |
 //! | ops | [`ops`] | device-dispatching tensor ops (CPU reference or CUDA kernel) |
@@ -22,16 +22,20 @@
 //! | nn / optim | [`nn`], [`optim`] | modules with explicit backward, GPT, SGD/Adam/AdamW |
 //! | fsdp | [`fsdp`] | FlatParameter, units, strategies, wrap policies, state dicts |
 //! | checkpoint | [`checkpoint`] | safetensors checkpoint files, crash-safe saves, resharding loads |
-//! | embed | [`embed`] | units declared by their parameters, for a host that computes itself (drives the FSDP hooks); its C ABI |
+//! | embed | [`embed`] | units declared by their parameters, for a host that computes itself (drives the FSDP hooks): the Rust embedding API |
 //! | train | [`train`] | the main job behind `fsdp train` and `fsdp bench` |
 //!
-//! The `fsdp` binary (`src/bin/fsdp/`) sits above them all.
+//! Two crates of the workspace sit above them all, each using only this crate's public
+//! API: `fsdp-capi` (`crates/fsdp-capi/`), the C ABI over [`embed`] and [`distributed`]
+//! (`libfsdp_capi.so`, `libfsdp_capi.a`, `crates/fsdp-capi/include/fsdp.h`), and `fsdp-cli`
+//! (`crates/fsdp-cli/`), the `fsdp` command line over [`train`] (it alone depends on clap,
+//! indicatif and mimalloc; it parses the option enums by their [`choice::Choice`] names).
+//! This crate is a plain rlib: a crate that depends on it builds no C library.
 //!
 //! ## Features
 //!
 //! | feature | default | adds |
 //! |---|---|---|
-//! | `cli` | on | the `fsdp` binary's crates: clap (and `clap::ValueEnum` on the option enums it parses), indicatif, mimalloc. A library user turns it off with `default-features = false` |
 //! | `cuda` | off | the CUDA backend: `kernels/*.cu` compiled by nvcc, loaded through cudarc (no CUDA library needed to build) |
 //! | `test-hooks` | off | the hidden fault hooks the tests drive (`FSDP_FAIL_RANK`, `FSDP_CKPT_STALL`); without it the variables are never read |
 //!
@@ -61,6 +65,7 @@
 
 pub mod backend;
 pub mod checkpoint;
+pub mod choice;
 pub mod device;
 pub mod distributed;
 pub mod dtype;

@@ -1,11 +1,12 @@
 //! Checkpoint files: a process killed in the middle of a save leaves the previous
-//! checkpoint loadable (resuming: tests/resume.rs);
+//! checkpoint loadable (resuming: tests/resume.rs; `fsdp train` killed during a save and
+//! the checkpoint options of the command line: crates/fsdp-cli/tests/checkpoint.rs);
 //! truncated, corrupted and mismatched checkpoints are refused naming the file or the
 //! parameter, before anything is modified.
 
 mod common;
 
-use common::corpus_file;
+use common::kill_mid_save;
 use fsdp::checkpoint::{
     load_checkpoint, load_state_dict_file, read_index, save_checkpoint, save_state_dict_file,
 };
@@ -18,7 +19,7 @@ use fsdp::nn::{GptConfig, GPT};
 use fsdp::optim::{AdamConfig, AdamW, Optimizer};
 use fsdp::tensor::{DType, Tensor};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 fn tmp_dir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("fsdp-ckpt-{}-{name}", std::process::id()));
@@ -292,46 +293,6 @@ fn zeros_like(m: &mut FullyShardedDataParallel) -> Vec<(String, Tensor)> {
         .collect()
 }
 
-/// Spawns `cmd`, waits until it prints the stall line on stderr, kills it.
-fn kill_mid_save(mut cmd: Command) -> String {
-    let mut child = cmd
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        use std::io::BufRead;
-        for line in std::io::BufReader::new(stderr)
-            .lines()
-            .map_while(Result::ok)
-        {
-            let _ = tx.send(line);
-        }
-    });
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
-    let mut seen = String::new();
-    loop {
-        match rx.recv_timeout(std::time::Duration::from_millis(200)) {
-            Ok(l) if l.contains("FSDP_CKPT_STALL: stalled writing") => {
-                child.kill().unwrap();
-                child.wait().unwrap();
-                return l;
-            }
-            Ok(l) => seen.push_str(&(l + "\n")),
-            Err(_) => {}
-        }
-        if let Ok(Some(status)) = child.try_wait() {
-            panic!("child exited ({status}) before stalling: {seen}");
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "child never stalled: {seen}"
-        );
-    }
-}
-
 #[test]
 #[cfg_attr(
     not(feature = "test-hooks"),
@@ -380,136 +341,6 @@ fn a_save_killed_midway_in_place_leaves_the_previous_checkpoint_loadable() {
     // The next save cleans up and succeeds.
     save_small(&d, StateDictType::Sharded, 2, 8);
     assert_eq!(read_index(&d).unwrap().generation, 2);
-}
-
-#[test]
-#[cfg_attr(
-    not(feature = "test-hooks"),
-    ignore = "needs the FSDP_CKPT_STALL hook: cargo test --features test-hooks"
-)]
-fn fsdp_train_killed_during_a_save_resumes_from_the_previous_checkpoint() {
-    let data = corpus_file("crash-cli");
-    let save = tmp_dir("crash-cli");
-    let args = |world: &str, extra: &[&str]| {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_fsdp"));
-        cmd.arg("train").args([
-            "--data",
-            data.to_str().unwrap(),
-            "--world-size",
-            world,
-            "--steps",
-            "4",
-            "--global-batch",
-            "8",
-            "--seq-len",
-            "16",
-            "--n-layer",
-            "2",
-            "--n-head",
-            "4",
-            "--n-embd",
-            "32",
-            "--warmup-steps",
-            "0",
-            "--eval-every",
-            "0",
-            "--sample-len",
-            "0",
-            "--save-dir",
-            save.to_str().unwrap(),
-            "--save-every",
-            "2",
-        ]);
-        cmd.args(extra);
-        cmd
-    };
-    let mut cmd = args("2", &[]);
-    cmd.env("FSDP_CKPT_STALL", "step-00000004");
-    kill_mid_save(cmd);
-    assert_eq!(
-        std::fs::read_to_string(save.join("latest")).unwrap().trim(),
-        "step-00000002"
-    );
-    // The interrupted save is not a checkpoint.
-    let e = launch(&LaunchOptions::new(1), |pg: Group| {
-        let mut m = wrapped(pg, 2, 8)?;
-        Ok(load_checkpoint(&save.join("step-00000004"), &mut m, None)
-            .unwrap_err()
-            .to_string())
-    })
-    .unwrap()
-    .remove(0);
-    assert!(
-        e.contains("step-00000004") && e.contains("neither index.json"),
-        "{e}"
-    );
-    // Resuming from the save directory continues from step 2, at another world size.
-    let out = args(
-        "4",
-        &["--resume", save.to_str().unwrap(), "--log-every", "1"],
-    )
-    .output()
-    .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        stdout.contains("resumed from") && stdout.contains("after step 2"),
-        "{stdout}"
-    );
-    assert!(
-        stdout.contains("step     3 |") && !stdout.contains("step     1 |"),
-        "{stdout}"
-    );
-    assert_eq!(
-        std::fs::read_to_string(save.join("latest")).unwrap().trim(),
-        "step-00000004"
-    );
-}
-
-#[test]
-fn bad_checkpoint_options_are_one_line_errors() {
-    let data = corpus_file("ckpt-cli");
-    let held = tmp_dir("ckpt-cli-held");
-    std::fs::write(held.join("notes.txt"), "mine").unwrap();
-    let run = |extra: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_fsdp"))
-            .arg("train")
-            .args(["--data", data.to_str().unwrap(), "--steps", "2"])
-            .args(extra)
-            .output()
-            .unwrap()
-    };
-    for (args, want) in [
-        (vec!["--save-every", "5"], "--save-every 5 needs --save-dir"),
-        (
-            vec!["--resume", "/nonexistent/ckpt"],
-            "error: checkpoint '/nonexistent/ckpt': does not exist",
-        ),
-        (
-            vec!["--keep-last", "0", "--save-dir", "/tmp/x"],
-            "--keep-last must be at least 1",
-        ),
-        // Refused before training, not at the first save.
-        (
-            vec!["--save-dir", "/proc/no-such-dir/ck"],
-            "cannot create or write checkpoints there",
-        ),
-        (vec!["--overwrite"], "--overwrite needs --save-dir"),
-        (
-            vec!["--save-dir", held.to_str().unwrap()],
-            "is not empty (it holds notes.txt)",
-        ),
-    ] {
-        let out = run(&args);
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
-        assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: {err}");
-        assert!(err.contains(want), "{args:?}: {err}");
-    }
 }
 
 fn optim_full(m: &mut FullyShardedDataParallel, opt: &AdamW) -> Vec<(String, Vec<u32>)> {

@@ -32,8 +32,6 @@
 //! [`FullyShardedDataParallel::pre_forward`]; `tests/hooks.rs` trains an MLP computed by
 //! plain loops through them.
 
-pub mod capi;
-
 use crate::distributed::Group;
 use crate::error::{Error, Result};
 use crate::fsdp::{transformer_auto_wrap_policy, FsdpConfig, FullyShardedDataParallel};

@@ -2,41 +2,38 @@
 
 use super::{AutoWrapPolicy, BackwardPrefetch, MixedPrecision};
 use crate::backend::Device;
+use crate::choice::{choice_enum, Choice};
 use crate::distributed::{DeviceMesh, Group};
 use crate::error::{Error, Result};
 
-/// How parameters, gradients and optimizer state are split across ranks
-/// (`torch.distributed.fsdp.ShardingStrategy`). With the `cli` feature it is also a
-/// `clap::ValueEnum` whose names are [`ShardingStrategy::flag_name`]'s.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
-pub enum ShardingStrategy {
-    /// ZeRO-3: parameters freed after forward and gathered again in backward; gradients
-    /// reduce-scattered; optimizer state sharded.
-    #[default]
-    FullShard,
-    /// ZeRO-2: parameters kept from forward until after backward; gradients reduce-scattered.
-    ShardGradOp,
-    /// DDP: nothing sharded; gradients all-reduced.
-    NoShard,
-    /// FullShard within a node (the shard group), replicated across nodes (the replicate
-    /// group): gradients reduce-scattered in the node, then all-reduced across nodes.
-    HybridShard,
-    /// ShardGradOp within a node, replicated across nodes (FSDP1 `_HYBRID_SHARD_ZERO2`).
-    #[cfg_attr(feature = "cli", value(name = "hybrid-shard-zero2"))]
-    HybridShardZero2,
+choice_enum! {
+    /// How parameters, gradients and optimizer state are split across ranks
+    /// (`torch.distributed.fsdp.ShardingStrategy`). Its [`Choice`] names are the ones
+    /// `fsdp train --strategy` takes (`full-shard`, ..., `hybrid-shard-zero2`).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+    pub enum ShardingStrategy: "sharding strategy" {
+        /// ZeRO-3: parameters freed after forward and gathered again in backward; gradients
+        /// reduce-scattered; optimizer state sharded.
+        #[default]
+        FullShard = "full-shard",
+        /// ZeRO-2: parameters kept from forward until after backward; gradients
+        /// reduce-scattered.
+        ShardGradOp = "shard-grad-op",
+        /// DDP: nothing sharded; gradients all-reduced.
+        NoShard = "no-shard",
+        /// FullShard within a node (the shard group), replicated across nodes (the replicate
+        /// group): gradients reduce-scattered in the node, then all-reduced across nodes.
+        HybridShard = "hybrid-shard",
+        /// ShardGradOp within a node, replicated across nodes (FSDP1 `_HYBRID_SHARD_ZERO2`).
+        HybridShardZero2 = "hybrid-shard-zero2",
+    }
 }
 
 impl ShardingStrategy {
-    /// The name `fsdp train --strategy` takes (`"full-shard"`, ..., `"hybrid-shard-zero2"`).
+    /// The name `fsdp train --strategy` takes (`"full-shard"`, ..., `"hybrid-shard-zero2"`):
+    /// [`Choice::name`].
     pub fn flag_name(self) -> &'static str {
-        match self {
-            ShardingStrategy::FullShard => "full-shard",
-            ShardingStrategy::ShardGradOp => "shard-grad-op",
-            ShardingStrategy::NoShard => "no-shard",
-            ShardingStrategy::HybridShard => "hybrid-shard",
-            ShardingStrategy::HybridShardZero2 => "hybrid-shard-zero2",
-        }
+        self.name()
     }
 
     /// Whether a non-root unit frees its unsharded parameters after forward.
@@ -197,16 +194,29 @@ pub(super) fn check_device(device: Option<Device>) -> Result<Device> {
     }
 }
 
-#[cfg(all(test, feature = "cli"))]
+#[cfg(test)]
 mod tests {
     use super::ShardingStrategy;
-    use clap::ValueEnum;
 
     #[test]
-    fn flag_names_are_the_cli_names() {
-        for s in ShardingStrategy::value_variants() {
-            let v = s.to_possible_value().unwrap();
-            assert_eq!(v.get_name(), s.flag_name());
+    fn flag_names_parse_back() {
+        for s in [
+            "full-shard",
+            "shard-grad-op",
+            "no-shard",
+            "hybrid-shard",
+            "hybrid-shard-zero2",
+        ] {
+            let v: ShardingStrategy = s.parse().unwrap();
+            assert_eq!((v.flag_name(), v.to_string()), (s, s.to_string()));
         }
+        let e = "hybrid_shard"
+            .parse::<ShardingStrategy>()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("unknown sharding strategy 'hybrid_shard'"),
+            "{e}"
+        );
     }
 }

@@ -27,15 +27,12 @@ use std::time::Duration;
 /// When backward all-gathers the next unit's parameters
 /// (`torch.distributed.fsdp.BackwardPrefetch`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum BackwardPrefetch {
     /// Before the current unit's gradient computation (`BACKWARD_PRE`): most overlap, one
     /// more unsharded unit alive.
-    #[cfg_attr(feature = "cli", value(name = "pre"))]
     BackwardPre,
     /// After the current unit's gradient computation, before its reduce-scatter
     /// (`BACKWARD_POST`).
-    #[cfg_attr(feature = "cli", value(name = "post"))]
     BackwardPost,
 }
 

@@ -79,6 +79,41 @@ pub fn add_(dst: &Tensor, src: &Tensor) -> Result<()> {
     }
 }
 
+/// `dst += src` where `src` may have another float dtype than `dst` (an f32 gradient added
+/// into a bf16/f16 one): the sum in f32, rounded once to `dst`'s dtype, as PyTorch's
+/// `Tensor.add_` after type promotion. Tensors of one dtype go to [`add_`].
+///
+/// ```
+/// use fsdp::tensor::{DType, Tensor};
+/// let dst = Tensor::from_vec(vec![1.0f32, 256.0], &[2])?.to_dtype(DType::BF16)?;
+/// let src = Tensor::from_vec(vec![0.5f32, 1.0], &[2])?;
+/// fsdp::ops::add_promoted_(&dst, &src)?;
+/// // 257 is not a bf16: the f32 sum rounds to nearest even, once.
+/// assert_eq!(dst.to_vec_f32()?, [1.5, 256.0]);
+/// # Ok::<(), fsdp::Error>(())
+/// ```
+///
+/// # Errors
+/// `DeviceMismatch`, `ShapeMismatch`; `DTypeMismatch` when the dtypes differ and either is
+/// not f32, bf16 or f16.
+pub fn add_promoted_(dst: &Tensor, src: &Tensor) -> Result<()> {
+    if dst.dtype() == src.dtype() {
+        return add_(dst, src);
+    }
+    for t in [dst, src] {
+        if !matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+            return Err(Error::DTypeMismatch {
+                op: "add_promoted_",
+                expected: DType::F32,
+                got: t.dtype(),
+            });
+        }
+    }
+    numel_eq("add_promoted_", dst, src)?;
+    same_device("add_promoted_", &[dst, src])?;
+    super::lowp::add_(dst, src)
+}
+
 /// `a + b` as a new tensor on their device (`torch.add`). Equal shapes: a copy of `a`, then
 /// [`add_`]. Other shapes broadcast as PyTorch's do ([`binary`](super::arith::binary), CPU
 /// f32).

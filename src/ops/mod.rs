@@ -72,7 +72,7 @@ pub use batchnorm::{
     batch_norm, batch_norm_backward, batch_norm_count_, BatchNormSaved, RunningStats, UpdateFactor,
 };
 pub use causal::{causal_matmul, CausalProduct};
-pub use elementwise::{add, add_, fill_, scale_, sum_squares};
+pub use elementwise::{add, add_, add_promoted_, fill_, scale_, sum_squares};
 pub use embedding::{embedding, embedding_backward};
 pub use layernorm::{layer_norm, layer_norm_backward, LayerNormSaved};
 pub use linalg::{

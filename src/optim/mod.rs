@@ -329,17 +329,18 @@ pub fn parameter_names(m: &mut dyn crate::nn::Module) -> Vec<(String, Vec<usize>
     out
 }
 
-/// Which optimizer `fsdp train` builds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
-pub enum OptimizerKind {
-    /// [`SGD`] (`torch.optim.SGD`) with no momentum and no weight decay (`--optimizer sgd`).
-    Sgd,
-    /// [`Adam`] (`torch.optim.Adam`), weight_decay 0 (`--optimizer adam`).
-    Adam,
-    /// [`AdamW`] (`torch.optim.AdamW`), weight_decay 0.01 (`--optimizer adamw`, the default
-    /// of `fsdp train`).
-    Adamw,
+crate::choice::choice_enum! {
+    /// Which optimizer `fsdp train` builds (`--optimizer`).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+    pub enum OptimizerKind: "optimizer" {
+        /// [`SGD`] (`torch.optim.SGD`) with no momentum and no weight decay (`--optimizer sgd`).
+        Sgd = "sgd",
+        /// [`Adam`] (`torch.optim.Adam`), weight_decay 0 (`--optimizer adam`).
+        Adam = "adam",
+        /// [`AdamW`] (`torch.optim.AdamW`), weight_decay 0.01 (`--optimizer adamw`, the default
+        /// of `fsdp train`).
+        Adamw = "adamw",
+    }
 }
 
 /// Builds an optimizer of `kind` with learning rate `lr`, Adam `betas` (ignored by SGD),

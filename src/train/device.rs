@@ -4,25 +4,17 @@
 use crate::backend::Device;
 use crate::error::Result;
 
-/// The device `fsdp train` runs on (`--device`), default `cpu`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
-#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
-pub enum TrainDevice {
-    /// The CPU backend, the reference (`--device cpu`).
-    #[default]
-    Cpu,
-    /// The CUDA devices of this machine (`--device cuda`; needs the `cuda` feature, a
-    /// driver and a GPU): rank `r` computes on `cuda:(r % device_count)`, so several
-    /// ranks share a GPU when there are fewer GPUs than ranks.
-    Cuda,
-}
-
-impl std::fmt::Display for TrainDevice {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            TrainDevice::Cpu => "cpu",
-            TrainDevice::Cuda => "cuda",
-        })
+crate::choice::choice_enum! {
+    /// The device `fsdp train` runs on (`--device`), default `cpu`.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+    pub enum TrainDevice: "device" {
+        /// The CPU backend, the reference (`--device cpu`).
+        #[default]
+        Cpu = "cpu",
+        /// The CUDA devices of this machine (`--device cuda`; needs the `cuda` feature, a
+        /// driver and a GPU): rank `r` computes on `cuda:(r % device_count)`, so several
+        /// ranks share a GPU when there are fewer GPUs than ranks.
+        Cuda = "cuda",
     }
 }
 

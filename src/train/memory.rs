@@ -20,13 +20,14 @@
 //! plus, once per process, 16 MiB (binary, libraries, main thread) and 5 bytes per byte of
 //! the data file (read, then one i32 token per byte). Ranks are assumed to peak together.
 //!
-//! Measured peak RSS (`tests/cli.rs`, `memory_estimate_bounds_the_measured_peak`, and
-//! `/usr/bin/time -v` runs of 2 to 20 steps at seq-len 2000..11000) is between 1/1.7 and
-//! 1/1.05 of this estimate over seq-len 16..11000, widths 16..384, 1..4 layers, world sizes
-//! 1..16, grad-accum, no-sync, bf16, no-shard and wrap none; e.g. seq-len 11000 on 4 ranks
-//! (`--n-layer 1 --n-embd 32 --n-head 2 --global-batch 4`): 11.3 GiB estimated, 7.5 to
-//! 9.3 GiB measured in seven runs of 2 to 12 steps (the estimate was 18.4 GiB before the
-//! slack counted the buffer pool's reuse).
+//! Measured peak RSS (`crates/fsdp-cli/tests/cli.rs`,
+//! `memory_estimate_bounds_the_measured_peak`, and `/usr/bin/time -v` runs of 2 to 20
+//! steps at seq-len 2000..11000) is between 1/1.7 and 1/1.05 of this estimate over seq-len
+//! 16..11000, widths 16..384, 1..4 layers, world sizes 1..16, grad-accum, no-sync, bf16,
+//! no-shard and wrap none; e.g. seq-len 11000 on 4 ranks (`--n-layer 1 --n-embd 32
+//! --n-head 2 --global-batch 4`): 11.3 GiB estimated, 7.5 to 9.3 GiB measured in seven
+//! runs of 2 to 12 steps (the estimate was 18.4 GiB before the slack counted the buffer
+//! pool's reuse).
 
 use super::config::TrainConfig;
 use super::data::VOCAB_SIZE;

@@ -2,6 +2,7 @@
 //! schedule, checkpoint layout, model presets. Plain enums:
 //! [`TrainConfig`](super::TrainConfig) holds them, and nothing here knows the config.
 
+use crate::choice::choice_enum;
 use crate::fsdp::MixedPrecision;
 use crate::tensor::DType;
 
@@ -42,32 +43,34 @@ impl std::fmt::Display for WrapMode {
     }
 }
 
-/// Layout of the checkpoints `fsdp train` saves (`--checkpoint-type`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
-#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
-pub enum CheckpointType {
-    /// One file per rank holding distinct shards, plus the index (SHARDED_STATE_DICT).
-    #[default]
-    Sharded,
-    /// One model file and one optimizer file written by rank 0 (FULL_STATE_DICT).
-    Full,
+choice_enum! {
+    /// Layout of the checkpoints `fsdp train` saves (`--checkpoint-type`).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+    pub enum CheckpointType: "checkpoint type" {
+        /// One file per rank holding distinct shards, plus the index (SHARDED_STATE_DICT).
+        #[default]
+        Sharded = "sharded",
+        /// One model file and one optimizer file written by rank 0 (FULL_STATE_DICT).
+        Full = "full",
+    }
 }
 
-/// Compute precision of `fsdp train` (`--mixed-precision`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
-#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
-pub enum Precision {
-    /// f32 throughout.
-    #[default]
-    None,
-    /// `MixedPrecision::uniform(bf16)`: bf16 parameters, gradients and reduction.
-    Bf16,
-    /// `MixedPrecision::uniform(f16)`.
-    F16,
-    /// No mixed precision: the model in f64 throughout (`model.double()`: parameters,
-    /// gradients, reductions and optimizer state in f64), an exact reference, on the CPU or
-    /// a CUDA device (the `_f64` kernels).
-    F64,
+choice_enum! {
+    /// Compute precision of `fsdp train` (`--mixed-precision`).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+    pub enum Precision: "precision" {
+        /// f32 throughout.
+        #[default]
+        None = "none",
+        /// `MixedPrecision::uniform(bf16)`: bf16 parameters, gradients and reduction.
+        Bf16 = "bf16",
+        /// `MixedPrecision::uniform(f16)`.
+        F16 = "f16",
+        /// No mixed precision: the model in f64 throughout (`model.double()`: parameters,
+        /// gradients, reductions and optimizer state in f64), an exact reference, on the CPU
+        /// or a CUDA device (the `_f64` kernels).
+        F64 = "f64",
+    }
 }
 
 impl Precision {
@@ -81,27 +84,28 @@ impl Precision {
     }
 }
 
-/// How the learning rate moves over a run (built from `torch.optim.lr_scheduler`'s
-/// schedules by [`TrainConfig::lr_scheduler`](super::TrainConfig::lr_scheduler)).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
-pub enum LrSchedule {
-    /// `lr` at every step after the warm-up.
-    Constant,
-    /// After the warm-up, half a cosine from `lr` down to `lr / 10` at the last step
-    /// (nanoGPT's schedule).
-    Cosine,
+choice_enum! {
+    /// How the learning rate moves over a run (built from `torch.optim.lr_scheduler`'s
+    /// schedules by [`TrainConfig::lr_scheduler`](super::TrainConfig::lr_scheduler)).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+    pub enum LrSchedule: "learning-rate schedule" {
+        /// `lr` at every step after the warm-up.
+        Constant = "constant",
+        /// After the warm-up, half a cosine from `lr` down to `lr / 10` at the last step
+        /// (nanoGPT's schedule).
+        Cosine = "cosine",
+    }
 }
 
-/// Named model shapes (`--preset`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
-pub enum Preset {
-    /// GPT-2 small's shape (12 layers, width 768, 12 heads, 1024 tokens) with the byte
-    /// vocabulary of 256: about 86M parameters (124M with GPT-2's 50257-token vocabulary).
-    /// The numbers of `GptConfig::gpt2_124m`.
-    #[cfg_attr(feature = "cli", value(name = "gpt2-124m"))]
-    Gpt2_124m,
+choice_enum! {
+    /// Named model shapes (`--preset`).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+    pub enum Preset: "preset" {
+        /// GPT-2 small's shape (12 layers, width 768, 12 heads, 1024 tokens) with the byte
+        /// vocabulary of 256: about 86M parameters (124M with GPT-2's 50257-token vocabulary).
+        /// The numbers of `GptConfig::gpt2_124m`.
+        Gpt2_124m = "gpt2-124m",
+    }
 }
 
 impl Preset {

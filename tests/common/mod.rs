@@ -296,3 +296,44 @@ pub fn json_f32s(v: &serde_json::Value) -> Vec<f32> {
         })
         .unwrap_or_default()
 }
+
+/// Spawns `cmd`, waits until it prints the `FSDP_CKPT_STALL` hook's stall line on stderr
+/// (5 minutes at most), kills it and returns that line.
+pub fn kill_mid_save(mut cmd: std::process::Command) -> String {
+    let mut child = cmd
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send(line);
+        }
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
+    let mut seen = String::new();
+    loop {
+        match rx.recv_timeout(std::time::Duration::from_millis(200)) {
+            Ok(l) if l.contains("FSDP_CKPT_STALL: stalled writing") => {
+                child.kill().unwrap();
+                child.wait().unwrap();
+                return l;
+            }
+            Ok(l) => seen.push_str(&(l + "\n")),
+            Err(_) => {}
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("child exited ({status}) before stalling: {seen}");
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "child never stalled: {seen}"
+        );
+    }
+}

@@ -100,6 +100,14 @@ impl Stream {
         &self.dev
     }
 
+    /// The driver's handle of this stream, for ordering work this crate does not issue
+    /// with it (the C ABI orders a host's `CUstream` after it with events). Valid while
+    /// this `Stream` lives; work queued on it through the handle is not seen by the
+    /// stream's memory account.
+    pub fn cu_stream(&self) -> cudarc::driver::sys::CUstream {
+        self.inner.cu_stream()
+    }
+
     /// The account this stream's allocations are charged to.
     pub fn account(&self) -> &Arc<MemAccount> {
         &self.account
