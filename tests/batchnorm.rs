@@ -1,12 +1,14 @@
 //! `BatchNorm1d`, module buffers and eval mode on one process: finite-difference
 //! gradients in f64, the running-stats update and eval mode against PyTorch's formulas,
-//! `named_buffers()` order and non-persistent buffers. Under FSDP: tests/batchnorm_fsdp.rs.
+//! `named_buffers()` order and non-persistent buffers, buffers in the unwrapped model's
+//! state dict and its files. Under FSDP: tests/batchnorm_fsdp.rs.
 
 #[path = "common/bn_model.rs"]
 mod bn_model;
 mod common;
 
 use bn_model::check;
+use fsdp::checkpoint::{load_state_dict_file, save_state_dict_file};
 use fsdp::distributed::{launch, LaunchOptions};
 use fsdp::fsdp::{FsdpConfig, FullStateDictConfig, FullyShardedDataParallel, StateDictConfig};
 use fsdp::nn::{
@@ -287,14 +289,19 @@ fn named_buffers_order_and_persistence() -> Result<()> {
     assert_eq!(nbt[2].1.shape(), &[] as &[usize]);
     // Under FSDP the full state dict holds parameters and persistent buffers in
     // model.state_dict() order, the non-persistent one left out.
-    let keys = launch(&LaunchOptions::new(2), move |pg| {
+    let two = || -> Result<Sequential> {
         let wb = WithBuffers {
             lin: Linear::new(2, 2, true, &InitKey::new(1))?,
             kept: ModuleBuffer::new(Tensor::from_vec(vec![1.0f32, 2.0], &[2])?),
             scratch: ModuleBuffer::non_persistent(Tensor::from_vec(vec![9.0f32], &[1])?),
         };
-        let m = Sequential::new(vec![Box::new(BatchNorm1d::new(2)?), Box::new(wb)]);
-        let mut f = FullyShardedDataParallel::new(Box::new(m), pg, FsdpConfig::default())?;
+        Ok(Sequential::new(vec![
+            Box::new(BatchNorm1d::new(2)?),
+            Box::new(wb),
+        ]))
+    };
+    let keys = launch(&LaunchOptions::new(2), move |pg| {
+        let mut f = FullyShardedDataParallel::new(Box::new(two()?), pg, FsdpConfig::default())?;
         let sd = f.state_dict(StateDictConfig::Full(FullStateDictConfig::default()))?;
         Ok(sd.keys().iter().map(|s| s.to_string()).collect::<Vec<_>>())
     })?;
@@ -310,6 +317,174 @@ fn named_buffers_order_and_persistence() -> Result<()> {
             "1.bias",
             "1.kept"
         ]
+    );
+    // The unwrapped model's state dict: the same keys.
+    let sd = nn::state_dict(&mut two()?)?;
+    assert_eq!(sd.keys().collect::<Vec<_>>(), keys[0]);
+    Ok(())
+}
+
+// ---------------------------------------------------------------- unwrapped state dicts
+
+/// `nn::state_dict` of the unwrapped BatchNorm model after 3 training steps: PyTorch's
+/// `state_dict()` keys (its `named_parameters()` and `named_buffers()` in
+/// `batchnorm_refs.json`, `num_batches_tracked` an integer there), in `state_dict()` order,
+/// the same keys and dtypes as FSDP's full state dict of the model; saved to a file and
+/// loaded strictly into a fresh model, the eval output is the same bits (and PyTorch's).
+#[test]
+fn unwrapped_state_dict_carries_buffers_through_a_file() -> Result<()> {
+    use bn_model::*;
+    let mut a = model();
+    train_unwrapped(a.as_mut(), 0, 0..STEPS);
+    let sd = nn::state_dict(a.as_mut())?;
+    assert_eq!(sd.keys().collect::<Vec<_>>(), STATE_DICT_KEYS);
+    let dtypes = keys_and_dtypes(&sd);
+    for (n, d) in &dtypes {
+        let want = if n.ends_with("num_batches_tracked") {
+            DType::I64
+        } else {
+            DType::F32
+        };
+        assert_eq!(*d, want, "{n}");
+    }
+    // PyTorch's keys: the reference's parameters and (all persistent) buffers.
+    let refs = torch_refs();
+    let w1 = &refs["worlds"]["1"];
+    let mut torch_keys: Vec<String> = w1["params"].as_object().unwrap().keys().cloned().collect();
+    torch_keys.extend(w1["buffers"][0].as_object().unwrap().keys().cloned());
+    torch_keys.sort();
+    let mut ours: Vec<String> = sd.keys().map(str::to_string).collect();
+    ours.sort();
+    assert_eq!(ours, torch_keys);
+    let nbt = &w1["buffers"][0]["1.num_batches_tracked"][0];
+    assert!(
+        nbt.is_i64(),
+        "PyTorch's num_batches_tracked is an integer: {nbt}"
+    );
+    assert_eq!(
+        sd.get("1.num_batches_tracked").unwrap().data::<i64>()?[0],
+        nbt.as_i64().unwrap()
+    );
+    for n in ["1.running_mean", "1.running_var"] {
+        let got = sd.get(n).unwrap().to_vec_f64()?;
+        check(
+            &format!("{n} vs PyTorch"),
+            &got,
+            &json_vec(&w1["buffers"][0][n]),
+            1e-6,
+        );
+    }
+    // FSDP's full state dict of the same model: the same keys, order and dtypes.
+    let wrapped = launch(&LaunchOptions::new(1), |pg| {
+        let mut f = FullyShardedDataParallel::new(model(), pg, FsdpConfig::default())?;
+        Ok(keys_and_dtypes(
+            &f.full_state_dict(FullStateDictConfig::default())?,
+        ))
+    })?;
+    assert_eq!(wrapped[0], dtypes);
+
+    // Through a file into a fresh model: strict, every entry used, same eval bits.
+    let dir = std::env::temp_dir().join(format!("fsdp-bn-unwrapped-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("model.safetensors");
+    save_state_dict_file(&path, &sd)?;
+    let loaded = load_state_dict_file(&path)?;
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(
+        loaded.get("1.num_batches_tracked").unwrap().dtype(),
+        DType::I64
+    );
+    let mut b = model();
+    let want = eval_out(a.as_mut());
+    assert_ne!(
+        f32_bits(&eval_out(b.as_mut())),
+        f32_bits(&want),
+        "untrained model"
+    );
+    let skipped = nn::load_state_dict(b.as_mut(), &loaded, true)?;
+    assert_eq!(skipped, nn::IncompatibleKeys::default());
+    assert_eq!(bits(&buffers(b.as_mut())), bits(&buffers(a.as_mut())));
+    assert_eq!(f32_bits(&eval_out(b.as_mut())), f32_bits(&want));
+    let got: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+    check(
+        "eval output vs PyTorch",
+        &got,
+        &json_vec(&w1["eval_out"]),
+        1e-6,
+    );
+    Ok(())
+}
+
+/// A strict load into the unwrapped model names each missing, unexpected, misshapen and
+/// mistyped buffer and writes nothing; a non-strict one loads the rest and reports the
+/// skipped keys; a non-persistent buffer is neither saved nor loaded.
+#[test]
+fn unwrapped_load_checks_buffers() -> Result<()> {
+    use bn_model::*;
+    let mut a = model();
+    train_unwrapped(a.as_mut(), 1, 0..2);
+    let sd = nn::state_dict(a.as_mut())?;
+    let mut m = model();
+    let before = bits(&buffers(m.as_mut()));
+    let mut bad = sd.clone();
+    bad.tensors.retain(|(n, _)| n != "1.num_batches_tracked");
+    bad.tensors
+        .push(("1.bogus".into(), Tensor::from_vec(vec![1.0f32], &[1])?));
+    for (n, t) in bad.tensors.iter_mut() {
+        match n.as_str() {
+            "1.running_var" => *t = Tensor::from_vec(vec![1.0f32; 5], &[5])?,
+            "1.running_mean" => *t = Tensor::from_vec(vec![0i64; HID], &[HID])?,
+            _ => {}
+        }
+    }
+    let e = nn::load_state_dict(m.as_mut(), &bad, true)
+        .unwrap_err()
+        .to_string();
+    for want in [
+        "'1.running_var': expected shape [6], got [5]",
+        "'1.running_mean': expected a buffer of dtype f32, got i64",
+        "missing key(s): '1.num_batches_tracked' (buffer of shape [], i64)",
+        "unexpected key(s): '1.bogus'",
+        "nothing was modified",
+    ] {
+        assert!(e.contains(want), "{want}\nnot in: {e}");
+    }
+    assert_eq!(bits(&buffers(m.as_mut())), before, "a failed load wrote");
+    // Only the missing and unexpected keys: strict refuses, non-strict loads the rest.
+    let mut partial = sd.clone();
+    partial
+        .tensors
+        .retain(|(n, _)| n != "1.num_batches_tracked");
+    partial
+        .tensors
+        .push(("1.bogus".into(), Tensor::from_vec(vec![1.0f32], &[1])?));
+    let e = nn::load_state_dict(m.as_mut(), &partial, true).unwrap_err();
+    assert!(e.to_string().contains("'1.num_batches_tracked'"), "{e}");
+    let keys = nn::load_state_dict(m.as_mut(), &partial, false)?;
+    assert_eq!(keys.missing_keys, ["1.num_batches_tracked"]);
+    assert_eq!(keys.unexpected_keys, ["1.bogus"]);
+    let (got, want) = (buffers(m.as_mut()), buffers(a.as_mut()));
+    assert_eq!(bits(&got[..2]), bits(&want[..2]), "running stats loaded");
+    assert_eq!(got[2].1, [0.0], "num_batches_tracked left as it was");
+    assert_eq!(want[2].1, [2.0]);
+
+    // A non-persistent buffer: not in the state dict, and unexpected in one.
+    let wb = || -> Result<WithBuffers> {
+        Ok(WithBuffers {
+            lin: Linear::new(2, 2, true, &InitKey::new(1))?,
+            kept: ModuleBuffer::new(Tensor::from_vec(vec![1.0f32, 2.0], &[2])?),
+            scratch: ModuleBuffer::non_persistent(Tensor::from_vec(vec![9.0f32], &[1])?),
+        })
+    };
+    let mut w = wb()?;
+    let mut sd = nn::state_dict(&mut w)?;
+    assert_eq!(sd.keys().collect::<Vec<_>>(), ["weight", "bias", "kept"]);
+    sd.tensors
+        .push(("scratch".into(), Tensor::from_vec(vec![0.0f32], &[1])?));
+    let e = nn::load_state_dict(&mut wb()?, &sd, true).unwrap_err();
+    assert!(
+        e.to_string().contains("unexpected key(s): 'scratch'"),
+        "{e}"
     );
     Ok(())
 }

@@ -1,14 +1,17 @@
 //! `BatchNorm1d` and module buffers under FSDP: world sizes 1-4 (each rank normalizes its
 //! own batch, no SyncBatchNorm) against a single-process reference of replicas and against
 //! PyTorch (`tests/torch_ref/make_batchnorm_refs.py`), eval mode, `sync_module_states` on
-//! buffers, buffers in state dicts and checkpoints, and `buffer_dtype`.
+//! buffers, buffers in state dicts, state-dict files moved between the wrapped and the
+//! unwrapped model, checkpoints, and `buffer_dtype`.
 
 #[path = "common/bn_model.rs"]
 mod bn_model;
 mod common;
 
 use bn_model::*;
-use fsdp::checkpoint::{load_checkpoint, save_checkpoint};
+use fsdp::checkpoint::{
+    load_checkpoint, load_state_dict_file, save_checkpoint, save_state_dict_file,
+};
 use fsdp::distributed::{launch, LaunchOptions};
 use fsdp::fsdp::{
     module_wrap_policy, FsdpConfig, FullStateDictConfig, FullyShardedDataParallel, MixedPrecision,
@@ -20,6 +23,27 @@ use fsdp::tensor::{DType, Tensor};
 use fsdp::Result;
 
 // ---------------------------------------------------------------- under FSDP
+
+/// SGD steps of the wrapped model on rank `r`'s batches of `steps` (training mode);
+/// returns the losses.
+fn train_wrapped(
+    m: &mut FullyShardedDataParallel,
+    opt: &mut fsdp::optim::SGD,
+    r: usize,
+    steps: std::ops::Range<usize>,
+) -> Result<Vec<f32>> {
+    let mut losses = Vec::new();
+    for s in steps {
+        let (x, t) = batch(r, s);
+        let y = m.forward(&x, &Context::train())?;
+        let (l, dy) = loss::mse_loss(&y, &t)?;
+        m.backward(&dy, &Context::train())?;
+        opt.step(&m.optimizer_params())?;
+        m.zero_grad();
+        losses.push(l);
+    }
+    Ok(losses)
+}
 
 /// One training run: `world` ranks, `steps` SGD steps. Returns per rank the full
 /// parameters (by name, f64) and the rank's own buffers.
@@ -38,16 +62,7 @@ fn fsdp_run(world: usize, strategy: ShardingStrategy, wrap_bn: bool) -> Vec<Rank
         };
         let mut m = FullyShardedDataParallel::new(model(), pg, cfg)?;
         let mut opt = common::sgd(LR);
-        let mut losses = Vec::new();
-        for s in 0..STEPS {
-            let (x, t) = batch(r, s);
-            let y = m.forward(&x, &Context::train())?;
-            let (l, dy) = loss::mse_loss(&y, &t)?;
-            m.backward(&dy, &Context::train())?;
-            opt.step(&m.optimizer_params())?;
-            m.zero_grad();
-            losses.push(l);
-        }
+        let losses = train_wrapped(&mut m, &mut opt, r, 0..STEPS)?;
         let params = m
             .full_parameters()?
             .into_iter()
@@ -182,14 +197,7 @@ fn eval_mode_under_fsdp_uses_running_stats() -> Result<()> {
         let r = pg.rank();
         let mut m = FullyShardedDataParallel::new(model(), pg, FsdpConfig::default())?;
         let mut opt = common::sgd(LR);
-        for s in 0..STEPS {
-            let (x, t) = batch(r, s);
-            let y = m.forward(&x, &Context::train())?;
-            let (_, dy) = loss::mse_loss(&y, &t)?;
-            m.backward(&dy, &Context::train())?;
-            opt.step(&m.optimizer_params())?;
-            m.zero_grad();
-        }
+        train_wrapped(&mut m, &mut opt, r, 0..STEPS)?;
         let before = buffers(&mut m);
         let y = m.forward(&batch(0, 0).0, &Context::eval())?.to_vec_f64()?;
         assert_eq!(before, buffers(&mut m), "eval changed the running stats");
@@ -254,21 +262,7 @@ fn state_dicts_carry_buffers_and_load_them() -> Result<()> {
         let StateDict::Full(f) = &full else {
             unreachable!()
         };
-        let keys: Vec<&str> = full.keys();
-        assert_eq!(
-            keys,
-            [
-                "0.weight",
-                "0.bias",
-                "1.weight",
-                "1.bias",
-                "1.running_mean",
-                "1.running_var",
-                "1.num_batches_tracked",
-                "3.weight",
-                "3.bias"
-            ]
-        );
+        assert_eq!(full.keys(), STATE_DICT_KEYS);
         assert_eq!(f.get("1.num_batches_tracked").unwrap().dtype(), DType::I64);
         assert_eq!(f.get("1.running_var").unwrap().to_vec_f64()?, mine[1].1);
         let StateDict::Sharded(s) = &sharded else {
@@ -312,6 +306,123 @@ fn state_dicts_carry_buffers_and_load_them() -> Result<()> {
     Ok(())
 }
 
+/// What one rank of [`state_dict_files_move_between_wrapped_and_unwrapped`] saw: the
+/// wrapped model's eval output, the unwrapped model's after loading the wrapped file, the
+/// unwrapped model's eval output and buffers after one more step, and the wrapped model's
+/// after loading that file (eval outputs as bits, buffers as f64 bits).
+type FileTrip = (
+    Vec<u32>,
+    Vec<u32>,
+    Vec<u32>,
+    Vec<u32>,
+    Vec<(String, Vec<u64>)>,
+    Vec<(String, Vec<u64>)>,
+);
+
+/// At world sizes 1 and 2 (nested units, each rank with running stats of its own): rank 0
+/// saves FSDP's full state dict to a file, which loads strictly into the unwrapped model
+/// (its eval output: the wrapped rank 0's, bit for bit, and PyTorch's); the unwrapped
+/// model trains one more step and saves `nn::state_dict` to a file (the same keys and
+/// dtypes as FSDP's), which loads strictly into the wrapped model on every rank (eval
+/// output and buffers: the unwrapped model's, bit for bit).
+#[test]
+fn state_dict_files_move_between_wrapped_and_unwrapped() -> Result<()> {
+    let refs = torch_refs();
+    for world in [1, 2] {
+        let dir =
+            std::env::temp_dir().join(format!("fsdp-bn-files-{}-{world}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (wrapped_file, unwrapped_file) = (
+            dir.join("wrapped.safetensors"),
+            dir.join("unwrapped.safetensors"),
+        );
+        let out = launch(&LaunchOptions::new(world), |pg| -> Result<FileTrip> {
+            let r = pg.rank();
+            let cfg = FsdpConfig {
+                auto_wrap_policy: Some(module_wrap_policy(["BatchNorm1d", "Linear"])),
+                ..FsdpConfig::default()
+            };
+            let mut m = FullyShardedDataParallel::new(model(), pg.clone(), cfg)?;
+            let mut opt = common::sgd(LR);
+            train_wrapped(&mut m, &mut opt, r, 0..STEPS)?;
+            let wrapped_eval = f32_bits(&eval_out(&mut m));
+            let config = FullStateDictConfig {
+                rank0_only: true,
+                offload_to_cpu: true,
+            };
+            let full = m.full_state_dict(config)?;
+            if r == 0 {
+                save_state_dict_file(&wrapped_file, &full)?;
+            }
+            pg.barrier()?;
+            // Wrapped file -> unwrapped model, strictly.
+            let mut u = model();
+            let sd = load_state_dict_file(&wrapped_file)?;
+            assert_eq!(
+                nn::load_state_dict(u.as_mut(), &sd, true)?,
+                Default::default()
+            );
+            let unwrapped_eval = f32_bits(&eval_out(u.as_mut()));
+            // Unwrapped model, one more step -> file -> wrapped model, strictly.
+            train_unwrapped(u.as_mut(), 0, STEPS..STEPS + 1);
+            let usd = nn::state_dict(u.as_mut())?;
+            if r == 0 {
+                assert_eq!(keys_and_dtypes(&usd), keys_and_dtypes(&full));
+                save_state_dict_file(&unwrapped_file, &usd)?;
+            }
+            pg.barrier()?;
+            let sd = load_state_dict_file(&unwrapped_file)?;
+            assert_eq!(
+                m.load_state_dict(&StateDict::Full(sd), true)?,
+                Default::default()
+            );
+            Ok((
+                wrapped_eval,
+                unwrapped_eval,
+                f32_bits(&eval_out(u.as_mut())),
+                f32_bits(&eval_out(&mut m)),
+                bits(&buffers(u.as_mut())),
+                bits(&buffers(&mut m)),
+            ))
+        })?;
+        let _ = std::fs::remove_dir_all(&dir);
+        let torch = json_vec(&refs["worlds"][world.to_string()]["eval_out"]);
+        for (r, (_, unwrapped_eval, u_after, m_after, u_bufs, m_bufs)) in out.iter().enumerate() {
+            let at = format!("world {world}, rank {r}");
+            // Every rank's unwrapped model holds rank 0's saved state.
+            assert_eq!(
+                unwrapped_eval, &out[0].0,
+                "{at}: unwrapped vs wrapped rank 0"
+            );
+            let got: Vec<f64> = unwrapped_eval
+                .iter()
+                .map(|&b| f32::from_bits(b) as f64)
+                .collect();
+            check(
+                &format!("{at}: unwrapped eval vs PyTorch"),
+                &got,
+                &torch,
+                1e-6,
+            );
+            assert_ne!(
+                u_after, unwrapped_eval,
+                "{at}: the extra step changed nothing"
+            );
+            assert_eq!(m_after, u_after, "{at}: wrapped after the unwrapped file");
+            assert_eq!(m_bufs, u_bufs, "{at}: buffers");
+            assert_eq!(
+                u_bufs[2].1,
+                [(STEPS as f64 + 1.0).to_bits()],
+                "{at}: num_batches_tracked"
+            );
+        }
+        if world == 2 {
+            assert_ne!(out[1].0, out[0].0, "rank 1's own running stats");
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn buffers_survive_checkpoint_resume_at_another_world_size() -> Result<()> {
     for ty in [StateDictType::Sharded, StateDictType::Full] {
@@ -322,14 +433,7 @@ fn buffers_survive_checkpoint_resume_at_another_world_size() -> Result<()> {
             let r = pg.rank();
             let mut m = FullyShardedDataParallel::new(model(), pg, FsdpConfig::default())?;
             let mut opt = common::sgd(LR);
-            for s in 0..2 {
-                let (x, t) = batch(r, s);
-                let y = m.forward(&x, &Context::train())?;
-                let (_, dy) = loss::mse_loss(&y, &t)?;
-                m.backward(&dy, &Context::train())?;
-                opt.step(&m.optimizer_params())?;
-                m.zero_grad();
-            }
+            train_wrapped(&mut m, &mut opt, r, 0..2)?;
             save_checkpoint(&d, &mut m, Some(&opt), ty, serde_json::Value::Null)?;
             Ok((buffers(&mut m), m.full_parameters()?))
         })?;

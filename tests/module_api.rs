@@ -104,11 +104,13 @@ fn wrapping_a_model_without_parameters_is_an_error_naming_it() {
     }
 }
 
-/// A layer whose visitor repeats a name (two parameters "w"), or names children "x" twice
-/// or "": their state-dict entries would collide, so a load would write one value into both.
+/// A layer whose visitor repeats a name (two parameters "w", a parameter and a buffer "w"),
+/// or names children "x" twice or "": their state-dict entries would collide, so a load
+/// would write one value into both.
 struct Clashing {
     a: Linear,
     b: Linear,
+    buf: nn::ModuleBuffer,
     child_names: [&'static str; 2],
 }
 
@@ -123,14 +125,23 @@ impl Module for Clashing {
         self.a.backward(dy, cx)
     }
     fn for_each_param(&mut self, f: &mut ParamVisitor<'_>) -> Result<()> {
-        if self.child_names[0] == "params" {
-            f("w", &mut self.a.weight)?;
-            f("w", &mut self.b.weight)?;
+        match self.child_names[0] {
+            "params" => {
+                f("w", &mut self.a.weight)?;
+                f("w", &mut self.b.weight)
+            }
+            "buffer" => f("w", &mut self.a.weight),
+            _ => Ok(()),
         }
-        Ok(())
+    }
+    fn for_each_buffer(&mut self, f: &mut nn::BufferVisitor<'_>) -> Result<()> {
+        match self.child_names[0] {
+            "buffer" => f("w", &mut self.buf),
+            _ => Ok(()),
+        }
     }
     fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
-        if self.child_names[0] == "params" {
+        if matches!(self.child_names[0], "params" | "buffer") {
             return Ok(());
         }
         let mut a: Box<dyn Module> = Box::new(Linear::new(3, 2, true, &InitKey::new(1))?);
@@ -146,11 +157,16 @@ fn repeated_or_empty_names_are_refused_by_state_dicts_and_fsdp() {
         Ok(Clashing {
             a: Linear::new(3, 2, true, &InitKey::new(1))?,
             b: Linear::new(3, 2, true, &InitKey::new(2))?,
+            buf: nn::ModuleBuffer::new(Tensor::from_vec(vec![0.0f32], &[1])?),
             child_names: names,
         })
     };
     for (names, want) in [
         (["params", ""], "names two parameters 'w'"),
+        (
+            ["buffer", ""],
+            "names a buffer 'w' that is already a parameter or buffer",
+        ),
         (["x", "x"], "names two parameters 'x.weight'"),
         (["x", ""], "names a child module \"\""),
     ] {

@@ -172,13 +172,14 @@ pub trait Module: Send {
 
     /// The state dict of a module that keeps its parameters elsewhere (an FSDP root: in
     /// shards), for [`state_dict`](crate::nn::state_dict()); `None` (the default): the
-    /// parameters it visits are its state dict.
+    /// parameters and persistent buffers it visits are its state dict.
     fn state_dict_override(&mut self) -> Option<Result<FullStateDict>> {
         None
     }
 
     /// The load of such a module, for [`load_state_dict`](crate::nn::load_state_dict);
-    /// `sd` holds f32 tensors. `None` (the default): the parameters it visits are loaded.
+    /// `sd` holds f32 tensors (and buffers' integer ones). `None` (the default): the
+    /// parameters and persistent buffers it visits are loaded.
     fn load_state_dict_override(
         &mut self,
         sd: &FullStateDict,
@@ -259,11 +260,12 @@ pub(crate) fn visit_all(m: &mut dyn Module, mut f: impl FnMut(&str, &mut Paramet
     debug_assert!(walked.is_ok(), "a module's walk failed: {walked:?}");
 }
 
-/// Checks the names a module tree gives its parameters and children, as PyTorch's
-/// `register_parameter` / `add_module` do (`torch/nn/modules/module.py`): no empty name,
-/// and no two parameters under one fully qualified name (a visitor that names two
-/// parameters `"w"`, or two children `"x"`, would make their state-dict entries collide and
-/// a load write one value into both). Subtrees of FSDP units are skipped: they were checked
+/// Checks the names a module tree gives its parameters, buffers and children, as PyTorch's
+/// `register_parameter` / `register_buffer` / `add_module` do
+/// (`torch/nn/modules/module.py`): no empty name, and no two parameters or buffers under one
+/// fully qualified name (a visitor that names two parameters `"w"`, a buffer like a
+/// parameter, or two children `"x"`, would make their state-dict entries collide and a load
+/// write one value into both). Subtrees of FSDP units are skipped: they were checked
 /// when the unit was made.
 ///
 /// # Errors
@@ -289,6 +291,19 @@ pub fn check_names(m: &mut dyn Module) -> Result<()> {
             if !seen.insert(full.clone()) {
                 crate::error::bail_arg!(
                     "{} names two parameters '{full}': each parameter needs a name of its own (PyTorch: attribute '{name}' already exists)",
+                    at(prefix)
+                );
+            }
+            Ok(())
+        })?;
+        m.for_each_buffer(&mut |name, _| {
+            if name.is_empty() {
+                crate::error::bail_arg!("{} names a buffer \"\" (empty)", at(prefix));
+            }
+            let full = join_name(prefix, name);
+            if !seen.insert(full.clone()) {
+                crate::error::bail_arg!(
+                    "{} names a buffer '{full}' that is already a parameter or buffer: each needs a name of its own (PyTorch: attribute '{name}' already exists)",
                     at(prefix)
                 );
             }

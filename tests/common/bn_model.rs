@@ -149,3 +149,59 @@ pub fn bits(v: &[(String, Vec<f64>)]) -> Vec<(String, Vec<u64>)> {
         .map(|(n, x)| (n.clone(), x.iter().map(|f| f.to_bits()).collect()))
         .collect()
 }
+
+/// Plain SGD (`p -= LR * grad`) on the unwrapped model, one training-mode step on rank
+/// `r`'s batch of each step in `steps` (one rank of FSDP at world size 1 computes the
+/// same), so its running stats and `num_batches_tracked` move.
+pub fn train_unwrapped(m: &mut dyn Module, r: usize, steps: std::ops::Range<usize>) {
+    for s in steps {
+        nn::zero_grad(m);
+        let (x, t) = batch(r, s);
+        let y = m.forward(&x, &nn::Context::train()).unwrap();
+        let (_, dy) = nn::loss::mse_loss(&y, &t).unwrap();
+        m.backward(&dy, &nn::Context::train()).unwrap();
+        nn::visit_parameters(m, "", false, &mut |_, p| {
+            let g = p.grad().unwrap().to_vec_f32()?;
+            let mut d = p.data()?.f32_mut()?;
+            d.iter_mut().zip(&g).for_each(|(v, g)| *v -= LR * g);
+            Ok(())
+        })
+        .unwrap();
+    }
+}
+
+/// The eval-mode output (running stats, nothing saved) of `m` on rank 0's step-0 batch:
+/// the input of the PyTorch reference's `eval_out`.
+pub fn eval_out(m: &mut dyn Module) -> Vec<f32> {
+    m.forward(&batch(0, 0).0, &nn::Context::eval())
+        .unwrap()
+        .to_vec_f32()
+        .unwrap()
+}
+
+/// Bits of f32 values, for exact comparisons.
+pub fn f32_bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// The keys of `model.state_dict()` for [`model`], in order: each module's parameters,
+/// then its persistent buffers.
+pub const STATE_DICT_KEYS: [&str; 9] = [
+    "0.weight",
+    "0.bias",
+    "1.weight",
+    "1.bias",
+    "1.running_mean",
+    "1.running_var",
+    "1.num_batches_tracked",
+    "3.weight",
+    "3.bias",
+];
+
+/// `(key, dtype)` of every entry of a state dict, in its order.
+pub fn keys_and_dtypes(sd: &nn::FullStateDict) -> Vec<(String, fsdp::tensor::DType)> {
+    sd.tensors
+        .iter()
+        .map(|(n, t)| (n.clone(), t.dtype()))
+        .collect()
+}

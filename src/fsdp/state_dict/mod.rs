@@ -25,7 +25,7 @@
 //! |---|---|
 //! | `mod.rs` | the types |
 //! | `layout.rs` | where each parameter's elements sit in a unit's chunk; reading sources |
-//! | `buffers.rs` | module buffers: taking, checking and loading them |
+//! | `buffers.rs` | module buffers: taking them, and finding each type's entry for a load (the checks, the writes and the key order are `nn::state_dict`'s, shared with unwrapped modules) |
 //! | `model.rs` | `state_dict`, `load_state_dict` |
 //! | `optim.rs` | [`OptimStateDict`], `optim_state_dict`, `optim_state_dict_to_load` |
 //! | `summon.rs` | `summon_full_params` |

@@ -1,6 +1,6 @@
 //! `state_dict` and `load_state_dict` of the root unit (FSDP1 `_state_dict_utils.py`).
 
-use super::buffers::{buffer_copies, buffer_metas, plan_buffers, write_buffers, BufferPlan};
+use super::buffers::{buffer_copies, plan_buffers};
 use super::layout::{
     gather_chunk, host_copy, ignored_params, lookup, unit_metas, write_values, Src, UnitMeta,
 };
@@ -10,6 +10,7 @@ use super::{
 };
 use crate::error::{Error, Result};
 use crate::fsdp::FullyShardedDataParallel;
+use crate::nn::state_dict::{buffer_metas, write_buffers, BufferPlan};
 use crate::tensor::{DType, Tensor};
 
 /// Values to write into one unit's chunk: `(chunk start, values)`.
@@ -51,7 +52,7 @@ impl FullyShardedDataParallel {
     /// Parameter and persistent-buffer names in `model.state_dict()` order (tied
     /// parameters under each name).
     fn state_dict_order(&mut self) -> Vec<String> {
-        super::buffers::state_dict_keys(self).unwrap_or_else(|_| {
+        crate::nn::state_dict::state_dict_keys(self).unwrap_or_else(|_| {
             crate::nn::parameter_shapes(self)
                 .into_iter()
                 .map(|(n, _)| n)
@@ -329,7 +330,7 @@ impl FullyShardedDataParallel {
         self.check_idle("load_state_dict")?;
         let metas = unit_metas(self);
         let ignored = ignored_params(self);
-        let bufs = plan_buffers(state_dict, &buffer_metas(self)?)?;
+        let bufs = plan_buffers(state_dict, &buffer_metas(self)?);
         let (writes, ignored_writes, keys) = match state_dict {
             StateDict::Local(l) => self.plan_local(l, &metas, &ignored, &bufs, strict)?,
             sd => plan_unflat(sd, &metas, &ignored, &bufs, strict)?,
