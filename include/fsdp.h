@@ -11,6 +11,53 @@
  * host's work on those tensors runs on (NULL: the legacy default stream), which fsdp
  * orders its own streams with by events. See the README's "Embedding" section and
  * examples/embed/.
+ *
+ * The contract. fsdp refuses, with a status and a message naming what was expected, the
+ * calls that would train wrong; a refused call changes nothing.
+ *
+ * Hook order, per step and on every rank in the same order:
+ *   forward   fsdp_unit_pre_forward(root) first; then each unit, in the order the host
+ *             computes them: fsdp_unit_pre_forward(u) -> compute with its params views ->
+ *             fsdp_unit_post_forward(u); fsdp_unit_post_forward(root) last.
+ *   backward  fsdp_unit_pre_backward(root) first; then each unit, in reverse:
+ *             fsdp_unit_pre_backward(u) -> add d loss / d param into its grads views (or
+ *             pass gradients of your own to post_backward) -> fsdp_unit_post_backward(u);
+ *             fsdp_unit_post_backward(root) last; then fsdp_model_finish_backward once.
+ *   then      fsdp_optimizer_step and fsdp_model_zero_grad, or further micro-batches first
+ *             (gradient accumulation: each backward ended by fsdp_model_finish_backward).
+ * The root's hooks enclose every other unit's, nested paths ("layers.0" in "layers")
+ * included: the root (unit 0, "") holds the root's parameters, and its views come from its
+ * own pre hooks like any unit's. FSDP_ERR_USAGE for: a nested unit's backward hooks
+ * outside the root's backward; the root's post hook while a unit is still between its
+ * hooks; after the root's fsdp_unit_post_backward, anything but fsdp_model_finish_backward
+ * (a step, zero_grad, clipping, a new forward or backward: skipping finish_backward would
+ * leave this backward's gradients out of the step and add them into the next one); a step
+ * before any backward, after fsdp_model_zero_grad, between a forward and its backward, or
+ * while fsdp_model_set_no_sync keeps gradients unreduced.
+ *
+ * Gradients: give each rank's gradient of its own loss as if it were alone (for example
+ * d (mean loss over the local batch) / d param). fsdp sums them over every rank of the
+ * model's group and divides by the number of ranks (FSDP1's pre- and post-division, the
+ * hybrid strategies too): the optimizer steps on the mean of the ranks' gradients, which
+ * with equal local batches is the gradient of the global mean loss. The backwards between
+ * two fsdp_model_zero_grad calls add up (scale each micro-batch's loss by 1 / their number
+ * for a mean). fsdp's own parameter and gradient views are refused as gradients.
+ *
+ * Views fsdp hands out are DLTensors in compact row-major layout: strides NULL,
+ * byte_offset 0, data at the first element, shape pointing into fsdp's memory (valid until
+ * the model is freed), on the model's device. Parameter views are read-only; gradient views
+ * are float32, zeroed at pre_backward, for the host to add into. Both end at the unit's
+ * matching post hook.
+ *
+ * Threads: any thread may call any function. The calls on one model (its units and its
+ * optimizers) run one at a time; a second thread's call waits for the first, and what
+ * counts is the order in which they run. A world group (fsdp_init_process_group) belongs
+ * to the thread that made it: destroy it there. From the root's fsdp_unit_pre_forward to
+ * fsdp_model_finish_backward, fsdp's prefetched all-gathers may be in flight on its own
+ * stream threads over the model's group, except between the root's
+ * fsdp_unit_post_forward and its fsdp_unit_pre_backward: the host's collectives on that
+ * group (fsdp_all_reduce, ...) belong outside that span or in that gap (to all-reduce the
+ * loss, say); at other times use a group of fsdp_new_group.
  */
 
 #ifndef FSDP_H
@@ -296,7 +343,13 @@ typedef struct {
      */
     int32_t sharding_strategy;
     /**
-     * Ranks per node, for the hybrid strategies only (0 otherwise).
+     * For `FSDP_HYBRID_SHARD` and `FSDP_HYBRID_SHARD_ZERO2` only (0 otherwise; the hybrid
+     * strategies refuse 0): how many consecutive world ranks form a node. Node k is world
+     * ranks `[k n, (k+1) n)`; each unit's parameters are sharded over the n ranks of a
+     * node (FULL_SHARD or SHARD_GRAD_OP within it), and rank l of every node holds the same
+     * shard, its gradient all-reduced across the nodes. It must divide the world size; it
+     * need not be the machine's (n = the GPUs of one machine keeps the reduce-scatter
+     * inside each machine, n = world size is FULL_SHARD).
      */
     int32_t ranks_per_node;
     /**
@@ -365,15 +418,15 @@ typedef struct {
      */
     float weight_decay;
     /**
-     * SGD momentum.
+     * SGD momentum (default 0: plain SGD).
      */
     float momentum;
     /**
-     * SGD dampening.
+     * SGD dampening of the momentum buffer's update (default 0, PyTorch's).
      */
     float dampening;
     /**
-     * SGD Nesterov momentum.
+     * SGD Nesterov momentum (default false); true needs `momentum` > 0 and `dampening` 0.
      */
     bool nesterov;
 } fsdp_optimizer_config;
@@ -437,8 +490,9 @@ typedef int32_t (*fsdp_tensor_callback)(void *ctx,
 #define FSDP_ERR_NOT_MATERIALIZED 6
 
 /**
- * FSDP used in a way it does not support: hooks out of order, a unit's hooks on the
- * wrong unit, options that do not fit together (`fsdp::Error::Fsdp`).
+ * FSDP used in a way it does not support: hooks, steps or `zero_grad` out of the
+ * contract's order (see the top of this header; the message names what was expected),
+ * options that do not fit together (`fsdp::Error::Fsdp`).
  */
 #define FSDP_ERR_USAGE 7
 
@@ -448,7 +502,8 @@ typedef int32_t (*fsdp_tensor_callback)(void *ctx,
 #define FSDP_ERR_NO_SAVED_FORWARD 8
 
 /**
- * The ranks of a group called different collectives or sizes (`CollectiveMismatch`).
+ * The ranks of a group called different collectives or sizes, or declared different
+ * models to `fsdp_model_new` (`CollectiveMismatch`).
  */
 #define FSDP_ERR_COLLECTIVE_MISMATCH 9
 
@@ -514,6 +569,15 @@ typedef int32_t (*fsdp_tensor_callback)(void *ctx,
  * is refused from then on (`FSDP_ERR_INVALID_HANDLE`): free it.
  */
 #define FSDP_ERR_PANIC 21
+
+/**
+ * Host memory for something whose size the host chose (a declared parameter's shard, a
+ * gather or gradient buffer, optimizer state, a copy of a host tensor) could not be
+ * allocated; the message names the bytes and what they were for. Nothing changed and the
+ * process goes on: free memory, or declare a smaller model or more ranks
+ * (`OutOfMemory`). Device memory that runs out is `FSDP_ERR_CUDA`.
+ */
+#define FSDP_ERR_OUT_OF_MEMORY 22
 
 #ifdef __cplusplus
 extern "C" {
@@ -699,7 +763,9 @@ fsdp_status fsdp_barrier(fsdp_group_t group);
  * Before the unit's forward (FSDP2 `FSDPParamGroup.pre_forward`): all-gathers its
  * parameters (or takes the prefetched gather) and, when `params` is not NULL, fills
  * `params[0..n]` with `DLTensor` views of the full parameters in declaration order, on
- * the model's device (read-only; valid until `fsdp_unit_post_forward`). Their dtype is
+ * the model's device (read-only; valid until `fsdp_unit_post_forward`; compact
+ * row-major: `strides` NULL, `byte_offset` 0). The root's pre_forward comes first in a
+ * step's forward, before every other unit's. Their dtype is
  * float32, or under `mixed_precision` its 16-bit dtype (`kDLBfloat`/`kDLFloat`, 16 bits:
  * a cast of the gathered values owned by the unit). `grad_enabled` 0 is
  * `torch.no_grad()`: the parameters are freed again at post_forward. `n` must be
@@ -709,8 +775,11 @@ fsdp_status fsdp_barrier(fsdp_group_t group);
  *
  * Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_INVALID_ARGUMENT` (`stream` not NULL on
  * the CPU); `FSDP_ERR_SHAPE_MISMATCH` (`n`); `FSDP_ERR_USAGE` (twice without
- * post_forward); the all-gather's `FSDP_ERR_TIMEOUT`, `FSDP_ERR_PEER_FAILED`, ...;
- * `FSDP_ERR_CUDA` (a stream of another device, a failed copy).
+ * post_forward; on the root inside an unfinished backward; on any unit after the root's
+ * `fsdp_unit_post_backward` without `fsdp_model_finish_backward`); the all-gather's
+ * `FSDP_ERR_TIMEOUT`, `FSDP_ERR_PEER_FAILED`, ...; `FSDP_ERR_OUT_OF_MEMORY` (the gathered
+ * parameters do not fit in host memory); `FSDP_ERR_CUDA` (a stream of another device, a
+ * failed copy, device memory).
  *
  * # Safety
  * `params` is NULL or valid for writes of `n` `DLTensor`s.
@@ -728,8 +797,9 @@ fsdp_status fsdp_unit_pre_forward(fsdp_unit_t unit,
  * end here (on a CUDA device: with the work the host queued on `stream` before this
  * call, which fsdp waits for before reusing their memory).
  *
- * Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_USAGE` without pre_forward first;
- * `FSDP_ERR_INVALID_ARGUMENT` (`stream` not NULL on the CPU).
+ * Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_USAGE` without pre_forward first, or on
+ * the root while another unit is still between its pre_forward and post_forward (`ok`
+ * 1); `FSDP_ERR_INVALID_ARGUMENT` (`stream` not NULL on the CPU).
  */
 fsdp_status fsdp_unit_post_forward(fsdp_unit_t unit,
                                    bool ok,
@@ -742,12 +812,16 @@ fsdp_status fsdp_unit_post_forward(fsdp_unit_t unit,
  * accumulated so far). When not NULL, `params` gets the full parameters' views (as
  * [`fsdp_unit_pre_forward`]'s) and `grads` the gradient views (float32, the parameters'
  * shapes, on the model's device; a frozen parameter's entry has `data` NULL), both `n`
- * long, in declaration order, valid until `fsdp_unit_post_backward`. The host adds
- * (`+=`) d loss / d param into `grads`, or passes its own gradients to post_backward;
- * on a CUDA device in work queued on `stream` after this call (which is ordered after
- * the zeroing).
+ * long, in declaration order, valid until `fsdp_unit_post_backward` (compact row-major,
+ * as the parameter views). The host adds (`+=`) d loss / d param into `grads`, or passes
+ * its own gradients to post_backward; on a CUDA device in work queued on `stream` after
+ * this call (which is ordered after the zeroing). The root's pre_backward comes first in
+ * a backward, before every other unit's.
  *
- * Errors: as [`fsdp_unit_pre_forward`]; `FSDP_ERR_USAGE` twice without post_backward.
+ * Errors: as [`fsdp_unit_pre_forward`]; `FSDP_ERR_USAGE` twice without post_backward,
+ * inside the root's forward, on another unit than the root outside the root's backward,
+ * or after the root's `fsdp_unit_post_backward` without `fsdp_model_finish_backward` (a
+ * second backward).
  *
  * # Safety
  * `params` and `grads` are each NULL or valid for writes of `n` `DLTensor`s.
@@ -762,18 +836,22 @@ fsdp_status fsdp_unit_pre_backward(fsdp_unit_t unit,
  * After the unit's backward (`ok` 0: it failed; FSDP2 `FSDPParamGroup.post_backward`):
  * when `grads` is not NULL, adds `grads[0..n]` (each the shape of its parameter, in
  * declaration order, on the model's device; float32, or under mixed precision also its
- * 16-bit `param_dtype`, widened to float32; a frozen parameter's entry is ignored) into
- * the unit's flat gradient, then frees the gathered parameters and issues the gradient
- * reduction in `reduce_dtype` (under no_sync, keeps the gradient instead). On a CUDA
+ * 16-bit `param_dtype`, widened to float32; a frozen parameter's entry is ignored; this
+ * rank's gradient of its own loss: fsdp averages over the ranks) into the unit's flat
+ * gradient, then frees the gathered parameters and issues the gradient reduction in
+ * `reduce_dtype` (under no_sync, keeps the gradient instead). The root's post_backward
+ * comes last and ends the backward: `fsdp_model_finish_backward` is next. On a CUDA
  * device fsdp reads the gradients (and the gradient views the host wrote) after the
  * work queued on `stream` before this call, and the host's later work on `stream` may
  * reuse that memory. Every gradient is checked before any is added: on a size, dtype or
  * device error nothing changed and the unit is still in its backward (call again).
  *
- * Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_USAGE` without pre_backward first;
+ * Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_USAGE` without pre_backward first, or on
+ * the root while another unit is still in its backward (`ok` 1);
  * `FSDP_ERR_SHAPE_MISMATCH`, `FSDP_ERR_DTYPE_MISMATCH`, `FSDP_ERR_DEVICE_MISMATCH`
- * naming the parameter; `FSDP_ERR_INVALID_ARGUMENT` for a gradient that overlaps fsdp's
- * own gradient view, or `stream` not NULL on the CPU.
+ * naming the parameter; `FSDP_ERR_INVALID_ARGUMENT` for a gradient whose memory overlaps
+ * a view fsdp handed out (a parameter view, or a gradient view: the host that wrote into
+ * those passes `grads` NULL), or `stream` not NULL on the CPU; `FSDP_ERR_OUT_OF_MEMORY`.
  *
  * # Safety
  * `grads` is NULL or valid for reads of `n` `DLTensor`s, each describing memory valid for
@@ -787,10 +865,15 @@ fsdp_status fsdp_unit_post_backward(fsdp_unit_t unit,
 
 /**
  * Once per backward, after the root's `fsdp_unit_post_backward` (also after a failed
- * backward): waits for every unit's gradient reduction and accumulates it into the
- * sharded gradients the optimizer steps on.
+ * backward, whose post hooks got `ok` 0): waits for every unit's gradient reduction and
+ * accumulates it into the sharded gradients the optimizer steps on. It cannot be
+ * skipped: until it runs, `fsdp_optimizer_step`, `fsdp_model_zero_grad`,
+ * `fsdp_model_clip_grad_norm` and every unit's `fsdp_unit_pre_forward` and
+ * `fsdp_unit_pre_backward` return `FSDP_ERR_USAGE` naming it (the backward's gradients
+ * would be missing from the step and added into the next one).
  *
- * Errors: `FSDP_ERR_INVALID_HANDLE`; the first reduction's error
+ * Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_USAGE` without a backward, or before the
+ * root's `fsdp_unit_post_backward`; the first reduction's error
  * (`FSDP_ERR_COLLECTIVE_MISMATCH` when ranks disagree on no_sync, `FSDP_ERR_TIMEOUT`,
  * `FSDP_ERR_PEER_FAILED`).
  */
@@ -800,7 +883,8 @@ fsdp_status fsdp_model_finish_backward(fsdp_model_t model,
 /**
  * `no_sync` on (`no_sync` 1) or off (0) until called again: backwards with it on keep
  * each unit's unsharded gradient locally (no reduction); the first backward after it is
- * turned off reduces the accumulated sum. Every rank does the same.
+ * turned off reduces the accumulated sum. Every rank does the same. A step while such
+ * gradients are kept is refused (it would skip them); `fsdp_model_zero_grad` drops them.
  *
  * Errors: `FSDP_ERR_INVALID_HANDLE`.
  */
@@ -814,7 +898,8 @@ fsdp_status fsdp_model_set_no_sync(fsdp_model_t model,
  * (may be NULL).
  *
  * Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_INVALID_ARGUMENT` for a bad `max_norm` or
- * `norm_type`; collective errors.
+ * `norm_type`; `FSDP_ERR_USAGE` inside a forward or backward, or before
+ * `fsdp_model_finish_backward`; collective errors.
  *
  * # Safety
  * `total_norm` is NULL or valid for a write.
@@ -826,23 +911,34 @@ fsdp_status fsdp_model_clip_grad_norm(fsdp_model_t model,
                                       void *stream);
 
 /**
- * Drops every gradient shard (`zero_grad(set_to_none=True)`); once per optimizer step on
- * every rank (it also ends the step for fsdp's collective checks).
+ * Drops every gradient shard and every gradient kept unreduced under no_sync
+ * (`zero_grad(set_to_none=True)`); once per optimizer step on every rank (it also ends
+ * the step for fsdp's collective checks). Between passes only: inside a forward or a
+ * backward, or after the root's `fsdp_unit_post_backward` without
+ * `fsdp_model_finish_backward`, it is refused (the backward's reductions still to be
+ * added would survive it).
  *
- * Errors: `FSDP_ERR_INVALID_HANDLE`.
+ * Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_USAGE` naming what was expected.
  */
 fsdp_status fsdp_model_zero_grad(fsdp_model_t model);
 
 /**
  * Builds and shards the declared model on `group` (`fully_shard`): every declared unit
  * becomes an FSDP unit nested by path inside the root, which owns the root's
- * parameters. A collective over `group` (every rank calls it, with the same declaration).
+ * parameters. A collective over `group`: every rank calls it, with the same declaration,
+ * which the ranks check first with one all-gather of an 8-byte hash of it (the same
+ * units, parameter names, shapes, dtypes and `requires_grad`, in the same order).
  * `config` NULL: the defaults of [`fsdp_config_default`]. Unit 0 is the root (name `""`),
  * then the declared units in pre-order.
  *
- * Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_INVALID_ARGUMENT` for repeated or
- * malformed names, values that do not fit the shape, a bad config value; `FSDP_ERR_USAGE`
- * for options that do not fit together; collective errors.
+ * Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_COLLECTIVE_MISMATCH` on every rank when
+ * the ranks declared different models, naming the first difference and both ranks;
+ * `FSDP_ERR_INVALID_ARGUMENT` for repeated or malformed names, a bad config value, a
+ * declaration without parameters, a parameter without values that nothing gives values
+ * (no `sync_module_states`); `FSDP_ERR_USAGE` for options that do not fit together
+ * (`ranks_per_node` without a hybrid strategy, a hybrid strategy without it);
+ * `FSDP_ERR_OUT_OF_MEMORY` naming the bytes when this rank's shards do not fit (the
+ * process goes on); collective errors. `*out` is left as it was on error.
  *
  * # Safety
  * `config` is NULL or a valid `fsdp_config`; `out` is valid for a write.
@@ -940,9 +1036,10 @@ fsdp_status fsdp_unit_param_info(fsdp_unit_t unit,
                                  bool *requires_grad);
 
 /**
- * Fills `*out` with PyTorch's defaults for `kind`: SGD lr 1e-3, momentum 0; Adam lr
- * 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0; AdamW the same with weight_decay
- * 0.01.
+ * Fills `*out` with PyTorch's defaults for `kind`: SGD lr 1e-3, momentum 0, dampening
+ * 0, nesterov false, weight_decay 0; Adam lr 1e-3, betas (0.9, 0.999), eps 1e-8,
+ * weight_decay 0; AdamW the same with weight_decay 0.01. Every field is filled, the
+ * other optimizers' too.
  *
  * Errors: `FSDP_ERR_INVALID_ARGUMENT` for an unknown kind or `out` NULL.
  *
@@ -967,14 +1064,24 @@ fsdp_status fsdp_optimizer_new(fsdp_model_t model,
                                fsdp_optimizer_t *out);
 
 /**
- * One step on every shard from its gradient (`optimizer.step()`); shards without a
- * gradient (none since `fsdp_model_zero_grad`) are skipped.
+ * One step on every shard from its gradient (`optimizer.step()`), after a finished
+ * backward: the gradients of every backward (each ended by `fsdp_model_finish_backward`)
+ * since `fsdp_model_zero_grad`, summed. A step at any other time is refused and changes
+ * nothing: before any backward or right after `fsdp_model_zero_grad` (no gradient),
+ * between a forward and its backward, inside a forward or a backward, after the root's
+ * `fsdp_unit_post_backward` without `fsdp_model_finish_backward`, or while
+ * `fsdp_model_set_no_sync(model, 1)` keeps gradients unreduced. Stepping twice on the
+ * same gradients (no `fsdp_model_zero_grad` between) applies them twice, as PyTorch
+ * does.
  *
  * `stream`: NULL on the CPU; on a CUDA device the host's stream (the update runs on
  * fsdp's stream, ordered after it; the next gather is ordered after the update).
  *
  * Errors: `FSDP_ERR_INVALID_HANDLE` (also when the model was freed);
- * `FSDP_ERR_INVALID_ARGUMENT` (`stream` not NULL on the CPU).
+ * `FSDP_ERR_USAGE` naming what was expected (`fsdp_model_finish_backward`, a backward,
+ * `fsdp_model_set_no_sync(model, 0)`); `FSDP_ERR_INVALID_ARGUMENT` (`stream` not NULL on
+ * the CPU); `FSDP_ERR_OUT_OF_MEMORY` when the optimizer state (created at the first
+ * step) does not fit.
  */
 fsdp_status fsdp_optimizer_step(fsdp_optimizer_t optimizer,
                                 void *stream);
@@ -1038,7 +1145,9 @@ fsdp_status fsdp_spec_add_unit(fsdp_spec_t spec,
  * `sync_module_states`). `requires_grad` false: frozen (no gradient, never updated).
  *
  * Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_INVALID_ARGUMENT` for an undeclared unit,
- * a NULL or non-UTF-8 string, a negative dimension.
+ * a NULL or non-UTF-8 string, a negative dimension, a shape whose element count or f32
+ * size in bytes overflows `size_t`; `FSDP_ERR_OUT_OF_MEMORY` when the copy of `values`
+ * cannot be allocated.
  *
  * # Safety
  * `unit`, `name` are NUL-terminated strings; `shape` is valid for `ndim` reads; `values`
@@ -1058,7 +1167,8 @@ fsdp_status fsdp_spec_add_param(fsdp_spec_t spec,
  * Element `i` depends only on (`seed`, `unit`, `name`, `i`): the same values as an
  * `fsdp::nn` layer built with `InitKey::new(seed).child(unit)`, at every world size.
  *
- * Errors: as [`fsdp_spec_add_param`]; `FSDP_ERR_INVALID_ARGUMENT` for an unknown `init`.
+ * Errors: as [`fsdp_spec_add_param`] (no copy, so no `FSDP_ERR_OUT_OF_MEMORY`: the shards
+ * are computed by `fsdp_model_new`); `FSDP_ERR_INVALID_ARGUMENT` for an unknown `init`.
  *
  * # Safety
  * As [`fsdp_spec_add_param`].
