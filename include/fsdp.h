@@ -46,8 +46,8 @@
  * Views fsdp hands out are DLTensors in compact row-major layout: strides NULL,
  * byte_offset 0, data at the first element, shape pointing into fsdp's memory (valid until
  * the model is freed), on the model's device. Parameter views are read-only; gradient views
- * are float32, zeroed at pre_backward, for the host to add into. Both end at the unit's
- * matching post hook.
+ * are float32 buffers the host adds into (zeros at pre_backward, or under no_sync the
+ * gradient kept so far). Both end at the unit's matching post hook.
  *
  * Threads: any thread may call any function. The calls on one model (its units and its
  * optimizers) run one at a time; a second thread's call waits for the first, and what

@@ -414,10 +414,14 @@ pub enum Term {
     SyncModuleStates,
     /// Building the sharded model from a declaration.
     BuildModel,
+    /// Why a parameter on the meta device without an initializer has no values, and what
+    /// gives it some.
+    MetaWithoutValues,
 }
 
-impl std::fmt::Display for Term {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+impl Term {
+    /// The spelling of the calling thread's [`Api`].
+    pub fn as_str(self) -> &'static str {
         let (rust, c) = match self {
             Term::PreForward => ("pre_forward", "fsdp_unit_pre_forward"),
             Term::PostForward => ("post_forward", "fsdp_unit_post_forward"),
@@ -464,11 +468,21 @@ impl std::fmt::Display for Term {
                 "fsdp_config.sync_module_states",
             ),
             Term::BuildModel => ("fully_shard", "fsdp_model_new"),
+            Term::MetaWithoutValues => (
+                "meta without an initializer; give FSDP a param_init_fn",
+                "declared without values on every rank (values NULL in fsdp_spec_add_param); give rank 0 values with fsdp_config.sync_module_states, or use fsdp_spec_add_param_init",
+            ),
         };
-        f.write_str(match Api::current() {
+        match Api::current() {
             Api::Rust => rust,
             Api::C => c,
-        })
+        }
+    }
+}
+
+impl std::fmt::Display for Term {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 

@@ -107,12 +107,10 @@ impl ParamSpec {
         self
     }
 
-    /// The parameter's element count.
-    ///
-    /// # Errors
-    /// `InvalidArgument` naming the parameter when its element count or its size in bytes
-    /// as f32 overflows `usize` (no memory holds it).
-    pub fn numel(&self, unit: &str) -> Result<usize> {
+    /// The parameter's element count; `InvalidArgument` naming the parameter (of unit
+    /// `unit`) when its element count or its size in bytes as f32 overflows `usize` (no
+    /// memory holds it).
+    fn numel(&self, unit: &str) -> Result<usize> {
         match crate::tensor::alloc::checked_size(&self.shape, DType::F32) {
             Ok((n, _)) => Ok(n),
             Err(e) => crate::error::bail_arg!("parameter '{}': {e}", join_name(unit, &self.name)),

@@ -78,7 +78,7 @@ fn local_f32(
                 None => {
                     let src = p.f32().map_err(|_| Error::NotMaterialized {
                         name: info.fqn.clone(),
-                        state: "meta without an initializer; give FSDP a param_init_fn",
+                        state: crate::error::Term::MetaWithoutValues.as_str(),
                     })?;
                     dst.copy_from_slice(&src[a - info.offset..b - info.offset]);
                 }

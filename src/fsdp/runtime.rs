@@ -259,10 +259,7 @@ impl FullyShardedDataParallel {
     /// `Fsdp` without a `pre_forward` first, or (`ok`) on the root while a nested unit is
     /// still in its forward; a collective's error found at the end of the root's forward.
     pub fn post_forward(&mut self, ok: bool) -> Result<()> {
-        if self.forward_grad.is_none() {
-            return Err(self.out_of_order(Term::PostForward, &Term::PreForward.to_string()));
-        }
-        if ok && self.is_root {
+        if ok && self.is_root && self.forward_grad.is_some() {
             self.check_nested_done(false)?;
         }
         let Some(grad) = self.forward_grad.take() else {
@@ -348,10 +345,7 @@ impl FullyShardedDataParallel {
     /// still in its backward; `Cuda` or `OutOfMemory` when the reduction's buffers cannot
     /// be allocated.
     pub fn post_backward(&mut self, ok: bool) -> Result<()> {
-        if self.in_backward.is_none() {
-            return Err(self.out_of_order(Term::PostBackward, &Term::PreBackward.to_string()));
-        }
-        if ok && self.is_root {
+        if ok && self.is_root && self.in_backward.is_some() {
             self.check_nested_done(true)?;
         }
         let Some(InBackward { next, flat_grad }) = self.in_backward.take() else {

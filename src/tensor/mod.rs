@@ -203,7 +203,7 @@ impl Tensor {
             }
             None => Err(Error::NotMaterialized {
                 name: format!("meta tensor {:?}", self.shape),
-                state: "meta without an initializer; give FSDP a param_init_fn",
+                state: crate::error::Term::MetaWithoutValues.as_str(),
             }),
         }
     }

@@ -400,6 +400,9 @@ static void *words_checks(void *arg) {
     report(rank, "no_parameters", fsdp_model_new(world, spec, NULL, &m));
     MUST(fsdp_spec_add_param(spec, "0", "w", 1, s2, NULL, true));
     report(rank, "values_missing", fsdp_model_new(world, spec, NULL, &m));
+    c = config(FSDP_FULL_SHARD, FSDP_PRECISION_F32);
+    c.sync_module_states = true;
+    report(rank, "values_missing_on_every_rank", fsdp_model_new(world, spec, &c, &m));
     MUST(fsdp_spec_free(spec));
 
     /* A checkpoint loaded between a forward and its backward. */

@@ -243,6 +243,11 @@ fn errors_that_reach_c_name_the_header_fields_and_functions() {
                 "parameter '0.w' has no values on this rank (values NULL in fsdp_spec_add_param) and nothing gives it any: pass values, use fsdp_spec_add_param_init, or set fsdp_config.sync_module_states",
             ),
             (
+                "values_missing_on_every_rank",
+                "FSDP_ERR_NOT_MATERIALIZED",
+                "parameter '0.w' is not materialized (state: declared without values on every rank (values NULL in fsdp_spec_add_param); give rank 0 values with fsdp_config.sync_module_states, or use fsdp_spec_add_param_init)",
+            ),
+            (
                 "load_between_forward_and_backward",
                 "FSDP_ERR_USAGE",
                 "between a forward and its backward: the pending backward would compute gradients for parameters other than those the forward used; call it before the forward or after the backward (a forward with grad_enabled 0 (fsdp_unit_pre_forward) leaves nothing pending)",

@@ -23,7 +23,7 @@
 use super::device::on_stream;
 use super::dlpack::{describe, empty_tensor, write_views, DLTensor, ExtTensor};
 use super::handles::{fsdp_model_t, fsdp_unit_t};
-use super::model::{with_model, with_unit, HeldView, ModelObj};
+use super::model::{with_model, with_unit, HeldView, ModelObj, ViewKind};
 use super::{fsdp_status, guard, write_out, Fail, Res, FSDP_ERR_USAGE};
 use crate::backend::Device;
 use crate::tensor::{DType, Tensor};
@@ -208,12 +208,12 @@ fn params_views(m: &mut ModelObj, i: usize) -> Res<Vec<DLTensor>> {
         })
         .collect::<Res<_>>()?;
     let views = describe_all(m, i, &ps)?;
-    m.units[i].held = held(m, i, ps, "parameter");
+    m.units[i].held = held(m, i, ps, ViewKind::Parameter);
     Ok(views)
 }
 
 /// The views `ts` (aligned with unit `i`'s parameters) as held by the host.
-fn held(m: &ModelObj, i: usize, ts: Vec<Option<Tensor>>, kind: &'static str) -> Vec<HeldView> {
+fn held(m: &ModelObj, i: usize, ts: Vec<Option<Tensor>>, kind: ViewKind) -> Vec<HeldView> {
     ts.into_iter()
         .zip(&m.units[i].params)
         .filter_map(|(t, p)| {
@@ -234,21 +234,22 @@ fn check_not_fsdp_memory(m: &ModelObj, h: &ExtTensor) -> Res {
         if !h.overlaps(&v.tensor)? {
             continue;
         }
-        let fix = match v.kind {
-            "gradient" => {
-                "a host that wrote into those views passes grads = NULL to fsdp_unit_post_backward"
-            }
-            _ => "parameter views are read-only inputs; pass the gradient in memory of your own",
+        let (kind, array, fix) = match v.kind {
+            ViewKind::Gradient => (
+                "gradient",
+                "grads",
+                "a host that wrote into those views passes grads = NULL to fsdp_unit_post_backward",
+            ),
+            ViewKind::Parameter => (
+                "parameter",
+                "params",
+                "parameter views are read-only inputs; pass the gradient in memory of your own",
+            ),
         };
         return Err(Fail::arg(format!(
-            "{}: the gradient's memory overlaps fsdp's own {} view of '{}' (the {} of fsdp_unit_pre_backward); {fix}",
+            "{}: the gradient's memory overlaps fsdp's own {kind} view of '{}' (the {array} of fsdp_unit_pre_backward); {fix}",
             h.what(),
-            v.kind,
             v.fqn,
-            match v.kind {
-                "gradient" => "grads",
-                _ => "params",
-            }
         )));
     }
     Ok(())
@@ -330,7 +331,7 @@ unsafe fn pre_backward(
         let pv = params_views(m, i)?;
         let gs = grad_tensors(m, i)?;
         let gv = describe_all(m, i, &gs)?;
-        let gh = held(m, i, gs, "gradient");
+        let gh = held(m, i, gs, ViewKind::Gradient);
         m.units[i].held.extend(gh);
         Ok((pv, gv))
     })();

@@ -22,10 +22,18 @@ pub(crate) struct ParamMeta {
     pub(crate) requires_grad: bool,
 }
 
+/// What a view handed to the host shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ViewKind {
+    /// A full parameter (read-only for the host).
+    Parameter,
+    /// A gradient buffer the host adds into.
+    Gradient,
+}
+
 /// A view fsdp handed to the host and still owns: never taken back as a gradient.
 pub(crate) struct HeldView {
-    /// `"parameter"` or `"gradient"`.
-    pub(crate) kind: &'static str,
+    pub(crate) kind: ViewKind,
     /// The parameter's fully qualified name.
     pub(crate) fqn: String,
     /// The memory behind the view.
