@@ -20,7 +20,8 @@
 //!     // per step: model.pre_forward(true)?;
 //!     //   model.with_unit("layer0", |u| { u.pre_forward(true)?; /* compute with
 //!     //   u.param_views()? */ u.post_forward(true) })??;  ... model.post_forward(true)?;
-//!     // then the backward hooks in reverse and model.finish_backward()?
+//!     // then the backward hooks in reverse and model.finish_backward()?; before the
+//!     // optimizer's step, model.ready_for_step()? (what fsdp_optimizer_step checks)
 //!     let names: Vec<String> = model.full_parameters()?.into_iter().map(|(n, _)| n).collect();
 //!     assert_eq!(names, ["layer0.weight", "layer0.bias"]);
 //!     Ok(())
@@ -28,8 +29,10 @@
 //! # Ok::<(), fsdp::Error>(())
 //! ```
 //!
-//! The hooks and their order are documented on
-//! [`FullyShardedDataParallel::pre_forward`]; `tests/hooks.rs` trains an MLP computed by
+//! Every rank must declare the same model: `fully_shard` checks it with one all-gather of
+//! a hash of the declaration and names the first difference on every rank. The hooks and
+//! their order are documented on [`FullyShardedDataParallel::pre_forward`]; a call out of
+//! order is refused (see `fsdp/order.rs`); `tests/hooks.rs` trains an MLP computed by
 //! plain loops through them.
 
 mod agree;

@@ -218,9 +218,13 @@ pub(super) struct InBackward {
 ///     u.pre_backward()     -> write or add d loss / d param into u.grad_views()
 ///                          -> u.post_backward(ok)
 /// once, after the root's post_backward:  root.finish_backward()
+/// then:  root.ready_for_step()?; optimizer.step(&root.optimizer_params())?;
+///        root.ready_for_zero_grad()?; root.zero_grad()   (or more micro-batches first)
 /// ```
 /// The root's forward encloses every other unit's (its `pre_forward` first, its
-/// `post_forward` last), as its backward does.
+/// `post_forward` last), as its backward does. Calls out of this order are refused with
+/// an `Fsdp` error naming what was expected (`order.rs`, [Note: the step's stages] in
+/// `progress.rs`).
 impl FullyShardedDataParallel {
     /// Before this unit's forward: all-gathers its parameters (or takes the prefetched
     /// gather) and prefetches the next unit (`forward_prefetch`); the root first starts a
