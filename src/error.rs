@@ -149,6 +149,18 @@ pub enum Error {
         /// this port"`.
         reason: String,
     },
+    /// A host allocation whose size came from the caller (a declared parameter's shard, a
+    /// gather or gradient buffer, optimizer state, a copy of a host's tensor) failed: the
+    /// memory is not there. Nothing was changed; the process goes on (device memory that
+    /// runs out is [`Error::Cuda`]).
+    #[error("out of memory: {what} needs {bytes} bytes ({}), which could not be allocated", human_bytes(*.bytes))]
+    OutOfMemory {
+        /// Bytes the allocation asked for.
+        bytes: usize,
+        /// What the memory was for, e.g. `"the local shard of the flat parameter holding
+        /// 'big.weight'"`.
+        what: String,
+    },
     /// Operating-system I/O.
     #[error("{context}: {source}")]
     Io {
@@ -225,10 +237,28 @@ impl Error {
                 context: context.clone(),
                 reason: reason.clone(),
             },
+            Error::OutOfMemory { bytes, what } => Error::OutOfMemory {
+                bytes: *bytes,
+                what: what.clone(),
+            },
             Error::Io { context, source } => Error::Io {
                 context: context.clone(),
                 source: std::io::Error::new(source.kind(), source.to_string()),
             },
+        }
+    }
+
+    /// This error with `what` as the purpose of a failed allocation
+    /// ([`Error::OutOfMemory`]); any other error unchanged. For a caller that knows more
+    /// than the allocator did: `.map_err(|e| e.allocating(|| format!("the shard of
+    /// '{name}'")))`.
+    pub fn allocating(self, what: impl FnOnce() -> String) -> Error {
+        match self {
+            Error::OutOfMemory { bytes, .. } => Error::OutOfMemory {
+                bytes,
+                what: what(),
+            },
+            e => e,
         }
     }
 
@@ -246,6 +276,21 @@ impl Error {
             context: context.into(),
             source,
         }
+    }
+}
+
+/// `"4.0 TiB"`: bytes in the largest binary unit that keeps the figure at least 1.
+fn human_bytes(bytes: usize) -> String {
+    const UNITS: [&str; 6] = ["bytes", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    match u {
+        0 => format!("{bytes} bytes"),
+        _ => format!("{v:.1} {}", UNITS[u]),
     }
 }
 
@@ -277,3 +322,198 @@ macro_rules! bail_arg {
     ($($t:tt)*) => { return Err($crate::error::Error::InvalidArgument(format!($($t)*))) };
 }
 pub(crate) use bail_arg;
+
+/// The API a caller reaches fsdp through, so that an error message advising a call or an
+/// option names it as that caller writes it: `finish_backward` and
+/// `FsdpConfig::ranks_per_node` in Rust, `fsdp_model_finish_backward` and
+/// `fsdp_config.ranks_per_node` through the C ABI (`include/fsdp.h`). Per thread: the C
+/// ABI's entry points run under [`Api::C`] ([`Api::enter`]), everything else under
+/// [`Api::Rust`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    /// The Rust API (the default).
+    Rust,
+    /// The C ABI.
+    C,
+}
+
+thread_local! {
+    static API: std::cell::Cell<Api> = const { std::cell::Cell::new(Api::Rust) };
+}
+
+impl Api {
+    /// The API of the call running on this thread.
+    pub fn current() -> Api {
+        API.with(std::cell::Cell::get)
+    }
+
+    /// Until the guard drops, the messages of errors made on this thread name the items
+    /// of `self` ([`Term`]).
+    pub fn enter(self) -> ApiGuard {
+        ApiGuard {
+            before: API.with(|a| a.replace(self)),
+        }
+    }
+}
+
+/// Restores the thread's previous [`Api`] when dropped.
+#[must_use = "the API applies only while the guard lives"]
+pub struct ApiGuard {
+    before: Api,
+}
+
+impl Drop for ApiGuard {
+    fn drop(&mut self) {
+        API.with(|a| a.set(self.before));
+    }
+}
+
+/// An item of fsdp's API that error messages name, printed as the calling thread's
+/// [`Api`] spells it (the one table of both spellings).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Term {
+    /// A unit's hook before its forward.
+    PreForward,
+    /// A unit's hook after its forward.
+    PostForward,
+    /// A unit's hook before its backward.
+    PreBackward,
+    /// A unit's hook after its backward.
+    PostBackward,
+    /// The gradient views of a unit in its backward.
+    GradViews,
+    /// The end of a backward, on the root.
+    FinishBackward,
+    /// Dropping the gradients.
+    ZeroGrad,
+    /// The optimizer's update of the shards.
+    OptimizerStep,
+    /// Gradient clipping over every unit.
+    ClipGradNorm,
+    /// Turning gradient synchronization off (`no_sync`).
+    SyncOff,
+    /// Turning gradient synchronization back on.
+    SyncOn,
+    /// A forward without grad (evaluation).
+    NoGradForward,
+    /// The option that says how many ranks share a node (hybrid sharding).
+    RanksPerNode,
+    /// Every way to say which ranks share a node.
+    NodeChoices,
+    /// The hybrid strategies.
+    HybridStrategies,
+    /// What a non-hybrid strategy takes instead of the hybrid options.
+    NotHybrid,
+    /// Declaring a parameter.
+    AddParam,
+    /// Declaring a parameter computed by an initializer.
+    AddParamInit,
+    /// Declaring a parameter without values on this rank.
+    EmptyParam,
+    /// The option that gives every rank rank 0's values.
+    SyncModuleStates,
+    /// Building the sharded model from a declaration.
+    BuildModel,
+    /// Why a parameter on the meta device without an initializer has no values, and what
+    /// gives it some.
+    MetaWithoutValues,
+}
+
+impl Term {
+    /// The spelling of the calling thread's [`Api`].
+    pub fn as_str(self) -> &'static str {
+        let (rust, c) = match self {
+            Term::PreForward => ("pre_forward", "fsdp_unit_pre_forward"),
+            Term::PostForward => ("post_forward", "fsdp_unit_post_forward"),
+            Term::PreBackward => ("pre_backward", "fsdp_unit_pre_backward"),
+            Term::PostBackward => ("post_backward", "fsdp_unit_post_backward"),
+            Term::GradViews => ("grad_views", "the grads of fsdp_unit_pre_backward"),
+            Term::FinishBackward => ("finish_backward", "fsdp_model_finish_backward"),
+            Term::ZeroGrad => ("zero_grad", "fsdp_model_zero_grad"),
+            Term::OptimizerStep => ("the optimizer's step", "fsdp_optimizer_step"),
+            Term::ClipGradNorm => ("clip_grad_norm_", "fsdp_model_clip_grad_norm"),
+            Term::SyncOff => (
+                "set_requires_gradient_sync(false) (or no_sync)",
+                "fsdp_model_set_no_sync(model, 1)",
+            ),
+            Term::SyncOn => (
+                "set_requires_gradient_sync(true)",
+                "fsdp_model_set_no_sync(model, 0)",
+            ),
+            Term::NoGradForward => (
+                "a forward without grad (Context::eval(), pre_forward(false))",
+                "a forward with grad_enabled 0 (fsdp_unit_pre_forward)",
+            ),
+            Term::RanksPerNode => ("FsdpConfig::ranks_per_node", "fsdp_config.ranks_per_node"),
+            Term::NodeChoices => (
+                "set FsdpConfig::ranks_per_node, pass (shard, replicate) groups in hybrid_groups, or a 2-D device_mesh (replicate, shard)",
+                "set fsdp_config.ranks_per_node",
+            ),
+            Term::HybridStrategies => (
+                "HybridShard and HybridShardZero2",
+                "FSDP_HYBRID_SHARD and FSDP_HYBRID_SHARD_ZERO2",
+            ),
+            Term::NotHybrid => (
+                "pass the group as pg",
+                "leave fsdp_config.ranks_per_node 0",
+            ),
+            Term::AddParam => ("ParamSpec::values", "fsdp_spec_add_param"),
+            Term::AddParamInit => ("ParamSpec::init", "fsdp_spec_add_param_init"),
+            Term::EmptyParam => (
+                "ParamSpec::empty",
+                "values NULL in fsdp_spec_add_param",
+            ),
+            Term::SyncModuleStates => (
+                "FsdpConfig::sync_module_states",
+                "fsdp_config.sync_module_states",
+            ),
+            Term::BuildModel => ("fully_shard", "fsdp_model_new"),
+            Term::MetaWithoutValues => (
+                "meta without an initializer; give FSDP a param_init_fn",
+                "declared without values on every rank (values NULL in fsdp_spec_add_param); give rank 0 values with fsdp_config.sync_module_states, or use fsdp_spec_add_param_init",
+            ),
+        };
+        match Api::current() {
+            Api::Rust => rust,
+            Api::C => c,
+        }
+    }
+}
+
+impl std::fmt::Display for Term {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn terms_follow_the_api_of_the_thread_and_out_of_memory_names_the_bytes() {
+        assert_eq!(Term::FinishBackward.to_string(), "finish_backward");
+        {
+            let _c = Api::C.enter();
+            assert_eq!(
+                Term::FinishBackward.to_string(),
+                "fsdp_model_finish_backward"
+            );
+            assert_eq!(Term::RanksPerNode.to_string(), "fsdp_config.ranks_per_node");
+        }
+        assert_eq!(Api::current(), Api::Rust);
+        let e = Error::OutOfMemory {
+            bytes: 1 << 42,
+            what: "x".into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "out of memory: x needs 4398046511104 bytes (4.0 TiB), which could not be allocated"
+        );
+        let e = e.allocating(|| "the shard of 'w'".into());
+        assert!(e
+            .to_string()
+            .contains("the shard of 'w' needs 4398046511104 bytes"));
+        assert_eq!(human_bytes(1000), "1000 bytes");
+    }
+}

@@ -1,8 +1,8 @@
 //! The FSDP hooks driven by a host that computes a unit's forward and backward itself
 //! (plain loops on the parameter and gradient views, as a foreign framework would): the
 //! result equals the same model trained through `fsdp::nn` modules, under FullShard,
-//! ShardGradOp and NoShard at world sizes 1, 2 and 4; calls out of order are errors
-//! naming the unit.
+//! ShardGradOp and NoShard at world sizes 1, 2 and 4; calls out of order (hooks, steps,
+//! `zero_grad` before `finish_backward`) are errors naming the unit and what was expected.
 
 mod common;
 
@@ -288,6 +288,20 @@ fn hooks_called_out_of_order_are_errors_naming_the_unit() {
         m.with_unit("0", |u| u.pre_forward(true))??;
         e.push(m.with_unit("0", |u| u.pre_forward(true).unwrap_err().to_string())?);
         m.with_unit("0", |u| u.post_forward(true))??;
+        // The step's stages, in the Rust API's names: no step before a backward, nothing
+        // but finish_backward after the root's post_backward.
+        e.push(m.ready_for_step().unwrap_err().to_string());
+        m.pre_forward(true)?;
+        m.post_forward(true)?;
+        m.pre_backward()?;
+        m.post_backward(true)?;
+        e.push(m.ready_for_step().unwrap_err().to_string());
+        e.push(m.ready_for_zero_grad().unwrap_err().to_string());
+        e.push(m.pre_forward(true).unwrap_err().to_string());
+        m.finish_backward()?;
+        m.ready_for_step()?;
+        m.zero_grad();
+        e.push(m.finish_backward().unwrap_err().to_string());
         Ok(e)
     })
     .unwrap();
@@ -318,6 +332,31 @@ fn hooks_called_out_of_order_are_errors_naming_the_unit() {
             e[6].contains("pre_forward on unit '0' without its post_forward"),
             "{}",
             e[6]
+        );
+        assert!(
+            e[7].contains(
+                "the optimizer's step without gradients: no backward finished since zero_grad"
+            ),
+            "{}",
+            e[7]
+        );
+        for (k, call) in [
+            (8, "the optimizer's step"),
+            (9, "zero_grad"),
+            (10, "pre_forward on unit ''"),
+        ] {
+            assert!(
+                e[k].contains(&format!(
+                    "{call} before finish_backward: the backward ended (the root's post_backward)"
+                )),
+                "{}",
+                e[k]
+            );
+        }
+        assert!(
+            e[11].contains("finish_backward without a backward"),
+            "{}",
+            e[11]
         );
     }
 }

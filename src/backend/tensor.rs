@@ -9,6 +9,7 @@
 
 use crate::backend::Device;
 use crate::error::{Error, Result};
+use crate::tensor::alloc::vec_with_capacity;
 use crate::tensor::{DType, Element, Tensor};
 
 use super::cuda;
@@ -32,10 +33,12 @@ impl Tensor {
     /// shapes only.
     ///
     /// # Errors
-    /// [`Error::Cuda`] when the device is unavailable or out of memory.
+    /// [`Error::Cuda`] when the device is unavailable or out of memory;
+    /// [`Error::OutOfMemory`] when host memory is; `InvalidArgument` for a shape whose size
+    /// overflows.
     pub fn zeros_on(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
         match device {
-            Device::Cpu => Ok(Tensor::zeros(shape, dtype)),
+            Device::Cpu => Tensor::try_zeros(shape, dtype),
             Device::Meta => Ok(Tensor::meta(shape, dtype)),
             Device::Cuda(i) => cuda_zeros(shape, dtype, i),
         }
@@ -70,22 +73,18 @@ impl Tensor {
         if self.device().is_cuda() {
             return self.to_device(Device::Cpu)?.to_vec_f32();
         }
-        Ok(match self.dtype() {
-            DType::F32 => self.data::<f32>()?.to_vec(),
-            DType::BF16 => self
-                .data::<half::bf16>()?
-                .iter()
-                .map(|v| v.to_f32())
-                .collect(),
-            DType::F16 => self
-                .data::<half::f16>()?
-                .iter()
-                .map(|v| v.to_f32())
-                .collect(),
-            DType::I32 => self.data::<i32>()?.iter().map(|&v| v as f32).collect(),
-            DType::F64 => self.data::<f64>()?.iter().map(|&v| v as f32).collect(),
-            DType::I64 => self.data::<i64>()?.iter().map(|&v| v as f32).collect(),
-        })
+        // Fallible: a host copy of a tensor whose size came from outside (a host's
+        // declared parameter, a state dict) is an `OutOfMemory` error, never an abort.
+        let mut out = vec_with_capacity::<f32>(self.numel())?;
+        match self.dtype() {
+            DType::F32 => out.extend_from_slice(&self.data::<f32>()?),
+            DType::BF16 => out.extend(self.data::<half::bf16>()?.iter().map(|v| v.to_f32())),
+            DType::F16 => out.extend(self.data::<half::f16>()?.iter().map(|v| v.to_f32())),
+            DType::I32 => out.extend(self.data::<i32>()?.iter().map(|&v| v as f32)),
+            DType::F64 => out.extend(self.data::<f64>()?.iter().map(|&v| v as f32)),
+            DType::I64 => out.extend(self.data::<i64>()?.iter().map(|&v| v as f32)),
+        }
+        Ok(out)
     }
 
     /// Copies the elements out as f64 (exact for every dtype but i64 beyond 2^53); a CUDA
@@ -94,18 +93,23 @@ impl Tensor {
         if self.device().is_cuda() {
             return self.to_device(Device::Cpu)?.to_vec_f64();
         }
-        Ok(match self.dtype() {
-            DType::F64 => self.data::<f64>()?.to_vec(),
-            DType::I64 => self.data::<i64>()?.iter().map(|&v| v as f64).collect(),
-            _ => self.to_vec_f32()?.into_iter().map(f64::from).collect(),
-        })
+        let mut out = vec_with_capacity::<f64>(self.numel())?;
+        match self.dtype() {
+            DType::F64 => out.extend_from_slice(&self.data::<f64>()?),
+            DType::I64 => out.extend(self.data::<i64>()?.iter().map(|&v| v as f64)),
+            DType::F32 => out.extend(self.data::<f32>()?.iter().map(|&v| f64::from(v))),
+            DType::BF16 => out.extend(self.data::<half::bf16>()?.iter().map(|v| v.to_f64())),
+            DType::F16 => out.extend(self.data::<half::f16>()?.iter().map(|v| v.to_f64())),
+            DType::I32 => out.extend(self.data::<i32>()?.iter().map(|&v| f64::from(v as f32))),
+        }
+        Ok(out)
     }
 
     /// A new tensor of `dtype` on the same device with these values
     /// (round-to-nearest-even when narrowing).
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
         let out = if self.device() == Device::Cpu {
-            Tensor::scratch(self.shape(), dtype) // copy_from overwrites every element
+            Tensor::try_scratch(self.shape(), dtype)? // copy_from overwrites every element
         } else {
             Tensor::zeros_on(self.shape(), dtype, self.device())?
         };

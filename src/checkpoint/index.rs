@@ -7,7 +7,7 @@ use crate::distributed::staged;
 use crate::distributed::Group;
 use crate::error::{Error, Result};
 use crate::fsdp::StateDictType;
-use crate::tensor::{DType, Tensor};
+use crate::tensor::Tensor;
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -186,33 +186,6 @@ impl Index {
             None => super::file::legacy_checksum(bytes),
         }
     }
-}
-
-/// Every rank's `bytes`, in rank order (a collective over `pg`).
-pub(super) fn all_gather_bytes(pg: &Group, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
-    let w = pg.size();
-    let len = Tensor::from_vec(vec![bytes.len() as i32], &[1])?;
-    let lens = Tensor::zeros(&[w], DType::I32);
-    staged::all_gather_into_tensor(pg.as_ref(), &lens, &len)?;
-    let lens: Vec<usize> = lens.data::<i32>()?.iter().map(|&l| l as usize).collect();
-    let max = lens.iter().copied().max().unwrap_or(0);
-    // One byte per i32 word: manifests are small.
-    let mut words = vec![0i32; max];
-    for (w, &b) in words.iter_mut().zip(bytes) {
-        *w = b as i32;
-    }
-    let mine = Tensor::from_vec(words, &[max])?;
-    let all = Tensor::zeros(&[w * max], DType::I32);
-    staged::all_gather_into_tensor(pg.as_ref(), &all, &mine)?;
-    let v = all.data::<i32>()?;
-    Ok((0..w)
-        .map(|r| {
-            v[r * max..r * max + lens[r]]
-                .iter()
-                .map(|&x| x as u8)
-                .collect()
-        })
-        .collect())
 }
 
 /// The lowest rank of `pg` whose `ok` is false, if any (a collective).

@@ -6,8 +6,7 @@
 use super::atomic::{remove_stale_temps, sync_dir};
 use super::file::{checksum, serialize, CHECKSUM_ALGORITHM};
 use super::index::{
-    all_gather_bytes, read_index, Entry, FileEntry, Index, OptimIndex, PieceRef, FORMAT,
-    INDEX_FILE, VERSION,
+    read_index, Entry, FileEntry, Index, OptimIndex, PieceRef, FORMAT, INDEX_FILE, VERSION,
 };
 use crate::distributed::staged;
 use crate::error::{Error, Result};
@@ -150,7 +149,7 @@ fn save(
     // Every rank's value, writer or not (replicas under hybrid sharding write no file).
     manifest.rank_extra = rank_extra.into_iter().collect();
     let bytes = serde_json::to_vec(&manifest).map_err(|e| Error::Data(e.to_string()))?;
-    let all = all_gather_bytes(&pg, &bytes)?;
+    let all = staged::all_gather_bytes(pg.as_ref(), &bytes)?;
     let result = if rank == 0 {
         write_index(dir, generation, ty, pg.size(), &all, extra)
     } else {

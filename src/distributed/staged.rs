@@ -8,7 +8,7 @@
 
 use super::{ProcessGroup, ReduceOp};
 use crate::error::Result;
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 /// `tensors` on the group's collective device: the originals when they already are (or the
 /// group takes any device), else copies.
@@ -68,4 +68,35 @@ pub fn broadcast(pg: &dyn ProcessGroup, tensor: &Tensor, src: usize) -> Result<(
             tensor.copy_from(&c[0])
         }
     }
+}
+
+/// Every rank's `bytes`, in rank order (a collective over `pg`: two all-gathers, the
+/// lengths then the bytes, one byte per int32 word: for manifests and descriptions, which
+/// are small).
+///
+/// # Errors
+/// As [`all_gather_into_tensor`].
+pub fn all_gather_bytes(pg: &dyn ProcessGroup, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+    let w = pg.size();
+    let len = Tensor::from_vec(vec![bytes.len() as i32], &[1])?;
+    let lens = Tensor::zeros(&[w], DType::I32);
+    all_gather_into_tensor(pg, &lens, &len)?;
+    let lens: Vec<usize> = lens.data::<i32>()?.iter().map(|&l| l as usize).collect();
+    let max = lens.iter().copied().max().unwrap_or(0);
+    let mut words = vec![0i32; max];
+    for (w, &b) in words.iter_mut().zip(bytes) {
+        *w = b as i32;
+    }
+    let mine = Tensor::from_vec(words, &[max])?;
+    let all = Tensor::zeros(&[w * max], DType::I32);
+    all_gather_into_tensor(pg, &all, &mine)?;
+    let v = all.data::<i32>()?;
+    Ok((0..w)
+        .map(|r| {
+            v[r * max..r * max + lens[r]]
+                .iter()
+                .map(|&x| x as u8)
+                .collect()
+        })
+        .collect())
 }

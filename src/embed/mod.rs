@@ -20,7 +20,8 @@
 //!     // per step: model.pre_forward(true)?;
 //!     //   model.with_unit("layer0", |u| { u.pre_forward(true)?; /* compute with
 //!     //   u.param_views()? */ u.post_forward(true) })??;  ... model.post_forward(true)?;
-//!     // then the backward hooks in reverse and model.finish_backward()?
+//!     // then the backward hooks in reverse and model.finish_backward()?; before the
+//!     // optimizer's step, model.ready_for_step()? (what fsdp_optimizer_step checks)
 //!     let names: Vec<String> = model.full_parameters()?.into_iter().map(|(n, _)| n).collect();
 //!     assert_eq!(names, ["layer0.weight", "layer0.bias"]);
 //!     Ok(())
@@ -28,15 +29,19 @@
 //! # Ok::<(), fsdp::Error>(())
 //! ```
 //!
-//! The hooks and their order are documented on
-//! [`FullyShardedDataParallel::pre_forward`]; `tests/hooks.rs` trains an MLP computed by
+//! Every rank must declare the same model: `fully_shard` checks it with one all-gather of
+//! a hash of the declaration and names the first difference on every rank. The hooks and
+//! their order are documented on [`FullyShardedDataParallel::pre_forward`]; a call out of
+//! order is refused (see `fsdp/order.rs`); `tests/hooks.rs` trains an MLP computed by
 //! plain loops through them.
 
+mod agree;
+
 use crate::distributed::Group;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Term};
 use crate::fsdp::{transformer_auto_wrap_policy, FsdpConfig, FullyShardedDataParallel};
 use crate::nn::{join_name, ChildVisitor, Context, Module, ParamInit, ParamVisitor, Parameter};
-use crate::tensor::{numel_of, DType, Tensor};
+use crate::tensor::{DType, Tensor};
 
 /// Where a declared parameter's values come from.
 #[derive(Debug, Clone)]
@@ -104,7 +109,17 @@ impl ParamSpec {
         self
     }
 
-    fn parameter(&self, unit: &str) -> Result<Parameter> {
+    /// The parameter's element count; `InvalidArgument` naming the parameter (of unit
+    /// `unit`) when its element count or its size in bytes as f32 overflows `usize` (no
+    /// memory holds it).
+    fn numel(&self, unit: &str) -> Result<usize> {
+        match crate::tensor::alloc::checked_size(&self.shape, DType::F32) {
+            Ok((n, _)) => Ok(n),
+            Err(e) => crate::error::bail_arg!("parameter '{}': {e}", join_name(unit, &self.name)),
+        }
+    }
+
+    fn parameter(self, unit: &str) -> Result<Parameter> {
         let fqn = join_name(unit, &self.name);
         if self.name.is_empty() || self.name.contains('.') {
             crate::error::bail_arg!(
@@ -112,19 +127,19 @@ impl ParamSpec {
                 self.name
             );
         }
-        let data = match &self.source {
+        let numel = self.numel(unit)?;
+        let data = match self.source {
             ParamSource::Values(v) => {
-                if v.len() != numel_of(&self.shape) {
+                if v.len() != numel {
                     crate::error::bail_arg!(
-                        "parameter '{fqn}' of shape {:?} needs {} values, got {}",
+                        "parameter '{fqn}' of shape {:?} needs {numel} values, got {}",
                         self.shape,
-                        numel_of(&self.shape),
                         v.len()
                     );
                 }
-                Tensor::from_vec(v.clone(), &self.shape)?
+                Tensor::from_vec(v, &self.shape)?
             }
-            ParamSource::Init(init) => Tensor::meta_init(&self.shape, *init),
+            ParamSource::Init(init) => Tensor::meta_init(&self.shape, init),
             ParamSource::Empty => Tensor::meta(&self.shape, DType::F32),
         };
         let mut p = Parameter::new(&self.name, data);
@@ -156,12 +171,18 @@ impl UnitSpec {
 /// Builds and shards a model the host computes: every unit of `units` becomes its own
 /// FSDP unit (nested by path) inside the root, which owns `root_params`. Units flatten and
 /// run their collectives in declaration order, so every rank declares the same units in
-/// the same order. What `FullyShardedDataParallel::new` does for a module tree, with
+/// the same order: the ranks check that first, with one all-gather of a hash of their
+/// declarations. What `FullyShardedDataParallel::new` does for a module tree, with
 /// `config.auto_wrap_policy` replaced by the declared units.
 ///
 /// # Errors
-/// `InvalidArgument` for an empty, repeated or malformed name, or values that do not fit
-/// the shape; `Fsdp` when `config` names an auto-wrap policy (the units are declared); the
+/// `CollectiveMismatch` on every rank when the ranks declared different units,
+/// parameter names, shapes, dtypes or `requires_grad`, or another order, naming the
+/// first difference and both ranks; `InvalidArgument` for an empty, repeated or
+/// malformed name, values that do not fit the shape, a shape no memory holds, a
+/// declaration without parameters, or a parameter without values, initializer or a way
+/// to get rank 0's; `Fsdp` when `config` names an auto-wrap policy (the units are
+/// declared); [`Error::OutOfMemory`] when this rank's shards cannot be allocated; the
 /// errors of [`FullyShardedDataParallel::new`].
 pub fn fully_shard(
     units: Vec<UnitSpec>,
@@ -174,11 +195,14 @@ pub fn fully_shard(
             "fully_shard: the units are declared; leave FsdpConfig::auto_wrap_policy unset".into(),
         ));
     }
+    agree::same_on_every_rank(&pg, &units, &root_params)?;
+    // Reported after the names are checked (a malformed name is the first thing to fix).
+    let values = check_values(&units, &root_params, &config);
     let mut root = HostModule::new("");
-    for p in &root_params {
+    for p in root_params {
         root.add(p)?;
     }
-    for u in &units {
+    for u in units {
         if u.name.is_empty() || u.name.split('.').any(str::is_empty) {
             crate::error::bail_arg!(
                 "unit name '{}': give a module path such as 'layers.0'",
@@ -187,11 +211,47 @@ pub fn fully_shard(
         }
         root.insert(u)?;
     }
+    values?;
     let config = FsdpConfig {
         auto_wrap_policy: Some(transformer_auto_wrap_policy([UNIT_TYPE])),
         ..config
     };
     FullyShardedDataParallel::new(Box::new(root), pg, config)
+}
+
+/// Refuses a declaration without any parameter (nothing to shard or train), and a
+/// parameter without values on this rank that nothing would give values: no
+/// `sync_module_states` to take rank 0's and no `param_init_fn`. Checked before anything
+/// is allocated, in the terms of the caller's API.
+fn check_values(units: &[UnitSpec], root: &[ParamSpec], config: &FsdpConfig) -> Result<()> {
+    let all = || {
+        root.iter().map(|p| ("", p)).chain(
+            units
+                .iter()
+                .flat_map(|u| u.params.iter().map(|p| (u.name.as_str(), p))),
+        )
+    };
+    if all().next().is_none() {
+        crate::error::bail_arg!(
+            "the declaration has no parameters ({} units, none with a parameter): there is nothing to shard or train; declare them with {} or {}",
+            units.len(),
+            Term::AddParam,
+            Term::AddParamInit
+        );
+    }
+    let fed = config.sync_module_states || config.param_init_fn.is_some();
+    if let Some((u, p)) = all().find(|(_, p)| matches!(p.source, ParamSource::Empty)) {
+        if !fed {
+            crate::error::bail_arg!(
+                "parameter '{}' has no values on this rank ({}) and nothing gives it any: pass values, use {}, or set {} so that it gets rank 0's",
+                join_name(u, &p.name),
+                Term::EmptyParam,
+                Term::AddParamInit,
+                Term::SyncModuleStates
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Type name of a declared unit's module (what the wrap policy picks).
@@ -219,19 +279,20 @@ impl HostModule {
         }
     }
 
-    fn add(&mut self, p: &ParamSpec) -> Result<()> {
+    fn add(&mut self, p: ParamSpec) -> Result<()> {
         if self.params.iter().any(|(n, _)| *n == p.name) {
             crate::error::bail_arg!(
                 "parameter '{}' is declared twice",
                 join_name(&self.path, &p.name)
             );
         }
-        self.params.push((p.name.clone(), p.parameter(&self.path)?));
+        let name = p.name.clone();
+        self.params.push((name, p.parameter(&self.path)?));
         Ok(())
     }
 
     /// Places `u` below this module by its path, creating the nodes on the way.
-    fn insert(&mut self, u: &UnitSpec) -> Result<()> {
+    fn insert(&mut self, u: UnitSpec) -> Result<()> {
         let rest = match self.path.is_empty() {
             true => u.name.as_str(),
             false => &u.name[self.path.len() + 1..],
@@ -263,7 +324,7 @@ impl HostModule {
             }
             None => {
                 child.is_unit = true;
-                for p in &u.params {
+                for p in u.params {
                     child.add(p)?;
                 }
                 Ok(())

@@ -30,6 +30,22 @@ choice_enum! {
 }
 
 impl ShardingStrategy {
+    /// The strategy as the calling thread's API spells it in messages: `FullShard` in
+    /// Rust, `FSDP_FULL_SHARD` through the C ABI ([`Api`](crate::error::Api)).
+    pub fn api_name(self) -> &'static str {
+        let (rust, c) = match self {
+            ShardingStrategy::FullShard => ("FullShard", "FSDP_FULL_SHARD"),
+            ShardingStrategy::ShardGradOp => ("ShardGradOp", "FSDP_SHARD_GRAD_OP"),
+            ShardingStrategy::NoShard => ("NoShard", "FSDP_NO_SHARD"),
+            ShardingStrategy::HybridShard => ("HybridShard", "FSDP_HYBRID_SHARD"),
+            ShardingStrategy::HybridShardZero2 => ("HybridShardZero2", "FSDP_HYBRID_SHARD_ZERO2"),
+        };
+        match crate::error::Api::current() {
+            crate::error::Api::Rust => rust,
+            crate::error::Api::C => c,
+        }
+    }
+
     /// The name `fsdp train --strategy` takes (`"full-shard"`, ..., `"hybrid-shard-zero2"`):
     /// [`Choice::name`].
     pub fn flag_name(self) -> &'static str {

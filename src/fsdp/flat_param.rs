@@ -10,6 +10,7 @@
 
 use crate::backend::Device;
 use crate::error::{Error, Result};
+use crate::tensor::alloc::zeroed_vec;
 use crate::tensor::{DType, Tensor};
 
 /// Where one original parameter lives in the flat buffer.
@@ -59,7 +60,7 @@ fn local_f32(
     shard_numel: usize,
     (lo, hi): (usize, usize),
 ) -> Result<Tensor> {
-    let mut local = vec![0.0f32; shard_numel];
+    let mut local = zeroed_vec::<f32>(shard_numel).map_err(|e| shard_oom(e, infos))?;
 
     // Copy the part of each parameter that falls into [lo, hi).
     for ((_, p, _), info) in params.iter().zip(infos) {
@@ -77,7 +78,7 @@ fn local_f32(
                 None => {
                     let src = p.f32().map_err(|_| Error::NotMaterialized {
                         name: info.fqn.clone(),
-                        state: "meta without an initializer; give FSDP a param_init_fn",
+                        state: crate::error::Term::MetaWithoutValues.as_str(),
                     })?;
                     dst.copy_from_slice(&src[a - info.offset..b - info.offset]);
                 }
@@ -87,6 +88,18 @@ fn local_f32(
     Tensor::from_vec(local, &[shard_numel])
 }
 
+/// The out-of-memory error of a local shard, naming the parameters it holds.
+fn shard_oom(e: Error, infos: &[ParamInfo]) -> Error {
+    e.allocating(|| {
+        let names: Vec<&str> = infos.iter().map(|i| i.fqn.as_str()).take(3).collect();
+        format!(
+            "this rank's shard of the flat parameter holding '{}'{}",
+            names.join("', '"),
+            if infos.len() > 3 { ", ..." } else { "" }
+        )
+    })
+}
+
 /// [`local_f32`] for f64 parameters (host or device parameters; no deferred init).
 fn local_f64(
     params: &[(String, Tensor, bool)],
@@ -94,7 +107,7 @@ fn local_f64(
     shard_numel: usize,
     (lo, hi): (usize, usize),
 ) -> Result<Tensor> {
-    let mut local = vec![0.0f64; shard_numel];
+    let mut local = zeroed_vec::<f64>(shard_numel).map_err(|e| shard_oom(e, infos))?;
     for ((_, p, _), info) in params.iter().zip(infos) {
         let (a, b) = (info.offset.max(lo), (info.offset + info.numel).min(hi));
         if a >= b {
@@ -124,7 +137,8 @@ impl FlatParameter {
     /// # Errors
     /// `Fsdp` for a parameter neither f32 nor f64, or f32 and f64 parameters in one unit,
     /// or a meta f64 parameter; `NotMaterialized` for a meta parameter without an
-    /// initializer.
+    /// initializer; `InvalidArgument` when the flat parameter's size overflows;
+    /// `OutOfMemory` when this rank's shard cannot be allocated.
     pub fn new(
         params: &[(String, Tensor, bool)],
         shard_rank: usize,
@@ -154,7 +168,17 @@ impl FlatParameter {
                 numel: p.numel(),
                 requires_grad: *requires_grad,
             });
-            offset += p.numel();
+            offset = offset
+                .checked_add(p.numel())
+                .filter(|n| n.checked_mul(dtype.size_in_bytes()).is_some())
+                .ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "the flat parameter of the unit holding '{}' overflows the address space at '{fqn}' ({} elements before it, {} in it)",
+                        params[0].0,
+                        offset,
+                        p.numel()
+                    ))
+                })?;
         }
         let numel = offset;
         let shard_numel = numel.div_ceil(shard_world.max(1));

@@ -41,8 +41,8 @@ impl FullyShardedDataParallel {
     /// does not.
     ///
     /// # Errors
-    /// `Fsdp` on a nested unit; `InvalidArgument` for a negative or non-finite `max_norm`
-    /// or a `norm_type` below 1.
+    /// `Fsdp` on a nested unit, inside a forward or backward, or before `finish_backward`;
+    /// `InvalidArgument` for a negative or non-finite `max_norm` or a `norm_type` below 1.
     pub fn clip_grad_norm_(&mut self, max_norm: f32, norm_type: f32) -> Result<f32> {
         Ok(self
             .clip_grad_norm_tensor_(max_norm, norm_type)?
@@ -65,6 +65,8 @@ impl FullyShardedDataParallel {
                 "clip_grad_norm_ must be called on the root FSDP instance".into(),
             ));
         }
+        // Inside a pass or before finish_backward the gradients are not all there yet.
+        self.between_passes(crate::error::Term::ClipGradNorm)?;
         if !(max_norm.is_finite() && max_norm >= 0.0) {
             crate::error::bail_arg!(
                 "clip_grad_norm_: max_norm must be a finite number >= 0, got {max_norm}"

@@ -8,6 +8,7 @@ use crate::distributed::fingerprint::{self, Fingerprint, Name, Phase};
 use crate::distributed::{staged, ReduceOp};
 use crate::error::{Error, Result};
 use crate::nn::{visit_parameters, ChildVisitor, Context, Module, Parameter};
+use crate::tensor::alloc::{vec_with_capacity, zeroed_vec};
 use crate::tensor::{DType, Tensor};
 
 /// Calls the user's `param_init_fn` on `module` (the unit being wrapped) with every nested
@@ -154,7 +155,10 @@ pub(super) fn sync_module_states(
         Some(h) if h.tensor.dtype() == DType::F64 => DType::F64,
         _ => DType::F32,
     };
-    let mut flat = Vec::with_capacity(if pg.rank() == 0 { total } else { 0 });
+    let oom = |e: Error| {
+        e.allocating(|| format!("sync_module_states' buffer of {total} elements of '{prefix}'"))
+    };
+    let mut flat = vec_with_capacity::<f64>(if pg.rank() == 0 { total } else { 0 }).map_err(oom)?;
     if pg.rank() == 0 {
         for h in &synced {
             let values = h.tensor.materialize().map_err(|_| Error::NotMaterialized {
@@ -164,7 +168,7 @@ pub(super) fn sync_module_states(
             flat.extend(values.to_vec_f64()?);
         }
     } else {
-        flat.resize(total, 0.0);
+        flat = zeroed_vec::<f64>(total).map_err(oom)?;
     }
     let flat = Tensor::from_vec(flat, &[total])?.to_dtype(dtype)?;
     staged::broadcast(pg, &flat, 0)?;

@@ -6,6 +6,7 @@
 //! | construction: auto-wrap, tied parameters, `ignored_modules` | `wrapping.rs` | `_init_utils.py`, `wrap.py` |
 //! | a unit's parameters before flattening: `param_init_fn` (nested units out of reach), `sync_module_states` | `materialize.rs` | `_init_utils.py` |
 //! | forward/backward hooks: unshard, reshard, the end of backward | `runtime.rs` | `_runtime_utils.py` |
+//! | the order of a host's hooks, steps and `zero_grad` (refused out of order, in the caller's API's names) | `order.rs` | FSDP2's `TrainingState` checks |
 //! | a unit's all-gather and gradient reduction (predivide, reduce-scatter, all-reduce, postdivide, offload copies) | `collectives.rs` | `_runtime_utils.py`, FSDP2 `_fsdp_collectives.py` |
 //! | each unit's sharded / gathering / unsharded state, prefetch order, [`BackwardPrefetch`], `limit_all_gathers`, [`RuntimeStats`] | `scheduler.rs` | `_exec_order_utils.py`, `_limiter_utils.py`, FSDP2 `ShardedState` |
 //! | the per-rank unshard, post-backward and pre-unshard streams | `streams.rs` | `_init_streams` in `_runtime_utils.py` |
@@ -44,6 +45,7 @@ mod grad;
 mod materialize;
 mod memory;
 mod mixed_precision;
+mod order;
 mod progress;
 mod runtime;
 mod scheduler;

@@ -20,7 +20,7 @@ use super::collectives::Gather;
 use super::progress::Pass;
 use super::FullyShardedDataParallel;
 use crate::distributed::ReduceOp;
-use crate::error::Result;
+use crate::error::{Result, Term};
 use crate::nn::{ChildVisitor, Context, Module};
 use crate::tensor::{DType, Tensor};
 
@@ -144,7 +144,7 @@ impl FullyShardedDataParallel {
     /// `Fsdp` error when called inside `summon_full_params` (FSDP1 refuses forward and
     /// backward there too).
     fn check_not_summoning(&self, what: &str) -> Result<()> {
-        if self.rs.sched.lock().progress.pass() == Pass::Summoning {
+        if matches!(self.rs.sched.lock().progress.pass(), Pass::Summoning(_)) {
             return Err(crate::error::Error::Fsdp(format!(
                 "{what} called inside summon_full_params on unit '{}': full parameters are gathered for reading/writing only; run {what} after the closure returns",
                 self.module_name()
@@ -218,9 +218,13 @@ pub(super) struct InBackward {
 ///     u.pre_backward()     -> write or add d loss / d param into u.grad_views()
 ///                          -> u.post_backward(ok)
 /// once, after the root's post_backward:  root.finish_backward()
+/// then:  root.ready_for_step()?; optimizer.step(&root.optimizer_params())?;
+///        root.ready_for_zero_grad()?; root.zero_grad()   (or more micro-batches first)
 /// ```
 /// The root's forward encloses every other unit's (its `pre_forward` first, its
-/// `post_forward` last), as its backward does.
+/// `post_forward` last), as its backward does. Calls out of this order are refused with
+/// an `Fsdp` error naming what was expected (`order.rs`, [Note: the step's stages] in
+/// `progress.rs`).
 impl FullyShardedDataParallel {
     /// Before this unit's forward: all-gathers its parameters (or takes the prefetched
     /// gather) and prefetches the next unit (`forward_prefetch`); the root first starts a
@@ -229,13 +233,15 @@ impl FullyShardedDataParallel {
     /// is sharded again and needs no `post_forward`.
     ///
     /// # Errors
-    /// `Fsdp` inside `summon_full_params` or between this unit's `pre_forward` and
-    /// `post_forward`; the all-gather's error.
+    /// `Fsdp` inside `summon_full_params`, between this unit's `pre_forward` and
+    /// `post_forward`, on the root inside an unfinished backward, or on any unit after the
+    /// root's `post_backward` and before `finish_backward`; the all-gather's error.
     pub fn pre_forward(&mut self, grad_enabled: bool) -> Result<()> {
         self.check_not_summoning("forward")?;
         if self.forward_grad.is_some() {
-            return Err(self.out_of_order("pre_forward", "its post_forward"));
+            return Err(self.out_of_order(Term::PreForward, &format!("its {}", Term::PostForward)));
         }
+        self.check_order(Term::PreForward)?;
         if self.is_root {
             self.rs.sched.lock().progress.begin_forward(grad_enabled);
         }
@@ -254,11 +260,14 @@ impl FullyShardedDataParallel {
     /// grad, or after a failure; the root then waits for its streams.
     ///
     /// # Errors
-    /// `Fsdp` without a `pre_forward` first; a collective's error found at the end of the
-    /// root's forward.
+    /// `Fsdp` without a `pre_forward` first, or (`ok`) on the root while a nested unit is
+    /// still in its forward; a collective's error found at the end of the root's forward.
     pub fn post_forward(&mut self, ok: bool) -> Result<()> {
+        if ok && self.is_root && self.forward_grad.is_some() {
+            self.check_nested_done(false)?;
+        }
         let Some(grad) = self.forward_grad.take() else {
-            return Err(self.out_of_order("post_forward", "pre_forward"));
+            return Err(self.out_of_order(Term::PostForward, &Term::PreForward.to_string()));
         };
         self.rs.sched.lock().on_post_forward(self.id);
         let free = !grad || !ok || (!self.is_root && self.rs.strategy.reshard_after_forward());
@@ -278,16 +287,32 @@ impl FullyShardedDataParallel {
     /// accumulated so far), into which the backward adds (`+=`) d loss / d param.
     ///
     /// # Errors
-    /// `Fsdp` inside `summon_full_params` or twice without `post_backward`; the
-    /// all-gather's error; `Cuda` when the buffer cannot be allocated.
+    /// `Fsdp` inside `summon_full_params`, twice without `post_backward`, inside the
+    /// root's forward, on a nested unit outside the root's backward, or after the root's
+    /// `post_backward` and before `finish_backward` (a second backward); the all-gather's
+    /// error; `Cuda` or `OutOfMemory` when the buffer cannot be allocated.
     pub fn pre_backward(&mut self) -> Result<()> {
         self.check_not_summoning("backward")?;
         if self.in_backward.is_some() {
-            return Err(self.out_of_order("pre_backward", "its post_backward"));
+            return Err(
+                self.out_of_order(Term::PreBackward, &format!("its {}", Term::PostBackward))
+            );
         }
-        if self.is_root {
-            self.rs.sched.lock().progress.begin_backward();
+        self.check_order(Term::PreBackward)?;
+        if !self.is_root {
+            return self.start_backward();
         }
+        self.rs.sched.lock().progress.begin_backward();
+        let r = self.start_backward();
+        if r.is_err() {
+            // Nothing of the backward began: the step holds what it held.
+            self.rs.sched.lock().progress.abort_backward();
+        }
+        r
+    }
+
+    /// [`pre_backward`](Self::pre_backward) once its order is checked.
+    fn start_backward(&mut self) -> Result<()> {
         let g = self.begin_unshard();
         let next = self.rs.sched.lock().on_pre_backward(self.id, self.is_root);
         self.finish_unshard(g)?;
@@ -317,13 +342,32 @@ impl FullyShardedDataParallel {
     /// prefetches the next unit under `BackwardPost`, and issues the reduction of the
     /// flat gradient on the post-backward stream (under `no_sync`, keeps it instead).
     ///
+    /// The root's `post_backward` ends the backward: `finish_backward` comes next.
+    ///
     /// # Errors
-    /// `Fsdp` without a `pre_backward` first; `Cuda` when the reduction's buffers cannot
+    /// `Fsdp` without a `pre_backward` first, or (`ok`) on the root while a nested unit is
+    /// still in its backward; `Cuda` or `OutOfMemory` when the reduction's buffers cannot
     /// be allocated.
     pub fn post_backward(&mut self, ok: bool) -> Result<()> {
+        if ok && self.is_root && self.in_backward.is_some() {
+            self.check_nested_done(true)?;
+        }
         let Some(InBackward { next, flat_grad }) = self.in_backward.take() else {
-            return Err(self.out_of_order("post_backward", "pre_backward"));
+            return Err(self.out_of_order(Term::PostBackward, &Term::PreBackward.to_string()));
         };
+        let r = self.end_unit_backward(ok, next, flat_grad);
+        if self.is_root {
+            self.rs.sched.lock().progress.root_backward_done();
+        }
+        r
+    }
+
+    fn end_unit_backward(
+        &mut self,
+        ok: bool,
+        next: Option<(usize, usize)>,
+        flat_grad: Tensor,
+    ) -> Result<()> {
         self.point_params(None, true)?;
         self.reshard()?;
         if !ok {
@@ -343,7 +387,8 @@ impl FullyShardedDataParallel {
     /// accumulates it into the sharded gradients, drops unused prefetches.
     ///
     /// # Errors
-    /// `Fsdp` on a nested unit; the first reduction's error.
+    /// `Fsdp` on a nested unit, without a backward, or before the root's
+    /// `post_backward`; the first reduction's error.
     pub fn finish_backward(&mut self) -> Result<()> {
         if !self.is_root {
             return Err(crate::error::Error::Fsdp(format!(
@@ -351,6 +396,7 @@ impl FullyShardedDataParallel {
                 self.module_name()
             )));
         }
+        self.check_order(Term::FinishBackward)?;
         let agreed = self.agree_end_of_backward();
         if let Err(e) = &agreed {
             self.abort_on_desync(e);
@@ -424,7 +470,7 @@ impl FullyShardedDataParallel {
     /// `Fsdp` outside `pre_backward` .. `post_backward`.
     pub fn grad_views(&mut self) -> Result<Vec<(String, Tensor)>> {
         if self.in_backward.is_none() {
-            return Err(self.out_of_order("grad_views", "pre_backward"));
+            return Err(self.out_of_order(Term::GradViews, &Term::PreBackward.to_string()));
         }
         self.views(true)
     }
@@ -444,13 +490,6 @@ impl FullyShardedDataParallel {
             Ok(())
         })?;
         Ok(out)
-    }
-
-    fn out_of_order(&self, call: &str, needs: &str) -> crate::error::Error {
-        crate::error::Error::Fsdp(format!(
-            "{call} on unit '{}' without {needs} first: each unit's hooks go pre_forward, post_forward, then pre_backward, post_backward",
-            self.module_name()
-        ))
     }
 }
 

@@ -294,11 +294,14 @@ impl FullyShardedDataParallel {
         debug_assert!(walked.is_ok(), "a module's walk failed: {walked:?}");
     }
 
-    /// Drops every sharded gradient, and the ignored modules' gradients
-    /// (`zero_grad(set_to_none=True)`, PyTorch's default). Also ends the step for the
-    /// fingerprints of FSDP's collectives: the first call after a backward starts the next
-    /// step (see `distributed::fingerprint`), so every rank calls it alike (once per
-    /// optimizer step, as a training loop does).
+    /// Drops every sharded gradient, the unsharded gradients kept under `no_sync`, and the
+    /// ignored modules' gradients (`zero_grad(set_to_none=True)`, PyTorch's default, which
+    /// drops FSDP1's `no_sync` accumulation in `flat_param.grad` too). Also ends the step
+    /// for the fingerprints of FSDP's collectives: the first call after a backward starts
+    /// the next step (see `distributed::fingerprint`), so every rank calls it alike (once
+    /// per optimizer step, as a training loop does). A host driving the hooks checks
+    /// [`ready_for_zero_grad`](Self::ready_for_zero_grad) first: inside an unfinished
+    /// backward the reductions still to come would survive this.
     pub fn zero_grad(&mut self) {
         self.rs.sched.lock().progress.step_boundary();
         let mem = self.rs.mem.clone();
@@ -309,6 +312,9 @@ impl FullyShardedDataParallel {
                 m.grad_shard_bytes = m.grad_shard_bytes.saturating_sub(g.nbytes());
                 // Its readers (clipping, the optimizer) ran on the compute stream: the
                 // next backward's reduction can fill it again.
+                sched.lock().buffers.give(g);
+            }
+            if let Some(g) = u.flat.unsynced_grad.take() {
                 sched.lock().buffers.give(g);
             }
         });

@@ -10,7 +10,7 @@ use super::unit::RankState;
 use super::{AutoWrapPolicy, FsdpConfig, FullyShardedDataParallel, MemoryStats};
 use crate::backend::Device;
 use crate::distributed::{DeviceMesh, Group};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Term};
 use crate::nn::{join_name, visit_all, visit_parameters, Module, Sequential};
 use crate::tensor::{DType, Tensor};
 use parking_lot::Mutex;
@@ -278,7 +278,10 @@ impl FullyShardedDataParallel {
 pub fn hybrid_groups(world: &Group, ranks_per_node: usize) -> Result<(Group, Group)> {
     let w = world.size();
     if ranks_per_node == 0 || w % ranks_per_node != 0 {
-        crate::error::bail_arg!("ranks per node {ranks_per_node} must divide the world size {w}");
+        crate::error::bail_arg!(
+            "{} {ranks_per_node} must divide the world size {w} (node k is ranks [k n, (k+1) n) for n ranks per node)",
+            Term::RanksPerNode
+        );
     }
     let mesh = DeviceMesh::new(
         world.as_ref(),
@@ -295,14 +298,19 @@ fn shard_and_replicate_groups(pg: &Group, config: &FsdpConfig) -> Result<(Group,
     let mesh = config.device_mesh.as_ref();
     if !config.sharding_strategy.is_hybrid() {
         let hybrid_only = [
-            (mesh.is_some(), "device_mesh"),
-            (config.hybrid_groups.is_some(), "hybrid_groups"),
-            (config.ranks_per_node.is_some(), "ranks_per_node"),
+            (mesh.is_some(), "device_mesh".to_string()),
+            (config.hybrid_groups.is_some(), "hybrid_groups".to_string()),
+            (
+                config.ranks_per_node.is_some(),
+                Term::RanksPerNode.to_string(),
+            ),
         ];
         if let Some((_, what)) = hybrid_only.iter().find(|(set, _)| *set) {
             return Err(Error::Fsdp(format!(
-                "{what} is for HybridShard and HybridShardZero2; with {:?} pass the group as pg",
-                config.sharding_strategy
+                "{what} is for {}; with {} {}",
+                Term::HybridStrategies,
+                config.sharding_strategy.api_name(),
+                Term::NotHybrid
             )));
         }
         return Ok((pg.clone(), None));
@@ -315,8 +323,9 @@ fn shard_and_replicate_groups(pg: &Group, config: &FsdpConfig) -> Result<(Group,
             // (one node) or a split the user never asked for.
             None => {
                 return Err(Error::Fsdp(format!(
-                    "{:?} needs to know which ranks share a node: set FsdpConfig::ranks_per_node, pass (shard, replicate) groups in hybrid_groups, or a 2-D device_mesh (replicate, shard)",
-                    config.sharding_strategy
+                    "{} needs to know which ranks share a node: {}",
+                    config.sharding_strategy.api_name(),
+                    Term::NodeChoices
                 )))
             }
         },

@@ -12,6 +12,7 @@
 //! `to_vec_f32`, `pinned_zeros`) are defined one layer up, in `backend/tensor.rs`, where
 //! the backends are.
 
+pub mod alloc;
 mod dtype;
 pub mod pool;
 mod storage;
@@ -114,9 +115,20 @@ impl Tensor {
         }
     }
 
-    /// Zero-filled CPU tensor (from the [buffer pool](pool) when it can).
+    /// Zero-filled CPU tensor (from the [buffer pool](pool) when it can). Aborts when the
+    /// memory is not there, as `vec!` does; [`Tensor::try_zeros`] returns the error.
     pub fn zeros(shape: &[usize], dtype: DType) -> Tensor {
         Self::from_buffer(Buffer::zeros(dtype, numel_of(shape)), shape)
+    }
+
+    /// [`Tensor::zeros`] for a shape that came from outside: the error instead of an abort.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a shape whose size overflows; [`Error::OutOfMemory`] when the
+    /// allocator cannot serve it.
+    pub fn try_zeros(shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let (numel, _) = alloc::checked_size(shape, dtype).map_err(Error::InvalidArgument)?;
+        Ok(Self::from_buffer(Buffer::try_zeros(dtype, numel)?, shape))
     }
 
     /// A CPU f32 tensor whose every element the caller overwrites: a pooled buffer holding
@@ -129,6 +141,15 @@ impl Tensor {
     /// [`Tensor::scratch_f32`] in any host dtype.
     pub(crate) fn scratch(shape: &[usize], dtype: DType) -> Tensor {
         Self::from_buffer(pool::take(dtype, numel_of(shape), false), shape)
+    }
+
+    /// [`Tensor::scratch`], or [`Error::OutOfMemory`].
+    pub(crate) fn try_scratch(shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let (numel, _) = alloc::checked_size(shape, dtype).map_err(Error::InvalidArgument)?;
+        Ok(Self::from_buffer(
+            pool::try_take(dtype, numel, false)?,
+            shape,
+        ))
     }
 
     /// A tensor on `Device::Meta`: shape and dtype, no memory. Reading it is an error.
@@ -176,13 +197,13 @@ impl Tensor {
         }
         match self.meta_initializer() {
             Some((init, start)) => {
-                let mut v = vec![0.0f32; self.numel()];
+                let mut v = alloc::zeroed_vec::<f32>(self.numel())?;
                 init.fill(start, &mut v);
                 Tensor::from_vec(v, &self.shape)
             }
             None => Err(Error::NotMaterialized {
                 name: format!("meta tensor {:?}", self.shape),
-                state: "meta without an initializer; give FSDP a param_init_fn",
+                state: crate::error::Term::MetaWithoutValues.as_str(),
             }),
         }
     }

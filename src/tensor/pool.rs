@@ -112,8 +112,25 @@ pub(crate) fn count_allocation(len: usize) {
 }
 
 /// A host buffer of `len` elements of `dtype`: a pooled one when there is one (zeroed when
-/// `zeroed`, else holding stale values), else a new zeroed allocation.
+/// `zeroed`, else holding stale values), else a new zeroed allocation. Aborts when the
+/// allocator cannot serve it (`handle_alloc_error`, as `vec!` does); [`try_take`] returns
+/// the error instead.
 pub(crate) fn take(dtype: DType, len: usize, zeroed: bool) -> Buffer {
+    match try_take(dtype, len, zeroed) {
+        Ok(b) => b,
+        Err(_) => std::alloc::handle_alloc_error(
+            std::alloc::Layout::from_size_align(
+                len.saturating_mul(dtype.size_in_bytes()),
+                dtype.size_in_bytes(),
+            )
+            .unwrap_or(std::alloc::Layout::new::<u8>()),
+        ),
+    }
+}
+
+/// [`take`], or [`Error::OutOfMemory`](crate::Error::OutOfMemory) when no pooled buffer
+/// fits and the allocator cannot serve a new one.
+pub(crate) fn try_take(dtype: DType, len: usize, zeroed: bool) -> crate::Result<Buffer> {
     if len >= POOL_MIN_LEN {
         let hit = POOL.lock().as_mut().and_then(|p| {
             let b = p.free.get_mut(&(dtype, len))?.pop()?;
@@ -125,11 +142,12 @@ pub(crate) fn take(dtype: DType, len: usize, zeroed: bool) -> Buffer {
             if zeroed {
                 b.fill_zero();
             }
-            return b;
+            return Ok(b);
         }
     }
+    let b = Buffer::try_new_zeroed(dtype, len)?;
     count_allocation(len);
-    Buffer::new_zeroed(dtype, len)
+    Ok(b)
 }
 
 /// Takes back the host buffer of a dropped tensor, when it is worth keeping and fits

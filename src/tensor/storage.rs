@@ -93,21 +93,32 @@ pub enum Buffer {
 
 impl Buffer {
     /// Zero-filled CPU buffer of `len` elements (from the [buffer pool](super::pool) when
-    /// it holds one of that dtype and length).
+    /// it holds one of that dtype and length). Aborts when the memory is not there, as
+    /// `vec!` does; [`Buffer::try_zeros`] returns the error.
     pub fn zeros(dtype: DType, len: usize) -> Buffer {
         super::pool::take(dtype, len, true)
     }
 
+    /// [`Buffer::zeros`], or [`Error::OutOfMemory`](crate::Error::OutOfMemory) when the
+    /// allocator cannot serve it.
+    pub fn try_zeros(dtype: DType, len: usize) -> crate::Result<Buffer> {
+        super::pool::try_take(dtype, len, true)
+    }
+
     /// A newly allocated zero-filled CPU buffer (what the pool falls back on).
-    pub(crate) fn new_zeroed(dtype: DType, len: usize) -> Buffer {
-        match dtype {
-            DType::F32 => Buffer::F32(vec![0.0; len]),
-            DType::BF16 => Buffer::BF16(vec![bf16::ZERO; len]),
-            DType::F16 => Buffer::F16(vec![f16::ZERO; len]),
-            DType::I32 => Buffer::I32(vec![0; len]),
-            DType::F64 => Buffer::F64(vec![0.0; len]),
-            DType::I64 => Buffer::I64(vec![0; len]),
-        }
+    ///
+    /// # Errors
+    /// [`Error::OutOfMemory`](crate::Error::OutOfMemory) when the allocator cannot serve it.
+    pub(crate) fn try_new_zeroed(dtype: DType, len: usize) -> crate::Result<Buffer> {
+        use super::alloc::zeroed_vec;
+        Ok(match dtype {
+            DType::F32 => Buffer::F32(zeroed_vec(len)?),
+            DType::BF16 => Buffer::BF16(zeroed_vec(len)?),
+            DType::F16 => Buffer::F16(zeroed_vec(len)?),
+            DType::I32 => Buffer::I32(zeroed_vec(len)?),
+            DType::F64 => Buffer::F64(zeroed_vec(len)?),
+            DType::I64 => Buffer::I64(zeroed_vec(len)?),
+        })
     }
 
     /// Whether this is host memory the pool can keep (a `Vec` of one of the host dtypes).

@@ -17,6 +17,7 @@ use super::{
     FSDP_ERR_UNSUPPORTED,
 };
 use fsdp::backend::Device;
+use fsdp::tensor::alloc::vec_from_slice;
 use fsdp::tensor::{DType, Element, Tensor};
 use std::ffi::c_void;
 
@@ -190,11 +191,8 @@ impl ExtTensor {
             }
             shape.push(d as usize);
         }
-        let numel = shape
-            .iter()
-            .try_fold(1usize, |a, &d| a.checked_mul(d))
-            .filter(|n| n.checked_mul(dtype.size_in_bytes()).is_some())
-            .ok_or_else(|| Fail::arg(format!("{what}: shape {shape:?} overflows")))?;
+        let (numel, _) = fsdp::tensor::alloc::checked_size(&shape, dtype)
+            .map_err(|e| Fail::arg(format!("{what}: {e}")))?;
         if !t.strides.is_null() {
             let mut expect = 1i64;
             for i in (0..ndim).rev() {
@@ -326,25 +324,27 @@ impl ExtTensor {
                 super::device::copy_in(self.ptr as u64, self.dtype, &self.shape, i, &self.what)
             };
         }
+        fn copy<T: Element>(s: &[T], shape: &[usize], what: &str) -> crate::Result<Tensor> {
+            let v =
+                vec_from_slice(s).map_err(|e| e.allocating(|| format!("the copy of {what}")))?;
+            Tensor::from_vec(v, shape)
+        }
+        let (shape, what) = (&self.shape, &self.what);
         // SAFETY (this and each arm below): the dtype matched, readability is the
         // caller's promise.
         let t = match self.dtype {
             // SAFETY: as above.
-            DType::F32 => Tensor::from_vec(unsafe { self.slice::<f32>() }.to_vec(), &self.shape),
+            DType::F32 => copy(unsafe { self.slice::<f32>() }, shape, what),
             // SAFETY: as above.
-            DType::BF16 => {
-                Tensor::from_vec(unsafe { self.slice::<half::bf16>() }.to_vec(), &self.shape)
-            }
+            DType::BF16 => copy(unsafe { self.slice::<half::bf16>() }, shape, what),
             // SAFETY: as above.
-            DType::F16 => {
-                Tensor::from_vec(unsafe { self.slice::<half::f16>() }.to_vec(), &self.shape)
-            }
+            DType::F16 => copy(unsafe { self.slice::<half::f16>() }, shape, what),
             // SAFETY: as above.
-            DType::I32 => Tensor::from_vec(unsafe { self.slice::<i32>() }.to_vec(), &self.shape),
+            DType::I32 => copy(unsafe { self.slice::<i32>() }, shape, what),
             // SAFETY: as above.
-            DType::F64 => Tensor::from_vec(unsafe { self.slice::<f64>() }.to_vec(), &self.shape),
+            DType::F64 => copy(unsafe { self.slice::<f64>() }, shape, what),
             // SAFETY: as above.
-            DType::I64 => Tensor::from_vec(unsafe { self.slice::<i64>() }.to_vec(), &self.shape),
+            DType::I64 => copy(unsafe { self.slice::<i64>() }, shape, what),
         };
         Ok(t?)
     }
@@ -377,34 +377,42 @@ impl ExtTensor {
             return unsafe { super::device::copy_out(self.ptr as u64, src, &self.what) };
         }
         let n = src.nbytes();
-        let bytes = host_bytes(src)?;
+        let from = host_ptr(src)? as *const u8;
         // SAFETY: `self.ptr` is valid for n bytes of writes (the caller's promise; the
-        // size matches the checked shape and dtype); `bytes` is fsdp's own memory, so the
-        // two do not overlap.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.ptr, n) };
+        // size matches the checked shape and dtype); `from` is n bytes of fsdp's own
+        // memory (`src`, a host tensor of this dtype and element count, alive for the
+        // call), so the two do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(from, self.ptr, n) };
         Ok(())
     }
 
+    /// The argument this tensor was passed as (`"grads[0] ('1.weight')"`).
+    pub(crate) fn what(&self) -> &str {
+        &self.what
+    }
+
+    /// Whether this tensor's memory overlaps fsdp's tensor `t` (of the same device).
+    pub(crate) fn overlaps(&self, t: &Tensor) -> Res<bool> {
+        if self.numel() == 0 || t.numel() == 0 || t.device() != self.device {
+            return Ok(false);
+        }
+        let lo = match t.device() {
+            Device::Cuda(_) => super::device::device_ptr(t)? as usize,
+            _ => host_ptr(t)? as usize,
+        };
+        let hi = lo + t.nbytes();
+        let (slo, shi) = (self.ptr as usize, self.ptr as usize + self.nbytes());
+        Ok(slo < hi && lo < shi)
+    }
+
     /// `dst += self` elementwise: `dst` an f32 tensor of the same element count on this
-    /// tensor's device, `self` f32, bf16 or f16 (widened to f32 first). Refuses memory that
-    /// overlaps `dst` (the host passing fsdp's own gradient view back would add it to
-    /// itself).
+    /// tensor's device, `self` f32, bf16 or f16 (widened to f32 first). The caller has
+    /// refused memory that overlaps `dst` (or any view fsdp handed out).
     ///
     /// # Safety
-    /// As [`ExtTensor::to_tensor`].
+    /// As [`ExtTensor::to_tensor`]; and this tensor's memory does not overlap `dst`
+    /// ([`ExtTensor::overlaps`] is false).
     pub(crate) unsafe fn add_into(&self, dst: &Tensor) -> Res {
-        let lo = match dst.device() {
-            Device::Cuda(_) => super::device::device_ptr(dst)? as usize,
-            _ => host_ptr(dst)? as usize,
-        };
-        let hi = lo + dst.nbytes();
-        let (slo, shi) = (self.ptr as usize, self.ptr as usize + self.nbytes());
-        if self.numel() > 0 && slo < hi && lo < shi {
-            return Err(Fail::arg(format!(
-                "{}: the gradient's memory overlaps fsdp's own gradient view of this parameter (the grads of fsdp_unit_pre_backward); a host that wrote into those views passes grads = NULL to fsdp_unit_post_backward",
-                self.what
-            )));
-        }
         if self.device.is_cuda() || self.dtype != DType::F32 {
             // SAFETY: forwarded.
             let t = unsafe { self.to_tensor() }?;
@@ -416,25 +424,13 @@ impl ExtTensor {
         }
         let mut d = dst.f32_mut()?;
         // SAFETY: the dtype is f32, readability is the caller's promise, and the memory
-        // does not overlap `d` (checked above).
+        // does not overlap `d` (the caller's promise).
         let s = unsafe { self.slice::<f32>() };
         for (a, b) in d.iter_mut().zip(s) {
             *a += *b;
         }
         Ok(())
     }
-}
-
-/// The bytes of a host tensor, as a copy.
-fn host_bytes(t: &Tensor) -> Res<Vec<u8>> {
-    Ok(match t.dtype() {
-        DType::F32 => bytemuck::cast_slice(&t.data::<f32>()?).to_vec(),
-        DType::BF16 => bytemuck::cast_slice(&t.data::<half::bf16>()?).to_vec(),
-        DType::F16 => bytemuck::cast_slice(&t.data::<half::f16>()?).to_vec(),
-        DType::I32 => bytemuck::cast_slice(&t.data::<i32>()?).to_vec(),
-        DType::F64 => bytemuck::cast_slice(&t.data::<f64>()?).to_vec(),
-        DType::I64 => bytemuck::cast_slice(&t.data::<i64>()?).to_vec(),
-    })
 }
 
 /// Address of a host tensor's first element. It stays valid while any clone of `t` (which

@@ -23,7 +23,7 @@
 use super::device::on_stream;
 use super::dlpack::{describe, empty_tensor, write_views, DLTensor, ExtTensor};
 use super::handles::{fsdp_model_t, fsdp_unit_t};
-use super::model::{with_model, with_unit, ModelObj};
+use super::model::{with_model, with_unit, HeldView, ModelObj, ViewKind};
 use super::{fsdp_status, guard, write_out, Fail, Res, FSDP_ERR_USAGE};
 use fsdp::backend::Device;
 use fsdp::tensor::{DType, Tensor};
@@ -135,7 +135,9 @@ fn check_len(out: *const DLTensor, n: usize, m: &ModelObj, index: usize, what: &
 /// Before the unit's forward (FSDP2 `FSDPParamGroup.pre_forward`): all-gathers its
 /// parameters (or takes the prefetched gather) and, when `params` is not NULL, fills
 /// `params[0..n]` with `DLTensor` views of the full parameters in declaration order, on
-/// the model's device (read-only; valid until `fsdp_unit_post_forward`). Their dtype is
+/// the model's device (read-only; valid until `fsdp_unit_post_forward`; compact
+/// row-major: `strides` NULL, `byte_offset` 0). The root's pre_forward comes first in a
+/// step's forward, before every other unit's. Their dtype is
 /// float32, or under `mixed_precision` its 16-bit dtype (`kDLBfloat`/`kDLFloat`, 16 bits:
 /// a cast of the gathered values owned by the unit). `grad_enabled` 0 is
 /// `torch.no_grad()`: the parameters are freed again at post_forward. `n` must be
@@ -145,8 +147,11 @@ fn check_len(out: *const DLTensor, n: usize, m: &ModelObj, index: usize, what: &
 ///
 /// Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_INVALID_ARGUMENT` (`stream` not NULL on
 /// the CPU); `FSDP_ERR_SHAPE_MISMATCH` (`n`); `FSDP_ERR_USAGE` (twice without
-/// post_forward); the all-gather's `FSDP_ERR_TIMEOUT`, `FSDP_ERR_PEER_FAILED`, ...;
-/// `FSDP_ERR_CUDA` (a stream of another device, a failed copy).
+/// post_forward; on the root inside an unfinished backward; on any unit after the root's
+/// `fsdp_unit_post_backward` without `fsdp_model_finish_backward`); the all-gather's
+/// `FSDP_ERR_TIMEOUT`, `FSDP_ERR_PEER_FAILED`, ...; `FSDP_ERR_OUT_OF_MEMORY` (the gathered
+/// parameters do not fit in host memory); `FSDP_ERR_CUDA` (a stream of another device, a
+/// failed copy, device memory).
 ///
 /// # Safety
 /// `params` is NULL or valid for writes of `n` `DLTensor`s.
@@ -203,8 +208,51 @@ fn params_views(m: &mut ModelObj, i: usize) -> Res<Vec<DLTensor>> {
         })
         .collect::<Res<_>>()?;
     let views = describe_all(m, i, &ps)?;
-    m.units[i].held = ps.into_iter().flatten().collect();
+    m.units[i].held = held(m, i, ps, ViewKind::Parameter);
     Ok(views)
+}
+
+/// The views `ts` (aligned with unit `i`'s parameters) as held by the host.
+fn held(m: &ModelObj, i: usize, ts: Vec<Option<Tensor>>, kind: ViewKind) -> Vec<HeldView> {
+    ts.into_iter()
+        .zip(&m.units[i].params)
+        .filter_map(|(t, p)| {
+            Some(HeldView {
+                kind,
+                fqn: p.fqn.clone(),
+                tensor: t?,
+            })
+        })
+        .collect()
+}
+
+/// Refuses a host gradient `h` whose memory overlaps a view fsdp handed out and still
+/// owns, of any unit: fsdp's own parameters added as their gradient (or a gradient view
+/// added into itself) would train on the wrong numbers.
+fn check_not_fsdp_memory(m: &ModelObj, h: &ExtTensor) -> Res {
+    for v in m.units.iter().flat_map(|u| &u.held) {
+        if !h.overlaps(&v.tensor)? {
+            continue;
+        }
+        let (kind, array, fix) = match v.kind {
+            ViewKind::Gradient => (
+                "gradient",
+                "grads",
+                "a host that wrote into those views passes grads = NULL to fsdp_unit_post_backward",
+            ),
+            ViewKind::Parameter => (
+                "parameter",
+                "params",
+                "parameter views are read-only inputs; pass the gradient in memory of your own",
+            ),
+        };
+        return Err(Fail::arg(format!(
+            "{}: the gradient's memory overlaps fsdp's own {kind} view of '{}' (the {array} of fsdp_unit_pre_backward); {fix}",
+            h.what(),
+            v.fqn,
+        )));
+    }
+    Ok(())
 }
 
 /// After the unit's forward (`ok` 0: it failed; FSDP2 `FSDPParamGroup.post_forward`):
@@ -213,8 +261,9 @@ fn params_views(m: &mut ModelObj, i: usize) -> Res<Vec<DLTensor>> {
 /// end here (on a CUDA device: with the work the host queued on `stream` before this
 /// call, which fsdp waits for before reusing their memory).
 ///
-/// Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_USAGE` without pre_forward first;
-/// `FSDP_ERR_INVALID_ARGUMENT` (`stream` not NULL on the CPU).
+/// Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_USAGE` without pre_forward first, or on
+/// the root while another unit is still between its pre_forward and post_forward (`ok`
+/// 1); `FSDP_ERR_INVALID_ARGUMENT` (`stream` not NULL on the CPU).
 #[no_mangle]
 pub extern "C" fn fsdp_unit_post_forward(
     unit: fsdp_unit_t,
@@ -238,12 +287,16 @@ pub extern "C" fn fsdp_unit_post_forward(
 /// accumulated so far). When not NULL, `params` gets the full parameters' views (as
 /// [`fsdp_unit_pre_forward`]'s) and `grads` the gradient views (float32, the parameters'
 /// shapes, on the model's device; a frozen parameter's entry has `data` NULL), both `n`
-/// long, in declaration order, valid until `fsdp_unit_post_backward`. The host adds
-/// (`+=`) d loss / d param into `grads`, or passes its own gradients to post_backward;
-/// on a CUDA device in work queued on `stream` after this call (which is ordered after
-/// the zeroing).
+/// long, in declaration order, valid until `fsdp_unit_post_backward` (compact row-major,
+/// as the parameter views). The host adds (`+=`) d loss / d param into `grads`, or passes
+/// its own gradients to post_backward; on a CUDA device in work queued on `stream` after
+/// this call (which is ordered after the zeroing). The root's pre_backward comes first in
+/// a backward, before every other unit's.
 ///
-/// Errors: as [`fsdp_unit_pre_forward`]; `FSDP_ERR_USAGE` twice without post_backward.
+/// Errors: as [`fsdp_unit_pre_forward`]; `FSDP_ERR_USAGE` twice without post_backward,
+/// inside the root's forward, on another unit than the root outside the root's backward,
+/// or after the root's `fsdp_unit_post_backward` without `fsdp_model_finish_backward` (a
+/// second backward).
 ///
 /// # Safety
 /// `params` and `grads` are each NULL or valid for writes of `n` `DLTensor`s.
@@ -278,7 +331,8 @@ unsafe fn pre_backward(
         let pv = params_views(m, i)?;
         let gs = grad_tensors(m, i)?;
         let gv = describe_all(m, i, &gs)?;
-        m.units[i].held.extend(gs.into_iter().flatten());
+        let gh = held(m, i, gs, ViewKind::Gradient);
+        m.units[i].held.extend(gh);
         Ok((pv, gv))
     })();
     let (pv, gv) = match r {
@@ -300,18 +354,22 @@ unsafe fn pre_backward(
 /// After the unit's backward (`ok` 0: it failed; FSDP2 `FSDPParamGroup.post_backward`):
 /// when `grads` is not NULL, adds `grads[0..n]` (each the shape of its parameter, in
 /// declaration order, on the model's device; float32, or under mixed precision also its
-/// 16-bit `param_dtype`, widened to float32; a frozen parameter's entry is ignored) into
-/// the unit's flat gradient, then frees the gathered parameters and issues the gradient
-/// reduction in `reduce_dtype` (under no_sync, keeps the gradient instead). On a CUDA
+/// 16-bit `param_dtype`, widened to float32; a frozen parameter's entry is ignored; this
+/// rank's gradient of its own loss: fsdp averages over the ranks) into the unit's flat
+/// gradient, then frees the gathered parameters and issues the gradient reduction in
+/// `reduce_dtype` (under no_sync, keeps the gradient instead). The root's post_backward
+/// comes last and ends the backward: `fsdp_model_finish_backward` is next. On a CUDA
 /// device fsdp reads the gradients (and the gradient views the host wrote) after the
 /// work queued on `stream` before this call, and the host's later work on `stream` may
 /// reuse that memory. Every gradient is checked before any is added: on a size, dtype or
 /// device error nothing changed and the unit is still in its backward (call again).
 ///
-/// Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_USAGE` without pre_backward first;
+/// Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_USAGE` without pre_backward first, or on
+/// the root while another unit is still in its backward (`ok` 1);
 /// `FSDP_ERR_SHAPE_MISMATCH`, `FSDP_ERR_DTYPE_MISMATCH`, `FSDP_ERR_DEVICE_MISMATCH`
-/// naming the parameter; `FSDP_ERR_INVALID_ARGUMENT` for a gradient that overlaps fsdp's
-/// own gradient view, or `stream` not NULL on the CPU.
+/// naming the parameter; `FSDP_ERR_INVALID_ARGUMENT` for a gradient whose memory overlaps
+/// a view fsdp handed out (a parameter view, or a gradient view: the host that wrote into
+/// those passes `grads` NULL), or `stream` not NULL on the CPU; `FSDP_ERR_OUT_OF_MEMORY`.
 ///
 /// # Safety
 /// `grads` is NULL or valid for reads of `n` `DLTensor`s, each describing memory valid for
@@ -369,20 +427,27 @@ unsafe fn add_grads(m: &mut ModelObj, i: usize, grads: *const DLTensor, n: usize
         h.expect_device(dev, "the model computes")?;
         h.expect_dtype_in(&accepted)?;
         h.expect_shape(view.shape())?;
+        check_not_fsdp_memory(m, &h)?;
         checked.push((h, view.clone()));
     }
     for (h, view) in checked {
-        // SAFETY: the caller promises each gradient's memory is readable.
+        // SAFETY: the caller promises each gradient's memory is readable, and none
+        // overlaps its view (`check_not_fsdp_memory`: every gradient view is held).
         unsafe { h.add_into(&view) }?;
     }
     Ok(())
 }
 
 /// Once per backward, after the root's `fsdp_unit_post_backward` (also after a failed
-/// backward): waits for every unit's gradient reduction and accumulates it into the
-/// sharded gradients the optimizer steps on.
+/// backward, whose post hooks got `ok` 0): waits for every unit's gradient reduction and
+/// accumulates it into the sharded gradients the optimizer steps on. It cannot be
+/// skipped: until it runs, `fsdp_optimizer_step`, `fsdp_model_zero_grad`,
+/// `fsdp_model_clip_grad_norm` and every unit's `fsdp_unit_pre_forward` and
+/// `fsdp_unit_pre_backward` return `FSDP_ERR_USAGE` naming it (the backward's gradients
+/// would be missing from the step and added into the next one).
 ///
-/// Errors: `FSDP_ERR_INVALID_HANDLE`; the first reduction's error
+/// Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_USAGE` without a backward, or before the
+/// root's `fsdp_unit_post_backward`; the first reduction's error
 /// (`FSDP_ERR_COLLECTIVE_MISMATCH` when ranks disagree on no_sync, `FSDP_ERR_TIMEOUT`,
 /// `FSDP_ERR_PEER_FAILED`).
 #[no_mangle]
@@ -399,7 +464,8 @@ pub extern "C" fn fsdp_model_finish_backward(
 
 /// `no_sync` on (`no_sync` 1) or off (0) until called again: backwards with it on keep
 /// each unit's unsharded gradient locally (no reduction); the first backward after it is
-/// turned off reduces the accumulated sum. Every rank does the same.
+/// turned off reduces the accumulated sum. Every rank does the same. A step while such
+/// gradients are kept is refused (it would skip them); `fsdp_model_zero_grad` drops them.
 ///
 /// Errors: `FSDP_ERR_INVALID_HANDLE`.
 #[no_mangle]
@@ -418,7 +484,8 @@ pub extern "C" fn fsdp_model_set_no_sync(model: fsdp_model_t, no_sync: bool) -> 
 /// (may be NULL).
 ///
 /// Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_INVALID_ARGUMENT` for a bad `max_norm` or
-/// `norm_type`; collective errors.
+/// `norm_type`; `FSDP_ERR_USAGE` inside a forward or backward, or before
+/// `fsdp_model_finish_backward`; collective errors.
 ///
 /// # Safety
 /// `total_norm` is NULL or valid for a write.
@@ -444,14 +511,19 @@ pub unsafe extern "C" fn fsdp_model_clip_grad_norm(
     })
 }
 
-/// Drops every gradient shard (`zero_grad(set_to_none=True)`); once per optimizer step on
-/// every rank (it also ends the step for fsdp's collective checks).
+/// Drops every gradient shard and every gradient kept unreduced under no_sync
+/// (`zero_grad(set_to_none=True)`); once per optimizer step on every rank (it also ends
+/// the step for fsdp's collective checks). Between passes only: inside a forward or a
+/// backward, or after the root's `fsdp_unit_post_backward` without
+/// `fsdp_model_finish_backward`, it is refused (the backward's reductions still to be
+/// added would survive it).
 ///
-/// Errors: `FSDP_ERR_INVALID_HANDLE`.
+/// Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_USAGE` naming what was expected.
 #[no_mangle]
 pub extern "C" fn fsdp_model_zero_grad(model: fsdp_model_t) -> fsdp_status {
     guard("fsdp_model_zero_grad", || {
         with_model(model.id, "model", "fsdp_model_zero_grad", |m| {
+            m.fsdp.ready_for_zero_grad()?;
             m.fsdp.zero_grad();
             Ok(())
         })

@@ -82,12 +82,14 @@ pub const FSDP_ERR_DTYPE_MISMATCH: fsdp_status = 4;
 pub const FSDP_ERR_DEVICE_MISMATCH: fsdp_status = 5;
 /// A parameter read while its unit is sharded (`NotMaterialized`).
 pub const FSDP_ERR_NOT_MATERIALIZED: fsdp_status = 6;
-/// FSDP used in a way it does not support: hooks out of order, a unit's hooks on the
-/// wrong unit, options that do not fit together (`fsdp::Error::Fsdp`).
+/// FSDP used in a way it does not support: hooks, steps or `zero_grad` out of the
+/// contract's order (see the top of this header; the message names what was expected),
+/// options that do not fit together (`fsdp::Error::Fsdp`).
 pub const FSDP_ERR_USAGE: fsdp_status = 7;
 /// A backward without its forward (`NoSavedForward`).
 pub const FSDP_ERR_NO_SAVED_FORWARD: fsdp_status = 8;
-/// The ranks of a group called different collectives or sizes (`CollectiveMismatch`).
+/// The ranks of a group called different collectives or sizes, or declared different
+/// models to `fsdp_model_new` (`CollectiveMismatch`).
 pub const FSDP_ERR_COLLECTIVE_MISMATCH: fsdp_status = 9;
 /// A collective or the rendezvous did not complete in time; the message names the ranks
 /// that never arrived (`Timeout`).
@@ -116,6 +118,12 @@ pub const FSDP_ERR_CALLBACK: fsdp_status = 20;
 /// An internal error (a Rust panic caught at the boundary). A model whose call panicked
 /// is refused from then on (`FSDP_ERR_INVALID_HANDLE`): free it.
 pub const FSDP_ERR_PANIC: fsdp_status = 21;
+/// Host memory for something whose size the host chose (a declared parameter's shard, a
+/// gather or gradient buffer, optimizer state, a copy of a host tensor) could not be
+/// allocated; the message names the bytes and what they were for. Nothing changed and the
+/// process goes on: free memory, or declare a smaller model or more ranks
+/// (`OutOfMemory`). Device memory that runs out is `FSDP_ERR_CUDA`.
+pub const FSDP_ERR_OUT_OF_MEMORY: fsdp_status = 22;
 
 /// Version of this C ABI: bumped on every incompatible change of `include/fsdp.h`
 /// (2: `fsdp_config.device`, CUDA tensors and streams, 16-bit parameter views under
@@ -163,6 +171,7 @@ impl From<Error> for Fail {
             Error::Checkpoint { .. } => FSDP_ERR_CHECKPOINT,
             Error::Refused { .. } => FSDP_ERR_REFUSED,
             Error::Io { .. } => FSDP_ERR_IO,
+            Error::OutOfMemory { .. } => FSDP_ERR_OUT_OF_MEMORY,
         };
         Fail::new(status, e.to_string())
     }
@@ -182,9 +191,13 @@ fn set_last_error(msg: &str) {
     LAST_ERROR.with(|e| *e.borrow_mut() = c);
 }
 
-/// Runs an entry point's body: its status, the message stored for [`fsdp_last_error`],
-/// and a caught panic turned into [`FSDP_ERR_PANIC`] (no unwinding crosses into C).
+/// Runs an entry point's body under [`Api::C`](fsdp::error::Api) (errors name
+/// `include/fsdp.h`'s functions and fields): its status, the message stored for
+/// [`fsdp_last_error`], and a caught panic turned into [`FSDP_ERR_PANIC`] (no unwinding
+/// crosses into C).
 pub(crate) fn guard(call: &'static str, body: impl FnOnce() -> Res) -> fsdp_status {
+    // Messages made inside name the header's functions and fields, not the Rust API's.
+    let _c = fsdp::error::Api::C.enter();
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) {
         Ok(Ok(())) => FSDP_OK,
         Ok(Err(f)) => {
@@ -266,6 +279,7 @@ pub extern "C" fn fsdp_status_name(status: fsdp_status) -> *const c_char {
         FSDP_ERR_DATA => c"FSDP_ERR_DATA",
         FSDP_ERR_CALLBACK => c"FSDP_ERR_CALLBACK",
         FSDP_ERR_PANIC => c"FSDP_ERR_PANIC",
+        FSDP_ERR_OUT_OF_MEMORY => c"FSDP_ERR_OUT_OF_MEMORY",
         _ => c"FSDP_ERR_UNKNOWN",
     };
     s.as_ptr()

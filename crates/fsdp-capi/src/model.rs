@@ -22,6 +22,24 @@ pub(crate) struct ParamMeta {
     pub(crate) requires_grad: bool,
 }
 
+/// What a view handed to the host shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ViewKind {
+    /// A full parameter (read-only for the host).
+    Parameter,
+    /// A gradient buffer the host adds into.
+    Gradient,
+}
+
+/// A view fsdp handed to the host and still owns: never taken back as a gradient.
+pub(crate) struct HeldView {
+    pub(crate) kind: ViewKind,
+    /// The parameter's fully qualified name.
+    pub(crate) fqn: String,
+    /// The memory behind the view.
+    pub(crate) tensor: Tensor,
+}
+
 /// One FSDP unit of a model.
 pub(crate) struct UnitMeta {
     pub(crate) name: String,
@@ -29,7 +47,7 @@ pub(crate) struct UnitMeta {
     pub(crate) params: Vec<ParamMeta>,
     handle: u64,
     /// Tensors whose memory the host holds views of, until the matching post hook.
-    pub(crate) held: Vec<Tensor>,
+    pub(crate) held: Vec<HeldView>,
     /// Under low-precision mixed precision, between pre_backward and post_backward: the
     /// float32 gradient views handed to the host, each with the unit's `param_dtype`
     /// gradient it is added into (one rounding) before the reduction.
@@ -92,13 +110,20 @@ pub(crate) fn with_unit<R>(
 
 /// Builds and shards the declared model on `group` (`fully_shard`): every declared unit
 /// becomes an FSDP unit nested by path inside the root, which owns the root's
-/// parameters. A collective over `group` (every rank calls it, with the same declaration).
+/// parameters. A collective over `group`: every rank calls it, with the same declaration,
+/// which the ranks check first with one all-gather of an 8-byte hash of it (the same
+/// units, parameter names, shapes, dtypes and `requires_grad`, in the same order).
 /// `config` NULL: the defaults of [`fsdp_config_default`]. Unit 0 is the root (name `""`),
 /// then the declared units in pre-order.
 ///
-/// Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_INVALID_ARGUMENT` for repeated or
-/// malformed names, values that do not fit the shape, a bad config value; `FSDP_ERR_USAGE`
-/// for options that do not fit together; collective errors.
+/// Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_COLLECTIVE_MISMATCH` on every rank when
+/// the ranks declared different models, naming the first difference and both ranks;
+/// `FSDP_ERR_INVALID_ARGUMENT` for repeated or malformed names, a bad config value, a
+/// declaration without parameters, a parameter without values that nothing gives values
+/// (no `sync_module_states`); `FSDP_ERR_USAGE` for options that do not fit together
+/// (`ranks_per_node` without a hybrid strategy, a hybrid strategy without it);
+/// `FSDP_ERR_OUT_OF_MEMORY` naming the bytes when this rank's shards do not fit (the
+/// process goes on); collective errors. `*out` is left as it was on error.
 ///
 /// # Safety
 /// `config` is NULL or a valid `fsdp_config`; `out` is valid for a write.
@@ -127,33 +152,13 @@ pub unsafe extern "C" fn fsdp_model_new(
             false => unsafe { *config },
         }
         .to_config()?;
-        let (units, root) = {
-            let s = s.lock();
-            (s.units.clone(), s.root.clone())
-        };
-        let mut fsdp = fully_shard(units.clone(), root.clone(), pg, cfg)?;
-        let mut names = Vec::new();
-        fsdp.for_each_unit(&mut |u| {
-            names.push(u.module_name().to_string());
-            Ok(())
-        })?;
-        let mut metas = Vec::new();
-        for name in names {
-            let params = match name.is_empty() {
-                true => &root,
-                false => match units.iter().find(|u| u.name == name) {
-                    Some(u) => &u.params,
-                    None => {
-                        return Err(Fail::arg(format!(
-                            "internal: unit '{name}' was not declared"
-                        )))
-                    }
-                },
-            };
-            let params = params
-                .iter()
+        let (units, root) = s.lock().try_clone()?;
+        // The units' parameters as the host addresses them, made before the declaration
+        // goes to the model: `(unit, its parameters)`, the root first.
+        let params_of = |unit: &str, ps: &[fsdp::embed::ParamSpec]| {
+            ps.iter()
                 .map(|p| {
-                    let fqn = fsdp::nn::join_name(&name, &p.name);
+                    let fqn = fsdp::nn::join_name(unit, &p.name);
                     Ok(ParamMeta {
                         c_name: cstring(&fqn)?,
                         fqn,
@@ -161,7 +166,26 @@ pub unsafe extern "C" fn fsdp_model_new(
                         requires_grad: p.requires_grad,
                     })
                 })
-                .collect::<Res<_>>()?;
+                .collect::<Res<Vec<_>>>()
+        };
+        let mut declared = vec![(String::new(), params_of("", &root)?)];
+        for u in &units {
+            declared.push((u.name.clone(), params_of(&u.name, &u.params)?));
+        }
+        let mut fsdp = fully_shard(units, root, pg, cfg)?;
+        let mut names = Vec::new();
+        fsdp.for_each_unit(&mut |u| {
+            names.push(u.module_name().to_string());
+            Ok(())
+        })?;
+        let mut metas = Vec::new();
+        for name in names {
+            let Some(at) = declared.iter().position(|(u, _)| *u == name) else {
+                return Err(Fail::arg(format!(
+                    "internal: unit '{name}' was not declared"
+                )));
+            };
+            let (name, params) = declared.swap_remove(at);
             metas.push(UnitMeta {
                 c_name: cstring(&name)?,
                 name,

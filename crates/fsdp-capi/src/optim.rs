@@ -38,11 +38,11 @@ pub struct fsdp_optimizer_config {
     pub eps: f32,
     /// L2 penalty (SGD, Adam) or decoupled decay (AdamW).
     pub weight_decay: f32,
-    /// SGD momentum.
+    /// SGD momentum (default 0: plain SGD).
     pub momentum: f32,
-    /// SGD dampening.
+    /// SGD dampening of the momentum buffer's update (default 0, PyTorch's).
     pub dampening: f32,
-    /// SGD Nesterov momentum.
+    /// SGD Nesterov momentum (default false); true needs `momentum` > 0 and `dampening` 0.
     pub nesterov: bool,
 }
 
@@ -52,9 +52,10 @@ pub(crate) struct OptimizerObj {
     pub(crate) model: u64,
 }
 
-/// Fills `*out` with PyTorch's defaults for `kind`: SGD lr 1e-3, momentum 0; Adam lr
-/// 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0; AdamW the same with weight_decay
-/// 0.01.
+/// Fills `*out` with PyTorch's defaults for `kind`: SGD lr 1e-3, momentum 0, dampening
+/// 0, nesterov false, weight_decay 0; Adam lr 1e-3, betas (0.9, 0.999), eps 1e-8,
+/// weight_decay 0; AdamW the same with weight_decay 0.01. Every field is filled, the
+/// other optimizers' too.
 ///
 /// Errors: `FSDP_ERR_INVALID_ARGUMENT` for an unknown kind or `out` NULL.
 ///
@@ -171,14 +172,24 @@ pub(crate) fn with_optimizer<R>(
     with_model(model, "the optimizer's model", call, |m| f(&mut o, m))
 }
 
-/// One step on every shard from its gradient (`optimizer.step()`); shards without a
-/// gradient (none since `fsdp_model_zero_grad`) are skipped.
+/// One step on every shard from its gradient (`optimizer.step()`), after a finished
+/// backward: the gradients of every backward (each ended by `fsdp_model_finish_backward`)
+/// since `fsdp_model_zero_grad`, summed. A step at any other time is refused and changes
+/// nothing: before any backward or right after `fsdp_model_zero_grad` (no gradient),
+/// between a forward and its backward, inside a forward or a backward, after the root's
+/// `fsdp_unit_post_backward` without `fsdp_model_finish_backward`, or while
+/// `fsdp_model_set_no_sync(model, 1)` keeps gradients unreduced. Stepping twice on the
+/// same gradients (no `fsdp_model_zero_grad` between) applies them twice, as PyTorch
+/// does.
 ///
 /// `stream`: NULL on the CPU; on a CUDA device the host's stream (the update runs on
 /// fsdp's stream, ordered after it; the next gather is ordered after the update).
 ///
 /// Errors: `FSDP_ERR_INVALID_HANDLE` (also when the model was freed);
-/// `FSDP_ERR_INVALID_ARGUMENT` (`stream` not NULL on the CPU).
+/// `FSDP_ERR_USAGE` naming what was expected (`fsdp_model_finish_backward`, a backward,
+/// `fsdp_model_set_no_sync(model, 0)`); `FSDP_ERR_INVALID_ARGUMENT` (`stream` not NULL on
+/// the CPU); `FSDP_ERR_OUT_OF_MEMORY` when the optimizer state (created at the first
+/// step) does not fit.
 #[no_mangle]
 pub extern "C" fn fsdp_optimizer_step(
     optimizer: fsdp_optimizer_t,
@@ -186,6 +197,7 @@ pub extern "C" fn fsdp_optimizer_step(
 ) -> fsdp_status {
     guard("fsdp_optimizer_step", || {
         with_optimizer(optimizer.id, "fsdp_optimizer_step", |o, m| {
+            m.fsdp.ready_for_step()?;
             on_stream(device(m), stream, || {
                 Ok(o.opt.step(&m.fsdp.optimizer_params())?)
             })

@@ -4,9 +4,10 @@
 use super::dlpack::{config_device, DLDevice};
 use super::handles::{self, fsdp_spec_t, Kind, Object};
 use super::{c_str, fsdp_status, guard, write_out, Fail, Res};
-use fsdp::embed::{ParamSpec, UnitSpec};
+use fsdp::embed::{ParamSource, ParamSpec, UnitSpec};
 use fsdp::fsdp::{BackwardPrefetch, CpuOffload, FsdpConfig, MixedPrecision, ShardingStrategy};
 use fsdp::nn::{InitKey, ParamInit};
+use fsdp::tensor::alloc::vec_from_slice;
 use fsdp::tensor::DType;
 use parking_lot::Mutex;
 use std::ffi::c_char;
@@ -57,7 +58,13 @@ pub const FSDP_INIT_CONSTANT: i32 = 3;
 pub struct fsdp_config {
     /// An `FSDP_*_SHARD*` strategy.
     pub sharding_strategy: i32,
-    /// Ranks per node, for the hybrid strategies only (0 otherwise).
+    /// For `FSDP_HYBRID_SHARD` and `FSDP_HYBRID_SHARD_ZERO2` only (0 otherwise; the hybrid
+    /// strategies refuse 0): how many consecutive world ranks form a node. Node k is world
+    /// ranks `[k n, (k+1) n)`; each unit's parameters are sharded over the n ranks of a
+    /// node (FULL_SHARD or SHARD_GRAD_OP within it), and rank l of every node holds the same
+    /// shard, its gradient all-reduced across the nodes. It must divide the world size; it
+    /// need not be the machine's (n = the GPUs of one machine keeps the reduce-scatter
+    /// inside each machine, n = world size is FULL_SHARD).
     pub ranks_per_node: i32,
     /// An `FSDP_PRECISION_*`.
     pub mixed_precision: i32,
@@ -178,6 +185,45 @@ pub(crate) struct SpecObj {
 }
 
 impl SpecObj {
+    /// A copy of the declaration for a model to consume: the values are copied with
+    /// fallible allocations (a declaration is kept for more models).
+    ///
+    /// # Errors
+    /// `OutOfMemory` naming the parameter whose values do not fit twice.
+    pub(crate) fn try_clone(&self) -> crate::Result<(Vec<UnitSpec>, Vec<ParamSpec>)> {
+        let params = |unit: &str, ps: &[ParamSpec]| {
+            ps.iter()
+                .map(|p| {
+                    let source = match &p.source {
+                        ParamSource::Values(v) => ParamSource::Values(vec_from_slice(v).map_err(
+                            |e| {
+                                e.allocating(|| {
+                                    format!(
+                                        "the copy of the values of parameter '{}' for fsdp_model_new",
+                                        fsdp::nn::join_name(unit, &p.name)
+                                    )
+                                })
+                            },
+                        )?),
+                        s => s.clone(),
+                    };
+                    Ok(ParamSpec {
+                        name: p.name.clone(),
+                        shape: p.shape.clone(),
+                        requires_grad: p.requires_grad,
+                        source,
+                    })
+                })
+                .collect::<crate::Result<Vec<_>>>()
+        };
+        let units = self
+            .units
+            .iter()
+            .map(|u| Ok(UnitSpec::new(&u.name, params(&u.name, &u.params)?)))
+            .collect::<crate::Result<_>>()?;
+        Ok((units, params("", &self.root)?))
+    }
+
     fn params_of(&mut self, unit: &str) -> Res<&mut Vec<ParamSpec>> {
         if unit.is_empty() {
             return Ok(&mut self.root);
@@ -237,22 +283,29 @@ pub unsafe extern "C" fn fsdp_spec_add_unit(spec: fsdp_spec_t, name: *const c_ch
     })
 }
 
+/// The shape at `shape` and its element count, checked: no negative dimension, and an
+/// element count whose f32 bytes fit `size_t` (a parameter no memory can hold is refused
+/// here, before anything is allocated for it).
+///
 /// # Safety
 /// `shape` valid for `ndim` reads.
-unsafe fn shape_arg(ndim: i32, shape: *const i64) -> Res<Vec<usize>> {
+unsafe fn shape_arg(ndim: i32, shape: *const i64) -> Res<(Vec<usize>, usize)> {
     if !(0..=64).contains(&ndim) {
         return Err(Fail::arg(format!("ndim {ndim} is not in 0..=64")));
     }
     if ndim > 0 && shape.is_null() {
         return Err(Fail::arg("shape is NULL"));
     }
-    (0..ndim as usize)
+    let dims = (0..ndim as usize)
         .map(|i| {
             // SAFETY: valid for ndim reads (the caller's promise), checked non-null.
             let d = unsafe { *shape.add(i) };
             usize::try_from(d).map_err(|_| Fail::arg(format!("shape[{i}] = {d} is negative")))
         })
-        .collect()
+        .collect::<Res<Vec<usize>>>()?;
+    let (numel, _) = fsdp::tensor::alloc::checked_size(&dims, DType::F32)
+        .map_err(|e| Fail::arg(format!("{e}: no memory holds this parameter")))?;
+    Ok((dims, numel))
 }
 
 /// Adds a parameter to unit `unit` (`""`: the root): `name` (no dots), `ndim`
@@ -261,7 +314,9 @@ unsafe fn shape_arg(ndim: i32, shape: *const i64) -> Res<Vec<usize>> {
 /// `sync_module_states`). `requires_grad` false: frozen (no gradient, never updated).
 ///
 /// Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_INVALID_ARGUMENT` for an undeclared unit,
-/// a NULL or non-UTF-8 string, a negative dimension.
+/// a NULL or non-UTF-8 string, a negative dimension, a shape whose element count or f32
+/// size in bytes overflows `size_t`; `FSDP_ERR_OUT_OF_MEMORY` when the copy of `values`
+/// cannot be allocated.
 ///
 /// # Safety
 /// `unit`, `name` are NUL-terminated strings; `shape` is valid for `ndim` reads; `values`
@@ -279,19 +334,21 @@ pub unsafe extern "C" fn fsdp_spec_add_param(
     guard("fsdp_spec_add_param", || {
         let s = handles::spec(spec.id, "spec")?;
         // SAFETY: the caller's promises on the strings and the shape.
-        let (unit, name, shape) = unsafe {
+        let (unit, name, (shape, n)) = unsafe {
             (
                 c_str(unit, "unit")?,
                 c_str(name, "name")?,
                 shape_arg(ndim, shape)?,
             )
         };
-        let n: usize = shape.iter().product();
         let mut p = match values.is_null() {
             true => ParamSpec::empty(name, &shape),
             false => {
                 // SAFETY: values is valid for n reads (the caller's promise).
-                let v = unsafe { std::slice::from_raw_parts(values, n) }.to_vec();
+                let v = unsafe { std::slice::from_raw_parts(values, n) };
+                let v = vec_from_slice(v).map_err(|e| {
+                    e.allocating(|| format!("the copy of the values of parameter '{name}'"))
+                })?;
                 ParamSpec::values(name, &shape, v)
             }
         };
@@ -306,7 +363,8 @@ pub unsafe extern "C" fn fsdp_spec_add_param(
 /// Element `i` depends only on (`seed`, `unit`, `name`, `i`): the same values as an
 /// `fsdp::nn` layer built with `InitKey::new(seed).child(unit)`, at every world size.
 ///
-/// Errors: as [`fsdp_spec_add_param`]; `FSDP_ERR_INVALID_ARGUMENT` for an unknown `init`.
+/// Errors: as [`fsdp_spec_add_param`] (no copy, so no `FSDP_ERR_OUT_OF_MEMORY`: the shards
+/// are computed by `fsdp_model_new`); `FSDP_ERR_INVALID_ARGUMENT` for an unknown `init`.
 ///
 /// # Safety
 /// As [`fsdp_spec_add_param`].
@@ -326,7 +384,7 @@ pub unsafe extern "C" fn fsdp_spec_add_param_init(
     guard("fsdp_spec_add_param_init", || {
         let s = handles::spec(spec.id, "spec")?;
         // SAFETY: the caller's promises on the strings and the shape.
-        let (unit, name, shape) = unsafe {
+        let (unit, name, (shape, _)) = unsafe {
             (
                 c_str(unit, "unit")?,
                 c_str(name, "name")?,

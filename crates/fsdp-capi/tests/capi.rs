@@ -1,7 +1,8 @@
 //! The C ABI (this crate, `include/fsdp.h`) from foreign hosts: a C program that
 //! computes an MLP and trains it through the ABI on its own threads (`c_host`), a Python
 //! program with ctypes and numpy under `fsdp launch` (`python_host`), bad input from C
-//! (`bad_input`), and the header against the Rust declarations (`header`).
+//! (`bad_input`), the contract that refuses what would train wrong (`contract`), and the
+//! header against the Rust declarations (`header`).
 
 #[path = "../../../tests/common/mod.rs"]
 mod common;
@@ -10,6 +11,8 @@ mod common;
 mod bad_input;
 #[path = "capi/c_host.rs"]
 mod c_host;
+#[path = "capi/contract.rs"]
+mod contract;
 #[path = "capi/header.rs"]
 mod header;
 #[path = "capi/python_host.rs"]
@@ -95,4 +98,54 @@ pub fn run(cmd: &mut Command) -> String {
         String::from_utf8_lossy(&o.stderr)
     );
     String::from_utf8(o.stdout).unwrap()
+}
+
+/// Checks the report of a C check program (`tests/capi/abi_checks.c`,
+/// `tests/capi/contract.c`): one `CASE <name> <status> <message>` line per expected
+/// failure, whose status must be `cases`' and whose message must contain its text, and
+/// one `CHECK <name> ok|FAIL <detail>` line per checked value, each in `checks` and `ok`;
+/// nothing else, nothing missing. Returns the messages by case.
+pub fn assert_report(
+    out: &str,
+    cases: &[(&str, &str, &str)],
+    checks: &[&str],
+) -> std::collections::BTreeMap<String, String> {
+    println!("{out}");
+    let mut got = std::collections::BTreeMap::new();
+    let mut checked = std::collections::BTreeMap::new();
+    for line in out.lines() {
+        let mut f = line.splitn(4, ' ');
+        match (f.next(), f.next(), f.next()) {
+            (Some("CASE"), Some(name), Some(status)) => {
+                got.insert(
+                    name.to_string(),
+                    (status.to_string(), f.next().unwrap_or("").to_string()),
+                );
+            }
+            (Some("CHECK"), Some(name), Some(ok)) => {
+                let detail = f.next().unwrap_or("").to_string();
+                checked.insert(name.to_string(), (ok == "ok", detail));
+            }
+            _ => panic!("unexpected line: {line}"),
+        }
+    }
+    for (name, status, msg) in cases {
+        let (s, text) = got
+            .get(*name)
+            .unwrap_or_else(|| panic!("case {name} missing"));
+        assert_eq!(s, status, "{name}: {text}");
+        assert!(
+            text.contains(msg),
+            "{name}: {text:?} does not contain {msg:?}"
+        );
+    }
+    assert_eq!(got.len(), cases.len(), "cases: {:?}", got.keys());
+    for name in checks {
+        let (ok, detail) = checked
+            .get(*name)
+            .unwrap_or_else(|| panic!("check {name} missing"));
+        assert!(ok, "check {name}: {detail}");
+    }
+    assert_eq!(checked.len(), checks.len(), "checks: {:?}", checked.keys());
+    got.into_iter().map(|(k, (_, m))| (k, m)).collect()
 }

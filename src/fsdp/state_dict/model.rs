@@ -38,10 +38,11 @@ impl FullyShardedDataParallel {
         let s = self.rs.sched.lock();
         if s.progress.owes_backward() {
             return Err(Error::Fsdp(format!(
-                "{what} between a forward and its backward: the pending backward would compute gradients for parameters other than those the forward used; call it before the forward or after the backward (a forward under Context::eval() leaves nothing pending)"
+                "{what} between a forward and its backward: the pending backward would compute gradients for parameters other than those the forward used; call it before the forward or after the backward ({} leaves nothing pending)",
+                crate::error::Term::NoGradForward
             )));
         }
-        if s.progress.pass() == crate::fsdp::progress::Pass::Summoning {
+        if matches!(s.progress.pass(), crate::fsdp::progress::Pass::Summoning(_)) {
             return Err(Error::Fsdp(format!(
                 "{what} inside summon_full_params: modify the parameters through the module there, or call {what} after the closure returns"
             )));

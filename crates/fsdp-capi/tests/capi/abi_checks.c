@@ -7,7 +7,7 @@
  *
  * usage: abi_checks CHECKPOINT_DIR
  */
-#include "fsdp.h"
+#include "report.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -15,52 +15,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MUST(call)                                                                       \
-    do {                                                                                 \
-        fsdp_status s_ = (call);                                                         \
-        if (s_ != FSDP_OK) {                                                             \
-            fprintf(stderr, "%s:%d: %s -> %s: %s\n", __FILE__, __LINE__, #call,          \
-                    fsdp_status_name(s_), fsdp_last_error());                            \
-            exit(1);                                                                     \
-        }                                                                                \
-    } while (0)
-
-static pthread_mutex_t print_lock = PTHREAD_MUTEX_INITIALIZER;
 static const char *ckpt_dir;
-
-/* Prints one expected failure (rank 0 only, or any rank with `always`). */
-static void report(int rank, const char *name, fsdp_status s) {
-    if (rank != 0) return;
-    pthread_mutex_lock(&print_lock);
-    printf("CASE %s %s ", name, fsdp_status_name(s));
-    for (const char *c = s == FSDP_OK ? "" : fsdp_last_error(); *c; c++)
-        putchar(*c == '\n' ? ' ' : *c);
-    printf("\n");
-    pthread_mutex_unlock(&print_lock);
-}
-
-static void check(int rank, const char *name, int ok, const char *detail) {
-    if (rank != 0) return;
-    pthread_mutex_lock(&print_lock);
-    printf("CHECK %s %s %s\n", name, ok ? "ok" : "FAIL", detail);
-    pthread_mutex_unlock(&print_lock);
-}
 
 static DLTensor f32_tensor(float *data, int32_t ndim, int64_t *shape) {
     DLTensor t = {data, {kDLCPU, 0}, ndim, {kDLFloat, 32, 1}, shape, NULL, 0};
     return t;
-}
-
-static fsdp_group_t join(const char *name, int rank, int world, uint32_t timeout_ms) {
-    fsdp_init_options o;
-    MUST(fsdp_init_options_default(&o));
-    o.init_method = name;
-    o.rank = rank;
-    o.world_size = world;
-    o.timeout_ms = timeout_ms;
-    fsdp_group_t g;
-    MUST(fsdp_init_process_group(&o, &g));
-    return g;
 }
 
 /* Units "0" (weight 3x2, bias 3) and "1" (weight 1x3), values from `base`. */
@@ -455,13 +414,6 @@ static void *hanging(void *arg) {
     }
     MUST(fsdp_destroy_process_group(world));
     return NULL;
-}
-
-static void run2(void *(*f)(void *)) {
-    pthread_t t[2];
-    int ranks[2] = {0, 1};
-    for (int r = 0; r < 2; r++) pthread_create(&t[r], NULL, f, &ranks[r]);
-    for (int r = 0; r < 2; r++) pthread_join(t[r], NULL);
 }
 
 int main(int argc, char **argv) {

@@ -8,7 +8,6 @@
 //! plus the collectives, bfloat16 and float16 parameter views and bfloat16 gradients
 //! under mixed precision, the state-dict callback and a checkpoint round trip.
 
-use std::collections::BTreeMap;
 use std::process::Command;
 
 /// `(case, status, what the message must contain)`.
@@ -86,22 +85,22 @@ const CASES: &[(&str, &str, &str)] = &[
     (
         "post_forward_first",
         "FSDP_ERR_USAGE",
-        "post_forward on unit '1' without pre_forward first",
+        "fsdp_unit_post_forward on unit '1' without fsdp_unit_pre_forward first",
     ),
     (
         "post_backward_first",
         "FSDP_ERR_USAGE",
-        "post_backward on unit '1' without pre_backward first",
+        "fsdp_unit_post_backward on unit '1' without fsdp_unit_pre_backward first",
     ),
     (
         "post_backward_first_with_grads",
         "FSDP_ERR_USAGE",
-        "post_backward on unit '1' without pre_backward first",
+        "fsdp_unit_post_backward on unit '1' without fsdp_unit_pre_backward first",
     ),
     (
         "pre_forward_twice",
         "FSDP_ERR_USAGE",
-        "pre_forward on unit '' without its post_forward",
+        "fsdp_unit_pre_forward on unit '' without its fsdp_unit_post_forward",
     ),
     (
         "params_array_too_short",
@@ -131,7 +130,7 @@ const CASES: &[(&str, &str, &str)] = &[
     (
         "grad_is_fsdp_view",
         "FSDP_ERR_INVALID_ARGUMENT",
-        "overlaps fsdp's own gradient view",
+        "overlaps fsdp's own gradient view of '1.weight'",
     ),
     (
         "grad_on_cuda",
@@ -191,7 +190,7 @@ const CASES: &[(&str, &str, &str)] = &[
     (
         "pre_backward_twice",
         "FSDP_ERR_USAGE",
-        "pre_backward on unit '1' without its post_backward",
+        "fsdp_unit_pre_backward on unit '1' without its fsdp_unit_post_backward",
     ),
     (
         "callback_stops",
@@ -295,37 +294,5 @@ fn bad_input_from_c_is_a_named_error_and_changes_nothing() {
     let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("capi-abi-checks-ckpt");
     let _ = std::fs::remove_dir_all(&dir);
     let out = super::run(Command::new(&exe).arg(&dir));
-    println!("{out}");
-    let mut cases = BTreeMap::new();
-    let mut checks = BTreeMap::new();
-    for line in out.lines() {
-        let mut f = line.splitn(4, ' ');
-        match (f.next(), f.next(), f.next()) {
-            (Some("CASE"), Some(name), Some(status)) => {
-                cases.insert(
-                    name.to_string(),
-                    (status.to_string(), f.next().unwrap_or("").to_string()),
-                );
-            }
-            (Some("CHECK"), Some(name), Some(ok)) => {
-                checks.insert(name.to_string(), ok == "ok");
-            }
-            _ => panic!("unexpected line: {line}"),
-        }
-    }
-    for (name, status, msg) in CASES {
-        let (got, text) = cases
-            .get(*name)
-            .unwrap_or_else(|| panic!("case {name} missing"));
-        assert_eq!(got, status, "{name}: {text}");
-        assert!(
-            text.contains(msg),
-            "{name}: {text:?} does not contain {msg:?}"
-        );
-    }
-    assert_eq!(cases.len(), CASES.len(), "cases: {:?}", cases.keys());
-    for name in CHECKS {
-        assert_eq!(checks.get(*name), Some(&true), "check {name}");
-    }
-    assert_eq!(checks.len(), CHECKS.len(), "checks: {checks:?}");
+    super::assert_report(&out, CASES, CHECKS);
 }
