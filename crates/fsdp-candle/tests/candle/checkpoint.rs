@@ -65,16 +65,14 @@ fn a_checkpoint_saved_at_world_4_resumes_at_world_2() {
         Ok((losses, values(&m.to_varmap()?)))
     })
     .unwrap();
-    let whole = sharded(
-        2,
-        ShardingStrategy::ShardGradOp,
-        &wrap,
-        gpt,
-        gpt_loss,
-        &init,
+    let run = Run {
+        build: gpt,
+        loss: gpt_loss,
+        init: &init,
         opt,
-        STEPS,
-    );
+        steps: STEPS,
+    };
+    let whole = sharded(&run, 2, ShardingStrategy::ShardGradOp, &wrap);
     let mean =
         |l: &[Vec<f32>], s: usize| l.iter().map(|r| f64::from(r[s])).sum::<f64>() / l.len() as f64;
     let first: Vec<f32> = (0..SAVE_AT).map(|s| mean(&first, s) as f32).collect();

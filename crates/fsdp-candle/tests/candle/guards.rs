@@ -29,7 +29,7 @@ fn has(s: &str, part: &str) {
 #[test]
 fn calls_out_of_order_are_errors_and_change_nothing() {
     let init = init(mlp);
-    let (_, want) = reference(mlp, mlp_loss, &init, Opt::Sgd(0.1), 2);
+    let (_, want) = reference(&mlp_sgd(&init, 2));
     let dir = std::env::temp_dir().join(format!("fsdp-candle-guards-{}", std::process::id()));
     let out = launch(&LaunchOptions::new(2), |pg| {
         let (lo, hi) = rows(pg.rank(), 2);
@@ -76,7 +76,7 @@ fn calls_out_of_order_are_errors_and_change_nothing() {
 #[test]
 fn accumulated_micro_batches_equal_one_batch_and_eval_leaves_gradients_alone() {
     let init = init(mlp);
-    let (_, want) = reference(mlp, mlp_loss, &init, Opt::Sgd(0.1), 3);
+    let (_, want) = reference(&mlp_sgd(&init, 3));
     // The plain model's output on step 0's inputs, before any step.
     let plain = mlp(VarBuilder::from_varmap(
         &copy(&init),
@@ -182,34 +182,27 @@ fn bad_declarations_are_named() {
     let out = launch(&LaunchOptions::new(2), |pg| {
         let wrap = Wrap::prefixes(["layers.0"]);
         let cfg = FsdpConfig::default();
+        let build = |vm: &VarMap, wrap: &Wrap, cfg: FsdpConfig| {
+            err(CandleFsdp::from_varmap(mlp, vm, wrap, pg.clone(), cfg))
+        };
         let mut e = vec![
-            err(CandleFsdp::from_varmap(
-                mlp,
-                &init,
-                &Wrap::prefixes(["layers.9"]),
-                pg.clone(),
-                cfg.clone(),
-            )),
-            err(CandleFsdp::from_varmap(
-                mlp,
+            build(&init, &Wrap::prefixes(["layers.9"]), cfg.clone()),
+            build(
                 &init,
                 &wrap,
-                pg.clone(),
                 FsdpConfig {
                     auto_wrap_policy: Some(fsdp::fsdp::size_based_auto_wrap_policy(1)),
                     ..cfg.clone()
                 },
-            )),
-            err(CandleFsdp::from_varmap(
-                mlp,
+            ),
+            build(
                 &init,
                 &wrap,
-                pg.clone(),
                 FsdpConfig {
                     ignored_modules: vec!["layers.0".into()],
                     ..cfg.clone()
                 },
-            )),
+            ),
         ];
         // Initial values that lack a var, or hold one the model never asks for.
         let partial = VarMap::new();
@@ -217,13 +210,7 @@ fn bad_declarations_are_named() {
             "layers.0.weight".into(),
             init.data().lock().unwrap()["layers.0.weight"].clone(),
         );
-        e.push(err(CandleFsdp::from_varmap(
-            mlp,
-            &partial,
-            &wrap,
-            pg.clone(),
-            cfg.clone(),
-        )));
+        e.push(build(&partial, &wrap, cfg.clone()));
         let extra = copy(&init);
         extra
             .get(
@@ -234,13 +221,7 @@ fn bad_declarations_are_named() {
                 &Device::Cpu,
             )
             .map_err(|e| fsdp::Error::Data(e.to_string()))?;
-        e.push(err(CandleFsdp::from_varmap(
-            mlp,
-            &extra,
-            &wrap,
-            pg.clone(),
-            cfg.clone(),
-        )));
+        e.push(build(&extra, &wrap, cfg.clone()));
         // Ranks that build different models.
         let model = |t: bool| move |vb: VarBuilder| two_by_three(vb, t);
         e.push(err(CandleFsdp::new(

@@ -1,9 +1,10 @@
 //! The two candle-nn models the tests train (an MLP and a small GPT-style transformer),
 //! their deterministic data, and the plain candle training loop they are compared with.
 
-use candle::{DType, Device, Module, Tensor, D};
+use candle::{DType, Device, Module, Shape, Tensor, Var, D};
+use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{embedding, layer_norm, linear, linear_no_bias, Embedding, LayerNorm, Linear};
-use candle_nn::{Optimizer, VarBuilder, VarMap};
+use candle_nn::{Init, Optimizer, VarBuilder, VarMap};
 use std::collections::BTreeMap;
 
 /// Element `i` of the deterministic stream `seed`, in [-1, 1].
@@ -55,8 +56,15 @@ pub fn mlp_batch(s: usize, lo: usize, hi: usize) -> (Tensor, Tensor) {
     let x: Vec<f32> = (lo * i..hi * i)
         .map(|k| value(100 + s as u64, k as u64))
         .collect();
-    let t: Vec<f32> = (lo * o..hi * o)
-        .map(|k| value(200 + s as u64, k as u64))
+    // A function of x the MLP can learn: t_j = tanh(sum_k x_k a_jk), a fixed.
+    let t: Vec<f32> = x
+        .chunks(i)
+        .flat_map(|r| {
+            (0..o).map(move |j| {
+                let z: f32 = (0..i).map(|k| r[k] * value(7, (j * i + k) as u64)).sum();
+                z.tanh()
+            })
+        })
         .collect();
     let n = hi - lo;
     (
@@ -170,10 +178,16 @@ impl Gpt {
     }
 }
 
-/// Sequences `lo..hi` of step `s`'s batch: ids `(n, SEQ)` and next-token targets.
+/// Sequences `lo..hi` of step `s`'s batch: ids `(n, SEQ)` and next-token targets. Each
+/// sequence counts up modulo VOCAB from a pseudo-random start with a stride of 1, 2 or 3:
+/// learnable from the context.
 pub fn gpt_batch(s: usize, lo: usize, hi: usize) -> (Tensor, Tensor) {
-    let tok = |k: usize| (value(300 + s as u64, k as u64) * 1000.0).abs() as u32 % VOCAB as u32;
-    let ids: Vec<u32> = (lo * (SEQ + 1)..hi * (SEQ + 1)).map(tok).collect();
+    let mut ids = Vec::new();
+    for q in lo..hi {
+        let r = |k: u64| (value(300 + s as u64, 2 * q as u64 + k) * 1000.0).abs() as usize;
+        let (start, stride) = (r(0) % VOCAB, 1 + r(1) % 3);
+        ids.extend((0..=SEQ).map(|t| ((start + t * stride) % VOCAB) as u32));
+    }
     let n = hi - lo;
     let all = Tensor::from_vec(ids, (n, SEQ + 1), &Device::Cpu).unwrap();
     (
@@ -189,10 +203,56 @@ pub fn gpt_loss(m: &Gpt, s: usize, lo: usize, hi: usize) -> candle::Result<Tenso
     candle_nn::loss::cross_entropy(&logits.reshape((n, VOCAB))?, &t.reshape(n)?)
 }
 
-/// A model's initial values: built once with candle's initializers.
+/// A `VarBuilder` backend that creates each var once, in a `VarMap`, with deterministic
+/// values scaled like candle's initializer for it (the `Init` hint): constants as they are,
+/// the random ones as a fixed pseudo-random stream of the same mean and spread. candle's
+/// CPU generator cannot be seeded, and AdamW amplifies rounding differences in elements
+/// whose gradient nearly cancels: with candle's random values, one run in a few put a
+/// transformer weight 3e-6 away between two world sizes. Fixed values make every run
+/// the same.
+struct Fixed(VarMap);
+
+impl SimpleBackend for Fixed {
+    fn get(&self, s: Shape, name: &str, h: Init, _: DType, dev: &Device) -> candle::Result<Tensor> {
+        let mut data = self.0.data().lock().unwrap();
+        if let Some(v) = data.get(name) {
+            return Ok(v.as_tensor().clone());
+        }
+        let seed = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+        let fan_in = s.dims().iter().skip(1).product::<usize>().max(1) as f64;
+        let u = |i: usize| f64::from(value(seed, i as u64));
+        let values: Vec<f32> = (0..s.elem_count())
+            .map(|i| match h {
+                Init::Const(c) => c,
+                // Uniform with the same mean and standard deviation.
+                Init::Randn { mean, stdev } => mean + stdev * 3f64.sqrt() * u(i),
+                Init::Uniform { lo, up } => lo + (up - lo) * (u(i) + 1.0) / 2.0,
+                // Kaiming for ReLU (candle_nn::linear's weights): std sqrt(2 / fan_in).
+                Init::Kaiming { .. } => (6.0 / fan_in).sqrt() * u(i),
+            } as f32)
+            .collect();
+        let var = Var::from_vec(values, s, dev)?;
+        let t = var.as_tensor().clone();
+        data.insert(name.to_string(), var);
+        Ok(t)
+    }
+
+    fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle::Result<Tensor> {
+        candle::bail!("{name}: get_unchecked has no shape to create a var with")
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.0.data().lock().unwrap().contains_key(name)
+    }
+}
+
+/// A model's initial values: the vars its builder asks for, with [`Fixed`] values.
 pub fn init<M>(build: fn(VarBuilder) -> candle::Result<M>) -> VarMap {
     let vm = VarMap::new();
-    build(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu)).unwrap();
+    let vb = VarBuilder::from_backend(Box::new(Fixed(vm.clone())), DType::F32, Device::Cpu);
+    build(vb).unwrap();
     vm
 }
 
@@ -255,16 +315,32 @@ impl Opt {
 /// ranks') and the final values by var name.
 pub type Trained = (Vec<f32>, BTreeMap<String, Vec<f32>>);
 
-/// The plain candle loop on one process: `steps` steps of `loss(model, s, 0, ROWS)` (the
-/// whole global batch) from a copy of `init`. Returns the losses and the final values.
-pub fn reference<M>(
-    build: fn(VarBuilder) -> candle::Result<M>,
-    loss: fn(&M, usize, usize, usize) -> candle::Result<Tensor>,
-    init: &VarMap,
-    opt: Opt,
-    steps: usize,
-) -> Trained {
-    let vm = copy(init);
+/// A training run: the model's builder, its loss on rows `lo..hi` of step `s`'s batch
+/// (`loss(model, s, lo, hi)`), the initial values, the optimizer and the step count.
+pub struct Run<'a, M> {
+    pub build: fn(VarBuilder) -> candle::Result<M>,
+    pub loss: fn(&M, usize, usize, usize) -> candle::Result<Tensor>,
+    pub init: &'a VarMap,
+    pub opt: Opt,
+    pub steps: usize,
+}
+
+/// The MLP trained with SGD (lr 0.1) for `steps` steps from `init`.
+pub fn mlp_sgd(init: &VarMap, steps: usize) -> Run<'_, Mlp> {
+    Run {
+        build: mlp,
+        loss: mlp_loss,
+        init,
+        opt: Opt::Sgd(0.1),
+        steps,
+    }
+}
+
+/// The plain candle loop on one process: `run.steps` steps on the whole global batch from a
+/// copy of `run.init`. Returns the losses and the final values.
+pub fn reference<M>(run: &Run<M>) -> Trained {
+    let (build, loss, opt) = (run.build, run.loss, run.opt);
+    let vm = copy(run.init);
     let model = build(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu)).unwrap();
     let mut losses = Vec::new();
     // candle_nn's `backward_step`: backward, then the update.
@@ -283,7 +359,7 @@ pub fn reference<M>(
             Box::new(move |l| adamw.backward_step(l))
         }
     };
-    for s in 0..steps {
+    for s in 0..run.steps {
         let l = loss(&model, s, 0, ROWS).unwrap();
         losses.push(l.to_scalar::<f32>().unwrap());
         o(&l).unwrap();

@@ -4,8 +4,7 @@
 //! within 1e-6.
 
 use crate::models::*;
-use candle::Tensor;
-use candle_nn::{VarBuilder, VarMap};
+use candle_nn::VarMap;
 use fsdp::distributed::{launch, LaunchOptions};
 use fsdp::fsdp::{FsdpConfig, ShardingStrategy};
 use fsdp_candle::{CandleFsdp, Wrap};
@@ -26,18 +25,14 @@ pub fn rows(r: usize, w: usize) -> (usize, usize) {
     (r * ROWS / w, (r + 1) * ROWS / w)
 }
 
-/// `steps` steps through fsdp at `world` thread ranks from `init`.
-#[allow(clippy::too_many_arguments)]
+/// `run` through fsdp at `world` thread ranks, units by `wrap`.
 pub fn sharded<M: 'static>(
+    run: &Run<M>,
     world: usize,
     strategy: ShardingStrategy,
     wrap: &Wrap,
-    build: fn(VarBuilder) -> candle::Result<M>,
-    loss: fn(&M, usize, usize, usize) -> candle::Result<Tensor>,
-    init: &VarMap,
-    opt: Opt,
-    steps: usize,
 ) -> Trained {
+    let (build, loss, init, opt, steps) = (run.build, run.loss, run.init, run.opt, run.steps);
     let out = launch(&LaunchOptions::new(world), |pg| {
         let (lo, hi) = rows(pg.rank(), world);
         let mut m = CandleFsdp::from_varmap(build, init, wrap, pg, config(strategy))?;
@@ -83,7 +78,8 @@ pub fn compare(what: &str, got: &Trained, want: &Trained, init: &VarMap) {
 #[test]
 fn an_mlp_trained_through_fsdp_equals_plain_candle_sgd() {
     let init = init(mlp);
-    let want = reference(mlp, mlp_loss, &init, Opt::Sgd(0.1), STEPS);
+    let run = mlp_sgd(&init, STEPS);
+    let want = reference(&run);
     // layers.2 stays in the root unit.
     let wrap = Wrap::prefixes(["layers.0", "layers.1"]);
     for (world, strategy) in [
@@ -93,16 +89,7 @@ fn an_mlp_trained_through_fsdp_equals_plain_candle_sgd() {
         (4, ShardingStrategy::ShardGradOp),
         (4, ShardingStrategy::HybridShard),
     ] {
-        let got = sharded(
-            world,
-            strategy,
-            &wrap,
-            mlp,
-            mlp_loss,
-            &init,
-            Opt::Sgd(0.1),
-            STEPS,
-        );
+        let got = sharded(&run, world, strategy, &wrap);
         compare(
             &format!("mlp {strategy:?} world {world}"),
             &got,
@@ -115,8 +102,14 @@ fn an_mlp_trained_through_fsdp_equals_plain_candle_sgd() {
 #[test]
 fn a_transformer_trained_through_fsdp_equals_plain_candle_adamw() {
     let init = init(gpt);
-    let opt = Opt::AdamW(3e-3);
-    let want = reference(gpt, gpt_loss, &init, opt, STEPS);
+    let run = Run {
+        build: gpt,
+        loss: gpt_loss,
+        init: &init,
+        opt: Opt::AdamW(3e-3),
+        steps: STEPS,
+    };
+    let want = reference(&run);
     // Each block a unit; embeddings and the final LayerNorm in the root.
     let wrap = Wrap::modules(|p| p.starts_with("blocks.") && p.split('.').count() == 2);
     for (world, strategy) in [
@@ -125,7 +118,7 @@ fn a_transformer_trained_through_fsdp_equals_plain_candle_adamw() {
         (4, ShardingStrategy::HybridShardZero2),
         (2, ShardingStrategy::NoShard),
     ] {
-        let got = sharded(world, strategy, &wrap, gpt, gpt_loss, &init, opt, STEPS);
+        let got = sharded(&run, world, strategy, &wrap);
         compare(
             &format!("gpt {strategy:?} world {world}"),
             &got,
