@@ -267,8 +267,9 @@ impl<M> CandleFsdp<M> {
 
     /// Gathers every unit and copies its parameters into candle tensors (vars when
     /// `grad`), by var name. Under strategies that free parameters after the forward
-    /// (full-shard, hybrid; every strategy when `!grad`) each unit's gathered buffer is
-    /// freed as soon as its copy is made.
+    /// (full-shard, hybrid) each nested unit's gathered buffer is freed as soon as its copy
+    /// is made (the root's at the backward, as FSDP keeps the root's); without `grad`
+    /// every unit's, the root's included.
     fn gather(&mut self, grad: bool) -> Result<HashMap<String, Tensor>> {
         let mut out = HashMap::with_capacity(self.vars.len());
         let mut copy = |views: Vec<(String, fsdp::tensor::Tensor)>| -> Result<()> {
@@ -279,8 +280,10 @@ impl<M> CandleFsdp<M> {
         };
         let fsdp = &mut self.fsdp;
         fsdp.pre_forward(grad)?;
-        let r = fsdp.param_views().map_err(Error::from).and_then(&mut copy);
-        r?;
+        // The root's own vars (those of no unit), then each unit's.
+        fsdp.param_views()
+            .map_err(Error::from)
+            .and_then(&mut copy)?;
         for u in &self.units {
             fsdp.with_unit(u, |u| -> Result<()> {
                 u.pre_forward(grad)?;
