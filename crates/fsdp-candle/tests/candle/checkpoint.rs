@@ -72,7 +72,7 @@ fn a_checkpoint_saved_at_world_4_resumes_at_world_2() {
         opt,
         steps: STEPS,
     };
-    let whole = sharded(&run, 2, ShardingStrategy::ShardGradOp, &wrap);
+    let whole = sharded(&run, 2, &config(ShardingStrategy::ShardGradOp), &wrap);
     let mean =
         |l: &[Vec<f32>], s: usize| l.iter().map(|r| f64::from(r[s])).sum::<f64>() / l.len() as f64;
     let first: Vec<f32> = (0..SAVE_AT).map(|s| mean(&first, s) as f32).collect();

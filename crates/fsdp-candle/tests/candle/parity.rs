@@ -6,7 +6,7 @@
 use crate::models::*;
 use candle_nn::VarMap;
 use fsdp::distributed::{launch, LaunchOptions};
-use fsdp::fsdp::{FsdpConfig, ShardingStrategy};
+use fsdp::fsdp::{BackwardPrefetch, CpuOffload, FsdpConfig, ShardingStrategy};
 use fsdp_candle::{CandleFsdp, Wrap};
 
 const STEPS: usize = 20;
@@ -20,22 +20,29 @@ pub fn config(strategy: ShardingStrategy) -> FsdpConfig {
     }
 }
 
+/// A config's strategy and the options set besides it, for messages.
+fn label(c: &FsdpConfig) -> String {
+    let mut s = format!("{:?}", c.sharding_strategy);
+    if c.cpu_offload.offload_params {
+        s += " cpu-offload";
+    }
+    if c.forward_prefetch {
+        s += " forward-prefetch";
+    }
+    s
+}
+
 /// The rows of the global batch rank `r` of `w` trains on.
 pub fn rows(r: usize, w: usize) -> (usize, usize) {
     (r * ROWS / w, (r + 1) * ROWS / w)
 }
 
-/// `run` through fsdp at `world` thread ranks, units by `wrap`.
-pub fn sharded<M: 'static>(
-    run: &Run<M>,
-    world: usize,
-    strategy: ShardingStrategy,
-    wrap: &Wrap,
-) -> Trained {
+/// `run` through fsdp at `world` thread ranks with `cfg`, units by `wrap`.
+pub fn sharded<M: 'static>(run: &Run<M>, world: usize, cfg: &FsdpConfig, wrap: &Wrap) -> Trained {
     let (build, loss, init, opt, steps) = (run.build, run.loss, run.init, run.opt, run.steps);
     let out = launch(&LaunchOptions::new(world), |pg| {
         let (lo, hi) = rows(pg.rank(), world);
-        let mut m = CandleFsdp::from_varmap(build, init, wrap, pg, config(strategy))?;
+        let mut m = CandleFsdp::from_varmap(build, init, wrap, pg, cfg.clone())?;
         let mut o = opt.fsdp();
         let mut losses = Vec::new();
         for s in 0..steps {
@@ -82,16 +89,23 @@ fn an_mlp_trained_through_fsdp_equals_plain_candle_sgd() {
     let want = reference(&run);
     // layers.2 stays in the root unit.
     let wrap = Wrap::prefixes(["layers.0", "layers.1"]);
-    for (world, strategy) in [
-        (1, ShardingStrategy::FullShard),
-        (2, ShardingStrategy::FullShard),
-        (2, ShardingStrategy::NoShard),
-        (4, ShardingStrategy::ShardGradOp),
-        (4, ShardingStrategy::HybridShard),
+    let offload = FsdpConfig {
+        cpu_offload: CpuOffload {
+            offload_params: true,
+        },
+        ..config(ShardingStrategy::FullShard)
+    };
+    for (world, cfg) in [
+        (1, config(ShardingStrategy::FullShard)),
+        (2, config(ShardingStrategy::FullShard)),
+        (2, offload),
+        (2, config(ShardingStrategy::NoShard)),
+        (4, config(ShardingStrategy::ShardGradOp)),
+        (4, config(ShardingStrategy::HybridShard)),
     ] {
-        let got = sharded(&run, world, strategy, &wrap);
+        let got = sharded(&run, world, &cfg, &wrap);
         compare(
-            &format!("mlp {strategy:?} world {world}"),
+            &format!("mlp {} world {world}", label(&cfg)),
             &got,
             &want,
             &init,
@@ -112,15 +126,20 @@ fn a_transformer_trained_through_fsdp_equals_plain_candle_adamw() {
     let want = reference(&run);
     // Each block a unit; embeddings and the final LayerNorm in the root.
     let wrap = Wrap::modules(|p| p.starts_with("blocks.") && p.split('.').count() == 2);
-    for (world, strategy) in [
-        (2, ShardingStrategy::ShardGradOp),
-        (4, ShardingStrategy::FullShard),
-        (4, ShardingStrategy::HybridShardZero2),
-        (2, ShardingStrategy::NoShard),
+    let prefetch = FsdpConfig {
+        forward_prefetch: true,
+        backward_prefetch: Some(BackwardPrefetch::BackwardPost),
+        ..config(ShardingStrategy::FullShard)
+    };
+    for (world, cfg) in [
+        (2, config(ShardingStrategy::ShardGradOp)),
+        (4, prefetch),
+        (4, config(ShardingStrategy::HybridShardZero2)),
+        (2, config(ShardingStrategy::NoShard)),
     ] {
-        let got = sharded(&run, world, strategy, &wrap);
+        let got = sharded(&run, world, &cfg, &wrap);
         compare(
-            &format!("gpt {strategy:?} world {world}"),
+            &format!("gpt {} world {world}", label(&cfg)),
             &got,
             &want,
             &init,
