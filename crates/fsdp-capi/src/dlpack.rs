@@ -324,7 +324,7 @@ impl ExtTensor {
                 super::device::copy_in(self.ptr as u64, self.dtype, &self.shape, i, &self.what)
             };
         }
-        fn copy<T: Element>(s: &[T], shape: &[usize], what: &str) -> crate::Result<Tensor> {
+        fn copy<T: Element>(s: &[T], shape: &[usize], what: &str) -> fsdp::Result<Tensor> {
             let v =
                 vec_from_slice(s).map_err(|e| e.allocating(|| format!("the copy of {what}")))?;
             Tensor::from_vec(v, shape)

@@ -190,7 +190,7 @@ impl SpecObj {
     ///
     /// # Errors
     /// `OutOfMemory` naming the parameter whose values do not fit twice.
-    pub(crate) fn try_clone(&self) -> crate::Result<(Vec<UnitSpec>, Vec<ParamSpec>)> {
+    pub(crate) fn try_clone(&self) -> fsdp::Result<(Vec<UnitSpec>, Vec<ParamSpec>)> {
         let params = |unit: &str, ps: &[ParamSpec]| {
             ps.iter()
                 .map(|p| {
@@ -214,13 +214,13 @@ impl SpecObj {
                         source,
                     })
                 })
-                .collect::<crate::Result<Vec<_>>>()
+                .collect::<fsdp::Result<Vec<_>>>()
         };
         let units = self
             .units
             .iter()
             .map(|u| Ok(UnitSpec::new(&u.name, params(&u.name, &u.params)?)))
-            .collect::<crate::Result<_>>()?;
+            .collect::<fsdp::Result<_>>()?;
         Ok((units, params("", &self.root)?))
     }
 
