@@ -212,6 +212,25 @@ impl TrainConfig {
             .lr(self.lr as f64, step.saturating_sub(1)) as f32
     }
 
+    /// Whether [`build_engine`](super::build_engine) builds the model on the meta device and
+    /// computes only each rank's shards (FSDP's deferred init, `param_init_fn`). It does
+    /// under FSDP in every precision but f64, whose model is built whole in f32 and
+    /// converted on every rank (`model.double()`), as is the `--no-fsdp` model.
+    pub fn init_is_deferred(&self) -> bool {
+        !self.no_fsdp && self.mixed_precision != super::Precision::F64
+    }
+
+    /// How this configuration initializes the model, for the summary line of `fsdp train`.
+    pub fn init_description(&self) -> &'static str {
+        if self.init_is_deferred() {
+            "deferred, on the meta device"
+        } else if self.no_fsdp {
+            "the whole model on every rank, no FSDP"
+        } else {
+            "the whole model on every rank, converted to f64 before wrapping"
+        }
+    }
+
     /// The GPT shape this config trains.
     pub fn gpt_config(&self) -> GptConfig {
         GptConfig {

@@ -112,7 +112,7 @@ pub fn build_engine(cfg: &TrainConfig, pg: Group) -> Result<Engine> {
     // Deferred init: the model is built on the meta device (shapes and initializers only)
     // and FSDP computes each rank's shard; no rank ever holds the whole model. An f64 model
     // is built whole and converted (`model.double()`), the same values in f64.
-    let model: Box<dyn Module> = if f64_model {
+    let model: Box<dyn Module> = if !cfg.init_is_deferred() {
         let mut m = GPT::new(cfg.gpt_config(), cfg.seed)?;
         crate::nn::module_to_dtype(&mut m, crate::tensor::DType::F64)?;
         Box::new(m)

@@ -428,7 +428,8 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         mean_tps
     );
     out!(
-        "init (deferred, on the meta device): peak parameter bytes per rank {:?}",
+        "init ({}): peak parameter bytes per rank {:?}",
+        cfg.init_description(),
         report.init_peak_bytes
     );
     if let Some(r) = last {

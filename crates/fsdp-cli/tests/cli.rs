@@ -193,7 +193,51 @@ fn a_small_run_reports_losses_eval_and_a_sample() {
     assert!(stdout.contains("eval loss"), "{stdout}");
     assert!(stdout.contains("--- sample ---"), "{stdout}");
     assert!(stdout.contains("rank 1:"), "{stdout}");
+    assert!(
+        stdout.contains("init (deferred, on the meta device)"),
+        "{stdout}"
+    );
     assert_eq!(std::fs::read_to_string(metrics).unwrap().lines().count(), 6);
+}
+
+/// The summary says how the model was initialized, and says it truly: an f64 model is built
+/// whole on every rank and converted, not on the meta device.
+#[test]
+fn the_init_line_names_whole_model_builds() {
+    let text = tmp("init.txt", common::corpus(20_000).as_bytes());
+    let run = |extra: &[&str]| {
+        let out = fsdp()
+            .args(["train", "--data", text.to_str().unwrap(), "--steps", "1"])
+            .args([
+                "--world-size",
+                "2",
+                "--global-batch",
+                "2",
+                "--sample-len",
+                "0",
+            ])
+            .args(TINY_MODEL)
+            .args(extra)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(out.status.success(), "{extra:?}: {stdout}");
+        stdout
+            .lines()
+            .find(|l| l.starts_with("init ("))
+            .unwrap_or_default()
+            .to_string()
+    };
+    let f64_line = run(&["--mixed-precision", "f64"]);
+    assert!(
+        f64_line.starts_with("init (the whole model on every rank, converted to f64"),
+        "{f64_line}"
+    );
+    let bf16 = run(&["--mixed-precision", "bf16"]);
+    assert!(
+        bf16.starts_with("init (deferred, on the meta device)"),
+        "{bf16}"
+    );
 }
 
 #[test]
