@@ -81,11 +81,14 @@ pub enum Phase {
     /// The ranks' agreement at the end of a backward, before waiting for its gradient
     /// reductions (which run on another communicator than the gathers).
     EndOfBackward = 7,
+    /// Construction of a declared model (`fully_shard`, `fsdp_model_new`): the ranks'
+    /// check that they passed the same settings and declared the same units.
+    Declaration = 8,
 }
 
 impl Phase {
     /// All phases, indexed by their code.
-    pub const ALL: [Phase; 8] = [
+    pub const ALL: [Phase; 9] = [
         Phase::Init,
         Phase::Forward,
         Phase::NoGradForward,
@@ -94,6 +97,7 @@ impl Phase {
         Phase::ClipGradNorm,
         Phase::StateDict,
         Phase::EndOfBackward,
+        Phase::Declaration,
     ];
 
     /// The phase of wire code `c`.
@@ -103,14 +107,15 @@ impl Phase {
 
     fn text(self) -> &'static str {
         match self {
-            Phase::Init => "init (sync_module_states)",
+            Phase::Init => "init",
             Phase::Forward => "forward",
             Phase::NoGradForward => "forward without grad",
             Phase::Backward => "backward",
             Phase::Reduce => "gradient reduction",
-            Phase::ClipGradNorm => "clip_grad_norm_",
+            Phase::ClipGradNorm => crate::error::Term::ClipGradNorm.as_str(),
             Phase::StateDict => "state dict",
             Phase::EndOfBackward => "end of backward",
+            Phase::Declaration => "the declaration check",
         }
     }
 }
@@ -137,9 +142,18 @@ pub struct Fingerprint {
 
 impl std::fmt::Display for Fingerprint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.phase == Phase::Declaration {
+            return write!(
+                f,
+                "{} of {}",
+                self.phase.text(),
+                crate::error::Term::BuildModel
+            );
+        }
         write!(f, "{} of unit {}", self.phase.text(), self.unit)?;
         match self.phase {
-            Phase::Init => Ok(()),
+            Phase::Init => write!(f, " ({})", crate::error::Term::SyncModuleStates),
+            Phase::Declaration => Ok(()),
             Phase::StateDict | Phase::ClipGradNorm => write!(f, " (step {})", self.step),
             Phase::EndOfBackward => write!(
                 f,

@@ -1,8 +1,10 @@
 //! The ranks' agreement on a declared model, before anything is built: every rank must
+//! pass the same settings that shape the collectives (sharding strategy, hybrid node size,
+//! mixed precision, CPU offload, prefetching, `sync_module_states`, the device type) and
 //! declare the same units, parameter names, shapes, dtypes and `requires_grad`, in the
-//! same order, or the FlatParameters of the ranks would not line up (a transposed shape
-//! of the same element count trains wrong silently; units in another order pair the wrong
-//! gathers). One all-gather of a 64-bit hash of each rank's declaration (8 bytes a rank)
+//! same order, or the ranks' collectives would not line up (a hybrid rank beside a
+//! full-shard one waits for a group that never forms; a transposed shape of the same
+//! element count trains wrong silently; units in another order pair the wrong gathers). One all-gather of a 64-bit hash of each rank's declaration (8 bytes a rank)
 //! decides; only when the hashes differ do the ranks exchange their declarations, so
 //! that every rank reports the same first difference, naming both ranks
 //! (`CollectiveMismatch`). FSDP1 has no such check (`_sync_params_and_buffers` compares
@@ -12,13 +14,23 @@
 use super::{ParamSpec, UnitSpec};
 use crate::distributed::fingerprint::{self, Fingerprint, Name, Phase};
 use crate::distributed::{staged, Group};
-use crate::error::{Error, Result, Term};
+use crate::error::{Api, Error, Result};
+use crate::fsdp::FsdpConfig;
 use crate::tensor::{DType, Tensor};
 
-/// One declared item, in declaration order: the root's parameters (unit `""`) first, then
-/// each unit followed by its parameters.
+/// One declared item, in declaration order: the settings first, then the root's
+/// parameters (unit `""`), then each unit followed by its parameters.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Entry {
+    /// A setting of the configuration that every rank must give alike: its name and value
+    /// in Rust (`FsdpConfig::...`) and in C (`fsdp_config....`, the header's constants; an
+    /// empty name where the C ABI has no such field).
+    Setting {
+        rust: String,
+        c: String,
+        value: String,
+        c_value: String,
+    },
     Unit(String),
     Param {
         unit: String,
@@ -32,6 +44,113 @@ enum Entry {
 
 /// Every declared parameter is f32 (FlatParameters hold f32 master weights).
 const DECLARED_DTYPE: DType = DType::F32;
+
+/// The settings of `config` that the ranks' collectives depend on, in a fixed order.
+fn settings(config: &FsdpConfig) -> Vec<Entry> {
+    let set = |rust: &str, c: &str, value: String, c_value: String| Entry::Setting {
+        rust: format!("FsdpConfig::{rust}"),
+        c: if c.is_empty() {
+            String::new()
+        } else {
+            format!("fsdp_config.{c}")
+        },
+        value,
+        c_value,
+    };
+    let both = |v: String| (v.clone(), v);
+    let strategy = |api: Api| {
+        let _api = api.enter();
+        config.sharding_strategy.api_name().to_string()
+    };
+    let precision = match &config.mixed_precision {
+        None => ("None".to_string(), "FSDP_PRECISION_F32".to_string()),
+        Some(mp) => {
+            let d = |t: Option<DType>| t.map_or("None".to_string(), |t| t.to_string());
+            let rust = format!(
+                "param_dtype {}, reduce_dtype {}, buffer_dtype {}, keep_low_precision_grads {}",
+                d(mp.param_dtype),
+                d(mp.reduce_dtype),
+                d(mp.buffer_dtype),
+                mp.keep_low_precision_grads
+            );
+            let c = match mp.param_dtype {
+                Some(DType::BF16) => "FSDP_PRECISION_BF16".to_string(),
+                Some(DType::F16) => "FSDP_PRECISION_F16".to_string(),
+                _ => rust.clone(),
+            };
+            (rust, c)
+        }
+    };
+    let prefetch = match config.backward_prefetch {
+        None => ("None".to_string(), "FSDP_BACKWARD_PREFETCH_NONE"),
+        Some(b @ crate::fsdp::BackwardPrefetch::BackwardPre) => {
+            (format!("{b:?}"), "FSDP_BACKWARD_PREFETCH_PRE")
+        }
+        Some(b @ crate::fsdp::BackwardPrefetch::BackwardPost) => {
+            (format!("{b:?}"), "FSDP_BACKWARD_PREFETCH_POST")
+        }
+    };
+    let device = match config.device_id {
+        Some(d) if d.is_cuda() => ("cuda".to_string(), "kDLCUDA".to_string()),
+        _ => ("cpu".to_string(), "kDLCPU".to_string()),
+    };
+    let flag = |b: bool| both(b.to_string());
+    let entry = |rust: &str, c: &str, (v, cv): (String, String)| set(rust, c, v, cv);
+    vec![
+        entry(
+            "sharding_strategy",
+            "sharding_strategy",
+            (strategy(Api::Rust), strategy(Api::C)),
+        ),
+        entry(
+            "ranks_per_node",
+            "ranks_per_node",
+            (
+                format!("{:?}", config.ranks_per_node),
+                config.ranks_per_node.unwrap_or(0).to_string(),
+            ),
+        ),
+        entry(
+            "hybrid_groups",
+            "",
+            both(
+                if config.hybrid_groups.is_some() {
+                    "Some"
+                } else {
+                    "None"
+                }
+                .to_string(),
+            ),
+        ),
+        entry("mixed_precision", "mixed_precision", precision),
+        entry(
+            "cpu_offload",
+            "cpu_offload",
+            flag(config.cpu_offload.offload_params),
+        ),
+        entry(
+            "backward_prefetch",
+            "backward_prefetch",
+            (prefetch.0, prefetch.1.to_string()),
+        ),
+        entry(
+            "forward_prefetch",
+            "forward_prefetch",
+            flag(config.forward_prefetch),
+        ),
+        entry(
+            "limit_all_gathers",
+            "limit_all_gathers",
+            flag(config.limit_all_gathers),
+        ),
+        entry(
+            "sync_module_states",
+            "sync_module_states",
+            flag(config.sync_module_states),
+        ),
+        entry("device_id", "device", device),
+    ]
+}
 
 fn entries(units: &[UnitSpec], root: &[ParamSpec]) -> Vec<Entry> {
     let param = |unit: &str, p: &ParamSpec| Entry::Param {
@@ -62,6 +181,17 @@ fn encode(entries: &[Entry]) -> Vec<u8> {
             Entry::Unit(name) => {
                 b.push(0);
                 put_str(&mut b, name);
+            }
+            Entry::Setting {
+                rust,
+                c,
+                value,
+                c_value,
+            } => {
+                b.push(2);
+                for s in [rust, c, value, c_value] {
+                    put_str(&mut b, s);
+                }
             }
             Entry::Param {
                 unit,
@@ -121,6 +251,12 @@ fn decode(mut b: &[u8]) -> Option<Vec<Entry>> {
                     trainable,
                 }
             }
+            2 => Entry::Setting {
+                rust: str_of(&mut b)?,
+                c: str_of(&mut b)?,
+                value: str_of(&mut b)?,
+                c_value: str_of(&mut b)?,
+            },
             _ => return None,
         });
     }
@@ -139,6 +275,7 @@ fn show(e: Option<&Entry>) -> String {
     match e {
         None => "nothing more".to_string(),
         Some(Entry::Unit(u)) => unit_name(u),
+        Some(Entry::Setting { rust, value, .. }) => format!("{rust} = {value}"),
         Some(Entry::Param {
             unit, name, shape, ..
         }) => format!("{} parameter '{name}' of shape {shape:?}", unit_name(unit)),
@@ -150,7 +287,33 @@ fn first_difference(a: &[Entry], b: &[Entry], r: usize) -> String {
     let at = (0..a.len().max(b.len()))
         .find(|&i| a.get(i) != b.get(i))
         .unwrap_or(0);
+    // Declarations are numbered from the first unit or parameter, after the settings.
+    let declared = at
+        - a[..at.min(a.len())]
+            .iter()
+            .filter(|e| matches!(e, Entry::Setting { .. }))
+            .count();
     match (a.get(at), b.get(at)) {
+        (
+            Some(Entry::Setting {
+                rust: ra,
+                c: ca,
+                value: va,
+                c_value: cva,
+            }),
+            Some(Entry::Setting {
+                rust: rb,
+                value: vb,
+                c_value: cvb,
+                ..
+            }),
+        ) if ra == rb => {
+            let (name, a, b) = match Api::current() {
+                Api::C if !ca.is_empty() => (ca, cva, cvb),
+                _ => (ra, va, vb),
+            };
+            format!("rank {r} passed {name} = {b}, rank 0 {name} = {a}")
+        }
         (
             Some(Entry::Param {
                 unit: ua,
@@ -178,31 +341,39 @@ fn first_difference(a: &[Entry], b: &[Entry], r: usize) -> String {
             }
         }
         (ea, eb) => format!(
-            "declaration {at}: rank {r} declared {}, rank 0 {}",
+            "declaration {declared}: rank {r} declared {}, rank 0 {}",
             show(eb),
             show(ea)
         ),
     }
 }
 
-/// Checks that every rank of `pg` declared `units` and `root` alike (a collective; free
-/// on a world of one).
+/// Checks that every rank of `pg` passed the same collective-shaping settings of `config`
+/// and declared `units` and `root` alike (a collective; free on a world of one).
 ///
 /// # Errors
 /// `CollectiveMismatch` naming the first difference between rank 0 and the lowest rank
-/// that differs from it, the same on every rank; the collectives' errors.
-pub(super) fn same_on_every_rank(pg: &Group, units: &[UnitSpec], root: &[ParamSpec]) -> Result<()> {
+/// that differs from it (a setting by its field name and both values, or a declaration),
+/// the same on every rank; the collectives' errors.
+pub(super) fn same_on_every_rank(
+    pg: &Group,
+    config: &FsdpConfig,
+    units: &[UnitSpec],
+    root: &[ParamSpec],
+) -> Result<()> {
     if pg.size() == 1 {
         return Ok(());
     }
     let _tag = fingerprint::enter(Some(Fingerprint {
         unit: Name::new(""),
-        phase: Phase::Init,
+        phase: Phase::Declaration,
         step: 0,
         micro_batch: 0,
         call: 0,
     }));
-    let mine = encode(&entries(units, root));
+    let mut all_entries = settings(config);
+    all_entries.extend(entries(units, root));
+    let mine = encode(&all_entries);
     let h = crate::hash::fnv1a(&mine);
     let words = vec![h as u32 as i32, (h >> 32) as u32 as i32];
     let hash = Tensor::from_vec(words, &[2])?;
@@ -229,8 +400,7 @@ pub(super) fn same_on_every_rank(pg: &Group, units: &[UnitSpec], root: &[ParamSp
     Err(Error::CollectiveMismatch {
         group_size: pg.size(),
         detail: format!(
-            "{}: the ranks declared different models: {}; every rank declares the same units and parameters (names, shapes, dtypes, requires_grad) in the same order",
-            Term::BuildModel,
+            "the ranks declared different models or configurations: {}; every rank passes the same configuration and declares the same units and parameters (names, shapes, dtypes, requires_grad) in the same order",
             first_difference(&first, &theirs, r)
         ),
     })
@@ -273,6 +443,50 @@ mod tests {
         assert_eq!(
             first_difference(&a, &a[..a.len() - 1], 1),
             "declaration 6: rank 1 declared nothing more, rank 0 unit 'layer1' parameter 'bias' of shape [3]"
+        );
+    }
+
+    #[test]
+    fn the_first_differing_setting_is_named_as_the_callers_api_spells_it() {
+        use crate::fsdp::{MixedPrecision, ShardingStrategy};
+        let full = FsdpConfig::default();
+        let hybrid = FsdpConfig {
+            sharding_strategy: ShardingStrategy::HybridShard,
+            ranks_per_node: Some(1),
+            ..FsdpConfig::default()
+        };
+        let with = |c: &FsdpConfig| {
+            let mut e = settings(c);
+            e.extend(entries(&[], &[ParamSpec::empty("w", &[2])]));
+            e
+        };
+        let (a, b) = (with(&full), with(&hybrid));
+        assert_eq!(decode(&encode(&b)), Some(b.clone()));
+        assert_eq!(
+            first_difference(&a, &b, 1),
+            "rank 1 passed FsdpConfig::sharding_strategy = HybridShard, rank 0 FsdpConfig::sharding_strategy = FullShard"
+        );
+        {
+            let _c = Api::C.enter();
+            assert_eq!(
+                first_difference(&a, &b, 1),
+                "rank 1 passed fsdp_config.sharding_strategy = FSDP_HYBRID_SHARD, rank 0 fsdp_config.sharding_strategy = FSDP_FULL_SHARD"
+            );
+            let bf16 = FsdpConfig {
+                mixed_precision: Some(MixedPrecision::uniform(DType::BF16)),
+                ..FsdpConfig::default()
+            };
+            assert_eq!(
+                first_difference(&a, &with(&bf16), 3),
+                "rank 3 passed fsdp_config.mixed_precision = FSDP_PRECISION_BF16, rank 0 fsdp_config.mixed_precision = FSDP_PRECISION_F32"
+            );
+        }
+        // Equal settings, then the declarations are compared and numbered from 0.
+        let mut c = settings(&full);
+        c.extend(entries(&[], &[ParamSpec::empty("v", &[2])]));
+        assert_eq!(
+            first_difference(&a, &c, 1),
+            "declaration 0: rank 1 declared the root parameter 'v' of shape [2], rank 0 the root parameter 'w' of shape [2]"
         );
     }
 }

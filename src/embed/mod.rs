@@ -195,7 +195,7 @@ pub fn fully_shard(
             "fully_shard: the units are declared; leave FsdpConfig::auto_wrap_policy unset".into(),
         ));
     }
-    agree::same_on_every_rank(&pg, &units, &root_params)?;
+    agree::same_on_every_rank(&pg, &config, &units, &root_params)?;
     // Reported after the names are checked (a malformed name is the first thing to fix).
     let values = check_values(&units, &root_params, &config);
     let mut root = HostModule::new("");

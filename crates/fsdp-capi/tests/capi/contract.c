@@ -326,8 +326,8 @@ static void *views_checks(void *arg) {
 
 /* Unit "layer0" (weight [4]) and "layer1" (weight of `shape`, frozen unless `trains`), in
  * the order `swap` says. */
-static fsdp_status declare(fsdp_group_t g, int64_t rows, int64_t cols, int swap, bool trains,
-                           fsdp_model_t *out) {
+static fsdp_status declare_with(fsdp_group_t g, int64_t rows, int64_t cols, int swap, bool trains,
+                                const fsdp_config *c, fsdp_model_t *out) {
     fsdp_spec_t spec;
     MUST(fsdp_spec_new(&spec));
     const char *first = swap ? "layer1" : "layer0", *second = swap ? "layer0" : "layer1";
@@ -336,9 +336,14 @@ static fsdp_status declare(fsdp_group_t g, int64_t rows, int64_t cols, int swap,
     int64_t s4[1] = {4}, s[2] = {rows, cols};
     MUST(fsdp_spec_add_param_init(spec, "layer0", "weight", 1, s4, FSDP_INIT_CONSTANT, 0, 1, true));
     MUST(fsdp_spec_add_param_init(spec, "layer1", "weight", 2, s, FSDP_INIT_CONSTANT, 0, 1, trains));
-    fsdp_status st = fsdp_model_new(g, spec, NULL, out);
+    fsdp_status st = fsdp_model_new(g, spec, c, out);
     MUST(fsdp_spec_free(spec));
     return st;
+}
+
+static fsdp_status declare(fsdp_group_t g, int64_t rows, int64_t cols, int swap, bool trains,
+                           fsdp_model_t *out) {
+    return declare_with(g, rows, cols, swap, trains, NULL, out);
 }
 
 static void expect_everywhere(int rank, int slot, const char *name, fsdp_status s) {
@@ -355,15 +360,30 @@ static void *mismatch_checks(void *arg) {
                       declare(world, rank == 0 ? 2 : 3, rank == 0 ? 3 : 2, 0, true, &m));
     expect_everywhere(rank, 1, "units_in_another_order", declare(world, 2, 3, rank, true, &m));
     expect_everywhere(rank, 2, "frozen_on_one_rank", declare(world, 2, 3, 0, rank == 0, &m));
+    /* The same model under another configuration on rank 1: a hybrid rank beside a
+     * full-shard one would wait for a node group that never forms. */
+    fsdp_config c = config(FSDP_FULL_SHARD, FSDP_PRECISION_F32);
+    if (rank == 1) {
+        c.sharding_strategy = FSDP_HYBRID_SHARD;
+        c.ranks_per_node = 1;
+    }
+    expect_everywhere(rank, 3, "strategy_on_one_rank", declare_with(world, 2, 3, 0, true, &c, &m));
+    c = config(FSDP_FULL_SHARD, rank == 1 ? FSDP_PRECISION_BF16 : FSDP_PRECISION_F32);
+    expect_everywhere(rank, 4, "precision_on_one_rank", declare_with(world, 2, 3, 0, true, &c, &m));
+    c = config(FSDP_FULL_SHARD, FSDP_PRECISION_F32);
+    c.sync_module_states = rank == 0;
+    expect_everywhere(rank, 5, "sync_module_states_on_one_rank",
+                      declare_with(world, 2, 3, 0, true, &c, &m));
     MUST(fsdp_barrier(world)); /* rank 1's statuses are recorded */
-    char detail[96];
-    snprintf(detail, sizeof detail, "rank 1: %s, %s, %s", fsdp_status_name(rank1_status[0]),
-             fsdp_status_name(rank1_status[1]), fsdp_status_name(rank1_status[2]));
-    check(rank, "every_rank_refused",
-          rank1_status[0] == FSDP_ERR_COLLECTIVE_MISMATCH &&
-              rank1_status[1] == FSDP_ERR_COLLECTIVE_MISMATCH &&
-              rank1_status[2] == FSDP_ERR_COLLECTIVE_MISMATCH && m.id == 0,
-          detail);
+    char detail[160];
+    bool all = m.id == 0;
+    int used = snprintf(detail, sizeof detail, "rank 1:");
+    for (int i = 0; i < 6; i++) {
+        all = all && rank1_status[i] == FSDP_ERR_COLLECTIVE_MISMATCH;
+        used += snprintf(detail + used, sizeof detail - (size_t)used, " %s",
+                         fsdp_status_name(rank1_status[i]));
+    }
+    check(rank, "every_rank_refused", all, detail);
     /* The world is still usable: the same declaration builds and gathers. */
     MUST(declare(world, 2, 3, 0, true, &m));
     Flat f = {{0}, 0};

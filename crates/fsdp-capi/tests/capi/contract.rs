@@ -194,17 +194,32 @@ fn ranks_that_declare_different_models_all_fail_at_fsdp_model_new() {
             (
                 "transposed_shape",
                 "FSDP_ERR_COLLECTIVE_MISMATCH",
-                "fsdp_model_new: collective mismatch in group of 2 ranks: fsdp_model_new: the ranks declared different models: rank 1 declared unit 'layer1' parameter 'weight' with shape [3, 2], rank 0 with shape [2, 3]; every rank declares the same units and parameters",
+                "fsdp_model_new: collective mismatch in group of 2 ranks: the ranks declared different models or configurations: rank 1 declared unit 'layer1' parameter 'weight' with shape [3, 2], rank 0 with shape [2, 3]; every rank passes the same configuration and declares the same units and parameters",
             ),
             (
                 "units_in_another_order",
                 "FSDP_ERR_COLLECTIVE_MISMATCH",
-                "the ranks declared different models: declaration 0: rank 1 declared unit 'layer1', rank 0 unit 'layer0'",
+                "the ranks declared different models or configurations: declaration 0: rank 1 declared unit 'layer1', rank 0 unit 'layer0'",
             ),
             (
                 "frozen_on_one_rank",
                 "FSDP_ERR_COLLECTIVE_MISMATCH",
                 "rank 1 declared unit 'layer1' parameter 'weight' frozen, rank 0 trainable",
+            ),
+            (
+                "strategy_on_one_rank",
+                "FSDP_ERR_COLLECTIVE_MISMATCH",
+                "rank 1 passed fsdp_config.sharding_strategy = FSDP_HYBRID_SHARD, rank 0 fsdp_config.sharding_strategy = FSDP_FULL_SHARD",
+            ),
+            (
+                "precision_on_one_rank",
+                "FSDP_ERR_COLLECTIVE_MISMATCH",
+                "rank 1 passed fsdp_config.mixed_precision = FSDP_PRECISION_BF16, rank 0 fsdp_config.mixed_precision = FSDP_PRECISION_F32",
+            ),
+            (
+                "sync_module_states_on_one_rank",
+                "FSDP_ERR_COLLECTIVE_MISMATCH",
+                "rank 1 passed fsdp_config.sync_module_states = false, rank 0 fsdp_config.sync_module_states = true",
             ),
         ],
         &["every_rank_refused", "world_usable_after_mismatch"],
