@@ -11,6 +11,8 @@
 //! | [`module_to_device`], [`module_to_dtype`] | `device.rs` | `nn.Module.to(device)`, `.to(dtype)` / `.double()` |
 //! | [`Parameter`] | `parameter.rs` | `nn.Parameter` |
 //! | [`Linear`] | `linear.rs` | `nn.Linear` |
+//! | [`CheckpointWrapper`], [`apply_activation_checkpointing`], [`CheckpointPolicy`] | `checkpoint_wrapper.rs` | `checkpoint_wrapper`, `apply_activation_checkpointing(model, check_fn=...)` |
+//! | [`saved_activation_bytes`], [`track_saved_activations`], [`saved_activation_peak`] | `saved.rs` | saved tensors' bytes (`torch.cuda.memory_allocated` at the end of forward; the recompute's peak) |
 //! | [`ReLU`], [`GELU`] | `activation.rs` | `nn.ReLU`, `nn.GELU()` |
 //! | [`LayerNorm`] | `layernorm.rs` | `nn.LayerNorm` |
 //! | [`Embedding`] | `embedding.rs` | `nn.Embedding` |
@@ -28,6 +30,7 @@ mod activation;
 mod attention;
 mod batchnorm;
 mod buffer;
+mod checkpoint_wrapper;
 mod container;
 mod device;
 mod embedding;
@@ -48,6 +51,8 @@ pub use attention::CausalSelfAttention;
 pub use batchnorm::BatchNorm1d;
 pub(crate) use buffer::{buffers_to_device, round_buffers};
 pub use buffer::{named_buffers, visit_buffers, BufferVisitor, ModuleBuffer};
+pub(crate) use checkpoint_wrapper::is_checkpoint_wrapper;
+pub use checkpoint_wrapper::{apply_activation_checkpointing, CheckpointPolicy, CheckpointWrapper};
 pub use container::{ModuleDict, ModuleList, Sequential};
 pub use device::{module_to_device, module_to_dtype};
 pub use embedding::{embedding_backward, embedding_lookup, Embedding};
@@ -61,7 +66,7 @@ pub use module::{
     visit_parameters, zero_grad, ChildVisitor, Context, Module, ParamVisitor,
 };
 pub use parameter::Parameter;
-pub use saved::saved_activation_bytes;
+pub use saved::{saved_activation_bytes, saved_activation_peak, track_saved_activations};
 pub use state_dict::{load_state_dict, state_dict, FullStateDict, IncompatibleKeys};
 pub use torch_rng::TorchGenerator;
 pub use transformer::{Block, MLP};

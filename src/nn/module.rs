@@ -162,6 +162,14 @@ pub trait Module: Send {
         false
     }
 
+    /// True for a wrapper that adds no name: its one child is visited under the name `""`,
+    /// so the names below it are those the wrapped module had (an FSDP unit, a
+    /// [`CheckpointWrapper`](crate::nn::CheckpointWrapper)); [`check_names`] accepts the
+    /// empty name there. Defaults to [`is_fsdp_unit`](Self::is_fsdp_unit).
+    fn is_name_transparent(&self) -> bool {
+        self.is_fsdp_unit()
+    }
+
     /// Downcasting hook: FSDP units return themselves so the root can find nested units,
     /// and the containers ([`Sequential`](super::Sequential), [`ModuleList`](super::ModuleList),
     /// [`ModuleDict`](super::ModuleDict)) so a parent can reach one held as a boxed child
@@ -309,8 +317,9 @@ pub fn check_names(m: &mut dyn Module) -> Result<()> {
             }
             Ok(())
         })?;
+        let transparent = m.is_name_transparent();
         m.for_each_child(&mut |name, child| {
-            if name.is_empty() {
+            if name.is_empty() && !transparent {
                 crate::error::bail_arg!(
                     "{} names a child module \"\" (PyTorch: module name can't be empty string)",
                     at(prefix)
