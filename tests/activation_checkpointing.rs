@@ -44,7 +44,10 @@ fn blocks() -> CheckpointPolicy {
 }
 
 /// Every parameter's gradient, then every parameter, as bits, in `named_parameters()` order.
-fn grads_and_params(m: &mut dyn Module) -> (Vec<(String, Vec<u32>)>, Vec<(String, Vec<u32>)>) {
+/// `(name, bits)` per parameter.
+type Named = Vec<(String, Vec<u32>)>;
+
+fn grads_and_params(m: &mut dyn Module) -> (Named, Named) {
     let (mut g, mut p) = (Vec::new(), Vec::new());
     visit_parameters(m, "", false, &mut |n, q| {
         g.push((n.to_string(), q.grad().map(bits).unwrap_or_default()));
@@ -57,12 +60,7 @@ fn grads_and_params(m: &mut dyn Module) -> (Vec<(String, Vec<u32>)>, Vec<(String
 
 /// Per step of a plain (unwrapped) GPT of 3 blocks, AdamW: gradients and parameters after
 /// the step, and the saved-activation bytes (end of forward, peak over the step).
-type PlainRun = Vec<(
-    Vec<(String, Vec<u32>)>,
-    Vec<(String, Vec<u32>)>,
-    usize,
-    usize,
-)>;
+type PlainRun = Vec<(Named, Named, usize, usize)>;
 
 fn plain_run(checkpoint: bool) -> PlainRun {
     let mut m = small_gpt(3);
@@ -191,7 +189,7 @@ enum Ckpt {
 
 /// Per step, rank by rank: the local gradient shards after backward, then (rank 0) the
 /// full parameters after the optimizer step, as bits; and the rank's activation bytes.
-type FsdpRun = Vec<(Vec<Vec<u32>>, Vec<(String, Vec<u32>)>, usize)>;
+type FsdpRun = Vec<(Vec<Vec<u32>>, Named, usize)>;
 
 fn fsdp_run(w: usize, strategy: ShardingStrategy, ckpt: Ckpt) -> Vec<FsdpRun> {
     launch(&LaunchOptions::new(w), |pg| {
@@ -404,13 +402,7 @@ fn rng_model() -> Box<dyn Module> {
 
 /// Per step: gradients, parameters, buffers (running stats, the dropout counter) as bits,
 /// and the dropout mask's zeros.
-fn rng_run(
-    checkpoint: bool,
-) -> Vec<(
-    Vec<(String, Vec<u32>)>,
-    Vec<(String, Vec<u32>)>,
-    Vec<String>,
-)> {
+fn rng_run(checkpoint: bool) -> Vec<(Named, Named, Vec<String>)> {
     let mut m = rng_model();
     if checkpoint {
         let n = apply_activation_checkpointing(m.as_mut(), &CheckpointPolicy::types(["Layer"]))
@@ -542,6 +534,21 @@ fn modules_where_checkpointing_cannot_work_are_refused() {
             module: "CheckpointWrapper"
         })
     ));
+
+    // State the recompute cannot replay: a buffer that changed shape after the forward.
+    let mut w = CheckpointWrapper::new(Box::new(Dropout::new(0.5))).unwrap();
+    w.forward(&x, &Context::train()).unwrap();
+    fsdp::nn::visit_buffers(&mut w, "", false, &mut |_, b| {
+        b.data = Tensor::from_vec(vec![0i64; 2], &[2])?;
+        Ok(())
+    })
+    .unwrap();
+    let e = err_text(w.backward(&x, &Context::train()));
+    assert!(
+        e.contains("buffers changed between its forward and its backward")
+            && e.contains("'rng_counter'"),
+        "{e}"
+    );
 
     let errs = launch(&LaunchOptions::new(2), |pg| {
         let cfg = || FsdpConfig {

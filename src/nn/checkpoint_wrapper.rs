@@ -257,6 +257,9 @@ impl Module for CheckpointWrapper {
     }
 }
 
+/// A [`CheckpointPolicy::Predicate`]: `(fully qualified name, module) -> checkpoint it`.
+pub type CheckpointFn = dyn Fn(&str, &dyn Module) -> bool + Send + Sync;
+
 /// The `check_fn` of [`apply_activation_checkpointing`]: which submodules to checkpoint.
 #[derive(Clone)]
 pub enum CheckpointPolicy {
@@ -264,7 +267,7 @@ pub enum CheckpointPolicy {
     Types(HashSet<String>),
     /// Any closure `(fully qualified name, module) -> bool` (PyTorch's `check_fn` takes
     /// the module only).
-    Predicate(Arc<dyn Fn(&str, &dyn Module) -> bool + Send + Sync>),
+    Predicate(Arc<CheckpointFn>),
 }
 
 impl CheckpointPolicy {

@@ -52,7 +52,9 @@ pub use batchnorm::BatchNorm1d;
 pub(crate) use buffer::{buffers_to_device, round_buffers};
 pub use buffer::{named_buffers, visit_buffers, BufferVisitor, ModuleBuffer};
 pub(crate) use checkpoint_wrapper::is_checkpoint_wrapper;
-pub use checkpoint_wrapper::{apply_activation_checkpointing, CheckpointPolicy, CheckpointWrapper};
+pub use checkpoint_wrapper::{
+    apply_activation_checkpointing, CheckpointFn, CheckpointPolicy, CheckpointWrapper,
+};
 pub use container::{ModuleDict, ModuleList, Sequential};
 pub use device::{module_to_device, module_to_dtype};
 pub use embedding::{embedding_backward, embedding_lookup, Embedding};
