@@ -24,14 +24,6 @@ use fsdp::{Error, Result};
 
 const STEPS: usize = 3;
 
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.to_vec_f32()
-        .unwrap()
-        .iter()
-        .map(|v| v.to_bits())
-        .collect()
-}
-
 fn adamw() -> AdamW {
     AdamW::new(AdamConfig {
         lr: 1e-2,
@@ -50,8 +42,11 @@ type Named = Vec<(String, Vec<u32>)>;
 fn grads_and_params(m: &mut dyn Module) -> (Named, Named) {
     let (mut g, mut p) = (Vec::new(), Vec::new());
     visit_parameters(m, "", false, &mut |n, q| {
-        g.push((n.to_string(), q.grad().map(bits).unwrap_or_default()));
-        p.push((n.to_string(), bits(q.data()?)));
+        g.push((
+            n.to_string(),
+            q.grad().map(common::f32_bits).unwrap_or_default(),
+        ));
+        p.push((n.to_string(), common::f32_bits(q.data()?)));
         Ok(())
     })
     .unwrap();
@@ -222,7 +217,7 @@ fn fsdp_run(w: usize, strategy: ShardingStrategy, ckpt: Ckpt) -> Vec<FsdpRun> {
             let grads = m
                 .optimizer_params()
                 .iter()
-                .map(|p| p.grad.as_ref().map(bits).unwrap_or_default())
+                .map(|p| p.grad.as_ref().map(common::f32_bits).unwrap_or_default())
                 .collect();
             opt.step(&m.optimizer_params())?;
             m.zero_grad();
@@ -426,7 +421,7 @@ fn rng_run(checkpoint: bool) -> Vec<(Named, Named, Vec<String>)> {
             .into_iter()
             .map(|(n, t)| match t.dtype() {
                 fsdp::tensor::DType::I64 => format!("{n}={:?}", t.data::<i64>().unwrap().to_vec()),
-                _ => format!("{n}={:?}", bits(&t)),
+                _ => format!("{n}={:?}", common::f32_bits(&t)),
             })
             .collect();
         out.push((grads, params, buffers));
@@ -491,7 +486,7 @@ fn names_and_state_dict_keys_are_unchanged_by_the_wrapper() {
     let ids = Tensor::from_vec(vec![3i32; 2 * 6], &[2, 6]).unwrap();
     let a = plain.forward(&ids, &Context::eval()).unwrap();
     let b = ck.forward(&ids, &Context::eval()).unwrap();
-    assert_eq!(bits(&a), bits(&b));
+    assert_eq!(common::f32_bits(&a), common::f32_bits(&b));
     assert_eq!(saved_activation_bytes(ck.as_mut()).unwrap(), 0);
 }
 

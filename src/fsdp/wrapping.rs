@@ -12,8 +12,7 @@ use crate::backend::Device;
 use crate::distributed::{DeviceMesh, Group};
 use crate::error::{Error, Result, Term};
 use crate::nn::{
-    is_checkpoint_wrapper, join_name, visit_all, visit_parameters, CheckpointWrapper, Module,
-    Sequential,
+    first_fsdp_unit, join_name, visit_all, visit_parameters, CheckpointWrapper, Module, Sequential,
 };
 use crate::tensor::{DType, Tensor};
 use parking_lot::Mutex;
@@ -436,10 +435,12 @@ fn unit_around_checkpoint(child: &mut Box<dyn Module>) {
 /// `InvalidArgument` naming the first [`CheckpointWrapper`] at or below `m` that holds an
 /// FSDP unit ([Note: checkpointing inside the unit]).
 fn check_checkpoint_boundaries(m: &mut dyn Module, prefix: &str) -> Result<()> {
-    if is_checkpoint_wrapper(m) {
-        let mut unit = None;
-        find_unit(m, prefix, &mut unit)?;
-        if let Some(u) = unit {
+    if let Some(ck) = m
+        .as_any_mut()
+        .and_then(|a| a.downcast_mut::<CheckpointWrapper>())
+    {
+        // The wrapper adds no name: its module's path is its own.
+        if let Some(u) = first_fsdp_unit(ck.module_mut().as_mut(), prefix)? {
             crate::error::bail_arg!(
                 "activation checkpointing of '{prefix}' would enclose FSDP unit '{u}': its recompute would run the unit's forward hooks inside the backward. Let the auto_wrap_policy pick the checkpointed module itself (FSDP then goes around the wrapper), or apply_activation_checkpointing after FullyShardedDataParallel::new"
             );
@@ -448,18 +449,6 @@ fn check_checkpoint_boundaries(m: &mut dyn Module, prefix: &str) -> Result<()> {
     }
     m.for_each_child(&mut |name, child| {
         check_checkpoint_boundaries(child.as_mut(), &join_name(prefix, name))
-    })
-}
-
-/// The first FSDP unit strictly below `m`.
-fn find_unit(m: &mut dyn Module, prefix: &str, out: &mut Option<String>) -> Result<()> {
-    m.for_each_child(&mut |name, child| {
-        let fqn = join_name(prefix, name);
-        if out.is_none() && child.is_fsdp_unit() {
-            *out = Some(fqn);
-            return Ok(());
-        }
-        find_unit(child.as_mut(), &fqn, out)
     })
 }
 

@@ -98,7 +98,7 @@ impl CheckpointWrapper {
 }
 
 /// Whether `m` is a [`CheckpointWrapper`].
-pub(crate) fn is_checkpoint_wrapper(m: &mut dyn Module) -> bool {
+fn is_checkpoint_wrapper(m: &mut dyn Module) -> bool {
     m.as_any_mut()
         .is_some_and(|a| a.downcast_mut::<CheckpointWrapper>().is_some())
 }
@@ -118,7 +118,7 @@ fn check_checkpointable(m: &mut dyn Module, fqn: &str) -> Result<()> {
             "activation checkpointing of {at}: it has no forward of its own (a parent module calls its children), so there is nothing to recompute; checkpoint the modules it holds"
         );
     }
-    if let Some(unit) = first_fsdp_unit(m, fqn)? {
+    if let Some(unit) = super::first_fsdp_unit(m, fqn)? {
         let which = if unit == fqn {
             "it is an FSDP unit".to_string()
         } else {
@@ -129,21 +129,6 @@ fn check_checkpointable(m: &mut dyn Module, fqn: &str) -> Result<()> {
         );
     }
     Ok(())
-}
-
-/// The name of the first FSDP unit at or below `m`, if any.
-fn first_fsdp_unit(m: &mut dyn Module, prefix: &str) -> Result<Option<String>> {
-    if m.is_fsdp_unit() {
-        return Ok(Some(prefix.to_string()));
-    }
-    let mut found = None;
-    m.for_each_child(&mut |name, child| {
-        if found.is_none() {
-            found = first_fsdp_unit(child.as_mut(), &join_name(prefix, name))?;
-        }
-        Ok(())
-    })?;
-    Ok(found)
 }
 
 /// Copies of the buffers below `m`, in visit order.

@@ -51,7 +51,6 @@ pub use attention::CausalSelfAttention;
 pub use batchnorm::BatchNorm1d;
 pub(crate) use buffer::{buffers_to_device, round_buffers};
 pub use buffer::{named_buffers, visit_buffers, BufferVisitor, ModuleBuffer};
-pub(crate) use checkpoint_wrapper::is_checkpoint_wrapper;
 pub use checkpoint_wrapper::{
     apply_activation_checkpointing, CheckpointFn, CheckpointPolicy, CheckpointWrapper,
 };
@@ -62,11 +61,11 @@ pub use gpt::{GptConfig, GPT};
 pub use init::{materialize, on_meta_device, InitKey, ParamInit};
 pub use layernorm::LayerNorm;
 pub use linear::Linear;
-pub(crate) use module::visit_all;
 pub use module::{
     check_names, join_name, no_children, no_params, num_parameters, parameter_shapes,
     visit_parameters, zero_grad, ChildVisitor, Context, Module, ParamVisitor,
 };
+pub(crate) use module::{first_fsdp_unit, visit_all};
 pub use parameter::Parameter;
 pub use saved::{saved_activation_bytes, saved_activation_peak, track_saved_activations};
 pub use state_dict::{load_state_dict, state_dict, FullStateDict, IncompatibleKeys};

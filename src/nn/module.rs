@@ -334,6 +334,24 @@ pub fn check_names(m: &mut dyn Module) -> Result<()> {
     walk(m, "", &mut std::collections::HashSet::new())
 }
 
+/// The fully qualified name of the first FSDP unit at or below `m` (pre-order), if any.
+///
+/// # Errors
+/// A module's child-visiting error.
+pub(crate) fn first_fsdp_unit(m: &mut dyn Module, prefix: &str) -> Result<Option<String>> {
+    if m.is_fsdp_unit() {
+        return Ok(Some(prefix.to_string()));
+    }
+    let mut found = None;
+    m.for_each_child(&mut |name, child| {
+        if found.is_none() {
+            found = first_fsdp_unit(child.as_mut(), &join_name(prefix, name))?;
+        }
+        Ok(())
+    })?;
+    Ok(found)
+}
+
 /// `(fully qualified name, shape)` of every parameter, in `named_parameters()` order.
 pub fn parameter_shapes(m: &mut dyn Module) -> Vec<(String, Vec<usize>)> {
     let mut out = Vec::new();
