@@ -1,15 +1,16 @@
 //! Activation checkpointing (`CheckpointWrapper`, `apply_activation_checkpointing`): the
 //! same gradients and parameters bit for bit as without it, unwrapped and under FSDP
-//! (FullShard, ShardGradOp, NoShard at world sizes 1, 2, 4), random draws and BatchNorm
-//! statistics replayed by the recompute, fewer saved activation bytes with the recompute's
-//! peak counted, and the modules it cannot work on refused.
+//! (FullShard, ShardGradOp, NoShard at world sizes 1, 2, 4; HybridShard; bf16), random
+//! draws and BatchNorm statistics replayed by the recompute, fewer saved activation bytes
+//! with the recompute's peak counted, and the modules it cannot work on refused.
 
 mod common;
 
 use common::{gpt_step, small_gpt, small_job};
 use fsdp::distributed::{launch, LaunchOptions};
 use fsdp::fsdp::{
-    transformer_auto_wrap_policy, FsdpConfig, FullyShardedDataParallel, ShardingStrategy,
+    transformer_auto_wrap_policy, FsdpConfig, FullyShardedDataParallel, MixedPrecision,
+    ShardingStrategy,
 };
 use fsdp::nn::{
     apply_activation_checkpointing, loss, no_children, no_params, parameter_shapes,
@@ -19,6 +20,7 @@ use fsdp::nn::{
     Sequential, GELU,
 };
 use fsdp::optim::{AdamConfig, AdamW, Optimizer};
+use fsdp::tensor::DType;
 use fsdp::tensor::Tensor;
 use fsdp::{Error, Result};
 
@@ -186,7 +188,15 @@ enum Ckpt {
 /// full parameters after the optimizer step, as bits; and the rank's activation bytes.
 type FsdpRun = Vec<(Vec<Vec<u32>>, Named, usize)>;
 
-fn fsdp_run(w: usize, strategy: ShardingStrategy, ckpt: Ckpt) -> Vec<FsdpRun> {
+/// What the FSDP runs vary besides checkpointing: the strategy, and bf16 mixed precision.
+#[derive(Clone, Copy, Debug)]
+struct Setup {
+    strategy: ShardingStrategy,
+    bf16: bool,
+}
+
+fn fsdp_run(w: usize, setup: Setup, ckpt: Ckpt) -> Vec<FsdpRun> {
+    let Setup { strategy, bf16 } = setup;
     launch(&LaunchOptions::new(w), |pg| {
         let rank = pg.rank();
         let mut model = small_gpt(3);
@@ -196,6 +206,11 @@ fn fsdp_run(w: usize, strategy: ShardingStrategy, ckpt: Ckpt) -> Vec<FsdpRun> {
         let cfg = FsdpConfig {
             sharding_strategy: strategy,
             auto_wrap_policy: Some(transformer_auto_wrap_policy(["Block"])),
+            // Hybrid: 2 "nodes" at world size 4.
+            ranks_per_node: strategy
+                .is_hybrid()
+                .then(|| common::hybrid_ranks_per_node(w)),
+            mixed_precision: bf16.then(|| MixedPrecision::uniform(DType::BF16)),
             ..FsdpConfig::default()
         };
         let mut m = FullyShardedDataParallel::new(model, pg, cfg)?;
@@ -235,28 +250,60 @@ fn fsdp_run(w: usize, strategy: ShardingStrategy, ckpt: Ckpt) -> Vec<FsdpRun> {
 
 #[test]
 fn under_fsdp_gradients_and_parameters_are_bit_for_bit_those_without_checkpointing() {
+    let mut runs = Vec::new();
     for strategy in [
         ShardingStrategy::FullShard,
         ShardingStrategy::ShardGradOp,
         ShardingStrategy::NoShard,
     ] {
         for w in [1, 2, 4] {
-            let base = fsdp_run(w, strategy, Ckpt::Off);
-            for ckpt in [Ckpt::After, Ckpt::Before] {
-                let got = fsdp_run(w, strategy, ckpt);
-                let at = format!("{strategy:?} W={w} {ckpt:?}");
-                for (rank, (b, g)) in base.iter().zip(&got).enumerate() {
-                    for step in 0..STEPS {
-                        assert!(b[step].0.iter().any(|g| !g.is_empty()), "{at}: no grads");
-                        assert_eq!(b[step].0, g[step].0, "{at} rank {rank} step {step}: grads");
-                        assert_eq!(b[step].1, g[step].1, "{at} rank {rank} step {step}: params");
-                        assert!(
-                            2 * g[step].2 < b[step].2,
-                            "{at} rank {rank}: activation bytes {} not under half of {}",
-                            g[step].2,
-                            b[step].2
-                        );
-                    }
+            runs.push((
+                w,
+                Setup {
+                    strategy,
+                    bf16: false,
+                },
+            ));
+        }
+    }
+    // Hybrid sharding (2 x 2) and bf16 compute (the recompute in bf16 too).
+    runs.push((
+        4,
+        Setup {
+            strategy: ShardingStrategy::HybridShard,
+            bf16: false,
+        },
+    ));
+    runs.push((
+        2,
+        Setup {
+            strategy: ShardingStrategy::FullShard,
+            bf16: true,
+        },
+    ));
+    runs.push((
+        4,
+        Setup {
+            strategy: ShardingStrategy::ShardGradOp,
+            bf16: true,
+        },
+    ));
+    for (w, setup) in runs {
+        let base = fsdp_run(w, setup, Ckpt::Off);
+        for ckpt in [Ckpt::After, Ckpt::Before] {
+            let got = fsdp_run(w, setup, ckpt);
+            let at = format!("{setup:?} W={w} {ckpt:?}");
+            for (rank, (b, g)) in base.iter().zip(&got).enumerate() {
+                for step in 0..STEPS {
+                    assert!(b[step].0.iter().any(|g| !g.is_empty()), "{at}: no grads");
+                    assert_eq!(b[step].0, g[step].0, "{at} rank {rank} step {step}: grads");
+                    assert_eq!(b[step].1, g[step].1, "{at} rank {rank} step {step}: params");
+                    assert!(
+                        2 * g[step].2 < b[step].2,
+                        "{at} rank {rank}: activation bytes {} not under half of {}",
+                        g[step].2,
+                        b[step].2
+                    );
                 }
             }
         }
