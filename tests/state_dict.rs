@@ -81,20 +81,15 @@ fn full() -> StateDictConfig {
     StateDictConfig::Full(FullStateDictConfig::default())
 }
 
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.to_vec_f32()
-        .unwrap()
-        .iter()
-        .map(|v| v.to_bits())
-        .collect()
-}
-
 fn assert_full_eq(what: &str, got: &FullStateDict, want: &FullStateDict) {
     let names = |d: &FullStateDict| d.tensors.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
     assert_eq!(names(got), names(want), "{what}: keys");
     for ((n, g), (_, w)) in got.tensors.iter().zip(&want.tensors) {
         assert_eq!(g.shape(), w.shape(), "{what}: '{n}' shape");
-        assert!(bits(g) == bits(w), "{what}: '{n}' differs");
+        assert!(
+            common::f32_bits(g) == common::f32_bits(w),
+            "{what}: '{n}' differs"
+        );
     }
 }
 
@@ -333,8 +328,14 @@ fn wrong_shape_dtype_missing_and_unexpected_keys_are_refused_naming_the_paramete
             .push(("head.bias".into(), Tensor::zeros(&[3], DType::F32)));
         let keys = m.load_state_dict(&StateDict::Full(sd), false)?;
         let after = full_of(&m.state_dict(full())?).clone();
-        assert!(bits(after.get(name).unwrap()) == bits(before.get(name).unwrap()));
-        assert!(bits(after.get("wte.weight").unwrap()) == bits(saved.get("wte.weight").unwrap()));
+        assert!(
+            common::f32_bits(after.get(name).unwrap())
+                == common::f32_bits(before.get(name).unwrap())
+        );
+        assert!(
+            common::f32_bits(after.get("wte.weight").unwrap())
+                == common::f32_bits(saved.get("wte.weight").unwrap())
+        );
         Ok(keys)
     })
     .unwrap()
@@ -516,7 +517,7 @@ fn a_tied_parameter_appears_under_each_name_as_in_torch() {
         let sd = full_of(&m.state_dict(full())?).clone();
         let names: Vec<&str> = sd.tensors.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(names, ["0.weight", "1.weight"]);
-        assert!(bits(&sd.tensors[0].1) == bits(&sd.tensors[1].1));
+        assert!(common::f32_bits(&sd.tensors[0].1) == common::f32_bits(&sd.tensors[1].1));
         let sharded = m.sharded_state_dict()?;
         assert_eq!(sharded.tensors.len(), 2);
         let mut one = sd.clone();

@@ -23,9 +23,11 @@ pub struct MemoryStats {
     /// materialized original parameters plus the shards made so far. A model built on the
     /// meta device with initializers holds only its shards.
     pub init_peak_bytes: usize,
-    /// Bytes of the activations saved for backward at the end of the root's last
-    /// training forward ([`crate::nn::saved_activation_bytes`] over the whole model):
-    /// their peak for that step. `param_dtype` bf16/f16 halves them.
+    /// Bytes of the activations saved for backward in the root's last training step: at
+    /// the end of its forward ([`crate::nn::saved_activation_bytes`] over the whole
+    /// model), or, once its backward ran, the most held at once during a checkpointed
+    /// module's recompute if that was more ([`crate::nn::saved_activation_peak`]): their
+    /// peak for that step. `param_dtype` bf16/f16 halves them.
     pub activation_bytes: usize,
     /// Most [`activation_bytes`](Self::activation_bytes) seen since the last
     /// [`reset_peak`](Self::reset_peak).
@@ -50,6 +52,14 @@ impl MemoryStats {
     pub(crate) fn on_activations(&mut self, bytes: usize) {
         self.activation_bytes = bytes;
         self.peak_activation_bytes = self.peak_activation_bytes.max(bytes);
+    }
+
+    /// The backward's recompute peak ([`crate::nn::saved_activation_peak`]), where above
+    /// the end-of-forward figure.
+    pub(crate) fn on_recompute_peak(&mut self, bytes: usize) {
+        if bytes > self.activation_bytes {
+            self.on_activations(bytes);
+        }
     }
 
     /// Starts a new peak window at the current level.

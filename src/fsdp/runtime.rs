@@ -508,8 +508,10 @@ impl Module for FullyShardedDataParallel {
         });
         self.post_forward(y.is_ok())?;
         if self.is_root && cx.grad_enabled && y.is_ok() {
-            // Saved activations peak now, before backward consumes them.
-            let bytes = crate::nn::saved_activation_bytes(self.module.as_mut())?;
+            // Saved activations peak now, before backward consumes them, unless a
+            // checkpointed module's recompute holds more ([Note: the recompute peak] in
+            // `nn/saved.rs`; counted at the end of the backward).
+            let bytes = crate::nn::track_saved_activations(self.module.as_mut())?;
             self.rs.mem.lock().on_activations(bytes);
         }
         y
@@ -529,6 +531,8 @@ impl Module for FullyShardedDataParallel {
             }
         });
         if self.is_root {
+            let peak = crate::nn::saved_activation_peak();
+            self.rs.mem.lock().on_recompute_peak(peak);
             let fin = match &result {
                 Ok(_) => self.finish_backward(),
                 Err(e) => {

@@ -11,7 +11,9 @@ use super::{AutoWrapPolicy, FsdpConfig, FullyShardedDataParallel, MemoryStats};
 use crate::backend::Device;
 use crate::distributed::{DeviceMesh, Group};
 use crate::error::{Error, Result, Term};
-use crate::nn::{join_name, visit_all, visit_parameters, Module, Sequential};
+use crate::nn::{
+    first_fsdp_unit, join_name, visit_all, visit_parameters, CheckpointWrapper, Module, Sequential,
+};
 use crate::tensor::{DType, Tensor};
 use parking_lot::Mutex;
 use std::sync::Arc;
@@ -127,6 +129,7 @@ impl FullyShardedDataParallel {
         if let Some(policy) = &config.auto_wrap_policy {
             wrap_children(module.as_mut(), "", policy, &rs, &mut seen)?;
         }
+        check_checkpoint_boundaries(module.as_mut(), "")?;
         let mut root = Self::wrap_one(module, "", &rs, &mut seen)?;
         root.is_root = true;
         rs.sched.lock().set_root(root.id);
@@ -374,12 +377,78 @@ fn wrap_children(
             return Ok(());
         }
         wrap_children(child.as_mut(), &fqn, policy, rs, seen)?;
+        unit_around_checkpoint(child);
         if !child.is_fsdp_unit() && policy.should_wrap(child.as_mut()) {
             warn_if_empty(child.as_mut(), &fqn, rs);
             let inner = std::mem::replace(child, Box::new(Sequential::new(Vec::new())));
             *child = Box::new(FullyShardedDataParallel::wrap_one(inner, &fqn, rs, seen)?);
         }
         Ok(())
+    })
+}
+
+/// [Note: checkpointing inside the unit] A [`CheckpointWrapper`] recomputes its module's
+/// forward inside its backward, so an FSDP unit must sit around it, never inside it (the
+/// unit's forward hooks would run again in the middle of the backward):
+/// `FSDP(CheckpointWrapper(Block))`, whose backward hook gathers the parameters that the
+/// recompute then reads. Given a model checkpointed before wrapping, the policy judges the
+/// module inside the wrapper first (bottom-up) and makes `CheckpointWrapper(FSDP(Block))`;
+/// this turns it around into `FSDP(CheckpointWrapper(Block))`, the same unit with the same
+/// parameters and names (the wrapper adds none). A unit deeper inside a wrapper cannot be
+/// turned around and is refused ([`check_checkpoint_boundaries`]).
+fn unit_around_checkpoint(child: &mut Box<dyn Module>) {
+    let as_unit = |m: &mut Box<dyn Module>| {
+        m.as_any_mut()
+            .and_then(|a| a.downcast_mut::<FullyShardedDataParallel>())
+            .is_some()
+    };
+    let unit_box = {
+        let Some(ck) = child
+            .as_any_mut()
+            .and_then(|a| a.downcast_mut::<CheckpointWrapper>())
+        else {
+            return;
+        };
+        if !as_unit(ck.module_mut()) {
+            return;
+        }
+        let Some(unit) = ck
+            .module_mut()
+            .as_any_mut()
+            .and_then(|a| a.downcast_mut::<FullyShardedDataParallel>())
+        else {
+            return;
+        };
+        let inner = std::mem::replace(&mut unit.module, Box::new(Sequential::new(Vec::new())));
+        std::mem::replace(ck.module_mut(), inner)
+    };
+    // `child` is the wrapper (now around the unit's module), `unit_box` the unit: swap them.
+    let wrapper = std::mem::replace(child, unit_box);
+    if let Some(unit) = child
+        .as_any_mut()
+        .and_then(|a| a.downcast_mut::<FullyShardedDataParallel>())
+    {
+        unit.module = wrapper;
+    }
+}
+
+/// `InvalidArgument` naming the first [`CheckpointWrapper`] at or below `m` that holds an
+/// FSDP unit ([Note: checkpointing inside the unit]).
+fn check_checkpoint_boundaries(m: &mut dyn Module, prefix: &str) -> Result<()> {
+    if let Some(ck) = m
+        .as_any_mut()
+        .and_then(|a| a.downcast_mut::<CheckpointWrapper>())
+    {
+        // The wrapper adds no name: its module's path is its own.
+        if let Some(u) = first_fsdp_unit(ck.module_mut().as_mut(), prefix)? {
+            crate::error::bail_arg!(
+                "activation checkpointing of '{prefix}' would enclose FSDP unit '{u}': its recompute would run the unit's forward hooks inside the backward. Let the auto_wrap_policy pick the checkpointed module itself (FSDP then goes around the wrapper), or apply_activation_checkpointing after FullyShardedDataParallel::new"
+            );
+        }
+        return Ok(());
+    }
+    m.for_each_child(&mut |name, child| {
+        check_checkpoint_boundaries(child.as_mut(), &join_name(prefix, name))
     })
 }
 

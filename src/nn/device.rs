@@ -1,6 +1,6 @@
 //! Moving a module's parameters between devices (`torch.nn.Module.to(device)`).
 
-use super::{join_name, Module, Parameter};
+use super::{Module, Parameter};
 use crate::backend::Device;
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -17,7 +17,7 @@ use crate::tensor::Tensor;
 /// [`crate::Error::Cuda`] when the device is unavailable or out of memory (parameters moved until
 /// then stay moved); `NotMaterialized` for a meta parameter without an initializer.
 pub fn module_to_device(m: &mut dyn Module, device: Device) -> Result<()> {
-    if let Some(name) = first_unit(m, "")? {
+    if let Some(name) = super::first_fsdp_unit(m, "")? {
         crate::error::bail_arg!(
             "module_to_device: '{}' is an FSDP unit; move the model before wrapping it (FSDP places its FlatParameters)",
             if name.is_empty() { "the module" } else { &name }
@@ -43,7 +43,7 @@ pub fn module_to_dtype(m: &mut dyn Module, dtype: crate::tensor::DType) -> Resul
     if !matches!(dtype, DType::F32 | DType::F64) {
         crate::error::bail_arg!("module_to_dtype: f32 or f64, not {dtype}");
     }
-    if first_unit(m, "")?.is_some() {
+    if super::first_fsdp_unit(m, "")?.is_some() {
         crate::error::bail_arg!("module_to_dtype: convert the model before wrapping it in FSDP");
     }
     let mut done: Vec<(Tensor, Tensor)> = Vec::new();
@@ -70,21 +70,6 @@ pub fn module_to_dtype(m: &mut dyn Module, dtype: crate::tensor::DType) -> Resul
         }
         Ok(())
     })
-}
-
-/// The name of the first FSDP unit at or below `m`, if any.
-fn first_unit(m: &mut dyn Module, prefix: &str) -> Result<Option<String>> {
-    if m.is_fsdp_unit() {
-        return Ok(Some(prefix.to_string()));
-    }
-    let mut found = None;
-    m.for_each_child(&mut |name, child| {
-        if found.is_none() {
-            found = first_unit(child.as_mut(), &join_name(prefix, name))?;
-        }
-        Ok(())
-    })?;
-    Ok(found)
 }
 
 /// `t` on `device`, reusing the copy made for an earlier tensor of the same view.

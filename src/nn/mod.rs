@@ -11,6 +11,8 @@
 //! | [`module_to_device`], [`module_to_dtype`] | `device.rs` | `nn.Module.to(device)`, `.to(dtype)` / `.double()` |
 //! | [`Parameter`] | `parameter.rs` | `nn.Parameter` |
 //! | [`Linear`] | `linear.rs` | `nn.Linear` |
+//! | [`CheckpointWrapper`], [`apply_activation_checkpointing`], [`CheckpointPolicy`] | `checkpoint_wrapper.rs` | `checkpoint_wrapper`, `apply_activation_checkpointing(model, check_fn=...)` |
+//! | [`saved_activation_bytes`], [`track_saved_activations`], [`saved_activation_peak`] | `saved.rs` | saved tensors' bytes (`torch.cuda.memory_allocated` at the end of forward; the recompute's peak) |
 //! | [`ReLU`], [`GELU`] | `activation.rs` | `nn.ReLU`, `nn.GELU()` |
 //! | [`LayerNorm`] | `layernorm.rs` | `nn.LayerNorm` |
 //! | [`Embedding`] | `embedding.rs` | `nn.Embedding` |
@@ -28,6 +30,7 @@ mod activation;
 mod attention;
 mod batchnorm;
 mod buffer;
+mod checkpoint_wrapper;
 mod container;
 mod device;
 mod embedding;
@@ -48,6 +51,9 @@ pub use attention::CausalSelfAttention;
 pub use batchnorm::BatchNorm1d;
 pub(crate) use buffer::{buffers_to_device, round_buffers};
 pub use buffer::{named_buffers, visit_buffers, BufferVisitor, ModuleBuffer};
+pub use checkpoint_wrapper::{
+    apply_activation_checkpointing, CheckpointFn, CheckpointPolicy, CheckpointWrapper,
+};
 pub use container::{ModuleDict, ModuleList, Sequential};
 pub use device::{module_to_device, module_to_dtype};
 pub use embedding::{embedding_backward, embedding_lookup, Embedding};
@@ -55,13 +61,13 @@ pub use gpt::{GptConfig, GPT};
 pub use init::{materialize, on_meta_device, InitKey, ParamInit};
 pub use layernorm::LayerNorm;
 pub use linear::Linear;
-pub(crate) use module::visit_all;
 pub use module::{
     check_names, join_name, no_children, no_params, num_parameters, parameter_shapes,
     visit_parameters, zero_grad, ChildVisitor, Context, Module, ParamVisitor,
 };
+pub(crate) use module::{first_fsdp_unit, visit_all};
 pub use parameter::Parameter;
-pub use saved::saved_activation_bytes;
+pub use saved::{saved_activation_bytes, saved_activation_peak, track_saved_activations};
 pub use state_dict::{load_state_dict, state_dict, FullStateDict, IncompatibleKeys};
 pub use torch_rng::TorchGenerator;
 pub use transformer::{Block, MLP};

@@ -162,6 +162,14 @@ pub trait Module: Send {
         false
     }
 
+    /// True for a wrapper that adds no name: its one child is visited under the name `""`,
+    /// so the names below it are those the wrapped module had (an FSDP unit, a
+    /// [`CheckpointWrapper`](crate::nn::CheckpointWrapper)); [`check_names`] accepts the
+    /// empty name there. Defaults to [`is_fsdp_unit`](Self::is_fsdp_unit).
+    fn is_name_transparent(&self) -> bool {
+        self.is_fsdp_unit()
+    }
+
     /// Downcasting hook: FSDP units return themselves so the root can find nested units,
     /// and the containers ([`Sequential`](super::Sequential), [`ModuleList`](super::ModuleList),
     /// [`ModuleDict`](super::ModuleDict)) so a parent can reach one held as a boxed child
@@ -309,8 +317,9 @@ pub fn check_names(m: &mut dyn Module) -> Result<()> {
             }
             Ok(())
         })?;
+        let transparent = m.is_name_transparent();
         m.for_each_child(&mut |name, child| {
-            if name.is_empty() {
+            if name.is_empty() && !transparent {
                 crate::error::bail_arg!(
                     "{} names a child module \"\" (PyTorch: module name can't be empty string)",
                     at(prefix)
@@ -323,6 +332,24 @@ pub fn check_names(m: &mut dyn Module) -> Result<()> {
         })
     }
     walk(m, "", &mut std::collections::HashSet::new())
+}
+
+/// The fully qualified name of the first FSDP unit at or below `m` (pre-order), if any.
+///
+/// # Errors
+/// A module's child-visiting error.
+pub(crate) fn first_fsdp_unit(m: &mut dyn Module, prefix: &str) -> Result<Option<String>> {
+    if m.is_fsdp_unit() {
+        return Ok(Some(prefix.to_string()));
+    }
+    let mut found = None;
+    m.for_each_child(&mut |name, child| {
+        if found.is_none() {
+            found = first_fsdp_unit(child.as_mut(), &join_name(prefix, name))?;
+        }
+        Ok(())
+    })?;
+    Ok(found)
 }
 
 /// `(fully qualified name, shape)` of every parameter, in `named_parameters()` order.

@@ -51,6 +51,34 @@ impl std::fmt::Debug for Tensor {
     }
 }
 
+/// A view of a storage that does not keep the storage alive ([`Tensor::downgrade`]).
+pub(crate) struct WeakTensor {
+    storage: std::sync::Weak<Storage>,
+    offset: usize,
+    shape: Vec<usize>,
+    dtype: DType,
+}
+
+impl WeakTensor {
+    /// Whether some tensor still holds the storage (its memory is still in use).
+    pub(crate) fn is_alive(&self) -> bool {
+        self.storage.strong_count() > 0
+    }
+
+    /// Bytes the view covers, as [`Tensor::nbytes`].
+    pub(crate) fn nbytes(&self) -> usize {
+        numel_of(&self.shape) * self.dtype.size_in_bytes()
+    }
+
+    /// Whether `t` is this very view ([`Tensor::same_view`]).
+    pub(crate) fn is_view_of(&self, t: &Tensor) -> bool {
+        std::ptr::eq(self.storage.as_ptr(), Arc::as_ptr(&t.storage))
+            && self.offset == t.offset
+            && self.shape == t.shape
+            && self.dtype == t.dtype
+    }
+}
+
 /// Number of elements of a shape (1 for a scalar shape `[]`).
 pub fn numel_of(shape: &[usize]) -> usize {
     shape.iter().product()
@@ -272,6 +300,17 @@ impl Tensor {
             && self.offset == other.offset
             && self.shape == other.shape
             && self.dtype == other.dtype
+    }
+
+    /// A handle that says whether this view's storage is still held, without holding it
+    /// (what the saved-activation accounting counts during backward, `nn::saved`).
+    pub(crate) fn downgrade(&self) -> WeakTensor {
+        WeakTensor {
+            storage: Arc::downgrade(&self.storage),
+            offset: self.offset,
+            shape: self.shape.clone(),
+            dtype: self.dtype,
+        }
     }
 
     /// A view of `numel_of(shape)` elements starting `offset` elements into this tensor,

@@ -70,6 +70,12 @@ pub struct TrainConfig {
     /// Keep parameter and gradient shards in host memory (`--cpu-offload`,
     /// `CpuOffload { offload_params: true }`).
     pub cpu_offload: bool,
+    /// Checkpoint every transformer block's activations (`--activation-checkpointing`,
+    /// `apply_activation_checkpointing` with `check_fn` matching `Block`): each block
+    /// keeps only its input through the forward and recomputes its forward in backward.
+    /// The same numbers bit for bit; fewer saved activations, about one more forward of
+    /// the blocks. Default off.
+    pub activation_checkpointing: bool,
     /// Learning-rate schedule over the run.
     pub lr_schedule: LrSchedule,
     /// Linear warm-up steps from `lr / warmup_steps` to `lr` (0: none), capped at `steps`.
@@ -151,6 +157,7 @@ impl Default for TrainConfig {
             forward_prefetch: false,
             limit_all_gathers: true,
             cpu_offload: false,
+            activation_checkpointing: false,
             optimizer: OptimizerKind::Adamw,
             seed: 1337,
             eval_every: 100,

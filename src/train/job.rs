@@ -107,6 +107,7 @@ pub fn build_engine(cfg: &TrainConfig, pg: Group) -> Result<Engine> {
             crate::nn::module_to_dtype(model.as_mut(), crate::tensor::DType::F64)?;
         }
         super::engine::module_to_device(model.as_mut(), device)?;
+        checkpoint_blocks(cfg, model.as_mut())?;
         return Ok(Engine::Plain(model));
     }
     // Deferred init: the model is built on the meta device (shapes and initializers only)
@@ -145,9 +146,20 @@ pub fn build_engine(cfg: &TrainConfig, pg: Group) -> Result<Engine> {
         device_id: Some(device),
         ..FsdpConfig::default()
     };
-    Ok(Engine::Fsdp(Box::new(FullyShardedDataParallel::new(
-        model, pg, fsdp_cfg,
-    )?)))
+    let mut root = FullyShardedDataParallel::new(model, pg, fsdp_cfg)?;
+    // After wrapping, as FSDP1 applies it: FSDP(CheckpointWrapper(Block)).
+    checkpoint_blocks(cfg, &mut root)?;
+    Ok(Engine::Fsdp(Box::new(root)))
+}
+
+/// `--activation-checkpointing`: every transformer [`Block`](crate::nn::Block) of `model`
+/// in a [`CheckpointWrapper`](crate::nn::CheckpointWrapper).
+fn checkpoint_blocks(cfg: &TrainConfig, model: &mut dyn Module) -> Result<()> {
+    if cfg.activation_checkpointing {
+        let policy = crate::nn::CheckpointPolicy::types(["Block"]);
+        crate::nn::apply_activation_checkpointing(model, &policy)?;
+    }
+    Ok(())
 }
 
 /// Trains as `cfg` says on `cfg.world_size` thread ranks and returns rank 0's report.

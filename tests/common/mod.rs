@@ -1,6 +1,15 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+/// The f32 values of `t` as bits, for exact comparisons.
+pub fn f32_bits(t: &fsdp::tensor::Tensor) -> Vec<u32> {
+    t.to_vec_f32()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
 /// Asserts `|got - want| <= atol + rtol * |want|` elementwise; on failure prints the first
 /// differing pairs, the max error and how much of the tolerance it used.
 pub fn assert_close(what: &str, got: &[f32], want: &[f32], atol: f32, rtol: f32) {

@@ -342,6 +342,8 @@ fn fsdp_options_run_from_the_command_line_and_bad_values_are_named() {
         "--cpu-offload",
     ]));
     assert_eq!(moved, base);
+    // Activation checkpointing recomputes the blocks' forwards: the same numbers.
+    assert_eq!(losses(run(&["--activation-checkpointing"])), base);
     let bf16 = losses(run(&["--mixed-precision", "bf16"]));
     assert_eq!(bf16.len(), 3);
 }
