@@ -205,7 +205,7 @@ impl InitOptions {
         };
         let world_size = self.number(self.world_size, "WORLD_SIZE", 1)?.ok_or_else(|| {
             Error::InvalidArgument(
-                "init_process_group: world_size not given and environment variable WORLD_SIZE is not set (torchrun sets it)".into(),
+                "init_process_group: world_size not given and environment variable WORLD_SIZE is not set (fsdp launch and torchrun set it)".into(),
             )
         })?;
         if world_size == 0 {
@@ -213,7 +213,7 @@ impl InitOptions {
         }
         let rank = self.number(self.rank, "RANK", 0)?.ok_or_else(|| {
             Error::InvalidArgument(
-                "init_process_group: rank not given and environment variable RANK is not set (torchrun sets it)".into(),
+                "init_process_group: rank not given and environment variable RANK is not set (fsdp launch and torchrun set it)".into(),
             )
         })?;
         if rank >= world_size {

@@ -38,6 +38,17 @@ impl FullyShardedDataParallel {
                 "{hook} on unit '{unit}' inside the root's forward: the root's {} ends the forward first",
                 Term::PostForward
             ))),
+            (Term::PreBackward, Pass::Idle(h) | Pass::Summoning(h)) if root && !h.owes_backward() => {
+                // No forward with grad since the last backward: nothing saved to go back
+                // through (a forward without grad saves nothing).
+                Err(Error::NoSavedForward { module: "FSDP root" })
+            }
+            (Term::PreForward, Pass::Idle(_) | Pass::Summoning(_)) if nested => {
+                Err(Error::Fsdp(format!(
+                    "{hook} on unit '{unit}' outside the root's forward: the root's {hook} comes first and its {} last, with every other unit's forward hooks in between (inside a backward a unit's forward may run again, to recompute)",
+                    Term::PostForward
+                )))
+            }
             (Term::PreBackward, Pass::Idle(_) | Pass::Summoning(_)) if nested => {
                 Err(Error::Fsdp(format!(
                     "{hook} on unit '{unit}' outside the root's backward: the root's {hook} comes first and its {} last, with every other unit's backward hooks in between",
@@ -145,11 +156,20 @@ impl FullyShardedDataParallel {
     ///
     /// # Errors
     /// `Fsdp` naming what was expected instead: the step is inside a pass, before
-    /// `finish_backward`, between a forward and its backward, without any gradient (no
+    /// `finish_backward`, after a backward or `finish_backward` that failed (until
+    /// `zero_grad`), between a forward and its backward, without any gradient (no
     /// backward since `zero_grad`), or while `no_sync` keeps gradients unreduced.
     pub fn ready_for_step(&mut self) -> Result<()> {
         let step = Term::OptimizerStep;
-        match self.between_passes(step)? {
+        let held = self.between_passes(step)?;
+        if let Some(why) = self.rs.sched.lock().progress.incomplete() {
+            return Err(Error::Fsdp(format!(
+                "{step} after a failed backward ({why}): the gradients held since {} are incomplete and the step would apply them; call {}, then run the step's forward and backward again",
+                Term::ZeroGrad,
+                Term::ZeroGrad
+            )));
+        }
+        match held {
             Held::Nothing => Err(Error::Fsdp(format!(
                 "{step} without gradients: no backward finished since {} (or since the model was built); run a forward and a backward, ended by {}, first",
                 Term::ZeroGrad,

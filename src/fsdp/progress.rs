@@ -112,6 +112,9 @@ pub(super) struct Progress {
     micro_batch: u32,
     /// Gradient reductions issued by the backward under way.
     reductions: u32,
+    /// Why the gradients held since the last `zero_grad` are incomplete (a unit's backward
+    /// or `finish_backward` failed): no optimizer step may use them until `zero_grad`.
+    incomplete: Option<String>,
     /// Each unit's name, and how often it entered the last forward with grad, the last
     /// forward without grad, and the current backward.
     names: Vec<Name>,
@@ -206,6 +209,17 @@ impl Progress {
         self.pass = Pass::Idle(Held::Grads);
     }
 
+    /// The gradients of this step are incomplete (`why`: what failed); the first reason
+    /// is kept until `zero_grad`.
+    pub fn mark_incomplete(&mut self, why: String) {
+        self.incomplete.get_or_insert(why);
+    }
+
+    /// Why the gradients held are incomplete, if they are.
+    pub fn incomplete(&self) -> Option<&str> {
+        self.incomplete.as_deref()
+    }
+
     /// A unit's gradient reduction was issued.
     pub fn reduced(&mut self) {
         self.reductions += 1;
@@ -232,6 +246,7 @@ impl Progress {
     /// once per optimizer step): the next backward belongs to the next step.
     pub fn step_boundary(&mut self) {
         let without = |h: Held| Held::with(h.owes_backward(), false);
+        self.incomplete = None;
         let h = self.held();
         if !h.has_grads() {
             return;

@@ -234,8 +234,9 @@ impl FullyShardedDataParallel {
     ///
     /// # Errors
     /// `Fsdp` inside `summon_full_params`, between this unit's `pre_forward` and
-    /// `post_forward`, on the root inside an unfinished backward, or on any unit after the
-    /// root's `post_backward` and before `finish_backward`; the all-gather's error.
+    /// `post_forward`, on the root inside an unfinished backward, on a nested unit outside
+    /// the root's forward and backward, or on any unit after the root's `post_backward`
+    /// and before `finish_backward`; the all-gather's error.
     pub fn pre_forward(&mut self, grad_enabled: bool) -> Result<()> {
         self.check_not_summoning("forward")?;
         if self.forward_grad.is_some() {
@@ -289,7 +290,8 @@ impl FullyShardedDataParallel {
     /// # Errors
     /// `Fsdp` inside `summon_full_params`, twice without `post_backward`, inside the
     /// root's forward, on a nested unit outside the root's backward, or after the root's
-    /// `post_backward` and before `finish_backward` (a second backward); the all-gather's
+    /// `post_backward` and before `finish_backward` (a second backward); `NoSavedForward`
+    /// on the root when no forward with grad ran since the last backward; the all-gather's
     /// error; `Cuda` or `OutOfMemory` when the buffer cannot be allocated.
     pub fn pre_backward(&mut self) -> Result<()> {
         self.check_not_summoning("backward")?;
@@ -356,6 +358,17 @@ impl FullyShardedDataParallel {
             return Err(self.out_of_order(Term::PostBackward, &Term::PreBackward.to_string()));
         };
         let r = self.end_unit_backward(ok, next, flat_grad);
+        if !ok || r.is_err() {
+            let why = match &r {
+                Err(e) => format!("the backward of unit '{}' failed: {e}", self.module_name()),
+                Ok(()) => format!(
+                    "the backward of unit '{}' failed ({} was told it did not succeed)",
+                    self.module_name(),
+                    Term::PostBackward
+                ),
+            };
+            self.rs.sched.lock().progress.mark_incomplete(why);
+        }
         if self.is_root {
             self.rs.sched.lock().progress.root_backward_done();
         }
@@ -402,8 +415,14 @@ impl FullyShardedDataParallel {
             self.abort_on_desync(e);
         }
         let fin = self.finalize_backward();
-        self.rs.sched.lock().progress.end_backward();
-        agreed.and(fin)
+        let r = agreed.and(fin);
+        let mut s = self.rs.sched.lock();
+        if let Err(e) = &r {
+            s.progress
+                .mark_incomplete(format!("{} failed: {e}", Term::FinishBackward));
+        }
+        s.progress.end_backward();
+        r
     }
 
     /// The ranks meet on the unshard stream before waiting for the gradient reductions,
@@ -539,7 +558,10 @@ impl Module for FullyShardedDataParallel {
                     // Nothing may stay in flight after an error either.
                     self.abort_on_desync(e);
                     let fin = self.finalize_backward();
-                    self.rs.sched.lock().progress.end_backward();
+                    let mut s = self.rs.sched.lock();
+                    s.progress
+                        .mark_incomplete(format!("the backward failed: {e}"));
+                    s.progress.end_backward();
                     fin
                 }
             };

@@ -32,15 +32,24 @@ impl AdamConfig {
     /// weight_decay finite and `>= 0`, each beta in `[0, 1)`.
     ///
     /// # Errors
-    /// `InvalidArgument` naming the first bad value.
+    /// `InvalidArgument` naming the first bad value, as `Adam` ([`check_as`](Self::check_as)).
     pub fn check(&self) -> Result<()> {
-        check_non_negative("Adam", "lr", self.lr)?;
-        check_non_negative("Adam", "eps", self.eps)?;
-        check_non_negative("Adam", "weight_decay", self.weight_decay)?;
+        self.check_as("Adam")
+    }
+
+    /// [`check`](Self::check), naming the optimizer `optimizer` (`"Adam"`, `"AdamW"`) in
+    /// the message.
+    ///
+    /// # Errors
+    /// `InvalidArgument` naming the optimizer and the first bad value.
+    pub fn check_as(&self, optimizer: &str) -> Result<()> {
+        check_non_negative(optimizer, "lr", self.lr)?;
+        check_non_negative(optimizer, "eps", self.eps)?;
+        check_non_negative(optimizer, "weight_decay", self.weight_decay)?;
         for (i, b) in [self.betas.0, self.betas.1].into_iter().enumerate() {
             if !(0.0..1.0).contains(&b) {
                 return Err(Error::InvalidArgument(format!(
-                    "Adam: beta{} {b} must be in [0, 1)",
+                    "{optimizer}: beta{} {b} must be in [0, 1)",
                     i + 1
                 )));
             }
@@ -107,7 +116,7 @@ fn adam_step(
     state: &mut Vec<Moments>,
     op: &'static str,
 ) -> Result<()> {
-    config.check()?;
+    config.check_as(op.trim_end_matches(".step"))?;
     let hyper = resolve(groups, params.len(), config.lr, config.weight_decay)?;
     init_moments(op, state, params)?;
     let (b1, b2) = config.betas;
@@ -373,7 +382,7 @@ fn import(
         weight_decay: st.require("weight_decay")? as f32,
     };
     config
-        .check()
+        .check_as(kind)
         .map_err(|e| Error::StateDict(e.to_string()))?;
     let groups = st.groups()?;
     let mut out = Vec::with_capacity(st.tensors.len());

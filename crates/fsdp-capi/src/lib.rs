@@ -17,6 +17,7 @@
 //! | the hooks, `no_sync`, `clip_grad_norm_` | `fsdp_unit_pre_forward`, ..., `fsdp_model_finish_backward` | `hooks.rs` |
 //! | optimizers | `fsdp_optimizer_new`, `fsdp_optimizer_step` | `optim.rs` |
 //! | state dict and checkpoints | `fsdp_model_full_state_dict`, `fsdp_checkpoint_save`, `fsdp_checkpoint_load` | `state.rs` |
+//! | the words of messages that reach C (header names, no repeated prefix) | `fsdp_last_error` | `words.rs` |
 //!
 //! Every function returns an [`fsdp_status`]: [`FSDP_OK`] (0) or one `FSDP_ERR_*` code per
 //! error class of [`fsdp::Error`] (plus [`FSDP_ERR_INVALID_HANDLE`], [`FSDP_ERR_CALLBACK`]
@@ -47,6 +48,7 @@ mod model;
 mod optim;
 mod spec;
 mod state;
+mod words;
 
 pub use dlpack::*;
 pub use group::*;
@@ -201,7 +203,7 @@ pub(crate) fn guard(call: &'static str, body: impl FnOnce() -> Res) -> fsdp_stat
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) {
         Ok(Ok(())) => FSDP_OK,
         Ok(Err(f)) => {
-            set_last_error(&format!("{call}: {}", f.msg));
+            set_last_error(&words::for_c(call, &f.msg));
             f.status
         }
         Err(payload) => {

@@ -91,18 +91,18 @@ pub unsafe extern "C" fn fsdp_optimizer_config_default(
 }
 
 fn build(c: &fsdp_optimizer_config) -> Res<Box<dyn Optimizer>> {
-    let finite = [
-        c.lr,
-        c.beta1,
-        c.beta2,
-        c.eps,
-        c.weight_decay,
-        c.momentum,
-        c.dampening,
+    let fields = [
+        ("lr", c.lr),
+        ("beta1", c.beta1),
+        ("beta2", c.beta2),
+        ("eps", c.eps),
+        ("weight_decay", c.weight_decay),
+        ("momentum", c.momentum),
+        ("dampening", c.dampening),
     ];
-    if finite.iter().any(|v| !v.is_finite()) || c.lr < 0.0 {
+    if let Some((name, v)) = fields.iter().find(|(_, v)| !v.is_finite()) {
         return Err(Fail::arg(format!(
-            "hyperparameters must be finite and lr >= 0: {c:?}"
+            "config.{name} {v} is not a finite number"
         )));
     }
     let adam = AdamConfig {
@@ -111,16 +111,27 @@ fn build(c: &fsdp_optimizer_config) -> Res<Box<dyn Optimizer>> {
         eps: c.eps,
         weight_decay: c.weight_decay,
     };
+    // PyTorch's constructor checks, here rather than at the first step.
     Ok(match c.kind {
-        FSDP_OPTIM_SGD => Box::new(SGD::new(SgdConfig {
-            lr: c.lr,
-            momentum: c.momentum,
-            dampening: c.dampening,
-            weight_decay: c.weight_decay,
-            nesterov: c.nesterov,
-        })),
-        FSDP_OPTIM_ADAM => Box::new(Adam::new(adam)),
-        FSDP_OPTIM_ADAMW => Box::new(AdamW::new(adam)),
+        FSDP_OPTIM_SGD => {
+            let sgd = SgdConfig {
+                lr: c.lr,
+                momentum: c.momentum,
+                dampening: c.dampening,
+                weight_decay: c.weight_decay,
+                nesterov: c.nesterov,
+            };
+            sgd.check()?;
+            Box::new(SGD::new(sgd))
+        }
+        FSDP_OPTIM_ADAM => {
+            adam.check_as("Adam")?;
+            Box::new(Adam::new(adam))
+        }
+        FSDP_OPTIM_ADAMW => {
+            adam.check_as("AdamW")?;
+            Box::new(AdamW::new(adam))
+        }
         k => {
             return Err(Fail::arg(format!(
                 "config.kind {k} is not an FSDP_OPTIM_* value"
@@ -133,7 +144,9 @@ fn build(c: &fsdp_optimizer_config) -> Res<Box<dyn Optimizer>> {
 /// first step).
 ///
 /// Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_INVALID_ARGUMENT` for an unknown kind, a
-/// non-finite hyperparameter, a NULL pointer.
+/// NULL pointer, or a hyperparameter `torch.optim`'s constructor refuses (naming the
+/// field): a non-finite value, a negative `lr`, `eps`, `weight_decay` or `momentum`, a
+/// beta outside `[0, 1)`, `nesterov` without momentum or with dampening.
 ///
 /// # Safety
 /// `config` is a valid `fsdp_optimizer_config`; `out` is valid for a write.

@@ -81,14 +81,16 @@ static void input(int rank, int k, float x[2]) {
     x[1] = 0.5f * (float)(k + 1);
 }
 
-static void forward(Units u) {
-    MUST(fsdp_unit_pre_forward(u.root, true, NULL, 0, NULL));
-    MUST(fsdp_unit_pre_forward(u.u0, true, NULL, 0, NULL));
+static void forward_with(Units u, bool grad) {
+    MUST(fsdp_unit_pre_forward(u.root, grad, NULL, 0, NULL));
+    MUST(fsdp_unit_pre_forward(u.u0, grad, NULL, 0, NULL));
     MUST(fsdp_unit_post_forward(u.u0, true, NULL));
-    MUST(fsdp_unit_pre_forward(u.u1, true, NULL, 0, NULL));
+    MUST(fsdp_unit_pre_forward(u.u1, grad, NULL, 0, NULL));
     MUST(fsdp_unit_post_forward(u.u1, true, NULL));
     MUST(fsdp_unit_post_forward(u.root, true, NULL));
 }
+
+static void forward(Units u) { forward_with(u, true); }
 
 /* Adds x into one unit's gradient view, between its pre_backward and post_backward. */
 static void unit_backward(fsdp_unit_t unit, const float x[2]) {
@@ -189,6 +191,13 @@ static void *order_checks(void *arg) {
 
     report(rank, "step_before_any_backward", fsdp_optimizer_step(o, NULL));
     report(rank, "finish_without_backward", fsdp_model_finish_backward(m, NULL));
+    /* A backward needs a forward with grad before it; a nested unit's forward needs the
+     * root's around it. */
+    report(rank, "backward_without_forward", fsdp_unit_pre_backward(u.root, NULL, NULL, 0, NULL));
+    forward_with(u, false);
+    report(rank, "backward_after_no_grad_forward",
+           fsdp_unit_pre_backward(u.root, NULL, NULL, 0, NULL));
+    report(rank, "nested_forward_outside_root", fsdp_unit_pre_forward(u.u1, true, NULL, 0, NULL));
 
     /* The root's post_backward without fsdp_model_finish_backward: everything that
      * would drop or carry its gradients is refused. */
@@ -213,6 +222,23 @@ static void *order_checks(void *arg) {
     MUST(fsdp_model_zero_grad(m));
     check(rank, "nothing_carried_over", params_are(m, -0.5f, 1.25f, detail, sizeof detail),
           detail);
+
+    /* A backward that failed in unit 1 (the host says so): its gradients are incomplete,
+     * and no step may apply them until zero_grad. */
+    float xf[2];
+    input(rank, 0, xf);
+    forward(u);
+    MUST(fsdp_unit_pre_backward(u.root, NULL, NULL, 0, NULL));
+    DLTensor gf[1];
+    MUST(fsdp_unit_pre_backward(u.u1, NULL, gf, 1, NULL));
+    MUST(fsdp_unit_post_backward(u.u1, NULL, 0, false, NULL));
+    unit_backward(u.u0, xf);
+    MUST(fsdp_unit_post_backward(u.root, NULL, 0, true, NULL));
+    MUST(fsdp_model_finish_backward(m, NULL));
+    report(rank, "step_after_failed_backward", fsdp_optimizer_step(o, NULL));
+    MUST(fsdp_model_zero_grad(m));
+    check(rank, "failed_backward_changed_nothing",
+          params_are(m, -0.5f, 1.25f, detail, sizeof detail), detail);
 
     /* A step, or the end, in the middle of a backward. */
     float x[2];
@@ -427,6 +453,15 @@ static void *words_checks(void *arg) {
 
     /* A checkpoint loaded between a forward and its backward. */
     MUST(build(world, FSDP_PRECISION_F32, &m));
+    /* Hyperparameters are checked when the optimizer is made, not at its first step. */
+    fsdp_optimizer_config oc;
+    fsdp_optimizer_t bad = {0};
+    MUST(fsdp_optimizer_config_default(FSDP_OPTIM_ADAMW, &oc));
+    oc.beta1 = 1.5f;
+    report(rank, "adamw_beta_at_new", fsdp_optimizer_new(m, &oc, &bad));
+    MUST(fsdp_optimizer_config_default(FSDP_OPTIM_SGD, &oc));
+    oc.lr = -1.0f;
+    report(rank, "sgd_lr_at_new", fsdp_optimizer_new(m, &oc, &bad));
     fsdp_optimizer_t o = sgd(m);
     MUST(fsdp_checkpoint_save(m, o, scratch, FSDP_CHECKPOINT_SHARDED, NULL));
     Units u = units_of(m);

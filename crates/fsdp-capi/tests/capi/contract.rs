@@ -89,6 +89,26 @@ fn steps_and_hooks_out_of_order_are_refused_and_nothing_is_carried_over() {
                 "fsdp_model_finish_backward without a backward: it ends the backward the root's fsdp_unit_pre_backward began",
             ),
             (
+                "backward_without_forward",
+                "FSDP_ERR_NO_SAVED_FORWARD",
+                "fsdp_unit_pre_backward: FSDP root: backward called without a saved forward",
+            ),
+            (
+                "backward_after_no_grad_forward",
+                "FSDP_ERR_NO_SAVED_FORWARD",
+                "fsdp_unit_pre_backward: FSDP root: backward called without a saved forward",
+            ),
+            (
+                "nested_forward_outside_root",
+                "FSDP_ERR_USAGE",
+                "fsdp_unit_pre_forward on unit '1' outside the root's forward: the root's fsdp_unit_pre_forward comes first and its fsdp_unit_post_forward last",
+            ),
+            (
+                "step_after_failed_backward",
+                "FSDP_ERR_USAGE",
+                "fsdp_optimizer_step after a failed backward (the backward of unit '1' failed (fsdp_unit_post_backward was told it did not succeed)): the gradients held since fsdp_model_zero_grad are incomplete",
+            ),
+            (
                 "step_without_finish",
                 "FSDP_ERR_USAGE",
                 &format!("fsdp_optimizer_step before fsdp_model_finish_backward: {unfinished}"),
@@ -157,6 +177,7 @@ fn steps_and_hooks_out_of_order_are_refused_and_nothing_is_carried_over() {
         &[
             "refused_calls_changed_nothing",
             "nothing_carried_over",
+            "failed_backward_changed_nothing",
             "accumulation",
             "no_sync_accumulation",
             "zero_grad_drops_no_sync_grads",
@@ -261,6 +282,16 @@ fn errors_that_reach_c_name_the_header_fields_and_functions() {
                 "values_missing_on_every_rank",
                 "FSDP_ERR_NOT_MATERIALIZED",
                 "parameter '0.w' is not materialized (state: declared without values on every rank (values NULL in fsdp_spec_add_param); give rank 0 values with fsdp_config.sync_module_states, or use fsdp_spec_add_param_init)",
+            ),
+            (
+                "adamw_beta_at_new",
+                "FSDP_ERR_INVALID_ARGUMENT",
+                "fsdp_optimizer_new: invalid argument: AdamW: beta1 1.5 must be in [0, 1)",
+            ),
+            (
+                "sgd_lr_at_new",
+                "FSDP_ERR_INVALID_ARGUMENT",
+                "fsdp_optimizer_new: invalid argument: SGD: lr -1 must be finite and >= 0",
             ),
             (
                 "load_between_forward_and_backward",
