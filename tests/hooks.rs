@@ -284,10 +284,17 @@ fn hooks_called_out_of_order_are_errors_naming_the_unit() {
             m.with_unit("0", |u| u.param_views().unwrap_err().to_string())?,
             m.with_unit("9", |_| ()).unwrap_err().to_string(),
         ];
-        // A forward begun twice without its post_forward.
-        m.with_unit("0", |u| u.pre_forward(true))??;
-        e.push(m.with_unit("0", |u| u.pre_forward(true).unwrap_err().to_string())?);
+        // A forward begun twice without its post_forward (inside the root's forward, a
+        // forward without grad so nothing is owed a backward after it).
+        m.pre_forward(false)?;
+        m.with_unit("0", |u| u.pre_forward(false))??;
+        e.push(m.with_unit("0", |u| u.pre_forward(false).unwrap_err().to_string())?);
         m.with_unit("0", |u| u.post_forward(true))??;
+        m.post_forward(true)?;
+        // A nested unit's forward outside the root's.
+        e.push(m.with_unit("0", |u| u.pre_forward(true).unwrap_err().to_string())?);
+        // A backward with no forward with grad before it.
+        e.push(m.pre_backward().unwrap_err().to_string());
         // The step's stages, in the Rust API's names: no step before a backward, nothing
         // but finish_backward after the root's post_backward.
         e.push(m.ready_for_step().unwrap_err().to_string());
@@ -334,16 +341,26 @@ fn hooks_called_out_of_order_are_errors_naming_the_unit() {
             e[6]
         );
         assert!(
-            e[7].contains(
-                "the optimizer's step without gradients: no backward finished since zero_grad"
-            ),
+            e[7].contains("pre_forward on unit '0' outside the root's forward: the root's pre_forward comes first"),
             "{}",
             e[7]
         );
+        assert!(
+            e[8].contains("FSDP root: backward called without a saved forward"),
+            "{}",
+            e[8]
+        );
+        assert!(
+            e[9].contains(
+                "the optimizer's step without gradients: no backward finished since zero_grad"
+            ),
+            "{}",
+            e[9]
+        );
         for (k, call) in [
-            (8, "the optimizer's step"),
-            (9, "zero_grad"),
-            (10, "pre_forward on unit ''"),
+            (10, "the optimizer's step"),
+            (11, "zero_grad"),
+            (12, "pre_forward on unit ''"),
         ] {
             assert!(
                 e[k].contains(&format!(
@@ -354,9 +371,9 @@ fn hooks_called_out_of_order_are_errors_naming_the_unit() {
             );
         }
         assert!(
-            e[11].contains("finish_backward without a backward"),
+            e[13].contains("finish_backward without a backward"),
             "{}",
-            e[11]
+            e[13]
         );
     }
 }

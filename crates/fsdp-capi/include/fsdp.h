@@ -27,13 +27,18 @@
  *             (gradient accumulation: each backward ended by fsdp_model_finish_backward).
  * The root's hooks enclose every other unit's, nested paths ("layers.0" in "layers")
  * included: the root (unit 0, "") holds the root's parameters, and its views come from its
- * own pre hooks like any unit's. FSDP_ERR_USAGE for: a nested unit's backward hooks
- * outside the root's backward; the root's post hook while a unit is still between its
- * hooks; after the root's fsdp_unit_post_backward, anything but fsdp_model_finish_backward
- * (a step, zero_grad, clipping, a new forward or backward: skipping finish_backward would
- * leave this backward's gradients out of the step and add them into the next one); a step
- * before any backward, after fsdp_model_zero_grad, between a forward and its backward, or
- * while fsdp_model_set_no_sync keeps gradients unreduced.
+ * own pre hooks like any unit's. FSDP_ERR_USAGE for: a nested unit's forward hooks
+ * outside the root's forward, or its backward hooks outside the root's backward (inside a
+ * backward a unit's forward may run again, to recompute); the root's post hook while a
+ * unit is still between its hooks; after the root's fsdp_unit_post_backward, anything but
+ * fsdp_model_finish_backward (a step, zero_grad, clipping, a new forward or backward:
+ * skipping finish_backward would leave this backward's gradients out of the step and add
+ * them into the next one); a step before any backward, after fsdp_model_zero_grad,
+ * between a forward and its backward, while fsdp_model_set_no_sync keeps gradients
+ * unreduced, or after a backward that failed (a unit's fsdp_unit_post_backward with ok 0,
+ * or a failed fsdp_model_finish_backward: its gradients are incomplete) until
+ * fsdp_model_zero_grad. FSDP_ERR_NO_SAVED_FORWARD for the root's fsdp_unit_pre_backward
+ * without a forward with grad_enabled 1 since the last backward.
  *
  * Gradients: give each rank's gradient of its own loss as if it were alone (for example
  * d (mean loss over the local batch) / d param). fsdp sums them over every rank of the
@@ -925,14 +930,18 @@ fsdp_status fsdp_model_zero_grad(fsdp_model_t model);
 /**
  * Builds and shards the declared model on `group` (`fully_shard`): every declared unit
  * becomes an FSDP unit nested by path inside the root, which owns the root's
- * parameters. A collective over `group`: every rank calls it, with the same declaration,
- * which the ranks check first with one all-gather of an 8-byte hash of it (the same
- * units, parameter names, shapes, dtypes and `requires_grad`, in the same order).
+ * parameters. A collective over `group`: every rank calls it, with the same declaration
+ * and the same `config` settings, which the ranks check first with one all-gather of an
+ * 8-byte hash of them (the same `sharding_strategy`, `ranks_per_node`,
+ * `mixed_precision`, `cpu_offload`, prefetch settings, `sync_module_states` and device
+ * type; the same units, parameter names, shapes, dtypes and `requires_grad`, in the same
+ * order).
  * `config` NULL: the defaults of [`fsdp_config_default`]. Unit 0 is the root (name `""`),
  * then the declared units in pre-order.
  *
  * Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_COLLECTIVE_MISMATCH` on every rank when
- * the ranks declared different models, naming the first difference and both ranks;
+ * the ranks declared different models or passed different settings, naming the first
+ * difference (a setting by its `fsdp_config` field and both values) and both ranks;
  * `FSDP_ERR_INVALID_ARGUMENT` for repeated or malformed names, a bad config value, a
  * declaration without parameters, a parameter without values that nothing gives values
  * (no `sync_module_states`); `FSDP_ERR_USAGE` for options that do not fit together
@@ -1054,7 +1063,9 @@ fsdp_status fsdp_optimizer_config_default(int32_t kind,
  * first step).
  *
  * Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_INVALID_ARGUMENT` for an unknown kind, a
- * non-finite hyperparameter, a NULL pointer.
+ * NULL pointer, or a hyperparameter `torch.optim`'s constructor refuses (naming the
+ * field): a non-finite value, a negative `lr`, `eps`, `weight_decay` or `momentum`, a
+ * beta outside `[0, 1)`, `nesterov` without momentum or with dampening.
  *
  * # Safety
  * `config` is a valid `fsdp_optimizer_config`; `out` is valid for a write.
@@ -1069,8 +1080,9 @@ fsdp_status fsdp_optimizer_new(fsdp_model_t model,
  * since `fsdp_model_zero_grad`, summed. A step at any other time is refused and changes
  * nothing: before any backward or right after `fsdp_model_zero_grad` (no gradient),
  * between a forward and its backward, inside a forward or a backward, after the root's
- * `fsdp_unit_post_backward` without `fsdp_model_finish_backward`, or while
- * `fsdp_model_set_no_sync(model, 1)` keeps gradients unreduced. Stepping twice on the
+ * `fsdp_unit_post_backward` without `fsdp_model_finish_backward`, while
+ * `fsdp_model_set_no_sync(model, 1)` keeps gradients unreduced, or after a backward that
+ * failed (until `fsdp_model_zero_grad`: its gradients are incomplete). Stepping twice on the
  * same gradients (no `fsdp_model_zero_grad` between) applies them twice, as PyTorch
  * does.
  *
@@ -1079,7 +1091,7 @@ fsdp_status fsdp_optimizer_new(fsdp_model_t model,
  *
  * Errors: `FSDP_ERR_INVALID_HANDLE` (also when the model was freed);
  * `FSDP_ERR_USAGE` naming what was expected (`fsdp_model_finish_backward`, a backward,
- * `fsdp_model_set_no_sync(model, 0)`); `FSDP_ERR_INVALID_ARGUMENT` (`stream` not NULL on
+ * `fsdp_model_set_no_sync(model, 0)`, `fsdp_model_zero_grad` after a failed backward); `FSDP_ERR_INVALID_ARGUMENT` (`stream` not NULL on
  * the CPU); `FSDP_ERR_OUT_OF_MEMORY` when the optimizer state (created at the first
  * step) does not fit.
  */

@@ -110,14 +110,18 @@ pub(crate) fn with_unit<R>(
 
 /// Builds and shards the declared model on `group` (`fully_shard`): every declared unit
 /// becomes an FSDP unit nested by path inside the root, which owns the root's
-/// parameters. A collective over `group`: every rank calls it, with the same declaration,
-/// which the ranks check first with one all-gather of an 8-byte hash of it (the same
-/// units, parameter names, shapes, dtypes and `requires_grad`, in the same order).
+/// parameters. A collective over `group`: every rank calls it, with the same declaration
+/// and the same `config` settings, which the ranks check first with one all-gather of an
+/// 8-byte hash of them (the same `sharding_strategy`, `ranks_per_node`,
+/// `mixed_precision`, `cpu_offload`, prefetch settings, `sync_module_states` and device
+/// type; the same units, parameter names, shapes, dtypes and `requires_grad`, in the same
+/// order).
 /// `config` NULL: the defaults of [`fsdp_config_default`]. Unit 0 is the root (name `""`),
 /// then the declared units in pre-order.
 ///
 /// Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_COLLECTIVE_MISMATCH` on every rank when
-/// the ranks declared different models, naming the first difference and both ranks;
+/// the ranks declared different models or passed different settings, naming the first
+/// difference (a setting by its `fsdp_config` field and both values) and both ranks;
 /// `FSDP_ERR_INVALID_ARGUMENT` for repeated or malformed names, a bad config value, a
 /// declaration without parameters, a parameter without values that nothing gives values
 /// (no `sync_module_states`); `FSDP_ERR_USAGE` for options that do not fit together

@@ -190,8 +190,9 @@ pub(crate) fn with_optimizer<R>(
 /// since `fsdp_model_zero_grad`, summed. A step at any other time is refused and changes
 /// nothing: before any backward or right after `fsdp_model_zero_grad` (no gradient),
 /// between a forward and its backward, inside a forward or a backward, after the root's
-/// `fsdp_unit_post_backward` without `fsdp_model_finish_backward`, or while
-/// `fsdp_model_set_no_sync(model, 1)` keeps gradients unreduced. Stepping twice on the
+/// `fsdp_unit_post_backward` without `fsdp_model_finish_backward`, while
+/// `fsdp_model_set_no_sync(model, 1)` keeps gradients unreduced, or after a backward that
+/// failed (until `fsdp_model_zero_grad`: its gradients are incomplete). Stepping twice on the
 /// same gradients (no `fsdp_model_zero_grad` between) applies them twice, as PyTorch
 /// does.
 ///
@@ -200,7 +201,7 @@ pub(crate) fn with_optimizer<R>(
 ///
 /// Errors: `FSDP_ERR_INVALID_HANDLE` (also when the model was freed);
 /// `FSDP_ERR_USAGE` naming what was expected (`fsdp_model_finish_backward`, a backward,
-/// `fsdp_model_set_no_sync(model, 0)`); `FSDP_ERR_INVALID_ARGUMENT` (`stream` not NULL on
+/// `fsdp_model_set_no_sync(model, 0)`, `fsdp_model_zero_grad` after a failed backward); `FSDP_ERR_INVALID_ARGUMENT` (`stream` not NULL on
 /// the CPU); `FSDP_ERR_OUT_OF_MEMORY` when the optimizer state (created at the first
 /// step) does not fit.
 #[no_mangle]
