@@ -203,22 +203,44 @@ impl InitOptions {
                 self.backend
             ),
         };
+        // A value and where it came from, as the caller's API names it: the argument
+        // (`rank`, `fsdp_init_options.rank`), or the environment variable read in its place.
+        let from = |given: bool, field: &str, env: &str, value: usize| -> String {
+            match (given, crate::error::Api::current()) {
+                (false, _) => format!("{} {value} (from {env})", field.replace('_', " ")),
+                (true, crate::error::Api::Rust) => format!("{} {value}", field.replace('_', " ")),
+                (true, crate::error::Api::C) => format!("fsdp_init_options.{field} {value}"),
+            }
+        };
+        let unset = |field: &str| match crate::error::Api::current() {
+            crate::error::Api::Rust => field.to_string(),
+            crate::error::Api::C => format!("fsdp_init_options.{field} (negative)"),
+        };
         let world_size = self.number(self.world_size, "WORLD_SIZE", 1)?.ok_or_else(|| {
-            Error::InvalidArgument(
-                "init_process_group: world_size not given and environment variable WORLD_SIZE is not set (fsdp launch and torchrun set it)".into(),
-            )
+            Error::InvalidArgument(format!(
+                "init_process_group: {} not given and environment variable WORLD_SIZE is not set (fsdp launch and torchrun set it)",
+                unset("world_size")
+            ))
         })?;
         if world_size == 0 {
             crate::error::bail_arg!("init_process_group: world_size must be at least 1");
         }
         let rank = self.number(self.rank, "RANK", 0)?.ok_or_else(|| {
-            Error::InvalidArgument(
-                "init_process_group: rank not given and environment variable RANK is not set (fsdp launch and torchrun set it)".into(),
-            )
+            Error::InvalidArgument(format!(
+                "init_process_group: {} not given and environment variable RANK is not set (fsdp launch and torchrun set it)",
+                unset("rank")
+            ))
         })?;
         if rank >= world_size {
             crate::error::bail_arg!(
-                "init_process_group: rank {rank} (RANK) is not below the world size {world_size} (WORLD_SIZE)"
+                "init_process_group: {} is not below the {}",
+                from(self.rank.is_some(), "rank", "RANK", rank),
+                from(
+                    self.world_size.is_some(),
+                    "world_size",
+                    "WORLD_SIZE",
+                    world_size
+                )
             );
         }
         let local_world_size = self.number(self.local_world_size, "LOCAL_WORLD_SIZE", 1)?;

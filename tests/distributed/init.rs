@@ -128,7 +128,7 @@ fn bad_torchrun_variables_are_errors_naming_the_variable_and_value() {
         ),
         (
             base("", &[("RANK", "4")]),
-            "rank 4 (RANK) is not below the world size 4",
+            "rank 4 (from RANK) is not below the world size 4 (from WORLD_SIZE)",
         ),
         (base("", &[("LOCAL_RANK", "x")]), "LOCAL_RANK='x'"),
         (

@@ -20,7 +20,7 @@ const CASES: &[(&str, &str, &str)] = &[
     (
         "init_rank_out_of_range",
         "FSDP_ERR_INVALID_ARGUMENT",
-        "rank 5 (RANK) is not below the world size 2",
+        "fsdp_init_options.rank 5 is not below the fsdp_init_options.world_size 2",
     ),
     (
         "init_null_out",
