@@ -47,16 +47,6 @@ const DECLARED_DTYPE: DType = DType::F32;
 
 /// The settings of `config` that the ranks' collectives depend on, in a fixed order.
 fn settings(config: &FsdpConfig) -> Vec<Entry> {
-    let set = |rust: &str, c: &str, value: String, c_value: String| Entry::Setting {
-        rust: format!("FsdpConfig::{rust}"),
-        c: if c.is_empty() {
-            String::new()
-        } else {
-            format!("fsdp_config.{c}")
-        },
-        value,
-        c_value,
-    };
     let both = |v: String| (v.clone(), v);
     let strategy = |api: Api| {
         let _api = api.enter();
@@ -95,7 +85,16 @@ fn settings(config: &FsdpConfig) -> Vec<Entry> {
         _ => ("cpu".to_string(), "kDLCPU".to_string()),
     };
     let flag = |b: bool| both(b.to_string());
-    let entry = |rust: &str, c: &str, (v, cv): (String, String)| set(rust, c, v, cv);
+    let entry = |rust: &str, c: &str, (value, c_value): (String, String)| Entry::Setting {
+        rust: format!("FsdpConfig::{rust}"),
+        c: if c.is_empty() {
+            String::new()
+        } else {
+            format!("fsdp_config.{c}")
+        },
+        value,
+        c_value,
+    };
     vec![
         entry(
             "sharding_strategy",

@@ -202,9 +202,13 @@ impl Progress {
         self.pass = Pass::BackwardEnded;
     }
 
-    /// The backward finished (successfully or not): a micro-batch is done, its gradients
-    /// are held for the optimizer.
-    pub fn end_backward(&mut self) {
+    /// The backward finished: a micro-batch is done, its gradients are held for the
+    /// optimizer; `failed`: why it did not succeed (the gradients are then incomplete, see
+    /// [`mark_incomplete`](Self::mark_incomplete)).
+    pub fn end_backward(&mut self, failed: Option<String>) {
+        if let Some(why) = failed {
+            self.mark_incomplete(why);
+        }
         self.micro_batch += 1;
         self.pass = Pass::Idle(Held::Grads);
     }
@@ -356,7 +360,7 @@ mod tests {
         assert!(p.owes_backward(), "an unfinished backward still owes");
         p.root_backward_done();
         assert_eq!(p.pass(), Pass::BackwardEnded);
-        p.end_backward();
+        p.end_backward(None);
         assert!(!p.owes_backward());
         assert_eq!(
             (p.pass(), p.gather(1).phase),

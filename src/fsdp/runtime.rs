@@ -416,12 +416,11 @@ impl FullyShardedDataParallel {
         }
         let fin = self.finalize_backward();
         let r = agreed.and(fin);
-        let mut s = self.rs.sched.lock();
-        if let Err(e) = &r {
-            s.progress
-                .mark_incomplete(format!("{} failed: {e}", Term::FinishBackward));
-        }
-        s.progress.end_backward();
+        let failed = r
+            .as_ref()
+            .err()
+            .map(|e| format!("{} failed: {e}", Term::FinishBackward));
+        self.rs.sched.lock().progress.end_backward(failed);
         r
     }
 
@@ -558,10 +557,11 @@ impl Module for FullyShardedDataParallel {
                     // Nothing may stay in flight after an error either.
                     self.abort_on_desync(e);
                     let fin = self.finalize_backward();
-                    let mut s = self.rs.sched.lock();
-                    s.progress
-                        .mark_incomplete(format!("the backward failed: {e}"));
-                    s.progress.end_backward();
+                    self.rs
+                        .sched
+                        .lock()
+                        .progress
+                        .end_backward(Some(format!("the backward failed: {e}")));
                     fin
                 }
             };
