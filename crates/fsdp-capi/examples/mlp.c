@@ -24,9 +24,10 @@
  * prints, per world size: "loss WORLD STEP VALUE" lines and "param WORLD NAME v0 v1 ..."
  * lines (%.9g: float32 values round-trip exactly).
  *
- * Build (at the workspace root, after `cargo build --release -p fsdp-capi`):
- *   cc -O2 crates/fsdp-capi/examples/mlp.c -Icrates/fsdp-capi/include -Ltarget/release \
- *      -lfsdp_capi -lpthread -lm
+ * Build (at the workspace root, after `cargo build --release -p fsdp-cli -p fsdp-capi`;
+ * the README's "Embedding" section also links it statically):
+ *   cc -std=c11 -O2 -pthread -Icrates/fsdp-capi/include crates/fsdp-capi/examples/mlp.c \
+ *      -Ltarget/release -lfsdp_capi -Wl,-rpath,"$PWD/target/release" -lm -o target/c/mlp
  */
 #include "fsdp.h"
 

@@ -363,18 +363,31 @@ fn mlp_c_refuses_unknown_arguments_with_its_usage() {
     let exe = super::compile_c("examples/mlp.c");
     for (args, what) in [
         (&["--bogus"][..], "mlp: unknown argument: --bogus"),
-        (&["--steps", "2", "--bogus", "1"], "mlp: unknown argument: --bogus"),
+        (
+            &["--steps", "2", "--bogus", "1"],
+            "mlp: unknown argument: --bogus",
+        ),
         (&["extra"], "mlp: unknown argument: extra"),
         (&["--steps"], "mlp: missing value after: --steps"),
-        (&["--strategy", "fulll-shard"], "mlp: bad value for --strategy: fulll-shard"),
+        (
+            &["--strategy", "fulll-shard"],
+            "mlp: bad value for --strategy: fulll-shard",
+        ),
         (&["--worlds", "2,x"], "mlp: bad value for --worlds: 2,x"),
         (&["--steps", "65"], "mlp: bad value for --steps: 65"),
     ] {
         let o = Command::new(&exe).args(args).output().unwrap();
         let err = String::from_utf8_lossy(&o.stderr);
         assert_eq!(o.status.code(), Some(2), "{args:?}: {}\n{err}", o.status);
-        assert!(err.starts_with(&format!("{what}\nusage: mlp [--strategy ")), "{args:?}: {err}");
-        assert!(o.stdout.is_empty(), "{args:?}: {}", String::from_utf8_lossy(&o.stdout));
+        assert!(
+            err.starts_with(&format!("{what}\nusage: mlp [--strategy ")),
+            "{args:?}: {err}"
+        );
+        assert!(
+            o.stdout.is_empty(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&o.stdout)
+        );
     }
     // --help prints the usage on stdout and succeeds.
     let help = super::run(Command::new(&exe).arg("--help"));
