@@ -102,7 +102,10 @@ mod tests {
         assert!(e.contains("its size in bytes overflows"), "{e}");
         // A zero dimension anywhere: no element, even after a product that overflows.
         assert_eq!(checked_size(&[0, 1 << 62], DType::F32).unwrap(), (0, 0));
-        assert_eq!(checked_size(&[1 << 62, 1 << 62, 0], DType::F32).unwrap(), (0, 0));
+        assert_eq!(
+            checked_size(&[1 << 62, 1 << 62, 0], DType::F32).unwrap(),
+            (0, 0)
+        );
         assert_eq!(crate::tensor::numel_of(&[1 << 62, 1 << 62, 0]), 0);
         assert_eq!(checked_size(&[], DType::F64).unwrap(), (1, 8));
     }
