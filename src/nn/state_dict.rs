@@ -288,7 +288,7 @@ pub(crate) fn plan_buffers(
             }
             Some(Ok(t)) => t,
         };
-        if t.numel() != m.shape.iter().product::<usize>()
+        if t.numel() != crate::tensor::numel_of(&m.shape)
             || (exact_shape && t.shape() != m.shape.as_slice())
         {
             plan.problems.push(format!(

@@ -13,8 +13,13 @@ use crate::error::{Error, Result};
 
 /// The element count of `shape` and its size in bytes as `dtype`; `Err` says which of the
 /// two overflows `usize` (a shape no memory can hold), for the caller to name the tensor.
+/// A shape with a zero dimension holds no element, however large its other dimensions
+/// (`[0, 2^62]`, or `[2^62, 2^62, 0]` whose leading product alone would overflow): `(0, 0)`.
 pub fn checked_size(shape: &[usize], dtype: DType) -> std::result::Result<(usize, usize), String> {
-    let numel = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+    let numel = match shape.contains(&0) {
+        true => Some(0),
+        false => shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)),
+    };
     match numel.and_then(|n| Some((n, n.checked_mul(dtype.size_in_bytes())?))) {
         Some(s) => Ok(s),
         None => Err(format!(
@@ -95,5 +100,13 @@ mod tests {
         assert!(e.contains("its element count overflows"), "{e}");
         let e = checked_size(&[1 << 62], DType::F32).unwrap_err();
         assert!(e.contains("its size in bytes overflows"), "{e}");
+        // A zero dimension anywhere: no element, even after a product that overflows.
+        assert_eq!(checked_size(&[0, 1 << 62], DType::F32).unwrap(), (0, 0));
+        assert_eq!(
+            checked_size(&[1 << 62, 1 << 62, 0], DType::F32).unwrap(),
+            (0, 0)
+        );
+        assert_eq!(crate::tensor::numel_of(&[1 << 62, 1 << 62, 0]), 0);
+        assert_eq!(checked_size(&[], DType::F64).unwrap(), (1, 8));
     }
 }

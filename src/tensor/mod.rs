@@ -79,9 +79,14 @@ impl WeakTensor {
     }
 }
 
-/// Number of elements of a shape (1 for a scalar shape `[]`).
+/// Number of elements of a shape (1 for a scalar shape `[]`; 0 for a shape with a zero
+/// dimension, however large the others: the product is not formed then, so it cannot
+/// overflow).
 pub fn numel_of(shape: &[usize]) -> usize {
-    shape.iter().product()
+    match shape.contains(&0) {
+        true => 0,
+        false => shape.iter().product(),
+    }
 }
 
 impl Tensor {

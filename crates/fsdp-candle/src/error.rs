@@ -29,6 +29,19 @@ pub enum Error {
     /// Bad input: unit prefixes, var names, initial values, a loss that is not a scalar.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The local part of a training pass (the model builder, the forward/loss closure,
+    /// reading the loss, candle's backward) failed on the ranks named, before any
+    /// collective of the backward. Every rank returns this error, with the same `reason`;
+    /// no rank reduced a gradient, so nothing changed: the gradients held are those from
+    /// before the call, the parameters are as they were, and the model is usable for the
+    /// next pass (the failed micro-batch is simply skipped).
+    #[error("the training pass failed on rank(s) {ranks:?} before the backward's collectives, so every rank skipped it (nothing changed; the model stays usable): {reason}")]
+    PassFailed {
+        /// The ranks whose local part failed, ascending.
+        ranks: Vec<usize>,
+        /// Each failed rank and its error (`rank 1: ...; rank 3: ...`).
+        reason: String,
+    },
     /// An earlier call failed in the middle of a step's collectives; this rank aborted its
     /// process group then (so its peers fail at once instead of waiting), and the model
     /// cannot be used any more: rebuild it, e.g. from a checkpoint.

@@ -36,6 +36,7 @@
 //! | [`Wrap`]: which vars form which unit (an auto-wrap policy over var names); the parameter-only module tree fsdp shards | `wrap.rs` |
 //! | the vars as the builder asks for them; fsdp views to candle tensors and candle gradients into fsdp views (one copy each) | `vars.rs` |
 //! | every rank declared the same model (one all-gather of fingerprints) | `agree.rs` |
+//! | every rank's forward/loss and candle backward succeeded, before the backward's collectives (one all-gather of a status word) | `status.rs` |
 //! | [`Error`] | `error.rs` |
 //!
 //! CPU only, f32 master parameters. The README section "candle through fsdp" has the
@@ -46,6 +47,7 @@
 mod agree;
 mod error;
 mod model;
+mod status;
 mod vars;
 mod wrap;
 

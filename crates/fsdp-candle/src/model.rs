@@ -152,15 +152,19 @@ impl<M> CandleFsdp<M> {
     /// averages over the ranks into the gradient shards. Returns this rank's loss value.
     /// Then call [`step`](Self::step).
     ///
-    /// Any error here (including the closure's) happens between collectives: this rank
+    /// An error of this rank's own part (the builder, the closure, a loss that is not a
+    /// scalar or has no gradient path, candle's backward) is exchanged before any
+    /// collective of the backward: every rank returns `PassFailed` naming the failed
+    /// rank(s) and their errors, nothing changes, and the next pass trains as if this one
+    /// had not been made. An error of fsdp's collectives cannot be taken back: this rank
     /// aborts its process group, so the peers fail at once rather than wait, and the model
     /// is unusable afterwards (`Error::Failed`).
     ///
     /// # Errors
     /// `OutOfOrder` when the last backward's gradients still wait for `step` (nothing is
-    /// done); `Candle` from the builder, the closure or candle's backward;
-    /// `InvalidArgument` when the loss is not a scalar or depends on no var; fsdp's
-    /// collective errors; `Failed` after an earlier failure.
+    /// done); `PassFailed` when the builder, the closure or candle's backward failed on any
+    /// rank, or a rank's loss is not a scalar or depends on no var; fsdp's collective
+    /// errors; `Failed` after an earlier failure.
     pub fn forward_backward<F>(&mut self, f: F) -> Result<f32>
     where
         F: FnOnce(&M) -> candle::Result<Tensor>,
@@ -205,6 +209,9 @@ impl<M> CandleFsdp<M> {
                 self.phase = Phase::Grads { backwards };
                 Ok(loss)
             }
+            // Every rank skipped the pass before its collectives: the step holds what it
+            // held.
+            Err(e @ Error::PassFailed { .. }) => Err(e),
             Err(e) => Err(self.fail(e)),
         }
     }
@@ -214,27 +221,24 @@ impl<M> CandleFsdp<M> {
         F: FnOnce(&M) -> candle::Result<Tensor>,
     {
         let mut vars = self.gather(true)?;
-        let vb = VarBuilder::from_tensors(vars.clone(), DType::F32, &Device::Cpu);
-        let model = (self.build)(vb).map_err(candle("the model builder"))?;
-        let loss = f(&model).map_err(candle("the forward/loss closure"))?;
-        drop(model);
-        if loss.rank() != 0 {
-            return Err(Error::InvalidArgument(format!(
-                "the closure returned a loss of shape {:?}; return a scalar (e.g. candle_nn::loss::mse, or .mean_all())",
-                loss.dims()
-            )));
+        // The builder, the closure and candle's backward run on this rank alone; the ranks
+        // agree that all of them succeeded before any collective of the backward (see
+        // `status.rs`), with the root still inside its forward and nothing in flight.
+        let local = self.local_pass(&vars, f);
+        let failure = local.as_ref().err().map(ToString::to_string);
+        let agreed = crate::status::every_rank_ok(self.fsdp.process_group(), failure);
+        // A failed forward frees the root's gathered parameters and owes no backward.
+        self.fsdp.post_forward(agreed.is_ok())?;
+        if agreed.is_err() {
+            // Units that keep their parameters gathered for the backward (shard-grad-op)
+            // free them too: an optimizer step before the next forward would leave them
+            // stale.
+            for u in &self.units {
+                self.fsdp.with_unit(u, |u| u.reshard())??;
+            }
         }
-        let value = loss
-            .to_dtype(DType::F32)
-            .and_then(|l| l.to_scalar::<f32>())
-            .map_err(candle("reading the loss"))?;
-        let mut grads = loss.backward().map_err(candle("loss.backward()"))?;
-        drop(loss);
-        if !vars.values().any(|t| grads.get(t).is_some()) {
-            return Err(Error::InvalidArgument(
-                "the loss depends on no var of the model (detached, or computed without it): there is no gradient to reduce".into(),
-            ));
-        }
+        agreed?;
+        let (value, mut grads) = local?;
         // Reverse forward order, as autograd would reach the units; each unit's candle
         // tensors and gradients are dropped once handed over.
         let mut take = |views: Vec<(String, fsdp::tensor::Tensor)>| -> Result<()> {
@@ -265,11 +269,51 @@ impl<M> CandleFsdp<M> {
         Ok(value)
     }
 
+    /// This rank's part of a training pass, between the gathers and the backward's
+    /// collectives: builds the model over `vars`, runs `f`, checks the loss and runs
+    /// candle's backward. Returns the loss value and the gradients.
+    ///
+    /// # Errors
+    /// `Candle` from the builder, `f`, reading the loss or the backward;
+    /// `InvalidArgument` when the loss is not a scalar or depends on no var.
+    fn local_pass<F>(
+        &self,
+        vars: &HashMap<String, Tensor>,
+        f: F,
+    ) -> Result<(f32, candle::backprop::GradStore)>
+    where
+        F: FnOnce(&M) -> candle::Result<Tensor>,
+    {
+        let vb = VarBuilder::from_tensors(vars.clone(), DType::F32, &Device::Cpu);
+        let model = (self.build)(vb).map_err(candle("the model builder"))?;
+        let loss = f(&model).map_err(candle("the forward/loss closure"))?;
+        drop(model);
+        if loss.rank() != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "the closure returned a loss of shape {:?}; return a scalar (e.g. candle_nn::loss::mse, or .mean_all())",
+                loss.dims()
+            )));
+        }
+        let value = loss
+            .to_dtype(DType::F32)
+            .and_then(|l| l.to_scalar::<f32>())
+            .map_err(candle("reading the loss"))?;
+        let grads = loss.backward().map_err(candle("loss.backward()"))?;
+        drop(loss);
+        if !vars.values().any(|t| grads.get(t).is_some()) {
+            return Err(Error::InvalidArgument(
+                "the loss depends on no var of the model (detached, or computed without it): there is no gradient to reduce".into(),
+            ));
+        }
+        Ok((value, grads))
+    }
+
     /// Gathers every unit and copies its parameters into candle tensors (vars when
     /// `grad`), by var name. Under strategies that free parameters after the forward
     /// (full-shard, hybrid) each nested unit's gathered buffer is freed as soon as its copy
     /// is made (the root's at the backward, as FSDP keeps the root's); without `grad`
-    /// every unit's, the root's included.
+    /// every unit's, the root's included. The root stays inside its forward: the caller
+    /// ends it with the root's `post_forward`.
     fn gather(&mut self, grad: bool) -> Result<HashMap<String, Tensor>> {
         let mut out = HashMap::with_capacity(self.vars.len());
         let mut copy = |views: Vec<(String, fsdp::tensor::Tensor)>| -> Result<()> {
@@ -292,7 +336,6 @@ impl<M> CandleFsdp<M> {
                 r
             })??;
         }
-        fsdp.post_forward(true)?;
         Ok(out)
     }
 
@@ -309,7 +352,11 @@ impl<M> CandleFsdp<M> {
         F: FnOnce(&M) -> candle::Result<R>,
     {
         self.live("eval")?;
-        let vars = match self.gather(false) {
+        let gathered = self.gather(false).and_then(|v| {
+            self.fsdp.post_forward(true)?;
+            Ok(v)
+        });
+        let vars = match gathered {
             Ok(v) => v,
             Err(e) => return Err(self.fail(e)),
         };

@@ -19,12 +19,15 @@
  *
  * usage: mlp [--strategy full-shard|shard-grad-op|no-shard] [--optim sgd|adamw]
  *            [--worlds 1,2,4] [--steps 5] [--accum K] [--clip X] [--precision f32|bf16]
+ * (defaults shown; steps 0 to 64, K 1 to 8, worlds 1 to 8 each). Anything else (an unknown
+ * argument, a missing or bad value) is refused with the usage on stderr and exit status 2.
  * prints, per world size: "loss WORLD STEP VALUE" lines and "param WORLD NAME v0 v1 ..."
  * lines (%.9g: float32 values round-trip exactly).
  *
- * Build (at the workspace root, after `cargo build --release -p fsdp-capi`):
- *   cc -O2 crates/fsdp-capi/examples/mlp.c -Icrates/fsdp-capi/include -Ltarget/release \
- *      -lfsdp_capi -lpthread -lm
+ * Build (at the workspace root, after `cargo build --release -p fsdp-cli -p fsdp-capi`;
+ * the README's "Embedding" section also links it statically):
+ *   cc -std=c11 -O2 -pthread -Icrates/fsdp-capi/include crates/fsdp-capi/examples/mlp.c \
+ *      -Ltarget/release -lfsdp_capi -Wl,-rpath,"$PWD/target/release" -lm -o target/c/mlp
  */
 #include "fsdp.h"
 
@@ -309,30 +312,71 @@ static void *rank_main(void *arg) {
     return NULL;
 }
 
+static const char USAGE[] =
+    "usage: mlp [--strategy full-shard|shard-grad-op|no-shard] [--optim sgd|adamw]\n"
+    "           [--worlds 1,2,4] [--steps 5] [--accum K] [--clip X] [--precision f32|bf16]\n";
+
+/* Refuses the command line: what is wrong, then the usage line, on stderr; exit 2. */
+static int usage_error(const char *what, const char *arg) {
+    fprintf(stderr, "mlp: %s%s%s\n%s", what, arg ? ": " : "", arg ? arg : "", USAGE);
+    return 2;
+}
+
+/* *out = v parsed as a whole decimal integer in [lo, hi]; 0 when it is not one. */
+static int parse_int(const char *v, long lo, long hi, int *out) {
+    char *end;
+    long n = strtol(v, &end, 10);
+    if (end == v || *end || n < lo || n > hi) return 0;
+    *out = (int)n;
+    return 1;
+}
+
 int main(int argc, char **argv) {
     int worlds[8] = {1, 2, 4}, nworlds = 3;
-    for (int i = 1; i + 1 < argc; i += 2) {
-        const char *k = argv[i], *v = argv[i + 1];
-        if (!strcmp(k, "--strategy"))
-            strategy = !strcmp(v, "shard-grad-op") ? FSDP_SHARD_GRAD_OP
-                       : !strcmp(v, "no-shard")    ? FSDP_NO_SHARD
-                                                   : FSDP_FULL_SHARD;
-        else if (!strcmp(k, "--optim"))
-            optim = !strcmp(v, "adamw") ? FSDP_OPTIM_ADAMW : FSDP_OPTIM_SGD;
-        else if (!strcmp(k, "--steps"))
-            steps = atoi(v);
-        else if (!strcmp(k, "--accum"))
-            accum = atoi(v);
-        else if (!strcmp(k, "--clip"))
-            clip = (float)atof(v);
-        else if (!strcmp(k, "--precision"))
-            precision = !strcmp(v, "bf16") ? FSDP_PRECISION_BF16 : FSDP_PRECISION_F32;
-        else if (!strcmp(k, "--worlds")) {
+    for (int i = 1; i < argc; i += 2) {
+        const char *k = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(k, "--help") || !strcmp(k, "-h")) {
+            fputs(USAGE, stdout);
+            return 0;
+        }
+        int known = !strcmp(k, "--strategy") || !strcmp(k, "--optim") ||
+                    !strcmp(k, "--steps") || !strcmp(k, "--accum") || !strcmp(k, "--clip") ||
+                    !strcmp(k, "--precision") || !strcmp(k, "--worlds");
+        if (!known) return usage_error("unknown argument", k);
+        if (!v) return usage_error("missing value after", k);
+        int bad = 0;
+        if (!strcmp(k, "--strategy")) {
+            if (!strcmp(v, "full-shard")) strategy = FSDP_FULL_SHARD;
+            else if (!strcmp(v, "shard-grad-op")) strategy = FSDP_SHARD_GRAD_OP;
+            else if (!strcmp(v, "no-shard")) strategy = FSDP_NO_SHARD;
+            else bad = 1;
+        } else if (!strcmp(k, "--optim")) {
+            if (!strcmp(v, "sgd")) optim = FSDP_OPTIM_SGD;
+            else if (!strcmp(v, "adamw")) optim = FSDP_OPTIM_ADAMW;
+            else bad = 1;
+        } else if (!strcmp(k, "--steps")) {
+            bad = !parse_int(v, 0, 64, &steps);
+        } else if (!strcmp(k, "--accum")) {
+            bad = !parse_int(v, 1, ROWS, &accum);
+        } else if (!strcmp(k, "--clip")) {
+            char *end;
+            clip = strtof(v, &end);
+            bad = end == v || *end || !(clip >= 0.0f);
+        } else if (!strcmp(k, "--precision")) {
+            if (!strcmp(v, "f32")) precision = FSDP_PRECISION_F32;
+            else if (!strcmp(v, "bf16")) precision = FSDP_PRECISION_BF16;
+            else bad = 1;
+        } else { /* --worlds: 1 to 8 world sizes, each 1 to MAX_WORLD, comma-separated */
+            char list[64];
+            bad = strlen(v) >= sizeof list;
+            if (!bad) strcpy(list, v);
             nworlds = 0;
-            for (char *s = strtok((char *)v, ","); s && nworlds < 8; s = strtok(NULL, ","))
-                worlds[nworlds++] = atoi(s);
-        } else {
-            fprintf(stderr, "unknown option %s\n", k);
+            for (char *s = bad ? NULL : strtok(list, ","); s && !bad; s = strtok(NULL, ","))
+                bad = nworlds == 8 || !parse_int(s, 1, MAX_WORLD, &worlds[nworlds++]);
+            bad = bad || nworlds == 0;
+        }
+        if (bad) {
+            fprintf(stderr, "mlp: bad value for %s: %s\n%s", k, v, USAGE);
             return 2;
         }
     }
@@ -342,7 +386,6 @@ int main(int argc, char **argv) {
     }
     for (int w = 0; w < nworlds; w++) {
         int world = worlds[w];
-        if (world < 1 || world > MAX_WORLD || steps > 64 || accum < 1) return 2;
         Rank ranks[MAX_WORLD];
         pthread_t threads[MAX_WORLD];
         memset(ranks, 0, sizeof ranks);

@@ -125,7 +125,7 @@ pub struct ShardedTensor {
 impl ShardedTensor {
     /// Element count of the whole parameter.
     pub fn global_numel(&self) -> usize {
-        self.global_shape.iter().product()
+        crate::tensor::numel_of(&self.global_shape)
     }
 }
 

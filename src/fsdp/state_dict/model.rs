@@ -284,7 +284,7 @@ impl FullyShardedDataParallel {
             }
         }
         for (name, shape, _) in ignored_params(self) {
-            let n: usize = shape.iter().product();
+            let n = crate::tensor::numel_of(&shape);
             out.push(LocalRange {
                 name,
                 shape,
@@ -293,7 +293,7 @@ impl FullyShardedDataParallel {
         }
         // Buffers are whole on every rank.
         for b in buffer_metas(self).unwrap_or_default() {
-            let n: usize = b.shape.iter().product();
+            let n = crate::tensor::numel_of(&b.shape);
             out.push(LocalRange {
                 name: b.name,
                 shape: b.shape,
@@ -497,7 +497,7 @@ fn plan_unflat(
             problems.extend(p);
             continue;
         }
-        match src.read_f64(name, 0, shape.iter().product())? {
+        match src.read_f64(name, 0, crate::tensor::numel_of(shape))? {
             Ok(v) => ignored_writes.push((name.clone(), v)),
             Err(p) => problems.push(p),
         }

@@ -133,7 +133,7 @@ fn positions(metas: &[UnitMeta], ignored: &[(String, Vec<usize>, bool)]) -> Vec<
         if *requires_grad {
             out.push(Position::Ignored {
                 name: name.clone(),
-                numel: shape.iter().product(),
+                numel: crate::tensor::numel_of(shape),
             });
         }
     }

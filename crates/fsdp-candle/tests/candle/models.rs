@@ -339,6 +339,12 @@ pub fn mlp_sgd(init: &VarMap, steps: usize) -> Run<'_, Mlp> {
 /// The plain candle loop on one process: `run.steps` steps on the whole global batch from a
 /// copy of `run.init`. Returns the losses and the final values.
 pub fn reference<M>(run: &Run<M>) -> Trained {
+    reference_skipping(run, None)
+}
+
+/// [`reference`] that leaves out step `skip` (its batch is never seen; the later steps
+/// keep their own batches). The losses are those of the steps run.
+pub fn reference_skipping<M>(run: &Run<M>, skip: Option<usize>) -> Trained {
     let (build, loss, opt) = (run.build, run.loss, run.opt);
     let vm = copy(run.init);
     let model = build(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu)).unwrap();
@@ -359,7 +365,7 @@ pub fn reference<M>(run: &Run<M>) -> Trained {
             Box::new(move |l| adamw.backward_step(l))
         }
     };
-    for s in 0..run.steps {
+    for s in (0..run.steps).filter(|&s| Some(s) != skip) {
         let l = loss(&model, s, 0, ROWS).unwrap();
         losses.push(l.to_scalar::<f32>().unwrap());
         o(&l).unwrap();

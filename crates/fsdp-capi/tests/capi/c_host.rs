@@ -3,7 +3,7 @@
 //! model trained by `fsdp::nn` under FSDP (same strategy and world size) and trained
 //! unsharded on the whole batch; so do its losses. Under bf16 mixed precision (bfloat16
 //! parameter views, bfloat16 gradients handed back) it equals `fsdp::nn` under the same
-//! `MixedPrecision`.
+//! `MixedPrecision`. It refuses unknown arguments with its usage line.
 
 use super::common::assert_close;
 use fsdp::distributed::{launch, LaunchOptions};
@@ -353,4 +353,43 @@ fn a_c_host_in_bf16_trains_like_fsdp_nn_in_bf16() {
         assert!(worst.0 <= 1e-6, "bf16 world {world}: {worst:?}");
         assert!(effect > 1e-3, "bf16 changed nothing: {effect}");
     }
+}
+
+/// mlp.c refuses what it does not understand (an unknown argument, even a lone one; a
+/// missing value; a value outside its list) with what is wrong and its usage line on
+/// stderr, exit status 2 and nothing on stdout, instead of training with defaults.
+#[test]
+fn mlp_c_refuses_unknown_arguments_with_its_usage() {
+    let exe = super::compile_c("examples/mlp.c");
+    for (args, what) in [
+        (&["--bogus"][..], "mlp: unknown argument: --bogus"),
+        (
+            &["--steps", "2", "--bogus", "1"],
+            "mlp: unknown argument: --bogus",
+        ),
+        (&["extra"], "mlp: unknown argument: extra"),
+        (&["--steps"], "mlp: missing value after: --steps"),
+        (
+            &["--strategy", "fulll-shard"],
+            "mlp: bad value for --strategy: fulll-shard",
+        ),
+        (&["--worlds", "2,x"], "mlp: bad value for --worlds: 2,x"),
+        (&["--steps", "65"], "mlp: bad value for --steps: 65"),
+    ] {
+        let o = Command::new(&exe).args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}\n{err}", o.status);
+        assert!(
+            err.starts_with(&format!("{what}\nusage: mlp [--strategy ")),
+            "{args:?}: {err}"
+        );
+        assert!(
+            o.stdout.is_empty(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&o.stdout)
+        );
+    }
+    // --help prints the usage on stdout and succeeds.
+    let help = super::run(Command::new(&exe).arg("--help"));
+    assert!(help.starts_with("usage: mlp [--strategy "), "{help}");
 }

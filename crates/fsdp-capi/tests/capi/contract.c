@@ -3,7 +3,8 @@
  * and a message naming what was expected, in the header's own names. Ranks are threads
  * (world 2). One group of checks per run, each in its own process:
  *
- *   oom       a parameter too big to allocate, a shape that overflows (under RLIMIT_AS)
+ *   oom       a parameter too big to allocate, a shape that overflows (under RLIMIT_AS),
+ *             zero-element shapes with huge dimensions (accepted)
  *   order     optimizer steps, zero_grad and hooks at the wrong time; gradient accumulation
  *   views     fsdp's own parameter views passed back as gradients
  *   mismatch  ranks that declared different models
@@ -138,6 +139,23 @@ static int params_are(fsdp_model_t m, float a, float b, char *detail, size_t len
 
 /* ---- oom: allocation failure is a status, never an abort ---------------------------- */
 
+/* The state dict's entries as "name [d0, d1, ...]; ..." (the shapes as the DLTensors give
+ * them). */
+typedef struct {
+    char text[256];
+} Shapes;
+
+static int32_t shapes_of(void *ctx, const char *name, const DLTensor *t) {
+    Shapes *s = (Shapes *)ctx;
+    size_t n = strlen(s->text);
+    n += snprintf(s->text + n, sizeof s->text - n, "%s%s [", n ? "; " : "", name);
+    for (int32_t d = 0; d < t->ndim && n < sizeof s->text; d++)
+        n += snprintf(s->text + n, sizeof s->text - n, "%s%lld", d ? ", " : "",
+                      (long long)t->shape[d]);
+    if (n < sizeof s->text) snprintf(s->text + n, sizeof s->text - n, "]");
+    return 0;
+}
+
 static void *oom_checks(void *arg) {
     int rank = *(int *)arg;
     fsdp_group_t world = join("threads://contract-oom", rank, 2, 30000);
@@ -162,6 +180,33 @@ static void *oom_checks(void *arg) {
            fsdp_spec_add_param_init(spec, "big", "w", 1, bytes_overflow, FSDP_INIT_UNIFORM, 0,
                                     1.0f, true));
     MUST(fsdp_spec_free(spec));
+    /* A shape with a zero dimension holds no element, however large the others, even when
+     * their product alone overflows: accepted, built, and in the state dict as declared. */
+    MUST(fsdp_spec_new(&spec));
+    MUST(fsdp_spec_add_unit(spec, "empty"));
+    int64_t zero_then_huge[2] = {0, (int64_t)1 << 62};
+    int64_t huge_then_zero[3] = {(int64_t)1 << 62, (int64_t)1 << 62, 0};
+    float w[2] = {1, 2};
+    /* Values for 0 elements: a valid pointer, never read. */
+    report(rank, "zero_numel_huge_dim",
+           fsdp_spec_add_param(spec, "empty", "a", 2, zero_then_huge, w, true));
+    report(rank, "zero_numel_after_overflow",
+           fsdp_spec_add_param_init(spec, "empty", "b", 3, huge_then_zero, FSDP_INIT_UNIFORM,
+                                    0, 1.0f, true));
+    int64_t s2[1] = {2};
+    MUST(fsdp_spec_add_param(spec, "empty", "w", 1, s2, w, true));
+    report(rank, "zero_numel_model_new", fsdp_model_new(world, spec, NULL, &m));
+    MUST(fsdp_spec_free(spec));
+    Shapes shapes = {{0}};
+    if (m.id != 0) {
+        MUST(fsdp_model_full_state_dict(m, false, shapes_of, &shapes, NULL));
+        MUST(fsdp_model_free(m));
+    }
+    check(rank, "zero_numel_state_dict",
+          !strcmp(shapes.text, "empty.a [0, 4611686018427387904]; "
+                               "empty.b [4611686018427387904, 4611686018427387904, 0]; "
+                               "empty.w [2]"),
+          shapes.text);
     /* The host goes on: a normal model builds and trains. */
     MUST(build(world, FSDP_PRECISION_F32, &m));
     fsdp_optimizer_t o = sgd(m);

@@ -2,7 +2,8 @@
 //! each group in its own process. A parameter too big to allocate is
 //! `FSDP_ERR_OUT_OF_MEMORY` naming the bytes, and the host goes on (under `RLIMIT_AS`, so
 //! the allocation fails whatever the overcommit policy); shapes that overflow are refused
-//! where they are declared. Optimizer steps, `zero_grad`, clipping and hooks at the wrong
+//! where they are declared, while a shape with a zero dimension holds no element however
+//! large the others (`[0, 2^62]`, `[2^62, 2^62, 0]`) and builds. Optimizer steps, `zero_grad`, clipping and hooks at the wrong
 //! time are `FSDP_ERR_USAGE` naming what was expected, change nothing, and carry nothing
 //! into the next step, while gradient accumulation (with or without no_sync) still steps
 //! on the exact sum. fsdp's own parameter views are refused as gradients. Ranks that
@@ -71,8 +72,12 @@ fn a_parameter_too_big_to_allocate_is_a_status_and_the_host_goes_on() {
                 "FSDP_ERR_INVALID_ARGUMENT",
                 "fsdp_spec_add_param_init: shape [4611686018427387904]: its size in bytes overflows",
             ),
+            // Zero elements, however large the other dimensions.
+            ("zero_numel_huge_dim", "FSDP_OK", ""),
+            ("zero_numel_after_overflow", "FSDP_OK", ""),
+            ("zero_numel_model_new", "FSDP_OK", ""),
         ],
-        &["oom_model_is_null", "trains_after_oom"],
+        &["oom_model_is_null", "zero_numel_state_dict", "trains_after_oom"],
     );
     assert_speaks_c(&m);
 }
