@@ -102,6 +102,59 @@ fn save(
     extra: serde_json::Value,
     rank_extra: Option<serde_json::Value>,
 ) -> Result<()> {
+    let staged = stage(dir, model, optim, ty, extra, rank_extra, None)?;
+    let pg = model.process_group().clone();
+    let (written, _) = staged.writes.write();
+    staged.commit.commit(&pg, written)
+}
+
+/// A save whose collectives are done: what remains is file I/O ([`Writes::write`]) and
+/// the index ([`Commit::commit`]).
+pub(super) struct Staged {
+    pub(super) writes: Writes,
+    pub(super) commit: Commit,
+}
+
+/// This rank's files of a staged save.
+pub(super) struct Writes {
+    /// This rank's data files: `(file name, tensors)`; empty on ranks that write none.
+    files: Vec<(String, Vec<(String, Tensor)>)>,
+    /// This rank's manifest without its `files` (or with the error of planning them).
+    manifest: Manifest,
+    rank: usize,
+    dir: std::path::PathBuf,
+    generation: u64,
+}
+
+/// What the index of a staged save needs besides the ranks' manifests.
+pub(super) struct Commit {
+    pub(super) dir: std::path::PathBuf,
+    generation: u64,
+    ty: StateDictType,
+    extra: serde_json::Value,
+}
+
+/// This rank's manifest after its writes (carrying the error of a failed write).
+pub(super) struct Written(Manifest);
+
+/// The first half of a save, on every rank: rank 0 prepares `dir` and picks the
+/// generation, the state dicts are taken (collectives for `Full`) and this rank's pieces
+/// planned into files. With a `pool`, every tensor is copied into host memory of its own
+/// (page-locked for a CUDA model; a buffer of the pool of the same shape and dtype when
+/// there is one), so training may change the model while the files are written; without,
+/// the files may alias the model's storage until they are written.
+///
+/// # Errors
+/// As [`save_checkpoint`], for the steps before the writes.
+pub(super) fn stage(
+    dir: &Path,
+    model: &mut FullyShardedDataParallel,
+    optim: Option<&dyn Optimizer>,
+    ty: StateDictType,
+    extra: serde_json::Value,
+    rank_extra: Option<serde_json::Value>,
+    pool: Option<&mut Vec<Tensor>>,
+) -> Result<Staged> {
     if ty == StateDictType::Local {
         return Err(Error::Unsupported(
             "LOCAL_STATE_DICT checkpoints; save FULL or SHARDED (they reload at any world size)"
@@ -138,41 +191,123 @@ fn save(
         StateDictType::Full => rank == 0,
         _ => model.shard_replica_rank() == 0,
     };
-    let mut manifest = if writer {
-        write_files(dir, rank, generation, &sd, osd.as_ref()).unwrap_or_else(|e| Manifest {
-            error: Some(e.to_string()),
-            ..Manifest::default()
+    let planned = if writer {
+        plan_files(rank, generation, &sd, osd.as_ref()).and_then(|(m, mut files)| {
+            if let Some(pool) = pool {
+                for (_, tensors) in &mut files {
+                    for (_, t) in tensors.iter_mut() {
+                        *t = super::async_save::to_host(t, pool)?;
+                    }
+                }
+            }
+            Ok((m, files))
         })
     } else {
-        Manifest::default()
+        Ok((Manifest::default(), Vec::new()))
     };
+    let (mut manifest, files) = planned.unwrap_or_else(|e| {
+        let m = Manifest {
+            error: Some(e.to_string()),
+            ..Manifest::default()
+        };
+        (m, Vec::new())
+    });
     // Every rank's value, writer or not (replicas under hybrid sharding write no file).
     manifest.rank_extra = rank_extra.into_iter().collect();
-    let bytes = serde_json::to_vec(&manifest).map_err(|e| Error::Data(e.to_string()))?;
-    let all = staged::all_gather_bytes(pg.as_ref(), &bytes)?;
-    let result = if rank == 0 {
-        write_index(dir, generation, ty, pg.size(), &all, extra)
-    } else {
+    Ok(Staged {
+        writes: Writes {
+            files,
+            manifest,
+            rank,
+            dir: dir.to_path_buf(),
+            generation,
+        },
+        commit: Commit {
+            dir: dir.to_path_buf(),
+            generation,
+            ty,
+            extra,
+        },
+    })
+}
+
+impl Writes {
+    /// Writes this rank's data files (no collective: it may run on any thread); a failure
+    /// is kept in the manifest, for [`Commit::commit`] to report on every rank. Returns the
+    /// files' tensors too, for reuse.
+    pub(super) fn write(self) -> (Written, Vec<Tensor>) {
+        let Writes {
+            files,
+            mut manifest,
+            rank,
+            dir,
+            generation,
+        } = self;
+        if manifest.error.is_none() {
+            if let Err(e) = write_files(&dir, rank, generation, &files, &mut manifest) {
+                manifest.error = Some(e.to_string());
+                manifest.files.clear();
+            }
+        }
+        let tensors = files.into_iter().flat_map(|(_, t)| t).map(|(_, t)| t);
+        (Written(manifest), tensors.collect())
+    }
+}
+
+impl Commit {
+    /// The second half of a save, on every rank once its writes are done: the manifests
+    /// meet at rank 0, which writes the index when every rank's files are durable. A
+    /// collective.
+    ///
+    /// # Errors
+    /// As [`save_checkpoint`].
+    pub(super) fn commit(self, pg: &crate::distributed::Group, written: Written) -> Result<()> {
+        let Commit {
+            dir,
+            generation,
+            ty,
+            extra,
+        } = self;
+        let dir = dir.as_path();
+        let manifest = written.0;
+        let rank = pg.rank();
+        let bytes = serde_json::to_vec(&manifest).map_err(|e| Error::Data(e.to_string()))?;
+        let all = staged::all_gather_bytes(pg.as_ref(), &bytes)?;
+        let result = if rank == 0 {
+            write_index(dir, generation, ty, pg.size(), &all, extra)
+        } else {
+            Ok(())
+        };
+        let failed = super::index::first_failed(pg, result.is_ok())?;
+        result?;
+        if let Some(e) = manifest.error {
+            return Err(Error::Checkpoint {
+                path: dir.display().to_string(),
+                detail: format!("rank {rank}: {e}; the previous checkpoint is untouched"),
+            });
+        }
+        if let Some(r) = failed {
+            return Err(Error::PeerFailed {
+                failed_rank: pg.ranks().get(r).copied().unwrap_or(r),
+                reason: format!(
+                    "could not write its part of checkpoint '{}'; the previous checkpoint is untouched",
+                    dir.display()
+                ),
+            });
+        }
         Ok(())
-    };
-    let failed = super::index::first_failed(&pg, result.is_ok())?;
-    result?;
-    if let Some(e) = manifest.error {
-        return Err(Error::Checkpoint {
-            path: dir.display().to_string(),
-            detail: format!("rank {rank}: {e}; the previous checkpoint is untouched"),
-        });
     }
-    if let Some(r) = failed {
-        return Err(Error::PeerFailed {
-            failed_rank: pg.ranks().get(r).copied().unwrap_or(r),
-            reason: format!(
-                "could not write its part of checkpoint '{}'; the previous checkpoint is untouched",
-                dir.display()
-            ),
-        });
-    }
-    Ok(())
+}
+
+/// A manifest that says this rank's background writer was lost (it panicked).
+pub(super) fn lost_writer(dir: &Path) -> Written {
+    Written(Manifest {
+        error: Some(format!(
+            "the background writer of checkpoint '{}' stopped before its files were written",
+            dir.display()
+        )),
+        ..Manifest::default()
+    })
 }
 
 /// Creates `dir` and returns the next generation number.
@@ -188,14 +323,17 @@ fn prepare(dir: &Path) -> Result<u64> {
     Ok(current + 1)
 }
 
-/// Writes this rank's data files and describes them.
-fn write_files(
-    dir: &Path,
+/// This rank's data files (`(file name, tensors)`, sharing the state dicts' storage) and
+/// their manifest but for the files' sizes and checksums.
+type Planned = (Manifest, Vec<(String, Vec<(String, Tensor)>)>);
+
+/// Plans this rank's data files.
+fn plan_files(
     rank: usize,
     generation: u64,
     sd: &StateDict,
     osd: Option<&OptimStateDict>,
-) -> Result<Manifest> {
+) -> Result<Planned> {
     let mut m = Manifest::default();
     // (file name, tensors) to write.
     let mut files: Vec<(String, Vec<(String, Tensor)>)> = Vec::new();
@@ -268,6 +406,18 @@ fn write_files(
             }
         }
     }
+    Ok((m, files))
+}
+
+/// Writes this rank's planned data files, each atomically, and records their sizes and
+/// checksums in `m`.
+fn write_files(
+    dir: &Path,
+    rank: usize,
+    generation: u64,
+    files: &[(String, Vec<(String, Tensor)>)],
+    m: &mut Manifest,
+) -> Result<()> {
     let meta: HashMap<String, String> = [
         ("format".to_string(), FORMAT.to_string()),
         ("generation".to_string(), generation.to_string()),
@@ -276,16 +426,16 @@ fn write_files(
     .into_iter()
     .collect();
     for (name, tensors) in files {
-        let path = dir.join(&name);
-        let bytes = serialize(&path, &tensors, &meta)?;
+        let path = dir.join(name);
+        let bytes = serialize(&path, tensors, &meta)?;
         super::atomic::write_atomic(&path, &bytes)?;
         m.files.push(FileEntry {
-            name,
+            name: name.clone(),
             bytes: bytes.len() as u64,
             checksum: checksum(&bytes),
         });
     }
-    Ok(m)
+    Ok(())
 }
 
 /// Rank 0: builds the index from every rank's manifest, writes it atomically, then removes

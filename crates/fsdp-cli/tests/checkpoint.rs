@@ -26,8 +26,27 @@ fn tmp_dir(name: &str) -> PathBuf {
     ignore = "needs the FSDP_CKPT_STALL hook: cargo test --features test-hooks"
 )]
 fn fsdp_train_killed_during_a_save_resumes_from_the_previous_checkpoint() {
-    let data = corpus_file("crash-cli");
-    let save = tmp_dir("crash-cli");
+    killed_during_a_save(&[]);
+}
+
+/// `--async-save`: the background writer of the last save (step 4) stalls; the end of
+/// training waits for it and the process is killed there. Step 2, committed when step 4's
+/// save started, stays `latest` and resumes.
+#[test]
+#[cfg_attr(
+    not(feature = "test-hooks"),
+    ignore = "needs the FSDP_CKPT_STALL hook: cargo test --features test-hooks"
+)]
+fn fsdp_train_killed_during_a_background_save_resumes_from_the_previous_checkpoint() {
+    killed_during_a_save(&["--async-save"]);
+}
+
+/// `fsdp train` with `mode`'s options, killed while it writes step 4's checkpoint, leaves
+/// step 2 loadable, and a resume from the save directory continues after step 2.
+fn killed_during_a_save(mode: &[&str]) {
+    let tag = if mode.is_empty() { "sync" } else { "async" };
+    let data = corpus_file(&format!("crash-cli-{tag}"));
+    let save = tmp_dir(&format!("crash-cli-{tag}"));
     let args = |world: &str, extra: &[&str]| {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_fsdp"));
         cmd.arg("train").args([
@@ -58,7 +77,7 @@ fn fsdp_train_killed_during_a_save_resumes_from_the_previous_checkpoint() {
             "--save-every",
             "2",
         ]);
-        cmd.args(extra);
+        cmd.args(mode).args(extra);
         cmd
     };
     let mut cmd = args("2", &[]);
@@ -138,6 +157,7 @@ fn bad_checkpoint_options_are_one_line_errors() {
             "cannot create or write checkpoints there",
         ),
         (vec!["--overwrite"], "--overwrite needs --save-dir"),
+        (vec!["--async-save"], "--async-save needs --save-dir"),
         (
             vec!["--save-dir", held.to_str().unwrap()],
             "is not empty (it holds notes.txt)",
