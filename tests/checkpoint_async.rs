@@ -58,67 +58,72 @@ fn file_tensors(dir: &Path) -> Vec<(String, String, Vec<u32>)> {
 }
 
 /// The background save holds the values of the call even though the model changes
-/// before the files are written; the directory's index moves only at the commit; a write
-/// that fails (rank 1's file cannot be renamed into place) is reported at the commit on
-/// every rank naming the file, and the previous checkpoint loads.
+/// before the files are written; the directory's index moves only at the commit. Two saves
+/// into one directory back to back (the first one's index written in the background while
+/// the second is staged) take consecutive generations; a write that fails (rank 1's file
+/// cannot be renamed into place) is reported at the commit on every rank naming the file,
+/// and the previous checkpoint loads.
 #[test]
 fn a_background_save_keeps_the_values_of_the_call_and_a_failed_write_names_the_file() {
     let dir = tmp_dir("values");
     let dir2 = dir.clone();
-    let results = launch(&LaunchOptions::new(2), move |pg: Group| {
-        let dir = dir2.clone();
-        let mut m = linear(pg.clone(), 1)?;
-        let saved = bits(&mut m)?;
-        let mut ckpt = AsyncCheckpointer::new();
-        let prev = ckpt.save_checkpoint_async(
-            &dir,
-            &mut m,
+    let save = |ckpt: &mut AsyncCheckpointer, m: &mut FullyShardedDataParallel, step: u64| {
+        ckpt.save_checkpoint_async(
+            &dir2,
+            m,
             None,
             StateDictType::Sharded,
-            serde_json::json!({"step": 1}),
-        )?;
-        assert_eq!(prev, None);
+            serde_json::json!({ "step": step }),
+        )
+    };
+    let results = launch(&LaunchOptions::new(2), |pg: Group| {
+        let dir = dir2.clone();
+        let mut m = linear(pg.clone(), 1)?;
+        let first = bits(&mut m)?;
+        let mut ckpt = AsyncCheckpointer::new();
+        assert!(save(&mut ckpt, &mut m, 1)?.is_empty());
         assert_eq!(ckpt.in_flight(), Some(dir.as_path()));
         // Training changes the model while the files are written.
         let other = linear(pg.clone(), 2)?.state_dict(StateDictConfig::Sharded)?;
         m.load_state_dict(&other, true)?;
-        let changed = bits(&mut m)?;
-        assert_ne!(changed, saved);
-        assert_eq!(ckpt.wait()?, Some(dir.clone()));
-        assert_eq!(ckpt.wait()?, None);
-        // Generation 2 fails: rank 1's file name is taken by a non-empty directory.
-        let blocker = dir.join("rank-00001-g2.safetensors");
+        let second = bits(&mut m)?;
+        assert_ne!(second, first);
+        assert_eq!(ckpt.wait()?, vec![dir.clone()]);
+        assert!(ckpt.wait()?.is_empty());
+        let mut fresh = linear(pg.clone(), 3)?;
+        load_checkpoint(&dir, &mut fresh, None)?;
+        assert_eq!(bits(&mut fresh)?, first);
+        // Generation 2 holds `second`; generation 3 fails: rank 1's file name is taken by
+        // a non-empty directory.
+        save(&mut ckpt, &mut m, 2)?;
+        let blocker = dir.join("rank-00001-g3.safetensors");
         if pg.rank() == 1 {
             std::fs::create_dir_all(blocker.join("x")).unwrap();
         }
-        ckpt.save_checkpoint_async(
-            &dir,
-            &mut m,
-            None,
-            StateDictType::Sharded,
-            serde_json::json!({"step": 2}),
-        )?;
+        save(&mut ckpt, &mut m, 3)?;
         let err = ckpt.wait().unwrap_err().to_string();
         if pg.rank() == 1 {
             std::fs::remove_dir_all(&blocker).unwrap();
         }
-        // The index still names generation 1, which loads the values of the first call.
-        let mut fresh = linear(pg.clone(), 3)?;
+        // The index names generation 2, which loads the values of its call.
         let info = load_checkpoint(&dir, &mut fresh, None)?;
-        Ok((saved, bits(&mut fresh)?, info.extra, err))
+        Ok((second, bits(&mut fresh)?, info.extra, err))
     })
     .unwrap();
     for (rank, (saved, loaded, extra, err)) in results.into_iter().enumerate() {
         assert_eq!(loaded, saved, "rank {rank}");
-        assert_eq!(extra, serde_json::json!({"step": 1}));
+        assert_eq!(extra, serde_json::json!({"step": 2}));
         assert!(
-            err.contains("rank-00001-g2.safetensors")
+            err.contains("rank-00001-g3.safetensors")
                 && (err.contains("previous checkpoint is untouched")
                     || err.contains("the index was not replaced")),
             "rank {rank}: {err}"
         );
     }
-    assert_eq!(read_index(&dir).unwrap().generation, 1);
+    let index = read_index(&dir).unwrap();
+    assert_eq!(index.generation, 2);
+    // Generation 1's files went when generation 2's index was written.
+    assert!(!dir.join("rank-00000-g1.safetensors").exists());
 }
 
 /// `fsdp train --async-save` writes the same checkpoint files as the synchronous save,

@@ -1,26 +1,29 @@
 //! Asynchronous checkpoints (`torch.distributed.checkpoint.async_save`): a save returns
 //! once this rank's shards are copied into host memory of their own; a background thread
-//! writes the files, and the index that makes the checkpoint visible is written when the
-//! next save starts or at [`AsyncCheckpointer::wait`].
+//! writes the files, and the index that makes the checkpoint visible is written once every
+//! rank's files are durable.
 //!
 //! Why the index waits: it may be written only after every rank's files are durable,
 //! which the ranks learn from a collective, and collectives run on the training thread
 //! only (a background thread's collective would interleave with training's on the same
-//! group). So each rank's writer thread does file I/O and nothing else, and the commit (the
-//! ranks' manifests gathered at rank 0, the index written atomically, a failure agreed by
-//! every rank) is the first thing the next save, or `wait`, does on the training thread.
-//! At most one save is in flight per rank. A crash before the commit leaves the previous
-//! checkpoint of the directory as it was: the new files carry a new generation that no
-//! index names yet.
+//! group). So each rank's writer thread does file I/O and nothing else, and the next save
+//! (or [`AsyncCheckpointer::wait`]) first commits the previous one on the training thread:
+//! it waits for this rank's writer, the ranks' manifests meet at rank 0 (a collective) and
+//! every rank learns whether every file was written. Rank 0 then writes the index (and
+//! runs the `on_commit` hook) on a thread of its own, whose failure the following commit
+//! reports on every rank; `wait` writes it before returning. At most one save is in
+//! flight per rank. A crash before the index is written leaves the previous checkpoint of
+//! the directory as it was: the new files carry a new generation that no index names yet.
 
-use super::save::{lost_writer, stage, Commit, Written};
+use super::save::{lost_writer, stage, Background, Commit, Written};
 use crate::backend::Device;
 use crate::distributed::Group;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::fsdp::{FullyShardedDataParallel, StateDictType};
 use crate::optim::Optimizer;
 use crate::tensor::Tensor;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 
 /// `t`'s values in host memory that nothing else refers to: a CPU tensor no other tensor
@@ -55,10 +58,12 @@ pub(super) fn to_host(t: &Tensor, pool: &mut Vec<Tensor>) -> Result<Tensor> {
 
 /// One rank's save in flight: its writer thread and what the commit needs.
 struct InFlight {
-    group: Group,
     commit: Commit,
     writer: JoinHandle<(Written, Vec<Tensor>)>,
 }
+
+/// What runs on rank 0 after a checkpoint's index is durable.
+type OnCommit = Arc<dyn Fn(&Path) -> Result<()> + Send + Sync>;
 
 /// Saves checkpoints in the background, one at a time per rank (PyTorch's
 /// `torch.distributed.checkpoint.async_save`; the same files and index as
@@ -68,12 +73,20 @@ struct InFlight {
 /// Memory: between saves it keeps the last save's host copy (one rank's shards of the
 /// model and optimizer state), reused by the next save, as PyTorch's staging cache does.
 ///
-/// Dropping it with a save in flight waits for the writes but writes no index: that save
-/// never becomes visible, and the directory's previous checkpoint stays the one that
-/// loads. Call [`wait`](Self::wait) at the end of training.
+/// Dropping it waits for its threads; a save whose files were not committed by a
+/// [`wait`](Self::wait) or a later save never becomes visible, and the directory's
+/// previous checkpoint stays the one that loads. Call [`wait`](Self::wait) at the end of
+/// training.
 #[derive(Default)]
 pub struct AsyncCheckpointer {
+    group: Option<Group>,
     in_flight: Option<InFlight>,
+    /// The last save every rank wrote whose index rank 0 may still be writing: its
+    /// directory and generation.
+    indexed: Option<(PathBuf, u64)>,
+    /// Rank 0: the thread writing that index.
+    indexing: Option<JoinHandle<Result<()>>>,
+    on_commit: Option<OnCommit>,
     /// Host buffers of the last save, reused by the next one (page-locked memory is slow to
     /// allocate).
     pool: Vec<Tensor>,
@@ -83,6 +96,7 @@ impl std::fmt::Debug for AsyncCheckpointer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AsyncCheckpointer")
             .field("in_flight", &self.in_flight())
+            .field("indexed", &self.indexed)
             .finish()
     }
 }
@@ -93,23 +107,30 @@ impl AsyncCheckpointer {
         Self::default()
     }
 
-    /// The directory of the save in flight (written or being written, its index not yet).
+    /// Runs `f(dir)` on rank 0 after each checkpoint's index is durable, on the thread
+    /// that wrote it (`fsdp train` points `latest` at it there and rotates). An error is
+    /// reported as a failed save at the next save or at [`wait`](Self::wait).
+    pub fn on_commit(mut self, f: impl Fn(&Path) -> Result<()> + Send + Sync + 'static) -> Self {
+        self.on_commit = Some(Arc::new(f));
+        self
+    }
+
+    /// The directory of the save in flight (written or being written, not yet committed).
     pub fn in_flight(&self) -> Option<&Path> {
         self.in_flight.as_ref().map(|s| s.commit.dir.as_path())
     }
 
     /// [`save_checkpoint`](super::save_checkpoint) in the background: first commits the
-    /// save in flight, if any ([`wait`](Self::wait)), then takes the state dicts
+    /// save in flight, if any (see the module doc), then takes the state dicts
     /// (collectives, as the synchronous save), copies this rank's pieces into host memory
     /// of their own (page-locked for a CUDA model) and returns; a thread writes the files.
-    /// The model and optimizer may change as soon as it returns. The checkpoint becomes
-    /// visible (its index written) at the next call or at [`wait`](Self::wait). A
-    /// collective.
+    /// The model and optimizer may change as soon as it returns. A collective.
     ///
-    /// Returns the directory of the previous save when this call committed one.
+    /// Returns the directories whose index this call confirmed durable (the save before
+    /// the previous one: rank 0 wrote its index in the background since the last call).
     ///
     /// # Errors
-    /// What [`wait`](Self::wait) reports for the previous save (then nothing of this one
+    /// What [`wait`](Self::wait) reports for the earlier saves (then nothing of this one
     /// was started); then as [`save_checkpoint`](super::save_checkpoint) for the steps
     /// before the writes (`Unsupported` for `Local`; rank 0 could not create `dir`).
     pub fn save_checkpoint_async(
@@ -119,7 +140,7 @@ impl AsyncCheckpointer {
         optim: Option<&dyn Optimizer>,
         ty: StateDictType,
         extra: serde_json::Value,
-    ) -> Result<Option<PathBuf>> {
+    ) -> Result<Vec<PathBuf>> {
         self.save(dir, model, optim, ty, extra, None)
     }
 
@@ -136,7 +157,7 @@ impl AsyncCheckpointer {
         ty: StateDictType,
         extra: serde_json::Value,
         rank_extra: serde_json::Value,
-    ) -> Result<Option<PathBuf>> {
+    ) -> Result<Vec<PathBuf>> {
         self.save(dir, model, optim, ty, extra, Some(rank_extra))
     }
 
@@ -148,8 +169,10 @@ impl AsyncCheckpointer {
         ty: StateDictType,
         extra: serde_json::Value,
         rank_extra: Option<serde_json::Value>,
-    ) -> Result<Option<PathBuf>> {
-        let committed = self.wait()?;
+    ) -> Result<Vec<PathBuf>> {
+        self.group = Some(model.process_group().clone());
+        let visible = self.commit(false)?;
+        let after = self.indexed.as_ref().map(|(d, g)| (d.as_path(), *g));
         let staged = stage(
             dir,
             model,
@@ -157,35 +180,72 @@ impl AsyncCheckpointer {
             ty,
             extra,
             rank_extra,
-            Some(&mut self.pool),
+            Some(Background {
+                after,
+                pool: &mut self.pool,
+            }),
         )?;
         let writes = staged.writes;
         let writer = std::thread::Builder::new()
             .name(format!("fsdp-ckpt-writer-{}", model.process_group().rank()))
             .spawn(move || writes.write())
-            .map_err(|e| crate::error::Error::io("starting the checkpoint writer thread", e))?;
+            .map_err(|e| Error::io("starting the checkpoint writer thread", e))?;
         self.in_flight = Some(InFlight {
-            group: model.process_group().clone(),
             commit: staged.commit,
             writer,
         });
-        Ok(committed)
+        Ok(visible)
     }
 
     /// Waits for the save in flight, if any, and commits it: every rank's files are
-    /// durable, then rank 0 writes the index atomically. A collective. Returns the
-    /// directory committed, `None` when no save was in flight.
+    /// durable, then rank 0 writes the index atomically (and runs the `on_commit` hook).
+    /// A collective. Returns the directories whose index this call confirmed durable.
     ///
     /// # Errors
-    /// On every rank, when a rank's background write failed: `Checkpoint` (or `Io`) naming
-    /// the file that could not be written on that rank, `PeerFailed` naming the rank on the
-    /// others; the index is not replaced, so the directory's previous checkpoint stays the
-    /// one that loads. A failed save is reported once: the checkpointer is idle after.
-    pub fn wait(&mut self) -> Result<Option<PathBuf>> {
-        let Some(s) = self.in_flight.take() else {
-            return Ok(None);
+    /// On every rank, when a rank's background write failed, or rank 0's index write or
+    /// `on_commit` hook: `Checkpoint` (or `Io`) naming the file that could not be written
+    /// on that rank, `PeerFailed` naming the rank and quoting its error on the others; the
+    /// index is not replaced, so the directory's previous checkpoint stays the one that
+    /// loads. A failed save is reported once: the checkpointer is idle after.
+    pub fn wait(&mut self) -> Result<Vec<PathBuf>> {
+        self.commit(true)
+    }
+
+    /// Commits the save in flight (see the module doc); with `last`, rank 0 writes its
+    /// index before returning.
+    fn commit(&mut self, last: bool) -> Result<Vec<PathBuf>> {
+        let Some(group) = self.group.clone() else {
+            return Ok(Vec::new());
         };
-        let dir = s.commit.dir.clone();
+        // Rank 0's failure to write the previous index, reported on every rank below.
+        let earlier = match self.indexing.take() {
+            Some(h) => match h.join() {
+                Ok(r) => r.err().map(|e| e.to_string()),
+                Err(_) => Some("the thread writing the checkpoint index stopped".into()),
+            },
+            None => None,
+        };
+        let mut visible: Vec<PathBuf> = self.indexed.take().map(|(d, _)| d).into_iter().collect();
+        let Some(s) = self.in_flight.take() else {
+            // Only an index may be outstanding (a save failed before its writes began).
+            let failed = super::index::first_failed(&group, earlier.is_none())?;
+            if let Some(e) = earlier {
+                return Err(Error::Checkpoint {
+                    path: visible
+                        .pop()
+                        .map_or_else(String::new, |d| d.display().to_string()),
+                    detail: e,
+                });
+            }
+            if let Some(r) = failed {
+                return Err(Error::PeerFailed {
+                    failed_rank: group.ranks().get(r).copied().unwrap_or(r),
+                    reason: "could not write a checkpoint index".into(),
+                });
+            }
+            return Ok(visible);
+        };
+        let (dir, generation) = (s.commit.dir.clone(), s.commit.generation);
         let written = match s.writer.join() {
             Ok((written, buffers)) => {
                 self.pool = buffers;
@@ -193,8 +253,26 @@ impl AsyncCheckpointer {
             }
             Err(_) => lost_writer(&dir),
         };
-        s.commit.commit(&s.group, written)?;
-        Ok(Some(dir))
+        let job = s.commit.commit(&group, written, earlier, last)?;
+        let hook = self.on_commit.clone();
+        let publish = move |d: &Path| hook.as_ref().map_or(Ok(()), |f| f(d));
+        if last {
+            if group.rank() == 0 {
+                publish(&dir)?;
+            }
+            visible.push(dir);
+        } else {
+            if let Some(job) = job {
+                let d = dir.clone();
+                let h = std::thread::Builder::new()
+                    .name("fsdp-ckpt-index".into())
+                    .spawn(move || job.write().and_then(|()| publish(&d)))
+                    .map_err(|e| Error::io("starting the checkpoint index thread", e))?;
+                self.indexing = Some(h);
+            }
+            self.indexed = Some((dir, generation));
+        }
+        Ok(visible)
     }
 }
 
@@ -202,6 +280,9 @@ impl Drop for AsyncCheckpointer {
     fn drop(&mut self) {
         if let Some(s) = self.in_flight.take() {
             let _ = s.writer.join();
+        }
+        if let Some(h) = self.indexing.take() {
+            let _ = h.join();
         }
     }
 }

@@ -105,7 +105,7 @@ fn save(
     let staged = stage(dir, model, optim, ty, extra, rank_extra, None)?;
     let pg = model.process_group().clone();
     let (written, _) = staged.writes.write();
-    staged.commit.commit(&pg, written)
+    staged.commit.commit(&pg, written, None, true).map(drop)
 }
 
 /// A save whose collectives are done: what remains is file I/O ([`Writes::write`]) and
@@ -129,7 +129,7 @@ pub(super) struct Writes {
 /// What the index of a staged save needs besides the ranks' manifests.
 pub(super) struct Commit {
     pub(super) dir: std::path::PathBuf,
-    generation: u64,
+    pub(super) generation: u64,
     ty: StateDictType,
     extra: serde_json::Value,
 }
@@ -137,12 +137,22 @@ pub(super) struct Commit {
 /// This rank's manifest after its writes (carrying the error of a failed write).
 pub(super) struct Written(Manifest);
 
+/// What a save written in the background needs from its [`AsyncCheckpointer`](super::AsyncCheckpointer).
+pub(super) struct Background<'a> {
+    /// The directory and generation of an index this process may still be writing: a save
+    /// to the same directory takes the next generation and leaves this process's
+    /// temporary files.
+    pub(super) after: Option<(&'a Path, u64)>,
+    /// Host buffers to copy into (page-locked for a CUDA model; one of the same shape and
+    /// dtype when there is one, else a new one).
+    pub(super) pool: &'a mut Vec<Tensor>,
+}
+
 /// The first half of a save, on every rank: rank 0 prepares `dir` and picks the
 /// generation, the state dicts are taken (collectives for `Full`) and this rank's pieces
-/// planned into files. With a `pool`, every tensor is copied into host memory of its own
-/// (page-locked for a CUDA model; a buffer of the pool of the same shape and dtype when
-/// there is one), so training may change the model while the files are written; without,
-/// the files may alias the model's storage until they are written.
+/// planned into files. For a `background` save every tensor is copied into host memory of
+/// its own (see [`Background`]), so training may change the model while the files are
+/// written; otherwise the files may alias the model's storage until they are written.
 ///
 /// # Errors
 /// As [`save_checkpoint`], for the steps before the writes.
@@ -153,8 +163,12 @@ pub(super) fn stage(
     ty: StateDictType,
     extra: serde_json::Value,
     rank_extra: Option<serde_json::Value>,
-    pool: Option<&mut Vec<Tensor>>,
+    background: Option<Background<'_>>,
 ) -> Result<Staged> {
+    let (after, pool) = match background {
+        Some(b) => (b.after, Some(b.pool)),
+        None => (None, None),
+    };
     if ty == StateDictType::Local {
         return Err(Error::Unsupported(
             "LOCAL_STATE_DICT checkpoints; save FULL or SHARDED (they reload at any world size)"
@@ -164,7 +178,11 @@ pub(super) fn stage(
     let pg = model.process_group().clone();
     let rank = pg.rank();
     // Rank 0 prepares the directory and picks the generation; everyone learns both.
-    let prep = if rank == 0 { prepare(dir) } else { Ok(0) };
+    let prep = if rank == 0 {
+        prepare(dir, after.filter(|(d, _)| *d == dir).map(|(_, g)| g))
+    } else {
+        Ok(0)
+    };
     let word = Tensor::from_vec(vec![prep.as_ref().map_or(-1, |&g| g as i32)], &[1])?;
     staged::broadcast(pg.as_ref(), &word, 0)?;
     let generation = word.data::<i32>()?[0];
@@ -256,12 +274,21 @@ impl Writes {
 
 impl Commit {
     /// The second half of a save, on every rank once its writes are done: the manifests
-    /// meet at rank 0, which writes the index when every rank's files are durable. A
-    /// collective.
+    /// meet at rank 0, which builds the index when every rank's files are durable and, with
+    /// `write_now`, writes it; else rank 0 gets it back to write ([`IndexWrite`]). `earlier`
+    /// is rank 0's failure to write an earlier save's index, reported here on every rank.
+    /// A collective.
     ///
     /// # Errors
-    /// As [`save_checkpoint`].
-    pub(super) fn commit(self, pg: &crate::distributed::Group, written: Written) -> Result<()> {
+    /// As [`save_checkpoint`], on every rank; a failed write's message (naming the file) on
+    /// every rank.
+    pub(super) fn commit(
+        self,
+        pg: &crate::distributed::Group,
+        written: Written,
+        earlier: Option<String>,
+        write_now: bool,
+    ) -> Result<Option<IndexWrite>> {
         let Commit {
             dir,
             generation,
@@ -269,17 +296,26 @@ impl Commit {
             extra,
         } = self;
         let dir = dir.as_path();
-        let manifest = written.0;
+        let mut manifest = written.0;
+        if manifest.error.is_none() {
+            manifest.error = earlier;
+        }
         let rank = pg.rank();
         let bytes = serde_json::to_vec(&manifest).map_err(|e| Error::Data(e.to_string()))?;
         let all = staged::all_gather_bytes(pg.as_ref(), &bytes)?;
         let result = if rank == 0 {
-            write_index(dir, generation, ty, pg.size(), &all, extra)
+            build_index(dir, generation, ty, pg.size(), &all, extra).and_then(|w| {
+                if write_now {
+                    w.write().map(|()| None)
+                } else {
+                    Ok(Some(w))
+                }
+            })
         } else {
-            Ok(())
+            Ok(None)
         };
         let failed = super::index::first_failed(pg, result.is_ok())?;
-        result?;
+        let job = result?;
         if let Some(e) = manifest.error {
             return Err(Error::Checkpoint {
                 path: dir.display().to_string(),
@@ -287,15 +323,61 @@ impl Commit {
             });
         }
         if let Some(r) = failed {
+            // The failed rank's own words when it sent them (a write naming its file).
+            let said = all
+                .get(r)
+                .and_then(|b| serde_json::from_slice::<Manifest>(b).ok())
+                .and_then(|m| m.error)
+                .map_or_else(String::new, |e| format!(": {e}"));
             return Err(Error::PeerFailed {
                 failed_rank: pg.ranks().get(r).copied().unwrap_or(r),
                 reason: format!(
-                    "could not write its part of checkpoint '{}'; the previous checkpoint is untouched",
+                    "could not write its part of checkpoint '{}'{said}; the previous checkpoint is untouched",
                     dir.display()
                 ),
             });
         }
-        Ok(())
+        Ok(job)
+    }
+}
+
+/// Rank 0's index of a save whose files every rank has written, to be written.
+pub(super) struct IndexWrite {
+    dir: std::path::PathBuf,
+    index: Index,
+}
+
+impl IndexWrite {
+    /// Writes the index atomically, then removes the files of earlier generations. No
+    /// collective.
+    ///
+    /// # Errors
+    /// `Io` naming the index file or the directory.
+    pub(super) fn write(&self) -> Result<()> {
+        let (dir, index) = (&self.dir, &self.index);
+        let text = serde_json::to_vec_pretty(index).map_err(|e| Error::Data(e.to_string()))?;
+        super::atomic::write_atomic(&dir.join(INDEX_FILE), &text)?;
+        // The new index is durable: files of earlier generations, and of this one that it
+        // does not name (a crashed save's), are garbage now; later ones belong to a save
+        // under way.
+        let keep: Vec<&str> = index.files.iter().map(|f| f.name.as_str()).collect();
+        let generation_of = |n: &str| {
+            n.strip_suffix(".safetensors")
+                .and_then(|s| s.rsplit_once("-g"))
+                .and_then(|(_, g)| g.parse::<u64>().ok())
+        };
+        if let Ok(rd) = std::fs::read_dir(dir) {
+            for e in rd.flatten() {
+                let n = e.file_name().to_string_lossy().into_owned();
+                let stale = generation_of(&n).is_some_and(|g| {
+                    g < index.generation || (g == index.generation && !keep.contains(&n.as_str()))
+                });
+                if stale {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+        sync_dir(dir)
     }
 }
 
@@ -310,17 +392,19 @@ pub(super) fn lost_writer(dir: &Path) -> Written {
     })
 }
 
-/// Creates `dir` and returns the next generation number.
-fn prepare(dir: &Path) -> Result<u64> {
+/// Creates `dir` and returns the next generation number: after the current index's, and
+/// after `after`, the generation of an index this process may still be writing there
+/// (whose temporary files are then left alone).
+fn prepare(dir: &Path, after: Option<u64>) -> Result<u64> {
     std::fs::create_dir_all(dir).map_err(|e| {
         Error::io(
             format!("creating checkpoint directory '{}'", dir.display()),
             e,
         )
     })?;
-    remove_stale_temps(dir);
+    remove_stale_temps(dir, after.is_some());
     let current = read_index(dir).map_or(0, |i| i.generation);
-    Ok(current + 1)
+    Ok(current.max(after.unwrap_or(0)) + 1)
 }
 
 /// This rank's data files (`(file name, tensors)`, sharing the state dicts' storage) and
@@ -438,16 +522,15 @@ fn write_files(
     Ok(())
 }
 
-/// Rank 0: builds the index from every rank's manifest, writes it atomically, then removes
-/// the files of earlier generations.
-fn write_index(
+/// Rank 0: builds the index from every rank's manifest.
+fn build_index(
     dir: &Path,
     generation: u64,
     ty: StateDictType,
     world_size: usize,
     manifests: &[Vec<u8>],
     extra: serde_json::Value,
-) -> Result<()> {
+) -> Result<IndexWrite> {
     let mut index = Index {
         format: FORMAT.into(),
         version: VERSION,
@@ -525,19 +608,10 @@ fn write_index(
     }
     index.optim = optim;
     index.rank_extra = gather_rank_extra(dir, rank_extra)?;
-    let text = serde_json::to_vec_pretty(&index).map_err(|e| Error::Data(e.to_string()))?;
-    super::atomic::write_atomic(&dir.join(INDEX_FILE), &text)?;
-    // The new index is durable: earlier generations' files are garbage now.
-    let keep: Vec<&str> = index.files.iter().map(|f| f.name.as_str()).collect();
-    if let Ok(rd) = std::fs::read_dir(dir) {
-        for e in rd.flatten() {
-            let n = e.file_name().to_string_lossy().into_owned();
-            if n.ends_with(".safetensors") && n.contains("-g") && !keep.contains(&n.as_str()) {
-                let _ = std::fs::remove_file(e.path());
-            }
-        }
-    }
-    sync_dir(dir)
+    Ok(IndexWrite {
+        dir: dir.to_path_buf(),
+        index,
+    })
 }
 
 /// Every rank's per-rank value, or `None` when no rank gave one.

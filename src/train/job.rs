@@ -286,11 +286,11 @@ pub(super) fn run_rank(
         run_id: run_id.unwrap_or_else(super::save_dir::new_run_id),
         data: super::resume::data_record(&cfg.data, data),
     };
+    let mut saver = super::saver::Saver::new(cfg, &run);
     let t = cfg.seq_len;
     let start = Instant::now();
     let mut records = Vec::with_capacity(cfg.steps.min(1 << 16));
     let mut pending = super::pending::Pending::new(device)?;
-    let mut saver = super::saver::Saver::new(cfg);
     // The optimizer's state before the first step, not during it: the second step then
     // reuses every block the first one freed (no device allocation from step 2 on).
     opt.init_state(&engine.optimizer_params())?;
@@ -364,7 +364,7 @@ pub(super) fn run_rank(
         report_saved(rank, step, &saved, observer);
     }
     // The end of training waits for the last background save.
-    report_saved(rank, cfg.steps, &saver.finish(cfg, rank, &run)?, observer);
+    report_saved(rank, cfg.steps, &saver.finish()?, observer);
     let sample = if cfg.sample_len > 0 {
         super::sample::generate(&mut engine, b"\n", cfg.sample_len, t, cfg.seed, 0.8)?
     } else {

@@ -361,12 +361,12 @@ pub(super) fn state_dict_type(cfg: &TrainConfig) -> StateDictType {
 }
 
 /// After every rank's files and the index of `root/name` are durable (rank 0): points
-/// `latest` at it, then rotates.
+/// `latest` at it, then keeps the newest `keep_last` checkpoints of run `run_id`.
 ///
 /// # Errors
 /// `Io` naming `latest` when it cannot be replaced.
-pub(super) fn publish(cfg: &TrainConfig, root: &Path, name: &str, run: &RunRecord) -> Result<()> {
+pub(super) fn publish(root: &Path, name: &str, keep_last: usize, run_id: &str) -> Result<()> {
     write_atomic(&root.join(LATEST_FILE), format!("{name}\n").as_bytes())?;
-    save_dir::prune(root, cfg.keep_last, name, &run.run_id);
+    save_dir::prune(root, keep_last, name, run_id);
     Ok(())
 }

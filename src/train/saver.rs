@@ -1,15 +1,17 @@
 //! When and how the main job saves: `--save-every` checkpoints, synchronous or, with
 //! `--async-save`, in the background ([`AsyncCheckpointer`], PyTorch's
 //! `torch.distributed.checkpoint.async_save`). A background save becomes the `latest`
-//! checkpoint when it is committed: at the next save or at the end of training, after
-//! every rank's files are durable. A failed background write stops the run at that point,
-//! naming the file; `latest` then still names the previous checkpoint.
+//! checkpoint once every rank's files are durable (known at the next save) and rank 0 has
+//! written its index (in the background after that save, or at the end of training). A
+//! failed background write stops the run at the next save or at the end, naming the file;
+//! `latest` then still names the previous checkpoint.
 
 use super::config::TrainConfig;
 use super::engine::Engine;
 use super::resume::{
     checkpoint_extra, publish, save_due, state_dict_type, step_dir_name, RunRecord,
 };
+use super::save_dir::step_of;
 use crate::checkpoint::{save_checkpoint, AsyncCheckpointer};
 use crate::error::Result;
 use crate::optim::Optimizer;
@@ -30,17 +32,35 @@ pub(super) struct Saved {
 /// One rank's saving state across the run.
 pub(super) struct Saver {
     background: Option<AsyncCheckpointer>,
-    /// The step of the background save in flight.
-    in_flight: Option<usize>,
+}
+
+/// `(step, dir)` of checkpoint directories `step-<N>`.
+fn with_steps(dirs: Vec<PathBuf>) -> Vec<(usize, PathBuf)> {
+    dirs.into_iter()
+        .filter_map(|d| {
+            let step = step_of(&d.file_name()?.to_string_lossy())?;
+            Some((step as usize, d))
+        })
+        .collect()
 }
 
 impl Saver {
-    /// A saver for `cfg` (`--async-save` or not).
-    pub(super) fn new(cfg: &TrainConfig) -> Self {
-        Saver {
-            background: cfg.async_save.then(AsyncCheckpointer::new),
-            in_flight: None,
-        }
+    /// A saver for `cfg` (`--async-save` or not) of the run `run`.
+    pub(super) fn new(cfg: &TrainConfig, run: &RunRecord) -> Self {
+        let background = match &cfg.save_dir {
+            Some(root) if cfg.async_save => {
+                let (root, keep, run_id) = (root.clone(), cfg.keep_last, run.run_id.clone());
+                // Rank 0, once a checkpoint's index is durable: `latest`, then rotation.
+                Some(AsyncCheckpointer::new().on_commit(move |dir| {
+                    let name = dir
+                        .file_name()
+                        .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+                    publish(&root, &name, keep, &run_id)
+                }))
+            }
+            _ => None,
+        };
+        Saver { background }
     }
 
     /// Saves a checkpoint of `step` when one is due (every `save_every` steps and after the
@@ -74,20 +94,13 @@ impl Saver {
             None => {
                 save_checkpoint(&dir, m, Some(opt), ty, extra)?;
                 if rank0 {
-                    publish(cfg, root, &name, run)?;
+                    publish(root, &name, cfg.keep_last, &run.run_id)?;
                 }
                 saved.committed.push((step, dir));
             }
             Some(bg) => {
-                let previous = self.in_flight.take();
-                if let (Some(prev), Some(_)) = (previous, bg.wait()?) {
-                    if rank0 {
-                        publish(cfg, root, &step_dir_name(prev), run)?;
-                    }
-                    saved.committed.push((prev, root.join(step_dir_name(prev))));
-                }
-                bg.save_checkpoint_async(&dir, m, Some(opt), ty, extra)?;
-                self.in_flight = Some(step);
+                let visible = bg.save_checkpoint_async(&dir, m, Some(opt), ty, extra)?;
+                saved.committed = with_steps(visible);
             }
         }
         saved.stall_s = Some(t0.elapsed().as_secs_f64());
@@ -98,23 +111,15 @@ impl Saver {
     /// collective.
     ///
     /// # Errors
-    /// The failure of that save's background write, naming the file.
-    pub(super) fn finish(
-        &mut self,
-        cfg: &TrainConfig,
-        rank: usize,
-        run: &RunRecord,
-    ) -> Result<Saved> {
-        let mut saved = Saved::default();
-        let (Some(bg), Some(root)) = (&mut self.background, &cfg.save_dir) else {
-            return Ok(saved);
+    /// The failure of a background write or index, naming the file.
+    pub(super) fn finish(&mut self) -> Result<Saved> {
+        let committed = match &mut self.background {
+            Some(bg) => with_steps(bg.wait()?),
+            None => Vec::new(),
         };
-        if let (Some(step), Some(dir)) = (self.in_flight.take(), bg.wait()?) {
-            if rank == 0 {
-                publish(cfg, root, &step_dir_name(step), run)?;
-            }
-            saved.committed.push((step, dir));
-        }
-        Ok(saved)
+        Ok(Saved {
+            committed,
+            stall_s: None,
+        })
     }
 }
