@@ -180,3 +180,47 @@ fn async_saved_checkpoints_equal_sync_ones_and_resume_bitwise() {
         );
     }
 }
+
+/// Rank 0's background index thread fails (here its `on_commit` hook): the next commit
+/// reports it on every rank with rank 0's message, and the index that was written before
+/// the hook ran still loads.
+#[test]
+fn a_failed_index_thread_is_reported_on_every_rank_at_the_next_commit() {
+    let dir = tmp_dir("hook");
+    let results = launch(&LaunchOptions::new(2), |pg: Group| {
+        let mut m = linear(pg.clone(), 1)?;
+        let want = bits(&mut m)?;
+        let mut ckpt = AsyncCheckpointer::new().on_commit(|d: &Path| {
+            Err(fsdp::Error::Checkpoint {
+                path: d.join("latest-of-the-test").display().to_string(),
+                detail: "the hook refused".into(),
+            })
+        });
+        let mut save = |m: &mut FullyShardedDataParallel, sub: &str| {
+            ckpt.save_checkpoint_async(
+                &dir.join(sub),
+                m,
+                None,
+                StateDictType::Sharded,
+                serde_json::json!({}),
+            )
+        };
+        save(&mut m, "a")?;
+        // Commits "a"; rank 0 writes its index, then the hook fails in the background.
+        save(&mut m, "b")?;
+        let err = ckpt.wait().unwrap_err().to_string();
+        let mut fresh = linear(pg.clone(), 2)?;
+        load_checkpoint(&dir.join("a"), &mut fresh, None)?;
+        Ok((want, bits(&mut fresh)?, err))
+    })
+    .unwrap();
+    for (rank, (want, loaded, err)) in results.into_iter().enumerate() {
+        assert_eq!(loaded, want, "rank {rank}");
+        assert!(
+            err.contains("latest-of-the-test") && err.contains("the hook refused"),
+            "rank {rank}: {err}"
+        );
+    }
+    // "b" was not committed: its files are there, its index is not.
+    assert!(read_index(&dir.join("b")).is_err());
+}
