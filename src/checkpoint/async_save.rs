@@ -15,7 +15,7 @@
 //! flight per rank. A crash before the index is written leaves the previous checkpoint of
 //! the directory as it was: the new files carry a new generation that no index names yet.
 
-use super::save::{lost_writer, stage, Background, Commit, Written};
+use super::save::{lost_writer, stage, Background, Commit, What, Written};
 use crate::backend::Device;
 use crate::distributed::Group;
 use crate::error::{Error, Result};
@@ -141,7 +141,7 @@ impl AsyncCheckpointer {
         ty: StateDictType,
         extra: serde_json::Value,
     ) -> Result<Vec<PathBuf>> {
-        self.save(dir, model, optim, ty, extra, None)
+        self.save(dir, model, What::new(optim, ty, extra, None))
     }
 
     /// [`save_checkpoint_async`](Self::save_checkpoint_async) with this rank's own value,
@@ -158,17 +158,14 @@ impl AsyncCheckpointer {
         extra: serde_json::Value,
         rank_extra: serde_json::Value,
     ) -> Result<Vec<PathBuf>> {
-        self.save(dir, model, optim, ty, extra, Some(rank_extra))
+        self.save(dir, model, What::new(optim, ty, extra, Some(rank_extra)))
     }
 
     fn save(
         &mut self,
         dir: &Path,
         model: &mut FullyShardedDataParallel,
-        optim: Option<&dyn Optimizer>,
-        ty: StateDictType,
-        extra: serde_json::Value,
-        rank_extra: Option<serde_json::Value>,
+        what: What<'_>,
     ) -> Result<Vec<PathBuf>> {
         self.group = Some(model.process_group().clone());
         let visible = self.commit(false)?;
@@ -176,10 +173,7 @@ impl AsyncCheckpointer {
         let staged = stage(
             dir,
             model,
-            optim,
-            ty,
-            extra,
-            rank_extra,
+            what,
             Some(Background {
                 after,
                 pool: &mut self.pool,

@@ -65,7 +65,7 @@ pub fn save_checkpoint(
     ty: StateDictType,
     extra: serde_json::Value,
 ) -> Result<()> {
-    save(dir, model, optim, ty, extra, None)
+    save(dir, model, What::new(optim, ty, extra, None))
 }
 
 /// [`save_checkpoint`] plus per-rank state: each rank passes its own `rank_extra` (a
@@ -91,18 +91,36 @@ pub fn save_checkpoint_with_rank_extra(
     extra: serde_json::Value,
     rank_extra: serde_json::Value,
 ) -> Result<()> {
-    save(dir, model, optim, ty, extra, Some(rank_extra))
+    save(dir, model, What::new(optim, ty, extra, Some(rank_extra)))
 }
 
-fn save(
-    dir: &Path,
-    model: &mut FullyShardedDataParallel,
-    optim: Option<&dyn Optimizer>,
+/// What a save writes besides the model: the arguments of the public save functions.
+pub(super) struct What<'a> {
+    optim: Option<&'a dyn Optimizer>,
     ty: StateDictType,
     extra: serde_json::Value,
     rank_extra: Option<serde_json::Value>,
-) -> Result<()> {
-    let staged = stage(dir, model, optim, ty, extra, rank_extra, None)?;
+}
+
+impl<'a> What<'a> {
+    /// The optimizer, layout, `extra` and this rank's value of a save.
+    pub(super) fn new(
+        optim: Option<&'a dyn Optimizer>,
+        ty: StateDictType,
+        extra: serde_json::Value,
+        rank_extra: Option<serde_json::Value>,
+    ) -> Self {
+        What {
+            optim,
+            ty,
+            extra,
+            rank_extra,
+        }
+    }
+}
+
+fn save(dir: &Path, model: &mut FullyShardedDataParallel, what: What<'_>) -> Result<()> {
+    let staged = stage(dir, model, what, None)?;
     let pg = model.process_group().clone();
     let (written, _) = staged.writes.write();
     staged.commit.commit(&pg, written, None, true).map(drop)
@@ -159,12 +177,15 @@ pub(super) struct Background<'a> {
 pub(super) fn stage(
     dir: &Path,
     model: &mut FullyShardedDataParallel,
-    optim: Option<&dyn Optimizer>,
-    ty: StateDictType,
-    extra: serde_json::Value,
-    rank_extra: Option<serde_json::Value>,
+    what: What<'_>,
     background: Option<Background<'_>>,
 ) -> Result<Staged> {
+    let What {
+        optim,
+        ty,
+        extra,
+        rank_extra,
+    } = what;
     let (after, pool) = match background {
         Some(b) => (b.after, Some(b.pool)),
         None => (None, None),
