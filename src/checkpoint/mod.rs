@@ -62,6 +62,7 @@
 //! |---|---|
 //! | `async_save.rs` | [`AsyncCheckpointer`]: saves whose files a background thread writes |
 //! | `atomic.rs` | [`write_atomic`], the hidden `FSDP_CKPT_STALL` test hook (feature `test-hooks`) |
+//! | `commit.rs` | the commit of a save: manifests to rank 0, the index built and written |
 //! | `file.rs` | one safetensors file with a CRC-32: [`write_tensors`], [`read_tensors`], [`checksum`] |
 //! | `index.rs` | [`Index`] and its parts |
 //! | `save.rs` | [`save_checkpoint`], [`save_checkpoint_with_rank_extra`] |
@@ -70,6 +71,7 @@
 
 mod async_save;
 mod atomic;
+mod commit;
 mod file;
 mod index;
 mod load;
