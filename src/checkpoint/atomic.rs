@@ -117,11 +117,14 @@ pub fn sync_dir(dir: &Path) -> Result<()> {
         .map_err(|e| Error::io(format!("fsync of directory '{}'", dir.display()), e))
 }
 
-/// Removes temporary files a crashed save left in `dir` (best effort).
-pub(crate) fn remove_stale_temps(dir: &Path) {
+/// Removes temporary files a crashed save left in `dir` (best effort); with `keep_own`,
+/// not those of this process (a background write of its own may be under way).
+pub(crate) fn remove_stale_temps(dir: &Path, keep_own: bool) {
+    let own = format!(".{}-", std::process::id());
     if let Ok(rd) = std::fs::read_dir(dir) {
         for e in rd.flatten() {
-            if e.file_name().to_string_lossy().ends_with(TMP_SUFFIX) {
+            let n = e.file_name().to_string_lossy().into_owned();
+            if n.ends_with(TMP_SUFFIX) && !(keep_own && n.contains(&own)) {
                 let _ = std::fs::remove_file(e.path());
             }
         }

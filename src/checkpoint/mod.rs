@@ -52,22 +52,33 @@
 //! files (size against the index, or an incomplete safetensors header) and corrupted ones
 //! (checksums in the index and in each file's header) are reported naming the file.
 //!
+//! Asynchronous saves ([`AsyncCheckpointer`], PyTorch's
+//! `torch.distributed.checkpoint.async_save`) write the same files and index: the save
+//! returns once the data is copied into host memory, a background thread per rank writes
+//! the files, and the index is written at the next save or at
+//! [`AsyncCheckpointer::wait`], after every rank's files are durable.
+//!
 //! | file | holds |
 //! |---|---|
+//! | `async_save.rs` | [`AsyncCheckpointer`]: saves whose files a background thread writes |
 //! | `atomic.rs` | [`write_atomic`], the hidden `FSDP_CKPT_STALL` test hook (feature `test-hooks`) |
+//! | `commit.rs` | the commit of a save: manifests to rank 0, the index built and written |
 //! | `file.rs` | one safetensors file with a CRC-32: [`write_tensors`], [`read_tensors`], [`checksum`] |
 //! | `index.rs` | [`Index`] and its parts |
 //! | `save.rs` | [`save_checkpoint`], [`save_checkpoint_with_rank_extra`] |
 //! | `load.rs` | [`load_checkpoint`], [`load_checkpoint_with`], [`RankExtra`], [`read_rank_extra`], [`resolve_checkpoint`] |
 //! | `verify.rs` | cross-checks of an index against its files' names (world size, generation) |
 
+mod async_save;
 mod atomic;
+mod commit;
 mod file;
 mod index;
 mod load;
 mod save;
 mod verify;
 
+pub use async_save::AsyncCheckpointer;
 pub use atomic::{sync_dir, write_atomic};
 pub use file::{
     checksum, parse_tensors, read_tensors, serialize, write_tensors, TensorFile, CHECKSUM_ALGORITHM,

@@ -3,11 +3,9 @@
 //! then stale files are removed. A crash at any point leaves the previous checkpoint of the
 //! directory loadable.
 
-use super::atomic::{remove_stale_temps, sync_dir};
-use super::file::{checksum, serialize, CHECKSUM_ALGORITHM};
-use super::index::{
-    read_index, Entry, FileEntry, Index, OptimIndex, PieceRef, FORMAT, INDEX_FILE, VERSION,
-};
+use super::atomic::remove_stale_temps;
+use super::file::{checksum, serialize};
+use super::index::{read_index, FileEntry, FORMAT};
 use crate::distributed::staged;
 use crate::error::{Error, Result};
 use crate::fsdp::{
@@ -16,34 +14,34 @@ use crate::fsdp::{
 };
 use crate::optim::Optimizer;
 use crate::tensor::Tensor;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::Path;
 
 /// What one rank wrote, sent to rank 0 for the index.
 #[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
-struct Manifest {
+pub(super) struct Manifest {
     /// This rank's failure, if any.
-    error: Option<String>,
-    files: Vec<FileEntry>,
+    pub(super) error: Option<String>,
+    pub(super) files: Vec<FileEntry>,
     /// `(section, name, global shape)` of every key this rank's state dicts have;
     /// section is `model` or an optimizer buffer name.
-    entries: Vec<(String, String, Vec<usize>)>,
+    pub(super) entries: Vec<(String, String, Vec<usize>)>,
     /// `(section, name, file (index into files), key, offset, numel)`.
-    pieces: Vec<(String, String, usize, String, usize, usize)>,
+    pub(super) pieces: Vec<(String, String, usize, String, usize, usize)>,
     /// Optimizer kind, hyperparameters and the steps this rank knows.
-    optim: Option<OptimMeta>,
+    pub(super) optim: Option<OptimMeta>,
     /// The optimizer's parameter groups by name (the same on every rank).
     #[serde(default)]
-    optim_groups: Vec<crate::fsdp::NamedParamGroup>,
+    pub(super) optim_groups: Vec<crate::fsdp::NamedParamGroup>,
     /// This rank's own extra value, when the save has per-rank state: empty for none, else
     /// one element (so that a JSON `null` value is told from no value; an
     /// `Option<Value>` would read `null` back as `None`).
     #[serde(default)]
-    rank_extra: Vec<serde_json::Value>,
+    pub(super) rank_extra: Vec<serde_json::Value>,
 }
 
 /// `(kind, hyperparameters, steps)` of an optimizer state dict.
-type OptimMeta = (String, Vec<(String, f64)>, Vec<(String, u64)>);
+pub(super) type OptimMeta = (String, Vec<(String, f64)>, Vec<(String, u64)>);
 
 /// Saves `model` and, when given, `optim` (an optimizer over `model.optimizer_params()`)
 /// to the directory `dir` as a checkpoint of type `ty` (`Full`: rank 0 writes one model
@@ -65,7 +63,7 @@ pub fn save_checkpoint(
     ty: StateDictType,
     extra: serde_json::Value,
 ) -> Result<()> {
-    save(dir, model, optim, ty, extra, None)
+    save(dir, model, What::new(optim, ty, extra, None))
 }
 
 /// [`save_checkpoint`] plus per-rank state: each rank passes its own `rank_extra` (a
@@ -91,17 +89,105 @@ pub fn save_checkpoint_with_rank_extra(
     extra: serde_json::Value,
     rank_extra: serde_json::Value,
 ) -> Result<()> {
-    save(dir, model, optim, ty, extra, Some(rank_extra))
+    save(dir, model, What::new(optim, ty, extra, Some(rank_extra)))
 }
 
-fn save(
-    dir: &Path,
-    model: &mut FullyShardedDataParallel,
-    optim: Option<&dyn Optimizer>,
+/// What a save writes besides the model: the arguments of the public save functions.
+pub(super) struct What<'a> {
+    optim: Option<&'a dyn Optimizer>,
     ty: StateDictType,
     extra: serde_json::Value,
     rank_extra: Option<serde_json::Value>,
-) -> Result<()> {
+}
+
+impl<'a> What<'a> {
+    /// The optimizer, layout, `extra` and this rank's value of a save.
+    pub(super) fn new(
+        optim: Option<&'a dyn Optimizer>,
+        ty: StateDictType,
+        extra: serde_json::Value,
+        rank_extra: Option<serde_json::Value>,
+    ) -> Self {
+        What {
+            optim,
+            ty,
+            extra,
+            rank_extra,
+        }
+    }
+}
+
+fn save(dir: &Path, model: &mut FullyShardedDataParallel, what: What<'_>) -> Result<()> {
+    let staged = stage(dir, model, what, None)?;
+    let pg = model.process_group().clone();
+    let (written, _) = staged.writes.write();
+    staged.commit.commit(&pg, written, None, true).map(drop)
+}
+
+/// A save whose collectives are done: what remains is file I/O ([`Writes::write`]) and
+/// the index ([`Commit::commit`]).
+pub(super) struct Staged {
+    pub(super) writes: Writes,
+    pub(super) commit: Commit,
+}
+
+/// This rank's files of a staged save.
+pub(super) struct Writes {
+    /// This rank's data files: `(file name, tensors)`; empty on ranks that write none.
+    files: Vec<(String, Vec<(String, Tensor)>)>,
+    /// This rank's manifest without its `files` (or with the error of planning them).
+    manifest: Manifest,
+    rank: usize,
+    dir: std::path::PathBuf,
+    generation: u64,
+}
+
+/// What the index of a staged save needs besides the ranks' manifests.
+pub(super) struct Commit {
+    pub(super) dir: std::path::PathBuf,
+    pub(super) generation: u64,
+    pub(super) ty: StateDictType,
+    pub(super) extra: serde_json::Value,
+}
+
+/// This rank's manifest after its writes (carrying the error of a failed write).
+pub(super) struct Written(pub(super) Manifest);
+
+/// What a save written in the background needs from its [`AsyncCheckpointer`](super::AsyncCheckpointer).
+pub(super) struct Background<'a> {
+    /// The directory and generation of an index this process may still be writing: a save
+    /// to the same directory takes the next generation and leaves this process's
+    /// temporary files.
+    pub(super) after: Option<(&'a Path, u64)>,
+    /// Host buffers to copy into (page-locked for a CUDA model; one of the same shape and
+    /// dtype when there is one, else a new one).
+    pub(super) pool: &'a mut Vec<Tensor>,
+}
+
+/// The first half of a save, on every rank: rank 0 prepares `dir` and picks the
+/// generation, the state dicts are taken (collectives for `Full`) and this rank's pieces
+/// planned into files. For a `background` save every tensor is copied into host memory of
+/// its own (see [`Background`]), so training may change the model while the files are
+/// written; otherwise the files may alias the model's storage until they are written.
+///
+/// # Errors
+/// As [`save_checkpoint`], for the steps before the writes.
+pub(super) fn stage(
+    dir: &Path,
+    model: &mut FullyShardedDataParallel,
+    what: What<'_>,
+    background: Option<Background<'_>>,
+) -> Result<Staged> {
+    let What {
+        optim,
+        ty,
+        extra,
+        rank_extra,
+    } = what;
+    let (after, pool) = match background {
+        Some(b) => (b.after, Some(b.pool)),
+        None => (None, None),
+    };
     if ty == StateDictType::Local {
         return Err(Error::Unsupported(
             "LOCAL_STATE_DICT checkpoints; save FULL or SHARDED (they reload at any world size)"
@@ -111,7 +197,11 @@ fn save(
     let pg = model.process_group().clone();
     let rank = pg.rank();
     // Rank 0 prepares the directory and picks the generation; everyone learns both.
-    let prep = if rank == 0 { prepare(dir) } else { Ok(0) };
+    let prep = if rank == 0 {
+        prepare(dir, after.filter(|(d, _)| *d == dir).map(|(_, g)| g))
+    } else {
+        Ok(0)
+    };
     let word = Tensor::from_vec(vec![prep.as_ref().map_or(-1, |&g| g as i32)], &[1])?;
     staged::broadcast(pg.as_ref(), &word, 0)?;
     let generation = word.data::<i32>()?[0];
@@ -138,64 +228,106 @@ fn save(
         StateDictType::Full => rank == 0,
         _ => model.shard_replica_rank() == 0,
     };
-    let mut manifest = if writer {
-        write_files(dir, rank, generation, &sd, osd.as_ref()).unwrap_or_else(|e| Manifest {
-            error: Some(e.to_string()),
-            ..Manifest::default()
+    let planned = if writer {
+        plan_files(rank, generation, &sd, osd.as_ref()).and_then(|(m, mut files)| {
+            if let Some(pool) = pool {
+                for (_, tensors) in &mut files {
+                    for (_, t) in tensors.iter_mut() {
+                        *t = super::async_save::to_host(t, pool)?;
+                    }
+                }
+            }
+            Ok((m, files))
         })
     } else {
-        Manifest::default()
+        Ok((Manifest::default(), Vec::new()))
     };
+    let (mut manifest, files) = planned.unwrap_or_else(|e| {
+        let m = Manifest {
+            error: Some(e.to_string()),
+            ..Manifest::default()
+        };
+        (m, Vec::new())
+    });
     // Every rank's value, writer or not (replicas under hybrid sharding write no file).
     manifest.rank_extra = rank_extra.into_iter().collect();
-    let bytes = serde_json::to_vec(&manifest).map_err(|e| Error::Data(e.to_string()))?;
-    let all = staged::all_gather_bytes(pg.as_ref(), &bytes)?;
-    let result = if rank == 0 {
-        write_index(dir, generation, ty, pg.size(), &all, extra)
-    } else {
-        Ok(())
-    };
-    let failed = super::index::first_failed(&pg, result.is_ok())?;
-    result?;
-    if let Some(e) = manifest.error {
-        return Err(Error::Checkpoint {
-            path: dir.display().to_string(),
-            detail: format!("rank {rank}: {e}; the previous checkpoint is untouched"),
-        });
-    }
-    if let Some(r) = failed {
-        return Err(Error::PeerFailed {
-            failed_rank: pg.ranks().get(r).copied().unwrap_or(r),
-            reason: format!(
-                "could not write its part of checkpoint '{}'; the previous checkpoint is untouched",
-                dir.display()
-            ),
-        });
-    }
-    Ok(())
+    Ok(Staged {
+        writes: Writes {
+            files,
+            manifest,
+            rank,
+            dir: dir.to_path_buf(),
+            generation,
+        },
+        commit: Commit {
+            dir: dir.to_path_buf(),
+            generation,
+            ty,
+            extra,
+        },
+    })
 }
 
-/// Creates `dir` and returns the next generation number.
-fn prepare(dir: &Path) -> Result<u64> {
+impl Writes {
+    /// Writes this rank's data files (no collective: it may run on any thread); a failure
+    /// is kept in the manifest, for [`Commit::commit`] to report on every rank. Returns the
+    /// files' tensors too, for reuse.
+    pub(super) fn write(self) -> (Written, Vec<Tensor>) {
+        let Writes {
+            files,
+            mut manifest,
+            rank,
+            dir,
+            generation,
+        } = self;
+        if manifest.error.is_none() {
+            if let Err(e) = write_files(&dir, rank, generation, &files, &mut manifest) {
+                manifest.error = Some(e.to_string());
+                manifest.files.clear();
+            }
+        }
+        let tensors = files.into_iter().flat_map(|(_, t)| t).map(|(_, t)| t);
+        (Written(manifest), tensors.collect())
+    }
+}
+
+/// A manifest that says this rank's background writer was lost (it panicked).
+pub(super) fn lost_writer(dir: &Path) -> Written {
+    Written(Manifest {
+        error: Some(format!(
+            "the background writer of checkpoint '{}' stopped before its files were written",
+            dir.display()
+        )),
+        ..Manifest::default()
+    })
+}
+
+/// Creates `dir` and returns the next generation number: after the current index's, and
+/// after `after`, the generation of an index this process may still be writing there
+/// (whose temporary files are then left alone).
+fn prepare(dir: &Path, after: Option<u64>) -> Result<u64> {
     std::fs::create_dir_all(dir).map_err(|e| {
         Error::io(
             format!("creating checkpoint directory '{}'", dir.display()),
             e,
         )
     })?;
-    remove_stale_temps(dir);
+    remove_stale_temps(dir, after.is_some());
     let current = read_index(dir).map_or(0, |i| i.generation);
-    Ok(current + 1)
+    Ok(current.max(after.unwrap_or(0)) + 1)
 }
 
-/// Writes this rank's data files and describes them.
-fn write_files(
-    dir: &Path,
+/// This rank's data files (`(file name, tensors)`, sharing the state dicts' storage) and
+/// their manifest but for the files' sizes and checksums.
+type Planned = (Manifest, Vec<(String, Vec<(String, Tensor)>)>);
+
+/// Plans this rank's data files.
+fn plan_files(
     rank: usize,
     generation: u64,
     sd: &StateDict,
     osd: Option<&OptimStateDict>,
-) -> Result<Manifest> {
+) -> Result<Planned> {
     let mut m = Manifest::default();
     // (file name, tensors) to write.
     let mut files: Vec<(String, Vec<(String, Tensor)>)> = Vec::new();
@@ -268,6 +400,18 @@ fn write_files(
             }
         }
     }
+    Ok((m, files))
+}
+
+/// Writes this rank's planned data files, each atomically, and records their sizes and
+/// checksums in `m`.
+fn write_files(
+    dir: &Path,
+    rank: usize,
+    generation: u64,
+    files: &[(String, Vec<(String, Tensor)>)],
+    m: &mut Manifest,
+) -> Result<()> {
     let meta: HashMap<String, String> = [
         ("format".to_string(), FORMAT.to_string()),
         ("generation".to_string(), generation.to_string()),
@@ -276,156 +420,14 @@ fn write_files(
     .into_iter()
     .collect();
     for (name, tensors) in files {
-        let path = dir.join(&name);
-        let bytes = serialize(&path, &tensors, &meta)?;
+        let path = dir.join(name);
+        let bytes = serialize(&path, tensors, &meta)?;
         super::atomic::write_atomic(&path, &bytes)?;
         m.files.push(FileEntry {
-            name,
+            name: name.clone(),
             bytes: bytes.len() as u64,
             checksum: checksum(&bytes),
         });
     }
-    Ok(m)
-}
-
-/// Rank 0: builds the index from every rank's manifest, writes it atomically, then removes
-/// the files of earlier generations.
-fn write_index(
-    dir: &Path,
-    generation: u64,
-    ty: StateDictType,
-    world_size: usize,
-    manifests: &[Vec<u8>],
-    extra: serde_json::Value,
-) -> Result<()> {
-    let mut index = Index {
-        format: FORMAT.into(),
-        version: VERSION,
-        checksum_algorithm: Some(CHECKSUM_ALGORITHM.into()),
-        state_dict_type: ty,
-        world_size,
-        generation,
-        files: Vec::new(),
-        model: BTreeMap::new(),
-        optim: None,
-        extra,
-        rank_extra: None,
-    };
-    let mut optim: Option<OptimIndex> = None;
-    let mut rank_extra: Vec<Option<serde_json::Value>> = Vec::new();
-    for (r, bytes) in manifests.iter().enumerate() {
-        let m: Manifest = serde_json::from_slice(bytes)
-            .map_err(|e| Error::Data(format!("rank {r}'s checkpoint manifest: {e}")))?;
-        if let Some(e) = m.error {
-            return Err(Error::Checkpoint {
-                path: dir.display().to_string(),
-                detail: format!(
-                    "rank {r} could not write its file: {e}; the index was not replaced"
-                ),
-            });
-        }
-        if m.rank_extra.len() > 1 {
-            return Err(Error::Data(format!(
-                "rank {r}'s checkpoint manifest holds {} per-rank values, not one",
-                m.rank_extra.len()
-            )));
-        }
-        rank_extra.push(m.rank_extra.into_iter().next());
-        let base = index.files.len();
-        index.files.extend(m.files);
-        if let Some((kind, hyper, steps)) = m.optim {
-            let o = optim.get_or_insert_with(|| OptimIndex {
-                kind,
-                hyperparams: hyper.into_iter().collect(),
-                ..OptimIndex::default()
-            });
-            if o.param_groups.is_empty() {
-                o.param_groups = m.optim_groups;
-            }
-            for (n, s) in steps {
-                let e = o.steps.entry(n).or_insert(s);
-                *e = (*e).max(s);
-            }
-        }
-        for (section, name, shape) in m.entries {
-            let map = section_map(&mut index.model, &mut optim, &section);
-            map.entry(name).or_insert_with(|| Entry {
-                shape,
-                pieces: Vec::new(),
-            });
-        }
-        for (section, name, file, key, offset, numel) in m.pieces {
-            let map = section_map(&mut index.model, &mut optim, &section);
-            let e = map.entry(name).or_default();
-            // Replicas (ignored modules' parameters) are kept once.
-            if !e
-                .pieces
-                .iter()
-                .any(|p| p.offset == offset && p.numel == numel)
-            {
-                e.pieces.push(PieceRef {
-                    file: base + file,
-                    key,
-                    offset,
-                    numel,
-                    rank: r,
-                });
-            }
-        }
-    }
-    index.optim = optim;
-    index.rank_extra = gather_rank_extra(dir, rank_extra)?;
-    let text = serde_json::to_vec_pretty(&index).map_err(|e| Error::Data(e.to_string()))?;
-    super::atomic::write_atomic(&dir.join(INDEX_FILE), &text)?;
-    // The new index is durable: earlier generations' files are garbage now.
-    let keep: Vec<&str> = index.files.iter().map(|f| f.name.as_str()).collect();
-    if let Ok(rd) = std::fs::read_dir(dir) {
-        for e in rd.flatten() {
-            let n = e.file_name().to_string_lossy().into_owned();
-            if n.ends_with(".safetensors") && n.contains("-g") && !keep.contains(&n.as_str()) {
-                let _ = std::fs::remove_file(e.path());
-            }
-        }
-    }
-    sync_dir(dir)
-}
-
-/// Every rank's per-rank value, or `None` when no rank gave one.
-///
-/// # Errors
-/// `Checkpoint` when some ranks gave one and others did not.
-fn gather_rank_extra(
-    dir: &Path,
-    values: Vec<Option<serde_json::Value>>,
-) -> Result<Option<Vec<serde_json::Value>>> {
-    let given = values.iter().filter(|v| v.is_some()).count();
-    if given == 0 {
-        return Ok(None);
-    }
-    if given < values.len() {
-        let without: Vec<usize> = (0..values.len()).filter(|&r| values[r].is_none()).collect();
-        return Err(Error::Checkpoint {
-            path: dir.display().to_string(),
-            detail: format!(
-                "ranks {without:?} saved no per-rank extra state while the others did (call save_checkpoint_with_rank_extra on every rank); the index was not replaced"
-            ),
-        });
-    }
-    Ok(Some(values.into_iter().flatten().collect()))
-}
-
-fn section_map<'a>(
-    model: &'a mut BTreeMap<String, Entry>,
-    optim: &'a mut Option<OptimIndex>,
-    section: &str,
-) -> &'a mut BTreeMap<String, Entry> {
-    if section == "model" {
-        model
-    } else {
-        optim
-            .get_or_insert_with(OptimIndex::default)
-            .buffers
-            .entry(section.to_string())
-            .or_default()
-    }
+    Ok(())
 }

@@ -108,6 +108,11 @@ pub struct TrainConfig {
     /// Save every this many steps (`--save-every`), and after the last step; 0: only after
     /// the last step. Needs `save_dir` when nonzero.
     pub save_every: usize,
+    /// Save in the background (`--async-save`; PyTorch's
+    /// `torch.distributed.checkpoint.async_save`): a save returns once the shards are
+    /// copied into host memory, a thread writes the files, and the checkpoint becomes
+    /// `latest` at the next save or at the end of training. Needs `save_dir`.
+    pub async_save: bool,
     /// Checkpoints kept in `save_dir` (`--keep-last`), at least 1, default 2.
     pub keep_last: usize,
     /// Layout of saved checkpoints (`--checkpoint-type`), default sharded.
@@ -168,6 +173,7 @@ impl Default for TrainConfig {
             device: super::TrainDevice::Cpu,
             save_dir: None,
             save_every: 0,
+            async_save: false,
             keep_last: 2,
             checkpoint_type: CheckpointType::Sharded,
             resume: None,

@@ -83,11 +83,17 @@ pub trait Observer: Sync {
     fn on_step(&self, record: &StepRecord);
     /// Called once before the first step with the model size.
     fn on_start(&self, _num_params: usize) {}
-    /// Called after a checkpoint of `step` was saved to `dir`.
+    /// Called after a checkpoint of `step` was saved to `dir` (every rank's files and the
+    /// index are durable, and `latest` names it); with `--async-save`, at the next save or
+    /// at the end of training.
     fn on_checkpoint(&self, _step: usize, _dir: &std::path::Path) {}
     /// Called once before the first step when resuming from the checkpoint in `dir`, saved
     /// after `step`.
     fn on_resume(&self, _step: usize, _dir: &std::path::Path) {}
+    /// Called after the save call of `step` returned: `stall_s` seconds the training
+    /// thread spent in it (the whole save; with `--async-save`, the commit of the previous
+    /// save and the copy of this one into host memory).
+    fn on_save_stall(&self, _step: usize, _stall_s: f64) {}
 }
 
 /// An observer that ignores everything.
@@ -203,6 +209,20 @@ pub(super) fn start_outputs(cfg: &TrainConfig) -> Result<()> {
     }
 }
 
+/// Tells `observer` (rank 0) what a save call did: its stall, then the checkpoints that
+/// became `latest`.
+fn report_saved(rank: usize, step: usize, saved: &super::saver::Saved, observer: &dyn Observer) {
+    if rank != 0 {
+        return;
+    }
+    if let Some(s) = saved.stall_s {
+        observer.on_save_stall(step, s);
+    }
+    for (step, dir) in &saved.committed {
+        observer.on_checkpoint(*step, dir);
+    }
+}
+
 /// Token ids `(rows, t)` i32 on `device` (the batch goes to the rank's GPU once).
 fn ids_tensor(v: Vec<i32>, rows: usize, t: usize, device: Device) -> Result<Tensor> {
     Tensor::from_vec(v, &[rows, t])?.to_device(device)
@@ -266,6 +286,7 @@ pub(super) fn run_rank(
         run_id: run_id.unwrap_or_else(super::save_dir::new_run_id),
         data: super::resume::data_record(&cfg.data, data),
     };
+    let mut saver = super::saver::Saver::new(cfg, &run);
     let t = cfg.seq_len;
     let start = Instant::now();
     let mut records = Vec::with_capacity(cfg.steps.min(1 << 16));
@@ -339,12 +360,11 @@ pub(super) fn run_rank(
                 }
             }
         }
-        if let Some(dir) = super::resume::save_if_due(cfg, step, &mut engine, opt.as_ref(), &run)? {
-            if rank == 0 {
-                observer.on_checkpoint(step, &dir);
-            }
-        }
+        let saved = saver.save_if_due(cfg, step, &mut engine, opt.as_ref(), &run)?;
+        report_saved(rank, step, &saved, observer);
     }
+    // The end of training waits for the last background save.
+    report_saved(rank, cfg.steps, &saver.finish()?, observer);
     let sample = if cfg.sample_len > 0 {
         super::sample::generate(&mut engine, b"\n", cfg.sample_len, t, cfg.seed, 0.8)?
     } else {

@@ -13,6 +13,7 @@
 //! | wrap mode, precision, lr schedule, checkpoint layout | `options.rs` |
 //! | the hidden test-only fault hook `FSDP_FAIL_RANK` (feature `test-hooks`) | `fault.rs` |
 //! | checkpoints: `--save-dir`, `--save-every`, `--resume` | `resume.rs` |
+//! | when to save, synchronously or in the background (`--async-save`) | `saver.rs` |
 //! | the save directory: one run per directory, `--overwrite`, rotation by run id | `save_dir.rs` |
 //! | cross-checks of a checkpoint's step and world size against its other records | `recorded.rs` |
 //! | the `--metrics` file, kept up to the resumed step | `metrics.rs` |
@@ -35,6 +36,7 @@ mod resume;
 pub mod sample;
 mod sampler;
 mod save_dir;
+mod saver;
 mod validate;
 
 pub use config::TrainConfig;

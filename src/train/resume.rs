@@ -15,8 +15,8 @@ use super::engine::Engine;
 use super::options::CheckpointType;
 use super::save_dir::{self, run_id_of};
 use crate::checkpoint::{
-    load_checkpoint, read_checkpoint_info, read_index, resolve_checkpoint, save_checkpoint,
-    write_atomic, LATEST_FILE,
+    load_checkpoint, read_checkpoint_info, read_index, resolve_checkpoint, write_atomic,
+    LATEST_FILE,
 };
 use crate::error::{Error, Result};
 use crate::fsdp::StateDictType;
@@ -103,6 +103,9 @@ pub(super) fn validate(cfg: &TrainConfig) -> Result<()> {
             "--save-every {} needs --save-dir (where to save)",
             cfg.save_every
         ));
+    }
+    if cfg.async_save && cfg.save_dir.is_none() {
+        return bad("--async-save needs --save-dir (where to save)".into());
     }
     if cfg.keep_last == 0 {
         return bad("--keep-last must be at least 1".into());
@@ -311,8 +314,6 @@ pub(super) fn resume(
     Ok((step, info.dir, run_id_of(&info.extra)))
 }
 
-/// Saves a checkpoint of `step` when one is due (every `save_every` steps and after the
-/// last); returns its directory. A collective.
 /// Whether `step` saves a checkpoint (`--save-every`, and the last step) when a save
 /// directory is set.
 pub(super) fn save_due(cfg: &TrainConfig, step: usize) -> bool {
@@ -320,31 +321,22 @@ pub(super) fn save_due(cfg: &TrainConfig, step: usize) -> bool {
         && ((cfg.save_every > 0 && step % cfg.save_every == 0) || step == cfg.steps)
 }
 
-pub(super) fn save_if_due(
+/// The index's `extra` of a checkpoint saved after `step`: the step, the random state, the
+/// run's id, data file and options.
+///
+/// # Errors
+/// `InvalidArgument` when the options cannot be written as JSON (non-UTF-8 paths).
+pub(super) fn checkpoint_extra(
     cfg: &TrainConfig,
     step: usize,
-    engine: &mut Engine,
-    opt: &dyn Optimizer,
     run: &RunRecord,
-) -> Result<Option<PathBuf>> {
-    let Some(root) = &cfg.save_dir else {
-        return Ok(None);
-    };
-    let due = save_due(cfg, step);
-    let Engine::Fsdp(m) = engine else {
-        return Ok(None);
-    };
-    if !due {
-        return Ok(None);
-    }
-    let name = step_dir_name(step);
-    let dir = root.join(&name);
+) -> Result<serde_json::Value> {
     let config = serde_json::to_value(cfg).map_err(|e| {
         Error::InvalidArgument(format!(
             "cannot record the run's options in the checkpoint index: {e} (checkpoints need UTF-8 paths)"
         ))
     })?;
-    let extra = serde_json::json!({
+    Ok(serde_json::json!({
         "step": step,
         "seed": cfg.seed,
         "rng": {
@@ -357,16 +349,24 @@ pub(super) fn save_if_due(
         "run_id": run.run_id,
         "data": run.data,
         "config": config,
-    });
-    let ty = match cfg.checkpoint_type {
+    }))
+}
+
+/// The layout `--checkpoint-type` asks for.
+pub(super) fn state_dict_type(cfg: &TrainConfig) -> StateDictType {
+    match cfg.checkpoint_type {
         CheckpointType::Sharded => StateDictType::Sharded,
         CheckpointType::Full => StateDictType::Full,
-    };
-    save_checkpoint(&dir, m, Some(opt), ty, extra)?;
-    if m.process_group().rank() == 0 {
-        // Every rank's files and the index are durable: move the pointer, then prune.
-        write_atomic(&root.join(LATEST_FILE), format!("{name}\n").as_bytes())?;
-        save_dir::prune(root, cfg.keep_last, &name, &run.run_id);
     }
-    Ok(Some(dir))
+}
+
+/// After every rank's files and the index of `root/name` are durable (rank 0): points
+/// `latest` at it, then keeps the newest `keep_last` checkpoints of run `run_id`.
+///
+/// # Errors
+/// `Io` naming `latest` when it cannot be replaced.
+pub(super) fn publish(root: &Path, name: &str, keep_last: usize, run_id: &str) -> Result<()> {
+    write_atomic(&root.join(LATEST_FILE), format!("{name}\n").as_bytes())?;
+    save_dir::prune(root, keep_last, name, run_id);
+    Ok(())
 }

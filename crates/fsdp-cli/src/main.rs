@@ -220,6 +220,11 @@ struct TrainArgs {
     /// Save every N steps (and after the last step); 0: only after the last step.
     #[arg(long, allow_hyphen_values = true, default_value_t = D.save_every)]
     save_every: usize,
+    /// Save in the background (torch.distributed.checkpoint.async_save): training goes on
+    /// once the shards are copied to host memory; a checkpoint becomes latest at the next
+    /// save or at the end. Needs --save-dir.
+    #[arg(long)]
+    async_save: bool,
     /// Checkpoints to keep in --save-dir.
     #[arg(long, allow_hyphen_values = true, default_value_t = D.keep_last)]
     keep_last: usize,
@@ -294,6 +299,12 @@ impl Observer for Progress {
             dir.display()
         ));
     }
+    fn on_save_stall(&self, step: usize, stall_s: f64) {
+        self.say(format!(
+            "step {step:>5} | save_stall_ms {:.1}",
+            stall_s * 1e3
+        ));
+    }
     fn on_step(&self, r: &StepRecord) {
         if let Some(b) = &self.bar {
             b.set_position(r.step as u64);
@@ -349,6 +360,7 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         device: a.device,
         save_dir: a.save_dir.clone(),
         save_every: a.save_every,
+        async_save: a.async_save,
         keep_last: a.keep_last,
         checkpoint_type: a.checkpoint_type,
         resume: a.resume.clone(),

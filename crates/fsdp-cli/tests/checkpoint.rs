@@ -26,8 +26,31 @@ fn tmp_dir(name: &str) -> PathBuf {
     ignore = "needs the FSDP_CKPT_STALL hook: cargo test --features test-hooks"
 )]
 fn fsdp_train_killed_during_a_save_resumes_from_the_previous_checkpoint() {
-    let data = corpus_file("crash-cli");
-    let save = tmp_dir("crash-cli");
+    killed_during_a_save(&[], 4);
+}
+
+/// `--async-save`, 6 steps: the background writer of the last save (step 6) stalls; the
+/// end of training waits for it and the process is killed there. Step 2's index was
+/// written before step 6's save began, step 4's in the background while step 6's files
+/// were written: `latest` names one of them, and it resumes.
+#[test]
+#[cfg_attr(
+    not(feature = "test-hooks"),
+    ignore = "needs the FSDP_CKPT_STALL hook: cargo test --features test-hooks"
+)]
+fn fsdp_train_killed_during_a_background_save_resumes_from_the_previous_checkpoint() {
+    killed_during_a_save(&["--async-save"], 6);
+}
+
+/// `fsdp train --steps <steps> --save-every 2` with `mode`'s options, killed while it
+/// writes the last step's checkpoint, leaves an earlier one loadable as `latest` (step
+/// `steps - 2`; with `--async-save` `steps - 4` or `steps - 2`), and a resume from the save
+/// directory continues after it.
+fn killed_during_a_save(mode: &[&str], steps: usize) {
+    let steps_arg = steps.to_string();
+    let tag = if mode.is_empty() { "sync" } else { "async" };
+    let data = corpus_file(&format!("crash-cli-{tag}"));
+    let save = tmp_dir(&format!("crash-cli-{tag}"));
     let args = |world: &str, extra: &[&str]| {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_fsdp"));
         cmd.arg("train").args([
@@ -36,7 +59,7 @@ fn fsdp_train_killed_during_a_save_resumes_from_the_previous_checkpoint() {
             "--world-size",
             world,
             "--steps",
-            "4",
+            &steps_arg,
             "--global-batch",
             "8",
             "--seq-len",
@@ -58,31 +81,38 @@ fn fsdp_train_killed_during_a_save_resumes_from_the_previous_checkpoint() {
             "--save-every",
             "2",
         ]);
-        cmd.args(extra);
+        cmd.args(mode).args(extra);
         cmd
     };
+    let last = format!("step-{steps:08}");
     let mut cmd = args("2", &[]);
-    cmd.env("FSDP_CKPT_STALL", "step-00000004");
+    cmd.env("FSDP_CKPT_STALL", &last);
     kill_mid_save(cmd);
-    assert_eq!(
-        std::fs::read_to_string(save.join("latest")).unwrap().trim(),
-        "step-00000002"
-    );
+    let latest = std::fs::read_to_string(save.join("latest")).unwrap();
+    let kept: usize = latest
+        .trim()
+        .strip_prefix("step-")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let allowed = if mode.is_empty() {
+        vec![steps - 2]
+    } else {
+        vec![steps - 4, steps - 2]
+    };
+    assert!(allowed.contains(&kept), "latest: {latest}");
     // The interrupted save is not a checkpoint.
     let e = launch(&LaunchOptions::new(1), |pg: Group| {
         let model = Linear::new(4, 3, true, &InitKey::new(0))?;
         let mut m = FullyShardedDataParallel::new(Box::new(model), pg, FsdpConfig::default())?;
-        Ok(load_checkpoint(&save.join("step-00000004"), &mut m, None)
+        Ok(load_checkpoint(&save.join(&last), &mut m, None)
             .unwrap_err()
             .to_string())
     })
     .unwrap()
     .remove(0);
-    assert!(
-        e.contains("step-00000004") && e.contains("neither index.json"),
-        "{e}"
-    );
-    // Resuming from the save directory continues from step 2, at another world size.
+    assert!(e.contains(&last) && e.contains("neither index.json"), "{e}");
+    // Resuming from the save directory continues after `latest`, at another world size.
     let out = args(
         "4",
         &["--resume", save.to_str().unwrap(), "--log-every", "1"],
@@ -96,16 +126,17 @@ fn fsdp_train_killed_during_a_save_resumes_from_the_previous_checkpoint() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(
-        stdout.contains("resumed from") && stdout.contains("after step 2"),
+        stdout.contains("resumed from") && stdout.contains(&format!("after step {kept}")),
         "{stdout}"
     );
     assert!(
-        stdout.contains("step     3 |") && !stdout.contains("step     1 |"),
+        stdout.contains(&format!("step {:>5} |", kept + 1))
+            && !stdout.contains(&format!("step {kept:>5} | loss")),
         "{stdout}"
     );
     assert_eq!(
         std::fs::read_to_string(save.join("latest")).unwrap().trim(),
-        "step-00000004"
+        last
     );
 }
 
@@ -138,6 +169,7 @@ fn bad_checkpoint_options_are_one_line_errors() {
             "cannot create or write checkpoints there",
         ),
         (vec!["--overwrite"], "--overwrite needs --save-dir"),
+        (vec!["--async-save"], "--async-save needs --save-dir"),
         (
             vec!["--save-dir", held.to_str().unwrap()],
             "is not empty (it holds notes.txt)",
