@@ -271,6 +271,49 @@ fn a_host_driving_the_hooks_trains_like_the_modules() {
     }
 }
 
+/// A forward that fails at the root after unit "0" finished its forward (and unit "2"
+/// was cut short between its hooks); no backward follows.
+fn failed_forward(m: &mut FullyShardedDataParallel) {
+    m.pre_forward(true).unwrap();
+    m.with_unit("0", |u| {
+        u.pre_forward(true).unwrap();
+        u.post_forward(true).unwrap();
+    })
+    .unwrap();
+    m.with_unit("2", |u| u.pre_forward(true).unwrap()).unwrap();
+    m.post_forward(false).unwrap();
+}
+
+#[test]
+fn a_failed_forward_leaves_no_stale_gathered_parameters() {
+    // ShardGradOp keeps a nested unit's parameters gathered after its forward, for the
+    // backward. A failed root forward owes no backward, so it frees them: the optimizer
+    // step that follows (on the gradients of the backward before) changes the shards,
+    // and the next forward must gather the new values, not compute with the old ones.
+    for strategy in [ShardingStrategy::ShardGradOp, ShardingStrategy::FullShard] {
+        for world in [1, 2] {
+            let clean = train(world, strategy, through_hooks);
+            let with_failure = launch(&LaunchOptions::new(world), |pg| {
+                let (lo, hi) = rows(pg.rank(), world);
+                let mut m = declared(pg, strategy)?;
+                let mut opt = common::sgd(0.1);
+                for s in 0..STEPS {
+                    through_hooks(&mut m, s, lo, hi);
+                    if s == 0 {
+                        failed_forward(&mut m);
+                    }
+                    opt.step(&m.optimizer_params())?;
+                    m.zero_grad();
+                }
+                m.full_parameters()
+            })
+            .unwrap()
+            .remove(0);
+            assert_eq!(with_failure, clean, "{strategy:?} world {world}");
+        }
+    }
+}
+
 #[test]
 fn hooks_called_out_of_order_are_errors_naming_the_unit() {
     let errs = launch(&LaunchOptions::new(2), |pg| {

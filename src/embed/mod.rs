@@ -93,13 +93,18 @@ impl ParamSpec {
     }
 
     /// A trainable parameter without values on this rank (rank 0's, with
-    /// `sync_module_states`).
+    /// `sync_module_states`). A shape with no elements has no values to miss: it is taken
+    /// as given (`values` of length 0), with or without `sync_module_states`.
     pub fn empty(name: &str, shape: &[usize]) -> ParamSpec {
+        let source = match crate::tensor::numel_of(shape) {
+            0 => ParamSource::Values(Vec::new()),
+            _ => ParamSource::Empty,
+        };
         ParamSpec {
             name: name.to_string(),
             shape: shape.to_vec(),
             requires_grad: true,
-            source: ParamSource::Empty,
+            source,
         }
     }
 

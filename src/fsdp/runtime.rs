@@ -258,7 +258,8 @@ impl FullyShardedDataParallel {
 
     /// After this unit's forward (`ok`: it succeeded): frees the gathered parameters when
     /// the strategy reshards after forward (FullShard, HybridShard; not the root), without
-    /// grad, or after a failure; the root then waits for its streams.
+    /// grad, or after a failure; the root then waits for its streams. A failed root
+    /// forward ends every nested unit's forward and frees their gathered parameters too.
     ///
     /// # Errors
     /// `Fsdp` without a `pre_forward` first, or (`ok`) on the root while a nested unit is
@@ -275,11 +276,36 @@ impl FullyShardedDataParallel {
         if free {
             self.reshard()?;
         }
+        if self.is_root && !ok {
+            self.end_failed_forward()?;
+        }
         if self.is_root {
             self.rs.sched.lock().progress.end_forward(ok);
             self.drain_stream()?;
         }
         Ok(())
+    }
+
+    /// The root's forward failed, so no backward follows: every nested unit's forward ends
+    /// (one the failure cut short between its hooks included) and the units that keep
+    /// their parameters gathered for the backward (ShardGradOp) free them. Otherwise an
+    /// optimizer step or a state-dict load before the next forward would leave them
+    /// stale, and the next forward would compute with the old values.
+    fn end_failed_forward(&mut self) -> Result<()> {
+        let mut first = Ok(());
+        self.each_unit(|u| {
+            if u.is_root {
+                return;
+            }
+            if u.forward_grad.take().is_some() {
+                u.rs.sched.lock().on_post_forward(u.id);
+            }
+            let r = u.reshard();
+            if first.is_ok() {
+                first = r;
+            }
+        });
+        first
     }
 
     /// Before this unit's backward: gathers its parameters again if the forward freed them

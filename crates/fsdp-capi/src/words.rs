@@ -3,10 +3,12 @@
 //! ([`fsdp::error::Term`], under [`fsdp::error::Api::C`]); this is the last pass over the
 //! text, for the library's own function names that every caller shares
 //! (`init_process_group`, `clip_grad_norm_`, ...): each becomes the header function that
-//! reaches it, and a repeat of the entry point's name right after its own prefix is
-//! dropped (`fsdp_init_process_group: invalid argument: fsdp_init_process_group: ...`).
+//! reaches it, the library's dtype names become DLPack's (`f32` is `float32`, as
+//! `fsdp_dlpack_tensor.dtype` is described in the header), and a repeat of the entry
+//! point's name right after its own prefix is dropped
+//! (`fsdp_init_process_group: invalid argument: fsdp_init_process_group: ...`).
 
-/// Library function names and the header functions a C host calls instead, longest first
+/// Library function and dtype names and the words a C host knows them by, longest first
 /// where one name contains another.
 const C_NAMES: &[(&str, &str)] = &[
     ("init_process_group", "fsdp_init_process_group"),
@@ -17,6 +19,13 @@ const C_NAMES: &[(&str, &str)] = &[
     ("full_state_dict", "fsdp_model_full_state_dict"),
     ("load_state_dict", "fsdp_checkpoint_load"),
     ("new_group", "fsdp_new_group"),
+    // dtypes, as `fsdp::DType` prints them and as a C host knows them (DLPack, numpy)
+    ("bf16", "bfloat16"),
+    ("f16", "float16"),
+    ("f32", "float32"),
+    ("f64", "float64"),
+    ("i32", "int32"),
+    ("i64", "int64"),
 ];
 
 fn is_word_char(c: char) -> bool {
@@ -91,6 +100,10 @@ mod tests {
         assert_eq!(
             c_names("load_state_dict: missing key 'w'"),
             "fsdp_checkpoint_load: missing key 'w'"
+        );
+        assert_eq!(
+            c_names("dtype mismatch in grad: expected f32, got bf16 (to_f32 and f16x stay)"),
+            "dtype mismatch in grad: expected float32, got bfloat16 (to_f32 and f16x stay)"
         );
     }
 }

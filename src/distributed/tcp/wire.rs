@@ -119,7 +119,16 @@ pub(super) fn read_frame(r: &mut impl Read) -> io::Result<Option<(u8, Payload)>>
     let mut filled = 0;
     while filled < len {
         let step = (len - filled).min(READ_STEP);
-        words.resize((filled + step).div_ceil(8), 0);
+        // Fallible: a frame too large for this host's memory fails this receive (the
+        // collective reports it) instead of aborting the process.
+        let need = (filled + step).div_ceil(8);
+        words.try_reserve(need - words.len()).map_err(|_| {
+            io::Error::new(
+                io::ErrorKind::OutOfMemory,
+                format!("out of memory: a {len}-byte frame from a peer does not fit"),
+            )
+        })?;
+        words.resize(need, 0);
         let buf = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut words)[filled..filled + step];
         r.read_exact(buf)?;
         filled += step;

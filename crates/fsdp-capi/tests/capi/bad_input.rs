@@ -115,12 +115,12 @@ const CASES: &[(&str, &str, &str)] = &[
     (
         "grad_wrong_dtype",
         "FSDP_ERR_DTYPE_MISMATCH",
-        "grads[0] ('1.weight'): dtype f16, expected f32",
+        "grads[0] ('1.weight'): dtype float16, expected float32",
     ),
     (
         "grad_int_dtype",
         "FSDP_ERR_DTYPE_MISMATCH",
-        "grads[0] ('1.weight'): dtype i32, expected f32",
+        "grads[0] ('1.weight'): dtype int32, expected float32",
     ),
     (
         "grad_wrong_count",
@@ -160,7 +160,7 @@ const CASES: &[(&str, &str, &str)] = &[
     (
         "grad_f16_on_bf16_model",
         "FSDP_ERR_DTYPE_MISMATCH",
-        "grads[0] ('0.weight'): dtype f16, expected f32 or bf16",
+        "grads[0] ('0.weight'): dtype float16, expected float32 or bfloat16",
     ),
     (
         "collective_mixed_devices",

@@ -193,6 +193,10 @@ static void *oom_checks(void *arg) {
     report(rank, "zero_numel_after_overflow",
            fsdp_spec_add_param_init(spec, "empty", "b", 3, huge_then_zero, FSDP_INIT_UNIFORM,
                                     0, 1.0f, true));
+    /* Values NULL for 0 elements: nothing to miss, no sync_module_states needed. */
+    int64_t zero[1] = {0};
+    report(rank, "zero_numel_null_values",
+           fsdp_spec_add_param(spec, "empty", "c", 1, zero, NULL, true));
     int64_t s2[1] = {2};
     MUST(fsdp_spec_add_param(spec, "empty", "w", 1, s2, w, true));
     report(rank, "zero_numel_model_new", fsdp_model_new(world, spec, NULL, &m));
@@ -205,7 +209,7 @@ static void *oom_checks(void *arg) {
     check(rank, "zero_numel_state_dict",
           !strcmp(shapes.text, "empty.a [0, 4611686018427387904]; "
                                "empty.b [4611686018427387904, 4611686018427387904, 0]; "
-                               "empty.w [2]"),
+                               "empty.c [0]; empty.w [2]"),
           shapes.text);
     /* The host goes on: a normal model builds and trains. */
     MUST(build(world, FSDP_PRECISION_F32, &m));

@@ -75,6 +75,7 @@ fn a_parameter_too_big_to_allocate_is_a_status_and_the_host_goes_on() {
             // Zero elements, however large the other dimensions.
             ("zero_numel_huge_dim", "FSDP_OK", ""),
             ("zero_numel_after_overflow", "FSDP_OK", ""),
+            ("zero_numel_null_values", "FSDP_OK", ""),
             ("zero_numel_model_new", "FSDP_OK", ""),
         ],
         &["oom_model_is_null", "zero_numel_state_dict", "trains_after_oom"],
