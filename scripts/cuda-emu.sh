@@ -46,6 +46,8 @@ if [ "$what" != curves ]; then
     echo "FAIL cuda-emu self-tests (log: $out/emu-self.log)"; tail -n 15 "$out/emu-self.log"; fail=1
   fi
   # test-hooks: offload_pinned's hook that skips the end of backward's synchronization.
+  # The library's tests and the C ABI crate's (capi_cuda); every cargo call here selects the
+  # workspace as the test command does, so the library builds once with these features.
   tests="kernels kernels_nn ops_device nn_device zero_size fsdp_zero_size fsdp_cuda offload_pinned mixed_precision_torch distributed capi_cuda f64_device batchnorm_device attention_sdpa_torch"
   args=""; for t in $tests; do args="$args --test $t"; done
   # Two emulated GPUs (ranks spread over devices: peer copies) and one (every rank on
@@ -58,7 +60,7 @@ if [ "$what" != curves ]; then
     nocache=0; [ "$devices" = 1 ] && nocache=1
     echo "== CUDA tests on cuda-emu ($devices emulated device(s), FSDP_CUDA_NO_CACHING=$nocache)"
     # shellcheck disable=SC2086
-    if CUDA_EMU_DEVICES=$devices FSDP_CUDA_NO_CACHING=$nocache cargo test --features cuda,test-hooks $args -- --nocapture >"$log" 2>&1; then
+    if CUDA_EMU_DEVICES=$devices FSDP_CUDA_NO_CACHING=$nocache cargo test --workspace --exclude cuda-emu --features cuda,test-hooks $args -- --nocapture >"$log" 2>&1; then
       ok=$(grep -c '_cuda \.\.\. ok\|nccl.* \.\.\. ok' "$log")
       one=$(grep "skipping" "$log" | grep -c ": one GPU")
       if [ "$one" -gt 0 ]; then
@@ -79,7 +81,7 @@ if [ "$what" != curves ]; then
   # tests/distributed/nccl_world.rs): worlds of 2 and 4 on 4 emulated devices.
   log="$out/tests-nccl-4.log"
   echo "== NCCL worlds of 2 and 4 thread ranks on cuda-emu (4 emulated devices)"
-  if CUDA_EMU_DEVICES=4 cargo test --features cuda,test-hooks --test distributed nccl_ -- --nocapture >"$log" 2>&1; then
+  if CUDA_EMU_DEVICES=4 cargo test --workspace --exclude cuda-emu --features cuda,test-hooks --test distributed nccl_ -- --nocapture >"$log" 2>&1; then
     echo "PASS nccl worlds: $(grep -c 'nccl.* \.\.\. ok' "$log") tests ok"
     if grep -q "skipping" "$log"; then
       echo "FAIL nccl worlds: skipped on 4 emulated devices:"; grep "skipping" "$log" | head -n 3; fail=1
@@ -95,7 +97,7 @@ if [ "$what" != tests ]; then
   export CUDA_EMU_SEED="${CUDA_EMU_SEED:-7}"
   echo "== fsdp train --device cuda on cuda-emu (CUDA_EMU_SEED=$CUDA_EMU_SEED)"
   # test-hooks: FSDP_FAIL_RANK for the failing NCCL rank below.
-  cargo build --features cuda,test-hooks --bin fsdp || { echo "FAIL: building fsdp --features cuda"; exit 1; }
+  cargo build --workspace --exclude cuda-emu --features cuda,test-hooks --bin fsdp || { echo "FAIL: building fsdp --features cuda"; exit 1; }
   fsdp="$target/debug/fsdp"
   data="$root/data/tinyshakespeare.txt"
   [ -s "$data" ] || scripts/get_data.sh >/dev/null 2>&1 || true

@@ -3,15 +3,20 @@
 //! at world sizes 1 and 2 (`tests/torch_ref/fsdp_examples.txt`, made by
 //! `tests/torch_ref/fsdp_examples.py`). Same models, same draws, same inputs: only the
 //! summation order of the GEMMs differs, so values agree to f32 rounding of K-term dot
-//! products; the loss of the second example to 1e-6 relative.
+//! products; the loss of the second example to 1e-6 relative. The fourth example's model
+//! also trains 3 SGD steps under activation checkpointing (FSDP1 + `checkpoint_wrapper`),
+//! with PyTorch's losses.
 
 use fsdp::distributed::{launch, LaunchOptions};
 use fsdp::fsdp::{
     transformer_auto_wrap_policy, CpuOffload, FsdpConfig, FullyShardedDataParallel,
     ShardingStrategy,
 };
-use fsdp::nn::{loss, Context, InitKey, Linear, Module, ReLU, Sequential};
-use fsdp::optim::{Adam, AdamConfig, Optimizer};
+use fsdp::nn::{
+    apply_activation_checkpointing, loss, CheckpointPolicy, Context, InitKey, Linear, Module, ReLU,
+    Sequential,
+};
+use fsdp::optim::{Adam, AdamConfig, Optimizer, SgdConfig, SGD};
 use fsdp::Result;
 
 /// PyTorch's printout of example `name` at world size `w`: the numbers after `key` (`sum`,
@@ -201,5 +206,83 @@ fn transformer_blocks_print_pytorchs_values() {
         assert_eq!(out[0].0, 5);
         // Five layers deep: the rounding of each 512-term product carries through.
         check_output("transformer_blocks", w, &out[0].1, 5 * 512);
+    }
+}
+
+/// The fourth example's model as 5 FSDP units; `ckpt`: every TransformerBlock wrapped by
+/// `apply_activation_checkpointing` after FSDP, as the PyTorch script does. Trains 3 SGD
+/// steps (lr 0.1) of `mse_loss` on `torch.randn(4, 512)` against `torch.randn(4, 10)`;
+/// rank 0's losses and full parameters.
+fn train_blocks(w: usize, ckpt: bool) -> (Vec<f32>, Vec<(String, Vec<f32>)>) {
+    launch(&LaunchOptions::new(w), |pg| {
+        let k = InitKey::torch(0);
+        let mut layers: Vec<Box<dyn Module>> = Vec::new();
+        for i in 0..4 {
+            let b = mlp(&k.child(&i.to_string()), [512, 512, 512])?;
+            layers.push(transformer_block(b)?);
+        }
+        layers.push(Box::new(Linear::new(512, 10, true, &k.child("4"))?));
+        let cfg = FsdpConfig {
+            auto_wrap_policy: Some(transformer_auto_wrap_policy(["TransformerBlock"])),
+            ..Default::default()
+        };
+        let mut model = FullyShardedDataParallel::new(Box::new(Sequential::new(layers)), pg, cfg)?;
+        if ckpt {
+            let n = apply_activation_checkpointing(
+                &mut model,
+                &CheckpointPolicy::types(["TransformerBlock"]),
+            )?;
+            assert_eq!(n, 4);
+        }
+        let (x, t) = (k.randn(&[4, 512])?, k.randn(&[4, 10])?);
+        let mut opt = SGD::new(SgdConfig {
+            lr: 0.1,
+            ..Default::default()
+        });
+        let mut losses = Vec::new();
+        for _ in 0..3 {
+            let y = model.forward(&x, &Context::train())?;
+            let (l, dy) = loss::mse_loss(&y, &t)?;
+            model.backward(&dy, &Context::train())?;
+            opt.step(&model.optimizer_params())?;
+            model.zero_grad();
+            losses.push(l);
+        }
+        Ok((losses, model.full_parameters()))
+    })
+    .unwrap()
+    .remove(0)
+}
+
+#[test]
+fn activation_checkpointing_trains_as_pytorchs_checkpoint_wrapper() {
+    for w in [1, 2] {
+        let (losses, params) = train_blocks(w, true);
+        // Without checkpointing: the same, bit for bit (PyTorch's script checks its own
+        // runs the same way).
+        let (plain_losses, plain_params) = train_blocks(w, false);
+        assert_eq!(losses, plain_losses, "world size {w}");
+        assert_eq!(params, plain_params, "world size {w}");
+        let p = Printed::of("transformer_blocks_ckpt", w);
+        let rest = p.line.split("losses [").nth(1).unwrap();
+        let want: Vec<f64> = rest
+            .split(']')
+            .next()
+            .unwrap()
+            .split(", ")
+            .map(|v| v.parse().unwrap())
+            .collect();
+        assert_eq!(want.len(), 3);
+        // Mean of 40 squared errors, five 512-term layers deep, three steps: relative
+        // agreement to a few f32 epsilons.
+        for (i, (&got, want)) in losses.iter().zip(&want).enumerate() {
+            close(
+                &format!("world size {w} loss {i}"),
+                got as f64,
+                *want,
+                0.0,
+                2e-6,
+            );
+        }
     }
 }
