@@ -248,7 +248,7 @@ fn train_blocks(w: usize, ckpt: bool) -> (Vec<f32>, Vec<(String, Vec<f32>)>) {
             model.zero_grad();
             losses.push(l);
         }
-        Ok((losses, model.full_parameters()))
+        Ok((losses, model.full_parameters()?))
     })
     .unwrap()
     .remove(0)
