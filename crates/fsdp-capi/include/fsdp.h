@@ -1154,7 +1154,8 @@ fsdp_status fsdp_spec_add_unit(fsdp_spec_t spec,
  * Adds a parameter to unit `unit` (`""`: the root): `name` (no dots), `ndim`
  * dimensions of `shape`, f32 `values` (row-major, the shape's element count; copied), or
  * `values` NULL for a parameter without values on this rank (it gets rank 0's with
- * `sync_module_states`). `requires_grad` false: frozen (no gradient, never updated).
+ * `sync_module_states`; a shape with no elements needs nothing). `requires_grad` false:
+ * frozen (no gradient, never updated).
  *
  * Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_INVALID_ARGUMENT` for an undeclared unit,
  * a NULL or non-UTF-8 string, a negative dimension, a shape whose element count or f32
