@@ -227,16 +227,10 @@ impl<M> CandleFsdp<M> {
         let local = self.local_pass(&vars, f);
         let failure = local.as_ref().err().map(ToString::to_string);
         let agreed = crate::status::every_rank_ok(self.fsdp.process_group(), failure);
-        // A failed forward frees the root's gathered parameters and owes no backward.
+        // A failed forward owes no backward: the root's post_forward frees every unit's
+        // gathered parameters (shard-grad-op's too, which an optimizer step before the
+        // next forward would leave stale).
         self.fsdp.post_forward(agreed.is_ok())?;
-        if agreed.is_err() {
-            // Units that keep their parameters gathered for the backward (shard-grad-op)
-            // free them too: an optimizer step before the next forward would leave them
-            // stale.
-            for u in &self.units {
-                self.fsdp.with_unit(u, |u| u.reshard())??;
-            }
-        }
         agreed?;
         let (value, mut grads) = local?;
         // Reverse forward order, as autograd would reach the units; each unit's candle
