@@ -800,7 +800,10 @@ fsdp_status fsdp_unit_pre_forward(fsdp_unit_t unit,
  * frees the gathered parameters when the strategy reshards after forward (FullShard;
  * not the root), without grad, or after a failure; the views of `fsdp_unit_pre_forward`
  * end here (on a CUDA device: with the work the host queued on `stream` before this
- * call, which fsdp waits for before reusing their memory).
+ * call, which fsdp waits for before reusing their memory). The root's with `ok` 0 ends
+ * the whole forward: every unit's forward ends with it (one still between its hooks
+ * included; it needs no post_forward) and every gathered parameter is freed, so no
+ * backward is owed.
  *
  * Errors: `FSDP_ERR_INVALID_HANDLE`; `FSDP_ERR_USAGE` without pre_forward first, or on
  * the root while another unit is still between its pre_forward and post_forward (`ok`
