@@ -177,23 +177,28 @@ fn transformer_block(net: Sequential) -> Result<Box<dyn Module>> {
     ))
 }
 
+/// The fourth example's model, 4 TransformerBlocks and a Linear(512, 10) head drawn from
+/// `k`, wrapped as 5 FSDP units by `transformer_auto_wrap_policy`.
+fn blocks_model(k: &InitKey, pg: fsdp::distributed::Group) -> Result<FullyShardedDataParallel> {
+    let mut layers: Vec<Box<dyn Module>> = Vec::new();
+    for i in 0..4 {
+        let b = mlp(&k.child(&i.to_string()), [512, 512, 512])?;
+        layers.push(transformer_block(b)?);
+    }
+    layers.push(Box::new(Linear::new(512, 10, true, &k.child("4"))?));
+    let cfg = FsdpConfig {
+        auto_wrap_policy: Some(transformer_auto_wrap_policy(["TransformerBlock"])),
+        ..Default::default()
+    };
+    FullyShardedDataParallel::new(Box::new(Sequential::new(layers)), pg, cfg)
+}
+
 #[test]
 fn transformer_blocks_print_pytorchs_values() {
     for w in [1, 2] {
         let out = launch(&LaunchOptions::new(w), |pg| {
             let k = InitKey::torch(0);
-            let mut layers: Vec<Box<dyn Module>> = Vec::new();
-            for i in 0..4 {
-                let b = mlp(&k.child(&i.to_string()), [512, 512, 512])?;
-                layers.push(transformer_block(b)?);
-            }
-            layers.push(Box::new(Linear::new(512, 10, true, &k.child("4"))?));
-            let cfg = FsdpConfig {
-                auto_wrap_policy: Some(transformer_auto_wrap_policy(["TransformerBlock"])),
-                ..Default::default()
-            };
-            let mut model =
-                FullyShardedDataParallel::new(Box::new(Sequential::new(layers)), pg, cfg)?;
+            let mut model = blocks_model(&k, pg)?;
             let mut units = 0;
             model.for_each_unit(&mut |_| {
                 units += 1;
@@ -216,17 +221,7 @@ fn transformer_blocks_print_pytorchs_values() {
 fn train_blocks(w: usize, ckpt: bool) -> (Vec<f32>, Vec<(String, Vec<f32>)>) {
     launch(&LaunchOptions::new(w), |pg| {
         let k = InitKey::torch(0);
-        let mut layers: Vec<Box<dyn Module>> = Vec::new();
-        for i in 0..4 {
-            let b = mlp(&k.child(&i.to_string()), [512, 512, 512])?;
-            layers.push(transformer_block(b)?);
-        }
-        layers.push(Box::new(Linear::new(512, 10, true, &k.child("4"))?));
-        let cfg = FsdpConfig {
-            auto_wrap_policy: Some(transformer_auto_wrap_policy(["TransformerBlock"])),
-            ..Default::default()
-        };
-        let mut model = FullyShardedDataParallel::new(Box::new(Sequential::new(layers)), pg, cfg)?;
+        let mut model = blocks_model(&k, pg)?;
         if ckpt {
             let n = apply_activation_checkpointing(
                 &mut model,

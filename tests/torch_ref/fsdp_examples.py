@@ -35,6 +35,14 @@ def out(*a):
 def head(y):
     return y.flatten()[:4].tolist()
 
+class TransformerBlock(nn.Module):
+    """The block of the fourth docs example (transformer_blocks, transformer_blocks_ckpt)."""
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512))
+    def forward(self, x):
+        return self.net(x)
+
 if name == "simple_model":
     model = nn.Sequential(nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 128))
     model = FSDP(model, sharding_strategy=ShardingStrategy.FULL_SHARD, device_id=cpu)
@@ -62,12 +70,6 @@ elif name == "big_model":
     torch.optim.SGD(model.parameters(), lr=1e-3).step()
     out(list(y.shape), "sum", y.sum().item(), "first", head(y))
 elif name == "transformer_blocks":
-    class TransformerBlock(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512))
-        def forward(self, x):
-            return self.net(x)
     model = nn.Sequential(*[TransformerBlock() for _ in range(4)], nn.Linear(512, 10))
     policy = functools.partial(transformer_auto_wrap_policy,
                                transformer_layer_cls={TransformerBlock})
@@ -81,12 +83,6 @@ elif name == "transformer_blocks_ckpt":
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
 
-    class TransformerBlock(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512))
-        def forward(self, x):
-            return self.net(x)
 
     def train(ckpt):
         torch.manual_seed(0)
