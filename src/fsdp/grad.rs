@@ -182,15 +182,15 @@ impl FullyShardedDataParallel {
     }
 
     /// Combines the ranks' local sums (or maxima for `inf`) in `t` (one f32, on any
-    /// device). Sharded gradients are disjoint pieces of the whole: combine over the shard
-    /// group. Under hybrid sharding the replicas hold the same pieces (summing over the
+    /// device). Sharded gradients (and ZeRO-1's gradient chunks under NoShard) are
+    /// disjoint pieces of the whole: combine over the shard group. Under hybrid sharding the replicas hold the same pieces (summing over the
     /// world would count each sqrt(replicas) times too many); under NoShard every rank
     /// holds all. Every rank of the world still takes part (a max of equal values, exact),
     /// as PyTorch all-reduces the norm under every strategy: a rank that clips while its
     /// peers do not then fails at once instead of training on alone.
     fn reduce_norm(&self, t: &Tensor, inf: bool) -> Result<()> {
         let _tag = self.fingerprint(Phase::ClipGradNorm);
-        if self.sharding_strategy().is_sharded() {
+        if self.grads_scattered() {
             let op = if inf { ReduceOp::Max } else { ReduceOp::Sum };
             staged::all_reduce(self.shard_group().as_ref(), t, op)?;
             if let Some(rep) = &self.rs.replicate_pg {

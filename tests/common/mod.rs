@@ -145,6 +145,20 @@ pub fn gpt_step(
     hi: usize,
 ) -> fsdp::Result<()> {
     use fsdp::nn::{loss, Context};
+    let (x, y) = gpt_batch(step, lo, hi)?;
+    let logits = m.forward(&x, &Context::train())?;
+    let (_, g) = loss::cross_entropy(&logits, &y)?;
+    m.backward(&g, &Context::train())?;
+    Ok(())
+}
+
+/// Rows `lo..hi` of step `step`'s 12-row batch for [`small_gpt`]: `(input, target)` token
+/// ids, `(hi - lo, 6)` i32 each (the target is the input shifted by one token).
+pub fn gpt_batch(
+    step: usize,
+    lo: usize,
+    hi: usize,
+) -> fsdp::Result<(fsdp::tensor::Tensor, fsdp::tensor::Tensor)> {
     use fsdp::tensor::Tensor;
     let t = 6;
     let toks: Vec<i32> = values(400 + step as u64, 12 * (t + 1))
@@ -156,10 +170,10 @@ pub fn gpt_step(
         x.extend_from_slice(&toks[r * (t + 1)..r * (t + 1) + t]);
         y.extend_from_slice(&toks[r * (t + 1) + 1..(r + 1) * (t + 1)]);
     }
-    let logits = m.forward(&Tensor::from_vec(x, &[hi - lo, t])?, &Context::train())?;
-    let (_, g) = loss::cross_entropy(&logits, &Tensor::from_vec(y, &[hi - lo, t])?)?;
-    m.backward(&g, &Context::train())?;
-    Ok(())
+    Ok((
+        Tensor::from_vec(x, &[hi - lo, t])?,
+        Tensor::from_vec(y, &[hi - lo, t])?,
+    ))
 }
 
 /// Plain SGD (no momentum) at `lr`.
