@@ -1,12 +1,14 @@
 //! ZeRO-1 (`ZeroRedundancyOptimizer` over a NoShard model): the same losses and parameters
-//! as NoShard at world sizes 1-4 (SGD with momentum, AdamW, parameter groups, clipping,
-//! bf16, CPU offload, gradient accumulation under no_sync, empty chunks), 1/W of its
-//! optimizer state per rank, state dicts and checkpoints that reload at another world size
-//! and strategy, `fsdp train --zero-redundancy-optimizer`, and the errors.
-
+//! as NoShard bit for bit (the task asks within 1e-6) at world sizes 1-4 (SGD with
+//! momentum, AdamW, parameter groups, clipping, bf16, CPU offload, gradient accumulation
+//! under no_sync, empty chunks; on CUDA), 1/W of its optimizer state per rank, state dicts
+//! and checkpoints that reload at another world size and strategy, and the errors. `fsdp
+//! train --zero-redundancy-optimizer` is tested in `train_job.rs` and `resume.rs` (and the
+//! binary in `crates/fsdp-cli/tests/cli.rs`).
 mod common;
 
-use common::{assert_close, corpus_file, small_job, values};
+use common::{assert_close, values};
+use fsdp::backend::Device;
 use fsdp::checkpoint::{load_checkpoint, save_checkpoint};
 use fsdp::distributed::{launch, Group, LaunchOptions};
 use fsdp::fsdp::{
@@ -16,7 +18,6 @@ use fsdp::fsdp::{
 use fsdp::nn::{loss, Context, InitKey, Linear, Module};
 use fsdp::optim::{no_decay_groups, AdamConfig, AdamW, Optimizer, SgdConfig, SGD};
 use fsdp::tensor::{DType, Tensor};
-use fsdp::train::{train, Silent, TrainConfig};
 use fsdp::Error;
 
 const STEPS: usize = 3;
@@ -52,6 +53,8 @@ struct Variant {
     offload: bool,
     /// Two micro-batches per step, the first under `no_sync`.
     accumulate: bool,
+    /// Every rank on cuda:0 (`device_id`).
+    cuda: bool,
 }
 
 fn build(model: Model) -> (Box<dyn Module>, &'static str) {
@@ -74,20 +77,21 @@ fn forward_backward(
     hi: usize,
 ) -> fsdp::Result<f32> {
     let cx = Context::train();
+    let dev = m.compute_device();
     let (l, g) = match model {
         Model::Uneven | Model::Tiny => {
             let d = if model == Model::Tiny { 1 } else { 7 };
             let x = values(100 + step as u64, ROWS * d);
             let y = values(200 + step as u64, ROWS);
-            let xt = Tensor::from_vec(x[lo * d..hi * d].to_vec(), &[hi - lo, d])?;
-            let yt = Tensor::from_vec(y[lo..hi].to_vec(), &[hi - lo, 1])?;
+            let xt = Tensor::from_vec(x[lo * d..hi * d].to_vec(), &[hi - lo, d])?.to_device(dev)?;
+            let yt = Tensor::from_vec(y[lo..hi].to_vec(), &[hi - lo, 1])?.to_device(dev)?;
             let out = m.forward(&xt, &cx)?;
             loss::mse_loss(&out, &yt)?
         }
         Model::Gpt => {
             let (x, y) = common::gpt_batch(step, lo, hi)?;
-            let logits = m.forward(&x, &cx)?;
-            loss::cross_entropy(&logits, &y)?
+            let logits = m.forward(&x.to_device(dev)?, &cx)?;
+            loss::cross_entropy(&logits, &y.to_device(dev)?)?
         }
     };
     m.backward(&g, &cx)?;
@@ -130,6 +134,7 @@ fn wrap(model: Model, pg: Group, v: Variant) -> fsdp::Result<FullyShardedDataPar
         cpu_offload: CpuOffload {
             offload_params: v.offload,
         },
+        device_id: v.cuda.then_some(Device::Cuda(0)),
         ..Default::default()
     };
     FullyShardedDataParallel::new(m, pg, cfg)
@@ -189,16 +194,10 @@ fn check(model: Model, opt: Opt, world: usize, v: Variant) {
     let zero = run(model, opt, world, true, v);
     let what = format!("{model:?} {opt:?} world {world} {v:?}");
     for (rank, (z, p)) in zero.iter().zip(&plain).enumerate() {
-        assert_close(
-            &format!("{what} rank {rank} losses"),
-            &z.0,
-            &p.0,
-            1e-6,
-            1e-6,
-        );
+        assert_close(&format!("{what} rank {rank} losses"), &z.0, &p.0, 0.0, 0.0);
         for ((zn, zv), (pn, pv)) in z.1.iter().zip(&p.1) {
             assert_eq!(zn, pn);
-            assert_close(&format!("{what} rank {rank} {zn}"), zv, pv, 1e-6, 1e-6);
+            assert_close(&format!("{what} rank {rank} {zn}"), zv, pv, 0.0, 0.0);
         }
     }
     // The state is split, not copied: every element's state on exactly one rank. Adam
@@ -271,6 +270,26 @@ fn zero1_equals_no_shard_with_clipping_bf16_offload_and_accumulation() {
             check(Model::Gpt, Opt::AdamW, world, v);
             check(Model::Uneven, Opt::Sgd, world, v);
         }
+    }
+}
+
+/// On a GPU (every rank on cuda:0): the device paths of the reduce-scatter, the chunk
+/// all-gather and `clip_grad_norm_`'s f64 combination of the chunks' sums give NoShard's
+/// numbers there too. Skipped (with a notice) without a usable GPU; runs on cuda-emu in CI.
+#[test]
+fn zero1_equals_no_shard_cuda() {
+    if let Err(e) = fsdp::backend::cuda::detect() {
+        eprintln!("skipping zero1_equals_no_shard_cuda on CUDA: {e}");
+        return;
+    }
+    for world in [1, 2, 3] {
+        let v = Variant {
+            cuda: true,
+            clip: true,
+            ..Variant::default()
+        };
+        check(Model::Gpt, Opt::AdamW, world, v);
+        check(Model::Tiny, Opt::Sgd, world, v);
     }
 }
 
@@ -490,121 +509,27 @@ fn zero_redundancy_optimizer_refuses_what_it_cannot_do() {
     }
 }
 
-/// The main job's small configuration, with `--strategy no-shard`.
-fn job(data: &std::path::Path, world: usize, zero: bool) -> TrainConfig {
-    TrainConfig {
-        steps: 5,
-        strategy: ShardingStrategy::NoShard,
-        zero_redundancy_optimizer: zero,
-        global_batch: 12,
-        ..small_job(data.to_path_buf(), world)
-    }
-}
-
 #[test]
-fn fsdp_train_with_zero1_gives_no_shards_losses_with_a_wth_of_its_optimizer_state() {
-    let data = corpus_file("zero1-train");
-    for world in 1..=4 {
-        let plain = train(&job(&data, world, false), &Silent).unwrap();
-        let zero = train(&job(&data, world, true), &Silent).unwrap();
-        assert_close(
-            &format!("world {world} losses"),
-            &zero.losses(),
-            &plain.losses(),
-            1e-6,
-            1e-6,
-        );
-        let (z, p) = (&zero.records[4].ranks, &plain.records[4].ranks);
-        let ratio = z[0].optim_state_bytes as f64 / p[0].optim_state_bytes as f64;
-        println!(
-            "world {world}: optim_state_bytes rank 0 {} vs no-shard {} ({ratio:.4}), grad_shard_bytes {} vs {}",
-            z[0].optim_state_bytes, p[0].optim_state_bytes, z[0].grad_shard_bytes, p[0].grad_shard_bytes
-        );
-        assert!(
-            (ratio - 1.0 / world as f64).abs() < 0.01,
-            "world {world}: {ratio}"
-        );
-        // Split, not copied: AdamW's moments of every element on one rank, plus an 8-byte
-        // step per list entry (a parameter straddling two chunks is one on each rank:
-        // at most W - 1 more per unit, and the job has n_layer + 1 units).
-        let total: usize = z.iter().map(|r| r.optim_state_bytes).sum();
-        let extra = total - p[0].optim_state_bytes;
-        assert!(
-            extra % 8 == 0 && extra <= 8 * (world - 1) * 3,
-            "world {world}: {extra}"
-        );
-        let grads = z[0].grad_shard_bytes as f64 / p[0].grad_shard_bytes as f64;
-        assert!(
-            (grads - 1.0 / world as f64).abs() < 0.01,
-            "world {world}: {grads}"
-        );
-        assert_eq!(z[0].param_shard_bytes, p[0].param_shard_bytes);
-    }
-}
-
-#[test]
-fn fsdp_train_saved_at_4_resumes_at_2_and_continues_the_uninterrupted_run() {
-    let data = corpus_file("zero1-resume");
-    let save = data.with_file_name("save");
-    let _ = std::fs::remove_dir_all(&save);
-    let base = train(
-        &TrainConfig {
-            steps: 10,
-            save_dir: Some(save.clone()),
-            save_every: 5,
-            ..job(&data, 4, true)
-        },
-        &Silent,
-    )
-    .unwrap();
-    let step5 = save.join("step-00000005");
-    let ranks = std::fs::read_dir(&step5)
-        .unwrap()
-        .filter(|e| {
-            e.as_ref()
-                .unwrap()
-                .file_name()
-                .to_string_lossy()
-                .starts_with("rank-")
-        })
-        .count();
-    assert_eq!(
-        ranks, 4,
-        "every rank saves its chunk of the optimizer state"
-    );
-    let resumed = train(
-        &TrainConfig {
-            steps: 10,
-            resume: Some(step5),
-            ..job(&data, 2, true)
-        },
-        &Silent,
-    )
-    .unwrap();
-    assert_eq!(resumed.records.first().map(|r| r.step), Some(6));
-    let want: Vec<f32> = base.losses()[5..].to_vec();
-    assert_close("resumed at 2", &resumed.losses(), &want, 1e-5, 1e-5);
-}
-
-#[test]
-fn train_options_refuse_zero1_with_a_sharded_strategy_or_without_fsdp() {
-    let data = corpus_file("zero1-options");
-    let bad = TrainConfig {
-        strategy: ShardingStrategy::FullShard,
-        ..job(&data, 2, true)
-    };
-    let e = bad.validate().unwrap_err().to_string();
+fn ranks_that_disagree_on_zero1_fail_at_the_gradient_reduction() {
+    let got = launch(&LaunchOptions::new(2), |pg| {
+        let mut m = wrap(Model::Uneven, pg.clone(), Variant::default())?;
+        let _o = if pg.rank() == 0 {
+            Some(ZeroRedundancyOptimizer::new(
+                &mut m,
+                Box::new(common::sgd(0.1)),
+            )?)
+        } else {
+            None
+        };
+        forward_backward(&mut m, Model::Uneven, 0, pg.rank() * 6, pg.rank() * 6 + 6).map(drop)
+    });
+    let e = got
+        .expect_err("a reduce-scatter met an all-reduce")
+        .to_string();
     assert!(
-        e.contains("--zero-redundancy-optimizer") && e.contains("--strategy full-shard"),
-        "{e}"
-    );
-    let bad = TrainConfig {
-        no_fsdp: true,
-        ..job(&data, 1, true)
-    };
-    let e = bad.validate().unwrap_err().to_string();
-    assert!(
-        e.contains("--zero-redundancy-optimizer") && e.contains("--no-fsdp"),
+        e.contains("collective mismatch")
+            && e.contains("reduce_scatter_tensor")
+            && e.contains("all_reduce"),
         "{e}"
     );
 }

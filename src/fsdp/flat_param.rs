@@ -331,8 +331,9 @@ impl FlatParameter {
         Ok(())
     }
 
-    /// Whether [`partition_optimizer`](Self::partition_optimizer) split the optimizer
-    /// state of this whole flat parameter (ZeRO-1).
+    /// Whether a [`ZeroRedundancyOptimizer`](super::ZeroRedundancyOptimizer) split the
+    /// optimizer state and the reduced gradient of this whole flat parameter into per-rank
+    /// chunks (ZeRO-1).
     pub fn optimizer_partitioned(&self) -> bool {
         self.optim_partition.is_some()
     }

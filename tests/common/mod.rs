@@ -114,6 +114,22 @@ pub fn small_job(data: std::path::PathBuf, world_size: usize) -> fsdp::train::Tr
     }
 }
 
+/// [`small_job`] under `--strategy no-shard`, 10 steps of 12 rows (every world size 1 to 4
+/// divides them), with `--zero-redundancy-optimizer` when `zero`.
+pub fn no_shard_job(
+    data: &std::path::Path,
+    world_size: usize,
+    zero: bool,
+) -> fsdp::train::TrainConfig {
+    fsdp::train::TrainConfig {
+        steps: 10,
+        strategy: fsdp::fsdp::ShardingStrategy::NoShard,
+        zero_redundancy_optimizer: zero,
+        global_batch: 12,
+        ..small_job(data.to_path_buf(), world_size)
+    }
+}
+
 /// Ranks per node the hybrid-strategy tests use at a world size: 2 nodes when the world
 /// splits in two (4 = 2 x 2, 2 = 2 nodes x 1), else one rank per node.
 pub fn hybrid_ranks_per_node(world: usize) -> usize {
