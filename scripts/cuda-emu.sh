@@ -48,7 +48,7 @@ if [ "$what" != curves ]; then
   # test-hooks: offload_pinned's hook that skips the end of backward's synchronization.
   # The library's tests and the C ABI crate's (capi_cuda); every cargo call here selects the
   # workspace as the test command does, so the library builds once with these features.
-  tests="kernels kernels_nn ops_device nn_device zero_size fsdp_zero_size fsdp_cuda offload_pinned mixed_precision_torch distributed capi_cuda f64_device batchnorm_device attention_sdpa_torch"
+  tests="kernels kernels_nn ops_device nn_device zero_size fsdp_zero_size fsdp_cuda offload_pinned mixed_precision_torch distributed capi_cuda f64_device batchnorm_device attention_sdpa_torch zero_redundancy"
   args=""; for t in $tests; do args="$args --test $t"; done
   # Two emulated GPUs (ranks spread over devices: peer copies) and one (every rank on
   # cuda:0, as on a lent H200), unless CUDA_EMU_DEVICES names one count. The one-GPU pass

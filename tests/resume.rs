@@ -1,11 +1,12 @@
 //! `fsdp train --save-dir / --resume`: a resume at another world size and strategy continues
 //! the loss curve; options that would change the trajectory, another data file, an edited
 //! index or another run's save directory are refused naming what differs; rotation and
-//! the metrics file keep what belongs to the run.
+//! the metrics file keep what belongs to the run; a ZeRO-1 run saved at world size 4 (a
+//! file per rank) resumes at 2.
 
 mod common;
 
-use common::{corpus_file, small_job};
+use common::{assert_close, corpus_file, no_shard_job, small_job};
 use fsdp::fsdp::ShardingStrategy;
 use fsdp::train::{train, CheckpointType, Silent, TrainConfig};
 use std::path::{Path, PathBuf};
@@ -487,4 +488,48 @@ fn a_missing_resume_path_is_named_before_the_save_dir_check() {
             save.display()
         )
     );
+}
+
+#[test]
+fn fsdp_train_saved_at_4_resumes_at_2_and_continues_the_uninterrupted_run() {
+    let data = corpus_file("zero1-resume");
+    let save = data.with_file_name("save");
+    let _ = std::fs::remove_dir_all(&save);
+    let base = train(
+        &TrainConfig {
+            steps: 10,
+            save_dir: Some(save.clone()),
+            save_every: 5,
+            ..no_shard_job(&data, 4, true)
+        },
+        &Silent,
+    )
+    .unwrap();
+    let step5 = save.join("step-00000005");
+    let ranks = std::fs::read_dir(&step5)
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with("rank-")
+        })
+        .count();
+    assert_eq!(
+        ranks, 4,
+        "every rank saves its chunk of the optimizer state"
+    );
+    let resumed = train(
+        &TrainConfig {
+            steps: 10,
+            resume: Some(step5),
+            ..no_shard_job(&data, 2, true)
+        },
+        &Silent,
+    )
+    .unwrap();
+    assert_eq!(resumed.records.first().map(|r| r.step), Some(6));
+    let want: Vec<f32> = base.losses()[5..].to_vec();
+    assert_close("resumed at 2", &resumed.losses(), &want, 1e-5, 1e-5);
 }

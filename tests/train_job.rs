@@ -1,12 +1,13 @@
 //! The main job end to end: losses independent of world size, memory split by the world
-//! size, metrics written, bad options refused before any compute.
+//! size, metrics written, bad options refused before any compute; ZeRO-1
+//! (`--zero-redundancy-optimizer`) with no-shard's losses and 1/W of its optimizer state.
 
 mod common;
 
 use fsdp::fsdp::ShardingStrategy;
 use fsdp::train::{train, Silent, TrainConfig, TrainReport, WrapMode};
 
-use common::{corpus_file, small_job as small};
+use common::{assert_close, corpus_file, no_shard_job, small_job as small};
 
 fn run(cfg: &TrainConfig) -> TrainReport {
     train(cfg, &Silent).unwrap_or_else(|e| panic!("{cfg:?}: {e}"))
@@ -411,4 +412,68 @@ fn world_size_beyond_the_machine_is_refused_for_examples_and_train() {
     .unwrap_err()
     .to_string();
     assert!(err.contains("--world-size"), "{err}");
+}
+
+#[test]
+fn fsdp_train_with_zero1_gives_no_shards_losses_with_1_over_w_of_its_optimizer_state() {
+    let data = corpus_file("zero1-train");
+    for world in 1..=4 {
+        let plain = train(&no_shard_job(&data, world, false), &Silent).unwrap();
+        let zero = train(&no_shard_job(&data, world, true), &Silent).unwrap();
+        assert_close(
+            &format!("world {world} losses"),
+            &zero.losses(),
+            &plain.losses(),
+            0.0,
+            0.0,
+        );
+        let (z, p) = (&zero.records[9].ranks, &plain.records[9].ranks);
+        let ratio = z[0].optim_state_bytes as f64 / p[0].optim_state_bytes as f64;
+        println!(
+            "world {world}: optim_state_bytes rank 0 {} vs no-shard {} ({ratio:.4}), grad_shard_bytes {} vs {}",
+            z[0].optim_state_bytes, p[0].optim_state_bytes, z[0].grad_shard_bytes, p[0].grad_shard_bytes
+        );
+        assert!(
+            (ratio - 1.0 / world as f64).abs() < 0.01,
+            "world {world}: {ratio}"
+        );
+        // Split, not copied: AdamW's moments of every element on one rank, plus an 8-byte
+        // step per list entry (a parameter straddling two chunks is one on each rank:
+        // at most W - 1 more per unit, and the job has n_layer + 1 units).
+        let total: usize = z.iter().map(|r| r.optim_state_bytes).sum();
+        let extra = total - p[0].optim_state_bytes;
+        assert!(
+            extra % 8 == 0 && extra <= 8 * (world - 1) * 3,
+            "world {world}: {extra}"
+        );
+        let grads = z[0].grad_shard_bytes as f64 / p[0].grad_shard_bytes as f64;
+        assert!(
+            (grads - 1.0 / world as f64).abs() < 0.01,
+            "world {world}: {grads}"
+        );
+        assert_eq!(z[0].param_shard_bytes, p[0].param_shard_bytes);
+    }
+}
+
+#[test]
+fn train_options_refuse_zero1_with_a_sharded_strategy_or_without_fsdp() {
+    let data = corpus_file("zero1-options");
+    let bad = TrainConfig {
+        strategy: ShardingStrategy::FullShard,
+        ..no_shard_job(&data, 2, true)
+    };
+    let e = bad.validate().unwrap_err().to_string();
+    assert!(
+        e.contains("--zero-redundancy-optimizer") && e.contains("--strategy full-shard"),
+        "{e}"
+    );
+    let bad = TrainConfig {
+        no_fsdp: true,
+        ..no_shard_job(&data, 1, true)
+    };
+    let e = bad.validate().unwrap_err().to_string();
+    assert!(
+        e.contains("--zero-redundancy-optimizer") && e.contains("--no-fsdp"),
+        "{e}"
+    );
 }

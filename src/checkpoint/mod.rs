@@ -4,7 +4,7 @@
 //! | layout | files | written by |
 //! |---|---|---|
 //! | full | `model-g<G>.safetensors` (keys: parameter names, whole tensors), `optim-g<G>.safetensors` (keys `<buffer>/<name>`), `index.json` | rank 0 |
-//! | sharded | `rank-<R>-g<G>.safetensors` (keys `<section>/<name>@<offset>`: this rank's pieces), `index.json` | every rank holding distinct shards; the index by rank 0 |
+//! | sharded | `rank-<R>-g<G>.safetensors` (keys `<section>/<name>@<offset>`: this rank's pieces), `index.json` | every rank holding distinct shards (under ZeRO-1 every rank: its optimizer chunk, and rank 0 the model); the index by rank 0 |
 //! | save directory of `fsdp train --save-dir` | `step-<N>/` checkpoint directories and `latest` naming the newest | rank 0 |
 //!
 //! The index lists every data file with its size and checksum, every tensor's global shape

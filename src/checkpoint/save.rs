@@ -46,7 +46,8 @@ pub(super) type OptimMeta = (String, Vec<(String, f64)>, Vec<(String, u64)>);
 /// Saves `model` and, when given, `optim` (an optimizer over `model.optimizer_params()`)
 /// to the directory `dir` as a checkpoint of type `ty` (`Full`: rank 0 writes one model
 /// file, whose keys are the parameter names, and one optimizer file; `Sharded`: every rank
-/// holding distinct shards writes one file of its pieces). `extra` is stored in the index
+/// holding distinct shards writes one file of its pieces; under ZeRO-1, every rank, holding its
+/// chunk of the optimizer state). `extra` is stored in the index
 /// as is. A collective: every rank of the model's world calls it.
 ///
 /// Crash safety: data files get names carrying a new generation number, the index is
@@ -224,12 +225,26 @@ pub(super) fn stage(
     let osd = optim
         .map(|o| model.optim_state_dict(o, config))
         .transpose()?;
-    let writer = match ty {
+    // Sharded: the ranks holding distinct shards write the model (replica 0), and under
+    // ZeRO-1 every rank writes its chunk of the optimizer state (the model only on rank 0).
+    let model_writer = match ty {
         StateDictType::Full => rank == 0,
         _ => model.shard_replica_rank() == 0,
     };
+    let writer =
+        model_writer || (ty == StateDictType::Sharded && osd.is_some() && model.zero_redundancy());
+    let empty;
+    let sd = if model_writer {
+        &sd
+    } else {
+        empty = StateDict::Sharded(crate::fsdp::ShardedStateDict {
+            world_size: pg.size(),
+            tensors: Vec::new(),
+        });
+        &empty
+    };
     let planned = if writer {
-        plan_files(rank, generation, &sd, osd.as_ref()).and_then(|(m, mut files)| {
+        plan_files(rank, generation, sd, osd.as_ref()).and_then(|(m, mut files)| {
             if let Some(pool) = pool {
                 for (_, tensors) in &mut files {
                     for (_, t) in tensors.iter_mut() {

@@ -84,11 +84,14 @@ pub enum Phase {
     /// Construction of a declared model (`fully_shard`, `fsdp_model_new`): the ranks'
     /// check that they passed the same settings and declared the same units.
     Declaration = 8,
+    /// The all-gather of the updated parameter chunks after a ZeRO-1 optimizer step
+    /// (`ZeroRedundancyOptimizer`).
+    OptimizerStep = 9,
 }
 
 impl Phase {
     /// All phases, indexed by their code.
-    pub const ALL: [Phase; 9] = [
+    pub const ALL: [Phase; 10] = [
         Phase::Init,
         Phase::Forward,
         Phase::NoGradForward,
@@ -98,6 +101,7 @@ impl Phase {
         Phase::StateDict,
         Phase::EndOfBackward,
         Phase::Declaration,
+        Phase::OptimizerStep,
     ];
 
     /// The phase of wire code `c`.
@@ -116,6 +120,7 @@ impl Phase {
             Phase::StateDict => "state dict",
             Phase::EndOfBackward => "end of backward",
             Phase::Declaration => "the declaration check",
+            Phase::OptimizerStep => "the parameter all-gather after a ZeRO-1 optimizer step",
         }
     }
 }
@@ -154,7 +159,9 @@ impl std::fmt::Display for Fingerprint {
         match self.phase {
             Phase::Init => write!(f, " ({})", crate::error::Term::SyncModuleStates),
             Phase::Declaration => Ok(()),
-            Phase::StateDict | Phase::ClipGradNorm => write!(f, " (step {})", self.step),
+            Phase::StateDict | Phase::ClipGradNorm | Phase::OptimizerStep => {
+                write!(f, " (step {})", self.step)
+            }
             Phase::EndOfBackward => write!(
                 f,
                 " after {} gradient reduction{} (step {}, micro-batch {})",

@@ -132,7 +132,8 @@ pub(super) struct PendingGrad {
 impl FullyShardedDataParallel {
     /// Issues the reduction of the flat gradient on the stream: predivide, reduce-scatter
     /// over the shard group (then all-reduce over the replicate group under hybrid
-    /// sharding; all-reduce over the world under NoShard), postdivide, all in
+    /// sharding; all-reduce over the world under NoShard, reduce-scatter over the world
+    /// into the optimizer's chunk under NoShard with ZeRO-1), postdivide, all in
     /// `reduce_dtype`. FSDP1 `_post_backward_hook` / `_reduce_grad`. The f32 shard it
     /// produces is taken from the rank's buffer pool here, on the compute thread (on the
     /// host under CPU offload: the device-to-host copy ends the job), so its memory
@@ -152,8 +153,10 @@ impl FullyShardedDataParallel {
         };
         // Averaging is over the whole data-parallel world, hybrid or not.
         let (pre, post) = gradient_divide_factors(self.rs.pg.size());
-        let shard_numel = self.flat.shard_numel();
-        let sharded = self.rs.strategy.is_sharded();
+        // The gradient shard: this rank's parameter chunk, or under ZeRO-1 (a whole flat
+        // parameter whose optimizer state is partitioned) its optimizer chunk.
+        let shard_numel = self.flat.optim_shard_numel();
+        let scatter = self.grads_scattered();
         // The reduce-scatter's communicator: not the one the unshard stream gathers on.
         let (shard_pg, offload) = {
             let s = self.rs.sched.lock();
@@ -180,7 +183,8 @@ impl FullyShardedDataParallel {
                 Tensor::zeros_on(flat_grad.shape(), rd, device)?
             };
             flat::pack_grad(&flat_grad, &input, 1.0 / pre)?;
-            let reduced = if sharded {
+            let reduced = if scatter {
+                // The flat gradient is `shard_numel` times the group's size long (padded).
                 let out = Tensor::zeros_on(&[shard_numel], rd, device)?;
                 shard_pg.reduce_scatter_tensor(&out, &input, ReduceOp::Sum)?;
                 if let Some(rep) = &rep {

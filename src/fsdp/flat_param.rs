@@ -40,12 +40,19 @@ pub struct FlatParameter {
     shard_numel: usize,
     /// This rank's chunk, `(c)` f32, padding included.
     pub(crate) local_shard: Tensor,
-    /// Accumulated gradient of the chunk, `(c)` f32; `None` until the first backward.
+    /// Accumulated gradient of the optimizer's chunk, `(c_o)` f32 (`c_o = c` unless
+    /// [`partition_optimizer`](Self::partition_optimizer) split it); `None` until the
+    /// first backward.
     pub(crate) grad_shard: Option<Tensor>,
-    /// Runs `(start, len)` of this rank's chunk that hold trainable parameters, one per
-    /// parameter with elements in the chunk: what the optimizer steps on. Frozen
-    /// parameters and padding are left out, so weight decay never touches them.
+    /// Runs `(start, len)` of this rank's optimizer chunk (the parameter chunk, or under
+    /// [`partition_optimizer`](Self::partition_optimizer) its own) that hold trainable
+    /// parameters, one per parameter with elements in the chunk: what the optimizer steps
+    /// on. Frozen parameters and padding are left out, so weight decay never touches them.
     pub(crate) trainable_runs: Vec<(usize, usize)>,
+    /// ZeRO-1 over a whole flat parameter: `(world, rank)` of the chunks the optimizer
+    /// state and the reduced gradient are split into while the parameter stays whole;
+    /// `None`: they follow the parameter chunk.
+    optim_partition: Option<(usize, usize)>,
     /// The padded flat gradient `(c W)` accumulated under `no_sync`, reduced by the next
     /// synchronized backward (FSDP1 keeps the unsharded gradient the same way).
     pub(crate) unsynced_grad: Option<Tensor>,
@@ -125,6 +132,28 @@ fn local_f64(
     Tensor::from_vec(local, &[shard_numel])
 }
 
+/// Runs `(start, len)` of the trainable parameters' elements in chunk `[lo, hi)`, `start`
+/// counted from `lo`. One run per parameter (not merged with its neighbours), so that each
+/// entry of the optimizer's list belongs to one parameter and can have its parameter group
+/// (no weight decay for biases and norms).
+fn trainable_runs(infos: &[ParamInfo], lo: usize, hi: usize) -> Vec<(usize, usize)> {
+    let mut runs = Vec::new();
+    for info in infos.iter().filter(|i| i.requires_grad) {
+        let (a, b) = (info.offset.max(lo), (info.offset + info.numel).min(hi));
+        if a < b {
+            runs.push((a - lo, b - a));
+        }
+    }
+    runs
+}
+
+/// Chunk `rank` of `world` over `numel` elements: `(c, lo, hi)` with `c = ceil(numel /
+/// world)` and `[lo, hi)` its unpadded elements (`lo == hi` for pure padding).
+fn chunk(numel: usize, world: usize, rank: usize) -> (usize, usize, usize) {
+    let c = numel.div_ceil(world.max(1));
+    (c, (rank * c).min(numel), ((rank + 1) * c).min(numel))
+}
+
 impl FlatParameter {
     /// Flattens `params` (fully qualified name, values, requires_grad) in the given order
     /// and keeps chunk `shard_rank` of `shard_world`. A meta parameter with an initializer
@@ -181,26 +210,15 @@ impl FlatParameter {
                 })?;
         }
         let numel = offset;
-        let shard_numel = numel.div_ceil(shard_world.max(1));
-        let lo = (shard_rank * shard_numel).min(numel);
-        let hi = ((shard_rank + 1) * shard_numel).min(numel);
+        let (shard_numel, lo, hi) = chunk(numel, shard_world, shard_rank);
         let local_shard = if dtype == DType::F64 {
             local_f64(params, &infos, shard_numel, (lo, hi))?
         } else {
             local_f32(params, &infos, shard_numel, (lo, hi))?
         };
-        // One run per parameter (not merged with its neighbours), so that each entry of
-        // the optimizer's list belongs to one parameter and can have its parameter group
-        // (no weight decay for biases and norms).
-        let mut trainable_runs: Vec<(usize, usize)> = Vec::new();
-        for info in infos.iter().filter(|i| i.requires_grad) {
-            let (a, b) = (info.offset.max(lo), (info.offset + info.numel).min(hi));
-            if a < b {
-                trainable_runs.push((a - lo, b - a));
-            }
-        }
         Ok(FlatParameter {
-            trainable_runs,
+            trainable_runs: trainable_runs(&infos, lo, hi),
+            optim_partition: None,
             infos,
             numel,
             shard_world,
@@ -278,8 +296,7 @@ impl FlatParameter {
     /// The elements `[lo, hi)` of the unpadded flat buffer this rank's chunk holds
     /// (`lo == hi` for a chunk of pure padding).
     pub fn shard_range(&self) -> (usize, usize) {
-        let lo = (self.shard_rank * self.shard_numel).min(self.numel);
-        let hi = ((self.shard_rank + 1) * self.shard_numel).min(self.numel);
+        let (_, lo, hi) = chunk(self.numel, self.shard_world, self.shard_rank);
         (lo, hi)
     }
 
@@ -293,6 +310,72 @@ impl FlatParameter {
         self.shard_rank
     }
 
+    /// Splits the optimizer state and the reduced gradient of a whole (unsharded, `W = 1`)
+    /// flat parameter into `world` chunks of `ceil(N / world)` elements, of which this
+    /// rank's optimizer steps chunk `rank`, while the parameter stays whole: ZeRO stage 1
+    /// ([`ZeroRedundancyOptimizer`](super::ZeroRedundancyOptimizer)). The chunks follow the
+    /// layout of a sharded flat parameter (zero padding at the end). Idempotent.
+    ///
+    /// # Errors
+    /// `Fsdp` for a flat parameter sharded already, or `rank >= world`.
+    pub(crate) fn partition_optimizer(&mut self, world: usize, rank: usize) -> Result<()> {
+        if self.shard_world != 1 || rank >= world {
+            return Err(Error::Fsdp(format!(
+                "optimizer partition {rank} of {world} over a flat parameter sharded {} ways (ZeRO-1 partitions a whole one)",
+                self.shard_world
+            )));
+        }
+        let (_, lo, hi) = chunk(self.numel, world, rank);
+        self.trainable_runs = trainable_runs(&self.infos, lo, hi);
+        self.optim_partition = Some((world, rank));
+        Ok(())
+    }
+
+    /// Whether a [`ZeroRedundancyOptimizer`](super::ZeroRedundancyOptimizer) split the
+    /// optimizer state and the reduced gradient of this whole flat parameter into per-rank
+    /// chunks (ZeRO-1).
+    pub fn optimizer_partitioned(&self) -> bool {
+        self.optim_partition.is_some()
+    }
+
+    /// `(world, rank)` of the chunks the optimizer steps: the parameter's (`W`, `r`), or
+    /// under ZeRO-1 the partition's.
+    fn optim_chunks(&self) -> (usize, usize) {
+        self.optim_partition
+            .unwrap_or((self.shard_world, self.shard_rank))
+    }
+
+    /// Elements `c_o` of this rank's optimizer chunk and of its reduced gradient
+    /// ([`grad_shard`](Self::grad_shard)): the chunk size `c`, or under ZeRO-1
+    /// `ceil(N / world)` of the partition.
+    pub fn optim_shard_numel(&self) -> usize {
+        let (w, r) = self.optim_chunks();
+        chunk(self.numel, w, r).0
+    }
+
+    /// The elements `[lo, hi)` of the unpadded flat buffer this rank's optimizer steps:
+    /// [`shard_range`](Self::shard_range), or under ZeRO-1 its partition's chunk.
+    pub fn optim_range(&self) -> (usize, usize) {
+        let (w, r) = self.optim_chunks();
+        let (_, lo, hi) = chunk(self.numel, w, r);
+        (lo, hi)
+    }
+
+    /// Where this rank's optimizer chunk starts in [`local_shard`](Self::local_shard): 0,
+    /// or under ZeRO-1 (whose local shard is the whole flat parameter) its offset `lo`.
+    pub(crate) fn optim_offset(&self) -> usize {
+        self.optim_range().0 - self.shard_range().0
+    }
+
+    /// Elements of the padded flat gradient a backward fills: `c W`, or under ZeRO-1
+    /// `c_o world`, so that it reduce-scatters into the optimizer's chunks.
+    pub(crate) fn grad_buffer_numel(&self) -> usize {
+        match self.optim_partition {
+            Some((w, _)) => self.optim_shard_numel() * w,
+            None => self.padded_numel(),
+        }
+    }
+
     /// The parameters of this unit, in flat order.
     pub fn param_infos(&self) -> &[ParamInfo] {
         &self.infos
@@ -304,7 +387,9 @@ impl FlatParameter {
         &self.local_shard
     }
 
-    /// This rank's chunk of the accumulated gradient.
+    /// This rank's chunk of the accumulated gradient, `(c_o)` (see
+    /// [`optim_shard_numel`](Self::optim_shard_numel): the parameter chunk's size, or
+    /// under ZeRO-1 the optimizer chunk's).
     pub fn grad_shard(&self) -> Option<&Tensor> {
         self.grad_shard.as_ref()
     }

@@ -94,9 +94,19 @@ impl FullyShardedDataParallel {
         }
         let inf = norm_type == f32::INFINITY;
         let local = norm_accumulate(0.0, &grads, norm_type)?;
-        let t = Tensor::from_vec(vec![local as f32], &[1])?;
-        self.reduce_norm(&t, inf)?;
-        let total = t.f32()?[0] as f64;
+        let total = if self.zero_redundancy() {
+            // ZeRO-1 gives NoShard's numbers: NoShard rounds its whole sum to f32 once,
+            // so the chunks' partial sums are combined in f64 and the total rounded once.
+            let t = Tensor::from_vec(vec![local], &[1])?;
+            self.reduce_norm(&t, inf)?;
+            let sum = t.data::<f64>()?[0];
+            sum as f32 as f64
+        } else {
+            let t = Tensor::from_vec(vec![local as f32], &[1])?;
+            self.reduce_norm(&t, inf)?;
+            let sum = t.f32()?[0];
+            sum as f64
+        };
         // Ignored modules' parameters are whole on every rank: their local gradients count
         // once, without a reduction (as FSDP1 counts its non-sharded parameters).
         let total = norm_accumulate(total, &ignored, norm_type)?;
@@ -181,16 +191,16 @@ impl FullyShardedDataParallel {
         Tensor::from_vec(vec![total as f32], &[1])?.to_device(device)
     }
 
-    /// Combines the ranks' local sums (or maxima for `inf`) in `t` (one f32, on any
-    /// device). Sharded gradients are disjoint pieces of the whole: combine over the shard
-    /// group. Under hybrid sharding the replicas hold the same pieces (summing over the
-    /// world would count each sqrt(replicas) times too many); under NoShard every rank
-    /// holds all. Every rank of the world still takes part (a max of equal values, exact),
+    /// Combines the ranks' local sums (or maxima for `inf`) in `t` (one f32 or f64, on
+    /// any device). Sharded gradients (and ZeRO-1's gradient chunks under NoShard) are
+    /// disjoint pieces of the whole: combine over the shard group. Under hybrid sharding
+    /// the replicas hold the same pieces (summing over the world would count each
+    /// sqrt(replicas) times too many); under NoShard every rank holds all. Every rank of the world still takes part (a max of equal values, exact),
     /// as PyTorch all-reduces the norm under every strategy: a rank that clips while its
     /// peers do not then fails at once instead of training on alone.
     fn reduce_norm(&self, t: &Tensor, inf: bool) -> Result<()> {
         let _tag = self.fingerprint(Phase::ClipGradNorm);
-        if self.sharding_strategy().is_sharded() {
+        if self.grads_scattered() {
             let op = if inf { ReduceOp::Max } else { ReduceOp::Sum };
             staged::all_reduce(self.shard_group().as_ref(), t, op)?;
             if let Some(rep) = &self.rs.replicate_pg {
@@ -223,10 +233,23 @@ impl FullyShardedDataParallel {
             acc.add_squares(&s, &g.as_device_tensor()?)?;
         }
         let dev = Device::Cuda(ordinal);
-        let t = Tensor::zeros_on(&[1], dtype, dev)?;
+        // ZeRO-1 combines its chunks' partial sums in f64 and rounds the total once, as
+        // NoShard rounds its whole sum (see the host path).
+        let sum_dtype = if self.zero_redundancy() {
+            DType::F64
+        } else {
+            dtype
+        };
+        let t = Tensor::zeros_on(&[1], sum_dtype, dev)?;
         acc.store(&s, &t.as_device_tensor()?)?;
         self.reduce_norm(&t, false)?;
         acc.load(&s, &t.as_device_tensor()?)?;
+        if sum_dtype != dtype {
+            let rounded = Tensor::zeros_on(&[1], dtype, dev)?;
+            let r = rounded.as_device_tensor()?;
+            acc.store(&s, &r)?;
+            acc.load(&s, &r)?;
+        }
         for g in ignored {
             acc.add_squares(&s, &g.as_device_tensor()?)?;
         }

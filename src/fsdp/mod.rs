@@ -19,6 +19,7 @@
 //! | `no_sync`, `clip_grad_norm_` | `grad.rs` | `fully_sharded_data_parallel.py` |
 //! | [`MemoryStats`] | `memory.rs` | `torch.cuda.memory_stats` (FSDP's share) |
 //! | [`StateDict`], [`OptimStateDict`], `summon_full_params` | `state_dict/` | `state_dict_type`, `optim_state_dict`, `summon_full_params` |
+//! | [`ZeroRedundancyOptimizer`]: ZeRO-1 over NoShard (optimizer state and reduced gradient in per-rank chunks, parameters whole) | `zero_redundancy.rs` | `torch.distributed.optim.ZeroRedundancyOptimizer`, DeepSpeed ZeRO stage 1 |
 //!
 //! Every strategy (hybrid ones over [`hybrid_groups`], explicit groups or a
 //! [`DeviceMesh`](crate::distributed::DeviceMesh)), nested units through auto-wrap policies,
@@ -54,6 +55,7 @@ mod streams;
 mod unit;
 mod wrap;
 mod wrapping;
+mod zero_redundancy;
 
 pub use buffers::BufferPool;
 pub use config::{CpuOffload, FsdpConfig, ParamInitFn, ShardingStrategy};
@@ -72,3 +74,4 @@ pub use wrap::{
     transformer_auto_wrap_policy, AutoWrapPolicy, WrapFn,
 };
 pub use wrapping::hybrid_groups;
+pub use zero_redundancy::ZeroRedundancyOptimizer;

@@ -355,7 +355,7 @@ impl FullyShardedDataParallel {
         let flat_grad = match self.flat.unsynced_grad.take() {
             Some(g) => g,
             None => self.rs.sched.lock().take_buffer(
-                self.flat.padded_numel(),
+                self.flat.grad_buffer_numel(),
                 grad_dtype,
                 self.rs.device,
                 true,

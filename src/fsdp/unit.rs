@@ -188,15 +188,19 @@ impl FullyShardedDataParallel {
 
     /// What an optimizer steps on: views of every unit's local shard and gradient shard,
     /// one per trainable parameter with elements on this rank (frozen parameters and
-    /// padding excluded, so they are never updated, not even by weight decay), then the
+    /// padding excluded, so they are never updated, not even by weight decay); under
+    /// NoShard with a [`ZeroRedundancyOptimizer`](super::ZeroRedundancyOptimizer), views of
+    /// this rank's optimizer chunk of each whole flat parameter and its gradient; then the
     /// trainable parameters of the ignored modules, whole. The same list at every step;
     /// [`optimizer_param_names`](Self::optimizer_param_names) names its entries.
     pub fn optimizer_params(&mut self) -> Vec<ParamGrad> {
         let mut out = Vec::new();
         self.each_unit(|u| {
+            // The optimizer chunk in the local shard (at 0 but under ZeRO-1).
+            let at = u.flat.optim_offset();
             for &(start, len) in &u.flat.trainable_runs {
                 // Views inside the chunk: in bounds by construction.
-                if let Ok(param) = u.flat.local_shard.view(start, &[len]) {
+                if let Ok(param) = u.flat.local_shard.view(at + start, &[len]) {
                     let grad = u
                         .flat
                         .grad_shard
@@ -241,7 +245,7 @@ impl FullyShardedDataParallel {
     pub fn optimizer_param_names(&mut self) -> Vec<(String, Vec<usize>)> {
         let mut out = Vec::new();
         self.each_unit(|u| {
-            let (lo, _) = u.flat.shard_range();
+            let (lo, _) = u.flat.optim_range();
             for &(start, _) in &u.flat.trainable_runs {
                 // The parameter whose elements start this run (runs are per parameter).
                 let at = lo + start;
@@ -371,6 +375,20 @@ impl FullyShardedDataParallel {
     /// The strategy in use.
     pub fn sharding_strategy(&self) -> ShardingStrategy {
         self.rs.strategy
+    }
+
+    /// Whether a [`ZeroRedundancyOptimizer`](super::ZeroRedundancyOptimizer) partitions this
+    /// NoShard model's optimizer state (ZeRO-1): gradients are reduce-scattered over the
+    /// world into each rank's optimizer chunk instead of all-reduced, and optimizer state
+    /// dicts and checkpoints hold each rank's chunk.
+    pub fn zero_redundancy(&self) -> bool {
+        self.flat.optimizer_partitioned()
+    }
+
+    /// Whether backward reduce-scatters gradients into shards (sharded strategies, and
+    /// ZeRO-1 over NoShard) rather than all-reducing them whole.
+    pub(super) fn grads_scattered(&self) -> bool {
+        self.rs.strategy.is_sharded() || self.zero_redundancy()
     }
 
     /// The process group.

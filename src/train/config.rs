@@ -29,6 +29,12 @@ pub struct TrainConfig {
     pub wrap: WrapMode,
     /// Train plainly, without FSDP (world size 1 only): the reference for benches.
     pub no_fsdp: bool,
+    /// Shard the optimizer state of a `no-shard` model over the ranks, with the gradients
+    /// reduce-scattered into each rank's chunk and the parameters all-gathered after each
+    /// step (`--zero-redundancy-optimizer`: ZeRO-1,
+    /// [`ZeroRedundancyOptimizer`](crate::fsdp::ZeroRedundancyOptimizer)); default off.
+    /// Needs `strategy` `NoShard`.
+    pub zero_redundancy_optimizer: bool,
     /// Optimizer steps to train (`--steps`), at least 1, default 300.
     pub steps: usize,
     /// Rows per step over all ranks; each rank takes `global_batch / world_size` contiguous
@@ -135,6 +141,7 @@ impl Default for TrainConfig {
             strategy: ShardingStrategy::FullShard,
             wrap: WrapMode::Transformer,
             no_fsdp: false,
+            zero_redundancy_optimizer: false,
             steps: 300,
             global_batch: 64,
             seq_len: 64,

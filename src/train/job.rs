@@ -8,7 +8,7 @@ use crate::distributed::{launch, Group, LaunchOptions};
 use crate::error::{Error, Result};
 use crate::fsdp::{
     size_based_auto_wrap_policy, transformer_auto_wrap_policy, CpuOffload, FsdpConfig,
-    FullyShardedDataParallel,
+    FullyShardedDataParallel, ZeroRedundancyOptimizer,
 };
 use crate::nn::{loss, num_parameters, Context, Module, GPT};
 use crate::optim;
@@ -158,6 +158,22 @@ pub fn build_engine(cfg: &TrainConfig, pg: Group) -> Result<Engine> {
     Ok(Engine::Fsdp(Box::new(root)))
 }
 
+/// The optimizer of `cfg` (`--optimizer`, `--lr`, betas) over `engine`'s list; under
+/// `--zero-redundancy-optimizer` wrapped in a [`ZeroRedundancyOptimizer`], which switches
+/// the no-shard model's gradient reduction to a reduce-scatter into each rank's chunk.
+///
+/// # Errors
+/// As [`ZeroRedundancyOptimizer::new`].
+fn build_optimizer(cfg: &TrainConfig, engine: &mut Engine) -> Result<Box<dyn optim::Optimizer>> {
+    let opt = optim::build(cfg.optimizer, cfg.lr, cfg.betas);
+    match engine {
+        Engine::Fsdp(m) if cfg.zero_redundancy_optimizer => {
+            Ok(Box::new(ZeroRedundancyOptimizer::new(m, opt)?))
+        }
+        _ => Ok(opt),
+    }
+}
+
 /// `--activation-checkpointing`: every transformer [`Block`](crate::nn::Block) of `model`
 /// in a [`CheckpointWrapper`](crate::nn::CheckpointWrapper).
 fn checkpoint_blocks(cfg: &TrainConfig, model: &mut dyn Module) -> Result<()> {
@@ -268,7 +284,7 @@ pub(super) fn run_rank(
     if rank == 0 {
         observer.on_start(num_params);
     }
-    let mut opt = optim::build(cfg.optimizer, cfg.lr, cfg.betas);
+    let mut opt = build_optimizer(cfg, &mut engine)?;
     // Built before a resume loads the optimizer: its base lr is the run's --lr.
     let mut sched = optim::Scheduler::new(cfg.lr_scheduler(), opt.as_mut())?;
     let (first_step, run_id) = match &cfg.resume {

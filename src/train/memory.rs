@@ -12,7 +12,7 @@
 //! | other saved activations | `L b T 19 C + b T (3 V + 3 C)` floats | Linear inputs, q/k/v, LayerNorm `xhat`, GELU input; logits, their gradient and the loss's copy |
 //! | other transient activations | `b T 12 C` floats (`16 C` mixed) | gradients flowing back through a block, `qkv` before the split |
 //! | evaluation (no grad) | `b_e T (12 C + 2 V)` + `2 b_e H T^2` floats (3 mixed) | [`evaluate`](super::job) on `--global-batch / --world-size` rows: larger than a micro-batch under `--grad-accum` |
-//! | parameters, gradients, optimizer | `4 P / G` floats (`P` more with shard-grad-op) | shards of the flat parameters, `G` ranks per shard group (1 for no-shard) |
+//! | parameters, gradients, optimizer | `4 P / G` floats (`P` more with shard-grad-op); `P + 3 P / W` with `--zero-redundancy-optimizer` | shards of the flat parameters, `G` ranks per shard group (1 for no-shard); ZeRO-1's whole parameters and its gradient and optimizer chunks |
 //! | unsharded units | params + grads of the root and up to 3 blocks (the whole model unwrapped, or with no-shard); all gradients under `--no-sync`; +4 bytes per element mixed | FSDP's all-gather buffers |
 //! | allocator slack | without `--grad-accum`: half the activations above (attention included), at least the largest single buffer; with it: the activations of the larger phase, at least 3 x the largest buffer | freed f32 buffers go to the buffer pool (`tensor::pool`, up to 1 GiB per process) and are handed to the next tensor of the same length; the rest stay with mimalloc (v3) for its `purge_delay` (1 s), reused only for blocks of a similar size. When training and evaluation make buffers of the same sizes (no `--grad-accum`) they reuse each other's: measured up to 0.23 of the activations (a (T, T) buffer per rank at seq-len 11000); otherwise the train phase's buffers stay pooled while evaluation allocates its own: measured up to 0.87 |
 //! | fixed cost | [`thread_rank_bytes`] | threads, heaps, group state |
@@ -179,8 +179,13 @@ impl TrainConfig {
             }
             _ => w,
         } as f64;
-        // Parameter, gradient and two Adam (or one SGD) moment shards.
-        let mut state = 4.0 * params / group;
+        // Parameter, gradient and two Adam (or one SGD) moment shards; under ZeRO-1 the
+        // parameters are whole and the other three split over the world.
+        let mut state = if self.zero_redundancy_optimizer {
+            params + 3.0 * params / w as f64
+        } else {
+            4.0 * params / group
+        };
         let whole =
             self.strategy == ShardingStrategy::NoShard || self.wrap != WrapMode::Transformer;
         let units = if whole {

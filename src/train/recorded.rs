@@ -76,8 +76,14 @@ pub(super) fn check(dir: &Path, index: &Index, step: usize, cfg: &TrainConfig) -
         .get("strategy")
         .and_then(|s| serde_json::from_value::<ShardingStrategy>(s.clone()).ok());
     if let (StateDictType::Sharded, Some(s)) = (index.state_dict_type, strategy) {
-        // Every rank holding distinct shards writes one file.
+        // Every rank holding distinct shards writes one file: under ZeRO-1 every rank holds
+        // its chunk of the optimizer state.
+        let zero = extra
+            .pointer("/config/zero_redundancy_optimizer")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false);
         let writers = match s {
+            ShardingStrategy::NoShard if zero && index.optim.is_some() => world,
             ShardingStrategy::NoShard => 1,
             ShardingStrategy::HybridShard | ShardingStrategy::HybridShardZero2 => extra
                 .pointer("/config/ranks_per_node")

@@ -222,7 +222,7 @@ fn data_difference(extra: &serde_json::Value, cfg: &TrainConfig) -> Option<Strin
 
 /// The options that shape the model or the training trajectory on which `cfg` differs
 /// from the run recorded in a checkpoint (`old`, the saved `TrainConfig` as JSON), as
-/// `--flag new (checkpoint: old)`. World size, strategy, wrapping, prefetch, offload and
+/// `--flag new (checkpoint: old)`. World size, strategy (and ZeRO-1), wrapping, prefetch, offload and
 /// the step count may change (the step count only where the lr schedule does not depend
 /// on it).
 fn trajectory_differences(old: &serde_json::Value, cfg: &TrainConfig) -> Vec<String> {

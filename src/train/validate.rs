@@ -6,6 +6,7 @@ use super::config::TrainConfig;
 use super::data::TextDataset;
 use super::options::Precision;
 use crate::error::{Error, Result};
+use crate::fsdp::ShardingStrategy;
 
 impl TrainConfig {
     /// Checks every option before any thread starts.
@@ -84,6 +85,17 @@ impl TrainConfig {
         }
         if self.no_fsdp && self.world_size != 1 {
             return bad("--no-fsdp trains without sharding and needs --world-size 1".into());
+        }
+        if self.zero_redundancy_optimizer && self.no_fsdp {
+            return bad(
+                "--zero-redundancy-optimizer shards the optimizer state of an FSDP --strategy no-shard model; drop --no-fsdp".into(),
+            );
+        }
+        if self.zero_redundancy_optimizer && self.strategy != ShardingStrategy::NoShard {
+            return bad(format!(
+                "--zero-redundancy-optimizer needs --strategy no-shard (ZeRO-1: parameters whole on every rank, optimizer state sharded); --strategy {} shards the optimizer state already",
+                self.strategy.flag_name()
+            ));
         }
         let lp = matches!(self.mixed_precision, Precision::Bf16 | Precision::F16);
         if self.no_fsdp && (lp || self.cpu_offload) {

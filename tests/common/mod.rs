@@ -114,6 +114,22 @@ pub fn small_job(data: std::path::PathBuf, world_size: usize) -> fsdp::train::Tr
     }
 }
 
+/// [`small_job`] under `--strategy no-shard`, 10 steps of 12 rows (every world size 1 to 4
+/// divides them), with `--zero-redundancy-optimizer` when `zero`.
+pub fn no_shard_job(
+    data: &std::path::Path,
+    world_size: usize,
+    zero: bool,
+) -> fsdp::train::TrainConfig {
+    fsdp::train::TrainConfig {
+        steps: 10,
+        strategy: fsdp::fsdp::ShardingStrategy::NoShard,
+        zero_redundancy_optimizer: zero,
+        global_batch: 12,
+        ..small_job(data.to_path_buf(), world_size)
+    }
+}
+
 /// Ranks per node the hybrid-strategy tests use at a world size: 2 nodes when the world
 /// splits in two (4 = 2 x 2, 2 = 2 nodes x 1), else one rank per node.
 pub fn hybrid_ranks_per_node(world: usize) -> usize {
@@ -145,6 +161,20 @@ pub fn gpt_step(
     hi: usize,
 ) -> fsdp::Result<()> {
     use fsdp::nn::{loss, Context};
+    let (x, y) = gpt_batch(step, lo, hi)?;
+    let logits = m.forward(&x, &Context::train())?;
+    let (_, g) = loss::cross_entropy(&logits, &y)?;
+    m.backward(&g, &Context::train())?;
+    Ok(())
+}
+
+/// Rows `lo..hi` of step `step`'s 12-row batch for [`small_gpt`]: `(input, target)` token
+/// ids, `(hi - lo, 6)` i32 each (the target is the input shifted by one token).
+pub fn gpt_batch(
+    step: usize,
+    lo: usize,
+    hi: usize,
+) -> fsdp::Result<(fsdp::tensor::Tensor, fsdp::tensor::Tensor)> {
     use fsdp::tensor::Tensor;
     let t = 6;
     let toks: Vec<i32> = values(400 + step as u64, 12 * (t + 1))
@@ -156,10 +186,10 @@ pub fn gpt_step(
         x.extend_from_slice(&toks[r * (t + 1)..r * (t + 1) + t]);
         y.extend_from_slice(&toks[r * (t + 1) + 1..(r + 1) * (t + 1)]);
     }
-    let logits = m.forward(&Tensor::from_vec(x, &[hi - lo, t])?, &Context::train())?;
-    let (_, g) = loss::cross_entropy(&logits, &Tensor::from_vec(y, &[hi - lo, t])?)?;
-    m.backward(&g, &Context::train())?;
-    Ok(())
+    Ok((
+        Tensor::from_vec(x, &[hi - lo, t])?,
+        Tensor::from_vec(y, &[hi - lo, t])?,
+    ))
 }
 
 /// Plain SGD (no momentum) at `lr`.

@@ -1,8 +1,10 @@
 //! `fsdp bench`: plain training against FSDP at several world sizes, side by side.
 
-use crate::choice::choice;
+use crate::choice::{choice, help};
 use crate::{base_config, ModelArgs, D};
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::Args;
+use fsdp::choice::Choice;
 use fsdp::fsdp::{BackwardPrefetch, ShardingStrategy};
 use fsdp::train::{self, Precision, TrainConfig};
 use std::path::PathBuf;
@@ -30,14 +32,15 @@ pub(crate) struct BenchArgs {
     )]
     world_sizes: Vec<usize>,
     /// Strategies to run at each world size (hybrid ones as 2 nodes when the world size is
-    /// even, else one rank per node).
+    /// even, else one rank per node; `no-shard-zero1` is no-shard with
+    /// --zero-redundancy-optimizer).
     #[arg(
         long,
-        value_parser = choice::<ShardingStrategy>(),
+        value_parser = strategy_parser(),
         value_delimiter = ',',
         default_value = "full-shard"
     )]
-    strategies: Vec<ShardingStrategy>,
+    strategies: Vec<BenchStrategy>,
     /// Prefetch settings to run every FSDP configuration with: `on` (BackwardPre and
     /// forward prefetch), `off` (gather each unit on demand).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "on,off")]
@@ -47,6 +50,47 @@ pub(crate) struct BenchArgs {
     mixed_precision: Precision,
     #[command(flatten)]
     model: ModelArgs,
+}
+
+/// `fsdp bench --strategies` values: a sharding strategy, or no-shard with ZeRO-1.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum BenchStrategy {
+    /// FSDP with this strategy (`--strategy`).
+    Fsdp(ShardingStrategy),
+    /// `--strategy no-shard --zero-redundancy-optimizer`.
+    NoShardZero1,
+}
+
+/// The `--strategies` name of [`BenchStrategy::NoShardZero1`].
+const NO_SHARD_ZERO1: &str = "no-shard-zero1";
+
+impl BenchStrategy {
+    /// The name `--strategies` takes.
+    fn name(self) -> &'static str {
+        match self {
+            BenchStrategy::Fsdp(s) => s.flag_name(),
+            BenchStrategy::NoShardZero1 => NO_SHARD_ZERO1,
+        }
+    }
+}
+
+/// Parses `--strategies` values: every [`ShardingStrategy`] name (with its help line), and
+/// `no-shard-zero1`.
+fn strategy_parser() -> impl TypedValueParser<Value = BenchStrategy> {
+    let mut values: Vec<PossibleValue> = ShardingStrategy::ALL
+        .iter()
+        .map(|s| PossibleValue::new(s.name()).help(help(s.doc())))
+        .collect();
+    values.push(PossibleValue::new(NO_SHARD_ZERO1).help(
+        "no-shard with --zero-redundancy-optimizer (ZeRO-1): optimizer state sharded, parameters whole",
+    ));
+    PossibleValuesParser::new(values).try_map(|name: String| {
+        if name == NO_SHARD_ZERO1 {
+            Ok(BenchStrategy::NoShardZero1)
+        } else {
+            fsdp::choice::parse::<ShardingStrategy>(&name).map(BenchStrategy::Fsdp)
+        }
+    })
 }
 
 /// `fsdp bench --prefetch` values.
@@ -88,8 +132,12 @@ pub(crate) fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
             ..base.clone()
         },
     ));
-    for &strategy in &a.strategies {
-        let name = strategy.flag_name();
+    for &bench_strategy in &a.strategies {
+        let name = bench_strategy.name();
+        let (strategy, zero_redundancy_optimizer) = match bench_strategy {
+            BenchStrategy::Fsdp(s) => (s, false),
+            BenchStrategy::NoShardZero1 => (ShardingStrategy::NoShard, true),
+        };
         for &w in &a.world_sizes {
             let ranks_per_node = strategy
                 .is_hybrid()
@@ -101,6 +149,7 @@ pub(crate) fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
                     TrainConfig {
                         world_size: w,
                         strategy,
+                        zero_redundancy_optimizer,
                         ranks_per_node,
                         mixed_precision: a.mixed_precision,
                         backward_prefetch: on.then_some(BackwardPrefetch::BackwardPre),
@@ -132,12 +181,13 @@ pub(crate) fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
         })?;
     }
     out!(
-        "{:<36} {:>14} {:>10} {:>9} {:>20} {:>20} {:>6} {:>16} {:>13}",
+        "{:<36} {:>14} {:>10} {:>9} {:>20} {:>17} {:>20} {:>6} {:>16} {:>13}",
         "configuration",
         "median step ms",
         "tokens/s",
         "vs plain",
         "rank-0 p+g+opt bytes",
+        "rank-0 opt bytes",
         "peak unsharded bytes",
         "units",
         "activation bytes",
@@ -172,12 +222,13 @@ pub(crate) fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
                 .collect(),
         );
         out!(
-            "{:<36} {:>14.1} {:>10.0} {:>9.3} {:>20} {:>20} {:>6} {:>16} {:>13.1}",
+            "{:<36} {:>14.1} {:>10.0} {:>9.3} {:>20} {:>17} {:>20} {:>6} {:>16} {:>13.1}",
             name,
             ms,
             (cfg.global_batch * cfg.seq_len) as f64 / (ms / 1e3),
             ms / plain_ms,
             mem.sharded_total(),
+            mem.optim_state_bytes,
             mem.peak_unsharded_param_bytes,
             mem.peak_unsharded_units,
             mem.activation_bytes,

@@ -19,7 +19,7 @@ pub(crate) struct ChoiceParser<T>(PhantomData<T>);
 
 /// The help line of a value: its doc comment without the final period (as clap's derive
 /// writes a one-paragraph doc comment).
-fn help(doc: &'static str) -> &'static str {
+pub(crate) fn help(doc: &'static str) -> &'static str {
     doc.strip_suffix('.').unwrap_or(doc)
 }
 

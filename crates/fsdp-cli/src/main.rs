@@ -153,6 +153,12 @@ struct FsdpArgs {
     /// (CpuOffload(offload_params=True)).
     #[arg(long)]
     cpu_offload: bool,
+    /// ZeRO-1 with --strategy no-shard: each rank keeps and steps the optimizer state of
+    /// its 1/W of the parameters, gradients are reduce-scattered into that chunk and the
+    /// parameters all-gathered after each step (ZeroRedundancyOptimizer). Same numbers as
+    /// no-shard.
+    #[arg(long)]
+    zero_redundancy_optimizer: bool,
     /// Checkpoint every transformer Block: keep only its input through the forward and
     /// recompute its forward in backward (apply_activation_checkpointing with
     /// checkpoint_wrapper). Same numbers, fewer saved activations, one more forward.
@@ -356,6 +362,7 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         forward_prefetch: a.fsdp.forward_prefetch,
         limit_all_gathers: a.fsdp.limit_all_gathers,
         cpu_offload: a.fsdp.cpu_offload,
+        zero_redundancy_optimizer: a.fsdp.zero_redundancy_optimizer,
         activation_checkpointing: a.fsdp.activation_checkpointing,
         device: a.device,
         save_dir: a.save_dir.clone(),
@@ -395,6 +402,8 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         if cfg.strategy.is_hybrid() {
             let n = cfg.ranks_per_node.unwrap_or(cfg.world_size);
             format!(" ({n} rank{} per node)", if n == 1 { "" } else { "s" })
+        } else if cfg.zero_redundancy_optimizer {
+            " + ZeroRedundancyOptimizer (ZeRO-1)".to_string()
         } else {
             String::new()
         },

@@ -348,6 +348,68 @@ fn fsdp_options_run_from_the_command_line_and_bad_values_are_named() {
     assert_eq!(bf16.len(), 3);
 }
 
+/// `--strategy no-shard --zero-redundancy-optimizer` (ZeRO-1): no-shard's losses within
+/// 1e-6 at world sizes 1 to 4, rank 0's `optim_state_bytes` 1/W of no-shard's (the
+/// `--metrics` records), and the flag with a sharded strategy refused naming both.
+#[test]
+fn zero_redundancy_optimizer_runs_from_the_command_line() {
+    let text = tmp("zero1.txt", common::corpus(20_000).as_bytes());
+    let t = text.to_str().unwrap();
+    fails_with(
+        &[
+            "--data",
+            t,
+            "--strategy",
+            "full-shard",
+            "--zero-redundancy-optimizer",
+        ],
+        "--zero-redundancy-optimizer needs --strategy no-shard",
+    );
+    // (loss, rank 0's optim_state_bytes) of each step.
+    let run = |world: usize, zero: bool| -> Vec<(f64, u64)> {
+        let metrics = text.with_file_name(format!("zero1-{world}-{zero}.jsonl"));
+        let w = world.to_string();
+        let mut cmd = fsdp();
+        cmd.args(["train", "--data", t, "--world-size", &w, "--steps", "3"])
+            .args(["--strategy", "no-shard", "--global-batch", "12"])
+            .args(["--sample-len", "0", "--metrics", metrics.to_str().unwrap()])
+            .args(TINY_MODEL);
+        if zero {
+            cmd.arg("--zero-redundancy-optimizer");
+        }
+        let out = cmd.output().unwrap();
+        assert!(
+            out.status.success(),
+            "world {world} zero {zero}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::fs::read_to_string(&metrics)
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                let bytes = v["ranks"][0]["optim_state_bytes"].as_u64().unwrap();
+                (v["loss"].as_f64().unwrap(), bytes)
+            })
+            .collect()
+    };
+    for world in 1..=4 {
+        let (plain, zero) = (run(world, false), run(world, true));
+        assert_eq!((plain.len(), zero.len()), (3, 3));
+        for ((pl, pb), (zl, zb)) in plain.iter().zip(&zero) {
+            assert!(
+                (zl - pl).abs() <= 1e-6 * pl.abs(),
+                "world {world}: {zl} vs {pl}"
+            );
+            let ratio = *zb as f64 / *pb as f64;
+            assert!(
+                (ratio - 1.0 / world as f64).abs() < 0.01,
+                "world {world}: {ratio}"
+            );
+        }
+    }
+}
+
 /// `--device cuda` without a usable GPU: one line saying why, non-zero exit, before any
 /// work. Which line depends on the build and machine: no `cuda` feature, no driver
 /// (`libcuda.so`), no device. On a machine with a GPU there is nothing to check here

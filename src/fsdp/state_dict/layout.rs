@@ -25,7 +25,8 @@ pub(super) struct UnitMeta {
     pub numel: usize,
     /// Chunk size `c`.
     pub shard_numel: usize,
-    /// Trainable runs `(start, len)` of the chunk (what the optimizer steps on).
+    /// Trainable runs `(start, len)` of the optimizer's chunk (what the optimizer steps
+    /// on; the chunk of [`optim_unit_metas`], which is this one but under ZeRO-1).
     pub runs: Vec<(usize, usize)>,
     /// The FlatParameter's dtype (f32, or f64 for a float64 model, whose optimizer state
     /// is f64 too).
@@ -44,12 +45,26 @@ impl UnitMeta {
 }
 
 /// The layout of every unit of the root, in [`FullyShardedDataParallel::for_each_unit`]
-/// order (the order `optimizer_params` lists their runs in).
+/// order (the order `optimizer_params` lists their runs in): each unit's parameter chunk.
 pub(super) fn unit_metas(root: &mut FullyShardedDataParallel) -> Vec<UnitMeta> {
+    metas(root, false)
+}
+
+/// [`unit_metas`] with each unit's optimizer chunk instead (the layout of its optimizer
+/// state): the parameter chunk, or under ZeRO-1 the chunk of the optimizer partition.
+pub(super) fn optim_unit_metas(root: &mut FullyShardedDataParallel) -> Vec<UnitMeta> {
+    metas(root, true)
+}
+
+fn metas(root: &mut FullyShardedDataParallel, optim: bool) -> Vec<UnitMeta> {
     let mut out = Vec::new();
     root.each_unit(|u| {
         let f = u.flat_param();
-        let (lo, hi) = f.shard_range();
+        let ((lo, hi), shard_numel) = if optim {
+            (f.optim_range(), f.optim_shard_numel())
+        } else {
+            (f.shard_range(), f.shard_numel())
+        };
         out.push(UnitMeta {
             local_key: crate::nn::join_name(u.module_name(), "flat_param"),
             slots: u.slots().to_vec(),
@@ -57,7 +72,7 @@ pub(super) fn unit_metas(root: &mut FullyShardedDataParallel) -> Vec<UnitMeta> {
             lo,
             hi,
             numel: f.numel(),
-            shard_numel: f.shard_numel(),
+            shard_numel,
             runs: f.trainable_runs.clone(),
             dtype: f.dtype(),
         });
@@ -103,18 +118,25 @@ pub(super) fn write_values(t: &Tensor, start: usize, values: &[f64]) -> Result<(
 /// device: all-gathered over the unit's shard group (every rank of it must call this), or
 /// a copy under NoShard.
 pub(super) fn gather_chunk(u: &FullyShardedDataParallel, chunk: &Tensor) -> Result<Tensor> {
-    if u.sharding_strategy().is_sharded() {
-        let full = Tensor::zeros_on(
-            &[u.flat_param().padded_numel()],
-            chunk.dtype(),
-            chunk.device(),
-        )?;
-        let _tag = u.fingerprint(Phase::StateDict);
-        staged::all_gather_into_tensor(u.shard_group().as_ref(), &full, chunk)?;
-        Ok(full)
-    } else {
-        chunk.deep_clone()
+    gather(u, chunk, u.sharding_strategy().is_sharded())
+}
+
+/// [`gather_chunk`] for a chunk in the optimizer's layout ([`optim_unit_metas`]): under
+/// ZeRO-1 the whole flat parameter's optimizer chunks, all-gathered over the world into
+/// `(c_o W)` elements.
+pub(super) fn gather_optim_chunk(u: &FullyShardedDataParallel, chunk: &Tensor) -> Result<Tensor> {
+    gather(u, chunk, u.grads_scattered())
+}
+
+fn gather(u: &FullyShardedDataParallel, chunk: &Tensor, split: bool) -> Result<Tensor> {
+    if !split {
+        return chunk.deep_clone();
     }
+    let g = u.shard_group();
+    let full = Tensor::zeros_on(&[chunk.numel() * g.size()], chunk.dtype(), chunk.device())?;
+    let _tag = u.fingerprint(Phase::StateDict);
+    staged::all_gather_into_tensor(g.as_ref(), &full, chunk)?;
+    Ok(full)
 }
 
 /// The entry called `name` of a full or sharded state dict (`None` for a local one).

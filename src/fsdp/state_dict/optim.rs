@@ -7,7 +7,7 @@
 //! at parameter boundaries and named like the parameters, full or sharded exactly as the
 //! model's state dict, so it can be reloaded at another world size or strategy.
 
-use super::layout::{gather_chunk, ignored_params, lookup, unit_metas, UnitMeta};
+use super::layout::{gather_optim_chunk, ignored_params, lookup, optim_unit_metas, UnitMeta};
 use super::optim_groups::{to_named, to_positions, NamedParamGroup};
 use super::{
     FullStateDict, ShardPiece, ShardedStateDict, ShardedTensor, StateDict, StateDictConfig,
@@ -216,7 +216,7 @@ impl FullyShardedDataParallel {
     ) -> Result<OptimStateDict> {
         self.check_root("optim_state_dict")?;
         let st = optim.state_dict()?;
-        let metas = unit_metas(self);
+        let metas = optim_unit_metas(self);
         let ignored = ignored_params(self);
         let pos = positions(&metas, &ignored);
         if !st.tensors.is_empty() && st.tensors.len() != pos.len() {
@@ -267,7 +267,7 @@ impl FullyShardedDataParallel {
                     }
                 }
             }
-            let step_of = if full.is_some() && u.sharding_strategy().is_sharded() {
+            let step_of = if full.is_some() && u.grads_scattered() {
                 let t = Tensor::from_vec(local, &[m.infos.len()])?;
                 let _tag = u.fingerprint(Phase::StateDict);
                 staged::all_reduce(u.shard_group().as_ref(), &t, ReduceOp::Max)?;
@@ -301,7 +301,7 @@ impl FullyShardedDataParallel {
                     )?,
                 };
                 if full.is_some() {
-                    let whole = gather_chunk(u, &chunk)?;
+                    let whole = gather_optim_chunk(u, &chunk)?;
                     for (name, idx) in m.slots.iter().filter(|(_, i)| step_of[*i] >= 0) {
                         let i = &m.infos[*idx];
                         if keep {
@@ -414,7 +414,7 @@ impl FullyShardedDataParallel {
     /// not covered, each key the model does not have, and a missing step or buffer.
     pub fn optim_state_dict_to_load(&mut self, osd: &OptimStateDict) -> Result<OptimizerState> {
         self.check_root("optim_state_dict_to_load")?;
-        let metas = unit_metas(self);
+        let metas = optim_unit_metas(self);
         let ignored = ignored_params(self);
         let pos = positions(&metas, &ignored);
         let names = buffer_names(&osd.kind);
