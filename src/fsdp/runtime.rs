@@ -286,28 +286,6 @@ impl FullyShardedDataParallel {
         Ok(())
     }
 
-    /// The root's forward failed, so no backward follows: every nested unit's forward ends
-    /// (one the failure cut short between its hooks included) and the units that keep
-    /// their parameters gathered for the backward (ShardGradOp) free them. Otherwise an
-    /// optimizer step or a state-dict load before the next forward would leave them
-    /// stale, and the next forward would compute with the old values.
-    fn end_failed_forward(&mut self) -> Result<()> {
-        let mut first = Ok(());
-        self.each_unit(|u| {
-            if u.is_root {
-                return;
-            }
-            if u.forward_grad.take().is_some() {
-                u.rs.sched.lock().on_post_forward(u.id);
-            }
-            let r = u.reshard();
-            if first.is_ok() {
-                first = r;
-            }
-        });
-        first
-    }
-
     /// Before this unit's backward: gathers its parameters again if the forward freed them
     /// (prefetching the next unit under `BackwardPre`) and points every parameter's grad
     /// at its view of a zeroed flat gradient buffer (under `no_sync`, at the gradient
