@@ -48,7 +48,7 @@ if [ "$what" != curves ]; then
   # test-hooks: offload_pinned's hook that skips the end of backward's synchronization.
   # The library's tests and the C ABI crate's (capi_cuda); every cargo call here selects the
   # workspace as the test command does, so the library builds once with these features.
-  tests="kernels kernels_nn ops_device nn_device zero_size fsdp_zero_size fsdp_cuda offload_pinned mixed_precision_torch distributed capi_cuda f64_device batchnorm_device attention_sdpa_torch zero_redundancy"
+  tests="kernels kernels_nn ops_device nn_device zero_size fsdp_zero_size fsdp_cuda offload_pinned mixed_precision_torch grad_scaler distributed capi_cuda f64_device batchnorm_device attention_sdpa_torch zero_redundancy"
   args=""; for t in $tests; do args="$args --test $t"; done
   # Two emulated GPUs (ranks spread over devices: peer copies) and one (every rank on
   # cuda:0, as on a lent H200), unless CUDA_EMU_DEVICES names one count. The one-GPU pass
@@ -126,6 +126,10 @@ if [ "$what" != tests ]; then
   run cpu-ws2-bf16 "$fsdp" train --device cpu --world-size 2 --mixed-precision bf16
   run cuda-ws2-bf16 "$fsdp" train --device cuda --world-size 2 --mixed-precision bf16
   run cuda-ws1-bf16 "$fsdp" train --device cuda --world-size 1 --mixed-precision bf16
+  # f16 under its grad scaler (the default): the first step overflows (2^16 is beyond f16)
+  # and is skipped on both; the unscale and inf check run on the device.
+  run cpu-ws2-f16 "$fsdp" train --device cpu --world-size 2 --mixed-precision f16
+  run cuda-ws2-f16 "$fsdp" train --device cuda --world-size 2 --mixed-precision f16
   run cuda-ws1-offload "$fsdp" train --device cuda --world-size 1 --cpu-offload
   run cuda-ws1-bf16-offload "$fsdp" train --device cuda --world-size 1 --mixed-precision bf16 --cpu-offload
   run cuda-ws2-offload "$fsdp" train --device cuda --world-size 2 --cpu-offload
@@ -143,6 +147,7 @@ if [ "$what" != tests ]; then
   check "cuda vs cpu, 2 ranks on $CUDA_EMU_DEVICES device(s) (f32)" cuda-ws2 cpu-ws2
   check "cuda vs cpu, 2 ranks, shard-grad-op" cuda-ws2-zero2 cpu-ws2-zero2
   check "cuda vs cpu, 2 ranks, bf16 mixed precision" cuda-ws2-bf16 cpu-ws2-bf16 1e-2
+  check "cuda vs cpu, 2 ranks, f16 with the grad scaler" cuda-ws2-f16 cpu-ws2-f16 1e-2
   # f64 losses reach the metrics rounded to f32: equal to its rounding.
   check "cuda vs cpu, 2 ranks, f64" cuda-ws2-f64 cpu-ws2-f64 1e-6
   # CPU offload (shards in pinned host memory, the optimizer on the host): bit for bit the

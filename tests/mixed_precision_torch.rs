@@ -13,24 +13,21 @@
 //! skipped without a GPU or cuda-emu) against the same references and bounds.
 
 mod common;
+#[path = "common/mp_mlp.rs"]
+mod mp_mlp;
 
 use fsdp::backend::Device;
 use fsdp::distributed::{launch, LaunchOptions};
 use fsdp::fsdp::{
     module_wrap_policy, FsdpConfig, FullyShardedDataParallel, MixedPrecision, ShardingStrategy,
 };
-use fsdp::nn::{
-    loss, visit_parameters, Context, InitKey, LayerNorm, Linear, Module, ReLU, Sequential, GELU,
-};
-use fsdp::optim::{Adam, AdamConfig, Optimizer, SgdConfig, SGD};
+use fsdp::nn::{loss, Context, Module};
+use mp_mlp::{batch, init_params, model, optimizer, IN, OUT, ROWS};
+
 use fsdp::tensor::{DType, Tensor};
 use safetensors::SafeTensors;
 use std::collections::HashMap;
 
-const ROWS: usize = 12;
-const IN: usize = 8;
-const HID: usize = 16;
-const OUT: usize = 4;
 const STEPS: usize = 4;
 
 const STRATEGIES: [(ShardingStrategy, &str); 5] = [
@@ -87,76 +84,6 @@ impl Refs {
     }
 }
 
-// ------------------------------------------------------------------ model and data
-
-/// `offset + scale * sin(a i + b j + k)` in f64, rounded to f32 (rows of `cols`; `cols` 0
-/// for a vector).
-fn closed(n: usize, cols: usize, a: f64, b: f64, k: f64, scale: f64, offset: f64) -> Vec<f32> {
-    let mut v = Vec::new();
-    for i in 0..n {
-        for j in 0..cols.max(1) {
-            v.push((offset + scale * (a * i as f64 + b * j as f64 + k).sin()) as f32);
-        }
-    }
-    v
-}
-
-/// The closed-form parameters of `make_mixed_precision_refs.py::init_params`, by name.
-fn init_params() -> Vec<(&'static str, Vec<f32>)> {
-    vec![
-        ("0.weight", closed(HID, IN, 0.37, 0.11, 1.0, 0.4, 0.0)),
-        ("0.bias", closed(HID, 0, 0.5, 0.0, 0.3, 0.1, 0.0)),
-        ("2.weight", closed(HID, 0, 1.0, 0.0, 0.0, 0.1, 1.0)),
-        ("2.bias", closed(HID, 0, 1.0, 0.0, 0.5, 0.05, 0.0)),
-        ("3.weight", closed(HID, HID, 0.29, 0.13, 2.0, 0.3, 0.0)),
-        ("3.bias", closed(HID, 0, 0.7, 0.0, 0.1, 0.1, 0.0)),
-        ("5.weight", closed(OUT, HID, 0.23, 0.17, 3.0, 0.3, 0.0)),
-        ("5.bias", closed(OUT, 0, 0.9, 0.0, 0.2, 0.1, 0.0)),
-    ]
-}
-
-/// Linear(8, 16) -> GELU -> LayerNorm(16) -> Linear(16, 16) -> ReLU -> Linear(16, 4).
-fn model() -> Box<dyn Module> {
-    let k = InitKey::new(0);
-    let mut m = Sequential::new(vec![
-        Box::new(Linear::new(IN, HID, true, &k).unwrap()),
-        Box::new(GELU::new()),
-        Box::new(LayerNorm::new(HID).unwrap()),
-        Box::new(Linear::new(HID, HID, true, &k).unwrap()),
-        Box::new(ReLU::new()),
-        Box::new(Linear::new(HID, OUT, true, &k).unwrap()),
-    ]);
-    let init = init_params();
-    let mut seen = 0;
-    visit_parameters(&mut m, "", false, &mut |n, p| {
-        let (_, v) = init.iter().find(|(name, _)| *name == n).unwrap();
-        p.data()?.f32_mut()?.copy_from_slice(v);
-        seen += 1;
-        Ok(())
-    })
-    .unwrap();
-    assert_eq!(seen, init.len());
-    Box::new(m)
-}
-
-/// Step `s`'s global batch: x [12, 8] and target [12, 4].
-fn batch(s: usize) -> (Vec<f32>, Vec<f32>) {
-    let s = s as f64;
-    let mut x = Vec::new();
-    for n in 0..ROWS {
-        for j in 0..IN {
-            x.push((0.37 * n as f64 + 0.11 * j as f64 + 1.3 * s).sin() as f32);
-        }
-    }
-    let mut t = Vec::new();
-    for n in 0..ROWS {
-        for k in 0..OUT {
-            t.push((0.5 * (0.2 * n as f64 + 0.3 * k as f64 + s).cos()) as f32);
-        }
-    }
-    (x, t)
-}
-
 // ------------------------------------------------------------------ runs
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -188,21 +115,6 @@ impl Prec {
             buffer_dtype: Some(d),
             ..MixedPrecision::default()
         })
-    }
-}
-
-fn optimizer(name: &str) -> Box<dyn Optimizer> {
-    match name {
-        "sgd" => Box::new(SGD::new(SgdConfig {
-            lr: 0.1,
-            momentum: 0.9,
-            ..Default::default()
-        })),
-        "adam" => Box::new(Adam::new(AdamConfig {
-            lr: 0.01,
-            ..AdamConfig::adam()
-        })),
-        _ => unreachable!(),
     }
 }
 
@@ -269,12 +181,7 @@ fn lp_ulp(v: f32, prec: Prec) -> f32 {
         Prec::F16 => (10, -14),
         Prec::F32 => (23, -126),
     };
-    let e = if v == 0.0 {
-        min_exp
-    } else {
-        (v.abs().log2().floor() as i32).max(min_exp)
-    };
-    2f32.powi(e - mant)
+    mp_mlp::ulp(v, mant, min_exp)
 }
 
 /// Deviations of one case from PyTorch over every rank. `p_ulps` and `l_ulps` are in

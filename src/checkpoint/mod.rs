@@ -24,7 +24,7 @@
 //! | `files` | `[{name, bytes, checksum}]`; `checksum` of the whole file, CRC-32 as 8 hex digits in version 3 |
 //! | `model` | parameter name -> `{shape, pieces: [{file, key, offset, numel, rank}]}` (a zero-size parameter has its shape and no pieces) |
 //! | `optim` | `{kind, hyperparams, steps, buffers: buffer -> parameter -> entry}`, or `null` |
-//! | `extra` | the caller's JSON value, one for the whole checkpoint ([`save_checkpoint`]'s `extra`; `fsdp train` keeps its step, seed and config there) |
+//! | `extra` | the caller's JSON value, one for the whole checkpoint ([`save_checkpoint`]'s `extra`; `fsdp train` keeps its step, seed and config there, and its grad scaler's state under `extra.grad_scaler`: [`insert_grad_scaler_state`], [`CheckpointInfo::grad_scaler_state`]) |
 //! | `rank_extra` | version 2 on, when a save had per-rank state: `world_size` JSON values, rank `r`'s at position `r` ([`save_checkpoint_with_rank_extra`]: a data-loader position, an RNG state) |
 //!
 //! Per-rank state (`torch.distributed.checkpoint`'s per-rank stateful objects): every rank
@@ -64,6 +64,7 @@
 //! | `atomic.rs` | [`write_atomic`], the hidden `FSDP_CKPT_STALL` test hook (feature `test-hooks`) |
 //! | `commit.rs` | the commit of a save: manifests to rank 0, the index built and written |
 //! | `file.rs` | one safetensors file with a CRC-32: [`write_tensors`], [`read_tensors`], [`checksum`] |
+//! | `grad_scaler.rs` | a [`ShardedGradScaler`](crate::fsdp::ShardedGradScaler)'s state in `extra`: [`insert_grad_scaler_state`], [`CheckpointInfo::grad_scaler_state`] |
 //! | `index.rs` | [`Index`] and its parts |
 //! | `save.rs` | [`save_checkpoint`], [`save_checkpoint_with_rank_extra`] |
 //! | `load.rs` | [`load_checkpoint`], [`load_checkpoint_with`], [`RankExtra`], [`read_rank_extra`], [`resolve_checkpoint`] |
@@ -73,6 +74,7 @@ mod async_save;
 mod atomic;
 mod commit;
 mod file;
+mod grad_scaler;
 mod index;
 mod load;
 mod save;
@@ -83,6 +85,7 @@ pub use atomic::{sync_dir, write_atomic};
 pub use file::{
     checksum, parse_tensors, read_tensors, serialize, write_tensors, TensorFile, CHECKSUM_ALGORITHM,
 };
+pub use grad_scaler::{insert_grad_scaler_state, GRAD_SCALER_KEY};
 pub use index::{
     read_index, Entry, FileEntry, Index, OptimIndex, PieceRef, FORMAT, INDEX_FILE, VERSION,
 };

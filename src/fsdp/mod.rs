@@ -17,6 +17,7 @@
 //! | [`ShardingStrategy`], [`FsdpConfig`], [`CpuOffload`] | `config.rs` | `api.py` |
 //! | [`AutoWrapPolicy`] | `wrap.rs` | `wrap.py` |
 //! | `no_sync`, `clip_grad_norm_` | `grad.rs` | `fully_sharded_data_parallel.py` |
+//! | [`ShardedGradScaler`]: dynamic loss scaling for f16, the inf/NaN check all-reduced over the ranks | `grad_scaler.rs` | `sharded_grad_scaler.py`, `torch/amp/grad_scaler.py` |
 //! | [`MemoryStats`] | `memory.rs` | `torch.cuda.memory_stats` (FSDP's share) |
 //! | [`StateDict`], [`OptimStateDict`], `summon_full_params` | `state_dict/` | `state_dict_type`, `optim_state_dict`, `summon_full_params` |
 //! | [`ZeroRedundancyOptimizer`]: ZeRO-1 over NoShard (optimizer state and reduced gradient in per-rank chunks, parameters whole) | `zero_redundancy.rs` | `torch.distributed.optim.ZeroRedundancyOptimizer`, DeepSpeed ZeRO stage 1 |
@@ -43,6 +44,7 @@ mod collectives;
 mod config;
 mod flat_param;
 mod grad;
+mod grad_scaler;
 mod materialize;
 mod memory;
 mod mixed_precision;
@@ -60,6 +62,7 @@ mod zero_redundancy;
 pub use buffers::BufferPool;
 pub use config::{CpuOffload, FsdpConfig, ParamInitFn, ShardingStrategy};
 pub use flat_param::{FlatParameter, ParamInfo};
+pub use grad_scaler::{GradScalerConfig, GradScalerState, ShardedGradScaler};
 pub use memory::MemoryStats;
 pub use mixed_precision::MixedPrecision;
 pub use scheduler::{BackwardPrefetch, RuntimeStats};

@@ -28,6 +28,21 @@ pub fn cross_entropy_tensor(logits: &Tensor, targets: &Tensor) -> Result<(Tensor
     crate::ops::cross_entropy_tensor(logits, targets)
 }
 
+/// [`cross_entropy_tensor`] whose gradient is that of `grad_output * loss`: how a loss
+/// scale ([`ShardedGradScaler`](crate::fsdp::ShardedGradScaler)) enters backward, before
+/// a low-precision gradient is rounded ([`crate::ops::cross_entropy_tensor_scaled`] says
+/// exactly where). `grad_output = 1` is [`cross_entropy_tensor`].
+///
+/// # Errors
+/// As [`cross_entropy`].
+pub fn cross_entropy_tensor_scaled(
+    logits: &Tensor,
+    targets: &Tensor,
+    grad_output: f32,
+) -> Result<(Tensor, Tensor)> {
+    crate::ops::cross_entropy_tensor_scaled(logits, targets, grad_output)
+}
+
 /// Mean squared error `mean((pred - target)^2)` (`F.mse_loss`), and its gradient
 /// `2 (pred - target) / N`.
 ///
@@ -35,6 +50,16 @@ pub fn cross_entropy_tensor(logits: &Tensor, targets: &Tensor) -> Result<(Tensor
 /// `ShapeMismatch` when the element counts differ; `DeviceMismatch`; `DTypeMismatch`.
 pub fn mse_loss(pred: &Tensor, target: &Tensor) -> Result<(f32, Tensor)> {
     crate::ops::mse_loss(pred, target)
+}
+
+/// [`mse_loss`] whose gradient is that of `grad_output * loss`, multiplied before a
+/// low-precision gradient is rounded ([`crate::ops::mse_loss_scaled`]): a loss scale
+/// enters backward here. `grad_output = 1` is [`mse_loss`].
+///
+/// # Errors
+/// As [`mse_loss`].
+pub fn mse_loss_scaled(pred: &Tensor, target: &Tensor, grad_output: f32) -> Result<(f32, Tensor)> {
+    crate::ops::mse_loss_scaled(pred, target, grad_output)
 }
 
 /// `sum(x)` (the loss of the FSDP docs' `model(input).sum()` example) and its gradient, ones.

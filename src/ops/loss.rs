@@ -26,7 +26,7 @@ use crate::tensor::{DType, Tensor};
 /// `InvalidArgument` for a target outside `0..V`; `DeviceMismatch` when the two are on
 /// different devices.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<(f32, Tensor)> {
-    match cross_entropy_any(logits, targets)? {
+    match cross_entropy_any(logits, targets, 1.0)? {
         (Loss::Host(l), grad) => Ok((l, grad)),
         (Loss::Device(t, _), grad) => Ok((t.to_vec_f32()?[0], grad)),
     }
@@ -41,14 +41,14 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<(f32, Tensor)>
 pub fn cross_entropy_f64(logits: &Tensor, targets: &Tensor) -> Result<(f64, Tensor)> {
     if logits.device().is_cuda() {
         super::compute_dtype("cross_entropy_f64", &[logits], logits.device())?;
-        return match cross_entropy_any(logits, targets)? {
+        return match cross_entropy_any(logits, targets, 1.0)? {
             (Loss::Device(_, Some(mean)), grad) => Ok((mean.to_vec_f64()?[0], grad)),
             // An empty batch (NaN) or no classes (an error before this).
             (_, grad) => Ok((f64::NAN, grad)),
         };
     }
     super::double::check("cross_entropy_f64", &[logits])?;
-    let (_, grad) = cross_entropy_any(logits, targets)?;
+    let (_, grad) = cross_entropy_any(logits, targets, 1.0)?;
     if targets.numel() == 0 {
         return Ok((f64::NAN, grad));
     }
@@ -74,7 +74,30 @@ enum Loss {
 /// # Errors
 /// As [`cross_entropy`].
 pub fn cross_entropy_tensor(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
-    match cross_entropy_any(logits, targets)? {
+    cross_entropy_tensor_scaled(logits, targets, 1.0)
+}
+
+/// [`cross_entropy_tensor`] whose gradient is that of `grad_output * loss`: the loss is
+/// the same, the gradient `grad_output (softmax - onehot) / N`, with `grad_output` entering
+/// where PyTorch's backward takes it (`nll_loss_backward`'s `grad_output`), before the
+/// gradient is rounded: f32 logits `grad_output / N` in f32; bf16/f16 logits
+/// `round(round(grad_output) / round(N))` in the logits' dtype (the loss is a tensor of that
+/// dtype in PyTorch, and so is its gradient: a `grad_output` beyond the dtype's range, 2^16
+/// in f16, is infinite there); f64 logits the f64 gradient times `grad_output`. This is how
+/// a [loss scale](crate::fsdp::ShardedGradScaler) reaches backward here: `scaler.scale(loss)
+/// .backward()` in PyTorch is this gradient with `grad_output` the scale (exact for the
+/// power-of-two scales a grad scaler uses, where multiplying the rounded gradient afterwards
+/// would lose what `1 / N` rounded away in f16). `grad_output = 1` is
+/// [`cross_entropy_tensor`], bit for bit.
+///
+/// # Errors
+/// As [`cross_entropy`].
+pub fn cross_entropy_tensor_scaled(
+    logits: &Tensor,
+    targets: &Tensor,
+    grad_output: f32,
+) -> Result<(Tensor, Tensor)> {
+    match cross_entropy_any(logits, targets, grad_output)? {
         (Loss::Host(l), grad) => {
             let device = grad.device();
             Ok((Tensor::from_vec(vec![l], &[1])?.to_device(device)?, grad))
@@ -83,7 +106,8 @@ pub fn cross_entropy_tensor(logits: &Tensor, targets: &Tensor) -> Result<(Tensor
     }
 }
 
-fn cross_entropy_any(logits: &Tensor, targets: &Tensor) -> Result<(Loss, Tensor)> {
+/// The cross-entropy of every public variant; the gradient is that of `g * loss`.
+fn cross_entropy_any(logits: &Tensor, targets: &Tensor, g: f32) -> Result<(Loss, Tensor)> {
     let (v, lead) = match logits.shape().split_last() {
         Some((&v, lead)) => (v, lead),
         None => (0, &[][..]),
@@ -107,7 +131,7 @@ fn cross_entropy_any(logits: &Tensor, targets: &Tensor) -> Result<(Loss, Tensor)
     }
     #[cfg(feature = "cuda")]
     if let (crate::backend::Device::Cuda(i), true, false) = (device, f64_path, n == 0 || v == 0) {
-        let (loss, grad, mean) = cross_entropy_cuda(i, logits, targets)?;
+        let (loss, grad, mean) = cross_entropy_cuda(i, logits, targets, g)?;
         return Ok((Loss::Device(loss, Some(mean)), grad));
     }
     if n == 0 {
@@ -131,22 +155,26 @@ fn cross_entropy_any(logits: &Tensor, targets: &Tensor) -> Result<(Loss, Tensor)
             let y = tv[i];
             crate::error::bail_arg!("cross_entropy: target {y} at position {i} is outside 0..{v}");
         }
-        let (l, g) = super::double::cross_entropy(logits, &tv, v)?;
-        return Ok((Loss::Host(l as f32), g));
+        let (l, grad) = super::double::cross_entropy(logits, &tv, v)?;
+        if g != 1.0 {
+            super::scale_(&grad, g)?;
+        }
+        return Ok((Loss::Host(l as f32), grad));
     }
     if let Some(lp) = lp {
         #[cfg(feature = "cuda")]
         if let crate::backend::Device::Cuda(i) = device {
-            let (loss, grad) = super::lowp::loss::cross_entropy_cuda(i, logits, targets, lp)?;
+            let (loss, grad) = super::lowp::loss::cross_entropy_cuda(i, logits, targets, lp, g)?;
             return Ok((Loss::Device(loss, None), grad));
         }
-        let (l, g) = super::lowp::loss::cross_entropy(logits, targets, v, lp)?;
-        return Ok((Loss::Host(l), g));
+        let (l, grad) = super::lowp::loss::cross_entropy(logits, targets, v, lp, g)?;
+        return Ok((Loss::Host(l), grad));
     }
-    let inv_n = 1.0 / n as f32;
+    // g / N as PyTorch's nll_loss_backward divides (1 / N when g = 1).
+    let inv_n = g / n as f32;
     #[cfg(feature = "cuda")]
     if let crate::backend::Device::Cuda(i) = device {
-        let (loss, grad, _) = cross_entropy_cuda(i, logits, targets)?;
+        let (loss, grad, _) = cross_entropy_cuda(i, logits, targets, g)?;
         return Ok((Loss::Device(loss, None), grad));
     }
     let lv = logits.f32()?;
@@ -176,12 +204,14 @@ fn cross_entropy_any(logits: &Tensor, targets: &Tensor) -> Result<(Loss, Tensor)
 /// Cross-entropy of f32 or f64 `logits (N, V)` (`N, V > 0`) on `cuda:ordinal`, nothing
 /// read back: `cross_entropy_{f32,f64}` (row losses and the gradient, in the logits'
 /// dtype), then `mean_rows_{f32,f64}`. Returns the loss as one f32 (f64 logits: the f64
-/// mean rounded, as the host path's), the gradient, and the mean in the logits' dtype.
+/// mean rounded, as the host path's), the gradient (of `g * loss`), and the mean in the
+/// logits' dtype.
 #[cfg(feature = "cuda")]
 fn cross_entropy_cuda(
     ordinal: usize,
     logits: &Tensor,
     targets: &Tensor,
+    g: f32,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     use crate::backend::cuda;
     let device = crate::backend::Device::Cuda(ordinal);
@@ -190,10 +220,10 @@ fn cross_entropy_cuda(
     let s = super::stream(ordinal)?;
     let losses = super::output_as(&[n], device, dt)?;
     let grad = super::output_as(logits.shape(), device, dt)?;
-    // inv_n as the f32 path rounds it, or exactly in f64 (ops::double).
+    // g / N as the f32 path rounds it, or in f64 (ops::double: 1 / N, times g).
     let inv_n = match dt {
-        DType::F64 => 1.0 / n as f64,
-        _ => f64::from(1.0 / n as f32),
+        DType::F64 => f64::from(g) / n as f64,
+        _ => f64::from(g / n as f32),
     };
     cuda::cross_entropy(
         &s,
@@ -257,6 +287,19 @@ pub fn add_div_(acc: &Tensor, x: &Tensor, d: f32) -> Result<()> {
 /// `ShapeMismatch` when the element counts differ; `DeviceMismatch`; `DTypeMismatch` for
 /// non-f32 tensors.
 pub fn mse_loss(pred: &Tensor, target: &Tensor) -> Result<(f32, Tensor)> {
+    mse_loss_scaled(pred, target, 1.0)
+}
+
+/// [`mse_loss`] whose gradient is that of `grad_output * loss`: `grad_output 2 (pred -
+/// target) / N`, multiplied in f32 (f64 for f64 tensors) before a bf16/f16 gradient is
+/// rounded, as PyTorch's backward of `F.mse_loss(out.float(), t)` under `scaler.scale(loss)`
+/// computes it for the power-of-two scales of a [grad
+/// scaler](crate::fsdp::ShardedGradScaler). `grad_output = 1` is [`mse_loss`], bit for bit.
+///
+/// # Errors
+/// As [`mse_loss`].
+pub fn mse_loss_scaled(pred: &Tensor, target: &Tensor, grad_output: f32) -> Result<(f32, Tensor)> {
+    let g = grad_output;
     if pred.numel() != target.numel() {
         return Err(Error::ShapeMismatch {
             op: "mse_loss",
@@ -267,11 +310,15 @@ pub fn mse_loss(pred: &Tensor, target: &Tensor) -> Result<(f32, Tensor)> {
     let device = same_device("mse_loss", &[pred, target])?;
     if super::double::any_f64(&[pred, target]) && pred.numel() > 0 {
         return on_host(device, &[pred, target], |t| {
-            super::double::mse_loss(&t[0], &t[1])
+            let (loss, grad) = super::double::mse_loss(&t[0], &t[1])?;
+            if g != 1.0 {
+                super::scale_(&grad, g)?;
+            }
+            Ok((loss, grad))
         });
     }
     if let Some(lp) = super::lowp::lp_of(&[pred, target]).filter(|_| pred.numel() > 0) {
-        return super::lowp::loss::mse_loss(pred, target, lp);
+        return super::lowp::loss::mse_loss(pred, target, lp, g);
     }
     if pred.numel() == 0 {
         super::check_f32("mse_loss", &[pred, target])?;
@@ -287,6 +334,9 @@ pub fn mse_loss(pred: &Tensor, target: &Tensor) -> Result<(f32, Tensor)> {
         super::add_(&d, &neg)?;
         let loss = super::sum_squares(&d)? / n as f64;
         super::scale_(&d, 2.0 / n)?;
+        if g != 1.0 {
+            super::scale_(&d, g)?;
+        }
         return Ok((loss as f32, d));
     }
     let (p, t) = (pred.f32()?, target.f32()?);
@@ -299,7 +349,7 @@ pub fn mse_loss(pred: &Tensor, target: &Tensor) -> Result<(f32, Tensor)> {
     let grad = p
         .iter()
         .zip(t.iter())
-        .map(|(a, b)| 2.0 * (a - b) / n)
+        .map(|(a, b)| 2.0 * (a - b) / n * g)
         .collect();
     Ok((loss as f32, Tensor::from_vec(grad, pred.shape())?))
 }

@@ -27,18 +27,21 @@
 //! | `sdpa.rs` | [`sdpa_causal`], [`sdpa_causal_backward`]: causal attention of bf16/f16 heads in one op, rounded as PyTorch's CPU flash attention | `F.scaled_dot_product_attention(is_causal=True)` in bf16/f16 |
 //! | `embedding.rs` | [`embedding()`], [`embedding_backward`] | `F.embedding` |
 //! | `flat.rs` | [`flat::pack_grad`], [`flat::unpack_grad`], [`flat::round_to_`], [`flat::rounded`] (FSDP's flat buffers, autocast's operands) | the `_reduce_grad` pre/post-divide and casts |
-//! | `loss.rs` | [`cross_entropy`] ([`cross_entropy_f64`]: the f64 loss of f64 logits), [`mse_loss`], [`sum_loss`] | `F.cross_entropy`, `F.mse_loss`, `.sum()` |
+//! | `loss.rs` | [`cross_entropy`] ([`cross_entropy_f64`]: the f64 loss of f64 logits), [`mse_loss`], [`sum_loss`]; [`cross_entropy_tensor_scaled`], [`mse_loss_scaled`]: the gradient of a scaled loss | `F.cross_entropy`, `F.mse_loss`, `.sum()`, `scaler.scale(loss).backward()` |
+//! | `amp.rs` | [`non_finite_check_and_unscale_`] (loss scaling's unscale and inf/NaN check) | `torch._amp_foreach_non_finite_check_and_unscale_` |
 //! | `lowp/` | the bf16/f16 paths of the ops above (f32 compute of widened inputs, each output rounded once to the inputs' dtype; the losses and LayerNorm as PyTorch rounds them), taken when an operand is bf16/f16 | `param_dtype` modules under FSDP mixed precision |
 //! | `double/` | the f64 host paths of [`matmul`], [`linear`], [`bias_add_`], [`bias_grad`], ReLU, GELU, [`layer_norm`], [`softmax_causal`], attention's permutes, [`embedding()`], [`cross_entropy`], [`mse_loss`], [`sum_loss`], [`sum_squares`] (taken when an operand is an f64 host tensor; f64 CUDA tensors run the `_f64` kernels of these ops, and cuBLAS in f64 for the products, see `compute_dtype`) | float64 tensors |
 //!
 //! The ops marked (CPU) have CPU loops only: on CUDA they return `Unsupported`. They are what
 //! a custom layer composes its forward and backward from (see `tests/custom_layer.rs`).
 //!
-//! Host synchronizations: [`sum_squares`], the losses (their value is a host `f32`), and
+//! Host synchronizations: [`sum_squares`], [`non_finite_check_and_unscale_`] (its answer),
+//! the losses (their value is a host `f32`), and
 //! [`embedding()`] and [`cross_entropy`] on CUDA, which read back the kernel's out-of-range
 //! flag to report a bad id or target as an error. Everything else only queues work.
 
 pub mod activation;
+pub mod amp;
 pub mod arith;
 pub mod attention;
 pub mod autocast;
@@ -56,6 +59,7 @@ pub(crate) mod lowp;
 pub mod sdpa;
 
 pub use activation::{gelu_backward_bias_grad, pointwise, pointwise_backward, Pointwise};
+pub use amp::non_finite_check_and_unscale_;
 pub use arith::{
     binary, broadcast_shape, div, div_backward, mul, mul_backward, sub, sub_backward, sum_to_shape,
     BinaryOp,
@@ -79,7 +83,8 @@ pub use linalg::{
     bias_add_, bias_grad, linear, matmul, matmul_batched, mm, mm_backward, MatmulDims, Transpose,
 };
 pub use loss::{
-    add_div_, cross_entropy, cross_entropy_f64, cross_entropy_tensor, mse_loss, sum_loss,
+    add_div_, cross_entropy, cross_entropy_f64, cross_entropy_tensor, cross_entropy_tensor_scaled,
+    mse_loss, mse_loss_scaled, sum_loss,
 };
 pub use sdpa::{sdpa_causal, sdpa_causal_backward, sdpa_supported};
 

@@ -7,7 +7,7 @@
 
 use super::data::VOCAB_SIZE;
 use super::options::{CheckpointType, LrSchedule, Precision, WrapMode};
-use crate::fsdp::{BackwardPrefetch, ShardingStrategy};
+use crate::fsdp::{BackwardPrefetch, GradScalerConfig, ShardingStrategy};
 use crate::nn::GptConfig;
 use crate::optim::{CosineAnnealingLR, LinearLR, LrScheduler, OptimizerKind, SequentialLR};
 use std::path::PathBuf;
@@ -65,6 +65,18 @@ pub struct TrainConfig {
     pub clip_grad_norm: Option<f32>,
     /// Low-precision compute (`--mixed-precision`), default f32.
     pub mixed_precision: Precision,
+    /// Dynamic loss scaling ([`ShardedGradScaler`](crate::fsdp::ShardedGradScaler)):
+    /// `None` (the default) scales under `--mixed-precision f16` and nowhere else;
+    /// `Some(false)` (`--no-grad-scaler`) never; `Some(true)` (`--grad-scaler`) asks for
+    /// it, which under another precision is a warning and trains unscaled
+    /// ([`uses_grad_scaler`](Self::uses_grad_scaler), [`grad_scaler_warning`](Self::grad_scaler_warning)).
+    pub grad_scaler: Option<bool>,
+    /// The grad scaler's first scale (`--init-scale`), default 65536 (PyTorch's 2^16). A
+    /// resumed run takes the checkpoint's scale instead.
+    pub init_scale: f32,
+    /// Clean steps before the grad scaler doubles its scale (`--growth-interval`), default
+    /// 2000 (PyTorch's). A resumed run takes the checkpoint's.
+    pub growth_interval: u32,
     /// Backward prefetch (`--backward-prefetch pre|post|none`), default `BackwardPre`
     /// (PyTorch's default).
     pub backward_prefetch: Option<BackwardPrefetch>,
@@ -165,6 +177,9 @@ impl Default for TrainConfig {
             no_sync: false,
             clip_grad_norm: Some(1.0),
             mixed_precision: Precision::None,
+            grad_scaler: None,
+            init_scale: 65536.0,
+            growth_interval: 2000,
             backward_prefetch: Some(BackwardPrefetch::BackwardPre),
             forward_prefetch: false,
             limit_all_gathers: true,
@@ -248,6 +263,43 @@ impl TrainConfig {
             "the whole model on every rank, no FSDP"
         } else {
             "the whole model on every rank, converted to f64 before wrapping"
+        }
+    }
+
+    /// Whether the run scales its loss ([`ShardedGradScaler`](crate::fsdp::ShardedGradScaler)):
+    /// under f16 mixed precision unless `grad_scaler` is `Some(false)`. bf16 has f32's
+    /// exponent range (its gradients do not underflow as f16's do), and f32 and f64 need no
+    /// scaling: those runs train unscaled even when `grad_scaler` asks for a scaler.
+    pub fn uses_grad_scaler(&self) -> bool {
+        self.mixed_precision == Precision::F16 && self.grad_scaler != Some(false)
+    }
+
+    /// The warning for a grad scaler asked for (`--grad-scaler`) under a precision that
+    /// trains unscaled; `None` otherwise. (PyTorch's `GradScaler` itself would scale a bf16
+    /// loss without a word; its one warning is for a scaler that cannot work, "GradScaler
+    /// is enabled, but CUDA is not available. Disabling.", which this follows: a warning,
+    /// and no scaling.)
+    pub fn grad_scaler_warning(&self) -> Option<String> {
+        (self.grad_scaler == Some(true) && !self.uses_grad_scaler()).then(|| {
+            format!(
+                "--grad-scaler is for --mixed-precision f16, whose gradients underflow without loss scaling; this run computes in {} (f32's exponent range or more), so it trains unscaled",
+                match self.mixed_precision {
+                    Precision::Bf16 => "bf16",
+                    Precision::F64 => "f64",
+                    _ => "f32",
+                }
+            )
+        })
+    }
+
+    /// The grad scaler this config trains with: `--init-scale`, `--growth-interval`,
+    /// PyTorch's factors (2.0, 0.5), enabled when [`uses_grad_scaler`](Self::uses_grad_scaler).
+    pub fn grad_scaler_config(&self) -> GradScalerConfig {
+        GradScalerConfig {
+            init_scale: self.init_scale,
+            growth_interval: self.growth_interval,
+            enabled: self.uses_grad_scaler(),
+            ..GradScalerConfig::default()
         }
     }
 

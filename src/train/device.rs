@@ -238,6 +238,8 @@ mod tests {
             tokens_per_s: 0.0,
             step_time_s,
             grad_norm: None,
+            loss_scale: None,
+            skipped: false,
             eval_loss: None,
             ranks: waits_us
                 .iter()

@@ -8,7 +8,7 @@ use crate::distributed::{launch, Group, LaunchOptions};
 use crate::error::{Error, Result};
 use crate::fsdp::{
     size_based_auto_wrap_policy, transformer_auto_wrap_policy, CpuOffload, FsdpConfig,
-    FullyShardedDataParallel, ZeroRedundancyOptimizer,
+    FullyShardedDataParallel, ShardedGradScaler, ZeroRedundancyOptimizer,
 };
 use crate::nn::{loss, num_parameters, Context, Module, GPT};
 use crate::optim;
@@ -30,9 +30,20 @@ pub struct StepRecord {
     pub tokens_per_s: f64,
     /// Step wall time, seconds.
     pub step_time_s: f64,
-    /// Global gradient 2-norm before clipping, when `--clip-grad-norm` is set.
+    /// Global gradient 2-norm before clipping, when `--clip-grad-norm` is set (of the
+    /// unscaled gradients under a grad scaler; infinite or NaN, written `null`, on a step
+    /// the scaler skipped).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub grad_norm: Option<f32>,
+    /// The loss scale this step's backward used, when the grad scaler is on
+    /// ([`TrainConfig::uses_grad_scaler`]): the scaler's `get_scale()` before the step's
+    /// `update()`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f32>,
+    /// Whether the grad scaler skipped this step's optimizer step because some rank's
+    /// gradients held inf or NaN (every rank skips it); written only when true.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub skipped: bool,
     /// Eval loss when this step evaluated.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_loss: Option<f32>,
@@ -287,9 +298,16 @@ pub(super) fn run_rank(
     let mut opt = build_optimizer(cfg, &mut engine)?;
     // Built before a resume loads the optimizer: its base lr is the run's --lr.
     let mut sched = optim::Scheduler::new(cfg.lr_scheduler(), opt.as_mut())?;
+    // The found-inf flags are all-reduced over the whole world (PyTorch's default group),
+    // which holds every shard and replicate group of hybrid sharding.
+    let mut scaler = ShardedGradScaler::new(cfg.grad_scaler_config(), Some(pg.clone()))?;
+    if let (0, Some(w)) = (rank, cfg.grad_scaler_warning()) {
+        eprintln!("fsdp: warning: {w}");
+    }
     let (first_step, run_id) = match &cfg.resume {
         Some(dir) => {
-            let (step, dir, id) = super::resume::resume(dir, &mut engine, opt.as_mut())?;
+            let (step, dir, id) =
+                super::resume::resume(dir, &mut engine, opt.as_mut(), &mut scaler)?;
             if rank == 0 {
                 observer.on_resume(step, &dir);
             }
@@ -326,9 +344,13 @@ pub(super) fn run_rank(
             let logits = engine
                 .module()
                 .forward(&ids_tensor(x, micro_rows, t, device)?, &cx)?;
-            // The loss stays where it was computed; `pending` reads it when it flushes.
-            let (lk, dlogits) =
-                loss::cross_entropy_tensor(&logits, &ids_tensor(y, micro_rows, t, device)?)?;
+            // The loss stays where it was computed; `pending` reads it when it flushes. Its
+            // gradient is the scaled loss's (`scaler.scale(loss).backward()`; 1 unscaled).
+            let (lk, dlogits) = loss::cross_entropy_tensor_scaled(
+                &logits,
+                &ids_tensor(y, micro_rows, t, device)?,
+                scaler.loss_grad_output(),
+            )?;
             drop(logits);
             if let Some(f) = fail {
                 f.check(rank, step)?; // test-only (FSDP_FAIL_RANK)
@@ -339,16 +361,26 @@ pub(super) fn run_rank(
             }
             engine.backward(&dlogits, cfg.no_sync && k + 1 < k_total)?;
         }
+        let params = engine.optimizer_params();
+        // Unscaled before clipping, so that clipping sees the true gradients.
+        scaler.unscale_(opt.as_ref(), &params)?;
         if let Some(c) = cfg.clip_grad_norm {
             pending.set_grad_norm(&engine.clip_grad_norm_tensor(c)?)?;
         }
-        opt.step(&engine.optimizer_params())?;
+        let loss_scale = scaler.get_scale();
+        let stepped = scaler.step(opt.as_mut(), &params)?;
+        scaler.update()?;
+        drop(params);
+        let scaled = scaler.is_enabled().then_some(super::pending::Scaled {
+            loss_scale,
+            skipped: !stepped,
+        });
         let mem = engine.memory(rank, opt.as_ref());
         engine.zero_grad();
         let evaluates = (cfg.eval_every > 0 && step % cfg.eval_every == 0) || step == cfg.steps;
         let logged = cfg.log_every > 0 && step % cfg.log_every == 0;
         let due = logged || evaluates || step == first_step || super::resume::save_due(cfg, step);
-        if pending.end(step, mem, c0, cfg.clip_grad_norm.is_some(), due) {
+        if pending.end(step, mem, c0, cfg.clip_grad_norm.is_some(), scaled, due) {
             for f in pending.flush(&pg)? {
                 let eval_loss = if f.step == step && evaluates {
                     Some(evaluate(cfg, data, &mut engine, &pg)?)
@@ -361,6 +393,8 @@ pub(super) fn run_rank(
                         loss: f.loss,
                         tokens_per_s: (cfg.global_batch * t) as f64 / f.step_time_s,
                         grad_norm: f.grad_norm,
+                        loss_scale: f.scaled.map(|s| s.loss_scale),
+                        skipped: f.scaled.is_some_and(|s| s.skipped),
                         step_time_s: f.step_time_s,
                         eval_loss,
                         ranks: f.ranks,
@@ -376,7 +410,7 @@ pub(super) fn run_rank(
                 }
             }
         }
-        let saved = saver.save_if_due(cfg, step, &mut engine, opt.as_ref(), &run)?;
+        let saved = saver.save_if_due(cfg, step, &mut engine, opt.as_ref(), &scaler, &run)?;
         report_saved(rank, step, &saved, observer);
     }
     // The end of training waits for the last background save.

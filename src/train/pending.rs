@@ -30,6 +30,16 @@ struct Step {
     c0: Counters,
     counters: Counters,
     has_norm: bool,
+    scaled: Option<Scaled>,
+}
+
+/// What the grad scaler did in a step (host values, the same on every rank).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct Scaled {
+    /// The scale the step's backward used.
+    pub loss_scale: f32,
+    /// Whether the optimizer step was skipped (inf/NaN gradients on some rank).
+    pub skipped: bool,
 }
 
 /// What a flush gives for each step, in step order.
@@ -40,6 +50,8 @@ pub(super) struct Flushed {
     pub loss: f32,
     /// Global gradient norm, when clipping.
     pub grad_norm: Option<f32>,
+    /// The grad scaler's record of the step, when it scales.
+    pub scaled: Option<Scaled>,
     /// Every rank's memory figures.
     pub ranks: Vec<RankMemory>,
     /// Wall seconds: the step's own on the CPU, its window's average on CUDA.
@@ -97,14 +109,16 @@ impl Pending {
         crate::ops::add_(&slot, &norm.to_device(self.device)?)
     }
 
-    /// Ends the step begun with `c0`; true when it must flush now: always on the CPU, else
-    /// when `due` (a logged, evaluated, saved or last step) or the slots are full.
+    /// Ends the step begun with `c0` (`scaled`: the grad scaler's record of it); true when
+    /// it must flush now: always on the CPU, else when `due` (a logged, evaluated, saved or
+    /// last step) or the slots are full.
     pub fn end(
         &mut self,
         step: usize,
         mem: RankMemory,
         c0: Counters,
         has_norm: bool,
+        scaled: Option<Scaled>,
         due: bool,
     ) -> bool {
         self.steps.push(Step {
@@ -113,6 +127,7 @@ impl Pending {
             c0,
             counters: Counters::now().since(&c0),
             has_norm,
+            scaled,
         });
         !self.device.is_cuda() || due || self.steps.len() == CAP
     }
@@ -162,6 +177,7 @@ impl Pending {
                 step: s.step,
                 loss,
                 grad_norm: s.has_norm.then_some(values[CAP + i]),
+                scaled: s.scaled,
                 ranks: (0..pg.size())
                     .map(|r| RankMemory::from_words(r, &rank_words(r, i)[1..]))
                     .collect(),

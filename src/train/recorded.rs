@@ -1,13 +1,13 @@
 //! Cross-checks of what a checkpoint of `fsdp train` records in more than one place, so an
 //! edited `index.json` is refused instead of trusted: the step (the directory name, the
-//! data generator's next step, the optimizer's step counts, the learning rate the schedule
-//! gives at that step) and the world size (the run's options, the rank files the strategy
-//! writes). The index's own fields against its file names are checked by the checkpoint
-//! loader (`checkpoint::verify`).
+//! data generator's next step, the optimizer's step counts (the steps a grad scaler did not
+//! skip), the learning rate the schedule gives at that step) and the world size (the run's
+//! options, the rank files the strategy writes). The index's own fields against its file
+//! names are checked by the checkpoint loader (`checkpoint::verify`).
 
 use super::config::TrainConfig;
 use super::save_dir::step_of;
-use crate::checkpoint::{Index, INDEX_FILE};
+use crate::checkpoint::{Index, GRAD_SCALER_KEY, INDEX_FILE};
 use crate::error::{Error, Result};
 use crate::fsdp::{ShardingStrategy, StateDictType};
 use std::path::Path;
@@ -42,11 +42,23 @@ pub(super) fn check(dir: &Path, index: &Index, step: usize, cfg: &TrainConfig) -
         }
     }
     if let Some(o) = &index.optim {
-        // Adam and AdamW count their steps per parameter: one per training step.
-        if let Some((param, s)) = o.steps.iter().find(|(_, &s)| s != step as u64) {
-            return bad(format!(
-                "step {step} disagrees with the optimizer's step count {s} (optim.steps of '{param}'); the optimizer steps once per training step"
-            ));
+        // Adam and AdamW count their steps per parameter: one per training step, or under
+        // a grad scaler one per step it did not skip (every parameter alike).
+        let scaled = extra.get(GRAD_SCALER_KEY).is_some();
+        let first = o.steps.values().next().copied().unwrap_or(0);
+        let off = |s: u64| match scaled {
+            false => s != step as u64,
+            true => s > step as u64 || s != first,
+        };
+        if let Some((param, s)) = o.steps.iter().find(|(_, &s)| off(s)) {
+            return bad(match scaled {
+                false => format!(
+                    "step {step} disagrees with the optimizer's step count {s} (optim.steps of '{param}'); the optimizer steps once per training step"
+                ),
+                true => format!(
+                    "step {step} disagrees with the optimizer's step count {s} (optim.steps of '{param}'; others count {first}); under a grad scaler every parameter counts the steps not skipped, at most {step}"
+                ),
+            });
         }
         if let Some(&lr) = o.hyperparams.get("lr") {
             let want = cfg.lr_at(step);

@@ -15,11 +15,11 @@ use super::engine::Engine;
 use super::options::CheckpointType;
 use super::save_dir::{self, run_id_of};
 use crate::checkpoint::{
-    load_checkpoint, read_checkpoint_info, read_index, resolve_checkpoint, write_atomic,
-    LATEST_FILE,
+    insert_grad_scaler_state, load_checkpoint, read_checkpoint_info, read_index,
+    resolve_checkpoint, write_atomic, LATEST_FILE,
 };
 use crate::error::{Error, Result};
-use crate::fsdp::StateDictType;
+use crate::fsdp::{ShardedGradScaler, StateDictType};
 use crate::optim::Optimizer;
 use std::path::{Path, PathBuf};
 
@@ -158,6 +158,7 @@ pub(super) fn validate(cfg: &TrainConfig) -> Result<()> {
             diffs.extend(trajectory_differences(old, cfg));
         }
         diffs.extend(data_difference(&info.extra, cfg));
+        diffs.extend(grad_scaler_difference(info.grad_scaler_state()?, cfg));
         if !diffs.is_empty() {
             return bad(format!(
                 "--resume {}: options differ from the checkpoint's run, so training would not continue it; pass the run's values: {}",
@@ -217,6 +218,25 @@ fn data_difference(extra: &serde_json::Value, cfg: &TrainConfig) -> Option<Strin
         None => (new_path != old_path).then(|| {
             format!("--data {new_path} (checkpoint: {old_path}; it recorded no checksum to recognize a copy)")
         }),
+    }
+}
+
+/// The grad scaler as a difference from the checkpoint's run: a run that scales its loss
+/// resumed without a scaler, or the other way round (the scaler's state continues only a
+/// run that had one).
+fn grad_scaler_difference(
+    saved: Option<crate::fsdp::GradScalerState>,
+    cfg: &TrainConfig,
+) -> Option<String> {
+    match (saved, cfg.uses_grad_scaler()) {
+        (Some(s), false) => Some(format!(
+            "no grad scaler (checkpoint: a grad scaler at scale {}; it was on under --mixed-precision f16 without --no-grad-scaler)",
+            s.scale
+        )),
+        (None, true) => Some(
+            "the grad scaler (on under --mixed-precision f16; checkpoint: none, so its run trained unscaled: pass --no-grad-scaler)".into(),
+        ),
+        _ => None,
     }
 }
 
@@ -297,12 +317,15 @@ fn checkpoint_step(extra: &serde_json::Value, dir: &Path) -> Result<usize> {
         })
 }
 
-/// Loads the checkpoint `path` stands for into the model and optimizer; returns its step,
-/// directory and run id (`None` in checkpoints saved before runs had ids). A collective.
+/// Loads the checkpoint `path` stands for into the model, the optimizer and, when it
+/// scales, the grad scaler (its scale, factors, interval and growth tracker); returns its
+/// step, directory and run id (`None` in checkpoints saved before runs had ids). A
+/// collective.
 pub(super) fn resume(
     path: &Path,
     engine: &mut Engine,
     opt: &mut dyn Optimizer,
+    scaler: &mut ShardedGradScaler,
 ) -> Result<(usize, PathBuf, Option<String>)> {
     let Engine::Fsdp(m) = engine else {
         return Err(Error::InvalidArgument(
@@ -310,6 +333,8 @@ pub(super) fn resume(
         ));
     };
     let info = load_checkpoint(path, m, Some(opt))?;
+    // A no-op without a scaler (resume::validate refused a mismatch before).
+    scaler.load_state_dict(info.grad_scaler_state()?.as_ref())?;
     let step = checkpoint_step(&info.extra, &info.dir)?;
     Ok((step, info.dir, run_id_of(&info.extra)))
 }
@@ -322,7 +347,7 @@ pub(super) fn save_due(cfg: &TrainConfig, step: usize) -> bool {
 }
 
 /// The index's `extra` of a checkpoint saved after `step`: the step, the random state, the
-/// run's id, data file and options.
+/// run's id, data file and options, and the grad scaler's state when it scales.
 ///
 /// # Errors
 /// `InvalidArgument` when the options cannot be written as JSON (non-UTF-8 paths).
@@ -330,13 +355,14 @@ pub(super) fn checkpoint_extra(
     cfg: &TrainConfig,
     step: usize,
     run: &RunRecord,
+    scaler: &ShardedGradScaler,
 ) -> Result<serde_json::Value> {
     let config = serde_json::to_value(cfg).map_err(|e| {
         Error::InvalidArgument(format!(
             "cannot record the run's options in the checkpoint index: {e} (checkpoints need UTF-8 paths)"
         ))
     })?;
-    Ok(serde_json::json!({
+    let mut extra = serde_json::json!({
         "step": step,
         "seed": cfg.seed,
         "rng": {
@@ -349,7 +375,11 @@ pub(super) fn checkpoint_extra(
         "run_id": run.run_id,
         "data": run.data,
         "config": config,
-    }))
+    });
+    if let Some(state) = scaler.state_dict() {
+        insert_grad_scaler_state(&mut extra, &state)?;
+    }
+    Ok(extra)
 }
 
 /// The layout `--checkpoint-type` asks for.

@@ -14,6 +14,7 @@ use super::resume::{
 use super::save_dir::step_of;
 use crate::checkpoint::{save_checkpoint, AsyncCheckpointer};
 use crate::error::Result;
+use crate::fsdp::ShardedGradScaler;
 use crate::optim::Optimizer;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -64,7 +65,7 @@ impl Saver {
     }
 
     /// Saves a checkpoint of `step` when one is due (every `save_every` steps and after the
-    /// last). A collective.
+    /// last), with the grad scaler's state after the step's update. A collective.
     ///
     /// # Errors
     /// As [`save_checkpoint`]; with `--async-save`, the failure of the previous save's
@@ -75,6 +76,7 @@ impl Saver {
         step: usize,
         engine: &mut Engine,
         opt: &dyn Optimizer,
+        scaler: &ShardedGradScaler,
         run: &RunRecord,
     ) -> Result<Saved> {
         let (Some(root), Engine::Fsdp(m)) = (&cfg.save_dir, engine) else {
@@ -85,7 +87,7 @@ impl Saver {
         }
         let name = step_dir_name(step);
         let dir = root.join(&name);
-        let extra = checkpoint_extra(cfg, step, run)?;
+        let extra = checkpoint_extra(cfg, step, run, scaler)?;
         let ty = state_dict_type(cfg);
         let rank0 = m.process_group().rank() == 0;
         let t0 = Instant::now();

@@ -62,6 +62,15 @@ impl TrainConfig {
                 ));
             }
         }
+        if !(self.init_scale.is_finite() && self.init_scale > 0.0) {
+            return bad(format!(
+                "--init-scale must be a finite positive number, got {}",
+                self.init_scale
+            ));
+        }
+        if self.growth_interval == 0 {
+            return bad("--growth-interval must be at least 1".into());
+        }
         if self.seq_len == 0 || self.n_layer == 0 || self.n_embd == 0 || self.n_head == 0 {
             return bad("--seq-len, --n-layer, --n-embd and --n-head must be at least 1".into());
         }

@@ -62,7 +62,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.numpy import save_file
 from torch.distributed.fsdp import FullStateDictConfig, MixedPrecision, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy as SS
@@ -142,12 +141,15 @@ def hybrid_groups(rank, world):
     return shard, rep
 
 
-def train(rank, world, strategy, dtype, opt_name, groups):
+def wrap(strategy, dtype, groups):
+    """The model under FSDP1 as the references wrap it: one unit per Linear plus the root,
+    `MixedPrecision(param_dtype=dtype, reduce_dtype=f32, buffer_dtype=dtype)` (none for
+    dtype None), the hybrid strategies over `groups`."""
     mpol = None
     if dtype is not None:
         mpol = MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype)
     hybrid = strategy in (SS.HYBRID_SHARD, SS._HYBRID_SHARD_ZERO2)
-    fm = FSDP(
+    return FSDP(
         model(),
         process_group=groups if hybrid else None,
         sharding_strategy=strategy,
@@ -155,6 +157,10 @@ def train(rank, world, strategy, dtype, opt_name, groups):
         mixed_precision=mpol,
         device_id=torch.device("cpu"),
     )
+
+
+def train(rank, world, strategy, dtype, opt_name, groups):
+    fm = wrap(strategy, dtype, groups)
     opt = OPTIMIZERS[opt_name](fm.parameters())
     rows = ROWS // world
     losses = []
@@ -175,6 +181,15 @@ def train(rank, world, strategy, dtype, opt_name, groups):
     return losses, flat
 
 
+def check_same_on_every_rank(flat, world, what):
+    """Raises naming `what` and the rank unless every rank of the world holds `flat`."""
+    all_flat = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(all_flat, flat)
+    for r, f in enumerate(all_flat):
+        if not torch.equal(f, flat):
+            raise RuntimeError(f"{what}: rank {r} differs")
+
+
 def worker(rank, world, outdir):
     warnings.filterwarnings("ignore")
     faulthandler.dump_traceback_later(600, exit=True)
@@ -189,11 +204,7 @@ def worker(rank, world, outdir):
                 losses, flat = train(rank, world, strategy, dtype, oname, groups)
                 all_losses = [None] * world
                 dist.all_gather_object(all_losses, losses)
-                all_flat = [torch.empty_like(flat) for _ in range(world)]
-                dist.all_gather(all_flat, flat)
-                for r, f in enumerate(all_flat):
-                    if not torch.equal(f, flat):
-                        raise RuntimeError(f"{pname} {strategy.name} {oname} w{world}: rank {r} differs")
+                check_same_on_every_rank(flat, world, f"{pname} {strategy.name} {oname} w{world}")
                 key = f"{pname}/{strategy.name}/{oname}/w{world}"
                 out[key + "/losses"] = np.array(all_losses, dtype=np.float32).T.copy()
                 out[key + "/params"] = flat.numpy()
@@ -206,6 +217,8 @@ def worker(rank, world, outdir):
 
 
 def main():
+    from safetensors.numpy import save_file  # here: importing this module needs no safetensors
+
     tensors = {}
     with tempfile.TemporaryDirectory() as tmp:
         for world in WORLDS:

@@ -7,9 +7,7 @@ use clap::{Args, Parser, Subcommand};
 use fsdp::fsdp::{BackwardPrefetch, ShardingStrategy};
 use fsdp::optim::OptimizerKind;
 use fsdp::train::RankEnv;
-use fsdp::train::{
-    self, CheckpointType, LrSchedule, Observer, Precision, StepRecord, TrainConfig, WrapMode,
-};
+use fsdp::train::{self, CheckpointType, LrSchedule, Precision, TrainConfig, WrapMode};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -33,11 +31,13 @@ mod bench;
 mod choice;
 mod launch;
 mod plot;
+mod progress;
 
 use bench::{run_bench, BenchArgs};
 use choice::choice;
 use launch::{run_launch, LaunchArgs};
 use plot::{run_plot, PlotArgs};
+use progress::Progress;
 
 /// The defaults of every option are the library's (`TrainConfig::default()`).
 pub(crate) static D: std::sync::LazyLock<TrainConfig> =
@@ -138,6 +138,21 @@ struct FsdpArgs {
     /// buffer dtype all set), f32 throughout, or f64 throughout (an exact reference; CPU).
     #[arg(long, value_parser = choice::<Precision>(), default_value_t = D.mixed_precision)]
     mixed_precision: Precision,
+    /// Train f16 without loss scaling. Under --mixed-precision f16 a grad scaler
+    /// (ShardedGradScaler) scales the loss so that small gradients do not underflow, and
+    /// skips the steps whose gradients overflow.
+    #[arg(long, conflicts_with = "grad_scaler")]
+    no_grad_scaler: bool,
+    /// Ask for the grad scaler (the default under f16); with bf16, f32 or f64 it is a
+    /// warning and the run trains unscaled.
+    #[arg(long)]
+    grad_scaler: bool,
+    /// The grad scaler's first loss scale (a resumed run goes on with its checkpoint's).
+    #[arg(long, allow_hyphen_values = true, default_value_t = D.init_scale)]
+    init_scale: f32,
+    /// Steps without inf/NaN gradients before the grad scaler doubles the loss scale.
+    #[arg(long, allow_hyphen_values = true, default_value_t = D.growth_interval)]
+    growth_interval: u32,
     /// When backward all-gathers the next unit.
     #[arg(long, value_enum, default_value_t = BackwardPrefetchArg::Pre)]
     backward_prefetch: BackwardPrefetchArg,
@@ -273,63 +288,6 @@ pub(crate) fn base_config(m: &ModelArgs, data: PathBuf) -> TrainConfig {
     }
 }
 
-/// Progress bar on a terminal, plain log lines otherwise.
-struct Progress {
-    bar: Option<ProgressBar>,
-    log_every: usize,
-    steps: usize,
-}
-
-impl Progress {
-    fn say(&self, line: String) {
-        match &self.bar {
-            Some(b) => b.println(line),
-            None => out!("{line}"),
-        }
-    }
-}
-
-impl Observer for Progress {
-    fn on_start(&self, num_params: usize) {
-        self.say(format!("model: {num_params} parameters"));
-    }
-    fn on_resume(&self, step: usize, dir: &std::path::Path) {
-        self.say(format!(
-            "resumed from {} (after step {step})",
-            dir.display()
-        ));
-    }
-    fn on_checkpoint(&self, step: usize, dir: &std::path::Path) {
-        self.say(format!(
-            "step {step:>5} | saved checkpoint {}",
-            dir.display()
-        ));
-    }
-    fn on_save_stall(&self, step: usize, stall_s: f64) {
-        self.say(format!(
-            "step {step:>5} | save_stall_ms {:.1}",
-            stall_s * 1e3
-        ));
-    }
-    fn on_step(&self, r: &StepRecord) {
-        if let Some(b) = &self.bar {
-            b.set_position(r.step as u64);
-            b.set_message(format!("loss {:.4} | {:.0} tok/s", r.loss, r.tokens_per_s));
-        }
-        if self.log_every > 0
-            && (r.step % self.log_every == 0 || r.step == 1 || r.step == self.steps)
-        {
-            self.say(format!(
-                "step {:>5} | loss {:.4} | {:.0} tok/s",
-                r.step, r.loss, r.tokens_per_s
-            ));
-        }
-        if let Some(e) = r.eval_loss {
-            self.say(format!("step {:>5} | eval loss {e:.4}", r.step));
-        }
-    }
-}
-
 fn run_train(a: TrainArgs) -> fsdp::Result<()> {
     // Under a launcher this process is one rank of the job.
     let env = RankEnv::from_env()?;
@@ -358,6 +316,13 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         no_sync: a.no_sync,
         clip_grad_norm: (a.clip_grad_norm != 0.0).then_some(a.clip_grad_norm),
         mixed_precision: a.fsdp.mixed_precision,
+        grad_scaler: match (a.fsdp.grad_scaler, a.fsdp.no_grad_scaler) {
+            (_, true) => Some(false),
+            (true, _) => Some(true),
+            _ => None,
+        },
+        init_scale: a.fsdp.init_scale,
+        growth_interval: a.fsdp.growth_interval,
         backward_prefetch: a.fsdp.backward_prefetch.policy(),
         forward_prefetch: a.fsdp.forward_prefetch,
         limit_all_gathers: a.fsdp.limit_all_gathers,
@@ -390,7 +355,7 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         return train::train_rank(&cfg, &e, &train::Silent).map(drop);
     }
     out!(
-        "fsdp train: {} ranks ({}) on {}, strategy {:?}{}, wrap {}, precision {:?}, {} steps of {} x {} tokens, data {}",
+        "fsdp train: {} ranks ({}) on {}, strategy {:?}{}, wrap {}, precision {:?}{}, {} steps of {} x {} tokens, data {}",
         cfg.world_size,
         match (env.is_some(), cfg.device) {
             (true, train::TrainDevice::Cuda) => "processes, nccl backend",
@@ -409,6 +374,11 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         },
         cfg.wrap,
         cfg.mixed_precision,
+        if cfg.uses_grad_scaler() {
+            " with a grad scaler"
+        } else {
+            ""
+        },
         cfg.steps,
         cfg.global_batch,
         cfg.seq_len,
@@ -454,6 +424,18 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
             .map_or("-".into(), |(_, l)| format!("{l:.4}")),
         mean_tps
     );
+    if let (Some(first), Some(last)) = (
+        report.records.first().and_then(|r| r.loss_scale),
+        report.records.last().and_then(|r| r.loss_scale),
+    ) {
+        let skipped = report.records.iter().filter(|r| r.skipped).count();
+        out!(
+            "grad scaler: {skipped} of {} steps skipped (inf/NaN gradients), loss scale {} at the first step, {} at the last",
+            report.records.len(),
+            progress::scale_text(first),
+            progress::scale_text(last)
+        );
+    }
     out!(
         "init ({}): peak parameter bytes per rank {:?}",
         cfg.init_description(),

@@ -23,12 +23,21 @@ pub(crate) fn round(v: f32, dtype: DType) -> f32 {
     }
 }
 
-/// Mean cross-entropy of bf16/f16 `logits (n, v)` against `targets (n)`; `n, v > 0`.
+/// `w`, the weight of each row's gradient: `nll_loss_backward`'s `grad_output / total_weight`
+/// in `dtype` (`grad_output` rounded to `dtype` first, as the gradient of a `dtype` loss;
+/// `N` the total weight of `n` rows), rounded.
+fn row_weight(n: usize, grad_output: f32, dtype: DType) -> f32 {
+    round(round(grad_output, dtype) / round(n as f32, dtype), dtype)
+}
+
+/// Mean cross-entropy of bf16/f16 `logits (n, v)` against `targets (n)`; `n, v > 0`. The
+/// gradient is that of `grad_output * loss` (see [`row_weight`]).
 pub(crate) fn cross_entropy(
     logits: &Tensor,
     targets: &Tensor,
     v: usize,
     dtype: DType,
+    grad_output: f32,
 ) -> Result<(f32, Tensor)> {
     let x32 = super::up(&logits.to_device(Device::Cpu)?)?;
     let x = x32.f32()?;
@@ -39,8 +48,8 @@ pub(crate) fn cross_entropy(
         let y = ys[i];
         crate::error::bail_arg!("cross_entropy: target {y} at position {i} is outside 0..{v}");
     }
-    // nll_loss_backward: grad_output (1) / total_weight (N as a `dtype` value), rounded.
-    let w = round(1.0 / round(n as f32, dtype), dtype);
+    // nll_loss_backward: grad_output / total_weight (N as a `dtype` value), rounded.
+    let w = row_weight(n, grad_output, dtype);
     let grad32 = crate::ops::output(logits.shape(), Device::Cpu)?;
     let mut grad = grad32.f32_mut()?;
     let mut total = 0.0f64;
@@ -74,12 +83,13 @@ pub(crate) fn cross_entropy_cuda(
     logits: &Tensor,
     targets: &Tensor,
     dtype: DType,
+    grad_output: f32,
 ) -> Result<(Tensor, Tensor)> {
     use crate::backend::cuda;
     let s = crate::ops::stream(ordinal)?;
     let n = targets.numel();
     let dev = logits.device();
-    let w = round(1.0 / round(n as f32, dtype), dtype);
+    let w = row_weight(n, grad_output, dtype);
     let losses = crate::ops::output(&[n], dev)?;
     let grad = Tensor::zeros_on(logits.shape(), dtype, dev)?;
     cuda::cross_entropy_lp(
@@ -100,9 +110,16 @@ pub(crate) fn cross_entropy_cuda(
 /// `2 (p - t) / N` computed in f32 from the widened values (the f32 op of
 /// [`crate::ops::mse_loss`]), the gradient rounded once to `dtype` (what the backward of
 /// PyTorch's `F.mse_loss(out.float(), t)` gives a low-precision `out`; with a target of the
-/// prediction's dtype too, the loss is rounded as well, as `F.mse_loss(out, t_lp)`).
-pub(crate) fn mse_loss(pred: &Tensor, target: &Tensor, dtype: DType) -> Result<(f32, Tensor)> {
-    let (loss, grad) = crate::ops::mse_loss(&super::up(pred)?, &super::up(target)?)?;
+/// prediction's dtype too, the loss is rounded as well, as `F.mse_loss(out, t_lp)`). The
+/// gradient is that of `grad_output * loss`, multiplied in f32 before the rounding.
+pub(crate) fn mse_loss(
+    pred: &Tensor,
+    target: &Tensor,
+    dtype: DType,
+    grad_output: f32,
+) -> Result<(f32, Tensor)> {
+    let (loss, grad) =
+        crate::ops::mse_loss_scaled(&super::up(pred)?, &super::up(target)?, grad_output)?;
     let loss = if target.dtype() == dtype {
         round(loss, dtype)
     } else {
