@@ -105,20 +105,15 @@ impl FullyShardedDataParallel {
     /// optimizer step or a state-dict load before the next forward would leave them
     /// stale, and the next forward would compute with the old values.
     pub(super) fn end_failed_forward(&mut self) -> Result<()> {
-        let mut first = Ok(());
-        self.each_unit(|u| {
+        self.each_unit_all(|u| {
             if u.is_root {
-                return;
+                return Ok(());
             }
             if u.forward_grad.take().is_some() {
                 u.rs.sched.lock().on_post_forward(u.id);
             }
-            let r = u.reshard();
-            if first.is_ok() {
-                first = r;
-            }
-        });
-        first
+            u.reshard()
+        })
     }
 
     /// The error of a call in the wrong order.

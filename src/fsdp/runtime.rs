@@ -88,24 +88,13 @@ impl FullyShardedDataParallel {
     fn finalize_backward(&mut self) -> Result<()> {
         // Every unit's reduction is finished even after one fails (nothing is left in
         // flight); the first error is the one to report.
-        let mut first: Result<()> = Ok(());
-        self.each_unit(|u| {
-            let r = u.wait_reduce();
-            if first.is_ok() {
-                first = r;
-            }
-        });
+        let mut first = self.each_unit_all(|u| u.wait_reduce());
         let r = self.drain_stream();
         first = first.and(r);
         let r = self.sync_offloaded_grads();
         first = first.and(r);
-        self.each_unit(|u| {
-            let r = u.accumulate_reduced();
-            if first.is_ok() {
-                first = r;
-            }
-        });
-        first
+        let r = self.each_unit_all(|u| u.accumulate_reduced());
+        first.and(r)
     }
 
     /// Under CPU offload on a GPU: blocks the host until the compute stream's work so far

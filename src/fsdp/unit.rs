@@ -186,6 +186,22 @@ impl FullyShardedDataParallel {
         debug_assert!(walked.is_ok(), "a module's walk failed: {walked:?}");
     }
 
+    /// Runs `f` on every unit, even after one fails (nothing is left half done), and
+    /// returns the first error.
+    pub(super) fn each_unit_all(
+        &mut self,
+        mut f: impl FnMut(&mut FullyShardedDataParallel) -> Result<()>,
+    ) -> Result<()> {
+        let mut first = Ok(());
+        self.each_unit(|u| {
+            let r = f(u);
+            if first.is_ok() {
+                first = r;
+            }
+        });
+        first
+    }
+
     /// What an optimizer steps on: views of every unit's local shard and gradient shard,
     /// one per trainable parameter with elements on this rank (frozen parameters and
     /// padding excluded, so they are never updated, not even by weight decay); under
