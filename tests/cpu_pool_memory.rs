@@ -61,20 +61,28 @@ fn live() -> isize {
 const WIDTH: usize = 1024;
 const LAYERS: usize = 4;
 const ROWS: usize = 8;
-/// One buffer of the largest size: a 1024 x 1024 f32 weight, 4 MiB.
-const BLOCK: isize = (WIDTH * WIDTH * 4) as isize;
-/// What may stay above the baseline once everything is dropped and the cache emptied:
-/// state made once per process on first use (the GEMM thread pool's and the runtime's
-/// statics), not per model: 64 KiB, against 4 MiB for one of the model's blocks.
+/// One buffer of the largest size: a unit's unsharded flat parameter (or gradient), the
+/// 1024 x 1024 weight and 1024 bias in f32, 4 MiB + 4 KiB.
+const BLOCK: isize = ((WIDTH * WIDTH + WIDTH) * 4) as isize;
+/// Live bytes outside the pool that may move: what the runtime makes once per process or
+/// per model and keeps for the process group's life (a communicator subgroup per FSDP root,
+/// ~0.5 KB a cycle, measured; the first use's statics), not buffers: 64 KiB, against the
+/// 4 MiB of one block.
 const SLACK: isize = 64 << 10;
+/// The most the pool may grow by new peaks: four blocks, one unit's unsharded parameter and
+/// gradient more on each of the two ranks when one runs ahead of the other (measured on a
+/// loaded 2-core machine: none to one block over 10 cycles, two over 90 steps).
+const NEW_PEAKS: isize = 4 * BLOCK;
 
 /// 4 x Linear(1024, 1024) wrapped per layer, as in pytorch#149100.
 fn model(pg: Group) -> fsdp::Result<FullyShardedDataParallel> {
     let key = InitKey::new(7);
     let layers = (0..LAYERS)
         .map(|i| {
-            Ok(Box::new(Linear::new(WIDTH, WIDTH, true, &key.child(&i.to_string()))?)
-                as Box<dyn Module>)
+            Ok(
+                Box::new(Linear::new(WIDTH, WIDTH, true, &key.child(&i.to_string()))?)
+                    as Box<dyn Module>,
+            )
         })
         .collect::<fsdp::Result<Vec<_>>>()?;
     let cfg = FsdpConfig {
@@ -169,20 +177,29 @@ fn build_train_drop_cycles_level_off() {
         last.pool_misses - first.pool_misses,
         last.heap_allocations - first.heap_allocations,
     );
-    let worst = *growth.iter().max().unwrap();
-    assert!(
-        worst <= BLOCK,
-        "live bytes grew {worst} B over the level after the first cycle (bound {BLOCK} B, one \
-         block): {growth:?}"
-    );
+    // Beyond the level after the first cycle, live bytes grow only by the buffers of new
+    // peaks (a length needed more times at once than ever before, when the two ranks'
+    // threads interleave differently), and by at most NEW_PEAKS of those; the old pool grew
+    // 84 MB a cycle here, keeping every state dict's tensors.
+    for (i, ((l, s), g)) in levels.iter().zip(&growth).enumerate() {
+        let new_peaks = (s.pool_miss_bytes - first.pool_miss_bytes) as isize;
+        assert!(
+            new_peaks <= NEW_PEAKS && (g - new_peaks).abs() <= SLACK,
+            "after cycle {}: live {l} B, {g} B over the first cycle's level, {new_peaks} B of \
+             new peaks (bounds: {NEW_PEAKS} B of new peaks, {SLACK} B beyond them): {growth:?}",
+            i + 1
+        );
+    }
     // The pool served the same model's buffers again: the later cycles asked the pool for
-    // their buffers and found them (a handful of misses where the two ranks' interleaving
-    // set a new peak of a length).
+    // their buffers and found them.
     let (hits, misses) = (
         last.pool_hits - first.pool_hits,
         last.pool_misses - first.pool_misses,
     );
-    assert!(hits > 0 && misses * 20 <= hits, "{hits} hits, {misses} misses");
+    assert!(
+        hits > 0 && misses * 100 <= hits,
+        "{hits} hits, {misses} misses"
+    );
 }
 
 #[test]
@@ -213,15 +230,29 @@ fn live_bytes_are_flat_from_step_10_to_100() {
         s100.heap_allocations - s10.heap_allocations,
         s100.pool_misses - s10.pool_misses,
     );
+    // The pool grows only where the step needed more buffers of a length at once than
+    // ever before (a new peak: the two ranks' threads interleaved differently), and then
+    // by exactly those buffers: nothing else accumulates (the old pool grew 17.7 MB here,
+    // keeping every step's input vectors).
+    let misses = s100.pool_misses - s10.pool_misses;
+    let new_peaks = (s100.pool_miss_bytes - s10.pool_miss_bytes) as isize;
+    let hits = s100.pool_hits - s10.pool_hits;
     assert!(
-        (at100 - at10).abs() <= BLOCK,
-        "live bytes moved {} B from step 10 to step 100 (bound {BLOCK} B, one block)",
+        (at100 - at10 - new_peaks).abs() <= SLACK,
+        "live bytes moved {} B from step 10 to step 100, {new_peaks} B of them new peaks \
+         (bound {SLACK} B beyond those)",
         at100 - at10
     );
-    // Every buffer of a steady step came from the pool: the heap gave only the 4 input
-    // vectors a step (2 ranks x inputs and targets), handed in by the test.
-    assert_eq!(s100.pool_misses, s10.pool_misses);
-    assert_eq!(s100.heap_allocations - s10.heap_allocations, 90 * 4);
+    assert!(
+        new_peaks <= NEW_PEAKS,
+        "{misses} misses, {new_peaks} B of new peaks (bound {NEW_PEAKS} B)"
+    );
+    // Every other buffer of a steady step came from the pool.
+    assert!(
+        hits > 1000 * misses.max(1) / 100,
+        "{hits} hits, {misses} misses"
+    );
+    assert_eq!(s100.active_bytes, s10.active_bytes, "the model's state");
 }
 
 #[test]
@@ -244,8 +275,15 @@ fn empty_cache_with_everything_dropped_returns_to_the_baseline() {
         after - baseline
     );
     assert_eq!(dropped.users, 0);
-    assert_eq!(dropped.pooled_bytes, 0, "the last user's drop empties the pool");
-    assert_eq!((stats.active_bytes, stats.pooled_bytes), (0, 0), "{stats:?}");
+    assert_eq!(
+        dropped.pooled_bytes, 0,
+        "the last user's drop empties the pool"
+    );
+    assert_eq!(
+        (stats.active_bytes, stats.pooled_bytes),
+        (0, 0),
+        "{stats:?}"
+    );
     assert!(held > 4 * BLOCK, "the cycles held {held} B");
     assert!(
         after - baseline <= SLACK,

@@ -162,7 +162,11 @@ impl Tensor {
     /// Zero-filled CPU tensor (from the [buffer pool](pool) when it can). Aborts when the
     /// memory is not there, as `vec!` does; [`Tensor::try_zeros`] returns the error.
     pub fn zeros(shape: &[usize], dtype: DType) -> Tensor {
-        Self::from_storage(pool::take_storage(dtype, numel_of(shape), true), dtype, shape)
+        Self::from_storage(
+            pool::take_storage(dtype, numel_of(shape), true),
+            dtype,
+            shape,
+        )
     }
 
     /// [`Tensor::zeros`] for a shape that came from outside: the error instead of an abort.
@@ -188,7 +192,11 @@ impl Tensor {
 
     /// [`Tensor::scratch_f32`] in any host dtype.
     pub(crate) fn scratch(shape: &[usize], dtype: DType) -> Tensor {
-        Self::from_storage(pool::take_storage(dtype, numel_of(shape), false), dtype, shape)
+        Self::from_storage(
+            pool::take_storage(dtype, numel_of(shape), false),
+            dtype,
+            shape,
+        )
     }
 
     /// [`Tensor::scratch`], or [`Error::OutOfMemory`].

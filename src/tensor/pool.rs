@@ -127,6 +127,7 @@ struct Pool {
     active_peak: usize,
     reserved_peak: usize,
     misses: u64,
+    miss_bytes: u64,
     released: u64,
     /// Live [`PoolUser`]s.
     users: usize,
@@ -147,9 +148,7 @@ impl Pool {
         self.active_bytes += bytes_of(key.0, key.1);
         self.active_buffers += 1;
         self.active_peak = self.active_peak.max(self.active_bytes);
-        self.reserved_peak = self
-            .reserved_peak
-            .max(self.active_bytes + self.free_bytes);
+        self.reserved_peak = self.reserved_peak.max(self.active_bytes + self.free_bytes);
     }
 
     /// Undoes [`Pool::went_live`] for a buffer that could not be allocated.
@@ -173,6 +172,7 @@ impl Pool {
             }
             None => {
                 self.misses += 1;
+                self.miss_bytes += bytes_of(key.0, key.1) as u64;
                 None
             }
         }
@@ -189,9 +189,8 @@ impl Pool {
             return Some(buf);
         };
         b.live = b.live.saturating_sub(1);
-        let keep = b.demanded
-            && b.live + b.free.len() < b.peak
-            && self.free_bytes + bytes <= pool_limit();
+        let keep =
+            b.demanded && b.live + b.free.len() < b.peak && self.free_bytes + bytes <= pool_limit();
         if keep {
             b.free.push(buf);
             self.free_bytes += bytes;
@@ -238,6 +237,7 @@ impl Pool {
             heap_allocations: allocations(),
             pool_hits: reuses(),
             pool_misses: self.misses,
+            pool_miss_bytes: self.miss_bytes,
             pool_releases: self.released,
             users: self.users,
         }
@@ -283,6 +283,8 @@ pub struct HostMemoryStats {
     /// Requests the pool could not serve (a new buffer was allocated) since the process
     /// started.
     pub pool_misses: u64,
+    /// Bytes of the buffers allocated for [`pool_misses`](Self::pool_misses).
+    pub pool_miss_bytes: u64,
     /// Buffers the pool gave back to the allocator (beyond its bound, or by
     /// [`empty_cache`] or the last [`PoolUser`]) since the process started
     /// (`"num_device_free"`).
@@ -493,17 +495,31 @@ mod tests {
         let b = Tensor::zeros(&[len], DType::F64);
         b.data_mut::<f64>().unwrap().fill(2.5);
         drop(b);
-        assert_eq!((free_of(DType::BF16, len), free_of(DType::F64, len)), (1, 1));
+        assert_eq!(
+            (free_of(DType::BF16, len), free_of(DType::F64, len)),
+            (1, 1)
+        );
         // Stale values for an op that overwrites them, zeros when asked.
         let a = Tensor::scratch(&[len], DType::BF16);
-        assert!(a.data::<half::bf16>().unwrap().iter().all(|x| *x == half::bf16::ONE));
+        assert!(a
+            .data::<half::bf16>()
+            .unwrap()
+            .iter()
+            .all(|x| *x == half::bf16::ONE));
         let b = Tensor::zeros(&[len], DType::F64);
         assert!(b.data::<f64>().unwrap().iter().all(|x| *x == 0.0));
-        assert_eq!((free_of(DType::BF16, len), free_of(DType::F64, len)), (0, 0));
+        assert_eq!(
+            (free_of(DType::BF16, len), free_of(DType::F64, len)),
+            (0, 0)
+        );
         // Another dtype of the same length is not served the bf16 buffer.
         drop(a);
         let c = Tensor::scratch(&[len], DType::F16);
-        assert!(c.data::<half::f16>().unwrap().iter().all(|x| *x == half::f16::ZERO));
+        assert!(c
+            .data::<half::f16>()
+            .unwrap()
+            .iter()
+            .all(|x| *x == half::f16::ZERO));
         assert_eq!(free_of(DType::BF16, len), 1);
     }
 
