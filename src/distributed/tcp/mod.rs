@@ -79,6 +79,9 @@ struct World {
     /// that fails after dropping a subgroup (an FSDP model freed on its way out) then still
     /// tells the peers waiting in it why, instead of only that it left.
     meshes: Mutex<Vec<Arc<Mesh>>>,
+    /// The world is a user of the CPU buffer pool: the last group or model to drop
+    /// empties it.
+    _pool_user: crate::tensor::PoolUser,
 }
 
 /// One rank's handle to a group of the `tcp` backend. The world group comes from
@@ -202,6 +205,7 @@ impl TcpGroup {
             job: rv.job.clone(),
             failure: Arc::new(WorldFailure::default()),
             meshes: Mutex::new(Vec::new()),
+            _pool_user: crate::tensor::PoolUser::new(),
         });
         Self::build(world, "pg/world".into(), what, (0..rv.world_size).collect())
     }
