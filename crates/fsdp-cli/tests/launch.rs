@@ -4,6 +4,9 @@
 
 #[path = "../../../tests/common/mod.rs"]
 mod common;
+#[cfg(target_os = "linux")]
+#[path = "launch/orphans.rs"]
+mod orphans;
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
