@@ -113,3 +113,78 @@ fn killing_the_launcher_of_4_ranks_leaves_no_rank_running() {
 fn ranks_blocked_in_a_collective_die_with_their_launcher() {
     no_rank_outlives_its_killed_launcher(4, Some(2));
 }
+
+/// Connections to local port `port` in state ESTABLISHED (`/proc/net/tcp`, both ends when
+/// they are on this machine).
+fn established_to(port: u16) -> usize {
+    let text = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+    let want = format!(":{port:04X}");
+    text.lines()
+        .skip(1)
+        .filter(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.len() > 3 && f[1].ends_with(&want) && f[3] == "01"
+        })
+        .count()
+}
+
+/// Rank 1 of a world of 3 waits at rank 0's store for rank 2, which never comes; rank 0 is
+/// killed: rank 1 ends at once, naming the store it lost and its host, not a timeout.
+#[test]
+fn a_rank_that_loses_the_rendezvous_store_names_it() {
+    let dir = tmp_dir("store-lost");
+    let data = corpus(&dir);
+    let port = super::common::free_port();
+    // 6 rows: a batch 3 ranks split.
+    let mut job = small_job(&data, 5);
+    let at = job.iter().position(|a| a == "--global-batch").unwrap();
+    job[at + 1] = "6".into();
+    let rank = |r: &str| {
+        let mut c = fsdp();
+        c.args(&job)
+            .env("RANK", r)
+            .env("WORLD_SIZE", "3")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("FSDP_JOB_SECRET", "a secret of 24 characters")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped());
+        c.spawn().unwrap()
+    };
+    let mut r0 = rank("0");
+    let r1 = rank("1");
+    // Rank 0's own client and rank 1's connection, both accepted by the store.
+    let t = Instant::now();
+    while established_to(port) < 2 {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "rank 1 never connected"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Past its handshake and into the wait for rank 2 (milliseconds of work; should it be
+    // slower, it loses the store in a request before the wait, which the assertions below
+    // take too).
+    std::thread::sleep(Duration::from_secs(1));
+    r0.kill().unwrap();
+    let _ = r0.wait();
+    let out = r1.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(!out.status.success());
+    assert!(!err.contains("timed out"), "{err}");
+    // Lost while waiting for rank 2 (or, when rank 0 died sooner, in the store request
+    // before that wait): the store's address and the rank either way.
+    assert!(
+        err.contains(&format!("TCPStore at 127.0.0.1:{port} (rank 1)")),
+        "{err}"
+    );
+    if err.contains("wait(") {
+        assert!(
+            err.starts_with(&format!(
+                "[rank 1] error: rank 0 failed: init_process_group (rendezvous '127.0.0.1:{port}') on rank 1: lost the rendezvous store that rank 0 hosts, while waiting for "
+            )),
+            "{err}"
+        );
+    }
+}
