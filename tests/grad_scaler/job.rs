@@ -221,7 +221,10 @@ fn resume_goes_on_with_the_checkpoints_scale_and_growth_tracker() {
     )
     .unwrap_err()
     .to_string();
-    assert!(err.contains("pass --no-grad-scaler"), "{err}");
+    assert!(
+        err.contains("pass the checkpoint's values: --no-grad-scaler (this run: the grad scaler, on under --mixed-precision f16; the checkpoint's run trained unscaled)"),
+        "{err}"
+    );
 }
 
 #[test]
