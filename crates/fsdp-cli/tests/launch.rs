@@ -7,6 +7,9 @@ mod common;
 #[cfg(target_os = "linux")]
 #[path = "launch/orphans.rs"]
 mod orphans;
+#[cfg(unix)]
+#[path = "launch/restarts.rs"]
+mod restarts;
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
