@@ -251,16 +251,14 @@ pub fn elastic_launch(cfg: &ElasticLaunchConfig, program: &OsStr, args: &[OsStri
         match run(cfg, &job, &dir, &program, args) {
             Err(Ended::Failed(e)) if restart < cfg.max_restarts => {
                 restart += 1;
-                // One write: the line cannot interleave with a child's output.
-                eprint!(
-                    "{}",
-                    format!(
-                        "fsdp launch: {e}; restarting the {} local rank{} (restart {restart} of {}, rendezvous round {restart})\n",
-                        cfg.nproc_per_node,
-                        if cfg.nproc_per_node == 1 { "" } else { "s" },
-                        cfg.max_restarts
-                    )
+                let line = format!(
+                    "fsdp launch: {e}; restarting the {} local rank{} (restart {restart} of {}, rendezvous round {restart})\n",
+                    cfg.nproc_per_node,
+                    if cfg.nproc_per_node == 1 { "" } else { "s" },
+                    cfg.max_restarts
                 );
+                // One write: the line cannot interleave with a child's output.
+                eprint!("{line}");
             }
             Err(Ended::Failed(e)) if restart > 0 => {
                 break Err(after_restarts(e, restart));

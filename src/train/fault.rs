@@ -85,6 +85,7 @@ impl FailAt {
 }
 
 /// The `FSDP_KILL_ONCE` variable's name.
+#[cfg_attr(not(feature = "test-hooks"), allow(dead_code))] // read only with test-hooks
 pub(crate) const KILL_VAR: &str = "FSDP_KILL_ONCE";
 
 /// Where the process kills itself, once (see the module doc).

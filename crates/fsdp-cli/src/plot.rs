@@ -462,6 +462,16 @@ fn escape(text: &str) -> String {
         .replace('"', "&quot;")
 }
 
+/// What a line that does not parse as JSON is, without serde's line number (always 1: the
+/// file's line is named already): `not JSON at column 2: expected ident`.
+fn not_json(e: &serde_json::Error) -> String {
+    let text = e.to_string();
+    let what = text
+        .rsplit_once(" at line ")
+        .map_or(text.as_str(), |(what, _)| what);
+    format!("not JSON at column {}: {what}", e.column())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -493,14 +503,4 @@ mod tests {
         assert_eq!(a.at(11.0, 5.0), (110.0, 0.0));
         assert_eq!(escape("a<b & \"c\""), "a&lt;b &amp; &quot;c&quot;");
     }
-}
-
-/// What a line that does not parse as JSON is, without serde's line number (always 1: the
-/// file's line is named already): `not JSON at column 2: expected ident`.
-fn not_json(e: &serde_json::Error) -> String {
-    let text = e.to_string();
-    let what = text
-        .rsplit_once(" at line ")
-        .map_or(text.as_str(), |(what, _)| what);
-    format!("not JSON at column {}: {what}", e.column())
 }
