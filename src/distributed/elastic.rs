@@ -27,7 +27,7 @@
 //! Only the direct children are stopped (`SIGKILL`), not processes they started in turn;
 //! they stay in the launcher's process group, so a Ctrl-C in the terminal reaches them all.
 //! A launcher killed outright (`SIGKILL`) takes its children with it on Linux
-//! ([`die_with_launcher`](super::signals::die_with_launcher)): no rank outlives it.
+//! (`PR_SET_PDEATHSIG`, set in each child before exec): no rank outlives it.
 //!
 //! A child that is a Rust program using this crate reports its error with [`record_error`]
 //! (torch's `@record`): the launcher reads it from `TORCHELASTIC_ERROR_FILE`, and prefers a

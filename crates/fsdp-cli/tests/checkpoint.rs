@@ -140,19 +140,22 @@ fn killed_during_a_save(mode: &[&str], steps: usize) {
     );
 }
 
+/// `fsdp train --data DATA --steps 2 EXTRA`.
+fn train_2_steps(data: &std::path::Path, extra: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_fsdp"))
+        .arg("train")
+        .args(["--data", data.to_str().unwrap(), "--steps", "2"])
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
 #[test]
 fn bad_checkpoint_options_are_one_line_errors() {
     let data = corpus_file("ckpt-cli");
     let held = tmp_dir("ckpt-cli-held");
     std::fs::write(held.join("notes.txt"), "mine").unwrap();
-    let run = |extra: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_fsdp"))
-            .arg("train")
-            .args(["--data", data.to_str().unwrap(), "--steps", "2"])
-            .args(extra)
-            .output()
-            .unwrap()
-    };
+    let run = |extra: &[&str]| train_2_steps(&data, extra);
     for (args, want) in [
         (vec!["--save-every", "5"], "--save-every 5 needs --save-dir"),
         (
@@ -224,14 +227,7 @@ fn a_resume_with_another_shape_names_the_checkpoints_value_to_pass() {
 #[test]
 fn resume_if_present_needs_a_save_dir_and_excludes_resume() {
     let data = corpus_file("ckpt-cli-rip");
-    let run = |extra: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_fsdp"))
-            .arg("train")
-            .args(["--data", data.to_str().unwrap(), "--steps", "2"])
-            .args(extra)
-            .output()
-            .unwrap()
-    };
+    let run = |extra: &[&str]| train_2_steps(&data, extra);
     let out = run(&["--resume-if-present"]);
     assert_eq!(
         String::from_utf8_lossy(&out.stderr),
