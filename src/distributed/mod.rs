@@ -33,6 +33,7 @@ mod backoff;
 mod composite;
 mod desc;
 pub mod elastic;
+mod failures;
 pub mod fingerprint;
 mod init;
 mod init_options;

@@ -284,6 +284,7 @@ pub(super) fn run_rank(
     fail: Option<super::fault::FailAt>,
 ) -> Result<TrainReport> {
     let rank = pg.rank();
+    let kill = super::fault::KillOnce::from_env(cfg.world_size, cfg.steps)?;
     let mut engine = build_engine(cfg, pg.clone())?;
     let device = engine.device();
     let num_params = num_parameters(engine.module());
@@ -354,6 +355,9 @@ pub(super) fn run_rank(
             drop(logits);
             if let Some(f) = fail {
                 f.check(rank, step)?; // test-only (FSDP_FAIL_RANK)
+            }
+            if let Some(k) = &kill {
+                k.check(rank, step); // test-only (FSDP_KILL_ONCE)
             }
             crate::ops::add_div_(&l, &lk, k_total as f32)?;
             if k_total > 1 {

@@ -42,6 +42,17 @@ pub(crate) struct LaunchArgs {
     /// FSDP_JOB_SECRET variable, else a fresh random one; several nodes must share one).
     #[arg(long, value_name = "FILE")]
     job_secret_file: Option<PathBuf>,
+    /// Restart the group of local ranks up to N times after a rank fails, each time at a
+    /// fresh rendezvous round (ranks see TORCHELASTIC_RESTART_COUNT); pair with `fsdp
+    /// train --resume-if-present` to go on from the last checkpoint.
+    #[arg(
+        long,
+        alias = "max_restarts",
+        allow_hyphen_values = true,
+        default_value_t = 0,
+        value_name = "N"
+    )]
+    max_restarts: usize,
     /// The program to run on every rank and its arguments, after `--` (`fsdp` is this
     /// executable).
     #[arg(last = true, required = true, value_name = "PROGRAM [ARGS]")]
@@ -58,6 +69,7 @@ pub(crate) fn run_launch(a: LaunchArgs) -> fsdp::Result<()> {
         master_port: a.master_port,
         job_id: a.rdzv_id,
         job_secret: job_secret(a.job_secret_file.as_deref())?,
+        max_restarts: a.max_restarts,
     };
     let Some((program, args)) = a.command.split_first() else {
         return Err(fsdp::Error::InvalidArgument(

@@ -256,6 +256,11 @@ struct TrainArgs {
     /// --world-size and --strategy; pass the run's other options unchanged.
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// Resume from --save-dir's latest checkpoint when it holds one, else start at step 1:
+    /// one command line for the first start and every restart of `fsdp launch
+    /// --max-restarts`. --metrics then keeps the steps up to the checkpoint's.
+    #[arg(long, conflicts_with = "resume")]
+    resume_if_present: bool,
     /// Start over in a --save-dir that holds another run's checkpoints: delete the
     /// checkpoints fsdp wrote there first (other files are kept).
     #[arg(long)]
@@ -288,6 +293,27 @@ pub(crate) fn base_config(m: &ModelArgs, data: PathBuf) -> TrainConfig {
     }
 }
 
+/// What `--resume` or `--resume-if-present` resumes from: `--save-dir` itself (its
+/// `latest`) when it names a checkpoint, else nothing.
+///
+/// # Errors
+/// `InvalidArgument` for `--resume-if-present` without `--save-dir`.
+fn resume_from(a: &TrainArgs) -> fsdp::Result<Option<PathBuf>> {
+    if !a.resume_if_present {
+        return Ok(a.resume.clone());
+    }
+    let Some(dir) = &a.save_dir else {
+        return Err(fsdp::Error::InvalidArgument(
+            "--resume-if-present needs --save-dir (where to look for the checkpoint to resume)"
+                .into(),
+        ));
+    };
+    Ok(dir
+        .join(fsdp::checkpoint::LATEST_FILE)
+        .exists()
+        .then(|| dir.clone()))
+}
+
 fn run_train(a: TrainArgs) -> fsdp::Result<()> {
     // Under a launcher this process is one rank of the job.
     let env = RankEnv::from_env()?;
@@ -302,6 +328,7 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         (None, Some(e)) => e.world_size,
         (None, None) => D.world_size,
     };
+    let resume = resume_from(&a)?;
     let cfg = TrainConfig {
         world_size,
         strategy: a.strategy,
@@ -335,7 +362,7 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         async_save: a.async_save,
         keep_last: a.keep_last,
         checkpoint_type: a.checkpoint_type,
-        resume: a.resume.clone(),
+        resume,
         overwrite: a.overwrite,
         ..base_config(&a.model, a.data.clone())
     };
@@ -350,6 +377,7 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
             )));
         }
     }
+    let fresh = a.resume_if_present && cfg.resume.is_none();
     if let Some(e) = env.filter(|e| e.rank != 0) {
         // Rank 0 prints and logs for the job; the other ranks train silently.
         return train::train_rank(&cfg, &e, &train::Silent).map(drop);
@@ -384,6 +412,12 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         cfg.seq_len,
         cfg.data.display()
     );
+    if let (true, Some(d)) = (fresh, &cfg.save_dir) {
+        out!(
+            "--resume-if-present: no checkpoint in {} yet, starting at step 1",
+            d.display()
+        );
+    }
     let bar = std::io::stderr().is_terminal().then(|| {
         let b = ProgressBar::new(cfg.steps as u64);
         b.set_style(

@@ -213,7 +213,12 @@ pub(super) fn connect(spec: MeshSpec<'_>, failure: Arc<WorldFailure>) -> Result<
 /// still missing: what it reports if the store goes away (its host gave up) meanwhile.
 const ADDRESS_POLL: Duration = Duration::from_millis(200);
 
+/// How close to the deadline the store's host may give up for its loss to be the timeout:
+/// the host's deadline is about this rank's.
+const STORE_HOST_SLACK: Duration = Duration::from_secs(5);
+
 /// Waits until every member published its address; on timeout names the ones that did not.
+/// A store lost long before the deadline is rank 0's failure (`PeerFailed`), naming it.
 fn wait_for_addresses(spec: &MeshSpec<'_>, keys: &[String], deadline: Instant) -> Result<()> {
     let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
     let mut missing: Option<Vec<usize>> = None;
@@ -222,10 +227,21 @@ fn wait_for_addresses(spec: &MeshSpec<'_>, keys: &[String], deadline: Instant) -
             .saturating_duration_since(Instant::now())
             .min(ADDRESS_POLL);
         let res = spec.store.wait_timeout(&refs, slice);
-        let store_gone = |e: Error, missing: Option<Vec<usize>>| match missing {
+        let store_gone = |e: Error, missing: Option<Vec<usize>>| {
+            match missing {
             // The store's host (rank 0) gave up at its deadline, which is about ours.
-            Some(m) => spec.timeout_err(m),
-            None => e,
+            Some(m) if Instant::now() + STORE_HOST_SLACK >= deadline => spec.timeout_err(m),
+            // Long before it: the host is gone (killed, its machine unreachable).
+            m => Error::PeerFailed {
+                failed_rank: 0,
+                reason: format!(
+                    "{} on rank {}: lost the rendezvous store that rank 0 hosts, while waiting for {}: {e}",
+                    spec.what,
+                    spec.me(),
+                    m.map_or("the members' addresses".into(), |m| format!("ranks {m:?} to join"))
+                ),
+            },
+        }
         };
         match res {
             Ok(()) => return Ok(()),
