@@ -3,8 +3,9 @@
 
 use super::protocol::{op, read_frame, status, write_frame, Decoder, Encoder, MAGIC, MAX_KEY};
 use super::{Store, TcpStoreServer};
-use crate::distributed::auth::JobAuth;
+use crate::distributed::auth::{self, JobAuth};
 use crate::distributed::backoff::Backoff;
+use crate::distributed::waiting::Ticker;
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
 use std::io;
@@ -143,8 +144,16 @@ impl TcpStore {
             Duration::from_millis(100),
             deadline,
         );
+        // What the progress lines say this rank waits for (see `waiting.rs`).
+        let state = Arc::new(Mutex::new("no attempt answered yet"));
+        let _ticker = {
+            let (addr, state) = (addr.clone(), state.clone());
+            Ticker::start(rank, timeout, move || {
+                format!("connecting to the TCPStore at {addr} ({})", state.lock())
+            })
+        };
         let mut last: Option<io::Error> = None;
-        let stream = loop {
+        loop {
             let targets = resolve(host, port)?;
             let left = deadline.saturating_duration_since(Instant::now());
             let mut no_route: Option<io::Error> = None;
@@ -160,7 +169,15 @@ impl TcpStore {
                 }
             }
             if let Some(s) = reached {
-                break s;
+                *state.lock() = "connected; the server has not answered the job handshake";
+                let left = deadline.saturating_duration_since(Instant::now());
+                match Self::greet(s, addr.clone(), port, rank, timeout, &auth, left) {
+                    Err(e) if auth::is_busy(&e) => {
+                        *state.lock() = BUSY;
+                        last = Some(io::ErrorKind::ResourceBusy.into());
+                    }
+                    res => return res.map(|(store, _)| store),
+                }
             }
             // Every address has no route to it: no retry will find one.
             if let (Some(e), None) = (no_route, &last) {
@@ -171,16 +188,17 @@ impl TcpStore {
                     e,
                 ));
             }
+            let why = match last.as_ref().map(io::Error::kind) {
+                Some(io::ErrorKind::ConnectionRefused) => {
+                    "nothing listens there (connection refused): rank 0 never started its store"
+                }
+                Some(io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock) => {
+                    "no answer (every attempt timed out): a wrong address, a host that is down, or a firewall"
+                }
+                Some(io::ErrorKind::ResourceBusy) => BUSY,
+                _ => "no server answered",
+            };
             if !backoff.wait() {
-                let why = match last.as_ref().map(io::Error::kind) {
-                    Some(io::ErrorKind::ConnectionRefused) => {
-                        "nothing listens there (connection refused): rank 0 never started its store"
-                    }
-                    Some(io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock) => {
-                        "no answer (every attempt timed out): a wrong address, a host that is down, or a firewall"
-                    }
-                    _ => "no server answered",
-                };
                 return Err(Error::Timeout {
                     op: format!("connecting to the TCPStore at {addr} ({why})"),
                     rank,
@@ -188,9 +206,12 @@ impl TcpStore {
                     missing_ranks: Vec::new(),
                 });
             }
+            *state.lock() = match why {
+                "no server answered" => why,
+                _ => why.split(':').next().unwrap_or(why),
+            };
             last = None;
-        };
-        Ok(Self::greet(stream, addr, port, rank, timeout, &auth, timeout)?.0)
+        }
     }
 
     /// Rank 0's client of the server it hosts, through `host` as every rank will: the
@@ -442,6 +463,9 @@ impl TcpStore {
 
 /// Longest rank 0 tries to reach the server it hosts (see `reach_own`).
 const HOSTING_PROBE: Duration = Duration::from_secs(5);
+
+/// Why a client retries a server that answered `BUSY`.
+const BUSY: &str = "the server was busy with other connections' handshakes (refused for now)";
 
 /// Longest one connection attempt waits for an answer.
 const ATTEMPT: Duration = Duration::from_secs(2);

@@ -33,7 +33,7 @@ mod protocol;
 mod server;
 
 pub use client::TcpStore;
-pub use server::TcpStoreServer;
+pub use server::{TcpStoreServer, MAX_HANDSHAKES};
 
 use crate::error::Result;
 use std::sync::Arc;

@@ -15,6 +15,7 @@
 
 use super::wire::{self, kind, Handshake, Payload, BYTE_ORDER, HANDSHAKE_LEN};
 use crate::distributed::backoff::Backoff;
+use crate::distributed::waiting::Pacer;
 use crate::distributed::{JobAuth, Store};
 use crate::error::{Error, Result};
 use parking_lot::{Condvar, Mutex};
@@ -217,6 +218,7 @@ const ADDRESS_POLL: Duration = Duration::from_millis(200);
 fn wait_for_addresses(spec: &MeshSpec<'_>, keys: &[String], deadline: Instant) -> Result<()> {
     let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
     let mut missing: Option<Vec<usize>> = None;
+    let mut pace = Pacer::new(spec.me(), spec.timeout);
     loop {
         let slice = deadline
             .saturating_duration_since(Instant::now())
@@ -241,6 +243,7 @@ fn wait_for_addresses(spec: &MeshSpec<'_>, keys: &[String], deadline: Instant) -
                 if Instant::now() >= deadline {
                     return Err(spec.timeout_err(now_missing));
                 }
+                pace.tick(|| format!("{}: ranks {now_missing:?} have not joined", spec.what));
                 missing = Some(now_missing);
             }
             Err(e) => return Err(store_gone(e, missing)),
@@ -327,14 +330,18 @@ fn accept_higher(
         .set_nonblocking(true)
         .map_err(|e| spec.io("configuring the listener".into(), e))?;
     let mut gate = super::mesh_auth::Gate::default();
+    let mut pace = Pacer::new(spec.me(), spec.timeout);
     while streams[me + 1..].iter().any(Option::is_none) {
-        if Instant::now() >= deadline {
-            let missing = (me + 1..n)
+        let missing = || -> Vec<usize> {
+            (me + 1..n)
                 .filter(|&r| streams[r].is_none())
                 .map(|r| spec.members[r])
-                .collect();
-            return Err(spec.timeout_err(missing));
+                .collect()
+        };
+        if Instant::now() >= deadline {
+            return Err(spec.timeout_err(missing()));
         }
+        pace.tick(|| format!("{}: ranks {:?} have not connected", spec.what, missing()));
         let (mut s, from) = match listener.accept() {
             Ok(a) => a,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -495,6 +502,7 @@ impl Mesh {
         deadline: Instant,
     ) -> Result<Vec<(u8, Payload)>> {
         let mut st = self.inbox.state.lock();
+        let mut pace = Pacer::new(self.me(), self.timeout);
         loop {
             if from.iter().all(|&p| !st.queues[p].is_empty()) {
                 return Ok(from
@@ -518,13 +526,22 @@ impl Mesh {
             {
                 return Err(self.closed_error(p, why, op));
             }
-            if self.inbox.cv.wait_until(&mut st, deadline).timed_out() {
+            if self
+                .inbox
+                .cv
+                .wait_until(&mut st, pace.until(deadline))
+                .timed_out()
+            {
                 let missing: Vec<usize> = from
                     .iter()
                     .filter(|&&p| st.queues[p].is_empty())
                     .map(|&p| self.members[p])
                     .collect();
                 if missing.is_empty() {
+                    continue;
+                }
+                if Instant::now() < deadline {
+                    pace.tick(|| format!("{op}: ranks {missing:?} have not arrived"));
                     continue;
                 }
                 return Err(Error::Timeout {

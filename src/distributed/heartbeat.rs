@@ -1,0 +1,1 @@
+//! Heartbeats between the ranks of the `tcp` backend (to be written).
