@@ -6,7 +6,7 @@
 //! share stderr):
 //!
 //! ```text
-//! fsdp: rank 1 still waiting after 5 s (timeout 300 s): connecting to the TCPStore at 10.0.0.1:29500 (nothing listens there yet: rank 0 hosts it)
+//! fsdp: rank 1 still waiting after 5 s (timeout 300 s): connecting to the TCPStore at 10.0.0.1:29500: nothing listens there (connection refused)
 //! fsdp: rank 0 still waiting after 10 s (timeout 300 s): all_reduce: ranks [3] have not arrived
 //! ```
 //!

@@ -45,6 +45,8 @@ pub struct TcpStore {
     timeout: Duration,
     /// The server this client hosts (`is_master`); it stops when the last handle drops.
     server: Option<Arc<TcpStoreServer>>,
+    /// Whether its requests count in `backend::counters` (not a heartbeat's connection).
+    counted: bool,
 }
 
 struct Conn {
@@ -149,7 +151,7 @@ impl TcpStore {
         let _ticker = {
             let (addr, state) = (addr.clone(), state.clone());
             Ticker::start(rank, timeout, move || {
-                format!("connecting to the TCPStore at {addr} ({})", state.lock())
+                format!("connecting to the TCPStore at {addr}: {}", state.lock())
             })
         };
         let mut last: Option<io::Error> = None;
@@ -301,6 +303,7 @@ impl TcpStore {
             rank,
             timeout,
             server: None,
+            counted: true,
         };
         let reply = store.request(
             "greeting",
@@ -340,6 +343,31 @@ impl TcpStore {
         self.server.as_deref()
     }
 
+    /// This client, with requests that do not count in `backend::counters`'s `store_ops`
+    /// (the heartbeat's own connection: no store request per training step).
+    pub(crate) fn uncounted(mut self) -> TcpStore {
+        self.counted = false;
+        self
+    }
+
+    /// Records a heartbeat of `rank` (this connection beats for it from now on; the server
+    /// forgets it when the connection closes) and returns the other ranks whose last beat
+    /// is older than `stale_after`; waits at most `stale_after` for the answer.
+    ///
+    /// # Errors
+    /// `Timeout` when the server did not answer within `stale_after` (its process is
+    /// stopped or hung); `Io` when it is gone or answered bytes that do not parse.
+    pub(crate) fn heartbeat(&self, rank: usize, stale_after: Duration) -> Result<Vec<usize>> {
+        let req = Encoder::new(op::HEARTBEAT)
+            .u64(rank as u64)
+            .u64(millis(stale_after));
+        let body = self.request("heartbeat", req, stale_after)?;
+        self.decode("heartbeat", &body, |d| {
+            let n = d.u64("count")?;
+            (0..n).map(|_| d.u64("rank").map(|r| r as usize)).collect()
+        })
+    }
+
     /// The local address of the connection to the server: the interface through which this
     /// machine reaches it, which peers can usually reach too (what a rank advertises as its
     /// own address).
@@ -366,7 +394,9 @@ impl TcpStore {
     /// Sends one request and returns the body of an `OK` reply (after the status byte).
     /// A `TIMEOUT` reply becomes [`Error::Timeout`] naming the missing keys.
     fn request(&self, what: &str, req: Encoder, reply_within: Duration) -> Result<Vec<u8>> {
-        crate::backend::counters::count_store_op();
+        if self.counted {
+            crate::backend::counters::count_store_op();
+        }
         let mut c = self.conn.lock();
         if let Some(why) = &c.broken {
             return Err(self.protocol_error(

@@ -65,6 +65,9 @@ struct Shared {
     /// Connections answered `BUSY` so far, and when that was last logged (with the count
     /// then).
     busy: Mutex<(u64, Option<(Instant, u64)>)>,
+    /// The last heartbeat of each rank that beats, by rank; a rank's entry goes when its
+    /// heartbeat connection closes (it exited, or was killed: not stale, gone).
+    beats: Mutex<HashMap<u64, Instant>>,
 }
 
 impl Shared {
@@ -195,6 +198,7 @@ impl TcpStoreServer {
             refused: Mutex::new((Vec::new(), HashSet::new())),
             handshakes: AtomicUsize::new(0),
             busy: Mutex::new((0, None)),
+            beats: Mutex::new(HashMap::new()),
         });
         let sh = shared.clone();
         let accept = std::thread::Builder::new()
@@ -321,20 +325,32 @@ fn serve(mut stream: TcpStream, sh: &Shared) {
     }
     let _ = stream.set_read_timeout(None);
     let _ = stream.set_write_timeout(None);
+    // The rank this connection beats for, if it does: forgotten when it closes.
+    let mut beating: Option<u64> = None;
+    serve_requests(&mut stream, sh, &mut beating);
+    if let Some(r) = beating {
+        sh.beats.lock().remove(&r);
+    }
+}
+
+/// Answers the requests of an admitted client until it leaves or errs.
+fn serve_requests(stream: &mut TcpStream, sh: &Shared, beating: &mut Option<u64>) {
     let mut greeted = false;
     loop {
-        let body = match read_frame(&mut stream) {
+        let body = match read_frame(stream) {
             Ok(Some(b)) => b,
             Ok(None) => return,
             Err(e) => {
-                let _ = reply_error(&mut stream, &format!("bad request: {e}"));
+                let _ = reply_error(stream, &format!("bad request: {e}"));
                 return;
             }
         };
         if sh.stop.load(Ordering::SeqCst) {
             return;
         }
-        let reply = if greeted {
+        let reply = if greeted && body.first() == Some(&op::HEARTBEAT) {
+            heartbeat(sh, &body, beating)
+        } else if greeted {
             handle(sh, &body)
         } else {
             greeted = true;
@@ -342,18 +358,47 @@ fn serve(mut stream: TcpStream, sh: &Shared) {
         };
         match reply {
             Ok(r) => {
-                if write_frame(&mut stream, &r).is_err() {
+                if write_frame(stream, &r).is_err() {
                     return;
                 }
             }
             Err(e) => {
                 // Bad bytes: say why and drop the client (its stream is out of step).
-                let _ = reply_error(&mut stream, &format!("bad request: {e}"));
+                let _ = reply_error(stream, &format!("bad request: {e}"));
                 let _ = stream.shutdown(std::net::Shutdown::Both);
                 return;
             }
         }
     }
+}
+
+/// A `HEARTBEAT`: records the beat of the rank (this connection beats for it from now on)
+/// and answers the ranks whose last beat is older than the given age, the beating rank
+/// excepted.
+fn heartbeat(sh: &Shared, body: &[u8], beating: &mut Option<u64>) -> io::Result<Vec<u8>> {
+    let mut d = Decoder::new(body);
+    d.u8("opcode")?;
+    let rank = d.u64("rank")?;
+    let stale_after = Duration::from_millis(d.u64("stale_after_ms")?);
+    d.finish()?;
+    let now = Instant::now();
+    let mut beats = sh.beats.lock();
+    if let Some(old) = beating.replace(rank).filter(|&o| o != rank) {
+        beats.remove(&old);
+    }
+    beats.insert(rank, now);
+    let mut stale: Vec<u64> = beats
+        .iter()
+        .filter(|&(_, &at)| now.duration_since(at) > stale_after)
+        .map(|(&r, _)| r)
+        .collect();
+    drop(beats);
+    stale.sort_unstable();
+    let mut e = Encoder::new(status::OK).u64(stale.len() as u64);
+    for r in stale {
+        e = e.u64(r);
+    }
+    Ok(e.0)
 }
 
 fn reply_error(stream: &mut TcpStream, msg: &str) -> io::Result<()> {

@@ -92,6 +92,8 @@ pub(super) struct Mesh {
     /// World ranks of the members, by group rank.
     pub(super) members: Vec<usize>,
     writers: Vec<Option<Mutex<TcpStream>>>,
+    /// A clone of each peer's stream, to shut it without its writer's lock (`cut`).
+    raw: Vec<Option<TcpStream>>,
     inbox: Arc<Inbox>,
     failure: Arc<WorldFailure>,
     timeout: Duration,
@@ -398,11 +400,14 @@ fn start(
     });
     failure.inboxes.lock().push(Arc::downgrade(&inbox));
     let mut writers = Vec::with_capacity(n);
+    let mut raw = Vec::with_capacity(n);
     for (p, s) in streams.into_iter().enumerate() {
         let Some(s) = s else {
             writers.push(None);
+            raw.push(None);
             continue;
         };
+        raw.push(s.try_clone().ok());
         let _ = s.set_read_timeout(None);
         let _ = s.set_write_timeout(Some(spec.timeout));
         let reader = s
@@ -419,6 +424,7 @@ fn start(
         rank: spec.rank,
         members: spec.members,
         writers,
+        raw,
         inbox,
         failure,
         timeout: spec.timeout,
@@ -583,6 +589,19 @@ impl Mesh {
             let why = closed.unwrap_or(Closed::Error(e.to_string()));
             self.closed_error(to, &why, op)
         })
+    }
+
+    /// Shuts the stream to world rank `rank` both ways, if it is a member: a send blocked
+    /// on it returns, and its reader thread ends (for a peer found dead by the heartbeat).
+    pub(super) fn cut(&self, rank: usize) {
+        if let Some(Some(s)) = self
+            .members
+            .iter()
+            .position(|&m| m == rank)
+            .map(|p| &self.raw[p])
+        {
+            let _ = s.shutdown(Shutdown::Both);
+        }
     }
 
     /// Sends `farewell` (`ABORT` with a reason, or `BYE`) to every peer, best effort, and
