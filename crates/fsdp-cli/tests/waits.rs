@@ -241,9 +241,14 @@ fn a_stopped_rank_is_named_by_the_heartbeat_long_before_the_timeout() {
             .count()
     };
     let start = Instant::now();
-    while steps(&metrics) < 150 {
+    let mut training: Option<Instant> = None;
+    // At least 3 s of steps (some 7 beats) and 100 steps.
+    while training.is_none_or(|t| t.elapsed() < Duration::from_secs(3)) || steps(&metrics) < 100 {
         assert!(start.elapsed() < Duration::from_secs(120), "no progress");
         assert!(r0.try_wait().unwrap().is_none(), "rank 0 ended early");
+        if training.is_none() && steps(&metrics) > 0 {
+            training = Some(Instant::now());
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
     signal(&r1, libc::SIGSTOP);
