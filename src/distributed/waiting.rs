@@ -36,7 +36,7 @@ pub(crate) fn period() -> Option<Duration> {
     *PERIOD.get_or_init(|| {
         let raw = std::env::var(PROGRESS_VAR).ok();
         match raw.as_deref().map(str::trim).map(str::parse::<f64>) {
-            Some(Ok(s)) if s == 0.0 => None,
+            Some(Ok(0.0)) => None,
             Some(Ok(s)) if s.is_finite() && s > 0.0 => Some(Duration::from_secs_f64(s.max(0.01))),
             _ => Some(DEFAULT_PROGRESS),
         }

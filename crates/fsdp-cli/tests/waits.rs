@@ -32,43 +32,17 @@ fn tmp_dir(name: &str) -> PathBuf {
 fn train_args(dir: &Path, steps: usize) -> Vec<String> {
     let data = dir.join("corpus.txt");
     std::fs::write(&data, common::corpus(20_000)).unwrap();
-    let steps = steps.to_string();
-    let data = data.to_str().unwrap();
-    [
-        "train",
-        "--data",
-        data,
-        "--steps",
-        &steps,
-        "--n-layer",
-        "1",
-        "--n-embd",
-        "16",
-        "--n-head",
-        "2",
-        "--global-batch",
-        "4",
-        "--seq-len",
-        "8",
-        "--eval-every",
-        "0",
-        "--sample-len",
-        "0",
-        "--log-every",
-        "0",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
-}
-
-/// A port nothing listens on right now.
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    let mut args = vec![
+        "train".to_string(),
+        "--data".into(),
+        data.display().to_string(),
+    ];
+    let rest = format!(
+        "--steps {steps} --n-layer 1 --n-embd 16 --n-head 2 --global-batch 4 --seq-len 8 \
+         --eval-every 0 --sample-len 0 --log-every 0"
+    );
+    args.extend(rest.split_whitespace().map(String::from));
+    args
 }
 
 /// Runs `cmd` to its end; fails the test (killing it) when it outlives `limit`, a generous
@@ -127,7 +101,7 @@ fn bad_timeouts_are_one_clear_line() {
 #[test]
 fn a_node_without_its_master_fails_at_the_timeout_naming_the_address_with_progress_lines() {
     let dir = tmp_dir("no-master");
-    let port = free_port();
+    let port = common::free_port();
     let addr = format!("127.0.0.1:{port}");
     let (ok, err) = run_within(
         fsdp()
@@ -213,7 +187,7 @@ fn signal(child: &Child, sig: i32) {
 #[test]
 fn a_stopped_rank_is_named_by_the_heartbeat_long_before_the_timeout() {
     let dir = tmp_dir("sigstop");
-    let port = free_port().to_string();
+    let port = common::free_port().to_string();
     let metrics = dir.join("m.jsonl");
     let rank = |r: usize| {
         let mut c = fsdp();
