@@ -57,62 +57,80 @@ fn secs(d: Duration) -> String {
     format!("{:.1} s", d.as_secs_f64())
 }
 
-/// Starts the heartbeat of `spec.rank`: a thread with its own store connection. When a
-/// peer is stale, `on_stale(rank, reason)` is called once and the thread ends.
+/// Starts the heartbeat of `spec.rank`: a thread that connects its own store client, then
+/// beats. When a peer is stale, `on_stale(rank, reason)` is called once and the thread
+/// ends. When the store cannot be reached (rank 0 left right after the rendezvous), the
+/// thread ends without a word: the mesh streams tell of a departed rank.
 ///
 /// # Errors
-/// The store connection's errors (`Timeout`, `Io`, `Refused`), or `Io` when the thread
-/// cannot start.
+/// `Io` when the thread cannot start.
 pub(crate) fn start(
     spec: BeatSpec,
     on_stale: impl Fn(usize, String) + Send + 'static,
 ) -> Result<Heartbeat> {
-    let store = TcpStore::connect_with_auth(
-        &spec.host,
-        spec.port,
-        spec.rank,
-        spec.connect_timeout,
-        spec.job.clone(),
-    )?
-    .uncounted();
     let period = spec.timeout / 5;
     let (tx, rx) = mpsc::channel::<()>();
     std::thread::Builder::new()
         .name(format!("fsdp-heartbeat-{}", spec.rank))
-        .spawn(move || loop {
-            match store.heartbeat(spec.rank, spec.timeout) {
-                Ok(stale) => {
-                    if let Some(&r) = stale.first() {
-                        on_stale(
-                            r,
-                            format!(
-                                "rank {r} sent no heartbeat for over {} (heartbeat timeout): its process is stopped (SIGSTOP), hung as a whole, or cut off from the network",
-                                secs(spec.timeout)
-                            ),
-                        );
-                        return;
-                    }
-                }
-                Err(Error::Timeout { .. }) => {
+        .spawn(move || {
+            let Ok(store) = TcpStore::connect_with_auth(
+                &spec.host,
+                spec.port,
+                spec.rank,
+                spec.connect_timeout,
+                spec.job.clone(),
+            ) else {
+                return;
+            };
+            beat(&spec, &store.uncounted(), period, &rx, on_stale);
+        })
+        .map_err(|e| Error::io("starting the heartbeat thread", e))?;
+    Ok(Heartbeat { _stop: tx })
+}
+
+/// Beats every `period` until a peer is stale, the store is gone, or `stop` closes.
+fn beat(
+    spec: &BeatSpec,
+    store: &TcpStore,
+    period: Duration,
+    stop: &mpsc::Receiver<()>,
+    on_stale: impl Fn(usize, String),
+) {
+    loop {
+        match store.heartbeat(spec.rank, spec.timeout) {
+            Ok(stale) => {
+                if let Some(&r) = stale.first() {
                     on_stale(
-                        0,
+                        r,
                         format!(
-                            "rank 0 did not answer a heartbeat within {} (heartbeat timeout; its process hosts the store at {}:{}): it is stopped (SIGSTOP), hung as a whole, or cut off from the network",
-                            secs(spec.timeout),
-                            spec.host,
-                            spec.port
+                            "rank {r} sent no heartbeat for over {} (heartbeat timeout): its process is stopped (SIGSTOP), hung as a whole, or cut off from the network",
+                            secs(spec.timeout)
                         ),
                     );
                     return;
                 }
-                // The store is gone (rank 0 exited or was killed): the mesh streams end too
-                // and name it; nothing more to watch.
-                Err(_) => return,
             }
-            if !matches!(rx.recv_timeout(period), Err(mpsc::RecvTimeoutError::Timeout)) {
+            Err(Error::Timeout { .. }) => {
+                on_stale(
+                    0,
+                    format!(
+                        "rank 0 did not answer a heartbeat within {} (heartbeat timeout; its process hosts the store at {}:{}): it is stopped (SIGSTOP), hung as a whole, or cut off from the network",
+                        secs(spec.timeout),
+                        spec.host,
+                        spec.port
+                    ),
+                );
                 return;
             }
-        })
-        .map_err(|e| Error::io("starting the heartbeat thread", e))?;
-    Ok(Heartbeat { _stop: tx })
+            // The store is gone (rank 0 exited or was killed): the mesh streams end too and
+            // name it; nothing more to watch.
+            Err(_) => return,
+        }
+        if !matches!(
+            stop.recv_timeout(period),
+            Err(mpsc::RecvTimeoutError::Timeout)
+        ) {
+            return;
+        }
+    }
 }
