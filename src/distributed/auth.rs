@@ -27,7 +27,7 @@
 //!
 //! An acceptor that has too many handshakes in progress answers a new dialer `BUSY` in
 //! place of the challenge (one message whose first field is `fsdp-busy`) and closes; the
-//! dialer retries until its timeout ([`is_busy`]).
+//! dialer retries until its timeout.
 //!
 //! Job ids must be equal (absent is the empty id): a rank never joins another job's world,
 //! and the message names both ids. The acceptor logs each refusal once per peer as
