@@ -213,7 +213,13 @@ pub fn train(cfg: &TrainConfig, observer: &dyn Observer) -> Result<TrainReport> 
         None => None,
     };
     let metrics_lock = parking_lot::Mutex::new(metrics);
-    let reports = launch(&LaunchOptions::new(cfg.world_size), |pg| {
+    let opts = LaunchOptions {
+        timeout: cfg
+            .timeout
+            .unwrap_or(crate::distributed::threads::DEFAULT_TIMEOUT),
+        ..LaunchOptions::new(cfg.world_size)
+    };
+    let reports = launch(&opts, |pg| {
         let report = run_rank(cfg, &data, pg.clone(), observer, &metrics_lock, fail)?;
         Ok((pg.rank() == 0).then_some(report))
     })?;

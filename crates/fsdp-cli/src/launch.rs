@@ -2,7 +2,9 @@
 
 use clap::Args;
 use fsdp::distributed::auth::JOB_SECRET_VAR;
-use fsdp::distributed::{elastic_launch, ElasticLaunchConfig, JobSecret};
+use fsdp::distributed::{
+    elastic_launch, ElasticLaunchConfig, JobSecret, HEARTBEAT_TIMEOUT_VAR, TIMEOUT_VAR,
+};
 use std::ffi::OsString;
 use std::path::PathBuf;
 
@@ -53,6 +55,10 @@ pub(crate) struct LaunchArgs {
         value_name = "N"
     )]
     max_restarts: usize,
+    /// --timeout and --heartbeat-timeout, handed to every rank as FSDP_TIMEOUT and
+    /// FSDP_HEARTBEAT_TIMEOUT.
+    #[command(flatten)]
+    waits: crate::WaitArgs,
     /// The program to run on every rank and its arguments, after `--` (`fsdp` is this
     /// executable).
     #[arg(last = true, required = true, value_name = "PROGRAM [ARGS]")]
@@ -76,6 +82,16 @@ pub(crate) fn run_launch(a: LaunchArgs) -> fsdp::Result<()> {
             "fsdp launch needs a program after `--`".into(),
         ));
     };
+    // The ranks read them when their own command line does not say (`fsdp train
+    // --timeout` wins): set here, before any thread of this process starts.
+    for (var, value) in [
+        (TIMEOUT_VAR, a.waits.timeout),
+        (HEARTBEAT_TIMEOUT_VAR, a.waits.heartbeat_timeout),
+    ] {
+        if let Some(d) = value {
+            std::env::set_var(var, d.as_secs_f64().to_string());
+        }
+    }
     elastic_launch(&cfg, program, args)
 }
 

@@ -266,9 +266,43 @@ struct TrainArgs {
     #[arg(long)]
     overwrite: bool,
     #[command(flatten)]
+    waits: WaitArgs,
+    #[command(flatten)]
     fsdp: FsdpArgs,
     #[command(flatten)]
     model: ModelArgs,
+}
+
+/// How long ranks wait for each other: options of `fsdp train` and `fsdp launch`.
+#[derive(Args, Clone, Default)]
+pub(crate) struct WaitArgs {
+    /// Seconds the ranks wait for each other at the rendezvous and in each collective
+    /// before failing with an error naming the missing ranks (init_process_group's timeout;
+    /// default 300, or FSDP_TIMEOUT; PyTorch's default is 1800, 600 for NCCL).
+    #[arg(long, value_name = "SECONDS", allow_hyphen_values = true, value_parser = seconds)]
+    pub(crate) timeout: Option<std::time::Duration>,
+    /// Seconds a rank process may send no heartbeat before the other ranks name it failed
+    /// (stopped with SIGSTOP, or hung); default 60, or FSDP_HEARTBEAT_TIMEOUT; at least 0.5.
+    /// Ranks that are threads of one process have none.
+    #[arg(long, value_name = "SECONDS", allow_hyphen_values = true, value_parser = heartbeat_seconds)]
+    pub(crate) heartbeat_timeout: Option<std::time::Duration>,
+}
+
+/// A positive number of seconds (`--timeout 2.5`), as the library parses `FSDP_TIMEOUT`.
+fn seconds(text: &str) -> Result<std::time::Duration, String> {
+    fsdp::distributed::parse_seconds(text)
+}
+
+/// `--heartbeat-timeout`: [`seconds`], at least the library's least.
+fn heartbeat_seconds(text: &str) -> Result<std::time::Duration, String> {
+    let least = fsdp::distributed::MIN_HEARTBEAT_TIMEOUT;
+    match seconds(text)? {
+        d if d < least => Err(format!(
+            "is below the least, {} seconds (a beat goes out every fifth of it)",
+            least.as_secs_f64()
+        )),
+        d => Ok(d),
+    }
 }
 
 pub(crate) fn base_config(m: &ModelArgs, data: PathBuf) -> TrainConfig {
@@ -364,6 +398,8 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         checkpoint_type: a.checkpoint_type,
         resume,
         overwrite: a.overwrite,
+        timeout: a.waits.timeout,
+        heartbeat_timeout: a.waits.heartbeat_timeout,
         ..base_config(&a.model, a.data.clone())
     };
     cfg.validate()?;
