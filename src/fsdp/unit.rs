@@ -89,6 +89,10 @@ pub struct FullyShardedDataParallel {
     /// The last training forward cast its f32 input to `param_dtype`: the backward casts
     /// the input gradient back to f32.
     pub(super) input_cast: bool,
+    /// Keeps the CPU buffer pool's lengths while the unit lives; the last unit or process
+    /// group to drop empties the pool (declared last: the unit's own buffers are back in
+    /// the pool by then).
+    pub(super) _pool_user: crate::tensor::PoolUser,
 }
 
 /// FSDP1's gradient divide factors for a data-parallel world of `dp` ranks

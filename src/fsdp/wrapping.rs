@@ -249,6 +249,7 @@ impl FullyShardedDataParallel {
             forward_grad: None,
             in_backward: None,
             input_cast: false,
+            _pool_user: crate::tensor::PoolUser::new(),
         };
         // The originals now live in the FlatParameter: free them (sharded state).
         unit.point_params(None, false)?;

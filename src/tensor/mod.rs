@@ -20,6 +20,7 @@ mod storage;
 pub use crate::device::Device;
 pub use crate::dtype::DType;
 pub use dtype::Element;
+pub use pool::{empty_cache, memory_stats, reset_peak_memory_stats, HostMemoryStats, PoolUser};
 pub use storage::{Buffer, DeviceAllocation, HostAllocation, Storage};
 
 use crate::error::{Error, Result};
@@ -94,6 +95,16 @@ impl Tensor {
         Self::from_buffer_at(buf, 0, shape)
     }
 
+    /// A view of all of `storage` (one from the pool, counted live as it was taken).
+    fn from_storage(storage: Storage, dtype: DType, shape: &[usize]) -> Tensor {
+        Tensor {
+            dtype,
+            storage: Arc::new(storage),
+            offset: 0,
+            shape: shape.to_vec(),
+        }
+    }
+
     /// A view of `shape` at element `offset` of a new storage holding `buf` (a backend
     /// wrapping memory it allocated, e.g. a CUDA block).
     pub(crate) fn from_buffer_at(buf: Buffer, offset: usize, shape: &[usize]) -> Tensor {
@@ -151,7 +162,11 @@ impl Tensor {
     /// Zero-filled CPU tensor (from the [buffer pool](pool) when it can). Aborts when the
     /// memory is not there, as `vec!` does; [`Tensor::try_zeros`] returns the error.
     pub fn zeros(shape: &[usize], dtype: DType) -> Tensor {
-        Self::from_buffer(Buffer::zeros(dtype, numel_of(shape)), shape)
+        Self::from_storage(
+            pool::take_storage(dtype, numel_of(shape), true),
+            dtype,
+            shape,
+        )
     }
 
     /// [`Tensor::zeros`] for a shape that came from outside: the error instead of an abort.
@@ -161,7 +176,11 @@ impl Tensor {
     /// allocator cannot serve it.
     pub fn try_zeros(shape: &[usize], dtype: DType) -> Result<Tensor> {
         let (numel, _) = alloc::checked_size(shape, dtype).map_err(Error::InvalidArgument)?;
-        Ok(Self::from_buffer(Buffer::try_zeros(dtype, numel)?, shape))
+        Ok(Self::from_storage(
+            pool::try_take_storage(dtype, numel, true)?,
+            dtype,
+            shape,
+        ))
     }
 
     /// A CPU f32 tensor whose every element the caller overwrites: a pooled buffer holding
@@ -173,14 +192,19 @@ impl Tensor {
 
     /// [`Tensor::scratch_f32`] in any host dtype.
     pub(crate) fn scratch(shape: &[usize], dtype: DType) -> Tensor {
-        Self::from_buffer(pool::take(dtype, numel_of(shape), false), shape)
+        Self::from_storage(
+            pool::take_storage(dtype, numel_of(shape), false),
+            dtype,
+            shape,
+        )
     }
 
     /// [`Tensor::scratch`], or [`Error::OutOfMemory`].
     pub(crate) fn try_scratch(shape: &[usize], dtype: DType) -> Result<Tensor> {
         let (numel, _) = alloc::checked_size(shape, dtype).map_err(Error::InvalidArgument)?;
-        Ok(Self::from_buffer(
-            pool::try_take(dtype, numel, false)?,
+        Ok(Self::from_storage(
+            pool::try_take_storage(dtype, numel, false)?,
+            dtype,
             shape,
         ))
     }

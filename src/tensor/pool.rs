@@ -2,25 +2,56 @@
 //! i32, i64) are kept, by dtype and length, and handed to the next tensor of that dtype
 //! and length, so a training step allocates (and page-faults) nothing once the first step
 //! has run: every step makes the same shapes in the same order (a bf16 or f64 step as much
-//! as an f32 one).
+//! as an f32 one). It is the host's counterpart of PyTorch's CUDA caching allocator
+//! (`c10/cuda/CUDACachingAllocator.cpp`), with exact sizes instead of rounded blocks.
+//!
+//! What it holds is bounded by what live tensors use ([Note: pool bound]) and given back:
+//! by [`empty_cache`] (`torch.cuda.empty_cache`), and by itself when the last model or
+//! process group using it drops ([`PoolUser`]). [`memory_stats`] reports the bytes in live
+//! tensors and the bytes held free (`torch.cuda.memory_stats`), and the counts of buffers
+//! served from the heap and from the pool.
 //!
 //! [`allocations`] counts the CPU tensor buffers that came from the heap (not from the
-//! pool) since the process started; tests and `fsdp bench` read it per step. The pool
-//! keeps at most [`pool_limit`] bytes (a quarter of the machine's memory, at least
-//! [`POOL_BYTES`]; [`set_pool_limit`] changes it).
+//! pool) since the process started; tests and `fsdp bench` read it per step.
 //!
 //! A pooled buffer is handed out either zeroed (`take` with `zeroed`) or holding a
 //! previous tensor's values, for an op that overwrites every element of its output
 //! ([`crate::ops`]' outputs): stale values are valid elements, never uninitialized memory.
 //!
-//! # [Note: pool limit]
-//! A step whose buffers do not all fit under the limit hands the excess back to the
-//! allocator at its end and takes fresh pages next step: with the 8 x 256, seq 128, batch 64
-//! job (about 1.3 GB of buffers a step) a fixed 1 GiB limit left ~40 buffers of 16-32 MB a
-//! step to the allocator, and the kernel's zeroing of their pages (`clear_page_erms`) took
-//! 16-25% of the CPU time of a step. The limit is therefore tied to the machine's memory
-//! (what the pool holds is at most one step's buffers: the same memory the step needs
-//! anyway), not to one job's size.
+//! # [Note: pool bound]
+//! Each (dtype, length) is a bucket that counts its live host buffers (every
+//! [`Storage`](super::Storage) of that dtype and length, whether its buffer came from the
+//! pool or from a vector handed in, `Tensor::from_vec`) and the most that were ever live
+//! at once, its *peak*. A dropped buffer is kept only when
+//! - some tensor asked the pool for that dtype and length (its bucket is *demanded*):
+//!   buffers of lengths only ever handed in (state dicts, a data loader's batches) are
+//!   never asked for, so keeping them is pure growth. Replaying pytorch#149100 (a W=2
+//!   model of 4 x Linear(1024, 1024) built, trained one step, its model and optimizer state
+//!   dicts taken, and dropped, ten times over) the old pool, bounded only by a quarter of
+//!   the machine's memory, grew by 84 MB a cycle: every state-dict tensor (1024 x 1024,
+//!   a length no op asks for) was kept and a new one made the next cycle; and 17.7 MB over
+//!   steps 10 to 100 of training, one batch's input vectors a step;
+//! - the bucket's live and free buffers together stay within its peak: the pool holds,
+//!   per length, what the program needed at once, never more. The same model built again
+//!   (or the next step) asks for the same lengths in the same order and is served from
+//!   what the last one gave back; a length that is needed less than before sheds the
+//!   excess when it is dropped;
+//! - the free bytes stay within [`pool_limit`] (a quarter of the machine's memory unless
+//!   [`set_pool_limit`] chose another), a ceiling for programs whose shapes change every
+//!   step: with the 8 x 256, seq 128, batch 64 job (about 1.3 GB of buffers a step) a fixed
+//!   1 GiB ceiling left ~40 buffers of 16-32 MB a step to the allocator, and the kernel's
+//!   zeroing of their pages (`clear_page_erms`) took 16-25% of the CPU time of a step.
+//!
+//! So a steady step is served entirely from the pool: a take finds no free buffer only when
+//! every buffer the bucket holds is live, which raises its peak, and peaks stop rising
+//! once the program repeats itself. What it costs is per-length peaks summed (the most
+//! held is `sum over lengths of peak x bytes`), which can exceed the peak of the sum when
+//! phases use different lengths (a state dict's gather next to a step's activations).
+//!
+//! Peaks are forgotten when the last [`PoolUser`] (an FSDP unit, a process group's world)
+//! drops: the pool then frees what it holds and stops keeping the lengths it served, and a
+//! model built later starts afresh. [`empty_cache`] frees what is held without forgetting
+//! the peaks of lengths still live.
 
 use super::storage::Buffer;
 use crate::dtype::DType;
@@ -28,16 +59,16 @@ use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
-/// The least the pool may keep by default (bytes): 1 GiB holds every activation of the main
+/// The least [`pool_limit`] is by default (bytes): 1 GiB holds every activation of the main
 /// job's step (about 60 MB at world size 1).
 pub const POOL_BYTES: usize = 1 << 30;
 
 /// 0: not yet decided (the first use reads the machine's memory).
 static LIMIT: AtomicUsize = AtomicUsize::new(0);
 
-/// Most bytes the pool keeps; a buffer dropped beyond that goes back to the allocator.
-/// Unless [`set_pool_limit`] chose one: a quarter of the machine's physical memory, at least
-/// [`POOL_BYTES`] ([Note: pool limit]).
+/// Most free bytes the pool keeps, whatever the peaks ([Note: pool bound]); a buffer
+/// dropped beyond that goes back to the allocator. Unless [`set_pool_limit`] chose one: a
+/// quarter of the machine's physical memory, at least [`POOL_BYTES`].
 pub fn pool_limit() -> usize {
     match LIMIT.load(Ordering::Relaxed) {
         0 => {
@@ -61,7 +92,7 @@ pub fn pool_limit() -> usize {
     }
 }
 
-/// Sets the most bytes the pool keeps (0 keeps nothing: every buffer goes back to the
+/// Sets the most free bytes the pool keeps (0 keeps nothing: every buffer goes back to the
 /// allocator). Buffers already pooled beyond a lower limit are kept until taken.
 pub fn set_pool_limit(bytes: usize) {
     // 0 means "undecided" in LIMIT; a limit of 0 bytes is stored as 1 (no buffer fits).
@@ -74,13 +105,256 @@ pub const POOL_MIN_LEN: usize = 1;
 static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
 static REUSES: AtomicU64 = AtomicU64::new(0);
 
+/// One (dtype, length): its free buffers and how many are live ([Note: pool bound]).
+#[derive(Default)]
+struct Bucket {
+    free: Vec<Buffer>,
+    /// Live storages of this dtype and length, wherever their buffer came from.
+    live: usize,
+    /// The most that were live at once since the bucket was made (or the pool forgot).
+    peak: usize,
+    /// Some tensor asked the pool for this dtype and length.
+    demanded: bool,
+}
+
+#[derive(Default)]
 struct Pool {
-    /// Free host buffers by (dtype, length).
-    free: HashMap<(DType, usize), Vec<Buffer>>,
-    bytes: usize,
+    buckets: HashMap<(DType, usize), Bucket>,
+    free_bytes: usize,
+    free_buffers: usize,
+    active_bytes: usize,
+    active_buffers: usize,
+    active_peak: usize,
+    reserved_peak: usize,
+    misses: u64,
+    miss_bytes: u64,
+    released: u64,
+    /// Live [`PoolUser`]s.
+    users: usize,
 }
 
 static POOL: Mutex<Option<Pool>> = Mutex::new(None);
+
+fn bytes_of(dtype: DType, len: usize) -> usize {
+    len * dtype.size_in_bytes()
+}
+
+impl Pool {
+    /// A buffer of this dtype and length goes live.
+    fn went_live(&mut self, key: (DType, usize)) {
+        let b = self.buckets.entry(key).or_default();
+        b.live += 1;
+        b.peak = b.peak.max(b.live);
+        self.active_bytes += bytes_of(key.0, key.1);
+        self.active_buffers += 1;
+        self.active_peak = self.active_peak.max(self.active_bytes);
+        self.reserved_peak = self.reserved_peak.max(self.active_bytes + self.free_bytes);
+    }
+
+    /// Undoes [`Pool::went_live`] for a buffer that could not be allocated.
+    fn undo_live(&mut self, key: (DType, usize)) {
+        if let Some(b) = self.buckets.get_mut(&key) {
+            b.live = b.live.saturating_sub(1);
+        }
+        self.active_bytes = self.active_bytes.saturating_sub(bytes_of(key.0, key.1));
+        self.active_buffers = self.active_buffers.saturating_sub(1);
+    }
+
+    /// A free buffer of this dtype and length, if the bucket holds one; marks it demanded.
+    fn take(&mut self, key: (DType, usize)) -> Option<Buffer> {
+        let b = self.buckets.entry(key).or_default();
+        b.demanded = true;
+        match b.free.pop() {
+            Some(buf) => {
+                self.free_bytes -= bytes_of(key.0, key.1);
+                self.free_buffers -= 1;
+                Some(buf)
+            }
+            None => {
+                self.misses += 1;
+                self.miss_bytes += bytes_of(key.0, key.1) as u64;
+                None
+            }
+        }
+    }
+
+    /// A live buffer dropped: kept within the bounds of [Note: pool bound], else returned
+    /// for the caller to free outside the lock.
+    fn dropped(&mut self, buf: Buffer) -> Option<Buffer> {
+        let key = (buf.dtype(), buf.len());
+        let bytes = bytes_of(key.0, key.1);
+        self.active_bytes = self.active_bytes.saturating_sub(bytes);
+        self.active_buffers = self.active_buffers.saturating_sub(1);
+        let Some(b) = self.buckets.get_mut(&key) else {
+            return Some(buf);
+        };
+        b.live = b.live.saturating_sub(1);
+        let keep =
+            b.demanded && b.live + b.free.len() < b.peak && self.free_bytes + bytes <= pool_limit();
+        if keep {
+            b.free.push(buf);
+            self.free_bytes += bytes;
+            self.free_buffers += 1;
+            return None;
+        }
+        if b.live == 0 && b.free.is_empty() && !b.demanded {
+            // A length only ever handed in: forget it, so such lengths do not pile up.
+            self.buckets.remove(&key);
+        }
+        self.released += 1;
+        Some(buf)
+    }
+
+    /// Takes every free buffer out (for the caller to free outside the lock); with
+    /// `forget`, also the peaks and demand of every length (the last user dropped). Buckets
+    /// left with nothing live are removed.
+    fn release(&mut self, forget: bool) -> Vec<Buffer> {
+        let mut out = Vec::with_capacity(self.free_buffers);
+        for b in self.buckets.values_mut() {
+            out.append(&mut b.free);
+            if forget {
+                b.peak = b.live;
+                b.demanded = false;
+            }
+        }
+        self.buckets.retain(|_, b| b.live > 0);
+        self.buckets.shrink_to_fit();
+        self.released += out.len() as u64;
+        self.free_bytes = 0;
+        self.free_buffers = 0;
+        out
+    }
+
+    fn stats(&self) -> HostMemoryStats {
+        HostMemoryStats {
+            active_bytes: self.active_bytes,
+            active_bytes_peak: self.active_peak,
+            pooled_bytes: self.free_bytes,
+            reserved_bytes: self.active_bytes + self.free_bytes,
+            reserved_bytes_peak: self.reserved_peak,
+            active_buffers: self.active_buffers,
+            pooled_buffers: self.free_buffers,
+            heap_allocations: allocations(),
+            pool_hits: reuses(),
+            pool_misses: self.misses,
+            pool_miss_bytes: self.miss_bytes,
+            pool_releases: self.released,
+            users: self.users,
+        }
+    }
+}
+
+/// Runs `f` on the pool (made on first use).
+fn with_pool<R>(f: impl FnOnce(&mut Pool) -> R) -> R {
+    f(POOL.lock().get_or_insert_with(Pool::default))
+}
+
+/// The CPU pool's figures, as `torch.cuda.memory_stats()` reports its caching allocator's
+/// (the keys named below); bytes of host tensor buffers (`Vec`s of a host dtype; pinned
+/// memory and device memory are not the pool's). From [`memory_stats`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HostMemoryStats {
+    /// Bytes in live tensors' buffers, wherever the buffer came from
+    /// (`"active_bytes.all.current"`).
+    pub active_bytes: usize,
+    /// The most [`active_bytes`](Self::active_bytes) since the process started or
+    /// [`reset_peak_memory_stats`] (`"active_bytes.all.peak"`).
+    pub active_bytes_peak: usize,
+    /// Bytes the pool holds free for the next tensor of the same dtype and length: what
+    /// [`empty_cache`] gives back (`"reserved_bytes.all.current"` minus
+    /// `"active_bytes.all.current"`, the caching allocator's inactive blocks).
+    pub pooled_bytes: usize,
+    /// Bytes in live tensors and held free together: what the tensor layer holds
+    /// (`"reserved_bytes.all.current"`).
+    pub reserved_bytes: usize,
+    /// The most [`reserved_bytes`](Self::reserved_bytes) since the process started or
+    /// [`reset_peak_memory_stats`] (`"reserved_bytes.all.peak"`).
+    pub reserved_bytes_peak: usize,
+    /// Live tensor buffers (`"active.all.current"`).
+    pub active_buffers: usize,
+    /// Free buffers the pool holds (`"inactive_split.all.current"`).
+    pub pooled_buffers: usize,
+    /// Tensor buffers that came from the heap since the process started: the pool's misses
+    /// and the vectors handed in (`Tensor::from_vec`); as [`allocations`]
+    /// (`"num_device_alloc"`, the driver allocations).
+    pub heap_allocations: u64,
+    /// Tensor buffers the pool served since the process started; as [`reuses`].
+    pub pool_hits: u64,
+    /// Requests the pool could not serve (a new buffer was allocated) since the process
+    /// started.
+    pub pool_misses: u64,
+    /// Bytes of the buffers allocated for [`pool_misses`](Self::pool_misses).
+    pub pool_miss_bytes: u64,
+    /// Buffers the pool gave back to the allocator (beyond its bound, or by
+    /// [`empty_cache`] or the last [`PoolUser`]) since the process started
+    /// (`"num_device_free"`).
+    pub pool_releases: u64,
+    /// Live [`PoolUser`]s (FSDP units and process-group worlds).
+    pub users: usize,
+}
+
+/// The pool's figures now (`torch.cuda.memory_stats()`; see [`HostMemoryStats`]).
+pub fn memory_stats() -> HostMemoryStats {
+    with_pool(|p| p.stats())
+}
+
+/// Sets the peaks of [`memory_stats`] to the current values
+/// (`torch.cuda.reset_peak_memory_stats()`).
+pub fn reset_peak_memory_stats() {
+    with_pool(|p| {
+        p.active_peak = p.active_bytes;
+        p.reserved_peak = p.active_bytes + p.free_bytes;
+    });
+}
+
+/// Gives every free buffer the pool holds back to the allocator
+/// (`torch.cuda.empty_cache()`): [`HostMemoryStats::pooled_bytes`] drops to 0, live
+/// tensors are untouched, and lengths nothing holds are forgotten. The next step of a
+/// live model allocates its buffers again and the pool fills back up to their peaks.
+pub fn empty_cache() {
+    let freed = {
+        let mut guard = POOL.lock();
+        let Some(p) = guard.as_mut() else {
+            return;
+        };
+        p.release(false)
+    };
+    drop(freed);
+}
+
+/// A model or process group the pool serves: while one lives, the pool keeps the lengths
+/// it has served; when the last one drops, the pool frees what it holds and forgets every
+/// peak ([Note: pool bound]), as if the process had just started. Each FSDP unit and each
+/// process group's world (thread ranks, TCP) holds one.
+#[derive(Debug)]
+pub struct PoolUser(());
+
+impl PoolUser {
+    /// Counts a new user.
+    pub fn new() -> PoolUser {
+        with_pool(|p| p.users += 1);
+        PoolUser(())
+    }
+}
+
+impl Default for PoolUser {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for PoolUser {
+    fn drop(&mut self) {
+        let freed = with_pool(|p| {
+            p.users = p.users.saturating_sub(1);
+            match p.users {
+                0 => p.release(true),
+                _ => Vec::new(),
+            }
+        });
+        drop(freed);
+    }
+}
 
 /// CPU tensor buffers allocated from the heap since the process started (zero-filled
 /// tensors, [`crate::tensor::Tensor::from_vec`]'s vectors, op outputs the pool could not
@@ -94,14 +368,9 @@ pub fn reuses() -> u64 {
     REUSES.load(Ordering::Relaxed)
 }
 
-/// Bytes the pool holds now.
+/// Bytes the pool holds free now ([`HostMemoryStats::pooled_bytes`]).
 pub fn pooled_bytes() -> usize {
-    POOL.lock().as_ref().map_or(0, |p| p.bytes)
-}
-
-/// Empties the pool (its buffers go back to the allocator).
-pub fn clear() {
-    *POOL.lock() = None;
+    POOL.lock().as_ref().map_or(0, |p| p.free_bytes)
 }
 
 /// Counts a buffer of `len` elements that came from the heap (an empty one did not).
@@ -111,89 +380,175 @@ pub(crate) fn count_allocation(len: usize) {
     }
 }
 
+/// Aborts for a buffer the allocator could not serve (`handle_alloc_error`, as `vec!`).
+fn abort_alloc(dtype: DType, len: usize) -> ! {
+    std::alloc::handle_alloc_error(
+        std::alloc::Layout::from_size_align(
+            len.saturating_mul(dtype.size_in_bytes()),
+            dtype.size_in_bytes(),
+        )
+        .unwrap_or(std::alloc::Layout::new::<u8>()),
+    )
+}
+
 /// A host buffer of `len` elements of `dtype`: a pooled one when there is one (zeroed when
 /// `zeroed`, else holding stale values), else a new zeroed allocation. Aborts when the
 /// allocator cannot serve it (`handle_alloc_error`, as `vec!` does); [`try_take`] returns
 /// the error instead.
 pub(crate) fn take(dtype: DType, len: usize, zeroed: bool) -> Buffer {
-    match try_take(dtype, len, zeroed) {
-        Ok(b) => b,
-        Err(_) => std::alloc::handle_alloc_error(
-            std::alloc::Layout::from_size_align(
-                len.saturating_mul(dtype.size_in_bytes()),
-                dtype.size_in_bytes(),
-            )
-            .unwrap_or(std::alloc::Layout::new::<u8>()),
-        ),
-    }
+    try_take(dtype, len, zeroed).unwrap_or_else(|_| abort_alloc(dtype, len))
 }
 
 /// [`take`], or [`Error::OutOfMemory`](crate::Error::OutOfMemory) when no pooled buffer
-/// fits and the allocator cannot serve a new one.
+/// fits and the allocator cannot serve a new one. The buffer is not live until a
+/// [`Storage`](super::Storage) holds it.
 pub(crate) fn try_take(dtype: DType, len: usize, zeroed: bool) -> crate::Result<Buffer> {
-    if len >= POOL_MIN_LEN {
-        let hit = POOL.lock().as_mut().and_then(|p| {
-            let b = p.free.get_mut(&(dtype, len))?.pop()?;
-            p.bytes -= len * dtype.size_in_bytes();
-            Some(b)
-        });
-        if let Some(mut b) = hit {
-            REUSES.fetch_add(1, Ordering::Relaxed);
-            if zeroed {
-                b.fill_zero();
-            }
-            return Ok(b);
-        }
-    }
-    let b = Buffer::try_new_zeroed(dtype, len)?;
-    count_allocation(len);
-    Ok(b)
+    take_inner(dtype, len, zeroed, false)
 }
 
-/// Takes back the host buffer of a dropped tensor, when it is worth keeping and fits
-/// (other buffers are dropped).
+/// A [`Storage`](super::Storage) of a buffer from [`try_take`], counted live under the
+/// same lock as the take.
+pub(crate) fn try_take_storage(
+    dtype: DType,
+    len: usize,
+    zeroed: bool,
+) -> crate::Result<super::Storage> {
+    let buf = take_inner(dtype, len, zeroed, true)?;
+    Ok(super::Storage::counted(buf))
+}
+
+/// [`try_take_storage`], aborting as [`take`] does.
+pub(crate) fn take_storage(dtype: DType, len: usize, zeroed: bool) -> super::Storage {
+    try_take_storage(dtype, len, zeroed).unwrap_or_else(|_| abort_alloc(dtype, len))
+}
+
+fn take_inner(dtype: DType, len: usize, zeroed: bool, live: bool) -> crate::Result<Buffer> {
+    if len < POOL_MIN_LEN {
+        return Buffer::try_new_zeroed(dtype, len);
+    }
+    let key = (dtype, len);
+    let hit = with_pool(|p| {
+        let hit = p.take(key);
+        if live {
+            p.went_live(key);
+        }
+        hit
+    });
+    if let Some(mut b) = hit {
+        REUSES.fetch_add(1, Ordering::Relaxed);
+        if zeroed {
+            b.fill_zero();
+        }
+        return Ok(b);
+    }
+    match Buffer::try_new_zeroed(dtype, len) {
+        Ok(b) => {
+            count_allocation(len);
+            Ok(b)
+        }
+        Err(e) => {
+            if live {
+                // Never went live after all.
+                with_pool(|p| p.undo_live(key));
+            }
+            Err(e)
+        }
+    }
+}
+
+/// Counts a host buffer a new [`Storage`](super::Storage) holds as live.
+pub(crate) fn went_live(buf: &Buffer) {
+    if buf.len() >= POOL_MIN_LEN && buf.is_host_vec() {
+        with_pool(|p| p.went_live((buf.dtype(), buf.len())));
+    }
+}
+
+/// Takes back the host buffer of a dropped tensor when it is within the pool's bound
+/// ([Note: pool bound]); other buffers go back to the allocator.
 pub(crate) fn give_back(b: Buffer) {
-    let (dtype, len) = (b.dtype(), b.len());
-    if len < POOL_MIN_LEN || !b.is_host_vec() {
+    if b.len() < POOL_MIN_LEN || !b.is_host_vec() {
         return;
     }
-    let bytes = len * dtype.size_in_bytes();
-    let mut guard = POOL.lock();
-    let p = guard.get_or_insert_with(|| Pool {
-        free: HashMap::new(),
-        bytes: 0,
-    });
-    if p.bytes + bytes <= pool_limit() {
-        p.bytes += bytes;
-        p.free.entry((dtype, len)).or_default().push(b);
-    }
+    let freed = with_pool(|p| p.dropped(b));
+    drop(freed);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tensor::Tensor;
+
+    /// Free buffers the pool holds of this dtype and length.
+    fn free_of(dtype: DType, len: usize) -> usize {
+        with_pool(|p| p.buckets.get(&(dtype, len)).map_or(0, |b| b.free.len()))
+    }
 
     #[test]
     fn buffers_of_every_host_dtype_come_back_by_dtype_and_length() {
+        // Another test's last user dropping would empty the pool between a drop and a take.
+        let _user = PoolUser::new();
         // A length no other test uses, so parallel tests do not take these buffers.
         let len = 12_347;
-        give_back(Buffer::BF16(vec![half::bf16::ONE; len]));
-        give_back(Buffer::F64(vec![2.5; len]));
+        let a = Tensor::zeros(&[len], DType::BF16);
+        a.data_mut::<half::bf16>().unwrap().fill(half::bf16::ONE);
+        drop(a);
+        let b = Tensor::zeros(&[len], DType::F64);
+        b.data_mut::<f64>().unwrap().fill(2.5);
+        drop(b);
+        assert_eq!(
+            (free_of(DType::BF16, len), free_of(DType::F64, len)),
+            (1, 1)
+        );
         // Stale values for an op that overwrites them, zeros when asked.
-        match take(DType::BF16, len, false) {
-            Buffer::BF16(v) => assert!(v.iter().all(|x| *x == half::bf16::ONE)),
-            b => panic!("{:?}", b.dtype()),
-        }
-        match take(DType::F64, len, true) {
-            Buffer::F64(v) => assert!(v.len() == len && v.iter().all(|x| *x == 0.0)),
-            b => panic!("{:?}", b.dtype()),
-        }
-        // Another dtype of the same length is not served a bf16 buffer.
-        give_back(Buffer::BF16(vec![half::bf16::ONE; len]));
-        match take(DType::F16, len, false) {
-            Buffer::F16(v) => assert!(v.iter().all(|x| *x == half::f16::ZERO)),
-            b => panic!("{:?}", b.dtype()),
-        }
+        let a = Tensor::scratch(&[len], DType::BF16);
+        assert!(a
+            .data::<half::bf16>()
+            .unwrap()
+            .iter()
+            .all(|x| *x == half::bf16::ONE));
+        let b = Tensor::zeros(&[len], DType::F64);
+        assert!(b.data::<f64>().unwrap().iter().all(|x| *x == 0.0));
+        assert_eq!(
+            (free_of(DType::BF16, len), free_of(DType::F64, len)),
+            (0, 0)
+        );
+        // Another dtype of the same length is not served the bf16 buffer.
+        drop(a);
+        let c = Tensor::scratch(&[len], DType::F16);
+        assert!(c
+            .data::<half::f16>()
+            .unwrap()
+            .iter()
+            .all(|x| *x == half::f16::ZERO));
+        assert_eq!(free_of(DType::BF16, len), 1);
+    }
+
+    #[test]
+    fn the_pool_keeps_a_length_up_to_its_peak_and_only_when_asked_for() {
+        let _user = PoolUser::new();
+        let (len, other) = (12_377, 12_379);
+        // Handed in, never asked for: not kept (a state dict's tensors).
+        drop(Tensor::from_vec(vec![1.0f32; other], &[other]).unwrap());
+        assert_eq!(free_of(DType::F32, other), 0);
+        // Three at once: the peak is 3, and all three are kept.
+        let three: Vec<Tensor> = (0..3).map(|_| Tensor::zeros(&[len], DType::F32)).collect();
+        drop(three);
+        assert_eq!(free_of(DType::F32, len), 3);
+        // One handed in next to two from the pool: 3 live, the peak; dropped, the pool
+        // holds 3 again, not 4 (one of them goes back to the allocator).
+        let two: Vec<Tensor> = (0..2).map(|_| Tensor::zeros(&[len], DType::F32)).collect();
+        let handed = Tensor::from_vec(vec![2.0f32; len], &[len]).unwrap();
+        assert_eq!(free_of(DType::F32, len), 1);
+        drop((two, handed));
+        assert_eq!(free_of(DType::F32, len), 3);
+        // Live bytes count every live buffer of a host dtype.
+        let t = Tensor::zeros(&[len], DType::F32);
+        assert!(memory_stats().active_bytes >= len * 4);
+        drop(t);
+        let before = memory_stats().pool_releases;
+        empty_cache();
+        assert_eq!(free_of(DType::F32, len), 0);
+        assert!(memory_stats().pool_releases >= before + 3);
     }
 
     #[test]

@@ -191,7 +191,15 @@ pub struct Storage {
 
 impl Storage {
     /// Wraps a buffer; the device follows from it (`Meta`, `Cuda(ordinal)`, else `Cpu`).
+    /// A host buffer counts as live in the [buffer pool](super::pool)'s figures until the
+    /// storage drops.
     pub fn new(buf: Buffer) -> Storage {
+        super::pool::went_live(&buf);
+        Self::counted(buf)
+    }
+
+    /// [`Storage::new`] for a buffer the pool already counts as live.
+    pub(crate) fn counted(buf: Buffer) -> Storage {
         let device = match &buf {
             Buffer::Meta { .. } => Device::Meta,
             Buffer::Cuda { buf, .. } => Device::Cuda(buf.ordinal()),

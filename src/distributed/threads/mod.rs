@@ -82,6 +82,9 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 #[derive(Default)]
 struct World {
     groups: Mutex<WorldGroups>,
+    /// The world is a user of the CPU buffer pool: the last group or model to drop
+    /// empties it.
+    _pool_user: crate::tensor::PoolUser,
 }
 
 #[derive(Default)]
