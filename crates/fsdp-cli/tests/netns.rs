@@ -347,11 +347,12 @@ fn the_link_taken_down_mid_run_ends_every_node_with_a_named_error_then_a_restart
         std::thread::sleep(Duration::from_millis(50));
     }
     assert_eq!(processes_with(&data), 0, "rank processes left running");
-    // The link back up: a restart from `latest` runs to the end.
+    // The link back up: the same command with --resume-if-present restarts from the
+    // save directory's latest checkpoint and runs to the end.
     nodes.link(true);
     let m2 = dir.join("restart.jsonl");
     let mut again = with_save(&m2);
-    again.extend(["--resume", save.join("latest").to_str().unwrap()].map(str::to_string));
+    again.push("--resume-if-present".to_string());
     let outs = nodes.run_both(&again);
     assert_ok(&outs, "restart");
     let after = losses(&m2);
