@@ -112,8 +112,21 @@ impl TwoNodes {
 
     /// `fsdp launch` of node `i` (one rank per node) running `job`, in its namespace.
     fn launch(&self, i: usize, job: &[String]) -> Child {
+        self.launch_with(i, &[], &[], job)
+    }
+
+    /// [`TwoNodes::launch`] with more launcher arguments and environment variables.
+    fn launch_with(
+        &self,
+        i: usize,
+        launcher: &[&str],
+        env: &[(&str, String)],
+        job: &[String],
+    ) -> Child {
         Command::new("ip")
             .args(["netns", "exec", &self.ns[i], fsdp_bin(), "launch"])
+            .args(launcher)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .args(["--nproc-per-node", "1", "--nnodes", "2"])
             .args(["--node-rank", &i.to_string()])
             .args(["--master-addr", &self.addr[0], "--master-port", PORT])
@@ -262,7 +275,10 @@ fn two_namespaces_train_the_thread_rank_curve_clean_and_with_delay_and_loss() {
         let outs = nodes.run_both(&job(&data, 20, &m));
         assert_ok(&outs, name);
         let stdout = String::from_utf8_lossy(&outs[0].stdout);
-        assert!(stdout.contains("2 ranks (processes, tcp backend)"), "{stdout}");
+        assert!(
+            stdout.contains("2 ranks (processes, tcp backend)"),
+            "{stdout}"
+        );
         assert_eq!(losses(&m), want, "{name}: the curve differs");
         times.push((name, median_step_ms(&m)));
     }
@@ -305,10 +321,7 @@ fn the_link_taken_down_mid_run_ends_every_node_with_a_named_error_then_a_restart
         let mut j = job(&data, steps, metrics);
         let save = save.to_str().unwrap();
         let t = timeout.to_string();
-        j.extend(
-            ["--save-every", "5", "--save-dir", save, "--timeout", &t]
-                .map(str::to_string),
-        );
+        j.extend(["--save-every", "5", "--save-dir", save, "--timeout", &t].map(str::to_string));
         j
     };
     let a = nodes.launch(0, &with_save(&m));
@@ -365,7 +378,66 @@ fn the_link_taken_down_mid_run_ends_every_node_with_a_named_error_then_a_restart
         .filter(|b| b.0 >= first)
         .map(|(s, l, _)| (*s, l.clone()))
         .collect();
-    assert!(!common.is_empty(), "no step was redone after the checkpoint");
+    assert!(
+        !common.is_empty(),
+        "no step was redone after the checkpoint"
+    );
     assert_eq!(common, after[..common.len()].to_vec());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Multi-node elastic restarts: rank 1 (node 1) killed with SIGKILL in step 7 under
+/// `--max-restarts 1`; both nodes' launchers restart at a new rendezvous round, the ranks
+/// resume from the step-4 checkpoint (`--resume-if-present`), and the job ends with the
+/// uninterrupted curve, each step once in the metrics file.
+#[test]
+#[cfg_attr(
+    not(feature = "test-hooks"),
+    ignore = "needs the FSDP_KILL_ONCE hook: cargo test --features test-hooks"
+)]
+fn a_rank_killed_on_one_node_restarts_both_nodes_and_the_curve_is_unchanged() {
+    let Some(nodes) = TwoNodes::new("r", Link::Veth) else {
+        return;
+    };
+    let dir = tmp_dir("restart");
+    let data = corpus(&dir);
+    let threads = dir.join("threads.jsonl");
+    let out = Command::new(fsdp_bin())
+        .args(job(&data, 12, &threads))
+        .args(["--world-size", "2"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let m = dir.join("job.jsonl");
+    let mut j = job(&data, 12, &m);
+    let save = dir.join("save");
+    j.extend(
+        [
+            "--save-every",
+            "4",
+            "--save-dir",
+            save.to_str().unwrap(),
+            "--resume-if-present",
+            "--timeout",
+            "30",
+        ]
+        .map(str::to_string),
+    );
+    let marker = dir.join("killed");
+    let env = [("FSDP_KILL_ONCE", format!("1:7:{}", marker.display()))];
+    let restarts = ["--max-restarts", "1"];
+    let a = nodes.launch_with(0, &restarts, &env, &j);
+    let b = nodes.launch_with(1, &restarts, &env, &j);
+    let outs = [a.wait_with_output().unwrap(), b.wait_with_output().unwrap()];
+    assert!(marker.exists(), "rank 1 was not killed");
+    for (i, o) in outs.iter().enumerate() {
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "node {i}: {err}");
+        assert!(err.contains("restart"), "node {i} did not restart: {err}");
+        for l in err.lines().filter(|l| l.contains("restart")) {
+            eprintln!("netns: node {i}: {l}");
+        }
+    }
+    assert_eq!(losses(&m), losses(&threads), "the restarted curve differs");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -18,10 +18,7 @@ fn open_tun(name: &str) -> Result<OwnedFd, String> {
     // SAFETY: open(2) of a constant, NUL-terminated path.
     let fd = unsafe { libc::open(c"/dev/net/tun".as_ptr(), libc::O_RDWR) };
     if fd < 0 {
-        return Err(format!(
-            "/dev/net/tun: {}",
-            std::io::Error::last_os_error()
-        ));
+        return Err(format!("/dev/net/tun: {}", std::io::Error::last_os_error()));
     }
     // SAFETY: fd was just opened and is owned by nothing else.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
@@ -35,7 +32,10 @@ fn open_tun(name: &str) -> Result<OwnedFd, String> {
     req[16..18].copy_from_slice(&flags.to_ne_bytes());
     // SAFETY: TUNSETIFF reads and writes one struct ifreq (40 bytes on Linux).
     if unsafe { libc::ioctl(fd.as_raw_fd(), libc::TUNSETIFF, req.as_mut_ptr()) } < 0 {
-        return Err(format!("TUNSETIFF {name}: {}", std::io::Error::last_os_error()));
+        return Err(format!(
+            "TUNSETIFF {name}: {}",
+            std::io::Error::last_os_error()
+        ));
     }
     Ok(fd)
 }
@@ -96,7 +96,9 @@ fn forward(from: &OwnedFd, to: &OwnedFd, delay: Duration, loss: f64, seed: u64, 
         }
         let wait = queue
             .front()
-            .map_or(Duration::from_millis(50), |(due, _)| due.saturating_duration_since(now))
+            .map_or(Duration::from_millis(50), |(due, _)| {
+                due.saturating_duration_since(now)
+            })
             .min(Duration::from_millis(50));
         let mut pfd = libc::pollfd {
             fd: from.as_raw_fd(),
