@@ -111,7 +111,37 @@ pub fn serialize(
         .map_err(|e| bad(e.to_string()))?;
     let n = header_len(&probe).unwrap_or(0);
     meta.insert(CRC32_KEY.into(), checksum(&probe[8 + n..]));
-    safetensors::serialize(views(&data, &bad)?, Some(meta)).map_err(|e| bad(e.to_string()))
+    let bytes = safetensors::serialize(views(&data, &bad)?, Some(meta.clone()))
+        .map_err(|e| bad(e.to_string()))?;
+    Ok(sort_metadata(bytes, &meta))
+}
+
+/// `bytes` with the header's `__metadata__` object rewritten with its keys sorted.
+/// safetensors writes it in a `HashMap`'s order, which differs from map to map, so equal
+/// tensors and metadata would give different files; sorted, they give equal bytes (the
+/// same keys and values take the same length in any order). Returned unchanged when the
+/// object is not found as expected.
+fn sort_metadata(mut bytes: Vec<u8>, meta: &HashMap<String, String>) -> Vec<u8> {
+    const KEY: &[u8] = b"\"__metadata__\":";
+    let sorted: std::collections::BTreeMap<&String, &String> = meta.iter().collect();
+    let (Some(n), Ok(want)) = (header_len(&bytes), serde_json::to_vec(&sorted)) else {
+        return bytes;
+    };
+    let Some(header) = bytes.get(8..8 + n) else {
+        return bytes;
+    };
+    let Some(at) = header.windows(KEY.len()).position(|w| w == KEY) else {
+        return bytes;
+    };
+    let (start, end) = (8 + at + KEY.len(), 8 + at + KEY.len() + want.len());
+    let same = bytes
+        .get(start..end)
+        .and_then(|s| serde_json::from_slice::<HashMap<String, String>>(s).ok())
+        .is_some_and(|m| m == *meta);
+    if same {
+        bytes[start..end].copy_from_slice(&want);
+    }
+    bytes
 }
 
 /// Writes `tensors` and `metadata` to `path` as a safetensors file, atomically.

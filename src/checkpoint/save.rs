@@ -9,8 +9,8 @@ use super::index::{read_index, FileEntry, FORMAT};
 use crate::distributed::staged;
 use crate::error::{Error, Result};
 use crate::fsdp::{
-    FullStateDictConfig, FullyShardedDataParallel, OptimStateDict, StateDict, StateDictConfig,
-    StateDictType,
+    FullStateDictConfig, FullyShardedDataParallel, OptimSnapshot, OptimStateDict, ShardedSnapshot,
+    StateDict, StateDictConfig, StateDictType,
 };
 use crate::optim::Optimizer;
 use crate::tensor::Tensor;
@@ -132,10 +132,24 @@ pub(super) struct Staged {
     pub(super) commit: Commit,
 }
 
+/// What this rank's data files are made of.
+enum Content {
+    /// The files, `(file name, tensors)`; empty on ranks that write none.
+    Files(Vec<(String, Vec<(String, Tensor)>)>),
+    /// A background sharded save's snapshots of the model (on the ranks writing it) and
+    /// of the optimizer: host copies of the shards and optimizer buffers taken on the
+    /// training thread, cut into the state dicts and planned into files by the writer
+    /// thread ([`plan_snapshot`]), with the same bytes as a synchronous save's files.
+    Snapshot {
+        model: Option<ShardedSnapshot>,
+        optim: Option<OptimSnapshot>,
+        world_size: usize,
+    },
+}
+
 /// This rank's files of a staged save.
 pub(super) struct Writes {
-    /// This rank's data files: `(file name, tensors)`; empty on ranks that write none.
-    files: Vec<(String, Vec<(String, Tensor)>)>,
+    content: Content,
     /// This rank's manifest without its `files` (or with the error of planning them).
     manifest: Manifest,
     rank: usize,
@@ -169,7 +183,9 @@ pub(super) struct Background<'a> {
 /// generation, the state dicts are taken (collectives for `Full`) and this rank's pieces
 /// planned into files. For a `background` save every tensor is copied into host memory of
 /// its own (see [`Background`]), so training may change the model while the files are
-/// written; otherwise the files may alias the model's storage until they are written.
+/// written: a sharded one copies only each unit's shard and the optimizer's state tensors
+/// here, and the writer thread cuts them into the state dicts ([`Content::Snapshot`]);
+/// otherwise the files may alias the model's storage until they are written.
 ///
 /// # Errors
 /// As [`save_checkpoint`], for the steps before the writes.
@@ -214,6 +230,110 @@ pub(super) fn stage(
         });
     }
     let generation = generation as u64;
+    // Sharded: the ranks holding distinct shards write the model (replica 0), and under
+    // ZeRO-1 every rank writes its chunk of the optimizer state (the model only on rank 0).
+    let model_writer = match ty {
+        StateDictType::Full => rank == 0,
+        _ => model.shard_replica_rank() == 0,
+    };
+    let writer = model_writer
+        || (ty == StateDictType::Sharded && optim.is_some() && model.zero_redundancy());
+    let (mut manifest, content) = match (ty, pool) {
+        // A background sharded save: on this thread only copies of the shards and of the
+        // optimizer's state into host buffers of their own, and the layout; the writer
+        // thread cuts them into the state dicts (see [`Content::Snapshot`]).
+        (StateDictType::Sharded, Some(pool)) => {
+            // A failed copy (out of memory) fails this rank's save at the commit, as a
+            // failed write does; the rank goes on through the same collectives meanwhile.
+            let mut failed: Option<Error> = None;
+            let mut copy = |t: &Tensor| {
+                super::async_save::host_copy(t, pool).or_else(|e| {
+                    failed.get_or_insert(e);
+                    Ok(t.clone())
+                })
+            };
+            let model_part = if model_writer {
+                Some(model.sharded_snapshot(&mut copy)?)
+            } else {
+                None
+            };
+            let optim_part = match optim {
+                Some(o) if writer => Some(model.optim_snapshot(o, &mut copy)?),
+                // Every rank takes part in its collective (named parameter groups).
+                Some(o) => model
+                    .optim_snapshot(o, &mut |t| Ok(t.clone()))
+                    .map(|_| None)?,
+                None => None,
+            };
+            match failed {
+                Some(e) => (
+                    Manifest {
+                        error: Some(e.to_string()),
+                        ..Manifest::default()
+                    },
+                    Content::Files(Vec::new()),
+                ),
+                None if writer => (
+                    Manifest::default(),
+                    Content::Snapshot {
+                        model: model_part,
+                        optim: optim_part,
+                        world_size: pg.size(),
+                    },
+                ),
+                None => (Manifest::default(), Content::Files(Vec::new())),
+            }
+        }
+        (_, pool) => {
+            let (manifest, files) = planned(
+                model,
+                optim,
+                ty,
+                rank,
+                generation,
+                model_writer,
+                writer,
+                pool,
+            )?;
+            (manifest, Content::Files(files))
+        }
+    };
+    // Every rank's value, writer or not (replicas under hybrid sharding write no file).
+    manifest.rank_extra = rank_extra.into_iter().collect();
+    Ok(Staged {
+        writes: Writes {
+            content,
+            manifest,
+            rank,
+            dir: dir.to_path_buf(),
+            generation,
+        },
+        commit: Commit {
+            dir: dir.to_path_buf(),
+            generation,
+            ty,
+            extra,
+        },
+    })
+}
+
+/// This rank's data files of a save planned from its state dicts (taken here: collectives
+/// for `Full`), copied into host buffers of `pool` for a background save; a planning error
+/// in the manifest.
+///
+/// # Errors
+/// As [`save_checkpoint`], for taking the state dicts.
+#[allow(clippy::too_many_arguments)]
+fn planned(
+    model: &mut FullyShardedDataParallel,
+    optim: Option<&dyn Optimizer>,
+    ty: StateDictType,
+    rank: usize,
+    generation: u64,
+    model_writer: bool,
+    writer: bool,
+    pool: Option<&mut Vec<Tensor>>,
+) -> Result<Planned> {
     let config = match ty {
         StateDictType::Full => StateDictConfig::Full(FullStateDictConfig {
             offload_to_cpu: true,
@@ -225,20 +345,12 @@ pub(super) fn stage(
     let osd = optim
         .map(|o| model.optim_state_dict(o, config))
         .transpose()?;
-    // Sharded: the ranks holding distinct shards write the model (replica 0), and under
-    // ZeRO-1 every rank writes its chunk of the optimizer state (the model only on rank 0).
-    let model_writer = match ty {
-        StateDictType::Full => rank == 0,
-        _ => model.shard_replica_rank() == 0,
-    };
-    let writer =
-        model_writer || (ty == StateDictType::Sharded && osd.is_some() && model.zero_redundancy());
     let empty;
     let sd = if model_writer {
         &sd
     } else {
         empty = StateDict::Sharded(crate::fsdp::ShardedStateDict {
-            world_size: pg.size(),
+            world_size: model.process_group().size(),
             tensors: Vec::new(),
         });
         &empty
@@ -257,53 +369,80 @@ pub(super) fn stage(
     } else {
         Ok((Manifest::default(), Vec::new()))
     };
-    let (mut manifest, files) = planned.unwrap_or_else(|e| {
+    Ok(planned.unwrap_or_else(|e| {
         let m = Manifest {
             error: Some(e.to_string()),
             ..Manifest::default()
         };
         (m, Vec::new())
-    });
-    // Every rank's value, writer or not (replicas under hybrid sharding write no file).
-    manifest.rank_extra = rank_extra.into_iter().collect();
-    Ok(Staged {
-        writes: Writes {
-            files,
-            manifest,
-            rank,
-            dir: dir.to_path_buf(),
-            generation,
-        },
-        commit: Commit {
-            dir: dir.to_path_buf(),
-            generation,
-            ty,
-            extra,
-        },
-    })
+    }))
 }
 
 impl Writes {
     /// Writes this rank's data files (no collective: it may run on any thread); a failure
     /// is kept in the manifest, for [`Commit::commit`] to report on every rank. Returns the
-    /// files' tensors too, for reuse.
+    /// host buffers to reuse: a snapshot's copies, or the planned files' tensors.
     pub(super) fn write(self) -> (Written, Vec<Tensor>) {
         let Writes {
-            files,
+            content,
             mut manifest,
             rank,
             dir,
             generation,
         } = self;
+        let mut reuse = Vec::new();
+        let (files, keep) = match content {
+            Content::Files(files) => (files, true),
+            Content::Snapshot {
+                model,
+                optim,
+                world_size,
+            } => match plan_snapshot(rank, generation, model, optim, world_size, &mut reuse) {
+                Ok((m, files)) => {
+                    manifest = Manifest {
+                        rank_extra: std::mem::take(&mut manifest.rank_extra),
+                        ..m
+                    };
+                    (files, false)
+                }
+                Err(e) => {
+                    manifest.error = Some(e.to_string());
+                    (Vec::new(), false)
+                }
+            },
+        };
         if manifest.error.is_none() {
             if let Err(e) = write_files(&dir, rank, generation, &files, &mut manifest) {
                 manifest.error = Some(e.to_string());
                 manifest.files.clear();
             }
         }
-        let tensors = files.into_iter().flat_map(|(_, t)| t).map(|(_, t)| t);
-        (Written(manifest), tensors.collect())
+        if keep {
+            reuse.extend(files.into_iter().flat_map(|(_, t)| t).map(|(_, t)| t));
+        }
+        (Written(manifest), reuse)
     }
+}
+
+/// The state dicts of a background sharded save's snapshots, planned into this rank's
+/// files; the snapshots' host buffers are pushed onto `reuse`.
+fn plan_snapshot(
+    rank: usize,
+    generation: u64,
+    model: Option<ShardedSnapshot>,
+    optim: Option<OptimSnapshot>,
+    world_size: usize,
+    reuse: &mut Vec<Tensor>,
+) -> Result<Planned> {
+    let sd = match model {
+        Some(m) => m.into_state_dict(reuse)?,
+        None => crate::fsdp::ShardedStateDict {
+            world_size,
+            tensors: Vec::new(),
+        },
+    };
+    let osd = optim.map(|o| o.into_state_dict(reuse)).transpose()?;
+    plan_files(rank, generation, &StateDict::Sharded(sd), osd.as_ref())
 }
 
 /// A manifest that says this rank's background writer was lost (it panicked).

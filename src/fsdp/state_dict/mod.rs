@@ -43,6 +43,8 @@ pub use crate::nn::FullStateDict;
 /// Keys a non-strict load skipped (`_IncompatibleKeys`), as [`crate::nn::load_state_dict`]
 /// reports them.
 pub use crate::nn::IncompatibleKeys;
+pub(crate) use model::ShardedSnapshot;
+pub(crate) use optim::OptimSnapshot;
 pub use optim::OptimStateDict;
 pub use optim_groups::NamedParamGroup;
 

@@ -10,7 +10,8 @@
 use super::layout::{gather_optim_chunk, ignored_params, lookup, optim_unit_metas, UnitMeta};
 use super::optim_groups::{to_named, to_positions, NamedParamGroup};
 use super::{
-    FullStateDict, ShardPiece, ShardedStateDict, ShardedTensor, StateDict, StateDictConfig,
+    FullStateDict, FullStateDictConfig, ShardPiece, ShardedStateDict, ShardedTensor, StateDict,
+    StateDictConfig,
 };
 use crate::distributed::fingerprint::Phase;
 use crate::distributed::staged;
@@ -18,7 +19,7 @@ use crate::distributed::ReduceOp;
 use crate::error::{Error, Result};
 use crate::fsdp::FullyShardedDataParallel;
 use crate::nn::state_dict::load_error;
-use crate::optim::{buffer_names, Optimizer, OptimizerState, TensorState};
+use crate::optim::{buffer_names, Optimizer, OptimizerState, StateSnapshot, TensorState};
 use crate::tensor::{DType, Tensor};
 
 /// An optimizer's state by original parameter name (what `FSDP.optim_state_dict` returns):
@@ -199,11 +200,293 @@ fn run_at(pos: &[Position], unit: usize, at: usize) -> Option<usize> {
     })
 }
 
+/// `StateDict` error when an optimizer's state has `count` tensors (none before the first
+/// step) but the model's `optimizer_params()` another number.
+fn check_count(
+    kind: &str,
+    count: usize,
+    metas: &[UnitMeta],
+    ignored: &[(String, Vec<usize>, bool)],
+) -> Result<()> {
+    let n = positions(metas, ignored).len();
+    if count != 0 && count != n {
+        return Err(Error::StateDict(format!(
+            "the {kind} optimizer holds state for {count} tensors but optimizer_params() of this model has {n}: was it built on another model?"
+        )));
+    }
+    Ok(())
+}
+
+/// The optimizer kind of a snapshot.
+fn optim_kind(s: &StateSnapshot) -> String {
+    match s {
+        StateSnapshot::State(s) => s.kind.clone(),
+        StateSnapshot::Tensors { kind, .. } => kind.clone(),
+    }
+}
+
+/// An optimizer state dict being assembled from an [`OptimizerState`], unit by unit (the
+/// cut of each run's buffers at parameter boundaries), full or sharded.
+struct Assembly<'a> {
+    st: &'a OptimizerState,
+    pos: Vec<Position>,
+    names: &'static [&'static str],
+    counts_steps: bool,
+    /// This rank keeps the result (not a `rank0_only` full state dict off rank 0).
+    keep: bool,
+    full: bool,
+    rank: usize,
+    metas: &'a [UnitMeta],
+    steps: Vec<(String, u64)>,
+    /// Full: per buffer, whole tensors by name.
+    bufs: Vec<Vec<(String, Tensor)>>,
+    /// Sharded: per buffer, this rank's pieces by name.
+    pieces: Vec<Vec<(String, ShardedTensor)>>,
+    /// Trainable zero-size parameters, `(name, shape)`: no run covers them.
+    empties: Vec<(String, Vec<usize>)>,
+}
+
+impl<'a> Assembly<'a> {
+    fn new(
+        st: &'a OptimizerState,
+        metas: &'a [UnitMeta],
+        ignored: &[(String, Vec<usize>, bool)],
+        keep: bool,
+        full: bool,
+    ) -> Self {
+        let names = buffer_names(&st.kind);
+        Assembly {
+            st,
+            pos: positions(metas, ignored),
+            names,
+            counts_steps: matches!(st.kind.as_str(), "Adam" | "AdamW"),
+            keep,
+            full,
+            rank: 0,
+            metas,
+            steps: Vec::new(),
+            bufs: vec![Vec::new(); names.len()],
+            pieces: vec![Vec::new(); names.len()],
+            empties: Vec::new(),
+        }
+    }
+
+    fn state_at(&self, i: usize) -> Option<&'a TensorState> {
+        self.st.tensors.get(i).and_then(Option::as_ref)
+    }
+
+    /// Each parameter of unit `ui`'s step on this rank (-1: no state here).
+    fn local_steps(&self, ui: usize, m: &UnitMeta) -> Vec<i32> {
+        let mut local: Vec<i32> = vec![-1; m.infos.len()];
+        for (i, info) in m.infos.iter().enumerate() {
+            if let Some((_, _, start)) = m.portion(info) {
+                if let Some(t) = run_at(&self.pos, ui, start).and_then(|r| self.state_at(r)) {
+                    local[i] = t.step.unwrap_or(0).min(i32::MAX as u64) as i32;
+                }
+            }
+        }
+        local
+    }
+
+    /// Adds unit `ui`'s entries, given each parameter's step (`step_of`, -1: no state):
+    /// full with `gather` (the chunk of a buffer -> the whole flat buffer), else sharded.
+    fn unit(
+        &mut self,
+        ui: usize,
+        m: &UnitMeta,
+        step_of: &[i32],
+        mut gather: Option<&mut dyn FnMut(&Tensor) -> Result<Tensor>>,
+    ) -> Result<()> {
+        if self.keep {
+            for (name, idx) in &m.slots {
+                let i = &m.infos[*idx];
+                if i.numel == 0 && i.requires_grad {
+                    self.empties.push((name.clone(), i.shape.clone()));
+                }
+            }
+        }
+        for (b, bname) in self.names.iter().enumerate() {
+            // The buffer in chunk layout (zero outside trainable runs with state), in
+            // the FlatParameter's dtype: f64 state of an f64 model stays exact.
+            let mut chunk = vec![0.0f64; m.shard_numel];
+            for (pi, p) in self.pos.iter().enumerate() {
+                if let (Position::Run { unit, start, len }, Some(t)) = (p, self.state_at(pi)) {
+                    if *unit == ui {
+                        let dst = &mut chunk[*start..start + len];
+                        if let Some(v) = t.buffer_f64(bname).filter(|v| v.len() == *len) {
+                            dst.copy_from_slice(v);
+                        } else if let Some(v) = t.buffer(bname).filter(|v| v.len() == *len) {
+                            dst.iter_mut().zip(v).for_each(|(d, &s)| *d = f64::from(s));
+                        }
+                    }
+                }
+            }
+            let chunk = match m.dtype {
+                DType::F64 => Tensor::from_vec(chunk, &[m.shard_numel])?,
+                // f32 values widened and rounded back: the same bits.
+                _ => Tensor::from_vec(
+                    chunk.into_iter().map(|v| v as f32).collect::<Vec<f32>>(),
+                    &[m.shard_numel],
+                )?,
+            };
+            let with_state = m.slots.iter().filter(|(_, i)| step_of[*i] >= 0);
+            match gather.as_mut() {
+                Some(gather) => {
+                    let whole = gather(&chunk)?;
+                    for (name, idx) in with_state {
+                        let i = &m.infos[*idx];
+                        if self.keep {
+                            self.bufs[b].push((
+                                name.clone(),
+                                whole.view(i.offset, &i.shape)?.deep_clone()?,
+                            ));
+                        }
+                    }
+                }
+                None => {
+                    for (name, idx) in with_state {
+                        let info = &m.infos[*idx];
+                        if let Some((a, bb, start)) = m.portion(info) {
+                            self.pieces[b].push((
+                                name.clone(),
+                                ShardedTensor {
+                                    global_shape: info.shape.clone(),
+                                    pieces: vec![ShardPiece {
+                                        offset: a,
+                                        data: chunk.view(start, &[bb - a])?.deep_clone()?,
+                                        rank: self.rank,
+                                    }],
+                                },
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        if self.counts_steps && self.keep {
+            for (name, idx) in &m.slots {
+                if step_of[*idx] >= 0 {
+                    self.steps.push((name.clone(), step_of[*idx] as u64));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The state dict: zero-size parameters' and ignored modules' state added.
+    fn finish(
+        mut self,
+        ignored: &[(String, Vec<usize>, bool)],
+        world_size: usize,
+        param_groups: Vec<NamedParamGroup>,
+    ) -> Result<OptimStateDict> {
+        let st = self.st;
+        add_zero_size_state(
+            self.metas,
+            &self.empties,
+            &mut self.steps,
+            &mut self.bufs,
+            &mut self.pieces,
+        );
+        // Ignored modules' parameters: whole, their own state.
+        for (pi, p) in self.pos.iter().enumerate() {
+            let (Position::Ignored { name, numel }, Some(t), true) =
+                (p, self.state_at(pi), self.keep)
+            else {
+                continue;
+            };
+            let shape = ignored
+                .iter()
+                .find(|i| &i.0 == name)
+                .map_or(vec![*numel], |i| i.1.clone());
+            for (b, bname) in self.names.iter().enumerate() {
+                if t.buffer(bname).is_some() || t.buffer_f64(bname).is_some() {
+                    let data = t.buffer_tensor(&st.kind, pi, bname)?;
+                    if self.full {
+                        self.bufs[b].push((name.clone(), data.reshape(&shape)?));
+                    } else {
+                        self.pieces[b].push((
+                            name.clone(),
+                            ShardedTensor {
+                                global_shape: shape.clone(),
+                                pieces: vec![ShardPiece {
+                                    offset: 0,
+                                    data,
+                                    rank: self.rank,
+                                }],
+                            },
+                        ));
+                    }
+                }
+            }
+            if self.counts_steps {
+                self.steps.push((name.clone(), t.step.unwrap_or(0)));
+            }
+        }
+        let full = self.full;
+        let buffers = self
+            .names
+            .iter()
+            .zip(self.bufs.into_iter().zip(self.pieces))
+            .map(|(n, (f, s))| {
+                let sd = if full {
+                    StateDict::Full(FullStateDict { tensors: f })
+                } else {
+                    StateDict::Sharded(ShardedStateDict {
+                        world_size,
+                        tensors: s,
+                    })
+                };
+                (n.to_string(), sd)
+            })
+            .collect();
+        Ok(OptimStateDict {
+            kind: st.kind.clone(),
+            hyperparams: st.hyperparams.clone(),
+            steps: self.steps,
+            buffers,
+            param_groups,
+        })
+    }
+}
+
+/// A sharded optimizer state dict before its conversion: the optimizer's
+/// [`StateSnapshot`] and the model's layout. Built by
+/// [`FullyShardedDataParallel::optim_snapshot`] on the training thread; converted by
+/// [`into_state_dict`](Self::into_state_dict) on any thread.
+pub(crate) struct OptimSnapshot {
+    state: StateSnapshot,
+    metas: Vec<UnitMeta>,
+    ignored: Vec<(String, Vec<usize>, bool)>,
+    param_groups: Vec<NamedParamGroup>,
+    rank: usize,
+    world_size: usize,
+}
+
+impl OptimSnapshot {
+    /// The sharded optimizer state dict (host tensors). The snapshot's tensors are pushed
+    /// onto `reuse` afterwards.
+    ///
+    /// # Errors
+    /// A failed read of a tensor (CUDA copy).
+    pub(crate) fn into_state_dict(self, reuse: &mut Vec<Tensor>) -> Result<OptimStateDict> {
+        let st = self.state.into_state(reuse)?;
+        let mut a = Assembly::new(&st, &self.metas, &self.ignored, true, false);
+        a.rank = self.rank;
+        for (ui, m) in self.metas.iter().enumerate() {
+            let step_of = a.local_steps(ui, m);
+            a.unit(ui, m, &step_of, None)?;
+        }
+        a.finish(&self.ignored, self.world_size, self.param_groups)
+    }
+}
+
 impl FullyShardedDataParallel {
     /// `optim`'s state by original parameter name (`FSDP.optim_state_dict(model, optim)`),
     /// full or sharded as `config` says (`Local` is refused). `optim` must step on
     /// [`optimizer_params`](Self::optimizer_params) of this model. Full: a collective over
-    /// the world (one all-gather per unit and buffer); sharded: no communication.
+    /// the world (one all-gather per unit and buffer); sharded: no communication (but one
+    /// all-reduce when the optimizer has parameter groups).
     ///
     /// # Errors
     /// `StateDict` when the optimizer's state does not match `optimizer_params()`;
@@ -214,60 +497,80 @@ impl FullyShardedDataParallel {
         optim: &dyn Optimizer,
         config: StateDictConfig,
     ) -> Result<OptimStateDict> {
+        match config {
+            StateDictConfig::Full(c) => self.full_optim_state_dict(optim, c),
+            StateDictConfig::Sharded => self
+                .optim_snapshot(optim, &mut |t| Ok(t.clone()))?
+                .into_state_dict(&mut Vec::new()),
+            StateDictConfig::Local => Err(Error::Unsupported(
+                "optim_state_dict with LOCAL_STATE_DICT; use FULL or SHARDED".into(),
+            )),
+        }
+    }
+
+    /// What the sharded [`optim_state_dict`](Self::optim_state_dict) is made of:
+    /// `optim`'s [`snapshot`](Optimizer::snapshot) through `copy` (a background
+    /// checkpoint's copy into host buffers of its own) and this model's layout;
+    /// [`OptimSnapshot::into_state_dict`] builds the state dict on any thread. No
+    /// communication but the all-reduce of named parameter groups, when there are groups.
+    ///
+    /// # Errors
+    /// As [`optim_state_dict`](Self::optim_state_dict); `copy`'s error.
+    pub(crate) fn optim_snapshot(
+        &mut self,
+        optim: &dyn Optimizer,
+        copy: &mut dyn FnMut(&Tensor) -> Result<Tensor>,
+    ) -> Result<OptimSnapshot> {
+        self.check_root("optim_state_dict")?;
+        let st = optim.snapshot(copy)?;
+        let metas = optim_unit_metas(self);
+        let ignored = ignored_params(self);
+        check_count(&optim_kind(&st), st.tensor_count(), &metas, &ignored)?;
+        let param_groups = self.named_groups(&metas, &ignored, st.param_groups())?;
+        Ok(OptimSnapshot {
+            state: st,
+            metas,
+            ignored,
+            param_groups,
+            rank: self.process_group().rank(),
+            world_size: self.process_group().size(),
+        })
+    }
+
+    /// The optimizer's parameter groups by name (every rank's parameters): one
+    /// all-reduce of the membership, when there are groups.
+    fn named_groups(
+        &mut self,
+        metas: &[UnitMeta],
+        ignored: &[(String, Vec<usize>, bool)],
+        groups: &[crate::optim::ParamGroup],
+    ) -> Result<Vec<NamedParamGroup>> {
+        if groups.is_empty() {
+            return Ok(Vec::new());
+        }
+        let names = self.optimizer_param_names();
+        to_named(self, metas, ignored, &names, groups)
+    }
+
+    /// FULL_STATE_DICT of `optim`: every buffer gathered unit by unit (a collective).
+    fn full_optim_state_dict(
+        &mut self,
+        optim: &dyn Optimizer,
+        c: FullStateDictConfig,
+    ) -> Result<OptimStateDict> {
         self.check_root("optim_state_dict")?;
         let st = optim.state_dict()?;
         let metas = optim_unit_metas(self);
         let ignored = ignored_params(self);
-        let pos = positions(&metas, &ignored);
-        if !st.tensors.is_empty() && st.tensors.len() != pos.len() {
-            return Err(Error::StateDict(format!(
-                "the {} optimizer holds state for {} tensors but optimizer_params() of this model has {}: was it built on another model?",
-                st.kind,
-                st.tensors.len(),
-                pos.len()
-            )));
-        }
-        let full = match config {
-            StateDictConfig::Full(c) => Some(c),
-            StateDictConfig::Sharded => None,
-            StateDictConfig::Local => {
-                return Err(Error::Unsupported(
-                    "optim_state_dict with LOCAL_STATE_DICT; use FULL or SHARDED".into(),
-                ))
-            }
-        };
-        let keep = full.is_none_or(|c| !c.rank0_only || self.process_group().rank() == 0);
-        let names = buffer_names(&st.kind);
-        let counts_steps = matches!(st.kind.as_str(), "Adam" | "AdamW");
-        let rank = self.process_group().rank();
-        let mut steps: Vec<(String, u64)> = Vec::new();
-        let mut bufs: Vec<Vec<(String, Tensor)>> = vec![Vec::new(); names.len()];
-        let mut pieces: Vec<Vec<(String, ShardedTensor)>> = vec![Vec::new(); names.len()];
-        let state_at = |i: usize| st.tensors.get(i).and_then(Option::as_ref);
-        // Trainable zero-size parameters, (name, shape): no run covers them (see below).
-        let mut empties: Vec<(String, Vec<usize>)> = Vec::new();
+        check_count(&st.kind, st.tensors.len(), &metas, &ignored)?;
+        let keep = !c.rank0_only || self.process_group().rank() == 0;
+        let mut a = Assembly::new(&st, &metas, &ignored, keep, true);
         let mut k = 0;
         self.for_each_unit(&mut |u| {
             let (ui, m) = (k, &metas[k]);
             k += 1;
-            if keep {
-                for (name, idx) in &m.slots {
-                    let i = &m.infos[*idx];
-                    if i.numel == 0 && i.requires_grad {
-                        empties.push((name.clone(), i.shape.clone()));
-                    }
-                }
-            }
-            // Each parameter's step on this rank (-1: no state here).
-            let mut local: Vec<i32> = vec![-1; m.infos.len()];
-            for (i, info) in m.infos.iter().enumerate() {
-                if let Some((_, _, start)) = m.portion(info) {
-                    if let Some(t) = run_at(&pos, ui, start).and_then(state_at) {
-                        local[i] = t.step.unwrap_or(0).min(i32::MAX as u64) as i32;
-                    }
-                }
-            }
-            let step_of = if full.is_some() && u.grads_scattered() {
+            let local = a.local_steps(ui, m);
+            let step_of = if u.grads_scattered() {
                 let t = Tensor::from_vec(local, &[m.infos.len()])?;
                 let _tag = u.fingerprint(Phase::StateDict);
                 staged::all_reduce(u.shard_group().as_ref(), &t, ReduceOp::Max)?;
@@ -276,131 +579,16 @@ impl FullyShardedDataParallel {
             } else {
                 local
             };
-            for (b, bname) in names.iter().enumerate() {
-                // The buffer in chunk layout (zero outside trainable runs with state), in
-                // the FlatParameter's dtype: f64 state of an f64 model stays exact.
-                let mut chunk = vec![0.0f64; m.shard_numel];
-                for (pi, p) in pos.iter().enumerate() {
-                    if let (Position::Run { unit, start, len }, Some(t)) = (p, state_at(pi)) {
-                        if *unit == ui {
-                            let dst = &mut chunk[*start..start + len];
-                            if let Some(v) = t.buffer_f64(bname).filter(|v| v.len() == *len) {
-                                dst.copy_from_slice(v);
-                            } else if let Some(v) = t.buffer(bname).filter(|v| v.len() == *len) {
-                                dst.iter_mut().zip(v).for_each(|(d, &s)| *d = f64::from(s));
-                            }
-                        }
-                    }
-                }
-                let chunk = match m.dtype {
-                    DType::F64 => Tensor::from_vec(chunk, &[m.shard_numel])?,
-                    // f32 values widened and rounded back: the same bits.
-                    _ => Tensor::from_vec(
-                        chunk.into_iter().map(|v| v as f32).collect::<Vec<f32>>(),
-                        &[m.shard_numel],
-                    )?,
-                };
-                if full.is_some() {
-                    let whole = gather_optim_chunk(u, &chunk)?;
-                    for (name, idx) in m.slots.iter().filter(|(_, i)| step_of[*i] >= 0) {
-                        let i = &m.infos[*idx];
-                        if keep {
-                            bufs[b].push((
-                                name.clone(),
-                                whole.view(i.offset, &i.shape)?.deep_clone()?,
-                            ));
-                        }
-                    }
-                } else {
-                    for (name, idx) in m.slots.iter().filter(|(_, i)| step_of[*i] >= 0) {
-                        let info = &m.infos[*idx];
-                        if let Some((a, bb, start)) = m.portion(info) {
-                            pieces[b].push((
-                                name.clone(),
-                                ShardedTensor {
-                                    global_shape: info.shape.clone(),
-                                    pieces: vec![ShardPiece {
-                                        offset: a,
-                                        data: chunk.view(start, &[bb - a])?.deep_clone()?,
-                                        rank,
-                                    }],
-                                },
-                            ));
-                        }
-                    }
-                }
-            }
-            if counts_steps && keep {
-                for (name, idx) in &m.slots {
-                    if step_of[*idx] >= 0 {
-                        steps.push((name.clone(), step_of[*idx] as u64));
-                    }
-                }
-            }
-            Ok(())
+            a.unit(
+                ui,
+                m,
+                &step_of,
+                Some(&mut |chunk| gather_optim_chunk(u, chunk)),
+            )
         })?;
-        add_zero_size_state(&metas, &empties, &mut steps, &mut bufs, &mut pieces);
-        // Ignored modules' parameters: whole, their own state.
-        for (pi, p) in pos.iter().enumerate() {
-            let (Position::Ignored { name, numel }, Some(t), true) = (p, state_at(pi), keep) else {
-                continue;
-            };
-            let shape = ignored
-                .iter()
-                .find(|i| &i.0 == name)
-                .map_or(vec![*numel], |i| i.1.clone());
-            for (b, bname) in names.iter().enumerate() {
-                if t.buffer(bname).is_some() || t.buffer_f64(bname).is_some() {
-                    let data = t.buffer_tensor(&st.kind, pi, bname)?;
-                    match full {
-                        Some(_) => bufs[b].push((name.clone(), data.reshape(&shape)?)),
-                        None => pieces[b].push((
-                            name.clone(),
-                            ShardedTensor {
-                                global_shape: shape.clone(),
-                                pieces: vec![ShardPiece {
-                                    offset: 0,
-                                    data,
-                                    rank,
-                                }],
-                            },
-                        )),
-                    }
-                }
-            }
-            if counts_steps {
-                steps.push((name.clone(), t.step.unwrap_or(0)));
-            }
-        }
+        let param_groups = self.named_groups(&metas, &ignored, &st.param_groups)?;
         let world_size = self.process_group().size();
-        let buffers = names
-            .iter()
-            .zip(bufs.into_iter().zip(pieces))
-            .map(|(n, (f, s))| {
-                let sd = match full {
-                    Some(_) => StateDict::Full(FullStateDict { tensors: f }),
-                    None => StateDict::Sharded(ShardedStateDict {
-                        world_size,
-                        tensors: s,
-                    }),
-                };
-                (n.to_string(), sd)
-            })
-            .collect();
-        // Groups by name: one all-reduce of the membership, when there are groups.
-        let param_groups = if st.param_groups.is_empty() {
-            Vec::new()
-        } else {
-            let names = self.optimizer_param_names();
-            to_named(self, &metas, &ignored, &names, &st.param_groups)?
-        };
-        Ok(OptimStateDict {
-            kind: st.kind,
-            hyperparams: st.hyperparams,
-            steps,
-            buffers,
-            param_groups,
-        })
+        a.finish(&ignored, world_size, param_groups)
     }
 
     /// The per-tensor [`OptimizerState`] an optimizer over this model's
