@@ -86,6 +86,41 @@ fn bytes_of(t: &Tensor) -> Result<Vec<u8>> {
     })
 }
 
+/// The safetensors name of a dtype (`"F32"`, `"BF16"`, ...): what an index of version 4
+/// records as an entry's dtype.
+pub(super) fn dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "F32",
+        DType::BF16 => "BF16",
+        DType::F16 => "F16",
+        DType::I32 => "I32",
+        DType::F64 => "F64",
+        DType::I64 => "I64",
+    }
+}
+
+/// The CRC-32 of `head` followed by the tensor's bytes (as [`serialize`] stores them), as
+/// 8 hex digits; a tensor on a CUDA device is copied to the host first.
+///
+/// # Errors
+/// A failed read of the tensor.
+pub(super) fn tensor_checksum(head: &[u8], t: &Tensor) -> Result<String> {
+    if t.device().is_cuda() {
+        return tensor_checksum(head, &t.to_device(crate::backend::Device::Cpu)?);
+    }
+    let mut h = crc32fast::Hasher::new();
+    h.update(head);
+    match t.dtype() {
+        DType::F32 => h.update(bytemuck::cast_slice(&t.data::<f32>()?)),
+        DType::BF16 => h.update(bytemuck::cast_slice(&t.data::<half::bf16>()?)),
+        DType::F16 => h.update(bytemuck::cast_slice(&t.data::<half::f16>()?)),
+        DType::I32 => h.update(bytemuck::cast_slice(&t.data::<i32>()?)),
+        DType::F64 => h.update(bytemuck::cast_slice(&t.data::<f64>()?)),
+        DType::I64 => h.update(bytemuck::cast_slice(&t.data::<i64>()?)),
+    }
+    Ok(format!("{:08x}", h.finalize()))
+}
+
 /// The bytes of a safetensors file holding `tensors` (little-endian, row-major) and
 /// `metadata` plus the data section's CRC-32 in `__metadata__` (`fsdp.crc32`).
 ///

@@ -4,8 +4,9 @@
 //! directory loadable.
 
 use super::atomic::remove_stale_temps;
-use super::file::{checksum, serialize};
+use super::file::{checksum, dtype_name, serialize, tensor_checksum};
 use super::index::{read_index, FileEntry, FORMAT};
+use super::seal::piece_head;
 use crate::distributed::staged;
 use crate::error::{Error, Result};
 use crate::fsdp::{
@@ -26,8 +27,16 @@ pub(super) struct Manifest {
     /// `(section, name, global shape)` of every key this rank's state dicts have;
     /// section is `model` or an optimizer buffer name.
     pub(super) entries: Vec<(String, String, Vec<usize>)>,
+    /// The dtype of each entry's tensor (`"F32"`, ...), as `entries`; `None` where this
+    /// rank holds no piece of it.
+    #[serde(default)]
+    pub(super) entry_dtypes: Vec<Option<String>>,
     /// `(section, name, file (index into files), key, offset, numel)`.
     pub(super) pieces: Vec<(String, String, usize, String, usize, usize)>,
+    /// Each piece's checksum binding it to its entry (see `seal.rs`), as `pieces`; filled
+    /// when the files are written.
+    #[serde(default)]
+    pub(super) piece_sums: Vec<String>,
     /// Optimizer kind, hyperparameters and the steps this rank knows.
     pub(super) optim: Option<OptimMeta>,
     /// The optimizer's parameter groups by name (the same on every rank).
@@ -514,6 +523,7 @@ fn plan_files(
                     };
                     m.entries
                         .push((section.clone(), name.clone(), t.shape().to_vec()));
+                    m.entry_dtypes.push(Some(dtype_name(t.dtype()).into()));
                     if t.numel() > 0 {
                         m.pieces.push((
                             section.clone(),
@@ -535,6 +545,11 @@ fn plan_files(
                 for (name, t) in &s.tensors {
                     m.entries
                         .push((section.clone(), name.clone(), t.global_shape.clone()));
+                    m.entry_dtypes.push(
+                        t.pieces
+                            .first()
+                            .map(|p| dtype_name(p.data.dtype()).to_string()),
+                    );
                     for p in &t.pieces {
                         let key = format!("{section}/{name}@{}", p.offset);
                         m.pieces.push((
@@ -573,6 +588,7 @@ fn write_files(
     ]
     .into_iter()
     .collect();
+    piece_sums(files, m)?;
     for (name, tensors) in files {
         let path = dir.join(name);
         let bytes = serialize(&path, tensors, &meta)?;
@@ -583,5 +599,34 @@ fn write_files(
             checksum: checksum(&bytes),
         });
     }
+    Ok(())
+}
+
+/// Computes each piece's checksum binding its bytes to its entry's section, name, shape
+/// and dtype and its offset (index version 4, `seal.rs`) into `m.piece_sums`.
+fn piece_sums(files: &[(String, Vec<(String, Tensor)>)], m: &mut Manifest) -> Result<()> {
+    let shapes: HashMap<(&str, &str), &[usize]> = m
+        .entries
+        .iter()
+        .map(|(s, n, shape)| ((s.as_str(), n.as_str()), shape.as_slice()))
+        .collect();
+    let mut sums = Vec::with_capacity(m.pieces.len());
+    for (section, name, file, key, offset, numel) in &m.pieces {
+        let t = files
+            .get(*file)
+            .and_then(|(_, ts)| ts.iter().find(|(k, _)| k == key))
+            .map(|(_, t)| t)
+            .ok_or_else(|| Error::Checkpoint {
+                path: key.clone(),
+                detail: "a planned piece has no tensor".into(),
+            })?;
+        let shape = shapes
+            .get(&(section.as_str(), name.as_str()))
+            .copied()
+            .unwrap_or(&[]);
+        let head = piece_head(section, name, shape, dtype_name(t.dtype()), *offset, *numel)?;
+        sums.push(tensor_checksum(&head, t)?);
+    }
+    m.piece_sums = sums;
     Ok(())
 }
