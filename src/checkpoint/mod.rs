@@ -69,6 +69,7 @@
 //! | `file.rs` | one safetensors file with a CRC-32: [`write_tensors`], [`read_tensors`], [`checksum`] |
 //! | `grad_scaler.rs` | a [`ShardedGradScaler`](crate::fsdp::ShardedGradScaler)'s state in `extra`: [`insert_grad_scaler_state`], [`CheckpointInfo::grad_scaler_state`] |
 //! | `index.rs` | [`Index`] and its parts |
+//! | `plan.rs` | what one rank of a save writes: its files planned from state dicts or snapshots, each piece's checksum |
 //! | `save.rs` | [`save_checkpoint`], [`save_checkpoint_with_rank_extra`] |
 //! | `seal.rs` | index version 4: the checksums binding each piece to its entry, [`index_text`] |
 //! | `load.rs` | [`load_checkpoint`], [`load_checkpoint_with`], [`RankExtra`], [`read_rank_extra`], [`resolve_checkpoint`] |
@@ -81,6 +82,7 @@ mod file;
 mod grad_scaler;
 mod index;
 mod load;
+mod plan;
 mod save;
 mod seal;
 mod verify;
