@@ -89,7 +89,10 @@ fn forward(from: &OwnedFd, to: &OwnedFd, delay: Duration, loss: f64, seed: u64, 
     let mut buf = vec![0u8; 65_536];
     while !stop.load(Ordering::Relaxed) {
         let now = Instant::now();
-        while let Some((_, p)) = queue.pop_front_if(|(due, _)| *due <= now) {
+        while queue.front().is_some_and(|(due, _)| *due <= now) {
+            let Some((_, p)) = queue.pop_front() else {
+                break;
+            };
             // SAFETY: writes p.len() initialized bytes; a down interface fails, and that
             // packet is lost as on a cut wire.
             let _ = unsafe { libc::write(to.as_raw_fd(), p.as_ptr().cast(), p.len()) };
