@@ -244,7 +244,7 @@ fn assert_ok(outs: &[Output; 2], what: &str) {
 
 /// A clean run over the veth pair equals the thread-rank run bit for bit, and so do runs
 /// over the wire with 0, 1 and 5 ms each way and 5 ms with 1% loss, only slower. Prints the
-/// median step time of each (the README's table).
+/// median step time of each (the table in docs/launch.md).
 #[test]
 fn two_namespaces_train_the_thread_rank_curve_clean_and_with_delay_and_loss() {
     let dir = tmp_dir("curve");
