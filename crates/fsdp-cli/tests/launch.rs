@@ -10,9 +10,12 @@ mod orphans;
 #[cfg(unix)]
 #[path = "launch/restarts.rs"]
 mod restarts;
+#[path = "support/job.rs"]
+mod support;
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
+use support::{corpus, processes_with, small_job};
 
 fn fsdp() -> Command {
     Command::new(env!("CARGO_BIN_EXE_fsdp"))
@@ -23,45 +26,6 @@ fn tmp_dir(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
-}
-
-/// A small job: one layer, 32 wide, 8 rows of 16 tokens; well under a second per run.
-fn small_job(data: &str, steps: usize) -> Vec<String> {
-    let steps = steps.to_string();
-    [
-        "train",
-        "--data",
-        data,
-        "--steps",
-        &steps,
-        "--n-layer",
-        "1",
-        "--n-embd",
-        "32",
-        "--n-head",
-        "2",
-        "--global-batch",
-        "8",
-        "--seq-len",
-        "16",
-        "--eval-every",
-        "0",
-        "--sample-len",
-        "0",
-        "--log-every",
-        "1",
-        "--warmup-steps",
-        "2",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
-}
-
-fn corpus(dir: &std::path::Path) -> String {
-    let p = dir.join("corpus.txt");
-    std::fs::write(&p, common::corpus(20_000)).unwrap();
-    p.to_str().unwrap().to_string()
 }
 
 fn run(cmd: &mut Command) -> Output {
@@ -534,17 +498,6 @@ fn an_unreachable_master_addr_fails_within_seconds_naming_it() {
         assert!(wants.iter().any(|w| last.contains(w)), "{err}");
     }
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// Processes whose command line holds `token`.
-fn processes_with(token: &str) -> usize {
-    std::fs::read_dir("/proc")
-        .map(|d| {
-            d.filter_map(|e| std::fs::read(e.ok()?.path().join("cmdline")).ok())
-                .filter(|c| String::from_utf8_lossy(c).contains(token))
-                .count()
-        })
-        .unwrap_or(0)
 }
 
 #[cfg(unix)]

@@ -6,12 +6,15 @@
 
 #[path = "../../../tests/common/mod.rs"]
 mod common;
+#[path = "support/job.rs"]
+mod support;
 #[path = "netns/wire.rs"]
 mod wire;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
+use support::{corpus, processes_with};
 
 const SECRET: &str = "a job secret of 24 characters or more";
 const PORT: &str = "29500";
@@ -163,44 +166,11 @@ fn tmp_dir(name: &str) -> PathBuf {
     d
 }
 
-fn corpus(dir: &Path) -> String {
-    let p = dir.join("corpus.txt");
-    std::fs::write(&p, common::corpus(20_000)).unwrap();
-    p.to_str().unwrap().to_string()
-}
-
-/// One layer, 32 wide, 8 rows of 16 tokens, FullShard over the two nodes.
+/// `fsdp launch`'s small job (one layer, 32 wide, 8 rows of 16 tokens, FullShard), its
+/// metrics into `metrics`.
 fn job(data: &str, steps: usize, metrics: &Path) -> Vec<String> {
-    let steps = steps.to_string();
-    let mut v: Vec<String> = [
-        "train",
-        "--data",
-        data,
-        "--steps",
-        &steps,
-        "--n-layer",
-        "1",
-        "--n-embd",
-        "32",
-        "--n-head",
-        "2",
-        "--global-batch",
-        "8",
-        "--seq-len",
-        "16",
-        "--eval-every",
-        "0",
-        "--sample-len",
-        "0",
-        "--log-every",
-        "1",
-        "--warmup-steps",
-        "2",
-        "--metrics",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let mut v = support::small_job(data, steps);
+    v.push("--metrics".to_string());
     v.push(metrics.to_str().unwrap().to_string());
     v
 }
@@ -290,17 +260,6 @@ fn two_namespaces_train_the_thread_rank_curve_clean_and_with_delay_and_loss() {
         "5 ms of delay each way should cost time: {times:?}"
     );
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// Processes whose command line holds `token`.
-fn processes_with(token: &str) -> usize {
-    std::fs::read_dir("/proc")
-        .map(|d| {
-            d.filter_map(|e| std::fs::read(e.ok()?.path().join("cmdline")).ok())
-                .filter(|c| String::from_utf8_lossy(c).contains(token))
-                .count()
-        })
-        .unwrap_or(0)
 }
 
 /// The link taken down mid-run: every node stops with an error naming a rank, within the
