@@ -1,0 +1,155 @@
+//! `fsdp bench --overhead`: FSDP's host cost per unit and per step, measured on a model whose
+//! compute is negligible (width 8, one head, 4 tokens, one row), at world size 1.
+//!
+//! For each block count (one FSDP unit per block, plus the root) the model is trained
+//! plainly and under FSDP FullShard, block counts and the two modes interleaved, repeated
+//! `--repeats` times. Each run's median step time is fitted by least squares against the
+//! block count: the slope is the cost per block, the intercept the fixed cost per step.
+//! FSDP's own share is the difference of the FSDP and plain fits of the same repeat (they
+//! ran side by side); the spread is the range of each figure over the repeats.
+
+use crate::bench::median;
+use fsdp::train::{self, TrainConfig};
+
+/// The compute-free model's width, heads, tokens per row and rows per step.
+pub(crate) const SHAPE: (usize, usize, usize, usize) = (8, 1, 4, 1);
+
+/// The least-squares line `y = slope * x + intercept` through the points.
+fn fit(points: &[(f64, f64)]) -> (f64, f64) {
+    let n = points.len() as f64;
+    let mx = points.iter().map(|p| p.0).sum::<f64>() / n;
+    let my = points.iter().map(|p| p.1).sum::<f64>() / n;
+    let sxy: f64 = points.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    let sxx: f64 = points.iter().map(|p| (p.0 - mx) * (p.0 - mx)).sum();
+    let slope = sxy / sxx;
+    (slope, my - slope * mx)
+}
+
+/// `median [min, max]` of the values, to one decimal.
+fn spread(v: &[f64]) -> String {
+    let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    format!("{:.1} [{lo:.1}, {hi:.1}]", median(v.to_vec()))
+}
+
+/// The median step time of one run in µs, after `warmup` steps.
+fn median_step_us(cfg: &TrainConfig, warmup: usize) -> fsdp::Result<f64> {
+    let report = train::train(cfg, &train::Silent)?;
+    Ok(median(
+        report
+            .records
+            .iter()
+            .skip(warmup)
+            .map(|r| r.step_time_s * 1e6)
+            .collect(),
+    ))
+}
+
+/// Runs `fsdp bench --overhead`: `base` is the FSDP configuration (world size 1) whose
+/// `n_layer` is replaced by each of `blocks`.
+pub(crate) fn run_overhead(
+    base: &TrainConfig,
+    blocks: &[usize],
+    repeats: usize,
+    warmup: usize,
+) -> fsdp::Result<()> {
+    if blocks.len() < 2 || blocks.contains(&0) || {
+        let mut b = blocks.to_vec();
+        b.sort_unstable();
+        b.dedup();
+        b.len() < 2
+    } {
+        return Err(fsdp::Error::InvalidArgument(format!(
+            "--overhead-blocks must list at least two different positive block counts, got {blocks:?}"
+        )));
+    }
+    if repeats == 0 {
+        return Err(fsdp::Error::InvalidArgument(
+            "--repeats must be at least 1".into(),
+        ));
+    }
+    let configs: Vec<[TrainConfig; 2]> = blocks
+        .iter()
+        .map(|&n_layer| {
+            let fsdp = TrainConfig {
+                n_layer,
+                ..base.clone()
+            };
+            let plain = TrainConfig {
+                no_fsdp: true,
+                ..fsdp.clone()
+            };
+            [plain, fsdp]
+        })
+        .collect();
+    for c in configs.iter().flatten() {
+        c.validate()?;
+    }
+    out!(
+        "FSDP host overhead: n_embd {} n_head {} seq_len {} global_batch {}, world size 1, {} \
+         unit per block + root; {} timed steps after {} warm-up, {} repeats",
+        base.n_embd,
+        base.n_head,
+        base.seq_len,
+        base.global_batch,
+        base.strategy.flag_name(),
+        base.steps - warmup,
+        warmup,
+        repeats
+    );
+    out!(
+        "{:>6} {:>8} {:>22} {:>22}",
+        "repeat",
+        "blocks",
+        "plain median step us",
+        "fsdp median step us"
+    );
+    // [repeat][mode] -> points (blocks, µs).
+    let mut points = vec![[Vec::new(), Vec::new()]; repeats];
+    for (r, pts) in points.iter_mut().enumerate() {
+        for (&n, pair) in blocks.iter().zip(&configs) {
+            let plain = median_step_us(&pair[0], warmup)?;
+            let fsdp = median_step_us(&pair[1], warmup)?;
+            out!("{:>6} {n:>8} {plain:>22.1} {fsdp:>22.1}", r + 1);
+            pts[0].push((n as f64, plain));
+            pts[1].push((n as f64, fsdp));
+        }
+    }
+    let fits: Vec<[(f64, f64); 2]> = points.iter().map(|p| [fit(&p[0]), fit(&p[1])]).collect();
+    let column = |f: &dyn Fn(&[(f64, f64); 2]) -> f64| fits.iter().map(f).collect::<Vec<_>>();
+    out!(
+        "\nleast-squares fit of median step time over blocks {blocks:?}; median [min, max] over {repeats} repeats"
+    );
+    out!("{:<22} {:>28} {:>28}", "", "us per block", "fixed us per step");
+    let rows: [(&str, Vec<f64>, Vec<f64>); 3] = [
+        ("plain", column(&|f| f[0].0), column(&|f| f[0].1)),
+        ("fsdp", column(&|f| f[1].0), column(&|f| f[1].1)),
+        (
+            "fsdp - plain (FSDP's)",
+            column(&|f| f[1].0 - f[0].0),
+            column(&|f| f[1].1 - f[0].1),
+        ),
+    ];
+    for (name, slope, intercept) in rows {
+        out!(
+            "{name:<22} {:>28} {:>28}",
+            spread(&slope),
+            spread(&intercept)
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fit;
+
+    #[test]
+    fn fit_recovers_a_line_and_the_least_squares_slope() {
+        let (s, i) = fit(&[(2.0, 25.0), (4.0, 45.0), (8.0, 85.0)]);
+        assert!((s - 10.0).abs() < 1e-12 && (i - 5.0).abs() < 1e-12, "{s} {i}");
+        // Points (0,0), (1,1), (2,1): slope 0.5, intercept 1/6.
+        let (s, i) = fit(&[(0.0, 0.0), (1.0, 1.0), (2.0, 1.0)]);
+        assert!((s - 0.5).abs() < 1e-12 && (i - 1.0 / 6.0).abs() < 1e-12, "{s} {i}");
+    }
+}
