@@ -53,7 +53,8 @@ pub(crate) struct BenchArgs {
     /// and --preset are ignored) at world size 1, plainly and under FSDP FullShard (one unit
     /// per block), at each of --overhead-blocks, --repeats times, and print the cost per
     /// unit and the fixed cost per step (least squares of the median step time over the
-    /// block counts) with their spread over the repeats.
+    /// block counts; also of the 10th-percentile step, less disturbed by other processes)
+    /// with their spread over the repeats.
     #[arg(long)]
     overhead: bool,
     /// Block counts of `--overhead`.

@@ -3,7 +3,8 @@
 //!
 //! For each block count (one FSDP unit per block, plus the root) the model is trained
 //! plainly and under FSDP FullShard, block counts and the two modes interleaved, repeated
-//! `--repeats` times. Each run's median step time is fitted by least squares against the
+//! `--repeats` times. Each run's median step time (and, apart, its 10th percentile, less
+//! disturbed by other processes on a busy machine) is fitted by least squares against the
 //! block count: the slope is the cost per block, the intercept the fixed cost per step.
 //! FSDP's own share is the difference of the FSDP and plain fits of the same repeat (they
 //! ran side by side); the spread is the range of each figure over the repeats.
@@ -32,17 +33,25 @@ fn spread(v: &[f64]) -> String {
     format!("{:.1} [{lo:.1}, {hi:.1}]", median(v.to_vec()))
 }
 
-/// The median step time of one run in µs, after `warmup` steps.
-fn median_step_us(cfg: &TrainConfig, warmup: usize) -> fsdp::Result<f64> {
+/// The statistics of a run's step times that are fitted: the median, and the 10th
+/// percentile (the steps least disturbed by other processes on a busy machine).
+const STATS: [(&str, f64); 2] = [("median", 0.5), ("10th-percentile", 0.1)];
+
+/// [`STATS`] of one run's step times in µs, after `warmup` steps.
+fn step_us(cfg: &TrainConfig, warmup: usize) -> fsdp::Result<[f64; 2]> {
     let report = train::train(cfg, &train::Silent)?;
-    Ok(median(
-        report
-            .records
-            .iter()
-            .skip(warmup)
-            .map(|r| r.step_time_s * 1e6)
-            .collect(),
-    ))
+    let mut t: Vec<f64> = report
+        .records
+        .iter()
+        .skip(warmup)
+        .map(|r| r.step_time_s * 1e6)
+        .collect();
+    t.sort_by(f64::total_cmp);
+    Ok(STATS.map(|(_, q)| {
+        t.get(((t.len() as f64 * q) as usize).min(t.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or(f64::NAN)
+    }))
 }
 
 /// Runs `fsdp bench --overhead`: `base` is the FSDP configuration (world size 1) whose
@@ -104,38 +113,47 @@ pub(crate) fn run_overhead(
         "plain median step us",
         "fsdp median step us"
     );
-    // [repeat][mode] -> points (blocks, µs).
-    let mut points = vec![[Vec::new(), Vec::new()]; repeats];
-    for (r, pts) in points.iter_mut().enumerate() {
+    // [statistic][repeat][mode] -> points (blocks, µs).
+    let mut points = vec![vec![[Vec::new(), Vec::new()]; repeats]; STATS.len()];
+    for r in 0..repeats {
         for (&n, pair) in blocks.iter().zip(&configs) {
-            let plain = median_step_us(&pair[0], warmup)?;
-            let fsdp = median_step_us(&pair[1], warmup)?;
-            out!("{:>6} {n:>8} {plain:>22.1} {fsdp:>22.1}", r + 1);
-            pts[0].push((n as f64, plain));
-            pts[1].push((n as f64, fsdp));
+            let plain = step_us(&pair[0], warmup)?;
+            let fsdp = step_us(&pair[1], warmup)?;
+            out!("{:>6} {n:>8} {:>22.1} {:>22.1}", r + 1, plain[0], fsdp[0]);
+            for (s, pts) in points.iter_mut().enumerate() {
+                pts[r][0].push((n as f64, plain[s]));
+                pts[r][1].push((n as f64, fsdp[s]));
+            }
         }
     }
-    let fits: Vec<[(f64, f64); 2]> = points.iter().map(|p| [fit(&p[0]), fit(&p[1])]).collect();
-    let column = |f: &dyn Fn(&[(f64, f64); 2]) -> f64| fits.iter().map(f).collect::<Vec<_>>();
-    out!(
-        "\nleast-squares fit of median step time over blocks {blocks:?}; median [min, max] over {repeats} repeats"
-    );
-    out!("{:<22} {:>28} {:>28}", "", "us per block", "fixed us per step");
-    let rows: [(&str, Vec<f64>, Vec<f64>); 3] = [
-        ("plain", column(&|f| f[0].0), column(&|f| f[0].1)),
-        ("fsdp", column(&|f| f[1].0), column(&|f| f[1].1)),
-        (
-            "fsdp - plain (FSDP's)",
-            column(&|f| f[1].0 - f[0].0),
-            column(&|f| f[1].1 - f[0].1),
-        ),
-    ];
-    for (name, slope, intercept) in rows {
+    for ((stat, _), points) in STATS.iter().zip(&points) {
+        let fits: Vec<[(f64, f64); 2]> = points.iter().map(|p| [fit(&p[0]), fit(&p[1])]).collect();
+        let column = |f: &dyn Fn(&[(f64, f64); 2]) -> f64| fits.iter().map(f).collect::<Vec<_>>();
         out!(
-            "{name:<22} {:>28} {:>28}",
-            spread(&slope),
-            spread(&intercept)
+            "\nleast-squares fit of the {stat} step time over blocks {blocks:?}; median [min, max] over {repeats} repeats"
         );
+        out!(
+            "{:<22} {:>28} {:>28}",
+            "",
+            "us per block",
+            "fixed us per step"
+        );
+        let rows: [(&str, Vec<f64>, Vec<f64>); 3] = [
+            ("plain", column(&|f| f[0].0), column(&|f| f[0].1)),
+            ("fsdp", column(&|f| f[1].0), column(&|f| f[1].1)),
+            (
+                "fsdp - plain (FSDP's)",
+                column(&|f| f[1].0 - f[0].0),
+                column(&|f| f[1].1 - f[0].1),
+            ),
+        ];
+        for (name, slope, intercept) in rows {
+            out!(
+                "{name:<22} {:>28} {:>28}",
+                spread(&slope),
+                spread(&intercept)
+            );
+        }
     }
     Ok(())
 }
@@ -147,9 +165,15 @@ mod tests {
     #[test]
     fn fit_recovers_a_line_and_the_least_squares_slope() {
         let (s, i) = fit(&[(2.0, 25.0), (4.0, 45.0), (8.0, 85.0)]);
-        assert!((s - 10.0).abs() < 1e-12 && (i - 5.0).abs() < 1e-12, "{s} {i}");
+        assert!(
+            (s - 10.0).abs() < 1e-12 && (i - 5.0).abs() < 1e-12,
+            "{s} {i}"
+        );
         // Points (0,0), (1,1), (2,1): slope 0.5, intercept 1/6.
         let (s, i) = fit(&[(0.0, 0.0), (1.0, 1.0), (2.0, 1.0)]);
-        assert!((s - 0.5).abs() < 1e-12 && (i - 1.0 / 6.0).abs() < 1e-12, "{s} {i}");
+        assert!(
+            (s - 0.5).abs() < 1e-12 && (i - 1.0 / 6.0).abs() < 1e-12,
+            "{s} {i}"
+        );
     }
 }
