@@ -107,6 +107,17 @@ pub fn gradient_divide_factors(dp: usize) -> (f32, f32) {
     (pre as f32, dp as f32 / pre as f32)
 }
 
+/// What [`FullyShardedDataParallel::point`] does to each parameter's data or grad.
+#[derive(Clone, Copy)]
+pub(super) enum Point<'a> {
+    /// Leaves it as it is.
+    Keep,
+    /// Frees it (`None`).
+    Clear,
+    /// Points it at its view of this buffer (padded flat layout).
+    View(&'a Tensor),
+}
+
 /// Runs `f` with a buffer holding `prefix`, kept per thread from call to call, so that the
 /// hooks' walks over a unit's parameters (every unit, several times a step) allocate no
 /// name (`nn::visit_parameters_in`). A nested call gets a buffer of its own.
@@ -125,6 +136,17 @@ fn with_name_buffer<R>(prefix: &str, f: impl FnOnce(&mut String) -> R) -> R {
 impl FullyShardedDataParallel {
     /// Points every original parameter's data (or grad) at its view of `buf`, or frees it.
     pub(super) fn point_params(&mut self, buf: Option<&Tensor>, grads: bool) -> Result<()> {
+        let to = buf.map_or(Point::Clear, Point::View);
+        if grads {
+            self.point(Point::Keep, to)
+        } else {
+            self.point(to, Point::Keep)
+        }
+    }
+
+    /// [`point_params`](Self::point_params) for the data and the grads in one walk over
+    /// the unit's parameters (the hooks walk every unit several times a step).
+    pub(super) fn point(&mut self, data: Point<'_>, grad: Point<'_>) -> Result<()> {
         let (slots, rs, flat) = (&self.slots, &self.rs, &self.flat);
         let mut i = 0;
         let walked = with_name_buffer(&self.prefix, |name| {
@@ -142,11 +164,15 @@ impl FullyShardedDataParallel {
                     if p.name() != name {
                         p.set_name(name);
                     }
-                    let v = buf.map(|b| flat.view(b, k)).transpose()?;
-                    if grads {
-                        p.set_grad(v);
-                    } else {
-                        p.set_data(v)?;
+                    match data {
+                        Point::Keep => {}
+                        Point::Clear => p.set_data(None)?,
+                        Point::View(b) => p.set_data(Some(flat.view(b, k)?))?,
+                    }
+                    match grad {
+                        Point::Keep => {}
+                        Point::Clear => p.set_grad(None),
+                        Point::View(b) => p.set_grad(Some(flat.view(b, k)?)),
                     }
                     i += 1;
                     Ok(())
