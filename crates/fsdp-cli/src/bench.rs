@@ -61,7 +61,7 @@ pub(crate) struct BenchArgs {
     #[arg(long, value_delimiter = ',', default_value = "2,4,8,16,32")]
     overhead_blocks: Vec<usize>,
     /// Repeats of `--overhead` (each runs every block count plainly and under FSDP).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 7)]
     repeats: usize,
     #[command(flatten)]
     model: ModelArgs,

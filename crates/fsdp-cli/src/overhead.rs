@@ -6,8 +6,11 @@
 //! `--repeats` times. Each run's median step time (and, apart, its 10th percentile, less
 //! disturbed by other processes on a busy machine) is fitted by least squares against the
 //! block count: the slope is the cost per block, the intercept the fixed cost per step.
-//! FSDP's own share is the difference of the FSDP and plain fits of the same repeat (they
-//! ran side by side); the spread is the range of each figure over the repeats.
+//! FSDP's own share is the difference of the FSDP and plain fits. The figure printed is the
+//! fit of each block count's median over the repeats (a repeat that another process
+//! disturbed at one block count does not throw it off); the spread is the range of the
+//! fits of single repeats, each FSDP's share taken from the FSDP and plain runs that ran
+//! side by side.
 
 use crate::bench::median;
 use fsdp::train::{self, TrainConfig};
@@ -26,11 +29,11 @@ fn fit(points: &[(f64, f64)]) -> (f64, f64) {
     (slope, my - slope * mx)
 }
 
-/// `median [min, max]` of the values, to one decimal.
-fn spread(v: &[f64]) -> String {
+/// `head [min, max]` of the values, to one decimal.
+fn spread(head: f64, v: &[f64]) -> String {
     let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
     let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    format!("{:.1} [{lo:.1}, {hi:.1}]", median(v.to_vec()))
+    format!("{head:.1} [{lo:.1}, {hi:.1}]")
 }
 
 /// The statistics of a run's step times that are fitted: the median, and the 10th
@@ -127,10 +130,22 @@ pub(crate) fn run_overhead(
         }
     }
     for ((stat, _), points) in STATS.iter().zip(&points) {
+        // Per repeat, and over the per-block medians of the repeats (robust to a repeat
+        // that another process disturbed at one block count).
         let fits: Vec<[(f64, f64); 2]> = points.iter().map(|p| [fit(&p[0]), fit(&p[1])]).collect();
+        let pooled = [0, 1].map(|mode| {
+            let med: Vec<(f64, f64)> = (0..blocks.len())
+                .map(|b| {
+                    let at = points.iter().map(|p| p[mode][b].1).collect();
+                    (blocks[b] as f64, median(at))
+                })
+                .collect();
+            fit(&med)
+        });
         let column = |f: &dyn Fn(&[(f64, f64); 2]) -> f64| fits.iter().map(f).collect::<Vec<_>>();
         out!(
-            "\nleast-squares fit of the {stat} step time over blocks {blocks:?}; median [min, max] over {repeats} repeats"
+            "\nleast-squares fit of the {stat} step time over blocks {blocks:?}: fit of the \
+             per-block medians over the {repeats} repeats [min, max of the per-repeat fits]"
         );
         out!(
             "{:<22} {:>28} {:>28}",
@@ -138,20 +153,19 @@ pub(crate) fn run_overhead(
             "us per block",
             "fixed us per step"
         );
-        let rows: [(&str, Vec<f64>, Vec<f64>); 3] = [
-            ("plain", column(&|f| f[0].0), column(&|f| f[0].1)),
-            ("fsdp", column(&|f| f[1].0), column(&|f| f[1].1)),
-            (
-                "fsdp - plain (FSDP's)",
-                column(&|f| f[1].0 - f[0].0),
-                column(&|f| f[1].1 - f[0].1),
-            ),
+        let rows: [(&str, &dyn Fn(&[(f64, f64); 2]) -> (f64, f64)); 3] = [
+            ("plain", &|f| f[0]),
+            ("fsdp", &|f| f[1]),
+            ("fsdp - plain (FSDP's)", &|f| {
+                (f[1].0 - f[0].0, f[1].1 - f[0].1)
+            }),
         ];
-        for (name, slope, intercept) in rows {
+        for (name, pick) in rows {
+            let head = pick(&pooled);
             out!(
                 "{name:<22} {:>28} {:>28}",
-                spread(&slope),
-                spread(&intercept)
+                spread(head.0, &column(&|f| pick(f).0)),
+                spread(head.1, &column(&|f| pick(f).1))
             );
         }
     }
