@@ -18,8 +18,17 @@ use fsdp::train::{self, TrainConfig};
 /// The compute-free model's width, heads, tokens per row and rows per step.
 pub(crate) const SHAPE: (usize, usize, usize, usize) = (8, 1, 4, 1);
 
+/// A fitted line: `(slope, intercept)`, µs per block and µs.
+type Line = (f64, f64);
+
+/// The plain and the FSDP fit of one set of runs.
+type Fits = [Line; 2];
+
+/// Which line of a [`Fits`] a row prints.
+type Pick = fn(&Fits) -> Line;
+
 /// The least-squares line `y = slope * x + intercept` through the points.
-fn fit(points: &[(f64, f64)]) -> (f64, f64) {
+fn fit(points: &[(f64, f64)]) -> Line {
     let n = points.len() as f64;
     let mx = points.iter().map(|p| p.0).sum::<f64>() / n;
     let my = points.iter().map(|p| p.1).sum::<f64>() / n;
@@ -132,8 +141,8 @@ pub(crate) fn run_overhead(
     for ((stat, _), points) in STATS.iter().zip(&points) {
         // Per repeat, and over the per-block medians of the repeats (robust to a repeat
         // that another process disturbed at one block count).
-        let fits: Vec<[(f64, f64); 2]> = points.iter().map(|p| [fit(&p[0]), fit(&p[1])]).collect();
-        let pooled = [0, 1].map(|mode| {
+        let fits: Vec<Fits> = points.iter().map(|p| [fit(&p[0]), fit(&p[1])]).collect();
+        let pooled: Fits = [0, 1].map(|mode| {
             let med: Vec<(f64, f64)> = (0..blocks.len())
                 .map(|b| {
                     let at = points.iter().map(|p| p[mode][b].1).collect();
@@ -142,7 +151,6 @@ pub(crate) fn run_overhead(
                 .collect();
             fit(&med)
         });
-        let column = |f: &dyn Fn(&[(f64, f64); 2]) -> f64| fits.iter().map(f).collect::<Vec<_>>();
         out!(
             "\nleast-squares fit of the {stat} step time over blocks {blocks:?}: fit of the \
              per-block medians over the {repeats} repeats [min, max of the per-repeat fits]"
@@ -153,19 +161,21 @@ pub(crate) fn run_overhead(
             "us per block",
             "fixed us per step"
         );
-        let rows: [(&str, &dyn Fn(&[(f64, f64); 2]) -> (f64, f64)); 3] = [
-            ("plain", &|f| f[0]),
-            ("fsdp", &|f| f[1]),
-            ("fsdp - plain (FSDP's)", &|f| {
+        let rows: [(&str, Pick); 3] = [
+            ("plain", |f| f[0]),
+            ("fsdp", |f| f[1]),
+            ("fsdp - plain (FSDP's)", |f| {
                 (f[1].0 - f[0].0, f[1].1 - f[0].1)
             }),
         ];
         for (name, pick) in rows {
             let head = pick(&pooled);
+            let slopes: Vec<f64> = fits.iter().map(|f| pick(f).0).collect();
+            let intercepts: Vec<f64> = fits.iter().map(|f| pick(f).1).collect();
             out!(
                 "{name:<22} {:>28} {:>28}",
-                spread(head.0, &column(&|f| pick(f).0)),
-                spread(head.1, &column(&|f| pick(f).1))
+                spread(head.0, &slopes),
+                spread(head.1, &intercepts)
             );
         }
     }
