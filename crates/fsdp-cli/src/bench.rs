@@ -134,25 +134,6 @@ pub(crate) fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
             "--steps must be at least 1".into(),
         ));
     }
-    if a.overhead {
-        let (n_embd, n_head, seq_len, global_batch) = crate::overhead::SHAPE;
-        let cfg = TrainConfig {
-            steps: a.warmup + a.steps,
-            eval_every: 0,
-            log_every: 1,
-            eval_batches: 1,
-            sample_len: 0,
-            world_size: 1,
-            device: a.device,
-            mixed_precision: a.mixed_precision,
-            n_embd,
-            n_head,
-            seq_len,
-            global_batch,
-            ..base_config(&a.model, a.data.clone())
-        };
-        return crate::overhead::run_overhead(&cfg, &a.overhead_blocks, a.repeats, a.warmup);
-    }
     let mut runs: Vec<(String, TrainConfig)> = Vec::new();
     let base = TrainConfig {
         steps: a.warmup + a.steps,
@@ -165,6 +146,18 @@ pub(crate) fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
         device: a.device,
         ..base_config(&a.model, a.data.clone())
     };
+    if a.overhead {
+        let (n_embd, n_head, seq_len, global_batch) = crate::overhead::SHAPE;
+        let cfg = TrainConfig {
+            mixed_precision: a.mixed_precision,
+            n_embd,
+            n_head,
+            seq_len,
+            global_batch,
+            ..base
+        };
+        return crate::overhead::run_overhead(&cfg, &a.overhead_blocks, a.repeats, a.warmup);
+    }
     runs.push((
         "plain (no FSDP)".into(),
         TrainConfig {
