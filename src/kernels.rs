@@ -12,6 +12,8 @@
 //! | `optim.cu` | `sgd_{f32,f64}`, `adam_{f32,f64}` | [`crate::optim`] (`SGD`, `Adam`, `AdamW`) |
 //! | `nn.cu` | `gelu_*`, `relu_*`, `layernorm_*`, `softmax_*`, `cross_entropy_*`, `embedding_*`, `bias_*` (each `_f32` and `_f64`) | [`crate::backend::cpu::kernels`], [`crate::nn`] (f64: `ops::double`) |
 //! | `collective.cu` | `reduce_ranks_{dtype}` | the threads backend's host reduction (`distributed::threads`) |
+//! | `sdpa.cu` | `sdpa_fwd_{f16,bf16}`, `sdpa_bwd_dq_{f16,bf16}`, `sdpa_bwd_dkv_{f16,bf16}` | `ops::sdpa_causal` (PyTorch's bf16/f16 `scaled_dot_product_attention`, bitwise) |
+//! | `lowp.cu` | `layernorm_bwd_lp_*`, `layernorm_wgrad_lp_*`, `cross_entropy_lp_*` (each `_f16` and `_bf16`) | `ops::lowp` (the host loops of bf16/f16 LayerNorm and cross-entropy) |
 //! | `batchnorm.cu` | `batchnorm_{stats,fwd,bwd_stats,bwd_dx}_{f32,f64}`, `_lp_{bf16,f16}_{param}`, `batchnorm_count_i64` | `ops::batchnorm` (host loops), `ops::lowp::batchnorm` |
 
 #[cfg(feature = "cuda")]
@@ -59,5 +61,37 @@ pub fn targets() -> &'static str {
     #[cfg(not(feature = "cuda"))]
     {
         ""
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Every `kernels/*.cu` file has its row in the table of this module's doc and in the
+    /// CUDA page's (docs/cuda.md), and neither table names a file that is not there.
+    #[test]
+    fn the_kernel_tables_list_every_cu_file() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut files: Vec<String> = std::fs::read_dir(root.join("kernels"))
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.ends_with(".cu"))
+            .collect();
+        files.sort();
+        assert!(files.len() >= 9, "{files:?}");
+        let rows = |text: &str, prefix: &str| {
+            let mut v: Vec<String> = text
+                .lines()
+                .filter_map(|l| l.strip_prefix(prefix))
+                .filter_map(|l| l.strip_prefix("| `"))
+                .filter_map(|l| l.split_once(".cu` |"))
+                .map(|(name, _)| format!("{name}.cu"))
+                .collect();
+            v.sort();
+            v
+        };
+        let doc = std::fs::read_to_string(root.join("src/kernels.rs")).unwrap();
+        assert_eq!(rows(&doc, "//! "), files, "src/kernels.rs's table");
+        let cuda_page = std::fs::read_to_string(root.join("docs/cuda.md")).unwrap();
+        assert_eq!(rows(&cuda_page, ""), files, "docs/cuda.md's kernel table");
     }
 }

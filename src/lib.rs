@@ -37,7 +37,7 @@
 //! | feature | default | adds |
 //! |---|---|---|
 //! | `cuda` | off | the CUDA backend: `kernels/*.cu` compiled by nvcc, loaded through cudarc (no CUDA library needed to build) |
-//! | `test-hooks` | off | the hidden fault hooks the tests drive (`FSDP_FAIL_RANK`, `FSDP_CKPT_STALL`); without it the variables are never read |
+//! | `test-hooks` | off | the hidden fault hooks the tests drive (`FSDP_FAIL_RANK`, `FSDP_KILL_ONCE`, `FSDP_CKPT_STALL`); without it the variables are never read |
 //!
 //! ```
 //! use fsdp::distributed::{launch, LaunchOptions};

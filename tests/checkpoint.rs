@@ -163,13 +163,15 @@ fn truncated_corrupted_and_mismatched_checkpoints_are_refused_before_any_change(
     let d = tmp_dir("escape");
     save_small(&d, StateDictType::Full, 2, 8);
     let idx = d.join("index.json");
-    let text = std::fs::read_to_string(&idx).unwrap();
-    let name = text
-        .split('"')
-        .find(|s| s.ends_with(".safetensors"))
-        .unwrap()
-        .to_string();
-    std::fs::write(&idx, text.replace(&name, "../../../../etc/passwd")).unwrap();
+    // (The index's own checksums recomputed: the file name itself must be refused.)
+    let mut index = read_index(&d).unwrap();
+    let name = index.files[0].name.clone();
+    for f in &mut index.files {
+        if f.name == name {
+            f.name = "../../../../etc/passwd".into();
+        }
+    }
+    std::fs::write(&idx, fsdp::checkpoint::index_text(&index).unwrap()).unwrap();
     let e = load_err(&d);
     assert!(
         e.contains("'../../../../etc/passwd'") && e.contains("not a plain file name"),

@@ -84,7 +84,7 @@ fn every_rank_gets_its_own_value_back_at_world_sizes_2_and_4() {
         let dir = tmp_dir(&format!("own-{world}-{ty:?}-{strategy:?}"));
         save_at(&dir, world, ty, strategy);
         let index = read_index(&dir).unwrap();
-        assert_eq!(index.version, 3, "{what}");
+        assert_eq!(index.version, 4, "{what}");
         let want: Vec<Value> = (0..world).map(|r| own_value(r, world)).collect();
         assert_eq!(
             index.rank_extra.as_ref(),
@@ -193,7 +193,7 @@ fn rank0_or_ignore_loads_at_another_world_size() {
 #[test]
 fn an_index_without_per_rank_state_still_loads_at_any_world_size() {
     // `save_checkpoint` without per-rank state: no `rank_extra` key (as every index of
-    // earlier builds), version 3 for its CRC-32 checksums.
+    // earlier builds), version 4 for its CRC-32 and binding checksums.
     let dir = tmp_dir("old");
     let saved = launch(&LaunchOptions::new(2), |pg: Group| {
         let mut m = model(pg, 5, ShardingStrategy::FullShard)?;
@@ -224,6 +224,7 @@ fn an_index_without_per_rank_state_still_loads_at_any_world_size() {
             "files",
             "format",
             "generation",
+            "index_checksum",
             "model",
             "optim",
             "state_dict_type",
@@ -232,7 +233,7 @@ fn an_index_without_per_rank_state_still_loads_at_any_world_size() {
         ],
         "the fields of an index without per-rank state"
     );
-    assert_eq!(text["version"], json!(3));
+    assert_eq!(text["version"], json!(4));
     assert_eq!(text["checksum_algorithm"], json!("crc32"));
     for world in [2, 3] {
         for how in [RankExtra::Own, RankExtra::Rank0, RankExtra::Ignore] {
@@ -326,16 +327,16 @@ fn bad_indexes_are_refused_naming_the_problem() {
         },
         "version 1 with per-rank extra state",
     );
-    refuse(&|v| v["version"] = json!(4), "versions 1 to 3");
+    refuse(&|v| v["version"] = json!(5), "versions 1 to 4");
     refuse(
         &|v| v["checksum_algorithm"] = json!("md5"),
-        "version 3 with checksum algorithm 'md5'; this build checks 'crc32'",
+        "version 4 with checksum algorithm 'md5'; this build checks 'crc32'",
     );
     refuse(
         &|v| {
             v.as_object_mut().unwrap().remove("checksum_algorithm");
         },
-        "version 3 with checksum algorithm (none)",
+        "version 4 with checksum algorithm (none)",
     );
     refuse(
         &|v| v["version"] = json!(2),
@@ -373,7 +374,7 @@ fn null_is_a_per_rank_value_saved_and_given_back() {
         .unwrap_or_else(|e| panic!("{what}: {e}"));
         let want: Vec<Value> = (0..world).map(value).collect();
         let index = read_index(&dir).unwrap();
-        assert_eq!(index.version, 3, "{what}");
+        assert_eq!(index.version, 4, "{what}");
         assert_eq!(index.rank_extra.as_ref(), Some(&want), "{what}");
         assert!(read_checkpoint_info(&dir).unwrap().has_rank_extra, "{what}");
         let got = launch(&LaunchOptions::new(world), |pg: Group| {

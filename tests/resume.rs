@@ -122,7 +122,9 @@ fn resuming_with_options_that_change_the_trajectory_is_refused_naming_them() {
     .unwrap_err()
     .to_string();
     assert!(
-        err.contains("--lr") && err.contains("--n-head 2 (checkpoint: 4)"),
+        err.contains("pass the checkpoint's values: ")
+            && err.contains("--lr")
+            && err.contains("--n-head 4 (this run: 2)"),
         "{err}"
     );
     let err = resume(TrainConfig {
@@ -131,7 +133,10 @@ fn resuming_with_options_that_change_the_trajectory_is_refused_naming_them() {
     })
     .unwrap_err()
     .to_string();
-    assert!(err.contains("warm-up (3 steps; checkpoint: 0"), "{err}");
+    assert!(
+        err.contains("an lr warm-up of 0 steps (this run: 3; from --warmup-steps and --steps)"),
+        "{err}"
+    );
     // Every differing option is named, with values as a user writes them.
     let err = resume(TrainConfig {
         lr: base.lr * 2.0,
@@ -142,9 +147,13 @@ fn resuming_with_options_that_change_the_trajectory_is_refused_naming_them() {
     .unwrap_err()
     .to_string();
     for want in [
-        format!("--lr {} (checkpoint: {})", base.lr * 2.0, base.lr),
-        format!("--seed {} (checkpoint: {}", base.seed + 1, base.seed),
-        "--optimizer sgd (checkpoint: ".to_string(),
+        format!("--lr {} (this run: {})", base.lr, base.lr * 2.0),
+        format!(
+            "--seed {} (this run: {}; it fixes the data order)",
+            base.seed,
+            base.seed + 1
+        ),
+        format!("--optimizer {} (this run: sgd)", base.optimizer),
     ] {
         assert!(err.contains(&want), "{want} in: {err}");
     }
@@ -354,9 +363,9 @@ fn resuming_with_another_data_file_is_refused_and_a_copy_is_accepted() {
     let err = resume(&other).unwrap_err().to_string();
     assert!(
         err.contains(&format!(
-            "--data {} (checkpoint: {}; the contents differ",
-            other.display(),
-            data.display()
+            "--data {} (this run: {}; the contents differ",
+            data.display(),
+            other.display()
         )),
         "{err}"
     );
@@ -392,7 +401,10 @@ fn an_edited_index_is_refused_naming_the_field_and_both_values() {
         let mut v: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
         edit(&mut v);
-        std::fs::write(&p, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+        // The index's own checksums recomputed, as a careful editor would: what is left
+        // to find the edit are the cross-checks.
+        let index: fsdp::checkpoint::Index = serde_json::from_value(v).unwrap();
+        std::fs::write(&p, fsdp::checkpoint::index_text(&index).unwrap()).unwrap();
         let err = TrainConfig {
             steps: 8,
             save_dir: None,

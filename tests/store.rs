@@ -378,3 +378,55 @@ fn a_store_host_that_is_not_this_machine_is_an_error_within_seconds() {
         "{e}"
     );
 }
+
+/// Threads of this process named `name` (`/proc/self/task/*/comm`).
+fn threads_named(name: &str) -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .map(|d| {
+            d.filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("comm")).ok())
+                .filter(|c| c.trim() == name)
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn idle_connections_are_bounded_and_the_clients_work_on() {
+    use fsdp::distributed::store::MAX_HANDSHAKES;
+    let secret = JobSecret::new("a-secret-of-the-load-test").unwrap();
+    let auth = JobAuth::new("load", Some(secret)).unwrap();
+    let m = TcpStore::with_auth("127.0.0.1", 0, 0, true, LONG, auth.clone()).unwrap();
+    let port = m.port();
+    let early = TcpStore::connect_with_auth("127.0.0.1", port, 1, LONG, auth.clone()).unwrap();
+    // 300 connections that never say a word (as a port scan or a flood would).
+    let idle: Vec<TcpStream> = (0..300)
+        .map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap())
+        .collect();
+    let server = m.server().unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while server.busy_refusals() < 300usize.saturating_sub(MAX_HANDSHAKES) as u64 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{}",
+            server.busy_refusals()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Every connection was accepted by now; let the admitted ones' threads start.
+    std::thread::sleep(Duration::from_millis(300));
+    // At most MAX_HANDSHAKES (64) in the handshake, plus the two clients; other tests of
+    // this binary run stores too, whose few serving threads fit the slack.
+    let serving = threads_named("tcpstore-conn");
+    assert!(
+        serving < 100,
+        "{serving} serving threads for 300 idle connections (bound {MAX_HANDSHAKES})"
+    );
+    // The clients already in work on, and a new one gets in (retrying BUSY answers).
+    early.set("k", b"v").unwrap();
+    assert_eq!(m.get("k").unwrap(), b"v");
+    let late = TcpStore::connect_with_auth("127.0.0.1", port, 2, LONG, auth).unwrap();
+    assert_eq!(late.add("n", 2).unwrap(), 2);
+    assert_eq!(early.add("n", 3).unwrap(), 5);
+    drop(idle);
+}

@@ -3,6 +3,13 @@
 //! writes the files, and the index that makes the checkpoint visible is written once every
 //! rank's files are durable.
 //!
+//! What the training thread does for a sharded save: a raw copy of each unit's local
+//! shard and of the optimizer's state tensors into reused host buffers, and the layout
+//! (names, shapes, offsets, steps). Cutting those into the state dicts (the optimizer's
+//! runs cut at parameter boundaries, through f64), serializing and writing happen on the
+//! writer thread. Collectives (the generation's broadcast, named parameter groups, a full
+//! state dict's gathers, the commit) stay on the training thread.
+//!
 //! Why the index waits: it may be written only after every rank's files are durable,
 //! which the ranks learn from a collective, and collectives run on the training thread
 //! only (a background thread's collective would interleave with training's on the same
@@ -27,16 +34,26 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 /// `t`'s values in host memory that nothing else refers to: a CPU tensor no other tensor
-/// shares storage with as it is; any other tensor copied into a buffer of `pool` of its
-/// shape and dtype (page-locked for a CUDA tensor) when there is one, else into a new one
+/// shares storage with as it is; any other tensor copied as [`host_copy`] copies it.
+///
+/// # Errors
+/// As [`host_copy`].
+pub(super) fn to_host(t: &Tensor, pool: &mut Vec<Tensor>) -> Result<Tensor> {
+    if !t.device().is_cuda() && t.is_sole_owner() {
+        return Ok(t.clone());
+    }
+    host_copy(t, pool)
+}
+
+/// A copy of `t` in host memory of its own: into a buffer of `pool` of its shape and
+/// dtype (page-locked for a CUDA tensor) when there is one, else into a new one
 /// (`pin_memory` for a CUDA tensor, as PyTorch's async staging does), waiting for the copy.
 ///
 /// # Errors
 /// As [`Tensor::pinned_zeros`] and [`Tensor::copy_from`].
-pub(super) fn to_host(t: &Tensor, pool: &mut Vec<Tensor>) -> Result<Tensor> {
+pub(super) fn host_copy(t: &Tensor, pool: &mut Vec<Tensor>) -> Result<Tensor> {
     let cuda = match t.device() {
         Device::Cuda(ordinal) => Some(ordinal),
-        _ if t.is_sole_owner() => return Ok(t.clone()),
         _ => None,
     };
     let fits = |b: &Tensor| {
@@ -121,10 +138,13 @@ impl AsyncCheckpointer {
     }
 
     /// [`save_checkpoint`](super::save_checkpoint) in the background: first commits the
-    /// save in flight, if any (see the module doc), then takes the state dicts
-    /// (collectives, as the synchronous save), copies this rank's pieces into host memory
-    /// of their own (page-locked for a CUDA model) and returns; a thread writes the files.
-    /// The model and optimizer may change as soon as it returns. A collective.
+    /// save in flight, if any (see the module doc), then copies this rank's state into
+    /// host memory of its own (page-locked for a CUDA model) and returns; a thread writes
+    /// the files. Sharded: only each unit's local shard and the optimizer's state tensors
+    /// are copied here, raw; the writer thread cuts them into the state dicts (the same
+    /// bytes as the synchronous save). Full: the state dicts are taken here (collectives, as
+    /// the synchronous save) and copied. The model and optimizer may change as soon as it
+    /// returns. A collective.
     ///
     /// Returns the directories whose index this call confirmed durable (the save before
     /// the previous one: rank 0 wrote its index in the background since the last call).

@@ -95,7 +95,7 @@ impl IndexWrite {
     /// `Io` naming the index file or the directory.
     pub(super) fn write(&self) -> Result<()> {
         let (dir, index) = (&self.dir, &self.index);
-        let text = serde_json::to_vec_pretty(index).map_err(|e| Error::Data(e.to_string()))?;
+        let text = super::seal::index_text(index)?;
         super::atomic::write_atomic(&dir.join(INDEX_FILE), &text)?;
         // The new index is durable: files of earlier generations, and of this one that it
         // does not name (a crashed save's), are garbage now; later ones belong to a save
@@ -131,6 +131,7 @@ fn build_index(
     extra: serde_json::Value,
 ) -> Result<IndexWrite> {
     let mut index = Index {
+        index_checksum: None,
         format: FORMAT.into(),
         version: VERSION,
         checksum_algorithm: Some(CHECKSUM_ALGORITHM.into()),
@@ -179,14 +180,24 @@ fn build_index(
                 *e = (*e).max(s);
             }
         }
-        for (section, name, shape) in m.entries {
+        let dtypes = m.entry_dtypes.into_iter().chain(std::iter::repeat(None));
+        for ((section, name, shape), dtype) in m.entries.into_iter().zip(dtypes) {
             let map = section_map(&mut index.model, &mut optim, &section);
-            map.entry(name).or_insert_with(|| Entry {
+            let e = map.entry(name).or_insert_with(|| Entry {
                 shape,
-                pieces: Vec::new(),
+                ..Entry::default()
             });
+            if e.dtype.is_none() {
+                e.dtype = dtype;
+            }
         }
-        for (section, name, file, key, offset, numel) in m.pieces {
+        let sums = m
+            .piece_sums
+            .into_iter()
+            .map(Some)
+            .chain(std::iter::repeat(None));
+        for ((section, name, file, key, offset, numel), checksum) in m.pieces.into_iter().zip(sums)
+        {
             let map = section_map(&mut index.model, &mut optim, &section);
             let e = map.entry(name).or_default();
             // Replicas (ignored modules' parameters) are kept once.
@@ -201,6 +212,7 @@ fn build_index(
                     offset,
                     numel,
                     rank: r,
+                    checksum,
                 });
             }
         }

@@ -86,6 +86,41 @@ fn bytes_of(t: &Tensor) -> Result<Vec<u8>> {
     })
 }
 
+/// The safetensors name of a dtype (`"F32"`, `"BF16"`, ...): what an index of version 4
+/// records as an entry's dtype.
+pub(super) fn dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "F32",
+        DType::BF16 => "BF16",
+        DType::F16 => "F16",
+        DType::I32 => "I32",
+        DType::F64 => "F64",
+        DType::I64 => "I64",
+    }
+}
+
+/// The CRC-32 of `head` followed by the tensor's bytes (as [`serialize`] stores them), as
+/// 8 hex digits; a tensor on a CUDA device is copied to the host first.
+///
+/// # Errors
+/// A failed read of the tensor.
+pub(super) fn tensor_checksum(head: &[u8], t: &Tensor) -> Result<String> {
+    if t.device().is_cuda() {
+        return tensor_checksum(head, &t.to_device(crate::backend::Device::Cpu)?);
+    }
+    let mut h = crc32fast::Hasher::new();
+    h.update(head);
+    match t.dtype() {
+        DType::F32 => h.update(bytemuck::cast_slice(&t.data::<f32>()?)),
+        DType::BF16 => h.update(bytemuck::cast_slice(&t.data::<half::bf16>()?)),
+        DType::F16 => h.update(bytemuck::cast_slice(&t.data::<half::f16>()?)),
+        DType::I32 => h.update(bytemuck::cast_slice(&t.data::<i32>()?)),
+        DType::F64 => h.update(bytemuck::cast_slice(&t.data::<f64>()?)),
+        DType::I64 => h.update(bytemuck::cast_slice(&t.data::<i64>()?)),
+    }
+    Ok(format!("{:08x}", h.finalize()))
+}
+
 /// The bytes of a safetensors file holding `tensors` (little-endian, row-major) and
 /// `metadata` plus the data section's CRC-32 in `__metadata__` (`fsdp.crc32`).
 ///
@@ -111,7 +146,37 @@ pub fn serialize(
         .map_err(|e| bad(e.to_string()))?;
     let n = header_len(&probe).unwrap_or(0);
     meta.insert(CRC32_KEY.into(), checksum(&probe[8 + n..]));
-    safetensors::serialize(views(&data, &bad)?, Some(meta)).map_err(|e| bad(e.to_string()))
+    let bytes = safetensors::serialize(views(&data, &bad)?, Some(meta.clone()))
+        .map_err(|e| bad(e.to_string()))?;
+    Ok(sort_metadata(bytes, &meta))
+}
+
+/// `bytes` with the header's `__metadata__` object rewritten with its keys sorted.
+/// safetensors writes it in a `HashMap`'s order, which differs from map to map, so equal
+/// tensors and metadata would give different files; sorted, they give equal bytes (the
+/// same keys and values take the same length in any order). Returned unchanged when the
+/// object is not found as expected.
+fn sort_metadata(mut bytes: Vec<u8>, meta: &HashMap<String, String>) -> Vec<u8> {
+    const KEY: &[u8] = b"\"__metadata__\":";
+    let sorted: std::collections::BTreeMap<&String, &String> = meta.iter().collect();
+    let (Some(n), Ok(want)) = (header_len(&bytes), serde_json::to_vec(&sorted)) else {
+        return bytes;
+    };
+    let Some(header) = bytes.get(8..8 + n) else {
+        return bytes;
+    };
+    let Some(at) = header.windows(KEY.len()).position(|w| w == KEY) else {
+        return bytes;
+    };
+    let (start, end) = (8 + at + KEY.len(), 8 + at + KEY.len() + want.len());
+    let same = bytes
+        .get(start..end)
+        .and_then(|s| serde_json::from_slice::<HashMap<String, String>>(s).ok())
+        .is_some_and(|m| m == *meta);
+    if same {
+        bytes[start..end].copy_from_slice(&want);
+    }
+    bytes
 }
 
 /// Writes `tensors` and `metadata` to `path` as a safetensors file, atomically.

@@ -19,18 +19,23 @@ pub const FORMAT: &str = "fsdp-checkpoint";
 /// |---|---|---|---|
 /// | 1 | legacy 64-bit mix | none | earlier builds |
 /// | 2 | legacy 64-bit mix | [`Index::rank_extra`] | earlier builds, saves with per-rank state |
-/// | 3 | CRC-32 ([`Index::checksum_algorithm`] `"crc32"`) | optional | this build, every save |
+/// | 3 | CRC-32 ([`Index::checksum_algorithm`] `"crc32"`) | optional | earlier builds |
+/// | 4 | CRC-32, plus each entry's dtype and the checksums binding pieces to entries ([`index_text`](super::index_text)) | optional | this build, every save |
 ///
-/// Versions 1 and 2 still load (their checksums are checked with the legacy algorithm);
-/// an earlier build refuses a version-3 index by its version instead of mistaking CRC-32
-/// sums for corruption.
-pub const VERSION: u32 = 3;
+/// Versions 1 to 3 still load (the checksums of 1 and 2 are checked with the legacy
+/// algorithm; nothing binds their pieces to their names); an earlier build refuses a newer
+/// index by its version.
+pub const VERSION: u32 = 4;
 /// The index's file name inside a checkpoint directory.
 pub const INDEX_FILE: &str = "index.json";
 
 /// The index of a checkpoint directory.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Index {
+    /// Version 4 on: the CRC-32 of the index's text with these 8 digits as zeros (the
+    /// first field, so that it sits at a known place); `None` (absent) before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index_checksum: Option<String>,
     /// Always [`FORMAT`].
     pub format: String,
     /// [`VERSION`] when written by this build; 1 to [`VERSION`] when read.
@@ -75,7 +80,7 @@ pub struct FileEntry {
     pub bytes: u64,
     /// Checksum of the whole file by the index's
     /// [`checksum_algorithm`](Index::checksum_algorithm): 8 hex digits of CRC-32
-    /// ([`checksum`](super::file::checksum)) in version 3, 16 of the legacy sum before.
+    /// ([`checksum`](super::file::checksum)) in version 3 on, 16 of the legacy sum before.
     pub checksum: String,
 }
 
@@ -84,8 +89,16 @@ pub struct FileEntry {
 pub struct Entry {
     /// Shape of the whole tensor.
     pub shape: Vec<usize>,
+    /// Version 4 on: the safetensors dtype of its pieces (`"F32"`, `"F64"`, ...); `None`
+    /// (absent) before, and for a tensor without pieces.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<String>,
     /// Where its elements are; together they cover every element exactly once.
     pub pieces: Vec<PieceRef>,
+    /// Version 4 on: the CRC-32 of its section, name, shape, dtype and pieces (see
+    /// `seal.rs`); `None` (absent) before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checksum: Option<String>,
 }
 
 /// Elements `offset .. offset + numel` of a flattened tensor, stored as tensor `key` of
@@ -102,6 +115,10 @@ pub struct PieceRef {
     pub numel: usize,
     /// Data-parallel rank that wrote the piece.
     pub rank: usize,
+    /// Version 4 on: the CRC-32 of its entry's section, name, shape and dtype, its offset
+    /// and count, and its bytes, binding the bytes to the name; `None` (absent) before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checksum: Option<String>,
 }
 
 /// The optimizer part of an index.
@@ -126,8 +143,9 @@ pub struct OptimIndex {
 /// # Errors
 /// `Checkpoint` naming the directory when there is no index (not a checkpoint, or a save
 /// that did not finish), when it does not parse, when it is of another format or of a
-/// version outside `1..=VERSION`, or when its `rank_extra` does not hold one value per
-/// rank of `world_size`.
+/// version outside `1..=VERSION`, when its `rank_extra` does not hold one value per
+/// rank of `world_size`, or (version 4) when an entry or the index does not match its
+/// checksum: the error names the first edited entry.
 pub fn read_index(dir: &Path) -> Result<Index> {
     let p = dir.join(INDEX_FILE);
     let bad = |detail: String| Error::Checkpoint {
@@ -174,6 +192,7 @@ pub fn read_index(dir: &Path) -> Result<Index> {
             )));
         }
     }
+    super::seal::check_index(&p, &text, &index)?;
     Ok(index)
 }
 

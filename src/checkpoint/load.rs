@@ -371,7 +371,7 @@ fn stage(
     for f in need {
         files.insert(f, read_data_file(&dir, &index, f)?);
     }
-    let to_sharded = |map: &BTreeMap<String, Entry>| -> Result<ShardedStateDict> {
+    let to_sharded = |section: &str, map: &BTreeMap<String, Entry>| -> Result<ShardedStateDict> {
         let mut tensors = Vec::new();
         for (name, e) in map {
             let mut pieces = Vec::new();
@@ -398,6 +398,9 @@ fn stage(
                         ),
                     });
                 }
+                if index.version >= 4 {
+                    super::seal::check_piece(&dir.join(fname), section, name, e, p, t)?;
+                }
                 pieces.push(ShardPiece {
                     offset: p.offset,
                     data: t.reshape(&[p.numel])?,
@@ -417,7 +420,7 @@ fn stage(
             tensors,
         })
     };
-    let sd = StateDict::Sharded(to_sharded(&index.model)?);
+    let sd = StateDict::Sharded(to_sharded("model", &index.model)?);
     model.check_state_dict(&sd, true)?;
     let ost = match (optim, oi) {
         (Some(o), Some(oi)) => {
@@ -428,7 +431,7 @@ fn stage(
                 buffers: oi
                     .buffers
                     .iter()
-                    .map(|(n, m)| Ok((n.clone(), StateDict::Sharded(to_sharded(m)?))))
+                    .map(|(n, m)| Ok((n.clone(), StateDict::Sharded(to_sharded(n.as_str(), m)?))))
                     .collect::<Result<_>>()?,
                 param_groups: oi.param_groups.clone(),
             };

@@ -18,11 +18,12 @@
 //!
 //! | field | holds |
 //! |---|---|
-//! | `format`, `version` | `"fsdp-checkpoint"`; 3 (this build writes 3 and reads 1 to 3; earlier builds wrote 1, or 2 with `rank_extra`, and refuse 3: see [`VERSION`]) |
-//! | `checksum_algorithm` | version 3: `"crc32"`, the algorithm of the files' checksums (absent before: the legacy 64-bit sum) |
+//! | `index_checksum` | version 4: CRC-32 of the index's text with these digits zeroed (the first field) |
+//! | `format`, `version` | `"fsdp-checkpoint"`; 4 (this build writes 4 and reads 1 to 4; earlier builds wrote 1, 2 with `rank_extra`, or 3, and refuse newer ones: see [`VERSION`]) |
+//! | `checksum_algorithm` | version 3 on: `"crc32"`, the algorithm of the files' checksums (absent before: the legacy 64-bit sum) |
 //! | `state_dict_type`, `world_size`, `generation` | how it was saved, the data-parallel world size then, the save counter that names the data files |
-//! | `files` | `[{name, bytes, checksum}]`; `checksum` of the whole file, CRC-32 as 8 hex digits in version 3 |
-//! | `model` | parameter name -> `{shape, pieces: [{file, key, offset, numel, rank}]}` (a zero-size parameter has its shape and no pieces) |
+//! | `files` | `[{name, bytes, checksum}]`; `checksum` of the whole file, CRC-32 as 8 hex digits from version 3 on |
+//! | `model` | parameter name -> `{shape, dtype, pieces: [{file, key, offset, numel, rank, checksum}], checksum}` (a zero-size parameter has its shape and no pieces; `dtype` and the checksums from version 4 on: a piece's covers its entry's name, shape, dtype, its offset and count and its bytes, an entry's its name, shape, dtype and pieces) |
 //! | `optim` | `{kind, hyperparams, steps, buffers: buffer -> parameter -> entry}`, or `null` |
 //! | `extra` | the caller's JSON value, one for the whole checkpoint ([`save_checkpoint`]'s `extra`; `fsdp train` keeps its step, seed and config there, and its grad scaler's state under `extra.grad_scaler`: [`insert_grad_scaler_state`], [`CheckpointInfo::grad_scaler_state`]) |
 //! | `rank_extra` | version 2 on, when a save had per-rank state: `world_size` JSON values, rank `r`'s at position `r` ([`save_checkpoint_with_rank_extra`]: a data-loader position, an RNG state) |
@@ -50,7 +51,9 @@
 //! save carry a new generation number `G`, so they never replace files the current index
 //! names; the index is replaced last, and only then are older files removed. Truncated
 //! files (size against the index, or an incomplete safetensors header) and corrupted ones
-//! (checksums in the index and in each file's header) are reported naming the file.
+//! (checksums in the index and in each file's header) are reported naming the file. An
+//! edited index (version 4) is refused naming the entry: a piece repointed at another
+//! tensor's bytes, an edited shape, dtype or offset (`seal.rs`).
 //!
 //! Asynchronous saves ([`AsyncCheckpointer`], PyTorch's
 //! `torch.distributed.checkpoint.async_save`) write the same files and index: the save
@@ -66,7 +69,9 @@
 //! | `file.rs` | one safetensors file with a CRC-32: [`write_tensors`], [`read_tensors`], [`checksum`] |
 //! | `grad_scaler.rs` | a [`ShardedGradScaler`](crate::fsdp::ShardedGradScaler)'s state in `extra`: [`insert_grad_scaler_state`], [`CheckpointInfo::grad_scaler_state`] |
 //! | `index.rs` | [`Index`] and its parts |
+//! | `plan.rs` | what one rank of a save writes: its files planned from state dicts or snapshots, each piece's checksum |
 //! | `save.rs` | [`save_checkpoint`], [`save_checkpoint_with_rank_extra`] |
+//! | `seal.rs` | index version 4: the checksums binding each piece to its entry, [`index_text`] |
 //! | `load.rs` | [`load_checkpoint`], [`load_checkpoint_with`], [`RankExtra`], [`read_rank_extra`], [`resolve_checkpoint`] |
 //! | `verify.rs` | cross-checks of an index against its files' names (world size, generation) |
 
@@ -77,7 +82,9 @@ mod file;
 mod grad_scaler;
 mod index;
 mod load;
+mod plan;
 mod save;
+mod seal;
 mod verify;
 
 pub use async_save::AsyncCheckpointer;
@@ -94,6 +101,7 @@ pub use load::{
     resolve_checkpoint, CheckpointInfo, RankExtra, LATEST_FILE,
 };
 pub use save::{save_checkpoint, save_checkpoint_with_rank_extra};
+pub use seal::index_text;
 
 use crate::error::Result;
 use crate::fsdp::FullStateDict;

@@ -6,12 +6,10 @@
 use super::atomic::remove_stale_temps;
 use super::file::{checksum, serialize};
 use super::index::{read_index, FileEntry, FORMAT};
+use super::plan::{piece_sums, plan_snapshot, planned};
 use crate::distributed::staged;
 use crate::error::{Error, Result};
-use crate::fsdp::{
-    FullStateDictConfig, FullyShardedDataParallel, OptimStateDict, StateDict, StateDictConfig,
-    StateDictType,
-};
+use crate::fsdp::{FullyShardedDataParallel, OptimSnapshot, ShardedSnapshot, StateDictType};
 use crate::optim::Optimizer;
 use crate::tensor::Tensor;
 use std::collections::HashMap;
@@ -26,8 +24,16 @@ pub(super) struct Manifest {
     /// `(section, name, global shape)` of every key this rank's state dicts have;
     /// section is `model` or an optimizer buffer name.
     pub(super) entries: Vec<(String, String, Vec<usize>)>,
+    /// The dtype of each entry's tensor (`"F32"`, ...), as `entries`; `None` where this
+    /// rank holds no piece of it.
+    #[serde(default)]
+    pub(super) entry_dtypes: Vec<Option<String>>,
     /// `(section, name, file (index into files), key, offset, numel)`.
     pub(super) pieces: Vec<(String, String, usize, String, usize, usize)>,
+    /// Each piece's checksum binding it to its entry (see `seal.rs`), as `pieces`; filled
+    /// when the files are written.
+    #[serde(default)]
+    pub(super) piece_sums: Vec<String>,
     /// Optimizer kind, hyperparameters and the steps this rank knows.
     pub(super) optim: Option<OptimMeta>,
     /// The optimizer's parameter groups by name (the same on every rank).
@@ -132,10 +138,24 @@ pub(super) struct Staged {
     pub(super) commit: Commit,
 }
 
+/// What this rank's data files are made of.
+enum Content {
+    /// The files, `(file name, tensors)`; empty on ranks that write none.
+    Files(Vec<(String, Vec<(String, Tensor)>)>),
+    /// A background sharded save's snapshots of the model (on the ranks writing it) and
+    /// of the optimizer: host copies of the shards and optimizer buffers taken on the
+    /// training thread, cut into the state dicts and planned into files by the writer
+    /// thread ([`plan_snapshot`]), with the same bytes as a synchronous save's files.
+    Snapshot {
+        model: Option<Box<ShardedSnapshot>>,
+        optim: Option<Box<OptimSnapshot>>,
+        world_size: usize,
+    },
+}
+
 /// This rank's files of a staged save.
 pub(super) struct Writes {
-    /// This rank's data files: `(file name, tensors)`; empty on ranks that write none.
-    files: Vec<(String, Vec<(String, Tensor)>)>,
+    content: Content,
     /// This rank's manifest without its `files` (or with the error of planning them).
     manifest: Manifest,
     rank: usize,
@@ -169,7 +189,9 @@ pub(super) struct Background<'a> {
 /// generation, the state dicts are taken (collectives for `Full`) and this rank's pieces
 /// planned into files. For a `background` save every tensor is copied into host memory of
 /// its own (see [`Background`]), so training may change the model while the files are
-/// written; otherwise the files may alias the model's storage until they are written.
+/// written: a sharded one copies only each unit's shard and the optimizer's state tensors
+/// here, and the writer thread cuts them into the state dicts ([`Content::Snapshot`]);
+/// otherwise the files may alias the model's storage until they are written.
 ///
 /// # Errors
 /// As [`save_checkpoint`], for the steps before the writes.
@@ -214,61 +236,79 @@ pub(super) fn stage(
         });
     }
     let generation = generation as u64;
-    let config = match ty {
-        StateDictType::Full => StateDictConfig::Full(FullStateDictConfig {
-            offload_to_cpu: true,
-            rank0_only: true,
-        }),
-        _ => StateDictConfig::Sharded,
-    };
-    let sd = model.state_dict(config)?;
-    let osd = optim
-        .map(|o| model.optim_state_dict(o, config))
-        .transpose()?;
     // Sharded: the ranks holding distinct shards write the model (replica 0), and under
     // ZeRO-1 every rank writes its chunk of the optimizer state (the model only on rank 0).
     let model_writer = match ty {
         StateDictType::Full => rank == 0,
         _ => model.shard_replica_rank() == 0,
     };
-    let writer =
-        model_writer || (ty == StateDictType::Sharded && osd.is_some() && model.zero_redundancy());
-    let empty;
-    let sd = if model_writer {
-        &sd
-    } else {
-        empty = StateDict::Sharded(crate::fsdp::ShardedStateDict {
-            world_size: pg.size(),
-            tensors: Vec::new(),
-        });
-        &empty
-    };
-    let planned = if writer {
-        plan_files(rank, generation, sd, osd.as_ref()).and_then(|(m, mut files)| {
-            if let Some(pool) = pool {
-                for (_, tensors) in &mut files {
-                    for (_, t) in tensors.iter_mut() {
-                        *t = super::async_save::to_host(t, pool)?;
-                    }
-                }
+    let writer = model_writer
+        || (ty == StateDictType::Sharded && optim.is_some() && model.zero_redundancy());
+    let (mut manifest, content) = match (ty, pool) {
+        // A background sharded save: on this thread only copies of the shards and of the
+        // optimizer's state into host buffers of their own, and the layout; the writer
+        // thread cuts them into the state dicts (see [`Content::Snapshot`]).
+        (StateDictType::Sharded, Some(pool)) => {
+            // A failed copy (out of memory) fails this rank's save at the commit, as a
+            // failed write does; the rank goes on through the same collectives meanwhile.
+            let mut failed: Option<Error> = None;
+            let mut copy = |t: &Tensor| {
+                super::async_save::host_copy(t, pool).or_else(|e| {
+                    failed.get_or_insert(e);
+                    Ok(t.clone())
+                })
+            };
+            let model_part = if model_writer {
+                Some(Box::new(model.sharded_snapshot(&mut copy)?))
+            } else {
+                None
+            };
+            let optim_part = match optim {
+                Some(o) if writer => Some(Box::new(model.optim_snapshot(o, &mut copy)?)),
+                // Every rank takes part in its collective (named parameter groups).
+                Some(o) => model
+                    .optim_snapshot(o, &mut |t| Ok(t.clone()))
+                    .map(|_| None)?,
+                None => None,
+            };
+            match failed {
+                Some(e) => (
+                    Manifest {
+                        error: Some(e.to_string()),
+                        ..Manifest::default()
+                    },
+                    Content::Files(Vec::new()),
+                ),
+                None if writer => (
+                    Manifest::default(),
+                    Content::Snapshot {
+                        model: model_part,
+                        optim: optim_part,
+                        world_size: pg.size(),
+                    },
+                ),
+                None => (Manifest::default(), Content::Files(Vec::new())),
             }
-            Ok((m, files))
-        })
-    } else {
-        Ok((Manifest::default(), Vec::new()))
+        }
+        (_, pool) => {
+            let (manifest, files) = planned(
+                model,
+                optim,
+                ty,
+                rank,
+                generation,
+                model_writer,
+                writer,
+                pool,
+            )?;
+            (manifest, Content::Files(files))
+        }
     };
-    let (mut manifest, files) = planned.unwrap_or_else(|e| {
-        let m = Manifest {
-            error: Some(e.to_string()),
-            ..Manifest::default()
-        };
-        (m, Vec::new())
-    });
     // Every rank's value, writer or not (replicas under hybrid sharding write no file).
     manifest.rank_extra = rank_extra.into_iter().collect();
     Ok(Staged {
         writes: Writes {
-            files,
+            content,
             manifest,
             rank,
             dir: dir.to_path_buf(),
@@ -286,23 +326,46 @@ pub(super) fn stage(
 impl Writes {
     /// Writes this rank's data files (no collective: it may run on any thread); a failure
     /// is kept in the manifest, for [`Commit::commit`] to report on every rank. Returns the
-    /// files' tensors too, for reuse.
+    /// host buffers to reuse: a snapshot's copies, or the planned files' tensors.
     pub(super) fn write(self) -> (Written, Vec<Tensor>) {
         let Writes {
-            files,
+            content,
             mut manifest,
             rank,
             dir,
             generation,
         } = self;
+        let mut reuse = Vec::new();
+        let (files, keep) = match content {
+            Content::Files(files) => (files, true),
+            Content::Snapshot {
+                model,
+                optim,
+                world_size,
+            } => match plan_snapshot(rank, generation, model, optim, world_size, &mut reuse) {
+                Ok((m, files)) => {
+                    manifest = Manifest {
+                        rank_extra: std::mem::take(&mut manifest.rank_extra),
+                        ..m
+                    };
+                    (files, false)
+                }
+                Err(e) => {
+                    manifest.error = Some(e.to_string());
+                    (Vec::new(), false)
+                }
+            },
+        };
         if manifest.error.is_none() {
             if let Err(e) = write_files(&dir, rank, generation, &files, &mut manifest) {
                 manifest.error = Some(e.to_string());
                 manifest.files.clear();
             }
         }
-        let tensors = files.into_iter().flat_map(|(_, t)| t).map(|(_, t)| t);
-        (Written(manifest), tensors.collect())
+        if keep {
+            reuse.extend(files.into_iter().flat_map(|(_, t)| t).map(|(_, t)| t));
+        }
+        (Written(manifest), reuse)
     }
 }
 
@@ -332,92 +395,6 @@ fn prepare(dir: &Path, after: Option<u64>) -> Result<u64> {
     Ok(current.max(after.unwrap_or(0)) + 1)
 }
 
-/// This rank's data files (`(file name, tensors)`, sharing the state dicts' storage) and
-/// their manifest but for the files' sizes and checksums.
-type Planned = (Manifest, Vec<(String, Vec<(String, Tensor)>)>);
-
-/// Plans this rank's data files.
-fn plan_files(
-    rank: usize,
-    generation: u64,
-    sd: &StateDict,
-    osd: Option<&OptimStateDict>,
-) -> Result<Planned> {
-    let mut m = Manifest::default();
-    // (file name, tensors) to write.
-    let mut files: Vec<(String, Vec<(String, Tensor)>)> = Vec::new();
-    let mut sections: Vec<(String, &StateDict)> = vec![("model".into(), sd)];
-    if let Some(o) = osd {
-        sections.extend(o.buffers.iter().map(|(n, d)| (n.clone(), d)));
-        m.optim = Some((o.kind.clone(), o.hyperparams.clone(), o.steps.clone()));
-        m.optim_groups = o.param_groups.clone();
-    }
-    for (section, d) in sections {
-        match d {
-            StateDict::Full(f) => {
-                let (fname, plain) = if section == "model" {
-                    (format!("model-g{generation}.safetensors"), true)
-                } else {
-                    (format!("optim-g{generation}.safetensors"), false)
-                };
-                let fi = match files.iter().position(|(n, _)| *n == fname) {
-                    Some(i) => i,
-                    None => {
-                        files.push((fname, Vec::new()));
-                        files.len() - 1
-                    }
-                };
-                for (name, t) in &f.tensors {
-                    let key = if plain {
-                        name.clone()
-                    } else {
-                        format!("{section}/{name}")
-                    };
-                    m.entries
-                        .push((section.clone(), name.clone(), t.shape().to_vec()));
-                    if t.numel() > 0 {
-                        m.pieces.push((
-                            section.clone(),
-                            name.clone(),
-                            fi,
-                            key.clone(),
-                            0,
-                            t.numel(),
-                        ));
-                    }
-                    files[fi].1.push((key, t.clone()));
-                }
-            }
-            StateDict::Sharded(s) => {
-                let fname = format!("rank-{rank:05}-g{generation}.safetensors");
-                if files.is_empty() {
-                    files.push((fname, Vec::new()));
-                }
-                for (name, t) in &s.tensors {
-                    m.entries
-                        .push((section.clone(), name.clone(), t.global_shape.clone()));
-                    for p in &t.pieces {
-                        let key = format!("{section}/{name}@{}", p.offset);
-                        m.pieces.push((
-                            section.clone(),
-                            name.clone(),
-                            0,
-                            key.clone(),
-                            p.offset,
-                            p.data.numel(),
-                        ));
-                        files[0].1.push((key, p.data.clone()));
-                    }
-                }
-            }
-            StateDict::Local(_) => {
-                return Err(Error::Unsupported("LOCAL_STATE_DICT checkpoints".into()))
-            }
-        }
-    }
-    Ok((m, files))
-}
-
 /// Writes this rank's planned data files, each atomically, and records their sizes and
 /// checksums in `m`.
 fn write_files(
@@ -434,6 +411,7 @@ fn write_files(
     ]
     .into_iter()
     .collect();
+    piece_sums(files, m)?;
     for (name, tensors) in files {
         let path = dir.join(name);
         let bytes = serialize(&path, tensors, &meta)?;

@@ -25,6 +25,10 @@
 //! | no secret | accepted when the job ids are equal | dialer refuses: the acceptor proves nothing | dialer refuses |
 //! | secret | acceptor refuses: no proof | accepted when the job ids are equal | both refuse |
 //!
+//! An acceptor that has too many handshakes in progress answers a new dialer `BUSY` in
+//! place of the challenge (one message whose first field is `fsdp-busy`) and closes; the
+//! dialer retries until its timeout.
+//!
 //! Job ids must be equal (absent is the empty id): a rank never joins another job's world,
 //! and the message names both ids. The acceptor logs each refusal once per peer as
 //! `refused a connection from ADDR: ...`, without the secret. `fsdp launch` always makes a
@@ -51,6 +55,8 @@ pub const MIN_SECRET_LEN: usize = 16;
 /// Longest job id, bytes.
 const MAX_JOB_ID: usize = 128;
 const MAGIC: &[u8] = b"fsdp-auth/1";
+/// The first field of an acceptor's "busy, come back later" answer.
+const BUSY: &[u8] = b"fsdp-busy";
 const NONCE: usize = 32;
 /// Largest handshake message: ids, roles and proofs are small.
 const MAX_MSG: usize = 4096;
@@ -301,6 +307,18 @@ fn text(b: &[u8]) -> io::Result<String> {
     String::from_utf8(b.to_vec()).map_err(|_| bad("text is not UTF-8"))
 }
 
+/// Answers a dialer `BUSY` (the acceptor has too many handshakes in progress), best
+/// effort: a few bytes on a fresh connection, which never block.
+pub(crate) fn refuse_busy(s: &mut impl Write) {
+    let _ = write_msg(s, &[BUSY, b"", b"", b"", b""]);
+}
+
+/// Whether `e` is [`dial`]'s error for an acceptor that answered `BUSY`: a later attempt
+/// may pass.
+pub(crate) fn is_busy(e: &Error) -> bool {
+    matches!(e, Error::Io { source, .. } if source.kind() == io::ErrorKind::ResourceBusy)
+}
+
 /// Writes `line` and a newline on stderr in one write, so that lines of processes sharing
 /// stderr (the ranks of `fsdp launch`) do not interleave.
 pub(crate) fn log(line: &str) {
@@ -445,6 +463,15 @@ pub(crate) fn dial(
         io_err("reading the handshake's answer", e)
     })?;
     let (magic, job, secured, their_nonce, their_proof) = (&ch[0], &ch[1], &ch[2], &ch[3], &ch[4]);
+    if magic == BUSY {
+        return Err(io_err(
+            "the job handshake",
+            io::Error::new(
+                io::ErrorKind::ResourceBusy,
+                "it is busy with other connections' handshakes (refused for now)",
+            ),
+        ));
+    }
     if magic != MAGIC || their_nonce.len() != NONCE || secured.len() != 1 {
         return Err(io_err(
             "reading the handshake's answer",

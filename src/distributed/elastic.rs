@@ -1,20 +1,33 @@
 //! `fsdp launch`: starts one process per rank with torchrun's environment and watches them
 //! (`torch/distributed/run.py`, `torch/distributed/launcher/api.py`,
-//! `torch/distributed/elastic/multiprocessing/`; static rendezvous, no restarts).
+//! `torch/distributed/elastic/multiprocessing/`; static rendezvous, restarts of the whole
+//! group).
 //!
 //! Each child gets `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`
 //! (the node rank), `ROLE_RANK`, `MASTER_ADDR`, `MASTER_PORT`, `TORCHELASTIC_ERROR_FILE`,
-//! the job id (`FSDP_JOB_ID`, also as torchrun's `TORCHELASTIC_RUN_ID`) and the job secret
-//! (`FSDP_JOB_SECRET`, see [Note: job auth] in [`auth`](super::auth)), and shares the
-//! launcher's stdout and stderr (nothing is prefixed). When a child exits non-zero the others
-//! get a short grace period to exit on their own (they usually fail too, naming the first),
-//! then are killed, and [`elastic_launch`] returns an error naming the root cause: the failed
-//! rank, its exit status and its error, and the ranks that failed with the same error, as
-//! torchrun's `ChildFailedError` summary does; other ranks' own errors are printed before it,
-//! one line each (`[rank 2] error: ...`).
+//! `TORCHELASTIC_RESTART_COUNT`, `TORCHELASTIC_MAX_RESTARTS`, the job id (torchrun's
+//! `TORCHELASTIC_RUN_ID`; `FSDP_JOB_ID` is the id of the rendezvous round, see below) and
+//! the job secret (`FSDP_JOB_SECRET`, see [Note: job auth] in [`auth`](super::auth)), and
+//! shares the launcher's stdout and stderr (nothing is prefixed). When a child exits non-zero
+//! the others get a short grace period to exit on their own (they usually fail too, naming
+//! the first), then are killed, and [`elastic_launch`] returns an error naming the root
+//! cause: the failed rank, its exit status and its error, and the ranks that failed with the
+//! same error, as torchrun's `ChildFailedError` summary does; other ranks' own errors are
+//! printed before it, one line each (`[rank 2] error: ...`).
+//!
+//! Restarts (`--max-restarts N`, torchrun's): after a failure the group of local ranks is
+//! stopped as above and started again, up to N times, with `TORCHELASTIC_RESTART_COUNT`
+//! counting the restarts. Every round meets at a fresh rendezvous: the ranks of round `n > 0`
+//! prove the job id `<id>:restart-<n>` (same secret), so a rank left from an earlier round
+//! is refused by this round's store. With several nodes every node's launcher restarts on
+//! its own ranks' failure (the ranks of the other nodes fail too, their peers gone), and the
+//! nodes meet again at the store of the new round's rank 0, as long as every node counts the
+//! same rounds.
 //!
 //! Only the direct children are stopped (`SIGKILL`), not processes they started in turn;
 //! they stay in the launcher's process group, so a Ctrl-C in the terminal reaches them all.
+//! A launcher killed outright (`SIGKILL`) takes its children with it on Linux
+//! (`PR_SET_PDEATHSIG`, set in each child before exec): no rank outlives it.
 //!
 //! A child that is a Rust program using this crate reports its error with [`record_error`]
 //! (torch's `@record`): the launcher reads it from `TORCHELASTIC_ERROR_FILE`, and prefers a
@@ -24,14 +37,22 @@
 //! line, not N interleaved ones.
 
 use super::auth::{JobSecret, JOB_ID_VAR, JOB_SECRET_VAR, RUN_ID_VAR};
+use super::failures::{root_cause, stop, summarize, Proc};
 use crate::error::{Error, Result};
 use std::ffi::{OsStr, OsString};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// The variable naming the file where a child records its error (torchrun's name).
 pub const ERROR_FILE_VAR: &str = "TORCHELASTIC_ERROR_FILE";
+
+/// How many times `fsdp launch` restarted the group before this round (torchrun's name);
+/// 0 in the first.
+pub const RESTART_COUNT_VAR: &str = "TORCHELASTIC_RESTART_COUNT";
+
+/// `--max-restarts` (torchrun's name).
+pub const MAX_RESTARTS_VAR: &str = "TORCHELASTIC_MAX_RESTARTS";
 
 /// Set to `1` by `fsdp launch` for its children: the launcher prints the errors they
 /// record (see [`launcher_reports_errors`]).
@@ -66,6 +87,9 @@ pub struct ElasticLaunchConfig {
     /// `--job-secret-file`). `None`: a fresh random one, on one node; several nodes must
     /// share one, so there it is required.
     pub job_secret: Option<JobSecret>,
+    /// How many times the group of local ranks may be restarted after a rank failed
+    /// (`--max-restarts`, torchrun's name); 0: a failure ends the job.
+    pub max_restarts: usize,
 }
 
 impl Default for ElasticLaunchConfig {
@@ -78,6 +102,7 @@ impl Default for ElasticLaunchConfig {
             master_port: None,
             job_id: None,
             job_secret: None,
+            max_restarts: 0,
         }
     }
 }
@@ -122,6 +147,14 @@ impl ElasticLaunchConfig {
                 crate::error::bail_arg!("--rdzv-id must not be empty");
             }
             super::auth::check_job_id(id)?;
+            // The id of the last round must be a valid id too.
+            super::auth::check_job_id(&round_id(id, self.max_restarts)).map_err(|_| {
+                Error::InvalidArgument(format!(
+                    "--rdzv-id '{id}' is too long for --max-restarts {}: the ranks of a restart prove '{}'; use a shorter id",
+                    self.max_restarts,
+                    round_id(id, self.max_restarts)
+                ))
+            })?;
         }
         Ok(())
     }
@@ -156,50 +189,6 @@ fn resolve_program(program: &OsStr) -> OsString {
     program.to_os_string()
 }
 
-/// One started child.
-struct Proc {
-    rank: usize,
-    local_rank: usize,
-    child: Child,
-    error_file: PathBuf,
-    /// Its exit status and when it was seen, once it exited.
-    exit: Option<(ExitStatus, Instant)>,
-    killed: bool,
-}
-
-/// What a failed child recorded with [`record_error`].
-#[derive(Debug, Default, serde::Deserialize)]
-struct Recorded {
-    message: String,
-    /// The rank a `PeerFailed` error blamed: this child only echoed another's failure.
-    peer_failed: Option<usize>,
-    /// When it was recorded, microseconds since the Unix epoch (absent in files of other
-    /// programs, which may give torchrun's `timestamp` in seconds).
-    #[serde(default)]
-    timestamp_us: Option<u64>,
-    /// torchrun's `timestamp`, seconds since the Unix epoch (any JSON: a value that is
-    /// not a number is ignored, never a reason to drop the record).
-    #[serde(default)]
-    timestamp: Option<serde_json::Value>,
-    /// [`RENDEZVOUS_STAGE`] when the child failed while joining the world (hosting or
-    /// reaching the store), see [`note_rendezvous`].
-    #[serde(default)]
-    stage: Option<String>,
-}
-
-impl Recorded {
-    /// When the failure was recorded, microseconds since the Unix epoch, if known.
-    fn time_us(&self) -> Option<u64> {
-        self.timestamp_us.or_else(|| {
-            let secs = self.timestamp.as_ref()?.as_f64()?;
-            (secs >= 0.0).then_some((secs * 1e6) as u64)
-        })
-    }
-}
-
-/// The `stage` a child records when it failed while joining the world.
-const RENDEZVOUS_STAGE: &str = "rendezvous";
-
 /// Whether this process is joining its world now (see [`note_rendezvous`]).
 static IN_RENDEZVOUS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
@@ -213,34 +202,16 @@ pub fn note_rendezvous(in_progress: bool) {
     IN_RENDEZVOUS.store(in_progress, std::sync::atomic::Ordering::Relaxed);
 }
 
-fn describe(status: &ExitStatus) -> String {
-    if let Some(c) = status.code() {
-        return format!("exit code {c}");
-    }
-    #[cfg(unix)]
-    {
-        use std::os::unix::process::ExitStatusExt;
-        if let Some(s) = status.signal() {
-            let name = match s {
-                6 => " (SIGABRT)",
-                9 => " (SIGKILL)",
-                11 => " (SIGSEGV)",
-                15 => " (SIGTERM)",
-                _ => "",
-            };
-            return format!("signal {s}{name}");
-        }
-    }
-    status.to_string()
-}
-
 /// Starts `nproc_per_node` processes running `program args` with torchrun's environment
-/// and waits for all of them (torch's `elastic_launch`).
+/// and waits for all of them (torch's `elastic_launch`). When one fails, the others are
+/// stopped and, while `cfg.max_restarts` allows, the whole group starts again at a fresh
+/// rendezvous round (see the module doc), one line on stderr saying so.
 ///
 /// # Errors
 /// `InvalidArgument` for bad options; `Io` when a child cannot be started (the others are
 /// killed); `PeerFailed` naming the root-cause rank, its exit status and its recorded error
-/// when a child exits non-zero (the others are then stopped).
+/// when a child exits non-zero (the others are then stopped) and no restart is left: the
+/// last round's failure; `Io` (`Interrupted`) when SIGINT or SIGTERM stopped the job.
 pub fn elastic_launch(cfg: &ElasticLaunchConfig, program: &OsStr, args: &[OsString]) -> Result<()> {
     cfg.validate()?;
     // Before any child exists, so no signal can end the launcher and leave ranks behind.
@@ -268,27 +239,108 @@ pub fn elastic_launch(cfg: &ElasticLaunchConfig, program: &OsStr, args: &[OsStri
         .job_id
         .clone()
         .unwrap_or_else(|| secret.derived_job_id());
-    let job = (job_id.as_str(), &secret);
-    let res = run(cfg, port, job, &dir, &resolve_program(program), args);
+    let program = resolve_program(program);
+    let mut restart = 0;
+    let res = loop {
+        let job = Job {
+            id: &job_id,
+            secret: &secret,
+            port,
+            restart,
+        };
+        match run(cfg, &job, &dir, &program, args) {
+            Err(Ended::Failed(e)) if restart < cfg.max_restarts => {
+                restart += 1;
+                let line = format!(
+                    "fsdp launch: {e}; restarting the {} local rank{} (restart {restart} of {}, rendezvous round {restart})\n",
+                    cfg.nproc_per_node,
+                    if cfg.nproc_per_node == 1 { "" } else { "s" },
+                    cfg.max_restarts
+                );
+                // One write: the line cannot interleave with a child's output.
+                eprint!("{line}");
+            }
+            Err(Ended::Failed(e)) if restart > 0 => {
+                break Err(after_restarts(e, restart));
+            }
+            Err(Ended::Failed(e) | Ended::Stopped(e)) => break Err(e),
+            Ok(()) => break Ok(()),
+        }
+    };
     let _ = std::fs::remove_dir_all(&dir);
     res
 }
 
+/// What every round of one launch shares, and the round.
+struct Job<'a> {
+    /// The job id (`--rdzv-id` or derived from the secret), the same in every round.
+    id: &'a str,
+    secret: &'a JobSecret,
+    port: u16,
+    /// How many times the group was restarted before this round (`TORCHELASTIC_RESTART_COUNT`).
+    restart: usize,
+}
+
+impl Job<'_> {
+    /// The id the ranks of this round prove at rendezvous: the job id, then `:restart-<n>`
+    /// from the first restart on, so that a rank of an earlier round (on a node that has
+    /// not restarted yet) never joins this round's world.
+    fn round_id(&self) -> String {
+        round_id(self.id, self.restart)
+    }
+}
+
+/// The rendezvous id of round `restart` of job `id` (see [`Job::round_id`]).
+fn round_id(id: &str, restart: usize) -> String {
+    match restart {
+        0 => id.to_string(),
+        n => format!("{id}:restart-{n}"),
+    }
+}
+
+/// The last failure, saying how many restarts came before it.
+fn after_restarts(e: Error, restarts: usize) -> Error {
+    match e {
+        Error::PeerFailed {
+            failed_rank,
+            reason,
+        } => Error::PeerFailed {
+            failed_rank,
+            reason: format!(
+                "{reason} (after {restarts} restart{}, --max-restarts {restarts})",
+                if restarts == 1 { "" } else { "s" }
+            ),
+        },
+        e => e,
+    }
+}
+
+/// Why a round did not end well.
+enum Ended {
+    /// A rank failed (or could not be started): a restart may follow.
+    Failed(Error),
+    /// SIGINT or SIGTERM stopped the job: no restart.
+    Stopped(Error),
+}
+
+/// One round: starts the local ranks and waits for them (see [`elastic_launch`]).
 fn run(
     cfg: &ElasticLaunchConfig,
-    port: u16,
-    (job_id, secret): (&str, &JobSecret),
+    job: &Job,
     dir: &Path,
     program: &OsStr,
     args: &[OsString],
-) -> Result<()> {
+) -> std::result::Result<(), Ended> {
     let world = cfg.world_size();
+    let round_id = job.round_id();
     let mut procs: Vec<Proc> = Vec::with_capacity(cfg.nproc_per_node);
     for local_rank in 0..cfg.nproc_per_node {
         let rank = cfg.node_rank * cfg.nproc_per_node + local_rank;
         let error_file = dir.join(format!("error-rank-{rank}.json"));
-        let spawned = Command::new(program)
-            .args(args)
+        // A failure recorded in an earlier round is not this round's.
+        let _ = std::fs::remove_file(&error_file);
+        let mut cmd = Command::new(program);
+        cmd.args(args)
             .env("RANK", rank.to_string())
             .env("LOCAL_RANK", local_rank.to_string())
             .env("WORLD_SIZE", world.to_string())
@@ -296,15 +348,17 @@ fn run(
             .env("GROUP_RANK", cfg.node_rank.to_string())
             .env("ROLE_RANK", rank.to_string())
             .env("MASTER_ADDR", &cfg.master_addr)
-            .env("MASTER_PORT", port.to_string())
+            .env("MASTER_PORT", job.port.to_string())
+            .env(RESTART_COUNT_VAR, job.restart.to_string())
+            .env(MAX_RESTARTS_VAR, cfg.max_restarts.to_string())
             .env(ERROR_FILE_VAR, &error_file)
             .env(REPORTS_ERRORS_VAR, "1")
-            .env(JOB_ID_VAR, job_id)
-            .env(RUN_ID_VAR, job_id)
-            .env(JOB_SECRET_VAR, secret.expose())
-            .stdin(Stdio::null())
-            .spawn();
-        match spawned {
+            .env(JOB_ID_VAR, &round_id)
+            .env(RUN_ID_VAR, job.id)
+            .env(JOB_SECRET_VAR, job.secret.expose())
+            .stdin(Stdio::null());
+        super::signals::die_with_launcher(&mut cmd);
+        match cmd.spawn() {
             Ok(child) => procs.push(Proc {
                 rank,
                 local_rank,
@@ -315,13 +369,13 @@ fn run(
             }),
             Err(e) => {
                 stop(&mut procs);
-                return Err(Error::io(
+                return Err(Ended::Failed(Error::io(
                     format!(
                         "fsdp launch: starting '{}' for rank {rank}",
                         Path::new(program).display()
                     ),
                     e,
-                ));
+                )));
             }
         }
     }
@@ -355,7 +409,7 @@ fn run(
         std::thread::sleep(POLL);
     }
     if let Some(sig) = forwarded {
-        return Err(Error::io(
+        return Err(Ended::Stopped(Error::io(
             "fsdp launch",
             std::io::Error::new(
                 std::io::ErrorKind::Interrupted,
@@ -364,144 +418,12 @@ fn run(
                     super::signals::name(sig)
                 ),
             ),
-        ));
+        )));
     }
     match root_cause(&procs) {
         None => Ok(()),
-        Some(p) => Err(summarize(&procs, p)),
+        Some(p) => Err(Ended::Failed(summarize(&procs, p))),
     }
-}
-
-/// The error naming the root cause `p`; first prints, one line each, the own errors of
-/// other ranks that differ from it (`[rank 2] error: ...`). Ranks that recorded `p`'s very
-/// error are named once; echoes of a peer's failure, silent and killed ranks are counted
-/// as stopped.
-fn summarize(procs: &[Proc], p: &Proc) -> Error {
-    let (status, _) = p.exit.unwrap_or((ExitStatus::default(), Instant::now()));
-    let msg = read_recorded(&p.error_file).map(|r| r.message.trim().to_string());
-    let (mut same, mut stopped) = (Vec::new(), Vec::new());
-    let mut distinct: Vec<(String, Vec<usize>)> = Vec::new();
-    // The other ranks in the order their failures are blamed (see `failure_order`), so
-    // the lines of distinct errors come in the order they happened.
-    let mut others: Vec<(&Proc, Option<Recorded>)> = procs
-        .iter()
-        .filter(|q| q.rank != p.rank)
-        .map(|q| (q, read_recorded(&q.error_file).filter(|_| !q.killed)))
-        .collect();
-    others.sort_by_key(|(q, r)| failure_order(q, r.as_ref()));
-    for (q, recorded) in others {
-        let failed = q.exit.is_some_and(|(s, _)| !s.success());
-        if !q.killed && !failed {
-            continue;
-        }
-        match recorded {
-            Some(r) if Some(r.message.trim()) == msg.as_deref() => same.push(q.rank),
-            Some(r) if r.peer_failed.is_none() => {
-                let m = r.message.trim().to_string();
-                match distinct.iter_mut().find(|(d, _)| *d == m) {
-                    Some((_, ranks)) => ranks.push(q.rank),
-                    None => distinct.push((m, vec![q.rank])),
-                }
-            }
-            _ => stopped.push(q.rank),
-        }
-    }
-    same.sort_unstable();
-    for (_, ranks) in distinct.iter_mut() {
-        ranks.sort_unstable();
-    }
-    for (m, ranks) in &distinct {
-        let line = format!("{} error: {m}\n", rank_tag(ranks));
-        // One write: the line cannot interleave with a child's output.
-        eprint!("{line}");
-    }
-    let mut reason = format!(
-        "{} (local rank {}, pid {})",
-        describe(&status),
-        p.local_rank,
-        p.child.id()
-    );
-    if let Some(m) = msg {
-        reason.push_str(": ");
-        reason.push_str(&m);
-    }
-    if !same.is_empty() {
-        reason.push_str(&format!("; {} failed with the same error", list(&same)));
-    }
-    let mut ended: Vec<usize> = distinct.into_iter().flat_map(|(_, r)| r).collect();
-    ended.extend(stopped);
-    ended.sort_unstable();
-    if !ended.is_empty() {
-        reason.push_str(&format!(
-            "; the job was stopped (ranks {ended:?} also ended)"
-        ));
-    }
-    Error::PeerFailed {
-        failed_rank: p.rank,
-        reason,
-    }
-}
-
-/// `[rank 2]` or `[ranks 2, 3]`.
-fn rank_tag(ranks: &[usize]) -> String {
-    format!("[{}]", list(ranks))
-}
-
-/// `rank 2` or `ranks 2, 3`.
-fn list(ranks: &[usize]) -> String {
-    let names: Vec<String> = ranks.iter().map(usize::to_string).collect();
-    let s = if ranks.len() == 1 { "" } else { "s" };
-    format!("rank{s} {}", names.join(", "))
-}
-
-/// Kills every child still running and reaps it.
-fn stop(procs: &mut [Proc]) {
-    for p in procs.iter_mut().filter(|p| p.exit.is_none()) {
-        let _ = p.child.kill();
-        p.killed = true;
-    }
-    for p in procs.iter_mut().filter(|p| p.exit.is_none()) {
-        if let Ok(st) = p.child.wait() {
-            p.exit = Some((st, Instant::now()));
-        }
-    }
-}
-
-fn read_recorded(path: &Path) -> Option<Recorded> {
-    let text = std::fs::read_to_string(path).ok()?;
-    serde_json::from_str(&text).ok()
-}
-
-/// The failure to report: among children that failed by themselves with an error of
-/// their own (not a `PeerFailed` echo), rank 0's if it failed while joining the world (it
-/// hosts the store: the other ranks' rendezvous errors follow from its failure), else the
-/// earliest recorded; else one that recorded nothing (it crashed); else the first seen.
-fn root_cause(procs: &[Proc]) -> Option<&Proc> {
-    let mut failed: Vec<(&Proc, Option<Recorded>)> = procs
-        .iter()
-        .filter(|p| !p.killed && p.exit.is_some_and(|(s, _)| !s.success()))
-        .map(|p| (p, read_recorded(&p.error_file)))
-        .collect();
-    failed.sort_by_key(|(p, r)| failure_order(p, r.as_ref()));
-    let own = failed
-        .iter()
-        .find(|(_, r)| r.as_ref().is_some_and(|r| r.peer_failed.is_none()));
-    let silent = failed.iter().find(|(_, r)| r.is_none());
-    own.or(silent).or(failed.first()).map(|(p, _)| *p)
-}
-
-/// The order in which failures are blamed and listed: rank 0's rendezvous failure first,
-/// then by the time each was recorded (µs; unknown last), then as the launcher saw the
-/// processes exit, then by rank.
-fn failure_order(p: &Proc, r: Option<&Recorded>) -> (bool, u64, Option<Instant>, usize) {
-    let host_failed =
-        p.rank == 0 && r.is_some_and(|r| r.stage.as_deref() == Some(RENDEZVOUS_STAGE));
-    (
-        !host_failed,
-        r.and_then(Recorded::time_us).unwrap_or(u64::MAX),
-        p.exit.map(|(_, t)| t),
-        p.rank,
-    )
 }
 
 /// Whether this process was started by `fsdp launch`, which prints the errors its
@@ -535,7 +457,7 @@ pub fn record_message(message: &str, peer_failed: Option<usize>) -> bool {
         .unwrap_or_default();
     let stage = IN_RENDEZVOUS
         .load(std::sync::atomic::Ordering::Relaxed)
-        .then_some(RENDEZVOUS_STAGE);
+        .then_some(super::failures::RENDEZVOUS_STAGE);
     // torchrun reads `message` (a string) and `timestamp` (seconds) from this file too.
     let body = serde_json::json!({
         "message": message,

@@ -20,6 +20,22 @@ pub const TORCHRUN_ENV_VARS: [&str; 6] = [
     "MASTER_PORT",
 ];
 
+/// Seconds of the rendezvous and collective timeout when [`InitOptions::timeout`] is not
+/// given (`fsdp launch --timeout` sets it for its ranks); default
+/// [`DEFAULT_TIMEOUT`](super::threads::DEFAULT_TIMEOUT).
+pub const TIMEOUT_VAR: &str = "FSDP_TIMEOUT";
+
+/// Seconds of the heartbeat timeout when [`InitOptions::heartbeat_timeout`] is not given
+/// (`fsdp launch --heartbeat-timeout` sets it for its ranks); default
+/// [`DEFAULT_HEARTBEAT_TIMEOUT`].
+pub const HEARTBEAT_TIMEOUT_VAR: &str = "FSDP_HEARTBEAT_TIMEOUT";
+
+/// How long a rank of the `tcp` backend may go without a heartbeat before its peers name
+/// it failed: 60 s, well under the collective timeout (300 s). PyTorch's NCCL heartbeat
+/// monitor waits 8 min (`TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`), but it watches its own
+/// process's watchdog thread, not the peers.
+pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// Arguments of [`init_process_group`](super::init_process_group), named as
 /// `torch.distributed.init_process_group`'s.
 ///
@@ -48,9 +64,15 @@ pub struct InitOptions {
     /// Ranks on this node; `None` reads `LOCAL_WORLD_SIZE` (optional).
     pub local_world_size: Option<usize>,
     /// How long the rendezvous and then every collective of the world may wait for the
-    /// other ranks; default 300 s (torch's is 30 min). The first rank to join sets it for the
-    /// world.
-    pub timeout: Duration,
+    /// other ranks (`init_process_group(timeout=)`); `None` reads [`TIMEOUT_VAR`]
+    /// (`FSDP_TIMEOUT`, seconds), else 300 s (torch's `default_pg_timeout` is 30 min, and
+    /// 10 min for NCCL). The first rank to join sets it for the world.
+    pub timeout: Option<Duration>,
+    /// How long a peer of the `tcp` backend may send no heartbeat before this rank names it
+    /// failed (a process stopped with SIGSTOP, or hung); `None` reads
+    /// [`HEARTBEAT_TIMEOUT_VAR`] (`FSDP_HEARTBEAT_TIMEOUT`, seconds), else
+    /// [`DEFAULT_HEARTBEAT_TIMEOUT`]. Unused by the `threads` backend.
+    pub heartbeat_timeout: Option<Duration>,
     /// Where the torchrun variables come from: `None` is the process environment;
     /// `Some(map)` is that map alone (a launcher giving each rank thread its own `RANK`,
     /// or a test).
@@ -75,7 +97,8 @@ impl InitOptions {
             rank: None,
             local_rank: None,
             local_world_size: None,
-            timeout: super::threads::DEFAULT_TIMEOUT,
+            timeout: None,
+            heartbeat_timeout: None,
             env: None,
             job_id: None,
             job_secret: None,
@@ -109,8 +132,33 @@ impl InitOptions {
 
     /// Sets the rendezvous and collective timeout.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
+        self.timeout = Some(timeout);
         self
+    }
+
+    /// Sets the heartbeat timeout of the `tcp` backend.
+    pub fn with_heartbeat_timeout(mut self, timeout: Duration) -> Self {
+        self.heartbeat_timeout = Some(timeout);
+        self
+    }
+
+    /// An explicit duration, else the variable `var` in seconds, else `default`.
+    fn seconds(
+        &self,
+        explicit: Option<Duration>,
+        var: &str,
+        default: Duration,
+    ) -> Result<Duration> {
+        let d = match (explicit, self.var(var)?) {
+            (Some(d), _) => d,
+            (None, Some(raw)) if !raw.trim().is_empty() => {
+                parse_seconds(raw.trim()).map_err(|why| {
+                    Error::InvalidArgument(format!("environment variable {var}='{raw}' {why}"))
+                })?
+            }
+            (None, _) => default,
+        };
+        Ok(d)
     }
 
     /// Sets the job id and secret (instead of `FSDP_JOB_ID` and `FSDP_JOB_SECRET`).
@@ -259,8 +307,21 @@ impl InitOptions {
                 );
             }
         }
-        if self.timeout.is_zero() {
+        let timeout = self.seconds(self.timeout, TIMEOUT_VAR, super::threads::DEFAULT_TIMEOUT)?;
+        if timeout.is_zero() {
             crate::error::bail_arg!("init_process_group: timeout must be positive");
+        }
+        let heartbeat_timeout = self.seconds(
+            self.heartbeat_timeout,
+            HEARTBEAT_TIMEOUT_VAR,
+            DEFAULT_HEARTBEAT_TIMEOUT,
+        )?;
+        if heartbeat_timeout < MIN_HEARTBEAT_TIMEOUT {
+            crate::error::bail_arg!(
+                "init_process_group: heartbeat timeout {:?} is below the least, {:?}",
+                heartbeat_timeout,
+                MIN_HEARTBEAT_TIMEOUT
+            );
         }
         let key = match self.init_method.as_deref().map(str::trim) {
             None | Some("env://") => {
@@ -317,7 +378,8 @@ impl InitOptions {
             rank,
             local_rank,
             local_world_size,
-            timeout: self.timeout,
+            timeout,
+            heartbeat_timeout,
         })
     }
 }
@@ -339,7 +401,32 @@ pub struct Rendezvous {
     pub local_world_size: Option<usize>,
     /// Rendezvous and collective timeout.
     pub timeout: Duration,
+    /// How long a peer may send no heartbeat (`tcp` backend).
+    pub heartbeat_timeout: Duration,
     /// The job id and secret the `tcp` and `nccl` backends check at rendezvous (the open,
     /// id-less job on `threads`).
     pub job: super::JobAuth,
+}
+
+/// The least heartbeat timeout: a beat goes out every fifth of it, and a beat needs a few
+/// milliseconds on a busy machine.
+pub const MIN_HEARTBEAT_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// A number of seconds that is finite and above 0 (`"2.5"`, `"300"`); `Err` says what is
+/// wrong with it, for a message that names its source first.
+///
+/// # Errors
+/// The reason, as `is not a number of seconds` or `must be above 0 seconds`.
+pub fn parse_seconds(text: &str) -> std::result::Result<Duration, String> {
+    let s: f64 = text
+        .trim()
+        .parse()
+        .map_err(|_| "is not a number of seconds".to_string())?;
+    if !s.is_finite() {
+        return Err("is not a finite number of seconds".into());
+    }
+    if s <= 0.0 {
+        return Err("must be above 0 seconds".into());
+    }
+    Duration::try_from_secs_f64(s).map_err(|_| "is too large a number of seconds".into())
 }

@@ -33,7 +33,9 @@ mod backoff;
 mod composite;
 mod desc;
 pub mod elastic;
+mod failures;
 pub mod fingerprint;
+mod heartbeat;
 mod init;
 mod init_options;
 mod launch;
@@ -52,6 +54,7 @@ pub mod store;
 mod subgroups;
 pub mod tcp;
 pub mod threads;
+mod waiting;
 mod work;
 
 pub use auth::{JobAuth, JobSecret};
@@ -63,7 +66,10 @@ pub use init::{
     abort_process_group, default_group, destroy_process_group, get_backend, get_local_world_size,
     get_node_local_rank, get_rank, get_world_size, init_process_group, is_initialized,
 };
-pub use init_options::{InitOptions, Rendezvous, TORCHRUN_ENV_VARS};
+pub use init_options::{
+    parse_seconds, InitOptions, Rendezvous, DEFAULT_HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_VAR,
+    MIN_HEARTBEAT_TIMEOUT, TIMEOUT_VAR, TORCHRUN_ENV_VARS,
+};
 pub use launch::{launch, LaunchOptions};
 pub use limits::{
     available_memory_bytes, check_thread_ranks, thread_limit, thread_rank_bytes, RANK_BASE_BYTES,
@@ -74,6 +80,7 @@ pub use store::{PrefixStore, Store, TcpStore, TcpStoreServer};
 pub use subgroups::{get_process_group_ranks, new_subgroups};
 pub use tcp::TcpGroup;
 pub use threads::ThreadsGroup;
+pub use waiting::PROGRESS_VAR;
 pub use work::{CommStream, Work};
 
 use crate::error::Result;

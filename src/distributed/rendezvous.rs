@@ -85,6 +85,7 @@ pub(super) fn join(rv: &Rendezvous) -> Result<ThreadsGroup> {
         (pending, handle)
     };
     let deadline = Instant::now() + rv.timeout;
+    let mut pace = crate::distributed::waiting::Pacer::new(rv.rank, rv.timeout);
     let mut st = pending.state.lock();
     loop {
         if st.joined == pending.world_size {
@@ -93,10 +94,25 @@ pub(super) fn join(rv: &Rendezvous) -> Result<ThreadsGroup> {
         if let Some(missing) = &st.abandoned {
             return Err(join_timeout(rv, missing.clone()));
         }
-        if pending.cv.wait_until(&mut st, deadline).timed_out()
+        if pending
+            .cv
+            .wait_until(&mut st, pace.until(deadline))
+            .timed_out()
             && st.joined < pending.world_size
-            && st.abandoned.is_none()
+            && Instant::now() < deadline
         {
+            let missing: Vec<usize> = (0..pending.world_size)
+                .filter(|&r| st.handles[r].is_some())
+                .collect();
+            pace.tick(|| {
+                format!(
+                    "init_process_group (rendezvous '{}'): ranks {missing:?} have not joined",
+                    rv.key
+                )
+            });
+            continue;
+        }
+        if Instant::now() >= deadline && st.joined < pending.world_size && st.abandoned.is_none() {
             let missing: Vec<usize> = (0..pending.world_size)
                 .filter(|&r| st.handles[r].is_some())
                 .collect();

@@ -71,6 +71,7 @@ pub use state_dict::{
     LocalStateDict, NamedParamGroup, OptimStateDict, ShardPiece, ShardedStateDict, ShardedTensor,
     StateDict, StateDictConfig, StateDictType,
 };
+pub(crate) use state_dict::{OptimSnapshot, ShardedSnapshot};
 pub use unit::{gradient_divide_factors, FullyShardedDataParallel, UnitVisitor};
 pub use wrap::{
     module_wrap_policy, nonwrapped_numel, size_based_auto_wrap_policy,

@@ -1,4 +1,4 @@
-//! A rank's FSDP streams (DESIGN.md "Streams and overlap"; FSDP1 `_init_streams` in
+//! A rank's FSDP streams (FSDP1's `_init_streams` in
 //! `_runtime_utils.py`): besides the rank's own compute stream (its thread),
 //!
 //! | stream | runs | overlaps |

@@ -351,6 +351,13 @@ impl Optimizer for ZeroRedundancyOptimizer {
         self.inner.state_dict()
     }
 
+    fn snapshot(
+        &self,
+        copy: &mut dyn FnMut(&Tensor) -> Result<Tensor>,
+    ) -> Result<crate::optim::StateSnapshot> {
+        self.inner.snapshot(copy)
+    }
+
     fn load_state_dict(&mut self, state: &OptimizerState) -> Result<()> {
         self.inner.load_state_dict(state)
     }

@@ -5,7 +5,8 @@ use super::param_groups::{
     check_groups, check_non_negative, resolve, resolve_positions, set_group_lrs,
 };
 use super::{
-    check_pair, ensure_state, Optimizer, OptimizerState, ParamGrad, ParamGroup, TensorState,
+    check_pair, ensure_state, Optimizer, OptimizerState, ParamGrad, ParamGroup, StateSnapshot,
+    TensorSnapshot,
 };
 use crate::backend::Device;
 use crate::error::{Error, Result};
@@ -341,7 +342,19 @@ fn export(
     kind: &str,
     state: &[Moments],
 ) -> Result<OptimizerState> {
-    Ok(OptimizerState {
+    snapshot(c, groups, kind, state, &mut |t| Ok(t.clone()))?.into_state(&mut Vec::new())
+}
+
+/// The state with each moment passed through `copy`, converted by
+/// [`StateSnapshot::into_state`] (what [`export`] returns).
+fn snapshot(
+    c: &AdamConfig,
+    groups: Option<&[ParamGroup]>,
+    kind: &str,
+    state: &[Moments],
+    copy: &mut dyn FnMut(&Tensor) -> Result<Tensor>,
+) -> Result<StateSnapshot> {
+    Ok(StateSnapshot::Tensors {
         kind: kind.to_string(),
         hyperparams: vec![
             ("lr".into(), c.lr as f64),
@@ -355,10 +368,10 @@ fn export(
             .map(|s| {
                 (s.step > 0 || s.m.numel() > 0)
                     .then(|| {
-                        TensorState::from_tensors(
-                            Some(s.step),
-                            &[("exp_avg", &s.m), ("exp_avg_sq", &s.v)],
-                        )
+                        Ok(TensorSnapshot {
+                            step: Some(s.step),
+                            buffers: vec![("exp_avg", copy(&s.m)?), ("exp_avg_sq", copy(&s.v)?)],
+                        })
                     })
                     .transpose()
             })
@@ -419,6 +432,18 @@ macro_rules! impl_adam {
         impl Optimizer for $t {
             fn state_dict(&self) -> Result<OptimizerState> {
                 export(&self.config, self.groups.as_deref(), $kind, &self.state)
+            }
+            fn snapshot(
+                &self,
+                copy: &mut dyn FnMut(&Tensor) -> Result<Tensor>,
+            ) -> Result<StateSnapshot> {
+                snapshot(
+                    &self.config,
+                    self.groups.as_deref(),
+                    $kind,
+                    &self.state,
+                    copy,
+                )
             }
             fn load_state_dict(&mut self, st: &OptimizerState) -> Result<()> {
                 let (config, groups, state) = import($kind, st)?;

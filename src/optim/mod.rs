@@ -14,6 +14,7 @@
 //! |---|---|---|
 //! | [`SGD`] | `torch.optim.SGD` (momentum, dampening, nesterov, weight_decay) | `sgd.rs` |
 //! | [`Adam`], [`AdamW`] | `torch.optim.Adam`, `torch.optim.AdamW` | `adam.rs` |
+//! | [`StateSnapshot`] | the staging copy of `torch.distributed.checkpoint.async_save` | `snapshot.rs` |
 //! | [`ParamGroup`], [`no_decay_groups`] | `optimizer.param_groups`, nanoGPT's `configure_optimizers` | `param_groups.rs` |
 //! | [`LrScheduler`], [`LinearLR`], [`CosineAnnealingLR`], [`StepLR`], [`SequentialLR`], [`Scheduler`] | `torch.optim.lr_scheduler` | `lr_scheduler.rs` |
 //!
@@ -28,11 +29,13 @@ mod fused;
 mod lr_scheduler;
 mod param_groups;
 mod sgd;
+mod snapshot;
 
 pub use adam::{Adam, AdamConfig, AdamW};
 pub use lr_scheduler::{CosineAnnealingLR, LinearLR, LrScheduler, Scheduler, SequentialLR, StepLR};
 pub use param_groups::{no_decay_groups, ParamGroup};
 pub use sgd::{SgdConfig, SGD};
+pub use snapshot::{StateSnapshot, TensorSnapshot};
 
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
@@ -140,6 +143,19 @@ pub trait Optimizer: Send {
         Err(Error::Unsupported(
             "this optimizer does not implement state_dict".into(),
         ))
+    }
+
+    /// The state as it stands, taken quickly: like [`state_dict`](Self::state_dict), but
+    /// each state tensor is passed to `copy` (which returns a host copy of its own) and
+    /// converted later, on any thread, by [`StateSnapshot::into_state`], to what
+    /// `state_dict` returns now. A background checkpoint takes it on the training thread.
+    /// The default converts at once (`state_dict`).
+    ///
+    /// # Errors
+    /// As [`state_dict`](Self::state_dict); `copy`'s error.
+    fn snapshot(&self, copy: &mut dyn FnMut(&Tensor) -> Result<Tensor>) -> Result<StateSnapshot> {
+        let _ = copy;
+        self.state_dict().map(StateSnapshot::State)
     }
 
     /// Replaces the hyperparameters and every tensor's state with `state`

@@ -5,7 +5,8 @@ use super::param_groups::{
     check_groups, check_non_negative, resolve, resolve_positions, set_group_lrs,
 };
 use super::{
-    check_pair, ensure_state, Optimizer, OptimizerState, ParamGrad, ParamGroup, TensorState,
+    check_pair, ensure_state, Optimizer, OptimizerState, ParamGrad, ParamGroup, StateSnapshot,
+    TensorSnapshot,
 };
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
@@ -206,8 +207,13 @@ impl Optimizer for SGD {
     }
 
     fn state_dict(&self) -> Result<OptimizerState> {
+        self.snapshot(&mut |t| Ok(t.clone()))?
+            .into_state(&mut Vec::new())
+    }
+
+    fn snapshot(&self, copy: &mut dyn FnMut(&Tensor) -> Result<Tensor>) -> Result<StateSnapshot> {
         let c = self.config;
-        Ok(OptimizerState {
+        Ok(StateSnapshot::Tensors {
             kind: "SGD".into(),
             hyperparams: vec![
                 ("lr".into(), c.lr as f64),
@@ -221,7 +227,12 @@ impl Optimizer for SGD {
                 .iter()
                 .map(|b| {
                     b.as_ref()
-                        .map(|b| TensorState::from_tensors(None, &[("momentum_buffer", b)]))
+                        .map(|b| {
+                            Ok(TensorSnapshot {
+                                step: None,
+                                buffers: vec![("momentum_buffer", copy(b)?)],
+                            })
+                        })
                         .transpose()
                 })
                 .collect::<Result<_>>()?,

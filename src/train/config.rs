@@ -143,6 +143,16 @@ pub struct TrainConfig {
     /// train` wrote there are deleted before training (other files stay). Without it a
     /// non-empty `save_dir` is refused unless `resume` continues the run saved there.
     pub overwrite: bool,
+    /// How long the ranks wait for each other at the rendezvous and in each collective
+    /// (`--timeout`, `init_process_group(timeout=)`); `None`: `FSDP_TIMEOUT`, else 300 s.
+    /// Not part of a run's identity: not serialized.
+    #[serde(skip)]
+    pub timeout: Option<std::time::Duration>,
+    /// How long a rank process may send no heartbeat before its peers name it failed
+    /// (`--heartbeat-timeout`, ranks that are processes only); `None`:
+    /// `FSDP_HEARTBEAT_TIMEOUT`, else 60 s.
+    #[serde(skip)]
+    pub heartbeat_timeout: Option<std::time::Duration>,
 }
 
 impl Default for TrainConfig {
@@ -200,6 +210,8 @@ impl Default for TrainConfig {
             checkpoint_type: CheckpointType::Sharded,
             resume: None,
             overwrite: false,
+            timeout: None,
+            heartbeat_timeout: None,
         }
     }
 }

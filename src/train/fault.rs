@@ -1,8 +1,13 @@
-//! A hidden, test-only fault hook of `fsdp train`: `FSDP_FAIL_RANK=<rank>[:<step>]` makes
-//! that rank return an error in that 1-based step (default 1), between its forward and
-//! backward, so tests can check that one failing rank ends the whole job promptly with a
-//! message naming it. Not a `TrainConfig` field and not in `--help`; read only in builds
-//! with the `test-hooks` feature (others never inject a failure).
+//! Hidden, test-only fault hooks of `fsdp train`, read only in builds with the `test-hooks`
+//! feature (others never inject a failure); not `TrainConfig` fields and not in `--help`.
+//!
+//! - `FSDP_FAIL_RANK=<rank>[:<step>]` makes that rank return an error in that 1-based step
+//!   (default 1), between its forward and backward, so tests can check that one failing
+//!   rank ends the whole job promptly with a message naming it.
+//! - `FSDP_KILL_ONCE=<rank>:<step>:<marker file>` makes that rank kill its own process with
+//!   `SIGKILL` (as `kill -9` would) at the same point of that step, once: only when the
+//!   marker file does not exist yet, which it creates first. A job restarted with the same
+//!   environment (`fsdp launch --max-restarts`) then runs through.
 
 use crate::error::{Error, Result};
 
@@ -76,6 +81,78 @@ impl FailAt {
             )));
         }
         Ok(())
+    }
+}
+
+/// The `FSDP_KILL_ONCE` variable's name.
+#[cfg_attr(not(feature = "test-hooks"), allow(dead_code))] // read only with test-hooks
+pub(crate) const KILL_VAR: &str = "FSDP_KILL_ONCE";
+
+/// Where the process kills itself, once (see the module doc).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))] // never built then
+pub(crate) struct KillOnce {
+    at: FailAt,
+    marker: std::path::PathBuf,
+}
+
+impl KillOnce {
+    /// Reads [`KILL_VAR`]; `None` when unset or empty.
+    ///
+    /// # Errors
+    /// `InvalidArgument` naming the variable and its value when it is not
+    /// `<rank>:<step>:<marker file>` of a rank and step the run has.
+    #[cfg(feature = "test-hooks")]
+    pub(crate) fn from_env(world_size: usize, steps: usize) -> Result<Option<KillOnce>> {
+        let v = std::env::var_os(KILL_VAR).unwrap_or_default();
+        if v.is_empty() {
+            return Ok(None);
+        }
+        let v = v.to_string_lossy();
+        let bad = || {
+            Error::InvalidArgument(format!(
+                "{KILL_VAR}='{v}': expected <rank>:<step>:<marker file>"
+            ))
+        };
+        let (rank, rest) = v.split_once(':').ok_or_else(bad)?;
+        let (step, marker) = rest.split_once(':').ok_or_else(bad)?;
+        if marker.is_empty() {
+            return Err(bad());
+        }
+        let at = FailAt::parse(&format!("{rank}:{step}"), world_size, steps)
+            .map_err(|e| Error::InvalidArgument(format!("{KILL_VAR}: {e}")))?;
+        Ok(Some(KillOnce {
+            at,
+            marker: marker.into(),
+        }))
+    }
+
+    /// Without the `test-hooks` feature: never a kill.
+    #[cfg(not(feature = "test-hooks"))]
+    pub(crate) fn from_env(world_size: usize, steps: usize) -> Result<Option<KillOnce>> {
+        let _ = (world_size, steps);
+        Ok(None)
+    }
+
+    /// Kills this process when `rank` is the rank, `step` the step, and the marker file
+    /// could be created (it did not exist).
+    pub(crate) fn check(&self, rank: usize, step: usize) {
+        if self.at.check(rank, step).is_ok() {
+            return;
+        }
+        let created = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&self.marker)
+            .is_ok();
+        #[cfg(all(unix, feature = "test-hooks"))]
+        if created {
+            // SAFETY: raise(3) with a valid signal number; SIGKILL ends the process here.
+            unsafe {
+                libc::raise(libc::SIGKILL);
+            }
+        }
+        let _ = created;
     }
 }
 

@@ -213,7 +213,13 @@ pub fn train(cfg: &TrainConfig, observer: &dyn Observer) -> Result<TrainReport> 
         None => None,
     };
     let metrics_lock = parking_lot::Mutex::new(metrics);
-    let reports = launch(&LaunchOptions::new(cfg.world_size), |pg| {
+    let opts = LaunchOptions {
+        timeout: cfg
+            .timeout
+            .unwrap_or(crate::distributed::threads::DEFAULT_TIMEOUT),
+        ..LaunchOptions::new(cfg.world_size)
+    };
+    let reports = launch(&opts, |pg| {
         let report = run_rank(cfg, &data, pg.clone(), observer, &metrics_lock, fail)?;
         Ok((pg.rank() == 0).then_some(report))
     })?;
@@ -284,6 +290,7 @@ pub(super) fn run_rank(
     fail: Option<super::fault::FailAt>,
 ) -> Result<TrainReport> {
     let rank = pg.rank();
+    let kill = super::fault::KillOnce::from_env(cfg.world_size, cfg.steps)?;
     let mut engine = build_engine(cfg, pg.clone())?;
     let device = engine.device();
     let num_params = num_parameters(engine.module());
@@ -354,6 +361,9 @@ pub(super) fn run_rank(
             drop(logits);
             if let Some(f) = fail {
                 f.check(rank, step)?; // test-only (FSDP_FAIL_RANK)
+            }
+            if let Some(k) = &kill {
+                k.check(rank, step); // test-only (FSDP_KILL_ONCE)
             }
             crate::ops::add_div_(&l, &lk, k_total as f32)?;
             if k_total > 1 {

@@ -11,7 +11,7 @@
 //! | one rank of a multi-process job (`fsdp launch`, torchrun) | `process.rs` |
 //! | `--device`, its availability check, each rank's GPU, the peak-FLOP/s table for MFU | `device.rs` |
 //! | wrap mode, precision, lr schedule, checkpoint layout | `options.rs` |
-//! | the hidden test-only fault hook `FSDP_FAIL_RANK` (feature `test-hooks`) | `fault.rs` |
+//! | the hidden test-only fault hooks `FSDP_FAIL_RANK`, `FSDP_KILL_ONCE` (feature `test-hooks`) | `fault.rs` |
 //! | checkpoints: `--save-dir`, `--save-every`, `--resume` | `resume.rs` |
 //! | when to save, synchronously or in the background (`--async-save`) | `saver.rs` |
 //! | the save directory: one run per directory, `--overwrite`, rotation by run id | `save_dir.rs` |

@@ -82,7 +82,11 @@ pub fn train_rank(
     // A failure while joining is recorded as such: `fsdp launch` then blames rank 0's
     // (the store's host) before the other ranks' rendezvous errors that follow from it.
     crate::distributed::elastic::note_rendezvous(true);
-    let pg = init_process_group(InitOptions::new(backend))?;
+    let pg = init_process_group(InitOptions {
+        timeout: cfg.timeout,
+        heartbeat_timeout: cfg.heartbeat_timeout,
+        ..InitOptions::new(backend)
+    })?;
     crate::distributed::elastic::note_rendezvous(false);
     let res = (|| {
         // As the thread launcher does: ranks on one machine share its cores.

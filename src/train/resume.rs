@@ -149,9 +149,9 @@ pub(super) fn validate(cfg: &TrainConfig) -> Result<()> {
         let seed = info.extra.get("seed").and_then(|s| s.as_u64());
         if seed != Some(cfg.seed) {
             diffs.push(format!(
-                "--seed {} (checkpoint: {}; it fixes the data order)",
-                cfg.seed,
-                seed.map_or("?".into(), |s| s.to_string())
+                "--seed {} (this run: {}; it fixes the data order)",
+                seed.map_or("?".into(), |s| s.to_string()),
+                cfg.seed
             ));
         }
         if let Some(old) = info.extra.get("config") {
@@ -161,7 +161,7 @@ pub(super) fn validate(cfg: &TrainConfig) -> Result<()> {
         diffs.extend(grad_scaler_difference(info.grad_scaler_state()?, cfg));
         if !diffs.is_empty() {
             return bad(format!(
-                "--resume {}: options differ from the checkpoint's run, so training would not continue it; pass the run's values: {}",
+                "--resume {}: options differ from the checkpoint's run, so training would not continue it; pass the checkpoint's values: {}",
                 r.display(),
                 diffs.join(", ")
             ));
@@ -211,12 +211,12 @@ fn data_difference(extra: &serde_json::Value, cfg: &TrainConfig) -> Option<Strin
             let got = format!("{:08x}", crc32fast::hash(&bytes));
             (got != want).then(|| {
                 format!(
-                    "--data {new_path} (checkpoint: {old_path}; the contents differ: crc32 {got}, checkpoint {want})"
+                    "--data {old_path} (this run: {new_path}; the contents differ: crc32 {want}, this run's {got})"
                 )
             })
         }
         None => (new_path != old_path).then(|| {
-            format!("--data {new_path} (checkpoint: {old_path}; it recorded no checksum to recognize a copy)")
+            format!("--data {old_path} (this run: {new_path}; the checkpoint recorded no checksum to recognize a copy)")
         }),
     }
 }
@@ -230,11 +230,11 @@ fn grad_scaler_difference(
 ) -> Option<String> {
     match (saved, cfg.uses_grad_scaler()) {
         (Some(s), false) => Some(format!(
-            "no grad scaler (checkpoint: a grad scaler at scale {}; it was on under --mixed-precision f16 without --no-grad-scaler)",
+            "the grad scaler, at scale {} (this run: none; it is on under --mixed-precision f16 without --no-grad-scaler)",
             s.scale
         )),
         (None, true) => Some(
-            "the grad scaler (on under --mixed-precision f16; checkpoint: none, so its run trained unscaled: pass --no-grad-scaler)".into(),
+            "--no-grad-scaler (this run: the grad scaler, on under --mixed-precision f16; the checkpoint's run trained unscaled)".into(),
         ),
         _ => None,
     }
@@ -242,7 +242,7 @@ fn grad_scaler_difference(
 
 /// The options that shape the model or the training trajectory on which `cfg` differs
 /// from the run recorded in a checkpoint (`old`, the saved `TrainConfig` as JSON), as
-/// `--flag new (checkpoint: old)`. World size, strategy (and ZeRO-1), wrapping, prefetch, offload and
+/// `--flag old (this run: new)`: the value to pass first. World size, strategy (and ZeRO-1), wrapping, prefetch, offload and
 /// the step count may change (the step count only where the lr schedule does not depend
 /// on it).
 fn trajectory_differences(old: &serde_json::Value, cfg: &TrainConfig) -> Vec<String> {
@@ -267,7 +267,7 @@ fn trajectory_differences(old: &serde_json::Value, cfg: &TrainConfig) -> Vec<Str
     ] {
         if let (Some(a), Some(b)) = (old.get(key), new.get(key)) {
             if a != b {
-                out.push(format!("{flag} {} (checkpoint: {})", shown(b), shown(a)));
+                out.push(format!("{flag} {} (this run: {})", shown(a), shown(b)));
             }
         }
     }
@@ -276,14 +276,14 @@ fn trajectory_differences(old: &serde_json::Value, cfg: &TrainConfig) -> Vec<Str
     if let (Some(w), Some(s)) = (num(old, "warmup_steps"), num(old, "steps")) {
         if w.min(s) != cfg.effective_warmup() as u64 {
             out.push(format!(
-                "the lr warm-up ({} steps; checkpoint: {}, from --warmup-steps and --steps)",
-                cfg.effective_warmup(),
-                w.min(s)
+                "an lr warm-up of {} steps (this run: {}; from --warmup-steps and --steps)",
+                w.min(s),
+                cfg.effective_warmup()
             ));
         }
         if cfg.lr_schedule == super::LrSchedule::Cosine && s != cfg.steps as u64 {
             out.push(format!(
-                "--steps {} (checkpoint: {s}; the cosine schedule spans --steps)",
+                "--steps {s} (this run: {}; the cosine schedule spans --steps)",
                 cfg.steps
             ));
         }

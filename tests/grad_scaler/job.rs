@@ -200,7 +200,10 @@ fn resume_goes_on_with_the_checkpoints_scale_and_growth_tracker() {
     .unwrap_err()
     .to_string();
     assert!(
-        err.contains("no grad scaler (checkpoint: a grad scaler at scale"),
+        err.contains("pass the checkpoint's values: the grad scaler, at scale ")
+            && err.contains(
+                "(this run: none; it is on under --mixed-precision f16 without --no-grad-scaler)"
+            ),
         "{err}"
     );
     let unscaled = tmp_dir("resume-unscaled");
@@ -218,7 +221,10 @@ fn resume_goes_on_with_the_checkpoints_scale_and_growth_tracker() {
     )
     .unwrap_err()
     .to_string();
-    assert!(err.contains("pass --no-grad-scaler"), "{err}");
+    assert!(
+        err.contains("pass the checkpoint's values: --no-grad-scaler (this run: the grad scaler, on under --mixed-precision f16; the checkpoint's run trained unscaled)"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -39,7 +39,7 @@
 //! | every rank's forward/loss and candle backward succeeded, before the backward's collectives (one all-gather of a status word) | `status.rs` |
 //! | [`Error`] | `error.rs` |
 //!
-//! CPU only, f32 master parameters. The README section "candle through fsdp" has the
+//! CPU only, f32 master parameters. The section "candle through fsdp" of docs/embedding.md has the
 //! measured memory, what candle makes awkward and what CUDA would need.
 
 #![warn(missing_docs)]

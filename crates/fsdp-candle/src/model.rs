@@ -48,8 +48,8 @@ enum Phase {
 ///    reduce-scattered, averaged over all ranks), then ends fsdp's backward;
 /// 4. drops the model, the vars, the graph and the gradients.
 ///
-/// Between steps a rank holds only its shards. See the README section "candle through
-/// fsdp" for what candle makes awkward (all gradients arrive at once, the graph keeps the
+/// Between steps a rank holds only its shards. See "candle through fsdp" in
+/// docs/embedding.md for what candle makes awkward (all gradients arrive at once, the graph keeps the
 /// gathered parameters until backward, one copy each way).
 ///
 /// One instance per rank; every rank makes the same calls in the same order (they run
@@ -562,7 +562,7 @@ fn check_config(c: &FsdpConfig) -> Result<()> {
         return bad("FsdpConfig::mixed_precision with a low-precision param_dtype: candle computes in the dtype of its tensors; cast inside the model instead (the vars stay f32)");
     }
     if c.device_id.is_some_and(|d| d.is_cuda()) {
-        return bad("FsdpConfig::device_id cuda: fsdp-candle trains on the CPU (see the README's CUDA notes)");
+        return bad("FsdpConfig::device_id cuda: fsdp-candle trains on the CPU (see docs/embedding.md, \"candle through fsdp\": CUDA, not built)");
     }
     if !c.ignored_modules.is_empty() {
         return bad("FsdpConfig::ignored_modules: every var of a candle model is sharded; keep a var out of the model instead");

@@ -25,7 +25,7 @@
  * lines (%.9g: float32 values round-trip exactly).
  *
  * Build (at the workspace root, after `cargo build --release -p fsdp-cli -p fsdp-capi`;
- * the README's "Embedding" section also links it statically):
+ * docs/embedding.md, "Embedding", also links it statically):
  *   cc -std=c11 -O2 -pthread -Icrates/fsdp-capi/include crates/fsdp-capi/examples/mlp.c \
  *      -Ltarget/release -lfsdp_capi -Wl,-rpath,"$PWD/target/release" -lm -o target/c/mlp
  */

@@ -9,7 +9,7 @@
  * (fsdp_config.device), that device's memory (kDLCUDA). Every `stream` argument is the
  * host's CUstream / cudaStream_t: NULL for host memory; on a device, the stream the
  * host's work on those tensors runs on (NULL: the legacy default stream), which fsdp
- * orders its own streams with by events. See the README's "Embedding" section and
+ * orders its own streams with by events. See docs/embedding.md ("Embedding") and
  * crates/fsdp-capi/examples/.
  *
  * The contract. fsdp refuses, with a status and a message naming what was expected, the

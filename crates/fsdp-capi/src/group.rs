@@ -152,7 +152,7 @@ unsafe fn init_options(o: *const fsdp_init_options) -> Res<InitOptions> {
         opts.env = Some(HashMap::new());
     }
     if o.timeout_ms > 0 {
-        opts.timeout = Duration::from_millis(o.timeout_ms as u64);
+        opts.timeout = Some(Duration::from_millis(o.timeout_ms as u64));
     }
     Ok(opts)
 }

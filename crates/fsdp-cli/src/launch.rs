@@ -2,7 +2,9 @@
 
 use clap::Args;
 use fsdp::distributed::auth::JOB_SECRET_VAR;
-use fsdp::distributed::{elastic_launch, ElasticLaunchConfig, JobSecret};
+use fsdp::distributed::{
+    elastic_launch, ElasticLaunchConfig, JobSecret, HEARTBEAT_TIMEOUT_VAR, TIMEOUT_VAR,
+};
 use std::ffi::OsString;
 use std::path::PathBuf;
 
@@ -42,6 +44,21 @@ pub(crate) struct LaunchArgs {
     /// FSDP_JOB_SECRET variable, else a fresh random one; several nodes must share one).
     #[arg(long, value_name = "FILE")]
     job_secret_file: Option<PathBuf>,
+    /// Restart the group of local ranks up to N times after a rank fails, each time at a
+    /// fresh rendezvous round (ranks see TORCHELASTIC_RESTART_COUNT); pair with `fsdp
+    /// train --resume-if-present` to go on from the last checkpoint.
+    #[arg(
+        long,
+        alias = "max_restarts",
+        allow_hyphen_values = true,
+        default_value_t = 0,
+        value_name = "N"
+    )]
+    max_restarts: usize,
+    /// --timeout and --heartbeat-timeout, handed to every rank as FSDP_TIMEOUT and
+    /// FSDP_HEARTBEAT_TIMEOUT.
+    #[command(flatten)]
+    waits: crate::WaitArgs,
     /// The program to run on every rank and its arguments, after `--` (`fsdp` is this
     /// executable).
     #[arg(last = true, required = true, value_name = "PROGRAM [ARGS]")]
@@ -58,12 +75,23 @@ pub(crate) fn run_launch(a: LaunchArgs) -> fsdp::Result<()> {
         master_port: a.master_port,
         job_id: a.rdzv_id,
         job_secret: job_secret(a.job_secret_file.as_deref())?,
+        max_restarts: a.max_restarts,
     };
     let Some((program, args)) = a.command.split_first() else {
         return Err(fsdp::Error::InvalidArgument(
             "fsdp launch needs a program after `--`".into(),
         ));
     };
+    // The ranks read them when their own command line does not say (`fsdp train
+    // --timeout` wins): set here, before any thread of this process starts.
+    for (var, value) in [
+        (TIMEOUT_VAR, a.waits.timeout),
+        (HEARTBEAT_TIMEOUT_VAR, a.waits.heartbeat_timeout),
+    ] {
+        if let Some(d) = value {
+            std::env::set_var(var, d.as_secs_f64().to_string());
+        }
+    }
     elastic_launch(&cfg, program, args)
 }
 

@@ -257,14 +257,53 @@ struct TrainArgs {
     /// --world-size and --strategy; pass the run's other options unchanged.
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// Resume from --save-dir's latest checkpoint when it holds one, else start at step 1:
+    /// one command line for the first start and every restart of `fsdp launch
+    /// --max-restarts`. --metrics then keeps the steps up to the checkpoint's.
+    #[arg(long, conflicts_with = "resume")]
+    resume_if_present: bool,
     /// Start over in a --save-dir that holds another run's checkpoints: delete the
     /// checkpoints fsdp wrote there first (other files are kept).
     #[arg(long)]
     overwrite: bool,
     #[command(flatten)]
+    waits: WaitArgs,
+    #[command(flatten)]
     fsdp: FsdpArgs,
     #[command(flatten)]
     model: ModelArgs,
+}
+
+/// How long ranks wait for each other: options of `fsdp train` and `fsdp launch`.
+#[derive(Args, Clone, Default)]
+pub(crate) struct WaitArgs {
+    /// Seconds the ranks wait for each other at the rendezvous and in each collective
+    /// before failing with an error naming the missing ranks (init_process_group's timeout;
+    /// default 300, or FSDP_TIMEOUT; PyTorch's default is 1800, 600 for NCCL).
+    #[arg(long, value_name = "SECONDS", allow_hyphen_values = true, value_parser = seconds)]
+    pub(crate) timeout: Option<std::time::Duration>,
+    /// Seconds a rank process may send no heartbeat before the other ranks name it failed
+    /// (stopped with SIGSTOP, or hung); default 60, or FSDP_HEARTBEAT_TIMEOUT; at least 0.5.
+    /// Ranks that are threads of one process have none.
+    #[arg(long, value_name = "SECONDS", allow_hyphen_values = true, value_parser = heartbeat_seconds)]
+    pub(crate) heartbeat_timeout: Option<std::time::Duration>,
+}
+
+/// A positive number of seconds (`--timeout 2.5`), as the library parses `FSDP_TIMEOUT`.
+fn seconds(text: &str) -> Result<std::time::Duration, String> {
+    fsdp::distributed::parse_seconds(text)
+}
+
+/// `--heartbeat-timeout`: [`seconds`], at least the library's least.
+fn heartbeat_seconds(text: &str) -> Result<std::time::Duration, String> {
+    let least = fsdp::distributed::MIN_HEARTBEAT_TIMEOUT;
+    match seconds(text)? {
+        d if d < least => Err(format!(
+            "is below the least, {} seconds (a beat goes out every fifth of it)",
+            least.as_secs_f64()
+        )),
+        d => Ok(d),
+    }
 }
 
 pub(crate) fn base_config(m: &ModelArgs, data: PathBuf) -> TrainConfig {
@@ -289,6 +328,27 @@ pub(crate) fn base_config(m: &ModelArgs, data: PathBuf) -> TrainConfig {
     }
 }
 
+/// What `--resume` or `--resume-if-present` resumes from: `--save-dir` itself (its
+/// `latest`) when it names a checkpoint, else nothing.
+///
+/// # Errors
+/// `InvalidArgument` for `--resume-if-present` without `--save-dir`.
+fn resume_from(a: &TrainArgs) -> fsdp::Result<Option<PathBuf>> {
+    if !a.resume_if_present {
+        return Ok(a.resume.clone());
+    }
+    let Some(dir) = &a.save_dir else {
+        return Err(fsdp::Error::InvalidArgument(
+            "--resume-if-present needs --save-dir (where to look for the checkpoint to resume)"
+                .into(),
+        ));
+    };
+    Ok(dir
+        .join(fsdp::checkpoint::LATEST_FILE)
+        .exists()
+        .then(|| dir.clone()))
+}
+
 fn run_train(a: TrainArgs) -> fsdp::Result<()> {
     // Under a launcher this process is one rank of the job.
     let env = RankEnv::from_env()?;
@@ -303,6 +363,7 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         (None, Some(e)) => e.world_size,
         (None, None) => D.world_size,
     };
+    let resume = resume_from(&a)?;
     let cfg = TrainConfig {
         world_size,
         strategy: a.strategy,
@@ -336,8 +397,10 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         async_save: a.async_save,
         keep_last: a.keep_last,
         checkpoint_type: a.checkpoint_type,
-        resume: a.resume.clone(),
+        resume,
         overwrite: a.overwrite,
+        timeout: a.waits.timeout,
+        heartbeat_timeout: a.waits.heartbeat_timeout,
         ..base_config(&a.model, a.data.clone())
     };
     cfg.validate()?;
@@ -351,6 +414,7 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
             )));
         }
     }
+    let fresh = a.resume_if_present && cfg.resume.is_none();
     if let Some(e) = env.filter(|e| e.rank != 0) {
         // Rank 0 prints and logs for the job; the other ranks train silently.
         return train::train_rank(&cfg, &e, &train::Silent).map(drop);
@@ -385,6 +449,12 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         cfg.seq_len,
         cfg.data.display()
     );
+    if let (true, Some(d)) = (fresh, &cfg.save_dir) {
+        out!(
+            "--resume-if-present: no checkpoint in {} yet, starting at step 1",
+            d.display()
+        );
+    }
     let bar = std::io::stderr().is_terminal().then(|| {
         let b = ProgressBar::new(cfg.steps as u64);
         b.set_style(

@@ -99,13 +99,12 @@ pub(crate) fn read_run(path: &Path, label: String) -> Result<Run> {
         }
         let bad = |what: String| {
             Error::Data(format!(
-                "metrics file '{}' line {}: {what} (expected one JSON object per step, as `fsdp train --metrics` writes)",
+                "metrics file '{}' line {}: {what}; each line must be one JSON object per step, as `fsdp train --metrics` writes",
                 path.display(),
                 i + 1
             ))
         };
-        let v: serde_json::Value =
-            serde_json::from_str(line).map_err(|e| bad(format!("not JSON ({e})")))?;
+        let v: serde_json::Value = serde_json::from_str(line).map_err(|e| bad(not_json(&e)))?;
         let num = |k: &str| v.get(k).and_then(serde_json::Value::as_f64);
         let step = v
             .get("step")
@@ -461,6 +460,16 @@ fn escape(text: &str) -> String {
         .replace('<', "&lt;")
         .replace('>', "&gt;")
         .replace('"', "&quot;")
+}
+
+/// What a line that does not parse as JSON is, without serde's line number (always 1: the
+/// file's line is named already): `not JSON at column 2: expected ident`.
+fn not_json(e: &serde_json::Error) -> String {
+    let text = e.to_string();
+    let what = text
+        .rsplit_once(" at line ")
+        .map_or(text.as_str(), |(what, _)| what);
+    format!("not JSON at column {}: {what}", e.column())
 }
 
 #[cfg(test)]

@@ -140,19 +140,22 @@ fn killed_during_a_save(mode: &[&str], steps: usize) {
     );
 }
 
+/// `fsdp train --data DATA --steps 2 EXTRA`.
+fn train_2_steps(data: &std::path::Path, extra: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_fsdp"))
+        .arg("train")
+        .args(["--data", data.to_str().unwrap(), "--steps", "2"])
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
 #[test]
 fn bad_checkpoint_options_are_one_line_errors() {
     let data = corpus_file("ckpt-cli");
     let held = tmp_dir("ckpt-cli-held");
     std::fs::write(held.join("notes.txt"), "mine").unwrap();
-    let run = |extra: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_fsdp"))
-            .arg("train")
-            .args(["--data", data.to_str().unwrap(), "--steps", "2"])
-            .args(extra)
-            .output()
-            .unwrap()
-    };
+    let run = |extra: &[&str]| train_2_steps(&data, extra);
     for (args, want) in [
         (vec!["--save-every", "5"], "--save-every 5 needs --save-dir"),
         (
@@ -181,4 +184,69 @@ fn bad_checkpoint_options_are_one_line_errors() {
         assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: {err}");
         assert!(err.contains(want), "{args:?}: {err}");
     }
+}
+
+/// A resume with another model shape names the value the checkpoint needs, then this run's.
+#[test]
+fn a_resume_with_another_shape_names_the_checkpoints_value_to_pass() {
+    let data = corpus_file("ckpt-cli-shape");
+    let save = tmp_dir("ckpt-cli-shape");
+    let train = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_fsdp"))
+            .arg("train")
+            .args(["--data", data.to_str().unwrap(), "--world-size", "1"])
+            .args(["--n-layer", "1", "--n-head", "2", "--global-batch", "4"])
+            .args(["--seq-len", "16", "--sample-len", "0", "--eval-every", "0"])
+            .args(["--warmup-steps", "0"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let s = save.to_str().unwrap();
+    let out = train(&["--n-embd", "32", "--steps", "2", "--save-dir", s]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for flag in ["--resume", "--resume-if-present"] {
+        let mut args = vec!["--n-embd", "64", "--steps", "4", "--save-dir", s, flag];
+        if flag == "--resume" {
+            args.push(s);
+        }
+        let out = train(&args);
+        assert_eq!(
+            String::from_utf8_lossy(&out.stderr),
+            format!("error: invalid argument: --resume {s}: options differ from the checkpoint's run, so training would not continue it; pass the checkpoint's values: --n-embd 32 (this run: 64)\n"),
+            "{flag}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&save);
+}
+
+#[test]
+fn resume_if_present_needs_a_save_dir_and_excludes_resume() {
+    let data = corpus_file("ckpt-cli-rip");
+    let run = |extra: &[&str]| train_2_steps(&data, extra);
+    let out = run(&["--resume-if-present"]);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr),
+        "error: invalid argument: --resume-if-present needs --save-dir (where to look for the checkpoint to resume)\n"
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let out = run(&[
+        "--resume-if-present",
+        "--resume",
+        "/tmp/x",
+        "--save-dir",
+        "/tmp/x",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.starts_with(
+            "error: the argument '--resume-if-present' cannot be used with '--resume <RESUME>'"
+        ),
+        "{err}"
+    );
 }

@@ -4,6 +4,12 @@
 
 #[path = "../../../tests/common/mod.rs"]
 mod common;
+#[cfg(target_os = "linux")]
+#[path = "launch/orphans.rs"]
+mod orphans;
+#[cfg(unix)]
+#[path = "launch/restarts.rs"]
+mod restarts;
 
 use std::path::PathBuf;
 use std::process::{Command, Output};

@@ -157,6 +157,19 @@ fn a_bad_metrics_file_is_one_line_naming_file_and_line() {
         std::fs::write(&p, text).unwrap();
         fails_with(&["plot", g, p.to_str().unwrap(), "--out", o], &[name, want]);
     }
+    // The whole line: one pair of parentheses at most, serde's reason kept.
+    let p = d.join("garbage.jsonl");
+    let out = fsdp()
+        .args(["plot", p.to_str().unwrap(), "--out", o])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr),
+        format!(
+            "error: data: metrics file '{}' line 2: not JSON at column 2: expected ident; each line must be one JSON object per step, as `fsdp train --metrics` writes\n",
+            p.display()
+        )
+    );
     let missing = d.join("missing.jsonl");
     fails_with(
         &["plot", missing.to_str().unwrap(), "--out", o],

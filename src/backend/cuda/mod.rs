@@ -21,7 +21,8 @@
 //!
 //! `collective.rs` holds what the threads process group needs on device buffers (the
 //! rank-order reduction kernel of `collective.cu`, copies across devices, waits on peers'
-//! events). Not built yet: NCCL.
+//! events). NCCL (one communicator per rank, through cudarc's `nccl` module) is the
+//! `nccl` process group of `distributed/nccl.rs`.
 
 use crate::error::{Error, Result};
 

@@ -3,7 +3,7 @@
 //! cuBLAS handle bound to it. Work on one stream runs in order; between streams, order
 //! only through [`Event`]s ([`Stream::record`], [`Stream::wait`]).
 //!
-//! FSDP's streams per rank (DESIGN.md "Streams and overlap"), built by the runtime once it
+//! FSDP's streams per rank (`fsdp/streams.rs`, after FSDP1's `_init_streams`), built by the runtime once it
 //! runs on CUDA tensors: compute; unshard (all-gathers, overlapping the previous unit's
 //! compute); post-backward (reduce-scatter and the hybrid all-reduce, overlapping the next
 //! unit's backward); pre-unshard (offload H2D copies and low-precision casts).

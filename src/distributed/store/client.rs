@@ -3,8 +3,9 @@
 
 use super::protocol::{op, read_frame, status, write_frame, Decoder, Encoder, MAGIC, MAX_KEY};
 use super::{Store, TcpStoreServer};
-use crate::distributed::auth::JobAuth;
+use crate::distributed::auth::{self, JobAuth};
 use crate::distributed::backoff::Backoff;
+use crate::distributed::waiting::Ticker;
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
 use std::io;
@@ -44,6 +45,8 @@ pub struct TcpStore {
     timeout: Duration,
     /// The server this client hosts (`is_master`); it stops when the last handle drops.
     server: Option<Arc<TcpStoreServer>>,
+    /// Whether its requests count in `backend::counters` (not a heartbeat's connection).
+    counted: bool,
 }
 
 struct Conn {
@@ -143,8 +146,16 @@ impl TcpStore {
             Duration::from_millis(100),
             deadline,
         );
+        // What the progress lines say this rank waits for (see `waiting.rs`).
+        let state = Arc::new(Mutex::new("no attempt answered yet"));
+        let _ticker = {
+            let (addr, state) = (addr.clone(), state.clone());
+            Ticker::start(rank, timeout, move || {
+                format!("connecting to the TCPStore at {addr}: {}", state.lock())
+            })
+        };
         let mut last: Option<io::Error> = None;
-        let stream = loop {
+        loop {
             let targets = resolve(host, port)?;
             let left = deadline.saturating_duration_since(Instant::now());
             let mut no_route: Option<io::Error> = None;
@@ -160,7 +171,15 @@ impl TcpStore {
                 }
             }
             if let Some(s) = reached {
-                break s;
+                *state.lock() = "connected; the server has not answered the job handshake";
+                let left = deadline.saturating_duration_since(Instant::now());
+                match Self::greet(s, addr.clone(), port, rank, timeout, &auth, left) {
+                    Err(e) if auth::is_busy(&e) => {
+                        *state.lock() = BUSY;
+                        last = Some(io::ErrorKind::ResourceBusy.into());
+                    }
+                    res => return res.map(|(store, _)| store),
+                }
             }
             // Every address has no route to it: no retry will find one.
             if let (Some(e), None) = (no_route, &last) {
@@ -171,16 +190,17 @@ impl TcpStore {
                     e,
                 ));
             }
+            let why = match last.as_ref().map(io::Error::kind) {
+                Some(io::ErrorKind::ConnectionRefused) => {
+                    "nothing listens there (connection refused): rank 0 never started its store"
+                }
+                Some(io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock) => {
+                    "no answer (every attempt timed out): a wrong address, a host that is down, or a firewall"
+                }
+                Some(io::ErrorKind::ResourceBusy) => BUSY,
+                _ => "no server answered",
+            };
             if !backoff.wait() {
-                let why = match last.as_ref().map(io::Error::kind) {
-                    Some(io::ErrorKind::ConnectionRefused) => {
-                        "nothing listens there (connection refused): rank 0 never started its store"
-                    }
-                    Some(io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock) => {
-                        "no answer (every attempt timed out): a wrong address, a host that is down, or a firewall"
-                    }
-                    _ => "no server answered",
-                };
                 return Err(Error::Timeout {
                     op: format!("connecting to the TCPStore at {addr} ({why})"),
                     rank,
@@ -188,9 +208,12 @@ impl TcpStore {
                     missing_ranks: Vec::new(),
                 });
             }
+            *state.lock() = match why {
+                "no server answered" => why,
+                _ => why.split(':').next().unwrap_or(why),
+            };
             last = None;
-        };
-        Ok(Self::greet(stream, addr, port, rank, timeout, &auth, timeout)?.0)
+        }
     }
 
     /// Rank 0's client of the server it hosts, through `host` as every rank will: the
@@ -280,6 +303,7 @@ impl TcpStore {
             rank,
             timeout,
             server: None,
+            counted: true,
         };
         let reply = store.request(
             "greeting",
@@ -319,6 +343,31 @@ impl TcpStore {
         self.server.as_deref()
     }
 
+    /// This client, with requests that do not count in `backend::counters`'s `store_ops`
+    /// (the heartbeat's own connection: no store request per training step).
+    pub(crate) fn uncounted(mut self) -> TcpStore {
+        self.counted = false;
+        self
+    }
+
+    /// Records a heartbeat of `rank` (this connection beats for it from now on; the server
+    /// forgets it when the connection closes) and returns the other ranks whose last beat
+    /// is older than `stale_after`; waits at most `stale_after` for the answer.
+    ///
+    /// # Errors
+    /// `Timeout` when the server did not answer within `stale_after` (its process is
+    /// stopped or hung); `Io` when it is gone or answered bytes that do not parse.
+    pub(crate) fn heartbeat(&self, rank: usize, stale_after: Duration) -> Result<Vec<usize>> {
+        let req = Encoder::new(op::HEARTBEAT)
+            .u64(rank as u64)
+            .u64(millis(stale_after));
+        let body = self.request("heartbeat", req, stale_after)?;
+        self.decode("heartbeat", &body, |d| {
+            let n = d.u64("count")?;
+            (0..n).map(|_| d.u64("rank").map(|r| r as usize)).collect()
+        })
+    }
+
     /// The local address of the connection to the server: the interface through which this
     /// machine reaches it, which peers can usually reach too (what a rank advertises as its
     /// own address).
@@ -345,7 +394,9 @@ impl TcpStore {
     /// Sends one request and returns the body of an `OK` reply (after the status byte).
     /// A `TIMEOUT` reply becomes [`Error::Timeout`] naming the missing keys.
     fn request(&self, what: &str, req: Encoder, reply_within: Duration) -> Result<Vec<u8>> {
-        crate::backend::counters::count_store_op();
+        if self.counted {
+            crate::backend::counters::count_store_op();
+        }
         let mut c = self.conn.lock();
         if let Some(why) = &c.broken {
             return Err(self.protocol_error(
@@ -442,6 +493,9 @@ impl TcpStore {
 
 /// Longest rank 0 tries to reach the server it hosts (see `reach_own`).
 const HOSTING_PROBE: Duration = Duration::from_secs(5);
+
+/// Why a client retries a server that answered `BUSY`.
+const BUSY: &str = "the server was busy with other connections' handshakes (refused for now)";
 
 /// Longest one connection attempt waits for an answer.
 const ATTEMPT: Duration = Duration::from_secs(2);

@@ -33,7 +33,7 @@ mod protocol;
 mod server;
 
 pub use client::TcpStore;
-pub use server::TcpStoreServer;
+pub use server::{TcpStoreServer, MAX_HANDSHAKES};
 
 use crate::error::Result;
 use std::sync::Arc;
@@ -227,9 +227,9 @@ pub(crate) fn connect_for(
     what: &str,
 ) -> crate::error::Result<Arc<TcpStore>> {
     use crate::error::Error;
-    let (host, port) = match rv.key.rsplit_once(':').map(|(h, p)| (h, p.parse::<u16>())) {
-        Some((h, Ok(p))) if !h.is_empty() => (h.trim_matches(['[', ']']), p),
-        _ => crate::error::bail_arg!(
+    let (host, port) = match host_port(&rv.key) {
+        Some(hp) => hp,
+        None => crate::error::bail_arg!(
             "{what}: backend {} needs MASTER_ADDR:MASTER_PORT or tcp://HOST:PORT, got '{}'",
             rv.backend,
             rv.key
@@ -255,4 +255,12 @@ pub(crate) fn connect_for(
             e => e,
         })?;
     Ok(Arc::new(store))
+}
+
+/// `HOST` (without IPv6 brackets) and `PORT` of a rendezvous key `HOST:PORT`.
+pub(crate) fn host_port(key: &str) -> Option<(&str, u16)> {
+    match key.rsplit_once(':').map(|(h, p)| (h, p.parse::<u16>())) {
+        Some((h, Ok(p))) if !h.is_empty() => Some((h.trim_matches(['[', ']']), p)),
+        _ => None,
+    }
 }

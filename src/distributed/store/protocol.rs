@@ -44,6 +44,10 @@ pub(super) mod op {
     pub const CHECK: u8 = 5;
     pub const DELETE: u8 = 6;
     pub const NUM_KEYS: u8 = 7;
+    /// `rank: u64 | stale_after_ms: u64` -> `count: u64 | rank: u64 ...`: records a beat of
+    /// `rank` on this connection and answers the ranks whose last beat is older than
+    /// `stale_after_ms` (see `distributed/heartbeat.rs`).
+    pub const HEARTBEAT: u8 = 8;
 }
 
 /// Reply statuses.

@@ -5,6 +5,13 @@
 //! Every connection first passes the job handshake (`distributed/auth.rs`, [Note: job
 //! auth]): a client of another job, or one that cannot prove the job secret, is refused
 //! before it can read or change a key, and the refusal is logged once per peer.
+//!
+//! At most [`MAX_HANDSHAKES`] connections may be in the handshake at once (each holds a
+//! thread for up to [`HANDSHAKE_TIMEOUT`]): beyond that a new connection is answered `BUSY`
+//! and closed at once, so that idle or garbage connections cannot grow the server to a
+//! thread each. Its clients retry a `BUSY` answer until their timeout. These refusals are
+//! counted ([`TcpStoreServer::busy_refusals`]) and logged in one line per
+//! [`BUSY_LOG_EVERY`] at most, not one per connection.
 
 use super::protocol::{op, read_frame, status, write_frame, Decoder, Encoder, MAGIC};
 use crate::distributed::auth::{self, JobAuth};
@@ -13,7 +20,7 @@ use parking_lot::{Condvar, Mutex};
 use std::collections::{HashMap, HashSet};
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -23,6 +30,14 @@ const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
 
 /// How long a new connection may take to pass the job handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Most connections in the job handshake at once (each with its thread); more are answered
+/// `BUSY`. A job's ranks each pass the handshake in about a millisecond, so a burst of a
+/// few hundred ranks connecting together only retries a few times.
+pub const MAX_HANDSHAKES: usize = 64;
+
+/// Least time between two log lines about `BUSY` refusals.
+const BUSY_LOG_EVERY: Duration = Duration::from_secs(30);
 
 /// Distinct refusals remembered (and logged); later ones are dropped silently.
 const MAX_REFUSALS: usize = 1024;
@@ -45,9 +60,38 @@ struct Shared {
     /// Refusal log lines so far, and what was logged (peer IP, role, reason), to log each
     /// refused peer once.
     refused: Mutex<(Vec<String>, HashSet<String>)>,
+    /// Connections in the job handshake now.
+    handshakes: AtomicUsize,
+    /// Connections answered `BUSY` so far, and when that was last logged (with the count
+    /// then).
+    busy: Mutex<(u64, Option<(Instant, u64)>)>,
+    /// The last heartbeat of each rank that beats, by rank; a rank's entry goes when its
+    /// heartbeat connection closes (it exited, or was killed: not stale, gone).
+    beats: Mutex<HashMap<u64, Instant>>,
 }
 
 impl Shared {
+    /// Counts a connection from `peer` answered `BUSY`, and logs it when no line was
+    /// written in the last [`BUSY_LOG_EVERY`].
+    fn note_busy(&self, peer: Option<SocketAddr>) {
+        let mut g = self.busy.lock();
+        g.0 += 1;
+        let now = Instant::now();
+        if g.1.is_some_and(|(at, _)| now - at < BUSY_LOG_EVERY) {
+            return;
+        }
+        let since = g.0 - g.1.map_or(0, |(_, n)| n);
+        g.1 = Some((now, g.0));
+        drop(g);
+        let shown = peer.map_or_else(|| "an unknown address".into(), |p| p.to_string());
+        auth::log(&format!(
+            "fsdp: TCPStore at {}: {MAX_HANDSHAKES} connections are in the job handshake, the most it serves at once; refused {since} more (the latest from {shown}) until they finish or time out ({} s); counted, logged at most every {} s",
+            self.name,
+            HANDSHAKE_TIMEOUT.as_secs(),
+            BUSY_LOG_EVERY.as_secs()
+        ));
+    }
+
     /// Logs the refusal of `peer` on stderr once per (peer IP, dialer, reason).
     fn refuse(&self, peer: Option<SocketAddr>, r: &auth::Refusal) {
         let who = format!("fsdp: TCPStore at {}", self.name);
@@ -152,6 +196,9 @@ impl TcpStoreServer {
             instance: auth::instance_id()?,
             name: format!("{host}:{}", addr.port()),
             refused: Mutex::new((Vec::new(), HashSet::new())),
+            handshakes: AtomicUsize::new(0),
+            busy: Mutex::new((0, None)),
+            beats: Mutex::new(HashMap::new()),
         });
         let sh = shared.clone();
         let accept = std::thread::Builder::new()
@@ -179,6 +226,12 @@ impl TcpStoreServer {
     /// connection from ADDR (ROLE, job 'ID'): REASON`.
     pub fn refused(&self) -> Vec<String> {
         self.shared.refused.lock().0.clone()
+    }
+
+    /// Connections answered `BUSY` so far because [`MAX_HANDSHAKES`] others were in the job
+    /// handshake.
+    pub fn busy_refusals(&self) -> u64 {
+        self.shared.busy.lock().0
     }
 
     /// This server's random instance id (a hosting client checks it reached this server).
@@ -223,11 +276,19 @@ fn accept_loop(listener: TcpListener, sh: Arc<Shared>) {
         if sh.stop.load(Ordering::SeqCst) {
             return;
         }
-        let Ok(stream) = conn else {
+        let Ok(mut stream) = conn else {
             // A failed accept (the client gave up, or descriptors ran out): keep serving.
             std::thread::sleep(Duration::from_millis(1));
             continue;
         };
+        if sh.handshakes.load(Ordering::SeqCst) >= MAX_HANDSHAKES {
+            auth::refuse_busy(&mut stream);
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+            sh.note_busy(stream.peer_addr().ok());
+            continue;
+        }
+        // Counted down by `serve` when the handshake ends, either way.
+        sh.handshakes.fetch_add(1, Ordering::SeqCst);
         let id = next_id;
         next_id += 1;
         if let Ok(clone) = stream.try_clone() {
@@ -242,6 +303,7 @@ fn accept_loop(listener: TcpListener, sh: Arc<Shared>) {
             });
         if spawned.is_err() {
             sh.conns.lock().remove(&id);
+            sh.handshakes.fetch_sub(1, Ordering::SeqCst);
         }
     }
 }
@@ -252,7 +314,9 @@ fn serve(mut stream: TcpStream, sh: &Shared) {
     let _ = stream.set_nodelay(true);
     let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
     let _ = stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT));
-    if let Err(r) = auth::accept(&mut stream, &sh.auth, "store") {
+    let passed = auth::accept(&mut stream, &sh.auth, "store");
+    sh.handshakes.fetch_sub(1, Ordering::SeqCst);
+    if let Err(r) = passed {
         if !sh.stop.load(Ordering::SeqCst) {
             sh.refuse(stream.peer_addr().ok(), &r);
         }
@@ -261,20 +325,32 @@ fn serve(mut stream: TcpStream, sh: &Shared) {
     }
     let _ = stream.set_read_timeout(None);
     let _ = stream.set_write_timeout(None);
+    // The rank this connection beats for, if it does: forgotten when it closes.
+    let mut beating: Option<u64> = None;
+    serve_requests(&mut stream, sh, &mut beating);
+    if let Some(r) = beating {
+        sh.beats.lock().remove(&r);
+    }
+}
+
+/// Answers the requests of an admitted client until it leaves or errs.
+fn serve_requests(stream: &mut TcpStream, sh: &Shared, beating: &mut Option<u64>) {
     let mut greeted = false;
     loop {
-        let body = match read_frame(&mut stream) {
+        let body = match read_frame(stream) {
             Ok(Some(b)) => b,
             Ok(None) => return,
             Err(e) => {
-                let _ = reply_error(&mut stream, &format!("bad request: {e}"));
+                let _ = reply_error(stream, &format!("bad request: {e}"));
                 return;
             }
         };
         if sh.stop.load(Ordering::SeqCst) {
             return;
         }
-        let reply = if greeted {
+        let reply = if greeted && body.first() == Some(&op::HEARTBEAT) {
+            heartbeat(sh, &body, beating)
+        } else if greeted {
             handle(sh, &body)
         } else {
             greeted = true;
@@ -282,18 +358,47 @@ fn serve(mut stream: TcpStream, sh: &Shared) {
         };
         match reply {
             Ok(r) => {
-                if write_frame(&mut stream, &r).is_err() {
+                if write_frame(stream, &r).is_err() {
                     return;
                 }
             }
             Err(e) => {
                 // Bad bytes: say why and drop the client (its stream is out of step).
-                let _ = reply_error(&mut stream, &format!("bad request: {e}"));
+                let _ = reply_error(stream, &format!("bad request: {e}"));
                 let _ = stream.shutdown(std::net::Shutdown::Both);
                 return;
             }
         }
     }
+}
+
+/// A `HEARTBEAT`: records the beat of the rank (this connection beats for it from now on)
+/// and answers the ranks whose last beat is older than the given age, the beating rank
+/// excepted.
+fn heartbeat(sh: &Shared, body: &[u8], beating: &mut Option<u64>) -> io::Result<Vec<u8>> {
+    let mut d = Decoder::new(body);
+    d.u8("opcode")?;
+    let rank = d.u64("rank")?;
+    let stale_after = Duration::from_millis(d.u64("stale_after_ms")?);
+    d.finish()?;
+    let now = Instant::now();
+    let mut beats = sh.beats.lock();
+    if let Some(old) = beating.replace(rank).filter(|&o| o != rank) {
+        beats.remove(&old);
+    }
+    beats.insert(rank, now);
+    let mut stale: Vec<u64> = beats
+        .iter()
+        .filter(|&(_, &at)| now.duration_since(at) > stale_after)
+        .map(|(&r, _)| r)
+        .collect();
+    drop(beats);
+    stale.sort_unstable();
+    let mut e = Encoder::new(status::OK).u64(stale.len() as u64);
+    for r in stale {
+        e = e.u64(r);
+    }
+    Ok(e.0)
 }
 
 fn reply_error(stream: &mut TcpStream, msg: &str) -> io::Result<()> {

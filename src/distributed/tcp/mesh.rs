@@ -15,6 +15,7 @@
 
 use super::wire::{self, kind, Handshake, Payload, BYTE_ORDER, HANDSHAKE_LEN};
 use crate::distributed::backoff::Backoff;
+use crate::distributed::waiting::Pacer;
 use crate::distributed::{JobAuth, Store};
 use crate::error::{Error, Result};
 use parking_lot::{Condvar, Mutex};
@@ -91,6 +92,8 @@ pub(super) struct Mesh {
     /// World ranks of the members, by group rank.
     pub(super) members: Vec<usize>,
     writers: Vec<Option<Mutex<TcpStream>>>,
+    /// A clone of each peer's stream, to shut it without its writer's lock (`cut`).
+    raw: Vec<Option<TcpStream>>,
     inbox: Arc<Inbox>,
     failure: Arc<WorldFailure>,
     timeout: Duration,
@@ -213,19 +216,36 @@ pub(super) fn connect(spec: MeshSpec<'_>, failure: Arc<WorldFailure>) -> Result<
 /// still missing: what it reports if the store goes away (its host gave up) meanwhile.
 const ADDRESS_POLL: Duration = Duration::from_millis(200);
 
+/// How close to the deadline the store's host may give up for its loss to be the timeout:
+/// the host's deadline is about this rank's.
+const STORE_HOST_SLACK: Duration = Duration::from_secs(5);
+
 /// Waits until every member published its address; on timeout names the ones that did not.
+/// A store lost long before the deadline is rank 0's failure (`PeerFailed`), naming it.
 fn wait_for_addresses(spec: &MeshSpec<'_>, keys: &[String], deadline: Instant) -> Result<()> {
     let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
     let mut missing: Option<Vec<usize>> = None;
+    let mut pace = Pacer::new(spec.me(), spec.timeout);
     loop {
         let slice = deadline
             .saturating_duration_since(Instant::now())
             .min(ADDRESS_POLL);
         let res = spec.store.wait_timeout(&refs, slice);
-        let store_gone = |e: Error, missing: Option<Vec<usize>>| match missing {
+        let store_gone = |e: Error, missing: Option<Vec<usize>>| {
+            match missing {
             // The store's host (rank 0) gave up at its deadline, which is about ours.
-            Some(m) => spec.timeout_err(m),
-            None => e,
+            Some(m) if Instant::now() + STORE_HOST_SLACK >= deadline => spec.timeout_err(m),
+            // Long before it: the host is gone (killed, its machine unreachable).
+            m => Error::PeerFailed {
+                failed_rank: 0,
+                reason: format!(
+                    "{} on rank {}: lost the rendezvous store that rank 0 hosts, while waiting for {}: {e}",
+                    spec.what,
+                    spec.me(),
+                    m.map_or("the members' addresses".into(), |m| format!("ranks {m:?} to join"))
+                ),
+            },
+        }
         };
         match res {
             Ok(()) => return Ok(()),
@@ -241,6 +261,7 @@ fn wait_for_addresses(spec: &MeshSpec<'_>, keys: &[String], deadline: Instant) -
                 if Instant::now() >= deadline {
                     return Err(spec.timeout_err(now_missing));
                 }
+                pace.tick(|| format!("{}: ranks {now_missing:?} have not joined", spec.what));
                 missing = Some(now_missing);
             }
             Err(e) => return Err(store_gone(e, missing)),
@@ -327,14 +348,18 @@ fn accept_higher(
         .set_nonblocking(true)
         .map_err(|e| spec.io("configuring the listener".into(), e))?;
     let mut gate = super::mesh_auth::Gate::default();
+    let mut pace = Pacer::new(spec.me(), spec.timeout);
     while streams[me + 1..].iter().any(Option::is_none) {
-        if Instant::now() >= deadline {
-            let missing = (me + 1..n)
+        let missing = || -> Vec<usize> {
+            (me + 1..n)
                 .filter(|&r| streams[r].is_none())
                 .map(|r| spec.members[r])
-                .collect();
-            return Err(spec.timeout_err(missing));
+                .collect()
+        };
+        if Instant::now() >= deadline {
+            return Err(spec.timeout_err(missing()));
         }
+        pace.tick(|| format!("{}: ranks {:?} have not connected", spec.what, missing()));
         let (mut s, from) = match listener.accept() {
             Ok(a) => a,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -391,11 +416,14 @@ fn start(
     });
     failure.inboxes.lock().push(Arc::downgrade(&inbox));
     let mut writers = Vec::with_capacity(n);
+    let mut raw = Vec::with_capacity(n);
     for (p, s) in streams.into_iter().enumerate() {
         let Some(s) = s else {
             writers.push(None);
+            raw.push(None);
             continue;
         };
+        raw.push(s.try_clone().ok());
         let _ = s.set_read_timeout(None);
         let _ = s.set_write_timeout(Some(spec.timeout));
         let reader = s
@@ -412,6 +440,7 @@ fn start(
         rank: spec.rank,
         members: spec.members,
         writers,
+        raw,
         inbox,
         failure,
         timeout: spec.timeout,
@@ -495,6 +524,7 @@ impl Mesh {
         deadline: Instant,
     ) -> Result<Vec<(u8, Payload)>> {
         let mut st = self.inbox.state.lock();
+        let mut pace = Pacer::new(self.me(), self.timeout);
         loop {
             if from.iter().all(|&p| !st.queues[p].is_empty()) {
                 return Ok(from
@@ -518,13 +548,22 @@ impl Mesh {
             {
                 return Err(self.closed_error(p, why, op));
             }
-            if self.inbox.cv.wait_until(&mut st, deadline).timed_out() {
+            if self
+                .inbox
+                .cv
+                .wait_until(&mut st, pace.until(deadline))
+                .timed_out()
+            {
                 let missing: Vec<usize> = from
                     .iter()
                     .filter(|&&p| st.queues[p].is_empty())
                     .map(|&p| self.members[p])
                     .collect();
                 if missing.is_empty() {
+                    continue;
+                }
+                if Instant::now() < deadline {
+                    pace.tick(|| format!("{op}: ranks {missing:?} have not arrived"));
                     continue;
                 }
                 return Err(Error::Timeout {
@@ -566,6 +605,19 @@ impl Mesh {
             let why = closed.unwrap_or(Closed::Error(e.to_string()));
             self.closed_error(to, &why, op)
         })
+    }
+
+    /// Shuts the stream to world rank `rank` both ways, if it is a member: a send blocked
+    /// on it returns, and its reader thread ends (for a peer found dead by the heartbeat).
+    pub(super) fn cut(&self, rank: usize) {
+        if let Some(Some(s)) = self
+            .members
+            .iter()
+            .position(|&m| m == rank)
+            .map(|p| &self.raw[p])
+        {
+            let _ = s.shutdown(Shutdown::Both);
+        }
     }
 
     /// Sends `farewell` (`ABORT` with a reason, or `BYE`) to every peer, best effort, and

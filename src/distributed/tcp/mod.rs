@@ -82,6 +82,46 @@ struct World {
     /// The world is a user of the CPU buffer pool: the last group or model to drop
     /// empties it.
     _pool_user: crate::tensor::PoolUser,
+    /// This rank's heartbeat ([Note: heartbeat]), from the end of `init` on.
+    heartbeat: Mutex<Option<super::heartbeat::Heartbeat>>,
+    heartbeat_timeout: Duration,
+}
+
+impl World {
+    /// Peer `rank` sent no heartbeat in time: records its failure (every waiting and later
+    /// collective of the world fails naming it) and shuts the streams to it, so that a send
+    /// blocked on its full socket returns.
+    fn peer_stale(&self, rank: usize, why: String) {
+        self.failure.record(rank, why);
+        for m in self.meshes.lock().iter() {
+            m.cut(rank);
+        }
+    }
+
+    /// Starts this rank's heartbeat through the store at `key` (`HOST:PORT`).
+    fn start_heartbeat(self: &Arc<World>) -> Result<()> {
+        let Some((host, port)) = super::store::host_port(&self.key) else {
+            return Ok(());
+        };
+        let weak = Arc::downgrade(self);
+        let beat = super::heartbeat::start(
+            super::heartbeat::BeatSpec {
+                host: host.to_string(),
+                port,
+                rank: self.rank,
+                timeout: self.heartbeat_timeout,
+                connect_timeout: self.timeout,
+                job: self.job.clone(),
+            },
+            move |r, why| {
+                if let Some(w) = weak.upgrade() {
+                    w.peer_stale(r, why);
+                }
+            },
+        )?;
+        *self.heartbeat.lock() = Some(beat);
+        Ok(())
+    }
 }
 
 /// One rank's handle to a group of the `tcp` backend. The world group comes from
@@ -206,8 +246,19 @@ impl TcpGroup {
             failure: Arc::new(WorldFailure::default()),
             meshes: Mutex::new(Vec::new()),
             _pool_user: crate::tensor::PoolUser::new(),
+            heartbeat: Mutex::new(None),
+            heartbeat_timeout: rv.heartbeat_timeout,
         });
-        Self::build(world, "pg/world".into(), what, (0..rv.world_size).collect())
+        let group = Self::build(
+            world.clone(),
+            "pg/world".into(),
+            what,
+            (0..rv.world_size).collect(),
+        )?;
+        if rv.world_size > 1 {
+            world.start_heartbeat()?;
+        }
+        Ok(group)
     }
 
     /// Connects the mesh of `members` (world ranks; this rank among them) under the store

@@ -4,6 +4,7 @@
 //! Nothing here allocates once a group is set up: descriptors are `Copy`, the arrivals are
 //! copied into the caller's scratch, and strings are built only for error messages.
 
+use crate::distributed::waiting::Pacer;
 use crate::error::{Error, Result};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -257,8 +258,9 @@ impl Shared {
             st.ready = Some(check_descs(&st.slots, &self.members));
             self.wake();
         }
+        let mut pace = Pacer::new(self.members[rank], self.timeout);
         while st.ready.is_none() {
-            if let Err(e) = self.wait_for_peers(&mut st, &desc, rank, deadline) {
+            if let Err(e) = self.wait_for_peers(&mut st, &desc, rank, deadline, &mut pace) {
                 // Withdraw, so that no peer ever reads this rank's (soon released) memory.
                 st.slots[rank] = None;
                 st.arrived -= 1;
@@ -307,6 +309,7 @@ impl Shared {
         desc: &Desc,
         rank: usize,
         deadline: Instant,
+        pace: &mut Pacer,
     ) -> Result<()> {
         if let Some(e) = peer_failed(st) {
             return Err(e);
@@ -329,7 +332,15 @@ impl Shared {
         if self.spin(st) {
             return Ok(());
         }
-        if self.cv.wait_until(st, deadline).timed_out() && st.ready.is_none() {
+        if self.cv.wait_until(st, pace.until(deadline)).timed_out()
+            && st.ready.is_none()
+            && Instant::now() < deadline
+        {
+            let missing = self.missing(st);
+            pace.tick(|| format!("{}: ranks {missing:?} have not arrived", desc.op));
+            return Ok(());
+        }
+        if Instant::now() >= deadline && st.ready.is_none() {
             let missing = self.missing(st);
             let err = Error::Timeout {
                 op: desc.op.to_string(),

@@ -28,12 +28,14 @@
 //! | `buffers.rs` | module buffers: taking them, and finding each type's entry for a load (the checks, the writes and the key order are `nn::state_dict`'s, shared with unwrapped modules) |
 //! | `model.rs` | `state_dict`, `load_state_dict` |
 //! | `optim.rs` | [`OptimStateDict`], `optim_state_dict`, `optim_state_dict_to_load` |
+//! | `optim_cut.rs` | cutting optimizer state at parameter boundaries; the snapshot of a background save |
 //! | `summon.rs` | `summon_full_params` |
 
 mod buffers;
 mod layout;
 mod model;
 mod optim;
+mod optim_cut;
 mod optim_groups;
 mod summon;
 
@@ -43,6 +45,8 @@ pub use crate::nn::FullStateDict;
 /// Keys a non-strict load skipped (`_IncompatibleKeys`), as [`crate::nn::load_state_dict`]
 /// reports them.
 pub use crate::nn::IncompatibleKeys;
+pub(crate) use model::ShardedSnapshot;
+pub(crate) use optim::OptimSnapshot;
 pub use optim::OptimStateDict;
 pub use optim_groups::NamedParamGroup;
 

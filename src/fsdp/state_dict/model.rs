@@ -124,39 +124,35 @@ impl FullyShardedDataParallel {
     /// # Errors
     /// `Fsdp` on a nested unit.
     pub fn sharded_state_dict(&mut self) -> Result<ShardedStateDict> {
+        self.sharded_snapshot(&mut |t| Ok(t.clone()))?
+            .into_state_dict(&mut Vec::new())
+    }
+
+    /// What [`sharded_state_dict`](Self::sharded_state_dict) is made of, each unit's local
+    /// shard passed to `copy` (a background checkpoint's copy into host buffers of its
+    /// own); [`ShardedSnapshot::into_state_dict`] builds the state dict on any thread. No
+    /// communication.
+    ///
+    /// # Errors
+    /// `Fsdp` on a nested unit; `copy`'s error.
+    pub(crate) fn sharded_snapshot(
+        &mut self,
+        copy: &mut dyn FnMut(&Tensor) -> Result<Tensor>,
+    ) -> Result<ShardedSnapshot> {
         self.check_root("state_dict")?;
         let rank = self.process_group().rank();
         let world_size = self.process_group().size();
-        let mut out: Vec<(String, ShardedTensor)> = Vec::new();
         let metas = unit_metas(self);
-        let mut k = 0;
+        let mut shards = Vec::with_capacity(metas.len());
         self.for_each_unit(&mut |u| {
-            let m = &metas[k];
-            k += 1;
-            for (name, idx) in &m.slots {
-                let info = &m.infos[*idx];
-                let pieces = match m.portion(info) {
-                    Some((a, b, start)) => vec![ShardPiece {
-                        offset: a,
-                        data: host_copy(&u.flat_param().local_shard().view(start, &[b - a])?)?,
-                        rank,
-                    }],
-                    None => Vec::new(),
-                };
-                out.push((
-                    name.clone(),
-                    ShardedTensor {
-                        global_shape: info.shape.clone(),
-                        pieces,
-                    },
-                ));
-            }
+            shards.push(copy(u.flat_param().local_shard())?);
             Ok(())
         })?;
+        let mut whole: Vec<(String, ShardedTensor)> = Vec::new();
         self.visit_ignored(&mut |name, p| {
             let d = p.data()?;
             let data = host_copy(&d.reshape(&[d.numel()])?)?;
-            out.push((
+            whole.push((
                 name.to_string(),
                 ShardedTensor {
                     global_shape: p.shape().to_vec(),
@@ -171,7 +167,7 @@ impl FullyShardedDataParallel {
         })?;
         for (name, t) in buffer_copies(self, true)? {
             let n = t.numel();
-            out.push((
+            whole.push((
                 name,
                 ShardedTensor {
                     global_shape: t.shape().to_vec(),
@@ -189,11 +185,13 @@ impl FullyShardedDataParallel {
                 },
             ));
         }
-        let order = self.state_dict_order();
-        out.sort_by_key(|(n, _)| order.iter().position(|o| o == n).unwrap_or(usize::MAX));
-        Ok(ShardedStateDict {
+        Ok(ShardedSnapshot {
+            rank,
             world_size,
-            tensors: out,
+            metas,
+            shards,
+            whole,
+            order: self.state_dict_order(),
         })
     }
 
@@ -515,4 +513,66 @@ fn plan_unflat(
         .collect();
     crate::nn::state_dict::load_verdict(what, problems, missing, unexpected, strict)
         .map(|keys| (writes, ignored_writes, keys))
+}
+
+/// A sharded state dict before it is cut into pieces: each unit's local shard (a copy of
+/// its own for a background checkpoint) and layout, ignored parameters and buffers whole.
+/// Built by [`FullyShardedDataParallel::sharded_snapshot`] on the training thread; cut by
+/// [`into_state_dict`](Self::into_state_dict) on any thread.
+pub(crate) struct ShardedSnapshot {
+    rank: usize,
+    world_size: usize,
+    metas: Vec<UnitMeta>,
+    /// Each unit's local shard `(c)`, in [`unit_metas`] order.
+    shards: Vec<Tensor>,
+    /// Ignored modules' parameters and persistent buffers, one whole piece each.
+    whole: Vec<(String, ShardedTensor)>,
+    /// The keys in `model.state_dict()` order.
+    order: Vec<String>,
+}
+
+impl ShardedSnapshot {
+    /// The sharded state dict: each parameter's piece copied out of its unit's shard (in
+    /// host memory). The shards are pushed onto `reuse` afterwards.
+    ///
+    /// # Errors
+    /// A failed copy (CUDA).
+    pub(crate) fn into_state_dict(self, reuse: &mut Vec<Tensor>) -> Result<ShardedStateDict> {
+        let ShardedSnapshot {
+            rank,
+            world_size,
+            metas,
+            shards,
+            whole,
+            order,
+        } = self;
+        let mut out: Vec<(String, ShardedTensor)> = Vec::new();
+        for (m, shard) in metas.iter().zip(&shards) {
+            for (name, idx) in &m.slots {
+                let info = &m.infos[*idx];
+                let pieces = match m.portion(info) {
+                    Some((a, b, start)) => vec![ShardPiece {
+                        offset: a,
+                        data: host_copy(&shard.view(start, &[b - a])?)?,
+                        rank,
+                    }],
+                    None => Vec::new(),
+                };
+                out.push((
+                    name.clone(),
+                    ShardedTensor {
+                        global_shape: info.shape.clone(),
+                        pieces,
+                    },
+                ));
+            }
+        }
+        reuse.extend(shards);
+        out.extend(whole);
+        out.sort_by_key(|(n, _)| order.iter().position(|o| o == n).unwrap_or(usize::MAX));
+        Ok(ShardedStateDict {
+            world_size,
+            tensors: out,
+        })
+    }
 }

@@ -8,10 +8,10 @@
 //! model's state dict, so it can be reloaded at another world size or strategy.
 
 use super::layout::{gather_optim_chunk, ignored_params, lookup, optim_unit_metas, UnitMeta};
+pub(crate) use super::optim_cut::OptimSnapshot;
+use super::optim_cut::{check_count, optim_kind, positions, Assembly, Position};
 use super::optim_groups::{to_named, to_positions, NamedParamGroup};
-use super::{
-    FullStateDict, ShardPiece, ShardedStateDict, ShardedTensor, StateDict, StateDictConfig,
-};
+use super::{FullStateDictConfig, ShardedStateDict, StateDict, StateDictConfig};
 use crate::distributed::fingerprint::Phase;
 use crate::distributed::staged;
 use crate::distributed::ReduceOp;
@@ -108,102 +108,12 @@ impl OptimStateDict {
     }
 }
 
-/// One entry of `optimizer_params()`: a trainable run of unit `unit`'s chunk, or an ignored
-/// module's parameter.
-enum Position {
-    Run {
-        unit: usize,
-        start: usize,
-        len: usize,
-    },
-    Ignored {
-        name: String,
-        numel: usize,
-    },
-}
-
-fn positions(metas: &[UnitMeta], ignored: &[(String, Vec<usize>, bool)]) -> Vec<Position> {
-    let mut out = Vec::new();
-    for (unit, m) in metas.iter().enumerate() {
-        for &(start, len) in &m.runs {
-            out.push(Position::Run { unit, start, len });
-        }
-    }
-    for (name, shape, requires_grad) in ignored {
-        if *requires_grad {
-            out.push(Position::Ignored {
-                name: name.clone(),
-                numel: crate::tensor::numel_of(shape),
-            });
-        }
-    }
-    out
-}
-
-/// Zero-size parameters hold no element of any chunk, so no optimizer run has their
-/// state. PyTorch's optimizers keep state for every parameter with a gradient, a zero-size
-/// one included (`exp_avg` of shape `(8, 0)`): when this rank has state for any parameter,
-/// each of `empties` gets empty buffers of its shape and the largest step, and every
-/// buffer's entries are put back in parameter order.
-fn add_zero_size_state(
-    metas: &[UnitMeta],
-    empties: &[(String, Vec<usize>)],
-    steps: &mut Vec<(String, u64)>,
-    bufs: &mut [Vec<(String, Tensor)>],
-    pieces: &mut [Vec<(String, ShardedTensor)>],
-) {
-    let any = bufs.iter().any(|b| !b.is_empty()) || pieces.iter().any(|p| !p.is_empty());
-    if empties.is_empty() || !any {
-        return;
-    }
-    let step = steps.iter().map(|s| s.1).max();
-    let order: Vec<&str> = metas
-        .iter()
-        .flat_map(|m| m.slots.iter().map(|(n, _)| n.as_str()))
-        .collect();
-    let at = |n: &str| order.iter().position(|o| *o == n).unwrap_or(order.len());
-    for (name, shape) in empties {
-        if let Some(s) = step {
-            steps.push((name.clone(), s));
-        }
-        for b in bufs.iter_mut().filter(|b| !b.is_empty()) {
-            b.push((
-                name.clone(),
-                Tensor::zeros(shape, crate::tensor::DType::F32),
-            ));
-        }
-        for p in pieces.iter_mut().filter(|p| !p.is_empty()) {
-            // No rank holds a piece of a zero-size parameter: the entry is its shape.
-            p.push((
-                name.clone(),
-                ShardedTensor {
-                    global_shape: shape.clone(),
-                    pieces: Vec::new(),
-                },
-            ));
-        }
-    }
-    steps.sort_by_key(|(n, _)| at(n));
-    for b in bufs.iter_mut() {
-        b.sort_by_key(|(n, _)| at(n));
-    }
-    for p in pieces.iter_mut() {
-        p.sort_by_key(|(n, _)| at(n));
-    }
-}
-
-/// The run of `runs` holding chunk element `at`, as an index into `positions`.
-fn run_at(pos: &[Position], unit: usize, at: usize) -> Option<usize> {
-    pos.iter().position(|p| {
-        matches!(p, Position::Run { unit: u, start, len } if *u == unit && *start <= at && at < start + len)
-    })
-}
-
 impl FullyShardedDataParallel {
     /// `optim`'s state by original parameter name (`FSDP.optim_state_dict(model, optim)`),
     /// full or sharded as `config` says (`Local` is refused). `optim` must step on
     /// [`optimizer_params`](Self::optimizer_params) of this model. Full: a collective over
-    /// the world (one all-gather per unit and buffer); sharded: no communication.
+    /// the world (one all-gather per unit and buffer); sharded: no communication (but one
+    /// all-reduce when the optimizer has parameter groups).
     ///
     /// # Errors
     /// `StateDict` when the optimizer's state does not match `optimizer_params()`;
@@ -214,60 +124,80 @@ impl FullyShardedDataParallel {
         optim: &dyn Optimizer,
         config: StateDictConfig,
     ) -> Result<OptimStateDict> {
+        match config {
+            StateDictConfig::Full(c) => self.full_optim_state_dict(optim, c),
+            StateDictConfig::Sharded => self
+                .optim_snapshot(optim, &mut |t| Ok(t.clone()))?
+                .into_state_dict(&mut Vec::new()),
+            StateDictConfig::Local => Err(Error::Unsupported(
+                "optim_state_dict with LOCAL_STATE_DICT; use FULL or SHARDED".into(),
+            )),
+        }
+    }
+
+    /// What the sharded [`optim_state_dict`](Self::optim_state_dict) is made of:
+    /// `optim`'s [`snapshot`](Optimizer::snapshot) through `copy` (a background
+    /// checkpoint's copy into host buffers of its own) and this model's layout;
+    /// [`OptimSnapshot::into_state_dict`] builds the state dict on any thread. No
+    /// communication but the all-reduce of named parameter groups, when there are groups.
+    ///
+    /// # Errors
+    /// As [`optim_state_dict`](Self::optim_state_dict); `copy`'s error.
+    pub(crate) fn optim_snapshot(
+        &mut self,
+        optim: &dyn Optimizer,
+        copy: &mut dyn FnMut(&Tensor) -> Result<Tensor>,
+    ) -> Result<OptimSnapshot> {
+        self.check_root("optim_state_dict")?;
+        let st = optim.snapshot(copy)?;
+        let metas = optim_unit_metas(self);
+        let ignored = ignored_params(self);
+        check_count(&optim_kind(&st), st.tensor_count(), &metas, &ignored)?;
+        let param_groups = self.named_groups(&metas, &ignored, st.param_groups())?;
+        Ok(OptimSnapshot {
+            state: st,
+            metas,
+            ignored,
+            param_groups,
+            rank: self.process_group().rank(),
+            world_size: self.process_group().size(),
+        })
+    }
+
+    /// The optimizer's parameter groups by name (every rank's parameters): one
+    /// all-reduce of the membership, when there are groups.
+    fn named_groups(
+        &mut self,
+        metas: &[UnitMeta],
+        ignored: &[(String, Vec<usize>, bool)],
+        groups: &[crate::optim::ParamGroup],
+    ) -> Result<Vec<NamedParamGroup>> {
+        if groups.is_empty() {
+            return Ok(Vec::new());
+        }
+        let names = self.optimizer_param_names();
+        to_named(self, metas, ignored, &names, groups)
+    }
+
+    /// FULL_STATE_DICT of `optim`: every buffer gathered unit by unit (a collective).
+    fn full_optim_state_dict(
+        &mut self,
+        optim: &dyn Optimizer,
+        c: FullStateDictConfig,
+    ) -> Result<OptimStateDict> {
         self.check_root("optim_state_dict")?;
         let st = optim.state_dict()?;
         let metas = optim_unit_metas(self);
         let ignored = ignored_params(self);
-        let pos = positions(&metas, &ignored);
-        if !st.tensors.is_empty() && st.tensors.len() != pos.len() {
-            return Err(Error::StateDict(format!(
-                "the {} optimizer holds state for {} tensors but optimizer_params() of this model has {}: was it built on another model?",
-                st.kind,
-                st.tensors.len(),
-                pos.len()
-            )));
-        }
-        let full = match config {
-            StateDictConfig::Full(c) => Some(c),
-            StateDictConfig::Sharded => None,
-            StateDictConfig::Local => {
-                return Err(Error::Unsupported(
-                    "optim_state_dict with LOCAL_STATE_DICT; use FULL or SHARDED".into(),
-                ))
-            }
-        };
-        let keep = full.is_none_or(|c| !c.rank0_only || self.process_group().rank() == 0);
-        let names = buffer_names(&st.kind);
-        let counts_steps = matches!(st.kind.as_str(), "Adam" | "AdamW");
-        let rank = self.process_group().rank();
-        let mut steps: Vec<(String, u64)> = Vec::new();
-        let mut bufs: Vec<Vec<(String, Tensor)>> = vec![Vec::new(); names.len()];
-        let mut pieces: Vec<Vec<(String, ShardedTensor)>> = vec![Vec::new(); names.len()];
-        let state_at = |i: usize| st.tensors.get(i).and_then(Option::as_ref);
-        // Trainable zero-size parameters, (name, shape): no run covers them (see below).
-        let mut empties: Vec<(String, Vec<usize>)> = Vec::new();
+        check_count(&st.kind, st.tensors.len(), &metas, &ignored)?;
+        let keep = !c.rank0_only || self.process_group().rank() == 0;
+        let mut a = Assembly::new(&st, &metas, &ignored, keep, true);
         let mut k = 0;
         self.for_each_unit(&mut |u| {
             let (ui, m) = (k, &metas[k]);
             k += 1;
-            if keep {
-                for (name, idx) in &m.slots {
-                    let i = &m.infos[*idx];
-                    if i.numel == 0 && i.requires_grad {
-                        empties.push((name.clone(), i.shape.clone()));
-                    }
-                }
-            }
-            // Each parameter's step on this rank (-1: no state here).
-            let mut local: Vec<i32> = vec![-1; m.infos.len()];
-            for (i, info) in m.infos.iter().enumerate() {
-                if let Some((_, _, start)) = m.portion(info) {
-                    if let Some(t) = run_at(&pos, ui, start).and_then(state_at) {
-                        local[i] = t.step.unwrap_or(0).min(i32::MAX as u64) as i32;
-                    }
-                }
-            }
-            let step_of = if full.is_some() && u.grads_scattered() {
+            let local = a.local_steps(ui, m);
+            let step_of = if u.grads_scattered() {
                 let t = Tensor::from_vec(local, &[m.infos.len()])?;
                 let _tag = u.fingerprint(Phase::StateDict);
                 staged::all_reduce(u.shard_group().as_ref(), &t, ReduceOp::Max)?;
@@ -276,131 +206,16 @@ impl FullyShardedDataParallel {
             } else {
                 local
             };
-            for (b, bname) in names.iter().enumerate() {
-                // The buffer in chunk layout (zero outside trainable runs with state), in
-                // the FlatParameter's dtype: f64 state of an f64 model stays exact.
-                let mut chunk = vec![0.0f64; m.shard_numel];
-                for (pi, p) in pos.iter().enumerate() {
-                    if let (Position::Run { unit, start, len }, Some(t)) = (p, state_at(pi)) {
-                        if *unit == ui {
-                            let dst = &mut chunk[*start..start + len];
-                            if let Some(v) = t.buffer_f64(bname).filter(|v| v.len() == *len) {
-                                dst.copy_from_slice(v);
-                            } else if let Some(v) = t.buffer(bname).filter(|v| v.len() == *len) {
-                                dst.iter_mut().zip(v).for_each(|(d, &s)| *d = f64::from(s));
-                            }
-                        }
-                    }
-                }
-                let chunk = match m.dtype {
-                    DType::F64 => Tensor::from_vec(chunk, &[m.shard_numel])?,
-                    // f32 values widened and rounded back: the same bits.
-                    _ => Tensor::from_vec(
-                        chunk.into_iter().map(|v| v as f32).collect::<Vec<f32>>(),
-                        &[m.shard_numel],
-                    )?,
-                };
-                if full.is_some() {
-                    let whole = gather_optim_chunk(u, &chunk)?;
-                    for (name, idx) in m.slots.iter().filter(|(_, i)| step_of[*i] >= 0) {
-                        let i = &m.infos[*idx];
-                        if keep {
-                            bufs[b].push((
-                                name.clone(),
-                                whole.view(i.offset, &i.shape)?.deep_clone()?,
-                            ));
-                        }
-                    }
-                } else {
-                    for (name, idx) in m.slots.iter().filter(|(_, i)| step_of[*i] >= 0) {
-                        let info = &m.infos[*idx];
-                        if let Some((a, bb, start)) = m.portion(info) {
-                            pieces[b].push((
-                                name.clone(),
-                                ShardedTensor {
-                                    global_shape: info.shape.clone(),
-                                    pieces: vec![ShardPiece {
-                                        offset: a,
-                                        data: chunk.view(start, &[bb - a])?.deep_clone()?,
-                                        rank,
-                                    }],
-                                },
-                            ));
-                        }
-                    }
-                }
-            }
-            if counts_steps && keep {
-                for (name, idx) in &m.slots {
-                    if step_of[*idx] >= 0 {
-                        steps.push((name.clone(), step_of[*idx] as u64));
-                    }
-                }
-            }
-            Ok(())
+            a.unit(
+                ui,
+                m,
+                &step_of,
+                Some(&mut |chunk| gather_optim_chunk(u, chunk)),
+            )
         })?;
-        add_zero_size_state(&metas, &empties, &mut steps, &mut bufs, &mut pieces);
-        // Ignored modules' parameters: whole, their own state.
-        for (pi, p) in pos.iter().enumerate() {
-            let (Position::Ignored { name, numel }, Some(t), true) = (p, state_at(pi), keep) else {
-                continue;
-            };
-            let shape = ignored
-                .iter()
-                .find(|i| &i.0 == name)
-                .map_or(vec![*numel], |i| i.1.clone());
-            for (b, bname) in names.iter().enumerate() {
-                if t.buffer(bname).is_some() || t.buffer_f64(bname).is_some() {
-                    let data = t.buffer_tensor(&st.kind, pi, bname)?;
-                    match full {
-                        Some(_) => bufs[b].push((name.clone(), data.reshape(&shape)?)),
-                        None => pieces[b].push((
-                            name.clone(),
-                            ShardedTensor {
-                                global_shape: shape.clone(),
-                                pieces: vec![ShardPiece {
-                                    offset: 0,
-                                    data,
-                                    rank,
-                                }],
-                            },
-                        )),
-                    }
-                }
-            }
-            if counts_steps {
-                steps.push((name.clone(), t.step.unwrap_or(0)));
-            }
-        }
+        let param_groups = self.named_groups(&metas, &ignored, &st.param_groups)?;
         let world_size = self.process_group().size();
-        let buffers = names
-            .iter()
-            .zip(bufs.into_iter().zip(pieces))
-            .map(|(n, (f, s))| {
-                let sd = match full {
-                    Some(_) => StateDict::Full(FullStateDict { tensors: f }),
-                    None => StateDict::Sharded(ShardedStateDict {
-                        world_size,
-                        tensors: s,
-                    }),
-                };
-                (n.to_string(), sd)
-            })
-            .collect();
-        // Groups by name: one all-reduce of the membership, when there are groups.
-        let param_groups = if st.param_groups.is_empty() {
-            Vec::new()
-        } else {
-            let names = self.optimizer_param_names();
-            to_named(self, &metas, &ignored, &names, &st.param_groups)?
-        };
-        Ok(OptimStateDict {
-            kind: st.kind,
-            hyperparams: st.hyperparams,
-            steps,
-            buffers,
-            param_groups,
-        })
+        a.finish(&ignored, world_size, param_groups)
     }
 
     /// The per-tensor [`OptimizerState`] an optimizer over this model's
