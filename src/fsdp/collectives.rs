@@ -12,17 +12,18 @@
 use super::mixed_precision::round_;
 use super::progress;
 use super::scheduler::Scheduler;
+use super::streams::Pending;
 use super::unit::gradient_divide_factors;
 use super::FullyShardedDataParallel;
 use crate::backend::Device;
-use crate::distributed::{ReduceOp, Work};
+use crate::distributed::{Group, ReduceOp};
 use crate::error::Result;
 use crate::ops::flat;
 use crate::tensor::{DType, Tensor};
 
 /// An all-gather in flight (or done): its handle and the buffer it fills.
 pub(super) struct Gather {
-    pub work: Work,
+    pub work: Pending,
     /// `(c W)` values: f32 (f64 for an f64 FlatParameter), or a `param_dtype` tensor
     /// under low-precision mixed precision (the parameters' views of it are then bf16/f16
     /// tensors, as FSDP1's unsharded flat parameter is).
@@ -66,8 +67,7 @@ impl Scheduler {
         let u = &self.units[id];
         self.mem.lock().on_unshard(full.nbytes());
         self.stats.all_gathers += 1;
-        let keep = vec![full.clone(), u.shard.clone()];
-        let unshard = &self.streams.unshard;
+        let (sharded, unshard) = (self.sharded, &self.streams.unshard);
         let work = if let (Some(pre), Some(on_device)) = (&self.streams.pre_unshard, on_device) {
             // CpuOffload: the host-to-device copy (and cast to param_dtype) on the
             // pre-unshard stream, then the gather from it on the unshard stream, which
@@ -89,7 +89,7 @@ impl Scheduler {
                 // Read by the cast on the pre-unshard stream only.
                 self.buffers.give_after(w, pre);
             }
-            let (pg, out, sharded) = (self.shard_pg.clone(), full.clone(), self.sharded);
+            let (pg, out) = (self.shard_pg.clone(), full.clone());
             let keep = vec![full.clone(), on_device.clone()];
             let staged = on_device.clone();
             let work = unshard.submit_keeping(keep, move || {
@@ -102,22 +102,32 @@ impl Scheduler {
             });
             // The staging buffer is free once the gather that reads it has run.
             self.buffers.give_after(staged, unshard);
-            work
-        } else if !self.sharded {
-            // NoShard: the "shard" is the whole flat parameter; make the compute copy.
-            let (shard, out) = (u.shard.clone(), full.clone());
-            unshard.submit_keeping(keep, move || out.copy_from(&shard))
-        } else if dtype == u.shard.dtype() {
-            unshard.all_gather_into_tensor(&self.shard_pg, &full, &u.shard)
+            Pending::Queued(work)
+        } else if self.streams.run_inline() {
+            // World size 1 on the host (`streams.rs`): the job's work, on this thread.
+            Pending::Ran(gather(&self.shard_pg, sharded, dtype, &full, &u.shard))
         } else {
             let (pg, shard, out) = (self.shard_pg.clone(), u.shard.clone(), full.clone());
-            unshard.submit_keeping(keep, move || {
-                // FSDP1 `_use_low_precision_shard`: cast the shard, gather low precision.
-                let lp_shard = shard.to_dtype(dtype)?;
-                pg.all_gather_into_tensor(&out, &lp_shard)
-            })
+            let keep = vec![full.clone(), u.shard.clone()];
+            Pending::Queued(
+                unshard.submit_keeping(keep, move || gather(&pg, sharded, dtype, &out, &shard)),
+            )
         };
         Ok(Gather { work, full })
+    }
+}
+
+/// Fills `out` (`(c W)` of `dtype`) from this rank's `shard` (f32, or f64): all-gathered
+/// over `pg` when `sharded`, the shard cast to `dtype` first (FSDP1
+/// `_use_low_precision_shard`: the gather is in low precision); under `NoShard` the
+/// "shard" is the whole flat parameter and this is the compute copy.
+fn gather(pg: &Group, sharded: bool, dtype: DType, out: &Tensor, shard: &Tensor) -> Result<()> {
+    if !sharded {
+        out.copy_from(shard)
+    } else if dtype == shard.dtype() {
+        pg.all_gather_into_tensor(out, shard)
+    } else {
+        pg.all_gather_into_tensor(out, &shard.to_dtype(dtype)?)
     }
 }
 
@@ -125,7 +135,7 @@ impl Scheduler {
 /// the sharded gradient (`work` taken): the f32 shard it fills (complete once the handle
 /// is; on the host under CPU offload, once the host synchronized with the device).
 pub(super) struct PendingGrad {
-    work: Option<Work>,
+    work: Option<Pending>,
     out: Tensor,
 }
 
@@ -173,7 +183,7 @@ impl FullyShardedDataParallel {
         )?;
         let dst = out.clone();
         let released = flat_grad.clone();
-        let keep = vec![flat_grad.clone(), out.clone()];
+        let keep = || vec![released.clone(), out.clone()];
         let job = move || -> Result<()> {
             // Predivide fused with the cast from the gradient's dtype to reduce_dtype (in
             // place when they are one dtype).
@@ -222,7 +232,7 @@ impl FullyShardedDataParallel {
             let _tag = super::progress::enter(s.progress.reduce(self.id));
             s.progress.reduced();
             s.stats.reductions += 1;
-            let work = s.streams.post_backward().submit_keeping(keep, job);
+            let work = s.streams.run(s.streams.post_backward(), keep, job);
             // The flat gradient is free for another unit's backward once the job ran.
             let s = &mut *s;
             s.buffers.give_after(released, s.streams.post_backward());

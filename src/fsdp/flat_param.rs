@@ -394,11 +394,14 @@ impl FlatParameter {
         self.grad_shard.as_ref()
     }
 
-    /// Views of `buffer` (padded flat layout) with each parameter's shape.
-    pub(crate) fn views(&self, buffer: &Tensor) -> Result<Vec<Tensor>> {
-        self.infos
-            .iter()
-            .map(|i| buffer.view(i.offset, &i.shape))
-            .collect()
+    /// The view of `buffer` (padded flat layout) that is parameter `k`, of its shape.
+    pub(crate) fn view(&self, buffer: &Tensor, k: usize) -> Result<Tensor> {
+        let i = self.infos.get(k).ok_or_else(|| {
+            Error::Fsdp(format!(
+                "internal: FlatParameter has {} parameters, no parameter {k}",
+                self.infos.len()
+            ))
+        })?;
+        buffer.view(i.offset, &i.shape)
     }
 }

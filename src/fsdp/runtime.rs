@@ -18,6 +18,7 @@
 
 use super::collectives::Gather;
 use super::progress::Pass;
+use super::unit::Point;
 use super::FullyShardedDataParallel;
 use crate::distributed::ReduceOp;
 use crate::error::{Result, Term};
@@ -41,20 +42,30 @@ impl FullyShardedDataParallel {
     }
 
     fn finish_unshard(&mut self, g: Result<Option<Gather>>) -> Result<()> {
-        let Some(g) = g? else { return Ok(()) };
+        match self.wait_unshard(g)? {
+            Some(full) => self.point_params(Some(&full), false),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits for the gather [`begin_unshard`](Self::begin_unshard) returned and records
+    /// the unit as unsharded; returns the buffer the parameters are to view, `None` when
+    /// they already do.
+    fn wait_unshard(&mut self, g: Result<Option<Gather>>) -> Result<Option<Tensor>> {
+        let Some(g) = g? else { return Ok(None) };
         let (r, dt) = g.work.wait_timed();
-        {
-            let mut s = self.rs.sched.lock();
-            s.add_wait(dt);
-            match r {
-                Ok(()) => s.set_unsharded(self.id, g.full.clone()),
-                Err(e) => {
-                    s.gather_failed(self.id, g.full.nbytes());
-                    return Err(e);
-                }
+        let mut s = self.rs.sched.lock();
+        s.add_wait(dt);
+        match r {
+            Ok(()) => {
+                s.set_unsharded(self.id, g.full.clone());
+                Ok(Some(g.full))
+            }
+            Err(e) => {
+                s.gather_failed(self.id, g.full.nbytes());
+                Err(e)
             }
         }
-        self.point_params(Some(&g.full), false)
     }
 
     /// Frees the unsharded buffer; parameters become unmaterialized. FSDP1 `_reshard`.
@@ -64,12 +75,25 @@ impl FullyShardedDataParallel {
     /// # Errors
     /// `Fsdp` when the module's parameters changed since wrapping.
     pub fn reshard(&mut self) -> Result<()> {
-        if self.rs.keeps_unsharded() {
-            return Ok(());
+        self.reshard_and(Point::Keep)
+    }
+
+    /// [`reshard`](Self::reshard), doing `grad` to the parameters' grads in the same walk.
+    fn reshard_and(&mut self, grad: Point<'_>) -> Result<()> {
+        let freed = if self.rs.keeps_unsharded() {
+            None
+        } else {
+            self.rs.sched.lock().reshard(self.id)
+        };
+        let data = if freed.is_some() {
+            Point::Clear
+        } else {
+            Point::Keep
+        };
+        if !matches!((data, grad), (Point::Keep, Point::Keep)) {
+            self.point(data, grad)?;
         }
-        let freed = self.rs.sched.lock().reshard(self.id);
         if let Some(full) = freed {
-            self.point_params(None, false)?;
             // The compute stream waited for the gather and queued every read of the
             // parameters: the buffer is free for the next gather (of any unit this size).
             self.rs.sched.lock().buffers.give(full);
@@ -310,7 +334,8 @@ impl FullyShardedDataParallel {
     fn start_backward(&mut self) -> Result<()> {
         let g = self.begin_unshard();
         let next = self.rs.sched.lock().on_pre_backward(self.id, self.is_root);
-        self.finish_unshard(g)?;
+        let full = self.wait_unshard(g)?;
+        let data = full.as_ref().map_or(Point::Keep, Point::View);
         // Layers accumulate (+=) into their grad views, so a gradient kept from backwards
         // under no_sync simply keeps growing.
         // Under low-precision mixed precision the gradient is a param_dtype tensor, as
@@ -321,14 +346,25 @@ impl FullyShardedDataParallel {
         };
         let flat_grad = match self.flat.unsynced_grad.take() {
             Some(g) => g,
-            None => self.rs.sched.lock().take_buffer(
-                self.flat.grad_buffer_numel(),
-                grad_dtype,
-                self.rs.device,
-                true,
-            )?,
+            None => {
+                let t = self.rs.sched.lock().take_buffer(
+                    self.flat.grad_buffer_numel(),
+                    grad_dtype,
+                    self.rs.device,
+                    true,
+                );
+                match t {
+                    Ok(t) => t,
+                    Err(e) => {
+                        // The gathered parameters are the unit's all the same.
+                        self.point(data, Point::Keep)?;
+                        return Err(e);
+                    }
+                }
+            }
         };
-        self.point_params(Some(&flat_grad), true)?;
+        // The parameters' data and grads in one walk.
+        self.point(data, Point::View(&flat_grad))?;
         self.in_backward = Some(InBackward { next, flat_grad });
         Ok(())
     }
@@ -374,8 +410,8 @@ impl FullyShardedDataParallel {
         next: Option<(usize, usize)>,
         flat_grad: Tensor,
     ) -> Result<()> {
-        self.point_params(None, true)?;
-        self.reshard()?;
+        // The grads freed and the parameters resharded in one walk.
+        self.reshard_and(Point::Clear)?;
         if !ok {
             return Ok(());
         }

@@ -274,7 +274,9 @@ impl Scheduler {
     pub fn on_pre_forward(&mut self, id: usize, is_root: bool) {
         self.progress.entered(id);
         if is_root {
-            self.prev_pre_fwd = std::mem::take(&mut self.pre_fwd);
+            // The two orders swap their vectors: no step allocates one anew.
+            std::mem::swap(&mut self.prev_pre_fwd, &mut self.pre_fwd);
+            self.pre_fwd.clear();
             self.post_fwd.clear();
         }
         let pos = self.pre_fwd.len();
@@ -299,15 +301,16 @@ impl Scheduler {
         if is_root {
             self.bwd_cursor = 0;
         }
-        let order: Vec<usize> = self.post_fwd.iter().rev().copied().collect();
-        let pos = order[self.bwd_cursor.min(order.len())..]
-            .iter()
-            .position(|&u| u == id)
-            .map(|p| p + self.bwd_cursor.min(order.len()));
-        let next = pos.and_then(|p| {
+        // The backward order is the post-forward order reversed: its entry i is
+        // `post_fwd[len - 1 - i]`.
+        let n = self.post_fwd.len();
+        let post = &self.post_fwd;
+        let order = |i: usize| post[n - 1 - i];
+        let pos = (self.bwd_cursor.min(n)..n).find(|&i| order(i) == id);
+        let next = pos.and_then(|p| (p + 1 < n).then(|| (order(p + 1), p + 1)));
+        if let Some(p) = pos {
             self.bwd_cursor = p + 1;
-            order.get(p + 1).map(|&n| (n, p + 1))
-        });
+        }
         if let (Some((n, _)), Some(BackwardPrefetch::BackwardPre)) = (next, self.backward_prefetch)
         {
             self.prefetch(n);

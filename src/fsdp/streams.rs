@@ -20,11 +20,39 @@
 //! both streams' collectives in program order; here each stream is its own thread. Where a
 //! backend cannot create one (a subgroup passed as the world on NCCL), the reductions fall
 //! back to the unshard stream, one stream in issue order.
+//!
+//! At world size 1 on the host there is nothing to overlap: every group has one rank, so a
+//! gather is a copy and a reduction a scaled copy, which the compute thread would only
+//! wait for. [`Streams::run_inline`] is then true and FSDP runs those jobs on the calling
+//! thread ([`Streams::run`]): no thread hand-off, no wake-up, no boxed job or `Work`
+//! allocated per unit. The jobs and their order are the same, so are the results, bit for
+//! bit. On a GPU the streams stay (their order is the device's), as they do for CPU
+//! offload's pre-unshard copies.
 
 use crate::backend::Device;
-use crate::distributed::{CommStream, Group};
+use crate::distributed::{CommStream, Group, Work};
 use crate::error::Result;
+use crate::tensor::Tensor;
 use std::time::Duration;
+
+/// A job handed to [`Streams::run`]: queued on a stream, or already run on the caller.
+pub(super) enum Pending {
+    /// In flight on a stream thread.
+    Queued(Work),
+    /// Run on the calling thread; its result.
+    Ran(Result<()>),
+}
+
+impl Pending {
+    /// Waits for the job ([`Work::wait_timed`]); a job run on the caller waited for
+    /// nothing.
+    pub fn wait_timed(self) -> (Result<()>, Duration) {
+        match self {
+            Pending::Queued(w) => w.wait_timed(),
+            Pending::Ran(r) => (r, Duration::ZERO),
+        }
+    }
+}
 
 /// The streams of one rank, shared by its units (through the scheduler).
 pub(super) struct Streams {
@@ -38,6 +66,8 @@ pub(super) struct Streams {
     pub reduce_pg: Group,
     /// Gathers and reduce-scatters run on two communicators of more than one rank.
     apart: bool,
+    /// Jobs run on the calling thread (see the module docs).
+    inline: bool,
 }
 
 impl Streams {
@@ -71,6 +101,9 @@ impl Streams {
             Some(shard_pg.clone())
         };
         let apart = apart && reduce_pg.is_some();
+        // Host, no offload, and every group FSDP communicates over (the world for
+        // averaging and NoShard reductions, the shard group) of one rank.
+        let inline = !device.is_cuda() && !offload && pg.size() == 1 && shard_pg.size() == 1;
         let (post_backward, reduce_pg) = match reduce_pg {
             Some(g) => (
                 Some(CommStream::on_device(&name("post-backward"), device)?),
@@ -84,6 +117,7 @@ impl Streams {
             pre_unshard,
             reduce_pg,
             apart,
+            inline,
         })
     }
 
@@ -93,6 +127,27 @@ impl Streams {
     /// end of backward can see.
     pub fn reduces_apart(&self) -> bool {
         self.apart
+    }
+
+    /// Whether [`run`](Self::run) runs jobs on the calling thread (world size 1 on the host;
+    /// see the module docs).
+    pub fn run_inline(&self) -> bool {
+        self.inline
+    }
+
+    /// Runs `job` on `stream` ([`CommStream::submit_keeping`] with `keep`), or, when
+    /// [`run_inline`](Self::run_inline), on the calling thread at once.
+    pub fn run(
+        &self,
+        stream: &CommStream,
+        keep: impl FnOnce() -> Vec<Tensor>,
+        job: impl FnOnce() -> Result<()> + Send + 'static,
+    ) -> Pending {
+        if self.inline {
+            Pending::Ran(job())
+        } else {
+            Pending::Queued(stream.submit_keeping(keep(), job))
+        }
     }
 
     /// The stream gradient reductions go on.

@@ -107,35 +107,79 @@ pub fn gradient_divide_factors(dp: usize) -> (f32, f32) {
     (pre as f32, dp as f32 / pre as f32)
 }
 
+/// What [`FullyShardedDataParallel::point`] does to each parameter's data or grad.
+#[derive(Clone, Copy)]
+pub(super) enum Point<'a> {
+    /// Leaves it as it is.
+    Keep,
+    /// Frees it (`None`).
+    Clear,
+    /// Points it at its view of this buffer (padded flat layout).
+    View(&'a Tensor),
+}
+
+/// Runs `f` with a buffer holding `prefix`, kept per thread from call to call, so that the
+/// hooks' walks over a unit's parameters (every unit, several times a step) allocate no
+/// name (`nn::visit_parameters_in`). A nested call gets a buffer of its own.
+fn with_name_buffer<R>(prefix: &str, f: impl FnOnce(&mut String) -> R) -> R {
+    thread_local! {
+        static NAME: std::cell::Cell<String> = const { std::cell::Cell::new(String::new()) };
+    }
+    let mut name = NAME.with(std::cell::Cell::take);
+    name.clear();
+    name.push_str(prefix);
+    let r = f(&mut name);
+    NAME.with(|c| c.set(name));
+    r
+}
+
 impl FullyShardedDataParallel {
     /// Points every original parameter's data (or grad) at its view of `buf`, or frees it.
     pub(super) fn point_params(&mut self, buf: Option<&Tensor>, grads: bool) -> Result<()> {
-        let views = buf.map(|b| self.flat.views(b)).transpose()?;
-        let slots = &self.slots;
-        let rs = &self.rs;
+        let to = buf.map_or(Point::Clear, Point::View);
+        if grads {
+            self.point(Point::Keep, to)
+        } else {
+            self.point(to, Point::Keep)
+        }
+    }
+
+    /// [`point_params`](Self::point_params) for the data and the grads in one walk over
+    /// the unit's parameters (the hooks walk every unit several times a step).
+    pub(super) fn point(&mut self, data: Point<'_>, grad: Point<'_>) -> Result<()> {
+        let (slots, rs, flat) = (&self.slots, &self.rs, &self.flat);
         let mut i = 0;
-        visit_parameters(
-            self.module.as_mut(),
-            &self.prefix,
-            true,
-            &mut |name, p: &mut Parameter| {
-                if rs.is_ignored(name) {
-                    return Ok(());
-                }
-                let Some(&(_, k)) = slots.get(i).filter(|(n, _)| n == name) else {
-                    return Err(Error::Fsdp(format!("parameter '{name}' was not flattened into this unit (module changed after wrapping)")));
-                };
-                p.set_name(name);
-                let v = views.as_ref().map(|v| v[k].clone());
-                if grads {
-                    p.set_grad(v);
-                } else {
-                    p.set_data(v)?;
-                }
-                i += 1;
-                Ok(())
-            },
-        )?;
+        let walked = with_name_buffer(&self.prefix, |name| {
+            crate::nn::visit_parameters_in(
+                self.module.as_mut(),
+                name,
+                true,
+                &mut |name, p: &mut Parameter| {
+                    if rs.is_ignored(name) {
+                        return Ok(());
+                    }
+                    let Some(&(_, k)) = slots.get(i).filter(|(n, _)| n == name) else {
+                        return Err(Error::Fsdp(format!("parameter '{name}' was not flattened into this unit (module changed after wrapping)")));
+                    };
+                    if p.name() != name {
+                        p.set_name(name);
+                    }
+                    match data {
+                        Point::Keep => {}
+                        Point::Clear => p.set_data(None)?,
+                        Point::View(b) => p.set_data(Some(flat.view(b, k)?))?,
+                    }
+                    match grad {
+                        Point::Keep => {}
+                        Point::Clear => p.set_grad(None),
+                        Point::View(b) => p.set_grad(Some(flat.view(b, k)?)),
+                    }
+                    i += 1;
+                    Ok(())
+                },
+            )
+        });
+        walked?;
         if i != self.slots.len() {
             return Err(Error::Fsdp(format!(
                 "unit '{}' flattened {} parameters but its module now has {i}",

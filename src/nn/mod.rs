@@ -65,7 +65,7 @@ pub use module::{
     check_names, join_name, no_children, no_params, num_parameters, parameter_shapes,
     visit_parameters, zero_grad, ChildVisitor, Context, Module, ParamVisitor,
 };
-pub(crate) use module::{first_fsdp_unit, visit_all};
+pub(crate) use module::{first_fsdp_unit, visit_all, visit_parameters_in};
 pub use parameter::Parameter;
 pub use saved::{saved_activation_bytes, saved_activation_peak, track_saved_activations};
 pub use state_dict::{load_state_dict, state_dict, FullStateDict, IncompatibleKeys};

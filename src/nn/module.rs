@@ -247,13 +247,46 @@ pub fn visit_parameters(
     stop_at_units: bool,
     f: &mut ParamVisitor<'_>,
 ) -> Result<()> {
-    m.for_each_param(&mut |name, p| f(&join_name(prefix, name), p))?;
-    m.for_each_child(&mut |name, child| {
+    visit_parameters_in(m, &mut prefix.to_string(), stop_at_units, f)
+}
+
+/// [`visit_parameters`] with the prefix in `name`, which grows and shrinks as the walk
+/// goes (each fully qualified name is [`join_name`]'s) and holds the prefix again after:
+/// a caller that keeps the buffer walks without allocating (FSDP's hooks, every unit
+/// at every step).
+///
+/// # Errors
+/// As [`visit_parameters`].
+pub(crate) fn visit_parameters_in(
+    m: &mut dyn Module,
+    name: &mut String,
+    stop_at_units: bool,
+    f: &mut ParamVisitor<'_>,
+) -> Result<()> {
+    m.for_each_param(&mut |local, p| joined(name, local, |n| f(n, p)))?;
+    m.for_each_child(&mut |local, child| {
         if stop_at_units && child.is_fsdp_unit() {
             return Ok(());
         }
-        visit_parameters(child.as_mut(), &join_name(prefix, name), stop_at_units, f)
+        joined(name, local, |n| {
+            visit_parameters_in(child.as_mut(), n, stop_at_units, f)
+        })
     })
+}
+
+/// Runs `f` with `local` appended to the prefix in `name` as [`join_name`] joins them,
+/// then cuts `name` back to the prefix.
+fn joined<R>(name: &mut String, local: &str, f: impl FnOnce(&mut String) -> R) -> R {
+    let len = name.len();
+    if !local.is_empty() {
+        if len > 0 {
+            name.push('.');
+        }
+        name.push_str(local);
+    }
+    let r = f(name);
+    name.truncate(len);
+    r
 }
 
 /// [`visit_parameters`] over the whole tree with a closure that cannot fail, for the

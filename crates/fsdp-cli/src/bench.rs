@@ -48,6 +48,21 @@ pub(crate) struct BenchArgs {
     /// Compute precision of the FSDP runs.
     #[arg(long, value_parser = choice::<Precision>(), default_value_t = D.mixed_precision)]
     mixed_precision: Precision,
+    /// Measure FSDP's host overhead instead: train the compute-free model (width 8, one
+    /// head, 4 tokens, one row; --n-layer, --n-embd, --n-head, --seq-len, --global-batch
+    /// and --preset are ignored) at world size 1, plainly and under FSDP FullShard (one unit
+    /// per block), at each of --overhead-blocks, --repeats times, and print the cost per
+    /// unit and the fixed cost per step (least squares of the median step time over the
+    /// block counts; also of the 10th-percentile step, less disturbed by other processes)
+    /// with their spread over the repeats.
+    #[arg(long)]
+    overhead: bool,
+    /// Block counts of `--overhead`.
+    #[arg(long, value_delimiter = ',', default_value = "2,4,8,16,32")]
+    overhead_blocks: Vec<usize>,
+    /// Repeats of `--overhead` (each runs every block count plainly and under FSDP).
+    #[arg(long, default_value_t = 7)]
+    repeats: usize,
     #[command(flatten)]
     model: ModelArgs,
 }
@@ -102,7 +117,8 @@ enum PrefetchMode {
     Off,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// The median of `v` (the upper one of an even count; NaN when empty).
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     if v.is_empty() {
         f64::NAN
@@ -113,6 +129,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Runs `fsdp bench`.
 pub(crate) fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
+    if a.steps == 0 {
+        return Err(fsdp::Error::InvalidArgument(
+            "--steps must be at least 1".into(),
+        ));
+    }
     let mut runs: Vec<(String, TrainConfig)> = Vec::new();
     let base = TrainConfig {
         steps: a.warmup + a.steps,
@@ -125,6 +146,18 @@ pub(crate) fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
         device: a.device,
         ..base_config(&a.model, a.data.clone())
     };
+    if a.overhead {
+        let (n_embd, n_head, seq_len, global_batch) = crate::overhead::SHAPE;
+        let cfg = TrainConfig {
+            mixed_precision: a.mixed_precision,
+            n_embd,
+            n_head,
+            seq_len,
+            global_batch,
+            ..base
+        };
+        return crate::overhead::run_overhead(&cfg, &a.overhead_blocks, a.repeats, a.warmup);
+    }
     runs.push((
         "plain (no FSDP)".into(),
         TrainConfig {
@@ -159,11 +192,6 @@ pub(crate) fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
                 ));
             }
         }
-    }
-    if a.steps == 0 {
-        return Err(fsdp::Error::InvalidArgument(
-            "--steps must be at least 1".into(),
-        ));
     }
     if a.world_sizes.is_empty() || a.world_sizes.contains(&0) {
         return Err(fsdp::Error::InvalidArgument(format!(

@@ -30,6 +30,7 @@ macro_rules! out {
 mod bench;
 mod choice;
 mod launch;
+mod overhead;
 mod plot;
 mod progress;
 
