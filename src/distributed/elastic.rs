@@ -90,6 +90,12 @@ pub struct ElasticLaunchConfig {
     /// How many times the group of local ranks may be restarted after a rank failed
     /// (`--max-restarts`, torchrun's name); 0: a failure ends the job.
     pub max_restarts: usize,
+    /// The collective and rendezvous timeout every rank gets (`--timeout`), handed over as
+    /// [`TIMEOUT_VAR`](super::TIMEOUT_VAR); `None`: the ranks' own default.
+    pub timeout: Option<Duration>,
+    /// The heartbeat timeout every rank gets (`--heartbeat-timeout`), handed over as
+    /// [`HEARTBEAT_TIMEOUT_VAR`](super::HEARTBEAT_TIMEOUT_VAR); `None`: the ranks' default.
+    pub heartbeat_timeout: Option<Duration>,
 }
 
 impl Default for ElasticLaunchConfig {
@@ -103,6 +109,8 @@ impl Default for ElasticLaunchConfig {
             job_id: None,
             job_secret: None,
             max_restarts: 0,
+            timeout: None,
+            heartbeat_timeout: None,
         }
     }
 }
@@ -357,6 +365,15 @@ fn run(
             .env(RUN_ID_VAR, job.id)
             .env(JOB_SECRET_VAR, job.secret.expose())
             .stdin(Stdio::null());
+        // A rank's own command line (`fsdp train --timeout`) still wins over these.
+        for (var, value) in [
+            (super::TIMEOUT_VAR, cfg.timeout),
+            (super::HEARTBEAT_TIMEOUT_VAR, cfg.heartbeat_timeout),
+        ] {
+            if let Some(d) = value {
+                cmd.env(var, d.as_secs_f64().to_string());
+            }
+        }
         super::signals::die_with_launcher(&mut cmd);
         match cmd.spawn() {
             Ok(child) => procs.push(Proc {

@@ -2,9 +2,7 @@
 
 use clap::Args;
 use fsdp::distributed::auth::JOB_SECRET_VAR;
-use fsdp::distributed::{
-    elastic_launch, ElasticLaunchConfig, JobSecret, HEARTBEAT_TIMEOUT_VAR, TIMEOUT_VAR,
-};
+use fsdp::distributed::{elastic_launch, ElasticLaunchConfig, JobSecret};
 use std::ffi::OsString;
 use std::path::PathBuf;
 
@@ -76,22 +74,14 @@ pub(crate) fn run_launch(a: LaunchArgs) -> fsdp::Result<()> {
         job_id: a.rdzv_id,
         job_secret: job_secret(a.job_secret_file.as_deref())?,
         max_restarts: a.max_restarts,
+        timeout: a.waits.timeout,
+        heartbeat_timeout: a.waits.heartbeat_timeout,
     };
     let Some((program, args)) = a.command.split_first() else {
         return Err(fsdp::Error::InvalidArgument(
             "fsdp launch needs a program after `--`".into(),
         ));
     };
-    // The ranks read them when their own command line does not say (`fsdp train
-    // --timeout` wins): set here, before any thread of this process starts.
-    for (var, value) in [
-        (TIMEOUT_VAR, a.waits.timeout),
-        (HEARTBEAT_TIMEOUT_VAR, a.waits.heartbeat_timeout),
-    ] {
-        if let Some(d) = value {
-            std::env::set_var(var, d.as_secs_f64().to_string());
-        }
-    }
     elastic_launch(&cfg, program, args)
 }
 
