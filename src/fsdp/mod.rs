@@ -49,6 +49,7 @@ mod materialize;
 mod memory;
 mod mixed_precision;
 mod order;
+mod phase;
 mod progress;
 mod runtime;
 mod scheduler;

@@ -17,6 +17,7 @@
 //! the compute thread overlaps both.
 
 use super::collectives::Gather;
+use super::phase::{Hook, InBackward};
 use super::progress::Pass;
 use super::unit::Point;
 use super::FullyShardedDataParallel;
@@ -210,14 +211,6 @@ fn skip_offload_sync() -> bool {
     }
 }
 
-/// A unit between [`pre_backward`](FullyShardedDataParallel::pre_backward) and
-/// [`post_backward`](FullyShardedDataParallel::post_backward): the unit backward reaches
-/// next (for `BackwardPost` prefetch) and the flat gradient its parameters' grads view.
-pub(super) struct InBackward {
-    next: Option<(usize, usize)>,
-    flat_grad: Tensor,
-}
-
 /// The hooks, for a host that runs a unit's compute itself (FSDP2's `fully_shard` hooks;
 /// FSDP1's `_pre_forward`, `_post_forward`, `_pre_backward_hook`, `_post_backward_hook`
 /// and `_post_backward_final_callback`). The `Module` implementation below is these hooks
@@ -252,16 +245,14 @@ impl FullyShardedDataParallel {
     /// and before `finish_backward`; the all-gather's error.
     pub fn pre_forward(&mut self, grad_enabled: bool) -> Result<()> {
         self.check_not_summoning("forward")?;
-        if self.forward_grad.is_some() {
-            return Err(self.out_of_order(Term::PreForward, &format!("its {}", Term::PostForward)));
-        }
+        self.phase.refuse(Hook::PreForward, &self.prefix)?;
         self.check_order(Term::PreForward)?;
         if self.is_root {
             self.rs.sched.lock().progress.begin_forward(grad_enabled);
         }
         let g = self.begin_unshard();
         self.rs.sched.lock().on_pre_forward(self.id, self.is_root);
-        self.forward_grad = Some(grad_enabled);
+        self.phase.pre_forward(grad_enabled, &self.prefix)?;
         if let Err(e) = self.finish_unshard(g) {
             self.post_forward(false)?;
             return Err(e);
@@ -278,12 +269,10 @@ impl FullyShardedDataParallel {
     /// `Fsdp` without a `pre_forward` first, or (`ok`) on the root while a nested unit is
     /// still in its forward; a collective's error found at the end of the root's forward.
     pub fn post_forward(&mut self, ok: bool) -> Result<()> {
-        if ok && self.is_root && self.forward_grad.is_some() {
+        if ok && self.is_root && self.phase.in_forward() {
             self.check_nested_done(false)?;
         }
-        let Some(grad) = self.forward_grad.take() else {
-            return Err(self.out_of_order(Term::PostForward, &Term::PreForward.to_string()));
-        };
+        let grad = self.phase.post_forward(&self.prefix)?;
         self.rs.sched.lock().on_post_forward(self.id);
         let free = !grad || !ok || (!self.is_root && self.rs.strategy.reshard_after_forward());
         if free {
@@ -312,11 +301,7 @@ impl FullyShardedDataParallel {
     /// error; `Cuda` or `OutOfMemory` when the buffer cannot be allocated.
     pub fn pre_backward(&mut self) -> Result<()> {
         self.check_not_summoning("backward")?;
-        if self.in_backward.is_some() {
-            return Err(
-                self.out_of_order(Term::PreBackward, &format!("its {}", Term::PostBackward))
-            );
-        }
+        self.phase.refuse(Hook::PreBackward, &self.prefix)?;
         self.check_order(Term::PreBackward)?;
         if !self.is_root {
             return self.start_backward();
@@ -365,8 +350,8 @@ impl FullyShardedDataParallel {
         };
         // The parameters' data and grads in one walk.
         self.point(data, Point::View(&flat_grad))?;
-        self.in_backward = Some(InBackward { next, flat_grad });
-        Ok(())
+        self.phase
+            .pre_backward(InBackward { next, flat_grad }, &self.prefix)
     }
 
     /// After this unit's backward (`ok`: it succeeded): frees the gathered parameters,
@@ -380,12 +365,10 @@ impl FullyShardedDataParallel {
     /// still in its backward; `Cuda` or `OutOfMemory` when the reduction's buffers cannot
     /// be allocated.
     pub fn post_backward(&mut self, ok: bool) -> Result<()> {
-        if ok && self.is_root && self.in_backward.is_some() {
+        if ok && self.is_root && self.phase.in_backward() {
             self.check_nested_done(true)?;
         }
-        let Some(InBackward { next, flat_grad }) = self.in_backward.take() else {
-            return Err(self.out_of_order(Term::PostBackward, &Term::PreBackward.to_string()));
-        };
+        let InBackward { next, flat_grad } = self.phase.post_backward(&self.prefix)?;
         let r = self.end_unit_backward(ok, next, flat_grad);
         if !ok || r.is_err() {
             let why = match &r {
@@ -516,9 +499,7 @@ impl FullyShardedDataParallel {
     /// # Errors
     /// `Fsdp` outside `pre_backward` .. `post_backward`.
     pub fn grad_views(&mut self) -> Result<Vec<(String, Tensor)>> {
-        if self.in_backward.is_none() {
-            return Err(self.out_of_order(Term::GradViews, &Term::PreBackward.to_string()));
-        }
+        self.phase.refuse(Hook::GradViews, &self.prefix)?;
         self.views(true)
     }
 

@@ -3,6 +3,7 @@
 
 use super::collectives::PendingGrad;
 use super::flat_param::FlatParameter;
+use super::phase::UnitPhase;
 use super::scheduler::{RuntimeStats, Scheduler};
 use super::{MemoryStats, MixedPrecision, ShardingStrategy};
 use crate::backend::Device;
@@ -82,10 +83,8 @@ pub struct FullyShardedDataParallel {
     /// False inside [`FullyShardedDataParallel::no_sync`]: backward accumulates the
     /// unsharded gradient locally instead of reducing it.
     pub(super) sync_grads: bool,
-    /// Between `pre_forward` and `post_forward`: whether that forward saves activations.
-    pub(super) forward_grad: Option<bool>,
-    /// Between `pre_backward` and `post_backward`.
-    pub(super) in_backward: Option<super::runtime::InBackward>,
+    /// Which of the unit's hooks are open, with what they hold (`phase.rs`).
+    pub(super) phase: UnitPhase,
     /// The last training forward cast its f32 input to `param_dtype`: the backward casts
     /// the input gradient back to f32.
     pub(super) input_cast: bool,
