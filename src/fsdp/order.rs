@@ -2,7 +2,7 @@
 //! the root's [`Pass`] (see [Note: the step's stages] in `progress.rs`). Every refusal is
 //! an `Fsdp` error that names the call, what was expected instead, and what skipping it
 //! would have done, in the caller's API ([`Term`]: `finish_backward` in Rust,
-//! `fsdp_model_finish_backward` through the C ABI). The hooks in `runtime.rs` check here
+//! `fsdp_model_finish_backward` through the C ABI). The hooks in `hooks.rs` check here
 //! before they change anything, so a refused call leaves the model as it was.
 //!
 //! The root's hooks enclose every nested unit's: the root's `pre_forward` first and its

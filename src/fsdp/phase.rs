@@ -6,19 +6,18 @@
 //! `progress::Pass`.
 //!
 //! ```text
-//!                       pre_forward(grad)
-//!          +------+ ------------------------> +-----------------+
-//!          | Idle |                           | Forward { grad } |
-//!          +------+ <------------------------ +-----------------+
-//!           |   ^        post_forward -> grad        |       ^
-//!           |   |                                    |       |
-//!  pre_back-|   | post_backward                      | pre_  | post_backward
-//!  ward(b)  |   | -> b                     backward(b)|       | -> b
-//!           v   |                                    v       |
-//!   +-----------------------------+  pre_forward(grad)  +------------------------------+
-//!   | Backward { open: b,         | ------------------> | Backward { open: b,          |
-//!   |            forward: None }  | <------------------ |            forward: Some(grad) } |
-//!   +-----------------------------+  post_forward -> grad +----------------------------+
+//! Each edge: the call that goes right or down / the call that comes back (-> what it
+//! returns).
+//!
+//!                 pre_forward(grad) / post_forward -> grad
+//!   Idle  <------------------------------------------------>  Forward { grad }
+//!    ^                                                              ^
+//!    | pre_backward(b) /                          pre_backward(b) / |
+//!    | post_backward -> b                      post_backward -> b   |
+//!    v                                                              v
+//!   Backward {       pre_forward(grad) / post_forward -> grad    Backward {
+//!     open: b,  <------------------------------------------->      open: b,
+//!     forward: None }                                              forward: Some(grad) }
 //!
 //! grad_views: legal in both Backward states, no change.
 //! Refused, the phase unchanged:
@@ -37,6 +36,10 @@
 //! | `BACKWARD_PRE` | `Backward { open, .. }`: `open` is the flat gradient the backward adds into and the unit it reaches next |
 //! | `BACKWARD_POST` | `Idle` again, the reduction issued by `post_backward` in flight in the unit's `pending_grad` until the root's `finish_backward` (it outlives a recomputing forward and backward of the same unit, so it is no phase's data) |
 //! | `SUMMON_FULL_PARAMS` | the rank's `Pass::Summoning` (`summon_full_params` gathers every unit at once) |
+//!
+//! The unit's other per-pass fields are no phase's data: `sync_grads` is a mode
+//! (`no_sync`) that holds across many passes, and `input_cast` is what a `Module` forward
+//! saves for its backward, across the `Idle` between them.
 //!
 //! A forward opened inside the unit's own backward (`Backward { forward: Some(_) }`, or
 //! `pre_backward` inside an open forward) is a host recomputing the unit's activations
