@@ -28,9 +28,9 @@ use crate::tensor::{DType, Tensor};
 
 /// The hooks, for a host that runs a unit's compute itself (FSDP2's `fully_shard` hooks;
 /// FSDP1's `_pre_forward`, `_post_forward`, `_pre_backward_hook`, `_post_backward_hook`
-/// and `_post_backward_final_callback`). The `Module` implementation below is these hooks
-/// around the wrapped module's forward and backward; a host that brings its own tensors
-/// and autograd calls them in the same order:
+/// and `_post_backward_final_callback`). The `Module` implementation (`module.rs`) is
+/// these hooks around the wrapped module's forward and backward; a host that brings its
+/// own tensors and autograd calls them in the same order:
 ///
 /// ```text
 /// forward, units in the host's order (outer before inner):

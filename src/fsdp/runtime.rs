@@ -26,6 +26,8 @@ impl FullyShardedDataParallel {
         self.rs.sched.lock().take_or_issue(self.id)
     }
 
+    /// Waits for the gather [`begin_unshard`](Self::begin_unshard) returned and points the
+    /// parameters at it.
     pub(super) fn finish_unshard(&mut self, g: Result<Option<Gather>>) -> Result<()> {
         match self.wait_unshard(g)? {
             Some(full) => self.point_params(Some(&full), false),
