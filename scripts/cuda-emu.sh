@@ -5,7 +5,8 @@
 #   0. the emulator's own tests;
 #   1. the CUDA variants of the test suites (kernels, layers, ops, FSDP on cuda, the
 #      threads backend on device buffers, NCCL at world size 1, the C ABI with device
-#      tensors and the host's stream) against the CPU;
+#      tensors and the host's stream) against the CPU; NCCL worlds of thread ranks and
+#      their faults; the heartbeat naming a stopped NCCL rank process;
 #   2. `fsdp train --device cuda` loss curves against `--device cpu`: world size 1, 2 ranks
 #      on 2 emulated devices (peer copies), mixed precision, f64, CPU offload, and one
 #      process under `fsdp launch` (NCCL).
@@ -88,6 +89,20 @@ if [ "$what" != curves ]; then
     fi
   else
     echo "FAIL nccl worlds (log: $log):"; grep -E "FAILED|panicked|cuda-emu:" "$log" | head -n 20; fail=1
+  fi
+  # The heartbeat on the nccl backend: 2 rank processes, rank 1 stopped with SIGSTOP under
+  # --heartbeat-timeout 2 --timeout 200; rank 0 names it within seconds
+  # (crates/fsdp-cli/tests/waits.rs).
+  log="$out/tests-nccl-heartbeat.log"
+  echo "== the heartbeat on NCCL: a stopped rank process named by its peer"
+  if cargo test --workspace --exclude cuda-emu --features cuda,test-hooks --test waits nccl_ -- --nocapture >"$log" 2>&1; then
+    if grep -q "skipping" "$log" || ! grep -q 'nccl.* \.\.\. ok' "$log"; then
+      echo "FAIL nccl heartbeat: not run on the emulator:"; grep "skipping" "$log" | head -n 3; fail=1
+    else
+      echo "PASS nccl heartbeat: $(grep -m1 'rank 0 ended' "$log")"
+    fi
+  else
+    echo "FAIL nccl heartbeat (log: $log):"; grep -E "FAILED|panicked|cuda-emu:" "$log" | head -n 20; fail=1
   fi
 fi
 

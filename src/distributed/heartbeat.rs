@@ -16,8 +16,11 @@
 //!   connection closed (it exited, or was killed: its mesh streams end too and say so) is
 //!   forgotten, not stale;
 //! - a rank told that peer `r` is stale records `r`'s failure in its world: every waiting
-//!   and later collective fails with `PeerFailed` naming `r`, and the streams to `r` are
-//!   shut so that a send blocked on `r`'s full socket returns;
+//!   and later collective fails with `PeerFailed` naming `r`. On the `tcp` backend the
+//!   streams to `r` are shut so that a send blocked on `r`'s full socket returns
+//!   (`tcp/mod.rs`); on the `nccl` backend every group of the world aborts its
+//!   communicator, so that the collective waiting for `r` ends and the streams drain
+//!   (`nccl_heartbeat.rs`);
 //! - rank 0's process hosts the store: when it stops, the store stops answering, and a
 //!   heartbeat without an answer within `T` names rank 0.
 //!
