@@ -55,6 +55,23 @@ pub(crate) struct BeatSpec {
     pub(crate) job: JobAuth,
 }
 
+impl BeatSpec {
+    /// The beat of rank `rv.rank` through the rendezvous store at `rv.key` (`HOST:PORT`),
+    /// with `rv`'s heartbeat timeout, collective timeout and job; None for a world of one
+    /// rank or a key that is not `HOST:PORT`.
+    pub(crate) fn of(rv: &super::Rendezvous) -> Option<BeatSpec> {
+        let (host, port) = super::store::host_port(&rv.key)?;
+        (rv.world_size > 1).then(|| BeatSpec {
+            host: host.to_string(),
+            port,
+            rank: rv.rank,
+            timeout: rv.heartbeat_timeout,
+            connect_timeout: rv.timeout,
+            job: rv.job.clone(),
+        })
+    }
+}
+
 /// Seconds in a message.
 fn secs(d: Duration) -> String {
     format!("{:.1} s", d.as_secs_f64())

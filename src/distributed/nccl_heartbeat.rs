@@ -50,28 +50,15 @@ impl Peers {
     /// # Errors
     /// `Io` when its thread cannot start.
     pub(super) fn start(self: &Arc<Self>, rv: &super::Rendezvous) -> Result<()> {
-        let Some((host, port)) = super::store::host_port(&rv.key) else {
+        let Some(spec) = BeatSpec::of(rv) else {
             return Ok(());
         };
-        if rv.world_size < 2 {
-            return Ok(());
-        }
         let weak = Arc::downgrade(self);
-        let beat = heartbeat::start(
-            BeatSpec {
-                host: host.to_string(),
-                port,
-                rank: rv.rank,
-                timeout: rv.heartbeat_timeout,
-                connect_timeout: rv.timeout,
-                job: rv.job.clone(),
-            },
-            move |r, why| {
-                if let Some(p) = weak.upgrade() {
-                    p.peer_stale(r, why);
-                }
-            },
-        )?;
+        let beat = heartbeat::start(spec, move |r, why| {
+            if let Some(p) = weak.upgrade() {
+                p.peer_stale(r, why);
+            }
+        })?;
         *self.beat.lock() = Some(beat);
         Ok(())
     }
