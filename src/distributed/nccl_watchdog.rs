@@ -8,9 +8,9 @@
 //! and each poll queries one event per group and stream, the newest collective's (one
 //! stream completes its work in order, so when the newest is done every older one is);
 //! only when it is not are the older ones looked at, oldest first, to drop those that
-//! finished and time the oldest in flight. On cuda-emu a quiet step of the 2-layer GPT at
-//! 2 processes made 800-1,100 event queries per process before, a few dozen now
-//! (`event_queries` in `backend::counters`). A collective slow past a
+//! finished and time the oldest in flight. On cuda-emu the 2-layer GPT at 2 processes made
+//! 507-711 event queries per process per step before, 25-32 now (`event_queries` in
+//! `backend::counters`; docs/cuda.md). A collective slow past a
 //! quarter of the group timeout (at most 10 s) records this rank's collective count in the
 //! store, as PyTorch's desync debugging asks each rank; a healthy one costs no store
 //! request and no host wait. Once a collective is that slow, it also looks for a peer's
@@ -218,8 +218,9 @@ impl Lane {
 
 /// The first poll after new work, and the most the polls back off to (PyTorch's watchdog
 /// sleeps 100 ms, `kWatchdogThreadSleepMillis`). A healthy step makes a handful of polls,
-/// each one event query per group and stream (the issue 30 target: at most 50 event
-/// queries a step); the detection times (seconds) gain at most the cap.
+/// each one event query per group and stream (`scripts/cuda-emu.sh` checks at most 50
+/// event queries a step); the detection times (seconds) gain at most the cap. New work
+/// restarts the backoff only when the watchdog had nothing in flight.
 const FIRST_POLL: Duration = Duration::from_millis(2);
 const MAX_POLL: Duration = Duration::from_millis(100);
 

@@ -193,17 +193,18 @@ fn a_stopped_rank_is_named_by_the_heartbeat_long_before_the_timeout() {
 /// The same on the `nccl` backend (`--device cuda`: one process per rank meeting through
 /// the store), on the GPUs of this machine or cuda-emu's (`scripts/cuda-emu.sh` runs it):
 /// the heartbeat fails every group of the stopped rank's peers and aborts their
-/// communicators, so the collective waiting for it ends. Skipped, saying so, without a
-/// CUDA device or NCCL.
+/// communicators, so the collective waiting for it ends. Skipped, saying so, without two
+/// CUDA devices (NCCL refuses two ranks of one communicator on one GPU) or NCCL.
 #[cfg(all(unix, feature = "cuda"))]
 #[test]
 fn nccl_a_stopped_rank_is_named_by_the_heartbeat_long_before_the_timeout() {
     match fsdp::backend::cuda::detect() {
-        Ok(gpus) if !gpus.is_empty() && fsdp::distributed::nccl::is_available() => {}
+        Ok(gpus) if gpus.len() >= 2 && fsdp::distributed::nccl::is_available() => {}
         other => {
             eprintln!(
-                "skipping the NCCL heartbeat test: no CUDA device or no libnccl ({:?})",
-                other.map(|g| g.len())
+                "skipping the NCCL heartbeat test: two CUDA devices and libnccl needed (devices: {:?}, libnccl: {})",
+                other.map(|g| g.len()),
+                fsdp::distributed::nccl::is_available()
             );
             return;
         }
