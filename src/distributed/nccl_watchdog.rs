@@ -4,12 +4,12 @@
 //!
 //! It polls the completion events recorded after the collectives and the communicator's
 //! asynchronous error (`ncclCommGetAsyncError`), quietly: the first poll comes 2 ms after
-//! new work, later ones back off to one every 100 ms (PyTorch's watchdog sleeps 100 ms),
+//! new work that ends an idle spell, later ones back off to one every 100 ms (PyTorch's watchdog sleeps 100 ms),
 //! and each poll queries one event per group and stream, the newest collective's (one
 //! stream completes its work in order, so when the newest is done every older one is);
 //! only when it is not are the older ones looked at, oldest first, to drop those that
 //! finished and time the oldest in flight. On cuda-emu the 2-layer GPT at 2 processes made
-//! 507-711 event queries per process per step before, 25-32 now (`event_queries` in
+//! 507-711 event queries per process per step before, 23-24 now (`event_queries` in
 //! `backend::counters`; docs/cuda.md). A collective slow past a
 //! quarter of the group timeout (at most 10 s) records this rank's collective count in the
 //! store, as PyTorch's desync debugging asks each rank; a healthy one costs no store
@@ -220,13 +220,17 @@ impl Lane {
 /// sleeps 100 ms, `kWatchdogThreadSleepMillis`). A healthy step makes a handful of polls,
 /// each one event query per group and stream (`scripts/cuda-emu.sh` checks at most 50
 /// event queries a step); the detection times (seconds) gain at most the cap. New work
-/// restarts the backoff only when the watchdog had nothing in flight.
+/// restarts the backoff only when the watchdog had nothing in flight for longer than the
+/// cap: in a training loop collectives follow each other closely, and the watchdog's polls
+/// would otherwise start over at every one that finds it idle.
 const FIRST_POLL: Duration = Duration::from_millis(2);
 const MAX_POLL: Duration = Duration::from_millis(100);
 
 fn run(w: &'static Watchdog) {
     let mut lanes: Vec<Lane> = Vec::new();
     let mut pause = FIRST_POLL;
+    // When the last poll found collectives in flight.
+    let mut busy = Instant::now();
     loop {
         {
             let mut q = w.queue.lock();
@@ -234,7 +238,11 @@ fn run(w: &'static Watchdog) {
                 while q.is_empty() {
                     w.wake.wait(&mut q);
                 }
-                pause = FIRST_POLL;
+                // Work after a pause: poll soon. Work that follows the last within the
+                // longest poll (a training loop's next collectives) keeps the backoff.
+                if busy.elapsed() > MAX_POLL {
+                    pause = FIRST_POLL;
+                }
             }
         }
         std::thread::sleep(pause);
@@ -253,5 +261,6 @@ fn run(w: &'static Watchdog) {
             }
         }
         lanes.retain_mut(Lane::poll);
+        busy = Instant::now();
     }
 }
