@@ -21,6 +21,7 @@ static PINNED_ALLOCS: AtomicU64 = AtomicU64::new(0);
 static FSDP_BUFFER_ALLOCS: AtomicU64 = AtomicU64::new(0);
 static KERNEL_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 static STORE_OPS: AtomicU64 = AtomicU64::new(0);
+static GRAPH_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
     static THREAD_SYNCS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
@@ -61,6 +62,9 @@ pub struct Counters {
     pub kernel_launches: u64,
     /// Requests sent to the rendezvous key-value store (`TcpStore`).
     pub store_ops: u64,
+    /// CUDA graph launches (`cuGraphLaunch`): 1 per step replayed under
+    /// `fsdp train --cuda-graphs`, whose kernels are then not counted in `kernel_launches`.
+    pub graph_launches: u64,
 }
 
 impl Counters {
@@ -75,6 +79,7 @@ impl Counters {
             fsdp_buffer_allocs: FSDP_BUFFER_ALLOCS.load(Ordering::Relaxed),
             kernel_launches: KERNEL_LAUNCHES.load(Ordering::Relaxed),
             store_ops: STORE_OPS.load(Ordering::Relaxed),
+            graph_launches: GRAPH_LAUNCHES.load(Ordering::Relaxed),
         }
     }
 
@@ -93,6 +98,7 @@ impl Counters {
                 .saturating_sub(earlier.fsdp_buffer_allocs),
             kernel_launches: self.kernel_launches.saturating_sub(earlier.kernel_launches),
             store_ops: self.store_ops.saturating_sub(earlier.store_ops),
+            graph_launches: self.graph_launches.saturating_sub(earlier.graph_launches),
         }
     }
 }
@@ -141,6 +147,11 @@ pub fn count_pinned_alloc() {
             std::backtrace::Backtrace::force_capture()
         );
     }
+}
+
+/// Counts one CUDA graph launch.
+pub fn count_graph_launch() {
+    GRAPH_LAUNCHES.fetch_add(1, Ordering::Relaxed);
 }
 
 /// Counts one request to the caching allocator.

@@ -23,6 +23,13 @@
 //! for (made from the cache during the first step, they would leave the second step
 //! short of the blocks the first one reused).
 //!
+//! A CUDA graph's buffers come from a graph-private pool ([`PrivatePool`], PyTorch's
+//! graph pool handle): while a region of a graph is recorded ([`Pool::set_private`],
+//! `graph.rs`) every allocation on the device takes its block from that pool (a block freed
+//! there goes back to it), so the blocks a captured step used stay the graph's, at the same
+//! addresses, for every replay. A block that waits on another stream's event is not reused
+//! inside the region (querying the event would be an error during a capture).
+//!
 //! [`MemAccount`]: bytes held by one rank (or any owner); every buffer is charged to one,
 //! so several ranks sharing a GPU (the threads backend) each see their own figures.
 
@@ -85,6 +92,62 @@ struct FreeBlock {
     pending: Vec<CudaEvent>,
 }
 
+/// Free blocks of one CUDA graph (see the module docs), and whether a capture is under way
+/// (then a miss is an error instead of a `cuMemAlloc`).
+pub(crate) struct PrivatePool {
+    device: Arc<Pool>,
+    free: Mutex<HashMap<(usize, usize), Vec<FreeBlock>>>,
+    /// Blocks of buffers freed with [`DeviceBuffer::hold_for_graph`]: not reused inside
+    /// the region (a captured graph reads them at every replay).
+    held: Mutex<Vec<((usize, usize), FreeBlock)>>,
+    capturing: std::sync::atomic::AtomicBool,
+}
+
+impl PrivatePool {
+    /// An empty pool of `device`'s blocks.
+    pub(crate) fn new(device: Arc<Pool>) -> Arc<PrivatePool> {
+        Arc::new(PrivatePool {
+            device,
+            free: Mutex::new(HashMap::new()),
+            held: Mutex::new(Vec::new()),
+            capturing: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    /// Makes the held blocks reusable (the end of a warm-up region).
+    pub(crate) fn release_held(&self) {
+        let held = std::mem::take(&mut *self.held.lock());
+        let mut free = self.free.lock();
+        for (key, b) in held {
+            free.entry(key).or_default().push(b);
+        }
+    }
+
+    /// Marks a capture as under way (true) or over.
+    pub(crate) fn set_capturing(&self, on: bool) {
+        self.capturing.store(on, Ordering::Relaxed);
+    }
+
+    fn take(&self, key: (usize, usize)) -> Option<CUdeviceptr> {
+        let mut free = self.free.lock();
+        let list = free.get_mut(&key)?;
+        let pos = list.iter().position(|b| b.pending.is_empty())?;
+        Some(list.swap_remove(pos).ptr)
+    }
+}
+
+impl Drop for PrivatePool {
+    fn drop(&mut self) {
+        // No graph or buffer uses the blocks any more: they join the device's cache.
+        self.release_held();
+        let mut mine = std::mem::take(&mut *self.free.lock());
+        let mut all = self.device.free.lock();
+        for (key, list) in mine.drain() {
+            all.entry(key).or_default().extend(list);
+        }
+    }
+}
+
 /// The per-device cache of free blocks (see the module docs).
 pub(crate) struct Pool {
     ctx: Arc<CudaContext>,
@@ -93,6 +156,8 @@ pub(crate) struct Pool {
     free: Mutex<HashMap<(usize, usize), Vec<FreeBlock>>>,
     reserved: AtomicUsize,
     account: Arc<MemAccount>,
+    /// The graph pool allocations go to while a graph region is recorded.
+    private: Mutex<Option<Arc<PrivatePool>>>,
 }
 
 fn round_size(bytes: usize) -> usize {
@@ -141,7 +206,18 @@ impl Pool {
             free: Mutex::new(HashMap::new()),
             reserved: AtomicUsize::new(0),
             account: MemAccount::new(),
+            private: Mutex::new(None),
         }
+    }
+
+    /// Routes the device's allocations to `pool` (None: back to the device's cache).
+    pub(crate) fn set_private(&self, pool: Option<Arc<PrivatePool>>) {
+        *self.private.lock() = pool;
+    }
+
+    /// Whether buffers are cached (not under `FSDP_CUDA_NO_CACHING=1`).
+    pub(crate) fn caching() -> bool {
+        !no_caching()
     }
 
     /// The whole device's figures: live bytes over all accounts, peak, bytes reserved.
@@ -223,6 +299,10 @@ impl Pool {
             round_size(bytes)
         };
         let key = (stream_id(stream), size);
+        let private = self.private.lock().clone();
+        if let Some(pp) = private {
+            return self.alloc_private(pp, bytes, key, account);
+        }
         let cached = if no_caching() || FRESH.with(std::cell::Cell::get) {
             None
         } else {
@@ -254,6 +334,48 @@ impl Pool {
             pool: self.clone(),
             account: account.clone(),
             other_streams: Mutex::new(Vec::new()),
+            private: None,
+            hold: false,
+        })
+    }
+
+    /// [`Pool::alloc`] from a graph's pool: a cached block of it, else (outside a capture)
+    /// a new block from the driver that becomes the graph's.
+    fn alloc_private(
+        self: &Arc<Self>,
+        pp: Arc<PrivatePool>,
+        bytes: usize,
+        key: (usize, usize),
+        account: &Arc<MemAccount>,
+    ) -> Result<DeviceBuffer> {
+        let ptr = match pp.take(key) {
+            Some(p) => p,
+            None if pp.capturing.load(Ordering::Relaxed) => {
+                return Err(Error::cuda(
+                    format!(
+                        "allocating {bytes} B on cuda:{} during a CUDA graph capture",
+                        self.ordinal
+                    ),
+                    "the warm-up run left no free block of that size in the graph's pool (cuMemAlloc is not permitted while capturing): the captured step must allocate as the warm-up did",
+                ));
+            }
+            None => {
+                let p = self.malloc(key.1)?;
+                self.reserved.fetch_add(key.1, Ordering::Relaxed);
+                p
+            }
+        };
+        account.charge(bytes);
+        self.account.charge(bytes);
+        Ok(DeviceBuffer {
+            ptr,
+            bytes,
+            key,
+            pool: self.clone(),
+            account: account.clone(),
+            other_streams: Mutex::new(Vec::new()),
+            private: Some(pp),
+            hold: false,
         })
     }
 }
@@ -268,6 +390,10 @@ pub struct DeviceBuffer {
     pool: Arc<Pool>,
     account: Arc<MemAccount>,
     other_streams: Mutex<Vec<Arc<CudaStream>>>,
+    /// The graph pool the block belongs to, if any (freed back there).
+    private: Option<Arc<PrivatePool>>,
+    /// Freed into the graph pool's held blocks, not its free ones.
+    hold: bool,
 }
 
 impl std::fmt::Debug for DeviceBuffer {
@@ -284,6 +410,13 @@ impl DeviceBuffer {
     /// The device address of the first byte.
     pub fn ptr(&self) -> u64 {
         self.ptr
+    }
+
+    /// Keeps the block out of reuse inside the graph region it was allocated in, once
+    /// freed (a buffer whose contents a captured graph writes once, before its first
+    /// launch, and reads at every replay); no effect outside a graph's pool.
+    pub(crate) fn hold_for_graph(&mut self) {
+        self.hold = self.private.is_some();
     }
 
     /// Requested size in bytes.
@@ -356,14 +489,14 @@ impl Drop for DeviceBuffer {
         }
         self.account.release(self.bytes);
         self.pool.account.release(self.bytes);
-        self.pool
-            .free
-            .lock()
-            .entry(self.key)
-            .or_default()
-            .push(FreeBlock {
-                ptr: self.ptr,
-                pending,
-            });
+        let block = FreeBlock {
+            ptr: self.ptr,
+            pending,
+        };
+        match &self.private {
+            Some(pp) if self.hold => pp.held.lock().push((self.key, block)),
+            Some(pp) => pp.free.lock().entry(self.key).or_default().push(block),
+            None => self.pool.free.lock().entry(self.key).or_default().push(block),
+        }
     }
 }

@@ -78,7 +78,19 @@ pub(crate) fn float_only(op: &'static str, d: DType) -> Result<()> {
 
 /// Copies a host table of 8-byte values (pointers, offsets, descriptors) to the device.
 pub(crate) fn upload_table<T: Copy>(s: &Stream, table: &[T]) -> Result<DeviceBuffer> {
-    let buf = s.alloc_bytes(std::mem::size_of_val(table))?;
+    let mut buf = s.alloc_bytes(std::mem::size_of_val(table))?;
+    if super::graph::recording() {
+        // A captured graph would copy from `table` at every replay, long after it is gone:
+        // the table is written once and its block kept for the graph (see graph.rs).
+        buf.hold_for_graph();
+        // SAFETY: `T` is a plain descriptor (Copy, repr(C) or a number): its bytes are
+        // initialized and `table` covers `size_of_val(table)` of them.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(table.as_ptr().cast::<u8>(), std::mem::size_of_val(table))
+        };
+        super::graph::write_once(s, buf.ptr(), bytes)?;
+        return Ok(buf);
+    }
     if !table.is_empty() {
         // SAFETY: the buffer holds the whole table. cuMemcpyHtoDAsync from pageable memory
         // returns once the source was staged, so `table` may be dropped after it returns;
