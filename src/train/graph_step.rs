@@ -57,7 +57,9 @@ pub(super) fn check(cfg: &TrainConfig) -> Result<()> {
         return bad("--save-dir: the host's optimizer state does not follow replayed steps");
     }
     if cfg.no_fsdp && cfg.clip_grad_norm.is_some() {
-        return bad("--no-fsdp with --clip-grad-norm reads the norm on the host (pass --clip-grad-norm 0)");
+        return bad(
+            "--no-fsdp with --clip-grad-norm reads the norm on the host (pass --clip-grad-norm 0)",
+        );
     }
     Ok(())
 }
@@ -136,12 +138,15 @@ impl GraphSteps {
             let micro = cfg.global_batch / cfg.grad_accum;
             let micro_rows = micro / cfg.world_size;
             let Device::Cuda(ordinal) = self.device else {
-                return Err(Error::InvalidArgument("--cuda-graphs needs --device cuda".into()));
+                return Err(Error::InvalidArgument(
+                    "--cuda-graphs needs --device cuda".into(),
+                ));
             };
             let s = crate::backend::cuda::current_stream(ordinal)?;
             for k in 0..cfg.grad_accum {
                 let lo = k * micro + rank * micro_rows;
-                let (x, y) = data.batch(Split::Train, cfg.seed, step as u64, lo..lo + micro_rows, t);
+                let (x, y) =
+                    data.batch(Split::Train, cfg.seed, step as u64, lo..lo + micro_rows, t);
                 self.x[k].as_device_tensor()?.copy_from_slice(&s, &x)?;
                 self.y[k].as_device_tensor()?.copy_from_slice(&s, &y)?;
             }
@@ -215,8 +220,6 @@ fn copy_scalar(s: &crate::backend::cuda::Stream, dst: &Tensor, src: &Tensor) -> 
     let (d, sr) = (dst.as_device_tensor()?, src.as_device_tensor()?);
     // SAFETY: both views hold one f32 on `s`'s device; the copy is ordered on `s` after the
     // graph that writes `src` and before the flush that reads `dst`.
-    unsafe {
-        cudarc::driver::result::memcpy_dtod_async(d.ptr(), sr.ptr(), 4, s.cu_stream())
-    }
-    .map_err(|e| Error::cuda("cuMemcpyDtoDAsync (a graph step's loss)", e))
+    unsafe { cudarc::driver::result::memcpy_dtod_async(d.ptr(), sr.ptr(), 4, s.cu_stream()) }
+        .map_err(|e| Error::cuda("cuMemcpyDtoDAsync (a graph step's loss)", e))
 }

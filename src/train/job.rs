@@ -341,8 +341,15 @@ pub(super) fn run_rank(
         engine.reset_peak();
         let (c0, mem, scaled) = match graphs.as_mut() {
             Some(g) if g.takes(step) => {
-                let (c0, mem) =
-                    g.step(step, cfg, data, rank, &mut engine, opt.as_mut(), &mut pending)?;
+                let (c0, mem) = g.step(
+                    step,
+                    cfg,
+                    data,
+                    rank,
+                    &mut engine,
+                    opt.as_mut(),
+                    &mut pending,
+                )?;
                 (c0, mem, None)
             }
             _ => eager_step(
@@ -427,7 +434,11 @@ fn eager_step(
     pending: &mut super::pending::Pending,
     fail: Option<super::fault::FailAt>,
     kill: Option<&super::fault::KillOnce>,
-) -> Result<(crate::backend::counters::Counters, RankMemory, Option<super::pending::Scaled>)> {
+) -> Result<(
+    crate::backend::counters::Counters,
+    RankMemory,
+    Option<super::pending::Scaled>,
+)> {
     let t = cfg.seq_len;
     let (c0, l) = pending.begin()?;
     // Micro-batch k is rows [k B/K, (k+1) B/K) of the global batch; each rank takes its

@@ -180,9 +180,8 @@ impl GraphRecorder {
             },
             other => other,
         })?;
-        let graph = ended?.ok_or_else(|| {
-            Error::cuda("cuStreamEndCapture", "the capture recorded no work")
-        })?;
+        let graph = ended?
+            .ok_or_else(|| Error::cuda("cuStreamEndCapture", "the capture recorded no work"))?;
         for (ptr, bytes) in &inits {
             copy_to_device(&s, *ptr, bytes)?;
         }

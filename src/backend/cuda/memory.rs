@@ -496,7 +496,13 @@ impl Drop for DeviceBuffer {
         match &self.private {
             Some(pp) if self.hold => pp.held.lock().push((self.key, block)),
             Some(pp) => pp.free.lock().entry(self.key).or_default().push(block),
-            None => self.pool.free.lock().entry(self.key).or_default().push(block),
+            None => self
+                .pool
+                .free
+                .lock()
+                .entry(self.key)
+                .or_default()
+                .push(block),
         }
     }
 }
