@@ -106,8 +106,11 @@ if [ "$what" != tests ]; then
   fi
   small="--data $data --steps 8 --n-layer 2 --n-embd 32 --n-head 2 --seq-len 32 --global-batch 4 --eval-every 0 --sample-len 0 --log-every 0"
   run() { # run NAME ARGS...: one training, its metrics in $out/NAME.jsonl
+    # (its log capped at 2 MB and its time at 10 min: a faulting kernel reports every
+    # access, and a broken run may hang)
     local name="$1"; shift
-    if ! "$@" $small --metrics "$out/$name.jsonl" >"$out/$name.log" 2>&1; then
+    timeout 600 "$@" $small --metrics "$out/$name.jsonl" 2>&1 | head -c 2000000 >"$out/$name.log"
+    if [ "${PIPESTATUS[0]}" -ne 0 ]; then
       echo "FAIL $name: $(tail -n 3 "$out/$name.log")"; fail=1
     fi
   }
@@ -144,10 +147,10 @@ if [ "$what" != tests ]; then
   run cuda-ws4 "$fsdp" train --device cuda --world-size 4
   # CUDA graphs (--cuda-graphs needs a constant lr: no warm-up): steps 1 and 2 eager (the
   # second from the graph's pool), step 3 captured and launched, then replays.
-  # TODO(cuda-graphs, WIP): run cuda-ws1-const "$fsdp" train --device cuda --world-size 1 --warmup-steps 0
-  # TODO(cuda-graphs, WIP): run cuda-ws1-graph "$fsdp" train --device cuda --world-size 1 --warmup-steps 0 --cuda-graphs
-  # TODO(cuda-graphs, WIP): run cuda-ws1-graph-accum "$fsdp" train --device cuda --world-size 1 --warmup-steps 0 --grad-accum 2 --cuda-graphs
-  # TODO(cuda-graphs, WIP): run cuda-ws1-accum "$fsdp" train --device cuda --world-size 1 --warmup-steps 0 --grad-accum 2
+  run cuda-ws1-const "$fsdp" train --device cuda --world-size 1 --warmup-steps 0
+  run cuda-ws1-graph "$fsdp" train --device cuda --world-size 1 --warmup-steps 0 --cuda-graphs
+  run cuda-ws1-graph-accum "$fsdp" train --device cuda --world-size 1 --warmup-steps 0 --grad-accum 2 --cuda-graphs
+  run cuda-ws1-accum "$fsdp" train --device cuda --world-size 1 --warmup-steps 0 --grad-accum 2
   run nccl-ws4 "$fsdp" launch --nproc-per-node 4 --master-port 0 -- "$fsdp" train --device cuda --world-size 4
   check "cuda vs cpu, world size 1 (f32)" cuda-ws1 cpu-ws1
   check "cuda vs cpu, 2 ranks on $CUDA_EMU_DEVICES device(s) (f32)" cuda-ws2 cpu-ws2
@@ -166,8 +169,8 @@ if [ "$what" != tests ]; then
   check "cuda with cpu offload vs cpu with cpu offload, 2 ranks" cuda-ws2-offload cpu-ws2-offload
   check "nccl (fsdp launch, 1 process) vs threads, cuda" nccl-ws1 cuda-ws1
   # A replayed graph is the same kernels on the same addresses: bit for bit the eager run.
-  # TODO(cuda-graphs, WIP): check "cuda graphs vs eager, 1 rank" cuda-ws1-graph cuda-ws1-const 0
-  # TODO(cuda-graphs, WIP): check "cuda graphs vs eager, 1 rank, 2 micro-batches" cuda-ws1-graph-accum cuda-ws1-accum 0
+  check "cuda graphs vs eager, 1 rank" cuda-ws1-graph cuda-ws1-const 0
+  check "cuda graphs vs eager, 1 rank, 2 micro-batches" cuda-ws1-graph-accum cuda-ws1-accum 0
   # The emulated NCCL reduces in rank order in f64 as the threads backend does: bit for bit.
   check "nccl (fsdp launch, 2 processes) vs threads, cuda" nccl-ws2 cuda-ws2 0
   check "nccl (fsdp launch, 2 processes) vs threads, cuda, bf16" nccl-ws2-bf16 cuda-ws2-bf16 0
@@ -222,7 +225,7 @@ PY
   counters cuda-ws2-bf16-offload 2 1
   # --cuda-graphs: one graph launch and no kernel launch from the host on every replayed
   # step (4 on), none on the eager ones; no device allocation once the graph is captured.
-  for name in; do # TODO(cuda-graphs, WIP): cuda-ws1-graph cuda-ws1-graph-accum
+  for name in cuda-ws1-graph cuda-ws1-graph-accum; do
     python3 - "$out/$name.jsonl" "$name" <<'PY' || fail=1
 import json, sys
 recs = [json.loads(l) for l in open(sys.argv[1])]

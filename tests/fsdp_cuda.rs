@@ -845,7 +845,6 @@ fn in_own_process(name: &str, body: impl FnOnce()) {
 /// graph launch and no kernel launch per replayed step. Under `FSDP_CUDA_NO_CACHING=1` the
 /// capture is refused (every buffer would be a `cuMemAlloc`), named.
 #[test]
-#[ignore = "WIP: on cuda-emu the replayed step faults in reduce_ranks_f32 (a null pointer read through a kernel-argument table written once after the capture)"]
 fn cuda_graph_steps_equal_eager_steps_bitwise_cuda() {
     if gpus("cuda_graph_steps_equal_eager_steps_bitwise_cuda").is_none() {
         return;

@@ -14,7 +14,9 @@
 //!
 //! What the host computes per step must not be baked into the graph as a constant:
 //! - tables of kernel arguments ([`upload_table`](super::ops)) are written once, before the
-//!   first launch, into blocks the graph keeps ([`write_once`]);
+//!   first launch, into blocks the graph keeps for them alone ([`write_once`],
+//!   `Stream::alloc_graph_constant`: a block shared with other work of the step would be
+//!   overwritten by it at every replay);
 //! - Adam's step count lives in device memory, advanced by the graph itself
 //!   (`kernels/graph.cu`, PyTorch's `capturable=True`; see `optim.rs`);
 //! - inputs are copied into static buffers before each launch, outputs read after it, by
@@ -45,8 +47,8 @@ pub(crate) fn recording() -> bool {
 
 /// Writes `bytes` to device address `ptr` on `s`: at once (a copy on `s`), or, during a
 /// capture, once after it ends and before the graph's first launch (the graph then reads
-/// what was written at every replay, so the block must be held for it:
-/// `DeviceBuffer::hold_for_graph`).
+/// what was written at every replay, so the block must be the graph's and no other
+/// buffer's: `Stream::alloc_graph_constant`).
 ///
 /// # Errors
 /// [`Error::Cuda`] from the copy.

@@ -30,6 +30,14 @@
 //! addresses, for every replay. A block that waits on another stream's event is not reused
 //! inside the region (querying the event would be an error during a capture).
 //!
+//! A graph's constants (tables of kernel arguments, Adam's step count: written once before
+//! the first launch, read at every replay) take blocks of their own
+//! ([`Stream::alloc_graph_constant`](super::Stream::alloc_graph_constant)): a block that
+//! other work of the graph also used, earlier in the step, would be overwritten by that
+//! work at every replay before the constant is read. So they never share a block with
+//! anything else: constant blocks are made during the warm-up, kept apart from the
+//! region's other blocks, and served to the capture's constants only.
+//!
 //! [`MemAccount`]: bytes held by one rank (or any owner); every buffer is charged to one,
 //! so several ranks sharing a GPU (the threads backend) each see their own figures.
 
@@ -97,8 +105,10 @@ struct FreeBlock {
 pub(crate) struct PrivatePool {
     device: Arc<Pool>,
     free: Mutex<HashMap<(usize, usize), Vec<FreeBlock>>>,
-    /// Blocks of buffers freed with [`DeviceBuffer::hold_for_graph`]: not reused inside
-    /// the region (a captured graph reads them at every replay).
+    /// Free blocks for the graph's constants only (never served to other buffers).
+    consts: Mutex<HashMap<(usize, usize), Vec<FreeBlock>>>,
+    /// Blocks of constants freed inside the region: not reused inside it (a captured graph
+    /// reads them at every replay); they join `consts` at the end of a warm-up.
     held: Mutex<Vec<((usize, usize), FreeBlock)>>,
     capturing: std::sync::atomic::AtomicBool,
 }
@@ -109,17 +119,19 @@ impl PrivatePool {
         Arc::new(PrivatePool {
             device,
             free: Mutex::new(HashMap::new()),
+            consts: Mutex::new(HashMap::new()),
             held: Mutex::new(Vec::new()),
             capturing: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
-    /// Makes the held blocks reusable (the end of a warm-up region).
+    /// Makes the held blocks reusable by the next region's constants (the end of a
+    /// warm-up region).
     pub(crate) fn release_held(&self) {
         let held = std::mem::take(&mut *self.held.lock());
-        let mut free = self.free.lock();
+        let mut consts = self.consts.lock();
         for (key, b) in held {
-            free.entry(key).or_default().push(b);
+            consts.entry(key).or_default().push(b);
         }
     }
 
@@ -128,8 +140,13 @@ impl PrivatePool {
         self.capturing.store(on, Ordering::Relaxed);
     }
 
-    fn take(&self, key: (usize, usize)) -> Option<CUdeviceptr> {
-        let mut free = self.free.lock();
+    /// A free block of `key` for a constant (`constant`) or any other buffer.
+    fn take(&self, key: (usize, usize), constant: bool) -> Option<CUdeviceptr> {
+        let mut free = if constant {
+            self.consts.lock()
+        } else {
+            self.free.lock()
+        };
         let list = free.get_mut(&key)?;
         let pos = list.iter().position(|b| b.pending.is_empty())?;
         Some(list.swap_remove(pos).ptr)
@@ -141,8 +158,9 @@ impl Drop for PrivatePool {
         // No graph or buffer uses the blocks any more: they join the device's cache.
         self.release_held();
         let mut mine = std::mem::take(&mut *self.free.lock());
+        let consts = std::mem::take(&mut *self.consts.lock());
         let mut all = self.device.free.lock();
-        for (key, list) in mine.drain() {
+        for (key, list) in mine.drain().chain(consts) {
             all.entry(key).or_default().extend(list);
         }
     }
@@ -292,6 +310,28 @@ impl Pool {
         stream: &Arc<CudaStream>,
         account: &Arc<MemAccount>,
     ) -> Result<DeviceBuffer> {
+        self.alloc_as(bytes, stream, account, false)
+    }
+
+    /// [`Pool::alloc`] for a CUDA graph's constant (see the module docs): inside a graph
+    /// region, a block of the graph's that no other buffer uses, held for the graph once
+    /// freed; elsewhere an ordinary buffer.
+    pub(crate) fn alloc_constant(
+        self: &Arc<Self>,
+        bytes: usize,
+        stream: &Arc<CudaStream>,
+        account: &Arc<MemAccount>,
+    ) -> Result<DeviceBuffer> {
+        self.alloc_as(bytes, stream, account, true)
+    }
+
+    fn alloc_as(
+        self: &Arc<Self>,
+        bytes: usize,
+        stream: &Arc<CudaStream>,
+        account: &Arc<MemAccount>,
+        constant: bool,
+    ) -> Result<DeviceBuffer> {
         crate::backend::counters::count_allocator_request();
         let size = if no_caching() {
             bytes.max(1)
@@ -301,7 +341,7 @@ impl Pool {
         let key = (stream_id(stream), size);
         let private = self.private.lock().clone();
         if let Some(pp) = private {
-            return self.alloc_private(pp, bytes, key, account);
+            return self.alloc_private(pp, bytes, key, account, constant);
         }
         let cached = if no_caching() || FRESH.with(std::cell::Cell::get) {
             None
@@ -339,16 +379,18 @@ impl Pool {
         })
     }
 
-    /// [`Pool::alloc`] from a graph's pool: a cached block of it, else (outside a capture)
-    /// a new block from the driver that becomes the graph's.
+    /// [`Pool::alloc`] from a graph's pool: a cached block of it (of its constants' blocks
+    /// for a `constant`), else (outside a capture) a new block from the driver that becomes
+    /// the graph's.
     fn alloc_private(
         self: &Arc<Self>,
         pp: Arc<PrivatePool>,
         bytes: usize,
         key: (usize, usize),
         account: &Arc<MemAccount>,
+        constant: bool,
     ) -> Result<DeviceBuffer> {
-        let ptr = match pp.take(key) {
+        let ptr = match pp.take(key, constant) {
             Some(p) => p,
             None if pp.capturing.load(Ordering::Relaxed) => {
                 return Err(Error::cuda(
@@ -375,7 +417,7 @@ impl Pool {
             account: account.clone(),
             other_streams: Mutex::new(Vec::new()),
             private: Some(pp),
-            hold: false,
+            hold: constant,
         })
     }
 }
@@ -392,7 +434,7 @@ pub struct DeviceBuffer {
     other_streams: Mutex<Vec<Arc<CudaStream>>>,
     /// The graph pool the block belongs to, if any (freed back there).
     private: Option<Arc<PrivatePool>>,
-    /// Freed into the graph pool's held blocks, not its free ones.
+    /// A graph's constant: freed into the graph pool's held blocks, not its free ones.
     hold: bool,
 }
 
@@ -410,13 +452,6 @@ impl DeviceBuffer {
     /// The device address of the first byte.
     pub fn ptr(&self) -> u64 {
         self.ptr
-    }
-
-    /// Keeps the block out of reuse inside the graph region it was allocated in, once
-    /// freed (a buffer whose contents a captured graph writes once, before its first
-    /// launch, and reads at every replay); no effect outside a graph's pool.
-    pub(crate) fn hold_for_graph(&mut self) {
-        self.hold = self.private.is_some();
     }
 
     /// Requested size in bytes.

@@ -292,8 +292,7 @@ fn graph_bias(
             other.step
         );
     }
-    let mut count = s.alloc_bytes(8)?;
-    count.hold_for_graph();
+    let count = s.alloc_graph_constant(8)?;
     super::graph::write_once(s, count.ptr(), &(step as i64 - 1).to_le_bytes())?;
     let (lr, b1, b2) = match dt {
         DType::F64 => (h.lr, h.betas.0, h.betas.1),
