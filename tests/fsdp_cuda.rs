@@ -916,6 +916,8 @@ fn graph_steps() {
 /// What a captured step may not do is refused at capture with the operation's name: a read
 /// of a device value to the host (a host synchronization), and an allocation the warm-up
 /// did not make; the warm-up's own work runs, and a clean capture replays.
+/// (The recorder is an API of the `cuda` feature's backend only.)
+#[cfg(feature = "cuda")]
 #[test]
 fn a_host_sync_in_a_captured_step_is_refused_by_name_cuda() {
     if gpus("a_host_sync_in_a_captured_step_is_refused_by_name_cuda").is_none() {
@@ -927,6 +929,7 @@ fn a_host_sync_in_a_captured_step_is_refused_by_name_cuda() {
     );
 }
 
+#[cfg(feature = "cuda")]
 fn refused_capture() {
     use fsdp::backend::cuda::{current_stream, GraphRecorder};
     let s = current_stream(0).unwrap();

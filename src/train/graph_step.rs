@@ -17,7 +17,9 @@
 //! above 1. Memory figures of replayed steps are the warm-up step's.
 
 use super::config::TrainConfig;
-use super::data::{Split, TextDataset};
+#[cfg(feature = "cuda")]
+use super::data::Split;
+use super::data::TextDataset;
 use super::engine::{Engine, RankMemory};
 use super::pending::Pending;
 use crate::backend::counters::Counters;
@@ -64,7 +66,9 @@ pub(super) fn check(cfg: &TrainConfig) -> Result<()> {
     Ok(())
 }
 
-/// The static buffers and the graph of a `--cuda-graphs` run on one rank.
+/// The static buffers and the graph of a `--cuda-graphs` run on one rank (without the
+/// `cuda` feature only made to be refused at the first step).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(super) struct GraphSteps {
     first: usize,
     device: Device,
@@ -168,7 +172,7 @@ impl GraphSteps {
         }
         #[cfg(not(feature = "cuda"))]
         {
-            let _ = (step, data, rank, engine, opt, loss_slot, norm_slot);
+            let _ = (step, cfg, c0, data, rank, engine, opt, loss_slot, norm_slot);
             return Err(crate::backend::cuda::no_cuda_build());
         }
         #[allow(unreachable_code)]
@@ -178,6 +182,7 @@ impl GraphSteps {
     /// The step's device work, captured or not: forward and backward of every micro-batch
     /// from the static ids, the loss into `self.loss`, clipping (the norm into
     /// `self.norm`), the optimizer step, `zero_grad`. With `measure`, the memory figures.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     fn body(
         &mut self,
         cfg: &TrainConfig,
