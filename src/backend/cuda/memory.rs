@@ -365,18 +365,32 @@ impl Pool {
                 p
             }
         };
+        Ok(self.buffer(ptr, bytes, key, account, None))
+    }
+
+    /// The buffer of block `ptr` (`key`), `bytes` charged to `account` and the device;
+    /// `private`: the graph pool it belongs to, and whether it is a graph's constant.
+    fn buffer(
+        self: &Arc<Self>,
+        ptr: CUdeviceptr,
+        bytes: usize,
+        key: (usize, usize),
+        account: &Arc<MemAccount>,
+        private: Option<(Arc<PrivatePool>, bool)>,
+    ) -> DeviceBuffer {
         account.charge(bytes);
         self.account.charge(bytes);
-        Ok(DeviceBuffer {
+        let hold = private.as_ref().is_some_and(|p| p.1);
+        DeviceBuffer {
             ptr,
             bytes,
             key,
             pool: self.clone(),
             account: account.clone(),
             other_streams: Mutex::new(Vec::new()),
-            private: None,
-            hold: false,
-        })
+            private: private.map(|p| p.0),
+            hold,
+        }
     }
 
     /// [`Pool::alloc`] from a graph's pool: a cached block of it (of its constants' blocks
@@ -407,18 +421,7 @@ impl Pool {
                 p
             }
         };
-        account.charge(bytes);
-        self.account.charge(bytes);
-        Ok(DeviceBuffer {
-            ptr,
-            bytes,
-            key,
-            pool: self.clone(),
-            account: account.clone(),
-            other_streams: Mutex::new(Vec::new()),
-            private: Some(pp),
-            hold: constant,
-        })
+        Ok(self.buffer(ptr, bytes, key, account, Some((pp, constant))))
     }
 }
 
