@@ -122,8 +122,11 @@ if [ "$what" != tests ]; then
   fi
   small="--data $data --steps 8 --n-layer 2 --n-embd 32 --n-head 2 --seq-len 32 --global-batch 4 --eval-every 0 --sample-len 0 --log-every 0"
   run() { # run NAME ARGS...: one training, its metrics in $out/NAME.jsonl
+    # (its log capped at 2 MB and its time at 10 min: a faulting kernel reports every
+    # access, and a broken run may hang)
     local name="$1"; shift
-    if ! "$@" $small --metrics "$out/$name.jsonl" >"$out/$name.log" 2>&1; then
+    timeout 600 "$@" $small --metrics "$out/$name.jsonl" 2>&1 | head -c 2000000 >"$out/$name.log"
+    if [ "${PIPESTATUS[0]}" -ne 0 ]; then
       echo "FAIL $name: $(tail -n 3 "$out/$name.log")"; fail=1
     fi
   }
@@ -158,6 +161,12 @@ if [ "$what" != tests ]; then
   run cpu-ws2-f64 "$fsdp" train --device cpu --world-size 2 --mixed-precision f64
   run cuda-ws2-f64 "$fsdp" train --device cuda --world-size 2 --mixed-precision f64
   run cuda-ws4 "$fsdp" train --device cuda --world-size 4
+  # CUDA graphs (--cuda-graphs needs a constant lr: no warm-up): steps 1 and 2 eager (the
+  # second from the graph's pool), step 3 captured and launched, then replays.
+  run cuda-ws1-const "$fsdp" train --device cuda --world-size 1 --warmup-steps 0
+  run cuda-ws1-graph "$fsdp" train --device cuda --world-size 1 --warmup-steps 0 --cuda-graphs
+  run cuda-ws1-graph-accum "$fsdp" train --device cuda --world-size 1 --warmup-steps 0 --grad-accum 2 --cuda-graphs
+  run cuda-ws1-accum "$fsdp" train --device cuda --world-size 1 --warmup-steps 0 --grad-accum 2
   run nccl-ws4 "$fsdp" launch --nproc-per-node 4 --master-port 0 -- "$fsdp" train --device cuda --world-size 4
   check "cuda vs cpu, world size 1 (f32)" cuda-ws1 cpu-ws1
   check "cuda vs cpu, 2 ranks on $CUDA_EMU_DEVICES device(s) (f32)" cuda-ws2 cpu-ws2
@@ -175,6 +184,9 @@ if [ "$what" != tests ]; then
   check "cuda with cpu offload vs cuda, 2 ranks, bf16" cuda-ws2-bf16-offload cuda-ws2-bf16 0
   check "cuda with cpu offload vs cpu with cpu offload, 2 ranks" cuda-ws2-offload cpu-ws2-offload
   check "nccl (fsdp launch, 1 process) vs threads, cuda" nccl-ws1 cuda-ws1
+  # A replayed graph is the same kernels on the same addresses: bit for bit the eager run.
+  check "cuda graphs vs eager, 1 rank" cuda-ws1-graph cuda-ws1-const 0
+  check "cuda graphs vs eager, 1 rank, 2 micro-batches" cuda-ws1-graph-accum cuda-ws1-accum 0
   # The emulated NCCL reduces in rank order in f64 as the threads backend does: bit for bit.
   check "nccl (fsdp launch, 2 processes) vs threads, cuda" nccl-ws2 cuda-ws2 0
   check "nccl (fsdp launch, 2 processes) vs threads, cuda, bf16" nccl-ws2-bf16 cuda-ws2-bf16 0
@@ -227,6 +239,22 @@ PY
   counters cuda-ws1-bf16-offload 1 1
   counters cuda-ws2-offload 2 1
   counters cuda-ws2-bf16-offload 2 1
+  # --cuda-graphs: one graph launch and no kernel launch from the host on every replayed
+  # step (4 on), none on the eager ones; no device allocation once the graph is captured.
+  for name in cuda-ws1-graph cuda-ws1-graph-accum; do
+    python3 - "$out/$name.jsonl" "$name" <<'PY' || fail=1
+import json, sys
+recs = [json.loads(l) for l in open(sys.argv[1])]
+c = lambda r, k: r["counters"].get(k, 0)
+graphs = [c(r, "graph_launches") for r in recs]
+kernels = [c(r, "kernel_launches") for r in recs]
+allocs = [c(r, "device_allocs") for r in recs[3:]]
+ok = len(recs) == 8 and graphs == [0, 0] + [1] * 6 and max(kernels[3:]) == 0 and max(allocs) == 0
+print(f"{'PASS' if ok else 'FAIL'} counters {sys.argv[2]}: graph launches per step {graphs}, "
+      f"kernel launches {kernels} (0 from step 4), device allocations from step 4 {allocs}")
+sys.exit(0 if ok else 1)
+PY
+  done
   # NCCL (fsdp launch, rank 0's process): no host wait (the watchdog thread watches each
   # collective) and no store request on a step that reads nothing back, and no device
   # allocation from step 2 on, the reading step included. The last step reads the losses

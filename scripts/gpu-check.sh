@@ -247,6 +247,16 @@ compare "loss curve cuda world size 4 vs 1 (one GPU)" "$out/curve-cuda-ws4.jsonl
 step "curve-nccl-ws1" 90 "\"$fsdp_bin\" launch --nproc-per-node 1 -- \"$fsdp_bin\" train --device cuda --world-size 1 $small --metrics \"$out/curve-nccl-ws1.jsonl\""
 compare "loss curve nccl (fsdp launch, 1 process) vs threads (cuda, ws 1)" "$out/curve-nccl-ws1.jsonl" "$out/curve-cuda-ws1.jsonl"
 
+# A CUDA-graph step (--cuda-graphs: step 3 captured, later steps replayed) vs the same run
+# eager (a constant lr: no warm-up), and its counters: one graph launch and no kernel
+# launch per replayed step.
+for g in "" "--cuda-graphs"; do
+  name="curve-cuda-const${g:+-graph}"
+  step "$name" 90 "\"$fsdp_bin\" train --device cuda --world-size 1 --warmup-steps 0 $g $small --metrics \"$out/$name.jsonl\""
+done
+compare "loss curve cuda graphs vs eager (ws 1)" "$out/curve-cuda-const-graph.jsonl" "$out/curve-cuda-const.jsonl"
+say "cuda graphs: graph/kernel launches per step $(python3 -c 'import json,sys; r=[json.loads(l)["counters"] for l in open(sys.argv[1])]; print([(c.get("graph_launches",0), c["kernel_launches"]) for c in r])' "$out/curve-cuda-const-graph.jsonl" 2>&1)"
+
 # GPT-2 small's shape in bf16: tokens/s, MFU and peak device memory per rank.
 label="gpt2-124m"; [ "$model" = "--preset gpt2-124m" ] || label="model '$model'"
 for ws in 1 4; do

@@ -10,6 +10,7 @@
 //! | `reduce_scatter.cu` | `pack_grad_{dtype}`, `sum_into_{dtype}`, `scale_{f32,f64}`, `div_scale_f64`, `sumsq_partial_{f32,f64}`, `clip_coef_{f32,f64}` | [`crate::backend::cpu::kernels`] |
 //! | `cast.cu` | `cast_{src}_{dst}` | [`cast_slice`](crate::backend::cpu::ops::cast_slice) |
 //! | `optim.cu` | `sgd_{f32,f64}`, `adam_{f32,f64}` | [`crate::optim`] (`SGD`, `Adam`, `AdamW`) |
+//! | `graph.cu` | `adam_bias_{f32,f64}` | Adam's step count in a captured CUDA graph (`backend::cuda`'s `graph.rs`) |
 //! | `nn.cu` | `gelu_*`, `relu_*`, `layernorm_*`, `softmax_*`, `cross_entropy_*`, `embedding_*`, `bias_*` (each `_f32` and `_f64`) | [`crate::backend::cpu::kernels`], [`crate::nn`] (f64: `ops::double`) |
 //! | `collective.cu` | `reduce_ranks_{dtype}` | the threads backend's host reduction (`distributed::threads`) |
 //! | `sdpa.cu` | `sdpa_fwd_{f16,bf16}`, `sdpa_bwd_dq_{f16,bf16}`, `sdpa_bwd_dkv_{f16,bf16}` | `ops::sdpa_causal` (PyTorch's bf16/f16 `scaled_dot_product_attention`, bitwise) |

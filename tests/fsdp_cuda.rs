@@ -815,3 +815,180 @@ fn buffer_pool_reuses_a_buffer_only_behind_its_stream_job_cuda() {
     })
     .unwrap();
 }
+
+/// Runs `body` in a child process of this test binary running only test `name`: a graph
+/// capture routes every allocation of the device to its pool and forbids other threads'
+/// synchronizations (global capture mode), which the tests running beside it would trip.
+fn in_own_process(name: &str, body: impl FnOnce()) {
+    if std::env::var_os("FSDP_TEST_OWN_PROCESS").is_some() {
+        return body();
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([name, "--exact", "--nocapture", "--test-threads", "1"])
+        .env("FSDP_TEST_OWN_PROCESS", "1")
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{text}");
+    assert!(
+        out.status.success() && text.contains("1 passed"),
+        "{name} in its own process failed"
+    );
+}
+
+/// `fsdp train --cuda-graphs`: steps 1-2 eager, 3 captured and launched, 4-8 replayed, with
+/// the same losses as the eager run bit for bit (the same kernels on the same data), one
+/// graph launch and no kernel launch per replayed step. Under `FSDP_CUDA_NO_CACHING=1` the
+/// capture is refused (every buffer would be a `cuMemAlloc`), named.
+#[test]
+fn cuda_graph_steps_equal_eager_steps_bitwise_cuda() {
+    if gpus("cuda_graph_steps_equal_eager_steps_bitwise_cuda").is_none() {
+        return;
+    }
+    in_own_process(
+        "cuda_graph_steps_equal_eager_steps_bitwise_cuda",
+        graph_steps,
+    );
+}
+
+fn graph_steps() {
+    let data = common::corpus_file("train-graphs");
+    for accum in [1, 2] {
+        let cfg = |graphs| fsdp::train::TrainConfig {
+            steps: 8,
+            device: fsdp::train::TrainDevice::Cuda,
+            warmup_steps: 0,
+            grad_accum: accum,
+            global_batch: 4,
+            cuda_graphs: graphs,
+            ..common::small_job(data.clone(), 1)
+        };
+        let want = fsdp::train::train(&cfg(false), &fsdp::train::Silent).unwrap();
+        let got = match fsdp::train::train(&cfg(true), &fsdp::train::Silent) {
+            Err(e) if std::env::var("FSDP_CUDA_NO_CACHING").is_ok_and(|v| v == "1") => {
+                assert!(e.to_string().contains("caching allocator"), "{e}");
+                return;
+            }
+            r => r.unwrap(),
+        };
+        let bits = |r: &fsdp::train::TrainReport| -> Vec<u32> {
+            r.losses().iter().map(|l| l.to_bits()).collect()
+        };
+        assert_eq!(
+            bits(&got),
+            bits(&want),
+            "losses {:?} vs eager {:?}",
+            got.losses(),
+            want.losses()
+        );
+        let graphs: Vec<u64> = got
+            .records
+            .iter()
+            .map(|r| r.counters.graph_launches)
+            .collect();
+        assert_eq!(graphs, [0, 0, 1, 1, 1, 1, 1, 1], "graph launches per step");
+        for r in &got.records[3..] {
+            assert_eq!(
+                r.counters.kernel_launches, 0,
+                "step {}: {:?}",
+                r.step, r.counters
+            );
+        }
+        assert!(want.records[3].counters.kernel_launches > 0);
+        eprintln!(
+            "cuda graphs (grad accum {accum}): kernel launches per step eager {:?}, graph {:?}",
+            want.records
+                .iter()
+                .map(|r| r.counters.kernel_launches)
+                .collect::<Vec<_>>(),
+            got.records
+                .iter()
+                .map(|r| r.counters.kernel_launches)
+                .collect::<Vec<_>>()
+        );
+    }
+}
+
+/// What a captured step may not do is refused at capture with the operation's name: a read
+/// of a device value to the host (a host synchronization), and an allocation the warm-up
+/// did not make; the warm-up's own work runs, and a clean capture replays.
+/// (The recorder is an API of the `cuda` feature's backend only.)
+#[cfg(feature = "cuda")]
+#[test]
+fn a_host_sync_in_a_captured_step_is_refused_by_name_cuda() {
+    if gpus("a_host_sync_in_a_captured_step_is_refused_by_name_cuda").is_none() {
+        return;
+    }
+    in_own_process(
+        "a_host_sync_in_a_captured_step_is_refused_by_name_cuda",
+        refused_capture,
+    );
+}
+
+#[cfg(feature = "cuda")]
+fn refused_capture() {
+    use fsdp::backend::cuda::{current_stream, GraphRecorder};
+    let s = current_stream(0).unwrap();
+    let rec = match GraphRecorder::new(&s) {
+        Err(e) if std::env::var("FSDP_CUDA_NO_CACHING").is_ok_and(|v| v == "1") => {
+            assert!(e.to_string().contains("FSDP_CUDA_NO_CACHING"), "{e}");
+            return;
+        }
+        r => r.unwrap(),
+    };
+    let x = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], &[3])
+        .unwrap()
+        .to_device(CUDA0)
+        .unwrap();
+    let step = || -> fsdp::Result<Tensor> {
+        let y = fsdp::ops::add(&x, &x)?; // a new buffer each step
+        fsdp::ops::add_(&x, &y)?; // x += x + x
+        Ok(y)
+    };
+    let y = rec.warm_up(step).unwrap();
+    assert_eq!(x.to_vec_f32().unwrap(), [3.0, 6.0, 9.0]);
+    drop(y);
+    let e = rec
+        .capture(|| {
+            step()?;
+            x.to_vec_f32() // the host waits for the device: not capturable
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("during a CUDA graph capture"), "{e}");
+    assert!(e.contains("STREAM_CAPTURE"), "{e}");
+    eprintln!("refused: {e}");
+    // An allocation of a size the warm-up never made.
+    let rec = GraphRecorder::new(&s).unwrap();
+    rec.warm_up(step).unwrap();
+    let e = rec
+        .capture(|| Tensor::zeros_on(&[1 << 20], DType::F32, CUDA0))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("allocating 4194304 B") && e.contains("during a CUDA graph capture"),
+        "{e}"
+    );
+    // A clean capture: nothing runs until launched, then each launch is one step.
+    let rec = GraphRecorder::new(&s).unwrap();
+    let kept = rec.warm_up(step).unwrap();
+    drop(kept);
+    let before = x.to_vec_f32().unwrap(); // [x2] after three warm-ups
+    let (g, y) = rec.capture(step).unwrap();
+    assert_eq!(x.to_vec_f32().unwrap(), before, "captured, not run");
+    g.launch().unwrap();
+    let once: Vec<f32> = before.iter().map(|v| 3.0 * v).collect();
+    assert_eq!(x.to_vec_f32().unwrap(), once);
+    g.launch().unwrap();
+    let twice: Vec<f32> = once.iter().map(|v| 3.0 * v).collect();
+    assert_eq!(x.to_vec_f32().unwrap(), twice);
+    assert_eq!(
+        y.to_vec_f32().unwrap(),
+        once.iter().map(|v| 2.0 * v).collect::<Vec<_>>(),
+        "y is the graph's block, written again by the second launch"
+    );
+}

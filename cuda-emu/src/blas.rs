@@ -316,8 +316,10 @@ pub unsafe extern "C" fn cublasGemmStridedBatchedEx(
                 }
             }
         };
-        crate::queue::issue(stream as usize, dev, crate::queue::Work::new(run));
-        return SUCCESS;
+        return match crate::queue::issue(stream as usize, dev, crate::queue::Work::new(run)) {
+            Ok(()) => SUCCESS,
+            Err(_) => EXECUTION_FAILED, // refused by a capture (see crate::capture)
+        };
     }
     // SAFETY: host scalars (the default pointer mode), f32 for an f32 compute type.
     let (alpha, beta) = unsafe { (*(alpha as *const f32), *(beta as *const f32)) };
@@ -355,8 +357,10 @@ pub unsafe extern "C" fn cublasGemmStridedBatchedEx(
             }
         }
     };
-    crate::queue::issue(stream as usize, dev, crate::queue::Work::new(run));
-    SUCCESS
+    match crate::queue::issue(stream as usize, dev, crate::queue::Work::new(run)) {
+        Ok(()) => SUCCESS,
+        Err(_) => EXECUTION_FAILED, // refused by a capture (see crate::capture)
+    }
 }
 
 #[allow(clippy::too_many_arguments)]

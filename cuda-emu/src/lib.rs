@@ -36,6 +36,7 @@
 //! rejects but g++ accepts is only caught by the nvcc build of CI.
 
 mod blas;
+mod capture;
 mod driver;
 mod env;
 mod memory;

@@ -23,19 +23,22 @@
 //! an in-process communicator among them, can issue and force their work meanwhile), as
 //! the host of a GPU would sit in `cuStreamSynchronize` until NCCL's kernel ends.
 
+use crate::capture::{self, Captured, Captures, Node};
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_int;
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-/// A deferred operation. Runs on whichever thread forces it, under the scheduler's lock.
-pub struct Work(Box<dyn FnOnce() + 'static>);
+/// A deferred operation. Runs on whichever thread forces it, under the scheduler's lock;
+/// a captured one (`capture.rs`) runs once per launch of its graph.
+#[derive(Clone)]
+pub struct Work(Arc<dyn Fn() + 'static>);
 // SAFETY: the closures capture device addresses and copied argument values; they touch
 // only emulated device memory (valid until freed, and a free drains the device first).
 unsafe impl Send for Work {}
 
 impl Work {
-    pub fn new(f: impl FnOnce() + 'static) -> Work {
-        Work(Box::new(f))
+    pub fn new(f: impl Fn() + 'static) -> Work {
+        Work(Arc::new(f))
     }
 }
 
@@ -75,6 +78,8 @@ struct Scheduler {
     /// Streams being drained by an enclosing `drain` (through a cross-stream wait): a wait
     /// cycle counts as blocked instead of recursing without end.
     draining: Vec<usize>,
+    /// Captures in progress (`capture.rs`).
+    captures: Captures,
 }
 
 /// A point in a stream's work: after its first `seq + 1` items (`cuEventRecord`).
@@ -82,6 +87,13 @@ struct Scheduler {
 pub struct Mark {
     pub stream: usize,
     pub seq: u64,
+}
+
+/// What an event recorded: a point in a stream's queue, or a node of a capture.
+#[derive(Clone, Copy, Debug)]
+pub enum Point {
+    Queued(Mark),
+    Captured(Captured),
 }
 
 static SCHED: Mutex<Option<Scheduler>> = Mutex::new(None);
@@ -235,9 +247,11 @@ fn until(mut f: impl FnMut(&mut Scheduler) -> bool) {
 }
 
 /// Issues `work` on `stream` of `device` (stream 0: the legacy default stream, which waits
-/// for the device's other work and runs at once).
-pub fn issue(stream: usize, device: c_int, work: Work) {
+/// for the device's other work and runs at once). On a capturing stream the work becomes a
+/// node of the capture; the error is the capture's (`capture.rs`).
+pub fn issue(stream: usize, device: c_int, work: Work) -> Result<(), u32> {
     if stream == 0 {
+        with(|s| s.captures.refuse_sync(0))?;
         let mut work = Some(work);
         until(|s| {
             if !s.drain_device(device) {
@@ -248,35 +262,60 @@ pub fn issue(stream: usize, device: c_int, work: Work) {
             }
             true
         });
-        return;
+        return Ok(());
     }
     with(|s| {
+        if s.captures.of(stream).is_some() {
+            return s.captures.record(stream, Node::Run(work)).map(drop);
+        }
         s.push(stream, device, Item::Run(work));
         if eager() {
             s.drain(stream, u64::MAX);
         }
         s.random_progress();
+        Ok(())
     })
 }
 
 /// Issues `poll` on `stream` (never the legacy stream: collectives name their stream).
-pub fn issue_poll(stream: usize, device: c_int, poll: Poll) {
+/// A collective cannot be captured here: on a capturing stream it is refused
+/// (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`) and invalidates the capture.
+pub fn issue_poll(stream: usize, device: c_int, poll: Poll) -> Result<(), u32> {
     with(|s| {
+        if let Some(id) = s.captures.of(stream) {
+            return Err(s.captures.invalidate(id, capture::UNSUPPORTED));
+        }
         s.push(stream, device, Item::Poll(poll));
         if eager() {
             s.drain(stream, u64::MAX);
         }
         s.random_progress();
+        Ok(())
     })
 }
 
-/// Makes `stream` wait for `mark` (`cuStreamWaitEvent`).
-pub fn wait(stream: usize, device: c_int, mark: Mark) {
+/// Makes `stream` wait for `point` (`cuStreamWaitEvent`): a captured point joins the
+/// stream to its capture; a capturing stream waiting on work outside its capture is refused
+/// (`CUDA_ERROR_STREAM_CAPTURE_ISOLATION`).
+pub fn wait(stream: usize, device: c_int, point: Point) -> Result<(), u32> {
+    let mark = match point {
+        Point::Captured(at) => {
+            if stream == 0 {
+                return with(|s| s.captures.refuse_sync(0));
+            }
+            return with(|s| s.captures.wait(stream, at));
+        }
+        Point::Queued(mark) => mark,
+    };
     if stream == 0 {
+        with(|s| s.captures.refuse_sync(0))?;
         until(|s| s.drain_device(device) && s.drain(mark.stream, mark.seq));
-        return;
+        return Ok(());
     }
     with(|s| {
+        if let Some(id) = s.captures.of(stream) {
+            return Err(s.captures.invalidate(id, capture::ISOLATION));
+        }
         s.push(
             stream,
             device,
@@ -289,18 +328,86 @@ pub fn wait(stream: usize, device: c_int, mark: Mark) {
             s.drain(stream, u64::MAX);
         }
         s.random_progress();
+        Ok(())
     })
 }
 
 /// The point after everything issued to `stream` so far, or None when that is nothing
-/// pending (`cuEventRecord`).
-pub fn mark(stream: usize) -> Option<Mark> {
+/// pending (`cuEventRecord`); on a capturing stream, its last node.
+pub fn mark(stream: usize) -> Option<Point> {
     with(|s| {
+        if s.captures.of(stream).is_some() {
+            return s.captures.last(stream).map(Point::Captured);
+        }
         let q = s.streams.get(&stream)?;
-        (q.next > q.done).then(|| Mark {
-            stream,
-            seq: q.next - 1,
+        (q.next > q.done).then(|| {
+            Point::Queued(Mark {
+                stream,
+                seq: q.next - 1,
+            })
         })
+    })
+}
+
+/// A host synchronization of `stream` (0: the legacy stream) or of `point`, checked
+/// against the captures in progress: `Err` with the driver's error when it would wait for
+/// captured work (the capture is invalidated), or, for `unsafe_call`, when a capture that
+/// is not relaxed forbids it (event queries and synchronizations, allocations and frees).
+pub fn check_capture(
+    stream: Option<usize>,
+    point: Option<Point>,
+    unsafe_call: bool,
+) -> Result<(), u32> {
+    with(|s| {
+        if let Some(st) = stream {
+            s.captures.refuse_sync(st)?;
+        }
+        if let Some(Point::Captured(at)) = point {
+            if s.captures.is_active(at.capture) {
+                return Err(s.captures.invalidate(at.capture, capture::UNSUPPORTED));
+            }
+        }
+        if unsafe_call {
+            s.captures.refuse_unsafe()?;
+        }
+        Ok(())
+    })
+}
+
+/// Runs `f` on the capture table (begin, end, status of captures).
+pub fn captures<R>(f: impl FnOnce(&mut Captures) -> R) -> R {
+    with(|s| f(&mut s.captures))
+}
+
+/// Pushes a graph's nodes for one launch: the origin's on `stream`, captured stream `i`'s
+/// on the queue `lanes[i - 1]` (a key no real stream has), with its waits between them.
+pub fn launch(graph: &capture::Graph, stream: usize, device: c_int, lanes: &[usize]) {
+    with(|s| {
+        let key = |sid: usize| if sid == 0 { stream } else { lanes[sid - 1] };
+        // The sequence number each node got in its queue.
+        let mut seqs: Vec<Vec<u64>> = graph
+            .streams
+            .iter()
+            .map(|l| Vec::with_capacity(l.len()))
+            .collect();
+        let mut next = vec![0usize; graph.streams.len()];
+        for &sid in &graph.order {
+            let node = &graph.streams[sid][next[sid]];
+            next[sid] += 1;
+            let item = match node {
+                Node::Run(w) => Item::Run(w.clone()),
+                Node::Wait { sid: other, idx } => Item::Wait {
+                    stream: key(*other),
+                    seq: seqs[*other][*idx],
+                },
+            };
+            let seq = s.push(key(sid), device, item);
+            seqs[sid].push(seq);
+        }
+        if eager() {
+            s.drain(stream, u64::MAX);
+        }
+        s.random_progress();
     })
 }
 

@@ -24,6 +24,7 @@ static FSDP_BUFFER_ALLOCS: AtomicU64 = AtomicU64::new(0);
 static KERNEL_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 static STORE_OPS: AtomicU64 = AtomicU64::new(0);
 static EVENT_QUERIES: AtomicU64 = AtomicU64::new(0);
+static GRAPH_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
     static THREAD_SYNCS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
@@ -68,6 +69,9 @@ pub struct Counters {
     /// NCCL watchdog's polls of collectives in flight, the caching allocator's looks at a
     /// cached block's pending stream uses, the fold of stream-stall timings.
     pub event_queries: u64,
+    /// CUDA graph launches (`cuGraphLaunch`): 1 per step replayed under
+    /// `fsdp train --cuda-graphs`, whose kernels are then not counted in `kernel_launches`.
+    pub graph_launches: u64,
 }
 
 impl Counters {
@@ -83,6 +87,7 @@ impl Counters {
             kernel_launches: KERNEL_LAUNCHES.load(Ordering::Relaxed),
             store_ops: STORE_OPS.load(Ordering::Relaxed),
             event_queries: EVENT_QUERIES.load(Ordering::Relaxed),
+            graph_launches: GRAPH_LAUNCHES.load(Ordering::Relaxed),
         }
     }
 
@@ -102,6 +107,7 @@ impl Counters {
             kernel_launches: self.kernel_launches.saturating_sub(earlier.kernel_launches),
             store_ops: self.store_ops.saturating_sub(earlier.store_ops),
             event_queries: self.event_queries.saturating_sub(earlier.event_queries),
+            graph_launches: self.graph_launches.saturating_sub(earlier.graph_launches),
         }
     }
 }
@@ -150,6 +156,11 @@ pub fn count_pinned_alloc() {
             std::backtrace::Backtrace::force_capture()
         );
     }
+}
+
+/// Counts one CUDA graph launch.
+pub fn count_graph_launch() {
+    GRAPH_LAUNCHES.fetch_add(1, Ordering::Relaxed);
 }
 
 /// Counts one request to the caching allocator.

@@ -120,6 +120,10 @@ pub struct TrainConfig {
     pub metrics: Option<PathBuf>,
     /// Where to compute (`--device`), default the CPU.
     pub device: super::TrainDevice,
+    /// Capture the training step as a CUDA graph after two eager steps and replay it
+    /// (`--cuda-graphs`; `--device cuda`, world size 1, constant learning rate, no grad
+    /// scaler, no CPU offload, no checkpoint saving). Default off.
+    pub cuda_graphs: bool,
     /// Save directory (`--save-dir`): checkpoints go to `step-<N>/` inside, and `latest`
     /// names the newest; `None` saves nothing.
     pub save_dir: Option<PathBuf>,
@@ -203,6 +207,7 @@ impl Default for TrainConfig {
             sample_len: 200,
             metrics: None,
             device: super::TrainDevice::Cpu,
+            cuda_graphs: false,
             save_dir: None,
             save_every: 0,
             async_save: false,

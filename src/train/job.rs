@@ -335,58 +335,37 @@ pub(super) fn run_rank(
     // The optimizer's state before the first step, not during it: the second step then
     // reuses every block the first one freed (no device allocation from step 2 on).
     opt.init_state(&engine.optimizer_params())?;
+    let mut graphs = super::graph_step::GraphSteps::new(cfg, device, first_step)?;
     for step in first_step..=cfg.steps {
-        let (c0, l) = pending.begin()?;
         sched.set_epoch(opt.as_mut(), step - 1)?;
         engine.reset_peak();
-        // Micro-batch k is rows [k B/K, (k+1) B/K) of the global batch; each rank takes its
-        // contiguous share of every micro-batch.
-        let k_total = cfg.grad_accum;
-        let micro = cfg.global_batch / k_total;
-        let micro_rows = micro / cfg.world_size;
-        for k in 0..k_total {
-            let lo = k * micro + rank * micro_rows;
-            let (x, y) = data.batch(Split::Train, cfg.seed, step as u64, lo..lo + micro_rows, t);
-            let cx = Context::train();
-            let logits = engine
-                .module()
-                .forward(&ids_tensor(x, micro_rows, t, device)?, &cx)?;
-            // The loss stays where it was computed; `pending` reads it when it flushes. Its
-            // gradient is the scaled loss's (`scaler.scale(loss).backward()`; 1 unscaled).
-            let (lk, dlogits) = loss::cross_entropy_tensor_scaled(
-                &logits,
-                &ids_tensor(y, micro_rows, t, device)?,
-                scaler.loss_grad_output(),
-            )?;
-            drop(logits);
-            if let Some(f) = fail {
-                f.check(rank, step)?; // test-only (FSDP_FAIL_RANK)
+        let (c0, mem, scaled) = match graphs.as_mut() {
+            Some(g) if g.takes(step) => {
+                let (c0, mem) = g.step(
+                    step,
+                    cfg,
+                    data,
+                    rank,
+                    &mut engine,
+                    opt.as_mut(),
+                    &mut pending,
+                )?;
+                (c0, mem, None)
             }
-            if let Some(k) = &kill {
-                k.check(rank, step); // test-only (FSDP_KILL_ONCE)
-            }
-            crate::ops::add_div_(&l, &lk, k_total as f32)?;
-            if k_total > 1 {
-                crate::ops::scale_(&dlogits, 1.0 / k_total as f32)?;
-            }
-            engine.backward(&dlogits, cfg.no_sync && k + 1 < k_total)?;
-        }
-        let params = engine.optimizer_params();
-        // Unscaled before clipping, so that clipping sees the true gradients.
-        scaler.unscale_(opt.as_ref(), &params)?;
-        if let Some(c) = cfg.clip_grad_norm {
-            pending.set_grad_norm(&engine.clip_grad_norm_tensor(c)?)?;
-        }
-        let loss_scale = scaler.get_scale();
-        let stepped = scaler.step(opt.as_mut(), &params)?;
-        scaler.update()?;
-        drop(params);
-        let scaled = scaler.is_enabled().then_some(super::pending::Scaled {
-            loss_scale,
-            skipped: !stepped,
-        });
-        let mem = engine.memory(rank, opt.as_ref());
-        engine.zero_grad();
+            _ => eager_step(
+                cfg,
+                data,
+                step,
+                rank,
+                device,
+                &mut engine,
+                opt.as_mut(),
+                &mut scaler,
+                &mut pending,
+                fail,
+                kill.as_ref(),
+            )?,
+        };
         let evaluates = (cfg.eval_every > 0 && step % cfg.eval_every == 0) || step == cfg.steps;
         let logged = cfg.log_every > 0 && step % cfg.log_every == 0;
         let due = logged || evaluates || step == first_step || super::resume::save_due(cfg, step);
@@ -437,4 +416,78 @@ pub(super) fn run_rank(
         elapsed_s: start.elapsed().as_secs_f64(),
         init_peak_bytes,
     })
+}
+
+/// One step run eagerly (every step without `--cuda-graphs`): forward and backward of each
+/// micro-batch, unscaling, clipping, the optimizer step, `zero_grad`. Returns the counter
+/// reading at its start, the rank's memory figures and the grad scaler's record.
+#[allow(clippy::too_many_arguments)]
+fn eager_step(
+    cfg: &TrainConfig,
+    data: &TextDataset,
+    step: usize,
+    rank: usize,
+    device: crate::backend::Device,
+    engine: &mut Engine,
+    opt: &mut dyn optim::Optimizer,
+    scaler: &mut ShardedGradScaler,
+    pending: &mut super::pending::Pending,
+    fail: Option<super::fault::FailAt>,
+    kill: Option<&super::fault::KillOnce>,
+) -> Result<(
+    crate::backend::counters::Counters,
+    RankMemory,
+    Option<super::pending::Scaled>,
+)> {
+    let t = cfg.seq_len;
+    let (c0, l) = pending.begin()?;
+    // Micro-batch k is rows [k B/K, (k+1) B/K) of the global batch; each rank takes its
+    // contiguous share of every micro-batch.
+    let k_total = cfg.grad_accum;
+    let micro = cfg.global_batch / k_total;
+    let micro_rows = micro / cfg.world_size;
+    for k in 0..k_total {
+        let lo = k * micro + rank * micro_rows;
+        let (x, y) = data.batch(Split::Train, cfg.seed, step as u64, lo..lo + micro_rows, t);
+        let cx = Context::train();
+        let logits = engine
+            .module()
+            .forward(&ids_tensor(x, micro_rows, t, device)?, &cx)?;
+        // The loss stays where it was computed; `pending` reads it when it flushes. Its
+        // gradient is the scaled loss's (`scaler.scale(loss).backward()`; 1 unscaled).
+        let (lk, dlogits) = loss::cross_entropy_tensor_scaled(
+            &logits,
+            &ids_tensor(y, micro_rows, t, device)?,
+            scaler.loss_grad_output(),
+        )?;
+        drop(logits);
+        if let Some(f) = fail {
+            f.check(rank, step)?; // test-only (FSDP_FAIL_RANK)
+        }
+        if let Some(k) = kill {
+            k.check(rank, step); // test-only (FSDP_KILL_ONCE)
+        }
+        crate::ops::add_div_(&l, &lk, k_total as f32)?;
+        if k_total > 1 {
+            crate::ops::scale_(&dlogits, 1.0 / k_total as f32)?;
+        }
+        engine.backward(&dlogits, cfg.no_sync && k + 1 < k_total)?;
+    }
+    let params = engine.optimizer_params();
+    // Unscaled before clipping, so that clipping sees the true gradients.
+    scaler.unscale_(opt, &params)?;
+    if let Some(c) = cfg.clip_grad_norm {
+        pending.set_grad_norm(&engine.clip_grad_norm_tensor(c)?)?;
+    }
+    let loss_scale = scaler.get_scale();
+    let stepped = scaler.step(opt, &params)?;
+    scaler.update()?;
+    drop(params);
+    let scaled = scaler.is_enabled().then_some(super::pending::Scaled {
+        loss_scale,
+        skipped: !stepped,
+    });
+    let mem = engine.memory(rank, opt);
+    engine.zero_grad();
+    Ok((c0, mem, scaled))
 }

@@ -25,6 +25,7 @@ pub mod data;
 mod device;
 pub mod engine;
 mod fault;
+mod graph_step;
 mod job;
 mod memory;
 mod metrics;

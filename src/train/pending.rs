@@ -98,6 +98,23 @@ impl Pending {
         Ok((c0, slot))
     }
 
+    /// Starts a step whose loss and grad norm a CUDA graph computes (`graph_step.rs`): its
+    /// counter reading and its two slots, not zeroed (the graph's values are copied in).
+    ///
+    /// # Errors
+    /// A slot view's errors.
+    pub fn begin_graph(&mut self) -> Result<(Counters, Tensor, Tensor)> {
+        if self.steps.is_empty() {
+            self.window_start = Instant::now();
+        }
+        let i = self.steps.len();
+        Ok((
+            Counters::now(),
+            self.slots.view(i, &[1])?,
+            self.slots.view(CAP + i, &[1])?,
+        ))
+    }
+
     /// Copies the step's grad norm (one f32, on any device: under CPU offload the
     /// gradients and their norm are on the host) into its slot.
     ///

@@ -46,6 +46,7 @@ impl TrainConfig {
                 self.global_batch, self.world_size
             ));
         }
+        super::graph_step::check(self)?;
         if self.grad_accum == 0 {
             return bad("--grad-accum must be at least 1".into());
         }

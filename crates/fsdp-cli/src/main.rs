@@ -228,6 +228,11 @@ struct TrainArgs {
     /// Accumulate micro-batches under no_sync: one gradient reduction per step.
     #[arg(long)]
     no_sync: bool,
+    /// Capture the training step as a CUDA graph after two eager steps and replay it
+    /// (--device cuda, world size 1, constant lr: --warmup-steps 0; no grad scaler, no
+    /// --cpu-offload, no --save-dir).
+    #[arg(long)]
+    cuda_graphs: bool,
     /// Clip the global gradient 2-norm to this value before each step; 0 turns clipping
     /// off.
     #[arg(long, allow_hyphen_values = true, default_value_t = D.clip_grad_norm.unwrap_or(0.0))]
@@ -376,6 +381,7 @@ fn run_train(a: TrainArgs) -> fsdp::Result<()> {
         ranks_per_node: a.ranks_per_node,
         grad_accum: a.grad_accum,
         no_sync: a.no_sync,
+        cuda_graphs: a.cuda_graphs,
         clip_grad_norm: (a.clip_grad_norm != 0.0).then_some(a.clip_grad_norm),
         mixed_precision: a.fsdp.mixed_precision,
         grad_scaler: match (a.fsdp.grad_scaler, a.fsdp.no_grad_scaler) {

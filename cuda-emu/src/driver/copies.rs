@@ -12,6 +12,7 @@ use super::*;
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAlloc_v2(ptr: *mut u64, bytes: usize) -> CUresult {
     let dev = try_cu!(current());
+    try_cu!(capture_check(None, None, true));
     if bytes == 0 {
         return INVALID_VALUE;
     }
@@ -27,6 +28,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(ptr: *mut u64, bytes: usize) -> CUresult 
 #[no_mangle]
 pub extern "C" fn cuMemFree_v2(ptr: u64) -> CUresult {
     try_cu!(current());
+    try_cu!(capture_check(None, None, true));
     if ptr == 0 {
         return SUCCESS;
     }
@@ -48,6 +50,7 @@ pub unsafe extern "C" fn cuMemHostAlloc(
     _flags: c_uint,
 ) -> CUresult {
     try_cu!(current());
+    try_cu!(capture_check(None, None, true));
     if pp.is_null() {
         return INVALID_VALUE;
     }
@@ -65,6 +68,7 @@ pub unsafe extern "C" fn cuMemAllocHost_v2(pp: *mut *mut c_void, bytes: usize) -
 #[no_mangle]
 pub extern "C" fn cuMemFreeHost(p: *mut c_void) -> CUresult {
     try_cu!(current());
+    try_cu!(capture_check(None, None, true));
     // Copies still queued may read or write the memory: every device's work runs first.
     for d in 0..device_count() {
         queue::synchronize_device(d);
@@ -105,22 +109,25 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
     if src.is_null() {
         return INVALID_VALUE;
     }
-    if memory::is_pinned(src as usize, bytes) {
-        // From page-locked memory the copy engine reads the source when the copy runs.
-        queue_pinned_copy(stream, dev, src as usize, dst as usize, bytes);
-        return SUCCESS;
+    if memory::is_pinned(src as usize, bytes)
+        || queue::captures(|c| c.of(stream as usize)).is_some()
+    {
+        // From page-locked memory the copy engine reads the source when the copy runs; a
+        // captured copy (a memcpy node of the graph) reads it at every launch, pageable
+        // or not, so its source must outlive the graph.
+        return queue_pinned_copy(stream, dev, src as usize, dst as usize, bytes);
     }
     // From pageable host memory the driver stages the source before returning: copy it now.
     // SAFETY: src is the caller's host buffer of `bytes` bytes.
     let data = unsafe { std::slice::from_raw_parts(src as *const u8, bytes) }.to_vec();
-    queue::issue(
+    try_cu!(queue::issue(
         stream as usize,
         dev,
         Work::new(move || {
             // SAFETY: dst was checked against the allocation table; a free drains first.
             unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst as *mut u8, bytes) }
         }),
-    );
+    ));
     SUCCESS
 }
 
@@ -141,10 +148,11 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
     }
     if memory::is_pinned(dst as usize, bytes) {
         // Into page-locked memory: queued, written when the stream runs it.
-        queue_pinned_copy(stream, dev, src as usize, dst as usize, bytes);
-        return SUCCESS;
+        return queue_pinned_copy(stream, dev, src as usize, dst as usize, bytes);
     }
-    // To pageable host memory the copy is synchronous: the stream's work first, then it.
+    // To pageable host memory the copy is synchronous: the stream's work first, then it
+    // (refused on a capturing stream: the host would wait for captured work).
+    try_cu!(capture_check(Some(stream as usize), None, true));
     queue::synchronize(stream as usize, dev);
     // SAFETY: src checked; dst is the caller's host buffer.
     unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
@@ -164,7 +172,11 @@ pub unsafe extern "C" fn cuMemcpyDtoDAsync_v2(
     }
     try_cu!(device_range(dst, bytes));
     try_cu!(device_range(src, bytes));
-    queue::issue(stream as usize, dev, copy_work(dst, src, bytes));
+    try_cu!(queue::issue(
+        stream as usize,
+        dev,
+        copy_work(dst, src, bytes)
+    ));
     SUCCESS
 }
 
@@ -202,7 +214,11 @@ pub unsafe extern "C" fn cuMemcpyPeerAsync(
     if try_cu!(device_range(dst, bytes)) != dd || try_cu!(device_range(src, bytes)) != sd {
         return INVALID_VALUE;
     }
-    queue::issue(stream as usize, dev, copy_work(dst, src, bytes));
+    try_cu!(queue::issue(
+        stream as usize,
+        dev,
+        copy_work(dst, src, bytes)
+    ));
     SUCCESS
 }
 
@@ -220,7 +236,7 @@ pub unsafe extern "C" fn cuMemsetD8Async(
     try_cu!(device_range(dst, n));
     // SAFETY: range checked at issue; a free drains the device first.
     let w = Work::new(move || unsafe { std::ptr::write_bytes(dst as *mut u8, value, n) });
-    queue::issue(stream as usize, dev, w);
+    try_cu!(queue::issue(stream as usize, dev, w));
     SUCCESS
 }
 
@@ -245,7 +261,7 @@ pub unsafe extern "C" fn cuMemsetD32Async(
             unsafe { (dst as *mut u32).add(i).write(value) };
         }
     });
-    queue::issue(stream as usize, dev, w);
+    try_cu!(queue::issue(stream as usize, dev, w));
     SUCCESS
 }
 
@@ -257,8 +273,14 @@ fn copy_work(dst: u64, src: u64, bytes: usize) -> Work {
 
 /// Queues on `stream` of `dev` a copy of `bytes` bytes from `src` to `dst` where the host
 /// side is page-locked: the copy engine touches the host memory when the copy runs.
-fn queue_pinned_copy(stream: *mut c_void, dev: i32, src: usize, dst: usize, bytes: usize) {
-    queue::issue(
+fn queue_pinned_copy(
+    stream: *mut c_void,
+    dev: i32,
+    src: usize,
+    dst: usize,
+    bytes: usize,
+) -> CUresult {
+    let r = queue::issue(
         stream as usize,
         dev,
         Work::new(move || {
@@ -267,4 +289,5 @@ fn queue_pinned_copy(stream: *mut c_void, dev: i32, src: usize, dst: usize, byte
             unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) }
         }),
     );
+    r.err().unwrap_or(SUCCESS)
 }

@@ -127,7 +127,7 @@ pub unsafe extern "C" fn cuLaunchKernel(
     }
     let kernel = func.kernel as usize;
     let run = move || {
-        let mut slots = slots;
+        let mut slots = slots.clone();
         let mut ptrs: Vec<*mut c_void> = slots
             .iter_mut()
             .map(|s| s as *mut u64 as *mut c_void)
@@ -148,6 +148,6 @@ pub unsafe extern "C" fn cuLaunchKernel(
         };
         assert_eq!(r, 0, "cuda-emu: a launch checked at issue was refused");
     };
-    queue::issue(stream as usize, dev, Work::new(run));
+    try_cu!(queue::issue(stream as usize, dev, Work::new(run)));
     SUCCESS
 }

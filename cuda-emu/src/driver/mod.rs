@@ -8,9 +8,10 @@
 //! | `copies.rs` | allocation, copies, memsets |
 //! | `streams.rs` | streams and events |
 //! | `launch.rs` | modules and kernel launches |
+//! | `graph.rs` | stream capture, graphs and their launches (`crate::capture`) |
 
 use crate::memory;
-use crate::queue::{self, Mark, Work};
+use crate::queue::{self, Point, Work};
 use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::{Arc, Mutex};
@@ -91,8 +92,9 @@ struct StreamObj {
 }
 struct EventObj {
     device: c_int,
-    /// The stream work the last record marked (None: nothing was pending, or never recorded).
-    mark: Option<Mark>,
+    /// The stream work (or captured node) the last record marked (None: nothing was
+    /// pending, or never recorded).
+    mark: Option<Point>,
     recorded: bool,
     /// Created without CU_EVENT_DISABLE_TIMING.
     timing: bool,
@@ -148,7 +150,19 @@ unsafe fn out<T>(p: *mut T, v: T) -> CUresult {
     SUCCESS
 }
 
+/// Checks a host synchronization of `stream` and/or `point` against the captures in
+/// progress (see `crate::capture`); `unsafe_call`: an allocation, free, event query or
+/// synchronization, refused during a capture that is not relaxed.
+fn capture_check(
+    stream: Option<usize>,
+    point: Option<Point>,
+    unsafe_call: bool,
+) -> Result<(), CUresult> {
+    queue::check_capture(stream, point, unsafe_call)
+}
+
 mod copies;
+mod graph;
 mod launch;
 mod streams;
 
@@ -290,7 +304,9 @@ pub unsafe extern "C" fn cuCtxGetDevice(d: *mut c_int) -> CUresult {
 
 #[no_mangle]
 pub extern "C" fn cuCtxSynchronize() -> CUresult {
-    queue::synchronize_device(try_cu!(current()));
+    let dev = try_cu!(current());
+    try_cu!(capture_check(Some(0), None, true));
+    queue::synchronize_device(dev);
     SUCCESS
 }
 
@@ -316,6 +332,38 @@ fn error_text(e: CUresult) -> (&'static CStr, &'static CStr) {
         INVALID_HANDLE => (c"CUDA_ERROR_INVALID_HANDLE", c"invalid resource handle"),
         NOT_FOUND => (c"CUDA_ERROR_NOT_FOUND", c"named symbol not found"),
         NOT_READY => (c"CUDA_ERROR_NOT_READY", c"device not ready"),
+        crate::capture::ILLEGAL_STATE => (
+            c"CUDA_ERROR_ILLEGAL_STATE",
+            c"the operation is not permitted in the stream's capture state",
+        ),
+        crate::capture::UNSUPPORTED => (
+            c"CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+            c"operation not permitted when stream is capturing",
+        ),
+        crate::capture::INVALIDATED => (
+            c"CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+            c"operation failed due to a previous error during capture",
+        ),
+        crate::capture::MERGE => (
+            c"CUDA_ERROR_STREAM_CAPTURE_MERGE",
+            c"operation would result in a merge of separate capture sequences",
+        ),
+        crate::capture::UNMATCHED => (
+            c"CUDA_ERROR_STREAM_CAPTURE_UNMATCHED",
+            c"capture was not ended in the same stream as it began",
+        ),
+        crate::capture::UNJOINED => (
+            c"CUDA_ERROR_STREAM_CAPTURE_UNJOINED",
+            c"capturing stream has unjoined work",
+        ),
+        crate::capture::ISOLATION => (
+            c"CUDA_ERROR_STREAM_CAPTURE_ISOLATION",
+            c"dependency created on uncaptured work in another stream",
+        ),
+        crate::capture::IMPLICIT => (
+            c"CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+            c"operation would make the legacy stream depend on a capturing blocking stream",
+        ),
         _ => (c"CUDA_ERROR_UNKNOWN", c"unknown error"),
     }
 }

@@ -31,7 +31,8 @@ pub unsafe extern "C" fn cuStreamDestroy_v2(stream: *mut c_void) -> CUresult {
     if stream.is_null() {
         return INVALID_HANDLE;
     }
-    // Pending work still completes.
+    // Pending work still completes; a capturing stream's capture is invalidated.
+    let _ = capture_check(Some(stream as usize), None, false);
     queue::destroy(stream as usize);
     // SAFETY: made by cuStreamCreate, destroyed once.
     drop(unsafe { Box::from_raw(stream as *mut StreamObj) });
@@ -41,6 +42,7 @@ pub unsafe extern "C" fn cuStreamDestroy_v2(stream: *mut c_void) -> CUresult {
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamSynchronize(stream: *mut c_void) -> CUresult {
     let dev = try_cu!(unsafe { stream_device(stream) });
+    try_cu!(capture_check(Some(stream as usize), None, true));
     queue::synchronize(stream as usize, dev);
     SUCCESS
 }
@@ -49,6 +51,7 @@ pub unsafe extern "C" fn cuStreamSynchronize(stream: *mut c_void) -> CUresult {
 pub unsafe extern "C" fn cuStreamQuery(stream: *mut c_void) -> CUresult {
     // As cuEventQuery: NOT_READY while work is pending, which the poll then runs.
     let dev = try_cu!(unsafe { stream_device(stream) });
+    try_cu!(capture_check(Some(stream as usize), None, true));
     if queue::mark(stream as usize).is_none() {
         return SUCCESS;
     }
@@ -67,10 +70,18 @@ pub unsafe extern "C" fn cuStreamWaitEvent(
         return INVALID_HANDLE;
     }
     // SAFETY: made by cuEventCreate. An event with nothing pending at its record: no wait.
-    if let Some(m) = unsafe { (*(event as *const EventObj)).mark } {
-        queue::wait(stream as usize, dev, m);
+    match unsafe { (*(event as *const EventObj)).mark } {
+        Some(m) => match queue::wait(stream as usize, dev, m) {
+            Ok(()) => SUCCESS,
+            Err(e) => e,
+        },
+        // Recorded outside any capture with nothing pending: a capturing stream may not
+        // depend on it either (isolation), any other stream need not wait.
+        None => match queue::captures(|c| c.of(stream as usize)) {
+            Some(id) => queue::captures(|c| c.invalidate(id, crate::capture::ISOLATION)),
+            None => SUCCESS,
+        },
     }
-    SUCCESS
 }
 
 #[no_mangle]
@@ -100,11 +111,11 @@ pub unsafe extern "C" fn cuEventRecord(event: *mut c_void, stream: *mut c_void) 
     // The time is taken when the stream reaches this point, as on the device.
     let at = e.at.clone();
     *lock(&at) = None;
-    queue::issue(
+    try_cu!(queue::issue(
         stream as usize,
         sd,
         Work::new(move || *lock(&at) = Some(Instant::now())),
-    );
+    ));
     e.mark = queue::mark(stream as usize);
     e.recorded = true;
     SUCCESS
@@ -125,7 +136,9 @@ pub unsafe extern "C" fn cuEventSynchronize(event: *mut c_void) -> CUresult {
         return INVALID_HANDLE;
     }
     // SAFETY: made by cuEventCreate.
-    if let Some(m) = unsafe { (*(event as *const EventObj)).mark } {
+    let mark = unsafe { (*(event as *const EventObj)).mark };
+    try_cu!(capture_check(None, mark, true));
+    if let Some(Point::Queued(m)) = mark {
         queue::complete(m);
     }
     SUCCESS
@@ -139,8 +152,10 @@ pub unsafe extern "C" fn cuEventQuery(event: *mut c_void) -> CUresult {
     // Work still pending answers NOT_READY, as a busy device would; the poll also lets the
     // "device" make progress (the work runs), so the next poll answers SUCCESS.
     // SAFETY: made by cuEventCreate.
-    match unsafe { (*(event as *const EventObj)).mark } {
-        Some(m) if !queue::is_complete(m) => {
+    let mark = unsafe { (*(event as *const EventObj)).mark };
+    try_cu!(capture_check(None, mark, true));
+    match mark {
+        Some(Point::Queued(m)) if !queue::is_complete(m) => {
             queue::try_complete(m);
             NOT_READY
         }
@@ -171,8 +186,10 @@ pub unsafe extern "C" fn cuEventElapsedTime_v2(
     if !start.recorded || !end.recorded || !start.timing || !end.timing {
         return INVALID_HANDLE;
     }
+    try_cu!(capture_check(None, start.mark, true));
+    try_cu!(capture_check(None, end.mark, true));
     let time = |e: &EventObj| {
-        if let Some(m) = e.mark {
+        if let Some(Point::Queued(m)) = e.mark {
             queue::complete(m);
         }
         *lock(&e.at)

@@ -330,11 +330,20 @@ unsafe fn collective(
         r,
         recv_bytes,
     );
-    crate::queue::issue_poll(
+    if crate::queue::issue_poll(
         stream as usize,
         device,
         crate::queue::Poll::new(move || c.poll()),
-    );
+    )
+    .is_err()
+    {
+        return fail(
+            INVALID_USAGE,
+            &format!(
+                "{name}: issued on a capturing stream (cuda-emu does not capture collectives)"
+            ),
+        );
+    }
     SUCCESS
 }
 

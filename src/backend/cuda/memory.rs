@@ -23,6 +23,21 @@
 //! for (made from the cache during the first step, they would leave the second step
 //! short of the blocks the first one reused).
 //!
+//! A CUDA graph's buffers come from a graph-private pool ([`PrivatePool`], PyTorch's
+//! graph pool handle): while a region of a graph is recorded ([`Pool::set_private`],
+//! `graph.rs`) every allocation on the device takes its block from that pool (a block freed
+//! there goes back to it), so the blocks a captured step used stay the graph's, at the same
+//! addresses, for every replay. A block that waits on another stream's event is not reused
+//! inside the region (querying the event would be an error during a capture).
+//!
+//! A graph's constants (tables of kernel arguments, Adam's step count: written once before
+//! the first launch, read at every replay) take blocks of their own
+//! ([`Stream::alloc_graph_constant`](super::Stream::alloc_graph_constant)): a block that
+//! other work of the graph also used, earlier in the step, would be overwritten by that
+//! work at every replay before the constant is read. So they never share a block with
+//! anything else: constant blocks are made during the warm-up, kept apart from the
+//! region's other blocks, and served to the capture's constants only.
+//!
 //! [`MemAccount`]: bytes held by one rank (or any owner); every buffer is charged to one,
 //! so several ranks sharing a GPU (the threads backend) each see their own figures.
 
@@ -85,6 +100,72 @@ struct FreeBlock {
     pending: Vec<CudaEvent>,
 }
 
+/// Free blocks of one CUDA graph (see the module docs), and whether a capture is under way
+/// (then a miss is an error instead of a `cuMemAlloc`).
+pub(crate) struct PrivatePool {
+    device: Arc<Pool>,
+    free: Mutex<HashMap<(usize, usize), Vec<FreeBlock>>>,
+    /// Free blocks for the graph's constants only (never served to other buffers).
+    consts: Mutex<HashMap<(usize, usize), Vec<FreeBlock>>>,
+    /// Blocks of constants freed inside the region: not reused inside it (a captured graph
+    /// reads them at every replay); they join `consts` at the end of a warm-up.
+    held: Mutex<Vec<((usize, usize), FreeBlock)>>,
+    capturing: std::sync::atomic::AtomicBool,
+}
+
+impl PrivatePool {
+    /// An empty pool of `device`'s blocks.
+    pub(crate) fn new(device: Arc<Pool>) -> Arc<PrivatePool> {
+        Arc::new(PrivatePool {
+            device,
+            free: Mutex::new(HashMap::new()),
+            consts: Mutex::new(HashMap::new()),
+            held: Mutex::new(Vec::new()),
+            capturing: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    /// Makes the held blocks reusable by the next region's constants (the end of a
+    /// warm-up region).
+    pub(crate) fn release_held(&self) {
+        let held = std::mem::take(&mut *self.held.lock());
+        let mut consts = self.consts.lock();
+        for (key, b) in held {
+            consts.entry(key).or_default().push(b);
+        }
+    }
+
+    /// Marks a capture as under way (true) or over.
+    pub(crate) fn set_capturing(&self, on: bool) {
+        self.capturing.store(on, Ordering::Relaxed);
+    }
+
+    /// A free block of `key` for a constant (`constant`) or any other buffer.
+    fn take(&self, key: (usize, usize), constant: bool) -> Option<CUdeviceptr> {
+        let mut free = if constant {
+            self.consts.lock()
+        } else {
+            self.free.lock()
+        };
+        let list = free.get_mut(&key)?;
+        let pos = list.iter().position(|b| b.pending.is_empty())?;
+        Some(list.swap_remove(pos).ptr)
+    }
+}
+
+impl Drop for PrivatePool {
+    fn drop(&mut self) {
+        // No graph or buffer uses the blocks any more: they join the device's cache.
+        self.release_held();
+        let mut mine = std::mem::take(&mut *self.free.lock());
+        let consts = std::mem::take(&mut *self.consts.lock());
+        let mut all = self.device.free.lock();
+        for (key, list) in mine.drain().chain(consts) {
+            all.entry(key).or_default().extend(list);
+        }
+    }
+}
+
 /// The per-device cache of free blocks (see the module docs).
 pub(crate) struct Pool {
     ctx: Arc<CudaContext>,
@@ -93,6 +174,8 @@ pub(crate) struct Pool {
     free: Mutex<HashMap<(usize, usize), Vec<FreeBlock>>>,
     reserved: AtomicUsize,
     account: Arc<MemAccount>,
+    /// The graph pool allocations go to while a graph region is recorded.
+    private: Mutex<Option<Arc<PrivatePool>>>,
 }
 
 fn round_size(bytes: usize) -> usize {
@@ -141,7 +224,18 @@ impl Pool {
             free: Mutex::new(HashMap::new()),
             reserved: AtomicUsize::new(0),
             account: MemAccount::new(),
+            private: Mutex::new(None),
         }
+    }
+
+    /// Routes the device's allocations to `pool` (None: back to the device's cache).
+    pub(crate) fn set_private(&self, pool: Option<Arc<PrivatePool>>) {
+        *self.private.lock() = pool;
+    }
+
+    /// Whether buffers are cached (not under `FSDP_CUDA_NO_CACHING=1`).
+    pub(crate) fn caching() -> bool {
+        !no_caching()
     }
 
     /// The whole device's figures: live bytes over all accounts, peak, bytes reserved.
@@ -219,6 +313,28 @@ impl Pool {
         stream: &Arc<CudaStream>,
         account: &Arc<MemAccount>,
     ) -> Result<DeviceBuffer> {
+        self.alloc_as(bytes, stream, account, false)
+    }
+
+    /// [`Pool::alloc`] for a CUDA graph's constant (see the module docs): inside a graph
+    /// region, a block of the graph's that no other buffer uses, held for the graph once
+    /// freed; elsewhere an ordinary buffer.
+    pub(crate) fn alloc_constant(
+        self: &Arc<Self>,
+        bytes: usize,
+        stream: &Arc<CudaStream>,
+        account: &Arc<MemAccount>,
+    ) -> Result<DeviceBuffer> {
+        self.alloc_as(bytes, stream, account, true)
+    }
+
+    fn alloc_as(
+        self: &Arc<Self>,
+        bytes: usize,
+        stream: &Arc<CudaStream>,
+        account: &Arc<MemAccount>,
+        constant: bool,
+    ) -> Result<DeviceBuffer> {
         crate::backend::counters::count_allocator_request();
         let size = if no_caching() {
             bytes.max(1)
@@ -226,6 +342,10 @@ impl Pool {
             round_size(bytes)
         };
         let key = (stream_id(stream), size);
+        let private = self.private.lock().clone();
+        if let Some(pp) = private {
+            return self.alloc_private(pp, bytes, key, account, constant);
+        }
         let cached = if no_caching() || FRESH.with(std::cell::Cell::get) {
             None
         } else {
@@ -248,16 +368,63 @@ impl Pool {
                 p
             }
         };
+        Ok(self.buffer(ptr, bytes, key, account, None))
+    }
+
+    /// The buffer of block `ptr` (`key`), `bytes` charged to `account` and the device;
+    /// `private`: the graph pool it belongs to, and whether it is a graph's constant.
+    fn buffer(
+        self: &Arc<Self>,
+        ptr: CUdeviceptr,
+        bytes: usize,
+        key: (usize, usize),
+        account: &Arc<MemAccount>,
+        private: Option<(Arc<PrivatePool>, bool)>,
+    ) -> DeviceBuffer {
         account.charge(bytes);
         self.account.charge(bytes);
-        Ok(DeviceBuffer {
+        let hold = private.as_ref().is_some_and(|p| p.1);
+        DeviceBuffer {
             ptr,
             bytes,
             key,
             pool: self.clone(),
             account: account.clone(),
             other_streams: Mutex::new(Vec::new()),
-        })
+            private: private.map(|p| p.0),
+            hold,
+        }
+    }
+
+    /// [`Pool::alloc`] from a graph's pool: a cached block of it (of its constants' blocks
+    /// for a `constant`), else (outside a capture) a new block from the driver that becomes
+    /// the graph's.
+    fn alloc_private(
+        self: &Arc<Self>,
+        pp: Arc<PrivatePool>,
+        bytes: usize,
+        key: (usize, usize),
+        account: &Arc<MemAccount>,
+        constant: bool,
+    ) -> Result<DeviceBuffer> {
+        let ptr = match pp.take(key, constant) {
+            Some(p) => p,
+            None if pp.capturing.load(Ordering::Relaxed) => {
+                return Err(Error::cuda(
+                    format!(
+                        "allocating {bytes} B on cuda:{} during a CUDA graph capture",
+                        self.ordinal
+                    ),
+                    "the warm-up run left no free block of that size in the graph's pool (cuMemAlloc is not permitted while capturing): the captured step must allocate as the warm-up did",
+                ));
+            }
+            None => {
+                let p = self.malloc(key.1)?;
+                self.reserved.fetch_add(key.1, Ordering::Relaxed);
+                p
+            }
+        };
+        Ok(self.buffer(ptr, bytes, key, account, Some((pp, constant))))
     }
 }
 
@@ -271,6 +438,10 @@ pub struct DeviceBuffer {
     pool: Arc<Pool>,
     account: Arc<MemAccount>,
     other_streams: Mutex<Vec<Arc<CudaStream>>>,
+    /// The graph pool the block belongs to, if any (freed back there).
+    private: Option<Arc<PrivatePool>>,
+    /// A graph's constant: freed into the graph pool's held blocks, not its free ones.
+    hold: bool,
 }
 
 impl std::fmt::Debug for DeviceBuffer {
@@ -359,14 +530,20 @@ impl Drop for DeviceBuffer {
         }
         self.account.release(self.bytes);
         self.pool.account.release(self.bytes);
-        self.pool
-            .free
-            .lock()
-            .entry(self.key)
-            .or_default()
-            .push(FreeBlock {
-                ptr: self.ptr,
-                pending,
-            });
+        let block = FreeBlock {
+            ptr: self.ptr,
+            pending,
+        };
+        match &self.private {
+            Some(pp) if self.hold => pp.held.lock().push((self.key, block)),
+            Some(pp) => pp.free.lock().entry(self.key).or_default().push(block),
+            None => self
+                .pool
+                .free
+                .lock()
+                .entry(self.key)
+                .or_default()
+                .push(block),
+        }
     }
 }

@@ -12,7 +12,8 @@
 //! driver context and the kernel modules, loaded once per device from the fat binaries
 //! build.rs embedded), `memory.rs` (a caching allocator with per-rank byte accounting),
 //! `stream.rs` (streams and events), `tensor.rs` (`DeviceTensor`, host <-> device copies),
-//! `pinned.rs` (page-locked host memory and the asynchronous copies it allows).
+//! `pinned.rs` (page-locked host memory and the asynchronous copies it allows),
+//! `graph.rs` (a step captured as a CUDA graph and replayed, buffers from a graph pool).
 //!
 //! Everything but [`detect`] and [`DeviceInfo`] needs the `cuda` feature. cudarc loads
 //! `libcuda.so` and `libcublas.so` at run time: a build needs no CUDA library, and a run
@@ -40,6 +41,8 @@ pub(crate) mod collective;
 mod context;
 #[cfg(feature = "cuda")]
 mod current;
+#[cfg(feature = "cuda")]
+mod graph;
 #[cfg(feature = "cuda")]
 mod launch;
 #[cfg(feature = "cuda")]
@@ -76,6 +79,8 @@ pub use clip::{scale_by, NormAccumulator};
 pub use context::CudaDevice;
 #[cfg(feature = "cuda")]
 pub use current::{current_stream, rank_account, set_rank_account, use_stream, StreamGuard};
+#[cfg(feature = "cuda")]
+pub use graph::{GraphRecorder, StepGraph};
 #[cfg(feature = "cuda")]
 pub use lowp::{cross_entropy_lp, layernorm_bwd_lp, layernorm_wgrad_lp};
 #[cfg(feature = "cuda")]

@@ -78,6 +78,18 @@ pub(crate) fn float_only(op: &'static str, d: DType) -> Result<()> {
 
 /// Copies a host table of 8-byte values (pointers, offsets, descriptors) to the device.
 pub(crate) fn upload_table<T: Copy>(s: &Stream, table: &[T]) -> Result<DeviceBuffer> {
+    if super::graph::recording() {
+        // A captured graph would copy from `table` at every replay, long after it is gone:
+        // the table is written once, into a block of its own kept for the graph (graph.rs).
+        let buf = s.alloc_graph_constant(std::mem::size_of_val(table))?;
+        // SAFETY: `T` is a plain descriptor (Copy, repr(C) or a number): its bytes are
+        // initialized and `table` covers `size_of_val(table)` of them.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(table.as_ptr().cast::<u8>(), std::mem::size_of_val(table))
+        };
+        super::graph::write_once(s, buf.ptr(), bytes)?;
+        return Ok(buf);
+    }
     let buf = s.alloc_bytes(std::mem::size_of_val(table))?;
     if !table.is_empty() {
         // SAFETY: the buffer holds the whole table. cuMemcpyHtoDAsync from pageable memory

@@ -248,6 +248,9 @@ pub fn adam_step(s: &Stream, slots: &[AdamSlot<'_>], h: &AdamHyper) -> Result<()
         DType::F64 => upload_table(s, &t64)?,
         _ => upload_table(s, &t32)?,
     };
+    if super::graph::recording() {
+        graph_bias(s, dt, &t, slots, h)?;
+    }
     let f = |v: f64| Arg::float_of(dt, v);
     // SAFETY: as in `sgd_step`, with the descriptor type of `dt`.
     unsafe {
@@ -263,6 +266,60 @@ pub fn adam_step(s: &Stream, slots: &[AdamSlot<'_>], h: &AdamHyper) -> Result<()
             f(h.eps),
             f(h.weight_decay),
             h.decoupled as i32,
+        )
+    }
+}
+
+/// In a CUDA graph region (`graph.rs`): the step count moves to device memory and the bias
+/// corrections of `table` are computed on the device from it (`adam_bias_{f32,f64}`,
+/// PyTorch's `capturable=True`), so that each replay of the graph is the next step, not
+/// the captured one again. The count starts at the slots' common count before this
+/// update; its block is kept for the graph.
+///
+/// # Errors
+/// `InvalidArgument` when the slots' step counts differ; [`crate::Error::Cuda`].
+fn graph_bias(
+    s: &Stream,
+    dt: DType,
+    table: &super::DeviceBuffer,
+    slots: &[AdamSlot<'_>],
+    h: &AdamHyper,
+) -> Result<()> {
+    let step = slots.first().map_or(1, |sl| sl.step);
+    if let Some(other) = slots.iter().find(|sl| sl.step != step) {
+        crate::error::bail_arg!(
+            "adam_step: a CUDA graph keeps one step count for every tensor (got {step} and {})",
+            other.step
+        );
+    }
+    let count = s.alloc_graph_constant(8)?;
+    super::graph::write_once(s, count.ptr(), &(step as i64 - 1).to_le_bytes())?;
+    let (lr, b1, b2) = match dt {
+        DType::F64 => (h.lr, h.betas.0, h.betas.1),
+        // The f32 optimizer's settings, widened (as `adam_step` computes them).
+        _ => (
+            f64::from(h.lr as f32),
+            f64::from(h.betas.0 as f32),
+            f64::from(h.betas.1 as f32),
+        ),
+    };
+    let one = launch::Grid {
+        grid: (1, 1, 1),
+        block: 1,
+    };
+    // SAFETY: `table` holds `slots.len()` descriptors of `dt`'s layout (written by
+    // `adam_step`), `count` one i64; both stay allocated (held) while the graph lives.
+    unsafe {
+        launch::adam_bias(
+            s,
+            kname!("adam_bias", dt),
+            one,
+            table.ptr(),
+            slots.len() as i64,
+            count.ptr(),
+            lr,
+            b1,
+            b2,
         )
     }
 }

@@ -133,6 +133,20 @@ impl Stream {
         self.dev.pool.alloc(bytes, &self.inner, &self.account)
     }
 
+    /// `bytes` bytes for a CUDA graph's constant (a kernel's argument table, Adam's step
+    /// count): while a graph region is recorded, a block of the graph's that no other
+    /// buffer of the graph uses, kept for the graph once freed (`memory.rs`); otherwise as
+    /// [`alloc_bytes`](Self::alloc_bytes).
+    ///
+    /// # Errors
+    /// As [`alloc_bytes`](Self::alloc_bytes); during a capture, when the warm-up made no
+    /// constant of that size.
+    pub(crate) fn alloc_graph_constant(&self, bytes: usize) -> Result<DeviceBuffer> {
+        self.dev
+            .pool
+            .alloc_constant(bytes, &self.inner, &self.account)
+    }
+
     /// Records an event (with timing) after the work queued so far.
     ///
     /// # Errors
