@@ -5,7 +5,8 @@
 #   0. the emulator's own tests;
 #   1. the CUDA variants of the test suites (kernels, layers, ops, FSDP on cuda, the
 #      threads backend on device buffers, NCCL at world size 1, the C ABI with device
-#      tensors and the host's stream) against the CPU;
+#      tensors and the host's stream) against the CPU; NCCL worlds of thread ranks and
+#      their faults; the heartbeat naming a stopped NCCL rank process;
 #   2. `fsdp train --device cuda` loss curves against `--device cpu`: world size 1, 2 ranks
 #      on 2 emulated devices (peer copies), mixed precision, f64, CPU offload, and one
 #      process under `fsdp launch` (NCCL).
@@ -94,6 +95,21 @@ if [ "$what" != curves ]; then
     fi
   else
     echo "FAIL nccl worlds (log: $log):"; grep -E "FAILED|panicked|cuda-emu:" "$log" | head -n 20; fail=1
+  fi
+  # The heartbeat on the nccl backend: 2 rank processes on 2 emulated devices (NCCL's rule
+  # of one GPU per rank), rank 1 stopped with SIGSTOP under
+  # --heartbeat-timeout 2 --timeout 200; rank 0 names it within seconds
+  # (crates/fsdp-cli/tests/cli/waits.rs).
+  log="$out/tests-nccl-heartbeat.log"
+  echo "== the heartbeat on NCCL: a stopped rank process named by its peer"
+  if CUDA_EMU_DEVICES=2 cargo test --workspace --exclude cuda-emu --features cuda,test-hooks --test cli waits::nccl_ -- --nocapture >"$log" 2>&1; then
+    if grep -q "skipping" "$log" || ! grep -q 'nccl.* \.\.\. ok' "$log"; then
+      echo "FAIL nccl heartbeat: not run on the emulator:"; grep "skipping" "$log" | head -n 3; fail=1
+    else
+      echo "PASS nccl heartbeat: $(grep -m1 'rank 0 ended' "$log")"
+    fi
+  else
+    echo "FAIL nccl heartbeat (log: $log):"; grep -E "FAILED|panicked|cuda-emu:" "$log" | head -n 20; fail=1
   fi
 fi
 
@@ -222,7 +238,10 @@ PY
   # allocation from step 2 on, the reading step included. The last step reads the losses
   # back and runs the bookkeeping collectives (host tensors through the GPU: a copy back
   # each). World size 4 is reported: 4 processes on 2 cores can make a collective slow
-  # enough (> 1 s) to publish its count, as it should.
+  # enough (> 1 s) to publish its count, as it should. The watchdog is quiet
+  # (nccl_watchdog.rs): at most 50 event queries (cuEventQuery) on each quiet step, and at
+  # most 50 per step over the whole run (the host runs ahead, so most polls of the queued
+  # steps land in the last, reading step); it made 507-711 per step over the run before.
   for name in nccl-ws2 nccl-ws4; do
     python3 - "$out/$name.jsonl" "$name" <<'PY' || { [ "$name" = nccl-ws2 ] && fail=1; }
 import json, sys
@@ -231,9 +250,14 @@ quiet = recs[1:-1]
 syncs = [r["counters"]["host_syncs"] for r in quiet]
 ops = [r["counters"]["store_ops"] for r in quiet]
 allocs = [r["counters"]["device_allocs"] + r["counters"]["fsdp_buffer_allocs"] for r in recs[1:]]
+queries = [r["counters"]["event_queries"] for r in recs]
+per_step = sum(queries) / max(len(recs), 1)
 ok = bool(quiet) and max(syncs) == 0 and max(ops) == 0 and max(allocs) == 0
+ok = ok and max(queries[1:-1]) <= 50 and per_step <= 50
 print(f"{'PASS' if ok else 'FAIL'} counters {sys.argv[2]}: host syncs {syncs}, store ops {ops} per step between reads; "
-      f"device + FSDP buffer allocations from step 2 {allocs}")
+      f"device + FSDP buffer allocations from step 2 {allocs}; event queries {queries[1:-1]} per step "
+      f"between reads (at most 50; step 1: {queries[0]}, last step: {queries[-1]}), "
+      f"{per_step:.0f} per step over the run (at most 50)")
 sys.exit(0 if ok else 1)
 PY
   done

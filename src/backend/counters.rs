@@ -2,7 +2,9 @@
 //! host-blocking synchronizations, device allocations and frees (the driver's, not the
 //! caching allocator's reuse), page-locked host allocations, requests to the caching allocator (every tensor, and apart
 //! those of FSDP's own buffers), kernel launches (cuBLAS calls
-//! included) and key-value store operations. The CUDA backend and the store bump them; `fsdp train --metrics` and
+//! included), event queries (`cuEventQuery`: the NCCL watchdog's polls, the caching
+//! allocator's look at a cached block's pending uses, the stream-stall fold) and key-value
+//! store operations. The CUDA backend and the store bump them; `fsdp train --metrics` and
 //! `fsdp bench` report their per-step difference.
 //!
 //! PyTorch's counterparts are scattered: `torch.cuda.memory_stats()["num_device_alloc"]`,
@@ -21,6 +23,7 @@ static PINNED_ALLOCS: AtomicU64 = AtomicU64::new(0);
 static FSDP_BUFFER_ALLOCS: AtomicU64 = AtomicU64::new(0);
 static KERNEL_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 static STORE_OPS: AtomicU64 = AtomicU64::new(0);
+static EVENT_QUERIES: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
     static THREAD_SYNCS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
@@ -61,6 +64,10 @@ pub struct Counters {
     pub kernel_launches: u64,
     /// Requests sent to the rendezvous key-value store (`TcpStore`).
     pub store_ops: u64,
+    /// `cuEventQuery` calls (each a driver call on a GPU, contending for the host): the
+    /// NCCL watchdog's polls of collectives in flight, the caching allocator's looks at a
+    /// cached block's pending stream uses, the fold of stream-stall timings.
+    pub event_queries: u64,
 }
 
 impl Counters {
@@ -75,6 +82,7 @@ impl Counters {
             fsdp_buffer_allocs: FSDP_BUFFER_ALLOCS.load(Ordering::Relaxed),
             kernel_launches: KERNEL_LAUNCHES.load(Ordering::Relaxed),
             store_ops: STORE_OPS.load(Ordering::Relaxed),
+            event_queries: EVENT_QUERIES.load(Ordering::Relaxed),
         }
     }
 
@@ -93,6 +101,7 @@ impl Counters {
                 .saturating_sub(earlier.fsdp_buffer_allocs),
             kernel_launches: self.kernel_launches.saturating_sub(earlier.kernel_launches),
             store_ops: self.store_ops.saturating_sub(earlier.store_ops),
+            event_queries: self.event_queries.saturating_sub(earlier.event_queries),
         }
     }
 }
@@ -168,6 +177,11 @@ pub fn count_store_op() {
     STORE_OPS.fetch_add(1, Ordering::Relaxed);
 }
 
+/// Counts one event query (`cuEventQuery`).
+pub fn count_event_query() {
+    EVENT_QUERIES.fetch_add(1, Ordering::Relaxed);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -179,10 +193,11 @@ mod tests {
         count_kernel_launch();
         count_kernel_launch();
         count_store_op();
+        count_event_query();
         let d = Counters::now().since(&a);
         // Other tests of this binary may count too, concurrently: at least ours.
         assert!(
-            d.host_syncs >= 1 && d.kernel_launches >= 2 && d.store_ops >= 1,
+            d.host_syncs >= 1 && d.kernel_launches >= 2 && d.store_ops >= 1 && d.event_queries >= 1,
             "{d:?}"
         );
         assert_eq!(a.since(&Counters::now()), Counters::default());

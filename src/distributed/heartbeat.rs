@@ -16,8 +16,11 @@
 //!   connection closed (it exited, or was killed: its mesh streams end too and say so) is
 //!   forgotten, not stale;
 //! - a rank told that peer `r` is stale records `r`'s failure in its world: every waiting
-//!   and later collective fails with `PeerFailed` naming `r`, and the streams to `r` are
-//!   shut so that a send blocked on `r`'s full socket returns;
+//!   and later collective fails with `PeerFailed` naming `r`. On the `tcp` backend the
+//!   streams to `r` are shut so that a send blocked on `r`'s full socket returns
+//!   (`tcp/mod.rs`); on the `nccl` backend every group of the world aborts its
+//!   communicator, so that the collective waiting for `r` ends and the streams drain
+//!   (`nccl_heartbeat.rs`);
 //! - rank 0's process hosts the store: when it stops, the store stops answering, and a
 //!   heartbeat without an answer within `T` names rank 0.
 //!
@@ -50,6 +53,23 @@ pub(crate) struct BeatSpec {
     pub(crate) connect_timeout: Duration,
     /// The job whose store it is.
     pub(crate) job: JobAuth,
+}
+
+impl BeatSpec {
+    /// The beat of rank `rv.rank` through the rendezvous store at `rv.key` (`HOST:PORT`),
+    /// with `rv`'s heartbeat timeout, collective timeout and job; None for a world of one
+    /// rank or a key that is not `HOST:PORT`.
+    pub(crate) fn of(rv: &super::Rendezvous) -> Option<BeatSpec> {
+        let (host, port) = super::store::host_port(&rv.key)?;
+        (rv.world_size > 1).then(|| BeatSpec {
+            host: host.to_string(),
+            port,
+            rank: rv.rank,
+            timeout: rv.heartbeat_timeout,
+            connect_timeout: rv.timeout,
+            job: rv.job.clone(),
+        })
+    }
 }
 
 /// Seconds in a message.

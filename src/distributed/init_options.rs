@@ -30,8 +30,8 @@ pub const TIMEOUT_VAR: &str = "FSDP_TIMEOUT";
 /// [`DEFAULT_HEARTBEAT_TIMEOUT`].
 pub const HEARTBEAT_TIMEOUT_VAR: &str = "FSDP_HEARTBEAT_TIMEOUT";
 
-/// How long a rank of the `tcp` backend may go without a heartbeat before its peers name
-/// it failed: 60 s, well under the collective timeout (300 s). PyTorch's NCCL heartbeat
+/// How long a rank process of the `tcp` or `nccl` backend may go without a heartbeat
+/// before its peers name it failed: 60 s, well under the collective timeout (300 s). PyTorch's NCCL heartbeat
 /// monitor waits 8 min (`TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`), but it watches its own
 /// process's watchdog thread, not the peers.
 pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -68,8 +68,8 @@ pub struct InitOptions {
     /// (`FSDP_TIMEOUT`, seconds), else 300 s (torch's `default_pg_timeout` is 30 min, and
     /// 10 min for NCCL). The first rank to join sets it for the world.
     pub timeout: Option<Duration>,
-    /// How long a peer of the `tcp` backend may send no heartbeat before this rank names it
-    /// failed (a process stopped with SIGSTOP, or hung); `None` reads
+    /// How long a peer process of the `tcp` or `nccl` backend may send no heartbeat before
+    /// this rank names it failed (a process stopped with SIGSTOP, or hung); `None` reads
     /// [`HEARTBEAT_TIMEOUT_VAR`] (`FSDP_HEARTBEAT_TIMEOUT`, seconds), else
     /// [`DEFAULT_HEARTBEAT_TIMEOUT`]. Unused by the `threads` backend.
     pub heartbeat_timeout: Option<Duration>,
@@ -136,7 +136,7 @@ impl InitOptions {
         self
     }
 
-    /// Sets the heartbeat timeout of the `tcp` backend.
+    /// Sets the heartbeat timeout of the `tcp` and `nccl` backends.
     pub fn with_heartbeat_timeout(mut self, timeout: Duration) -> Self {
         self.heartbeat_timeout = Some(timeout);
         self
@@ -401,7 +401,7 @@ pub struct Rendezvous {
     pub local_world_size: Option<usize>,
     /// Rendezvous and collective timeout.
     pub timeout: Duration,
-    /// How long a peer may send no heartbeat (`tcp` backend).
+    /// How long a peer may send no heartbeat (`tcp` and `nccl` backends).
     pub heartbeat_timeout: Duration,
     /// The job id and secret the `tcp` and `nccl` backends check at rendezvous (the open,
     /// id-less job on `threads`).

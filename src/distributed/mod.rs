@@ -46,6 +46,8 @@ pub mod nccl;
 #[cfg(feature = "cuda")]
 mod nccl_evidence;
 #[cfg(feature = "cuda")]
+mod nccl_heartbeat;
+#[cfg(feature = "cuda")]
 mod nccl_watchdog;
 mod rendezvous;
 mod signals;

@@ -21,6 +21,10 @@
 //!   [`Error::PeerFailed`] naming the peer that failed first (`nccl_evidence.rs`); the
 //!   group's next call (or [`barrier`](ProcessGroup::barrier), which waits on the host)
 //!   returns it;
+//! - rank processes that met through the store beat a heartbeat through it
+//!   (`nccl_heartbeat.rs`, [Note: heartbeat]): a peer that stops as a whole (`SIGSTOP`)
+//!   is named by [`Error::PeerFailed`] within the heartbeat timeout, and every group of the
+//!   world aborts its communicator;
 //! - an aborted communicator fails every later collective with the first error;
 //! - `new_group` builds a communicator for the members from a fresh unique id under a key
 //!   naming the members and how many groups of them were made before.
@@ -34,6 +38,7 @@
 //! run the same job on the `threads` backend to get the exact mismatch.
 
 use super::nccl_evidence::Evidence;
+use super::nccl_heartbeat::Peers;
 use super::threads::{is_chunk_of, unaliased};
 use super::{Group, ProcessGroup, ReduceOp, Store};
 use crate::backend::cuda as cu;
@@ -153,6 +158,9 @@ pub struct NcclGroup {
     shared: Arc<Shared>,
     seq: Mutex<u64>,
     created: crate::distributed::subgroups::NewGroupCounter,
+    /// The groups of this rank's world, and its heartbeat when it has one
+    /// (`nccl_heartbeat.rs`).
+    peers: Arc<Peers>,
 }
 
 /// The part of a group the watchdog thread needs while the group's collectives are in
@@ -211,6 +219,15 @@ impl NcclGroup {
             timeout,
             "nccl/world".into(),
         )
+        .map(|g| g.in_world(Arc::default()))
+    }
+
+    /// This group as one of the world whose groups `peers` lists (registered there: a stale
+    /// peer fails it).
+    fn in_world(mut self, peers: Arc<Peers>) -> NcclGroup {
+        peers.add(&self.shared);
+        self.peers = peers;
+        self
     }
 
     fn join(
@@ -274,29 +291,29 @@ impl NcclGroup {
             }),
             seq: Mutex::new(0),
             created: Default::default(),
+            peers: Arc::default(),
         })
     }
 
     /// The world group of a resolved rendezvous (`init_process_group(backend="nccl")`): the
     /// store at `MASTER_ADDR:MASTER_PORT` (rank 0 hosts it), the device
     /// `cuda:(LOCAL_RANK or RANK) % device count`, as a torchrun script's
-    /// `torch.cuda.set_device(local_rank)`.
+    /// `torch.cuda.set_device(local_rank)`. With more than one rank it starts this rank's
+    /// heartbeat (`rv.heartbeat_timeout`, `nccl_heartbeat.rs`): a peer that stops as a whole
+    /// fails every group of the world with [`Error::PeerFailed`] naming it.
     ///
     /// # Errors
-    /// As [`NcclGroup::new`] and the store's connection errors.
+    /// As [`NcclGroup::new`], the store's connection errors, and `Io` when the heartbeat's
+    /// thread cannot start.
     pub(crate) fn init(rv: &super::Rendezvous) -> Result<Arc<NcclGroup>> {
         require_nccl()?;
         let devices = cu::detect()?.len().max(1);
         let what = format!("init_process_group (backend nccl, rendezvous '{}')", rv.key);
         let store = super::store::connect_for(rv, &what)?;
         let ordinal = rv.local_rank.unwrap_or(rv.rank) % devices;
-        Ok(Arc::new(Self::new(
-            rv.rank,
-            rv.world_size,
-            ordinal,
-            store,
-            rv.timeout,
-        )?))
+        let group = Self::new(rv.rank, rv.world_size, ordinal, store, rv.timeout)?;
+        group.peers.start(rv)?;
+        Ok(Arc::new(group))
     }
 
     /// Records that this rank failed (`reason`) where every peer's watchdog looks, in the
@@ -357,14 +374,18 @@ impl NcclGroup {
             comm.failure = Some(err.duplicate());
             return Err(err);
         }
-        drop(comm);
+        // Recorded and handed over under the communicator's lock: the watchdog gets one
+        // group's collectives on one stream in their stream order (it polls only the
+        // newest of them, `nccl_watchdog.rs`).
         let done = stream.record()?;
         super::nccl_watchdog::watch(super::nccl_watchdog::InFlight::new(
             self.shared.clone(),
             op,
             seq,
             done,
+            cu_stream as usize,
         ));
+        drop(comm);
         Ok(())
     }
 
@@ -595,7 +616,8 @@ impl ProcessGroup for NcclGroup {
             self.shared.evidence.store.clone(),
             self.shared.timeout,
             prefix,
-        )?;
+        )?
+        .in_world(self.peers.clone());
         Ok(Some(Arc::new(g)))
     }
 

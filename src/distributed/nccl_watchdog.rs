@@ -2,8 +2,15 @@
 //! so that the thread that issued one never waits for it (PyTorch's ProcessGroupNCCL
 //! watchdog, `ProcessGroupNCCL::watchdogHandler`).
 //!
-//! For each collective it polls the completion event recorded after it and the
-//! communicator's asynchronous error (`ncclCommGetAsyncError`). A collective slow past a
+//! It polls the completion events recorded after the collectives and the communicator's
+//! asynchronous error (`ncclCommGetAsyncError`), quietly: the first poll comes 2 ms after
+//! new work that ends an idle spell, later ones back off to one every 100 ms (PyTorch's watchdog sleeps 100 ms),
+//! and each poll queries one event per group and stream, the newest collective's (one
+//! stream completes its work in order, so when the newest is done every older one is);
+//! only when it is not are the older ones looked at, oldest first, to drop those that
+//! finished and time the oldest in flight. On cuda-emu the 2-layer GPT at 2 processes made
+//! 507-711 event queries per process per step before, 23-24 now (`event_queries` in
+//! `backend::counters`; docs/cuda.md). A collective slow past a
 //! quarter of the group timeout (at most 10 s) records this rank's collective count in the
 //! store, as PyTorch's desync debugging asks each rank; a healthy one costs no store
 //! request and no host wait. Once a collective is that slow, it also looks for a peer's
@@ -21,6 +28,7 @@ use super::Store;
 use crate::backend::cuda::Event;
 use crate::error::Error;
 use parking_lot::{Condvar, Mutex};
+use std::collections::VecDeque;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -31,18 +39,28 @@ pub(super) struct InFlight {
     /// The group's collective count up to and including this one.
     seq: u64,
     done: Event,
+    /// The stream it was issued on (its raw handle): collectives of one group on one
+    /// stream complete in order.
+    stream: usize,
     issued: Instant,
     /// When this rank recorded its collective count in the store (once slow).
     published: Option<Instant>,
 }
 
 impl InFlight {
-    pub(super) fn new(group: Arc<Shared>, op: &'static str, seq: u64, done: Event) -> InFlight {
+    pub(super) fn new(
+        group: Arc<Shared>,
+        op: &'static str,
+        seq: u64,
+        done: Event,
+        stream: usize,
+    ) -> InFlight {
         InFlight {
             group,
             op,
             seq,
             done,
+            stream,
             issued: Instant::now(),
             published: None,
         }
@@ -55,19 +73,16 @@ impl InFlight {
         (self.group.timeout / 4).min(Duration::from_secs(10))
     }
 
-    /// One look: `Some(Ok)` when it finished, `Some(Err)` when it failed, None while in
-    /// flight.
-    fn check(&mut self) -> Option<Result<(), Error>> {
-        if self.group.has_failed() {
-            return Some(Ok(())); // reported already; nothing more to watch
-        }
-        match self.done.query() {
-            Ok(true) => return Some(Ok(())),
-            Ok(false) => {}
-            Err(e) => return Some(Err(e)),
-        }
+    /// The lane it completes in order with: its group and stream.
+    fn lane(&self) -> (usize, usize) {
+        (Arc::as_ptr(&self.group) as usize, self.stream)
+    }
+
+    /// One look at a collective found still in flight (the oldest of its lane): its
+    /// group's asynchronous error, a peer's recorded failure, or its timeout, if any.
+    fn watch(&mut self) -> Option<Error> {
         if let Some(e) = self.group.async_failure(self.op, self.seq, false) {
-            return Some(Err(e));
+            return Some(e);
         }
         let age = self.issued.elapsed();
         if self.published.is_none() && age > self.slow() {
@@ -78,10 +93,10 @@ impl InFlight {
         // a healthy step (however loaded the machine) touches the store never.
         if age > self.slow() && self.group.peer_check_due() {
             if let Some((failed_rank, reason)) = self.group.evidence.failed_peer() {
-                return Some(Err(Error::PeerFailed {
+                return Some(Error::PeerFailed {
                     failed_rank,
                     reason,
-                }));
+                });
             }
         }
         // Past the timeout, one more `slow` for a peer that entered late to record its
@@ -90,18 +105,19 @@ impl InFlight {
         // may look seconds late), had as long to record its own.
         let recorded = self.published.is_some_and(|t| t.elapsed() > self.slow());
         if age > self.group.timeout + self.slow() && recorded {
-            return Some(Err(Error::Timeout {
+            return Some(Error::Timeout {
                 op: self.op.to_string(),
                 rank: self.group.world_rank(),
                 timeout_s: self.group.timeout.as_secs_f64(),
                 missing_ranks: self.group.evidence.lagging_ranks(self.seq),
-            }));
+            });
         }
         None
     }
 }
 
 struct Watchdog {
+    /// Collectives handed over since the thread last looked (it sorts them into lanes).
     queue: Mutex<Vec<InFlight>>,
     wake: Condvar,
 }
@@ -137,49 +153,114 @@ pub(super) fn linger(store: Arc<dyn Store>, timeout: Duration) {
         });
 }
 
-/// Hands a collective just issued to the watchdog.
+/// Hands a collective just issued to the watchdog. Collectives of one group on one stream
+/// must be handed over in the order they were issued (the caller holds the group's
+/// communicator from issue to here).
 pub(super) fn watch(c: InFlight) {
     let w = watchdog();
     w.queue.lock().push(c);
     w.wake.notify_one();
 }
 
-fn run(w: &'static Watchdog) {
-    // Polls 20 us apart while collectives finish, backing off to 2 ms while none does.
-    let (fast, slow) = (Duration::from_micros(20), Duration::from_millis(2));
-    let mut pause = fast;
-    loop {
-        let mut batch = {
-            let mut q = w.queue.lock();
-            while q.is_empty() {
-                w.wake.wait(&mut q);
-                pause = fast;
-            }
-            std::mem::take(&mut *q)
+/// The collectives in flight of one group on one stream, oldest first. They complete in
+/// that order (stream order), so the newest one's event answers for all of them.
+struct Lane {
+    key: (usize, usize),
+    items: VecDeque<InFlight>,
+}
+
+impl Lane {
+    /// One look at the lane; false once it is empty (all done, or the group failed).
+    fn poll(&mut self) -> bool {
+        let Some(newest) = self.items.back() else {
+            return false;
         };
-        let before = batch.len();
-        // Checked outside the lock: a query may run emulated device work, a store request
-        // may take a while; issuing threads keep adding meanwhile.
-        batch.retain_mut(|c| match c.check() {
-            None => true,
-            Some(Ok(())) => false,
-            Some(Err(e)) => {
-                c.group.fail(e);
-                false
+        if newest.group.has_failed() {
+            self.items.clear(); // reported already; nothing more to watch
+            return false;
+        }
+        // The newest one done: every older one is (one query for the lane).
+        let older = self.items.len() > 1;
+        match newest.done.query() {
+            Ok(true) => {
+                self.items.clear();
+                return false;
             }
-        });
-        let progressed = batch.len() < before;
+            Ok(false) => {}
+            Err(e) => return self.failed(e),
+        }
+        // Drop the older ones that finished, oldest first; the oldest in flight is the one
+        // whose age counts toward the timeout.
+        while older && self.items.len() > 1 {
+            match self.items[0].done.query() {
+                Ok(true) => {
+                    self.items.pop_front();
+                }
+                Ok(false) => break,
+                Err(e) => return self.failed(e),
+            }
+        }
+        match self.items[0].watch() {
+            None => true,
+            Some(e) => self.failed(e),
+        }
+    }
+
+    /// Records `e` as the group's failure (which aborts its communicator); the lane ends.
+    fn failed(&mut self, e: Error) -> bool {
+        if let Some(c) = self.items.front() {
+            c.group.fail(e);
+        }
+        self.items.clear();
+        false
+    }
+}
+
+/// The first poll after new work, and the most the polls back off to (PyTorch's watchdog
+/// sleeps 100 ms, `kWatchdogThreadSleepMillis`). A healthy step makes a handful of polls,
+/// each one event query per group and stream (`scripts/cuda-emu.sh` checks at most 50
+/// event queries a step); the detection times (seconds) gain at most the cap. New work
+/// restarts the backoff only when the watchdog had nothing in flight for longer than the
+/// cap: in a training loop collectives follow each other closely, and the watchdog's polls
+/// would otherwise start over at every one that finds it idle.
+const FIRST_POLL: Duration = Duration::from_millis(2);
+const MAX_POLL: Duration = Duration::from_millis(100);
+
+fn run(w: &'static Watchdog) {
+    let mut lanes: Vec<Lane> = Vec::new();
+    let mut pause = FIRST_POLL;
+    // When the last poll found collectives in flight.
+    let mut busy = Instant::now();
+    loop {
         {
             let mut q = w.queue.lock();
-            // Older collectives first, as they were issued.
-            batch.append(&mut q);
-            *q = batch;
+            if q.is_empty() && lanes.is_empty() {
+                while q.is_empty() {
+                    w.wake.wait(&mut q);
+                }
+                // Work after a pause: poll soon. Work that follows the last within the
+                // longest poll (a training loop's next collectives) keeps the backoff.
+                if busy.elapsed() > MAX_POLL {
+                    pause = FIRST_POLL;
+                }
+            }
         }
-        pause = if progressed {
-            fast
-        } else {
-            (pause * 2).min(slow)
-        };
         std::thread::sleep(pause);
+        pause = (pause * 2).min(MAX_POLL);
+        // Sorted into lanes outside the polls: a query may run emulated device work, a
+        // store request may take a while; issuing threads keep adding meanwhile.
+        let arrived = std::mem::take(&mut *w.queue.lock());
+        for c in arrived {
+            let key = c.lane();
+            match lanes.iter_mut().find(|l| l.key == key) {
+                Some(l) => l.items.push_back(c),
+                None => lanes.push(Lane {
+                    key,
+                    items: VecDeque::from([c]),
+                }),
+            }
+        }
+        lanes.retain_mut(Lane::poll);
+        busy = Instant::now();
     }
 }

@@ -1,5 +1,7 @@
-//! Gradient utilities of the root unit: `no_sync` (accumulation without communication) and
-//! `clip_grad_norm_` (FSDP1 `FullyShardedDataParallel.no_sync` / `.clip_grad_norm_`).
+//! Gradient utilities of the root unit: `no_sync` and `set_requires_gradient_sync`
+//! (accumulation without communication), `zero_grad` and `clip_grad_norm_` (FSDP1
+//! `FullyShardedDataParallel.no_sync` / `.clip_grad_norm_`, FSDP2's
+//! `set_requires_gradient_sync`).
 
 use super::FullyShardedDataParallel;
 use crate::distributed::fingerprint::Phase;
@@ -29,6 +31,33 @@ impl FullyShardedDataParallel {
     /// several calls (FSDP2's `set_requires_gradient_sync`). Every rank does the same.
     pub fn set_requires_gradient_sync(&mut self, requires: bool) {
         self.each_unit(|u| u.sync_grads = requires);
+    }
+
+    /// Drops every sharded gradient, the unsharded gradients kept under `no_sync`, and the
+    /// ignored modules' gradients (`zero_grad(set_to_none=True)`, PyTorch's default, which
+    /// drops FSDP1's `no_sync` accumulation in `flat_param.grad` too). Also ends the step
+    /// for the fingerprints of FSDP's collectives: the first call after a backward starts
+    /// the next step (see `distributed::fingerprint`), so every rank calls it alike (once
+    /// per optimizer step, as a training loop does). A host driving the hooks checks
+    /// [`ready_for_zero_grad`](Self::ready_for_zero_grad) first: inside an unfinished
+    /// backward the reductions still to come would survive this.
+    pub fn zero_grad(&mut self) {
+        self.rs.sched.lock().progress.step_boundary();
+        let mem = self.rs.mem.clone();
+        let sched = self.rs.sched.clone();
+        self.each_unit(|u| {
+            if let Some(g) = u.flat.grad_shard.take() {
+                let mut m = mem.lock();
+                m.grad_shard_bytes = m.grad_shard_bytes.saturating_sub(g.nbytes());
+                // Its readers (clipping, the optimizer) ran on the compute stream: the
+                // next backward's reduction can fill it again.
+                sched.lock().buffers.give(g);
+            }
+            if let Some(g) = u.flat.unsynced_grad.take() {
+                sched.lock().buffers.give(g);
+            }
+        });
+        self.each_ignored(|_, p| p.set_grad(None));
     }
 
     /// Scales every gradient shard so that the total `norm_type`-norm of the gradients of

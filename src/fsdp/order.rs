@@ -2,7 +2,7 @@
 //! the root's [`Pass`] (see [Note: the step's stages] in `progress.rs`). Every refusal is
 //! an `Fsdp` error that names the call, what was expected instead, and what skipping it
 //! would have done, in the caller's API ([`Term`]: `finish_backward` in Rust,
-//! `fsdp_model_finish_backward` through the C ABI). The hooks in `runtime.rs` check here
+//! `fsdp_model_finish_backward` through the C ABI). The hooks in `hooks.rs` check here
 //! before they change anything, so a refused call leaves the model as it was.
 //!
 //! The root's hooks enclose every nested unit's: the root's `pre_forward` first and its
@@ -79,8 +79,8 @@ impl FullyShardedDataParallel {
         let mut busy = Vec::new();
         self.each_unit(|u| {
             let inside = match backward {
-                true => u.in_backward.is_some(),
-                false => u.forward_grad.is_some(),
+                true => u.phase.in_backward(),
+                false => u.phase.in_forward(),
             };
             if !u.is_root && inside {
                 busy.push(format!("'{}'", u.module_name()));
@@ -109,23 +109,11 @@ impl FullyShardedDataParallel {
             if u.is_root {
                 return Ok(());
             }
-            if u.forward_grad.take().is_some() {
+            if u.phase.close_forward().is_some() {
                 u.rs.sched.lock().on_post_forward(u.id);
             }
             u.reshard()
         })
-    }
-
-    /// The error of a call in the wrong order.
-    pub(super) fn out_of_order(&self, call: Term, needs: &str) -> Error {
-        Error::Fsdp(format!(
-            "{call} on unit '{}' without {needs} first: each unit's hooks go {}, {}, then {}, {}",
-            self.module_name(),
-            Term::PreForward,
-            Term::PostForward,
-            Term::PreBackward,
-            Term::PostBackward
-        ))
     }
 
     /// What the step holds when `call` may run now: between passes, on the root.

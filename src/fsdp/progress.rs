@@ -26,7 +26,7 @@
 //! its forward, its backward, between the root's `post_backward` and `finish_backward`,
 //! or between passes, and then what the step holds ([`Held`]: nothing, a forward owed
 //! its backward, gradients for the optimizer, or both). Every rule about the order of a
-//! host's calls reads it (`runtime.rs`, `FullyShardedDataParallel::ready_for`):
+//! host's calls reads it (`hooks.rs`, `order.rs`, `FullyShardedDataParallel::ready_for`):
 //!
 //! ```text
 //!   Idle(h) --root pre_forward--> Forward{h} --root post_forward--> Idle(h + forward, if grad)

@@ -246,8 +246,7 @@ impl FullyShardedDataParallel {
             id,
             pending_grad: None,
             slots,
-            forward_grad: None,
-            in_backward: None,
+            phase: super::phase::UnitPhase::Idle,
             input_cast: false,
             _pool_user: crate::tensor::PoolUser::new(),
         };

@@ -207,13 +207,14 @@ pub fn counters_summary(report: &super::TrainReport) -> Option<String> {
         v[v.len() / 2]
     };
     Some(format!(
-        "per step from step 2 (median, rank 0's process): {} host syncs, {} device allocs, {} allocator requests ({} for FSDP buffers), {} kernel launches, {} store ops",
+        "per step from step 2 (median, rank 0's process): {} host syncs, {} device allocs, {} allocator requests ({} for FSDP buffers), {} kernel launches, {} store ops, {} event queries",
         median(|c| c.host_syncs),
         median(|c| c.device_allocs),
         median(|c| c.allocator_requests),
         median(|c| c.fsdp_buffer_allocs),
         median(|c| c.kernel_launches),
         median(|c| c.store_ops),
+        median(|c| c.event_queries),
     ))
 }
 

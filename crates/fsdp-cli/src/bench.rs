@@ -273,7 +273,7 @@ pub(crate) fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
                 median(per_step.iter().map(|c| f(c) as f64).collect())
             };
             counters.push(format!(
-                "{:<36} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
+                "{:<36} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
                 name,
                 med(|c| c.host_syncs),
                 med(|c| c.device_allocs),
@@ -281,14 +281,15 @@ pub(crate) fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
                 med(|c| c.allocator_requests),
                 med(|c| c.fsdp_buffer_allocs),
                 med(|c| c.kernel_launches),
-                med(|c| c.store_ops)
+                med(|c| c.store_ops),
+                med(|c| c.event_queries)
             ));
         }
     }
     if !counters.is_empty() {
         out!("\nper step after warm-up (median, whole process): what each step asks of the host");
         out!(
-            "{:<36} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
+            "{:<36} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
             "configuration",
             "host syncs",
             "dev allocs",
@@ -296,7 +297,8 @@ pub(crate) fn run_bench(a: BenchArgs) -> fsdp::Result<()> {
             "alloc reqs",
             "fsdp bufs",
             "launches",
-            "store ops"
+            "store ops",
+            "ev queries"
         );
         for line in counters {
             out!("{line}");

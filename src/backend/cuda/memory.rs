@@ -155,9 +155,12 @@ impl Pool {
     fn take_cached(&self, key: (usize, usize)) -> Option<CUdeviceptr> {
         let mut free = self.free.lock();
         let list = free.get_mut(&key)?;
-        let pos = list
-            .iter()
-            .position(|b| b.pending.iter().all(|e| e.is_complete()))?;
+        let pos = list.iter().position(|b| {
+            b.pending.iter().all(|e| {
+                crate::backend::counters::count_event_query();
+                e.is_complete()
+            })
+        })?;
         Some(list.swap_remove(pos).ptr)
     }
 

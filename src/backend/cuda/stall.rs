@@ -18,10 +18,18 @@ use std::sync::atomic::{AtomicBool, Ordering};
 static ENABLED: AtomicBool = AtomicBool::new(true);
 
 thread_local! {
-    /// The (before, after) event pairs of this thread's timed waits not yet read.
-    static PAIRS: RefCell<Vec<(Event, Event)>> = const { RefCell::new(Vec::new()) };
+    /// The (before, after) event pairs of this thread's timed waits not yet read, in the
+    /// order they were recorded, with the stream (its raw handle) they were recorded on.
+    static PAIRS: RefCell<Vec<Pair>> = const { RefCell::new(Vec::new()) };
     /// Seconds of pairs already read back but not yet taken by [`take_stream_stall_s`].
     static FOLDED_S: std::cell::Cell<f64> = const { std::cell::Cell::new(0.0) };
+}
+
+/// One timed wait: the events recorded just before and just after it, and its stream.
+struct Pair {
+    before: Event,
+    after: Event,
+    stream: usize,
 }
 
 /// Pairs held before [`Stream::wait_timed`] folds the completed ones itself, so a thread
@@ -49,7 +57,11 @@ impl Stream {
         let after = self.record()?;
         let held = PAIRS.with(|p| {
             let mut p = p.borrow_mut();
-            p.push((before, after));
+            p.push(Pair {
+                before,
+                after,
+                stream: self.inner.cu_stream() as usize,
+            });
             p.len()
         });
         if held >= FOLD_AT {
@@ -67,30 +79,44 @@ pub fn take_stream_stall_s() -> f64 {
 }
 
 /// Reads and drops this thread's completed pairs, returning their seconds; pairs still in
-/// flight stay.
+/// flight stay. One event query per completed pair and one per stream with pairs in flight:
+/// a stream runs its work in order, so a pair's `after` done means its `before` is, and the
+/// first `after` not done on a stream means none after it on that stream is.
 fn fold_completed() -> f64 {
     PAIRS.with(|p| {
         let mut pairs = p.borrow_mut();
         let mut total = 0.0f64;
-        pairs.retain(|(before, after)| {
-            // A pair is read once both events completed; an error reads as "not yet" here
-            // and reaches the caller through its next synchronizing call.
-            if !matches!(after.query(), Ok(true)) || !matches!(before.query(), Ok(true)) {
-                return true;
-            }
-            // SAFETY: both events are live and complete (checked above), so the driver
-            // reads their times without waiting (cudarc's elapsed_ms would synchronize).
-            let ms = unsafe {
-                cudarc::driver::result::event::elapsed(
-                    before.inner.cu_event(),
-                    after.inner.cu_event(),
-                )
-            };
-            if let Ok(ms) = ms {
-                total += f64::from(ms.max(0.0)) / 1e3;
-            }
-            false
-        });
+        let mut busy: Vec<usize> = Vec::new();
+        pairs.retain(
+            |Pair {
+                 before,
+                 after,
+                 stream,
+             }| {
+                // A pair is read once both events completed; an error reads as "not yet" here
+                // and reaches the caller through its next synchronizing call.
+                if busy.contains(stream) {
+                    return true;
+                }
+                if !matches!(after.query(), Ok(true)) {
+                    busy.push(*stream);
+                    return true;
+                }
+                // SAFETY: both events are live and complete (`after` checked above, `before`
+                // recorded ahead of it on the same stream), so the driver
+                // reads their times without waiting (cudarc's elapsed_ms would synchronize).
+                let ms = unsafe {
+                    cudarc::driver::result::event::elapsed(
+                        before.inner.cu_event(),
+                        after.inner.cu_event(),
+                    )
+                };
+                if let Ok(ms) = ms {
+                    total += f64::from(ms.max(0.0)) / 1e3;
+                }
+                false
+            },
+        );
         total
     })
 }

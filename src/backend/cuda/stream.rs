@@ -49,6 +49,7 @@ impl Event {
 
     /// Whether the work before the event finished (never blocks).
     pub fn is_complete(&self) -> bool {
+        crate::backend::counters::count_event_query();
         self.inner.is_complete()
     }
 
@@ -59,6 +60,7 @@ impl Event {
     /// # Errors
     /// [`Error::Cuda`] with the first asynchronous error of that work.
     pub fn query(&self) -> Result<bool> {
+        crate::backend::counters::count_event_query();
         self.inner
             .try_is_complete()
             .map_err(|e| Error::cuda("querying a CUDA event", e))

@@ -84,7 +84,6 @@ struct World {
     _pool_user: crate::tensor::PoolUser,
     /// This rank's heartbeat ([Note: heartbeat]), from the end of `init` on.
     heartbeat: Mutex<Option<super::heartbeat::Heartbeat>>,
-    heartbeat_timeout: Duration,
 }
 
 impl World {
@@ -98,27 +97,17 @@ impl World {
         }
     }
 
-    /// Starts this rank's heartbeat through the store at `key` (`HOST:PORT`).
-    fn start_heartbeat(self: &Arc<World>) -> Result<()> {
-        let Some((host, port)) = super::store::host_port(&self.key) else {
+    /// Starts this rank's heartbeat through the rendezvous store (`rv.key`, `HOST:PORT`).
+    fn start_heartbeat(self: &Arc<World>, rv: &super::Rendezvous) -> Result<()> {
+        let Some(spec) = super::heartbeat::BeatSpec::of(rv) else {
             return Ok(());
         };
         let weak = Arc::downgrade(self);
-        let beat = super::heartbeat::start(
-            super::heartbeat::BeatSpec {
-                host: host.to_string(),
-                port,
-                rank: self.rank,
-                timeout: self.heartbeat_timeout,
-                connect_timeout: self.timeout,
-                job: self.job.clone(),
-            },
-            move |r, why| {
-                if let Some(w) = weak.upgrade() {
-                    w.peer_stale(r, why);
-                }
-            },
-        )?;
+        let beat = super::heartbeat::start(spec, move |r, why| {
+            if let Some(w) = weak.upgrade() {
+                w.peer_stale(r, why);
+            }
+        })?;
         *self.heartbeat.lock() = Some(beat);
         Ok(())
     }
@@ -247,7 +236,6 @@ impl TcpGroup {
             meshes: Mutex::new(Vec::new()),
             _pool_user: crate::tensor::PoolUser::new(),
             heartbeat: Mutex::new(None),
-            heartbeat_timeout: rv.heartbeat_timeout,
         });
         let group = Self::build(
             world.clone(),
@@ -255,9 +243,7 @@ impl TcpGroup {
             what,
             (0..rv.world_size).collect(),
         )?;
-        if rv.world_size > 1 {
-            world.start_heartbeat()?;
-        }
+        world.start_heartbeat(rv)?;
         Ok(group)
     }
 

@@ -1,7 +1,8 @@
 //! Waits that end, and say what they wait for: `--timeout` on `fsdp train` and `fsdp
 //! launch` (bad values are one clear line), progress lines while a rank waits for a store
 //! that is not there or never answers, and the heartbeat that names a stopped rank long
-//! before the collective timeout, at no store request per step.
+//! before the collective timeout, at no store request per step (`tcp` and `nccl`
+//! backends).
 
 use crate::common;
 
@@ -185,12 +186,46 @@ fn signal(child: &Child, sig: i32) {
 #[cfg(unix)]
 #[test]
 fn a_stopped_rank_is_named_by_the_heartbeat_long_before_the_timeout() {
-    let dir = tmp_dir("sigstop");
+    a_stopped_rank_is_named("sigstop", &[], 100);
+}
+
+/// The same on the `nccl` backend (`--device cuda`: one process per rank meeting through
+/// the store), on the GPUs of this machine or cuda-emu's (`scripts/cuda-emu.sh` runs it):
+/// the heartbeat fails every group of the stopped rank's peers and aborts their
+/// communicators, so the collective waiting for it ends. Skipped, saying so, without two
+/// CUDA devices (NCCL refuses two ranks of one communicator on one GPU) or NCCL.
+#[cfg(all(unix, feature = "cuda"))]
+#[test]
+fn nccl_a_stopped_rank_is_named_by_the_heartbeat_long_before_the_timeout() {
+    match fsdp::backend::cuda::detect() {
+        Ok(gpus) if gpus.len() >= 2 && fsdp::distributed::nccl::is_available() => {}
+        other => {
+            eprintln!(
+                "skipping the NCCL heartbeat test: two CUDA devices and libnccl needed (devices: {:?}, libnccl: {})",
+                other.map(|g| g.len()),
+                fsdp::distributed::nccl::is_available()
+            );
+            return;
+        }
+    }
+    // An emulated step is slower: 20 steps and 3 s of them.
+    a_stopped_rank_is_named("nccl-sigstop", &["--device", "cuda"], 20);
+}
+
+/// Two rank processes (`RANK`, `WORLD_SIZE`, the store at `MASTER_ADDR:MASTER_PORT`) train
+/// with `extra` arguments under `--heartbeat-timeout 2 --timeout 200` for at least 3 s (some
+/// 7 beats) and `min_steps` steps; then rank 1 is stopped with SIGSTOP. Rank 0 must fail
+/// naming rank 1's missing heartbeat long before the collective timeout, and its steps
+/// after the first made no store request (the heartbeat has its own connection).
+#[cfg(unix)]
+fn a_stopped_rank_is_named(name: &str, extra: &[&str], min_steps: usize) {
+    let dir = tmp_dir(name);
     let port = common::free_port().to_string();
     let metrics = dir.join("m.jsonl");
     let rank = |r: usize| {
         let mut c = fsdp();
         c.args(train_args(&dir, 1_000_000))
+            .args(extra)
             .args(["--timeout", "200", "--heartbeat-timeout", "2"])
             .env("RANK", r.to_string())
             .env("WORLD_SIZE", "2")
@@ -215,8 +250,9 @@ fn a_stopped_rank_is_named_by_the_heartbeat_long_before_the_timeout() {
     };
     let start = Instant::now();
     let mut training: Option<Instant> = None;
-    // At least 3 s of steps (some 7 beats) and 100 steps.
-    while training.is_none_or(|t| t.elapsed() < Duration::from_secs(3)) || steps(&metrics) < 100 {
+    while training.is_none_or(|t| t.elapsed() < Duration::from_secs(3))
+        || steps(&metrics) < min_steps
+    {
         assert!(start.elapsed() < Duration::from_secs(120), "no progress");
         assert!(r0.try_wait().unwrap().is_none(), "rank 0 ended early");
         if training.is_none() && steps(&metrics) > 0 {
@@ -237,6 +273,10 @@ fn a_stopped_rank_is_named_by_the_heartbeat_long_before_the_timeout() {
         }
         std::thread::sleep(Duration::from_millis(20));
     };
+    eprintln!(
+        "{name}: rank 0 ended {:.1} s after rank 1 stopped (heartbeat timeout 2 s, timeout 200 s)",
+        stopped.elapsed().as_secs_f64()
+    );
     signal(&r1, libc::SIGKILL);
     let _ = r1.wait();
     let mut err = String::new();
