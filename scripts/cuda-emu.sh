@@ -49,8 +49,13 @@ if [ "$what" != curves ]; then
   # test-hooks: offload_pinned's hook that skips the end of backward's synchronization.
   # The library's tests and the C ABI crate's (capi_cuda); every cargo call here selects the
   # workspace as the test command does, so the library builds once with these features.
-  tests="kernels kernels_nn ops_device nn_device zero_size fsdp_zero_size fsdp_cuda offload_pinned mixed_precision_torch grad_scaler distributed capi_cuda f64_device batchnorm_device attention_sdpa_torch zero_redundancy"
-  args=""; for t in $tests; do args="$args --test $t"; done
+  # The library's tests are one binary per layer (tests/<layer>/main.rs, each test file a
+  # module): the binaries that hold CUDA variants, filtered to those modules (a test named
+  # `<module>::...` runs); capi_cuda is a binary of its own, run whole.
+  binaries="ops nn_optim fsdp distributed serial"
+  modules="kernels kernels_nn ops_device nn_device zero_size fsdp_zero_size fsdp_cuda offload_pinned mixed_precision_torch grad_scaler distributed f64_device batchnorm_device attention_sdpa_torch zero_redundancy"
+  args=""; for t in $binaries; do args="$args --test $t"; done
+  filters=""; for m in $modules; do filters="$filters $m::"; done
   # Two emulated GPUs (ranks spread over devices: peer copies) and one (every rank on
   # cuda:0, as on a lent H200), unless CUDA_EMU_DEVICES names one count. The one-GPU pass
   # runs without the caching allocator (FSDP_CUDA_NO_CACHING=1): every tensor ends at an
@@ -61,7 +66,8 @@ if [ "$what" != curves ]; then
     nocache=0; [ "$devices" = 1 ] && nocache=1
     echo "== CUDA tests on cuda-emu ($devices emulated device(s), FSDP_CUDA_NO_CACHING=$nocache)"
     # shellcheck disable=SC2086
-    if CUDA_EMU_DEVICES=$devices FSDP_CUDA_NO_CACHING=$nocache cargo test --workspace --exclude cuda-emu --features cuda,test-hooks $args -- --nocapture >"$log" 2>&1; then
+    if CUDA_EMU_DEVICES=$devices FSDP_CUDA_NO_CACHING=$nocache cargo test --workspace --exclude cuda-emu --features cuda,test-hooks $args -- --nocapture $filters >"$log" 2>&1 &&
+      CUDA_EMU_DEVICES=$devices FSDP_CUDA_NO_CACHING=$nocache cargo test --workspace --exclude cuda-emu --features cuda,test-hooks --test capi_cuda -- --nocapture >>"$log" 2>&1; then
       ok=$(grep -c '_cuda \.\.\. ok\|nccl.* \.\.\. ok' "$log")
       one=$(grep "skipping" "$log" | grep -c ": one GPU")
       if [ "$one" -gt 0 ]; then
@@ -79,7 +85,7 @@ if [ "$what" != curves ]; then
     fi
   done
   # NCCL communicators of several thread ranks need a device per rank (NCCL's own rule;
-  # tests/distributed/nccl_world.rs): worlds of 2 and 4 on 4 emulated devices.
+  # tests/distributed/distributed/nccl_world.rs): worlds of 2 and 4 on 4 emulated devices.
   log="$out/tests-nccl-4.log"
   echo "== NCCL worlds of 2 and 4 thread ranks on cuda-emu (4 emulated devices)"
   if CUDA_EMU_DEVICES=4 cargo test --workspace --exclude cuda-emu --features cuda,test-hooks --test distributed nccl_ -- --nocapture >"$log" 2>&1; then
@@ -93,10 +99,10 @@ if [ "$what" != curves ]; then
   # The heartbeat on the nccl backend: 2 rank processes on 2 emulated devices (NCCL's rule
   # of one GPU per rank), rank 1 stopped with SIGSTOP under
   # --heartbeat-timeout 2 --timeout 200; rank 0 names it within seconds
-  # (crates/fsdp-cli/tests/waits.rs).
+  # (crates/fsdp-cli/tests/cli/waits.rs).
   log="$out/tests-nccl-heartbeat.log"
   echo "== the heartbeat on NCCL: a stopped rank process named by its peer"
-  if CUDA_EMU_DEVICES=2 cargo test --workspace --exclude cuda-emu --features cuda,test-hooks --test waits nccl_ -- --nocapture >"$log" 2>&1; then
+  if CUDA_EMU_DEVICES=2 cargo test --workspace --exclude cuda-emu --features cuda,test-hooks --test cli waits::nccl_ -- --nocapture >"$log" 2>&1; then
     if grep -q "skipping" "$log" || ! grep -q 'nccl.* \.\.\. ok' "$log"; then
       echo "FAIL nccl heartbeat: not run on the emulator:"; grep "skipping" "$log" | head -n 3; fail=1
     else

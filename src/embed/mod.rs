@@ -32,7 +32,7 @@
 //! Every rank must declare the same model: `fully_shard` checks it with one all-gather of
 //! a hash of the declaration and names the first difference on every rank. The hooks and
 //! their order are documented on [`FullyShardedDataParallel::pre_forward`]; a call out of
-//! order is refused (see `fsdp/order.rs`); `tests/hooks.rs` trains an MLP computed by
+//! order is refused (see `fsdp/order.rs`); `tests/fsdp/hooks.rs` trains an MLP computed by
 //! plain loops through them.
 
 mod agree;

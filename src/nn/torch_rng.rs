@@ -16,7 +16,7 @@
 //! | `kaiming_uniform_`, `calculate_gain`, `nn.Linear.reset_parameters` | `torch/nn/init.py`, `torch/nn/modules/linear.py` |
 //!
 //! Checked against values printed by pip torch 2.11.0 (`tests/torch_ref/make_rng_refs.py`,
-//! `tests/torch_rng.rs`): every draw below is bitwise equal. Limits: `normal_` on an f32
+//! `tests/nn_optim/torch_rng.rs`): every draw below is bitwise equal. Limits: `normal_` on an f32
 //! tensor of 16 or more elements follows the x86-64 kernel PyTorch runs on any CPU with AVX2
 //! (its AVX-512 build uses the same one); PyTorch on other CPUs (arm64) computes that
 //! case with the C library's `log`/`cos`/`sin` in float, which can differ in the last bit.

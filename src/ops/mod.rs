@@ -33,7 +33,7 @@
 //! | `double/` | the f64 host paths of [`matmul`], [`linear`], [`bias_add_`], [`bias_grad`], ReLU, GELU, [`layer_norm`], [`softmax_causal`], attention's permutes, [`embedding()`], [`cross_entropy`], [`mse_loss`], [`sum_loss`], [`sum_squares`] (taken when an operand is an f64 host tensor; f64 CUDA tensors run the `_f64` kernels of these ops, and cuBLAS in f64 for the products, see `compute_dtype`) | float64 tensors |
 //!
 //! The ops marked (CPU) have CPU loops only: on CUDA they return `Unsupported`. They are what
-//! a custom layer composes its forward and backward from (see `tests/custom_layer.rs`).
+//! a custom layer composes its forward and backward from (see `tests/ops/custom_layer.rs`).
 //!
 //! Host synchronizations: [`sum_squares`], [`non_finite_check_and_unscale_`] (its answer),
 //! the losses (their value is a host `f32`), and

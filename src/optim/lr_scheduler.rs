@@ -7,7 +7,7 @@
 //! Learning rates are computed in f64, as PyTorch's Python floats, and rounded to f32 when
 //! set on the optimizer. PyTorch's `step()` updates most schedulers recursively from the
 //! previous lr (`get_lr`); the closed forms here (`_get_closed_form_lr`) equal it up to f64
-//! rounding (checked against PyTorch 2.11's values, `tests/lr_scheduler.rs`).
+//! rounding (checked against PyTorch 2.11's values, `tests/nn_optim/lr_scheduler.rs`).
 
 use super::Optimizer;
 use crate::error::{Error, Result};

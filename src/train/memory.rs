@@ -20,7 +20,7 @@
 //! plus, once per process, 16 MiB (binary, libraries, main thread) and 5 bytes per byte of
 //! the data file (read, then one i32 token per byte). Ranks are assumed to peak together.
 //!
-//! Measured peak RSS (`crates/fsdp-cli/tests/cli.rs`,
+//! Measured peak RSS (`crates/fsdp-cli/tests/cli/cli.rs`,
 //! `memory_estimate_bounds_the_measured_peak`, and `/usr/bin/time -v` runs of 2 to 20
 //! steps at seq-len 2000..11000) is between 1/1.7 and 1/1.05 of this estimate over seq-len
 //! 16..11000, widths 16..384, 1..4 layers, world sizes 1..16, grad-accum, no-sync, bf16,

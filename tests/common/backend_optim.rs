@@ -1,5 +1,5 @@
 //! The optimizer and GEMM entry points of the test [`Backend`] (tests/common/backend.rs),
-//! used by tests/kernels_nn.rs.
+//! used by tests/ops/kernels_nn.rs.
 #![allow(dead_code)]
 
 use crate::backend::Backend;

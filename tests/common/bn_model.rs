@@ -1,4 +1,4 @@
-//! The model, data and checks shared by tests/batchnorm.rs and tests/batchnorm_fsdp.rs:
+//! The model, data and checks shared by tests/nn_optim/batchnorm.rs and tests/fsdp/batchnorm_fsdp.rs:
 //! Linear(4, 6) -> BatchNorm1d(6) -> ReLU -> Linear(6, 3) with the closed-form parameters
 //! and batches of `tests/torch_ref/make_batchnorm_refs.py`, and its PyTorch reference.
 #![allow(dead_code)]

@@ -1,4 +1,4 @@
-//! The float64 GPT of the f64 tests (`tests/f64_gpt.rs` on the CPU, `tests/f64_device.rs`
+//! The float64 GPT of the f64 tests (`tests/fsdp/f64_gpt.rs` on the CPU, `tests/serial/f64_device.rs`
 //! on CUDA against the CPU): the model, the ranks' batches, the optimizers, and FSDP
 //! training of it on thread ranks on any device, recording what the tests compare (the
 //! per-step f64 losses, the full parameters after the steps, the first step's gradient).

@@ -376,3 +376,13 @@ pub fn kill_mid_save(mut cmd: std::process::Command) -> String {
         );
     }
 }
+
+/// The name the test harness gives test function `name` of the module whose
+/// `module_path!()` is `module` (`ops::kernels` and `f` give `kernels::f`: the path without
+/// the crate's name), for running that one test again in a child process with `--exact`.
+pub fn test_name(module: &str, name: &str) -> String {
+    match module.split_once("::") {
+        Some((_, path)) => format!("{path}::{name}"),
+        None => name.to_string(),
+    }
+}

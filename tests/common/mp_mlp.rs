@@ -1,5 +1,5 @@
 //! The model and data of `tests/torch_ref/make_mixed_precision_refs.py`, shared by
-//! tests/mixed_precision_torch.rs and tests/grad_scaler.rs (whose PyTorch references
+//! tests/fsdp/mixed_precision_torch.rs and tests/fsdp/grad_scaler.rs (whose PyTorch references
 //! `tests/torch_ref/make_grad_scaler_refs.py` builds from the same script): Linear(8, 16)
 //! -> GELU -> LayerNorm(16) -> Linear(16, 16) -> ReLU -> Linear(16, 4) with closed-form
 //! parameters, and a closed-form 12-row batch per step.

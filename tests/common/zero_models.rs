@@ -1,4 +1,4 @@
-//! Models with zero-size layers for tests/zero_size.rs and tests/fsdp_zero_size.rs: a
+//! Models with zero-size layers for tests/ops/zero_size.rs and tests/fsdp/fsdp_zero_size.rs: a
 //! [`Fork`] adds a branch of empty Linears, `Linear(5, 0)` then `Linear(0, 3)`, beside a
 //! normal `Linear(5, 3)`.
 #![allow(dead_code)]

@@ -1,6 +1,6 @@
 """An emulator of PyTorch 2.11 FSDP1's bf16/f16 numerics for the model of
 make_mixed_precision_refs.py, and the measurements behind the tolerances of
-tests/mixed_precision_torch.rs.
+tests/fsdp/mixed_precision_torch.rs.
 
 The model is re-implemented op by op in float64 (or float32 with EMU32=1), rounding to
 param_dtype exactly where PyTorch's CPU kernels round (tests/torch_ref/

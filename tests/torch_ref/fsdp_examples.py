@@ -9,12 +9,12 @@ in PyTorch on the CPU (gloo), printing what the Rust examples print with `--torc
 with `apply_activation_checkpointing(checkpoint_wrapper, NO_REENTRANT)` on every
 TransformerBlock after FSDP wrapping (FSDP1 + `checkpoint_wrapper`, as torchtitan and
 the FSDP tutorials do); it checks that the losses and parameters equal the same run
-without checkpointing, bit for bit, and prints the losses (tests/activation_checkpointing.rs).
+without checkpointing, bit for bit, and prints the losses (tests/fsdp/activation_checkpointing.rs).
 
 Every rank seeds `torch.manual_seed(0)` and builds the same model and input; rank 0 prints
 in the format of the Rust examples (f32 results printed as the f64 they convert to). The
 printouts of PyTorch 2.11.0 (pip, CPU) at world sizes 1 and 2 are in fsdp_examples.txt;
-tests/torch_examples.rs checks the Rust models against them.
+tests/train/torch_examples.rs checks the Rust models against them.
 """
 import functools, os, sys
 import torch, torch.nn as nn, torch.distributed as dist

@@ -1,4 +1,4 @@
-"""Reference values for tests/batchnorm_lowp.rs: PyTorch 2.11's BatchNorm1d on CPU with a
+"""Reference values for tests/nn_optim/batchnorm_lowp.rs: PyTorch 2.11's BatchNorm1d on CPU with a
 bf16 or f16 input, weight, bias and running stats (what `MixedPrecision(param_dtype,
 buffer_dtype)` gives a BatchNorm1d), training and evaluation, forward and backward.
 

@@ -1,4 +1,4 @@
-"""Reference values for tests/batchnorm.rs: PyTorch FSDP with BatchNorm1d and no
+"""Reference values for tests/nn_optim/batchnorm.rs: PyTorch FSDP with BatchNorm1d and no
 SyncBatchNorm, emulated in one process (each rank normalizes its own batch, keeps its own
 running stats, and the ranks' gradients are averaged, which is what FSDP's reduce-scatter
 with its pre/post division computes).

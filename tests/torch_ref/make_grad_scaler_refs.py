@@ -1,4 +1,4 @@
-"""Reference values for tests/grad_scaler.rs: PyTorch 2.11's
+"""Reference values for tests/fsdp/grad_scaler.rs: PyTorch 2.11's
 `torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler` driving real FSDP1 on CPU
 with gloo, under `MixedPrecision(param_dtype=f16, reduce_dtype=f32, buffer_dtype=f16)`.
 

@@ -1,4 +1,4 @@
-"""Learning rates of torch.optim.lr_scheduler for `tests/lr_scheduler.rs`.
+"""Learning rates of torch.optim.lr_scheduler for `tests/nn_optim/lr_scheduler.rs`.
 
     python tests/torch_ref/make_lr_refs.py > tests/torch_ref/lr_refs.json
 

@@ -1,4 +1,4 @@
-"""Reference values for tests/mixed_precision_torch.rs: real PyTorch FSDP1
+"""Reference values for tests/fsdp/mixed_precision_torch.rs: real PyTorch FSDP1
 (`torch.distributed.fsdp.FullyShardedDataParallel`) on CPU with gloo, in f32 and under
 `MixedPrecision(param_dtype=bf16 | f16, reduce_dtype=f32, buffer_dtype=param_dtype)`.
 

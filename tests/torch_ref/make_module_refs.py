@@ -1,5 +1,5 @@
-"""PyTorch models whose parameter names, saved weights and outputs `tests/module_api.rs`
-and `tests/custom_layer.rs` reproduce with fsdp's named containers.
+"""PyTorch models whose parameter names, saved weights and outputs `tests/nn_optim/module_api.rs`
+and `tests/ops/custom_layer.rs` reproduce with fsdp's named containers.
 
     python tests/torch_ref/make_module_refs.py tests/torch_ref/modules
 

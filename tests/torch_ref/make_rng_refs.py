@@ -1,4 +1,4 @@
-"""Reference values of PyTorch's CPU generator for `tests/torch_rng.rs`.
+"""Reference values of PyTorch's CPU generator for `tests/nn_optim/torch_rng.rs`.
 
     python tests/torch_ref/make_rng_refs.py > tests/torch_ref/rng_refs.json
 

@@ -1,4 +1,4 @@
-"""Indices of torch.utils.data.distributed.DistributedSampler for `tests/sampler.rs`.
+"""Indices of torch.utils.data.distributed.DistributedSampler for `tests/train/sampler.rs`.
 
     python tests/torch_ref/make_sampler_refs.py > tests/torch_ref/sampler_refs.json
 

@@ -1,4 +1,4 @@
-"""Reference values for tests/attention_sdpa_torch.rs: PyTorch 2.11's CPU
+"""Reference values for tests/ops/attention_sdpa_torch.rs: PyTorch 2.11's CPU
 `F.scaled_dot_product_attention(q, k, v, is_causal=True)` on bf16 and f16 heads (the
 flash-attention CPU kernel, aten/src/ATen/native/cpu/FlashAttentionKernel.cpp), forward
 and backward, on an AVX-512 CPU (its vector exponential, `exp_u20`, is the AVX-512 one).

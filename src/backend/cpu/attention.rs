@@ -10,7 +10,7 @@
 //! `gemm` call on the same operands (row strides differ; the `gemm` crate's sums do not
 //! depend on them: packing only copies), the `LowerT` products are the same row blocks as
 //! [`crate::ops::causal`], and the softmax kernels are the same. So every value has the
-//! same bits (`tests/attention_fused.rs` compares the two paths bit for bit).
+//! same bits (`tests/ops/attention_fused.rs` compares the two paths bit for bit).
 
 use super::fast;
 use super::gemm::{self, Strides, Transpose};

@@ -1,6 +1,6 @@
 //! Faster CPU paths of the row kernels, beside their references in [`super::kernels`]: the
 //! same operations in the same order per row (the same bits, tests below and in
-//! tests/cpu_threads.rs), with the row sums of [`LANES`] rows interleaved
+//! tests/ops/cpu_threads.rs), with the row sums of [`LANES`] rows interleaved
 //! ([`super::rows`]) and the exponentials in their own loop so that it vectorizes. Rows
 //! left over after the last full group of [`LANES`] run the reference loop.
 

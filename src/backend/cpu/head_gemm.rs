@@ -16,7 +16,7 @@
 //!   row are written; the others are left as they were (the causal softmax and its
 //!   backward never read them).
 //!
-//! `tests/attention_fused.rs` compares the attention built on these with the op-by-op
+//! `tests/ops/attention_fused.rs` compares the attention built on these with the op-by-op
 //! path (the `gemm` crate) bit for bit.
 
 // The AVX-512 intrinsics are stable since rustc 1.89; build.rs sets `fsdp_avx512` only

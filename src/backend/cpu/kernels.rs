@@ -1,6 +1,6 @@
 //! CPU references of the `kernels/*.cu` kernels, one function per kernel family with the
 //! kernel's name and semantics: plain loops over slices, the oracles the CUDA kernels are
-//! tested against (tests/kernels.rs). Where the computation is elementwise they round
+//! tested against (tests/ops/kernels.rs). Where the computation is elementwise they round
 //! exactly as the kernels (build.rs compiles with `--fmad=false`); row reductions sum in a
 //! different order on the GPU, so those tests use dtype-aware tolerances.
 //!

@@ -28,7 +28,7 @@
 //!   round(g_ij) q_i))`, `dq_i = round_D(dq_i + s (sum_j round(g_ij) k_j))`, from zero:
 //!   `dk` and `dv` are rounded once per query block, as PyTorch accumulates them in `D`.
 //!
-//! Measured against PyTorch 2.11 (`tests/attention_sdpa_torch.rs`, 9 shapes): bf16 `out`
+//! Measured against PyTorch 2.11 (`tests/ops/attention_sdpa_torch.rs`, 9 shapes): bf16 `out`
 //! and `lse` bit for bit, 1 gradient element of 63k off (a near-0 value); f16, whose GEMMs
 //! PyTorch runs in a fallback that sums the scores in another order, `lse` within 3 f32
 //! ulps, 1 output element and 55 gradient elements of 63k off by 1-2 ulps (or 1 ulp of the

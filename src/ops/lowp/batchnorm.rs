@@ -26,7 +26,7 @@
 //! `dx = r(fma(-(x - mean), k, dy - s / m) invstd w)`; evaluation: `dx = r(dy invstd w)`;
 //! `dw += rp(dot invstd)`, `db += rp(s)`.
 //!
-//! Measured against torch 2.11 (AVX-512 machine, one thread; `tests/batchnorm_lowp.rs`, and
+//! Measured against torch 2.11 (AVX-512 machine, one thread; `tests/nn_optim/batchnorm_lowp.rs`, and
 //! once 280k random values of both dtypes, training and evaluation, every value bit for
 //! bit), three things the source does not show: (1) the kernel runs PyTorch's AVX2 build
 //! (`Vectorized<Half>` / `<BFloat16>` of 16 values, converted into two 8-lane f32 vectors
