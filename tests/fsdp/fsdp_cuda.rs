@@ -826,7 +826,13 @@ fn in_own_process(name: &str, body: impl FnOnce()) {
         return body();
     }
     let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([name, "--exact", "--nocapture", "--test-threads", "1"])
+        .args([
+            &common::test_name(module_path!(), name),
+            "--exact",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
         .env("FSDP_TEST_OWN_PROCESS", "1")
         .output()
         .unwrap();
