@@ -171,7 +171,7 @@ pub(crate) unsafe fn launch(
     // SAFETY: the caller guarantees the arguments match the kernel; `params` points into
     // `slots`, which outlive the call (the driver copies parameters at launch); `f` stays
     // valid while the device lives.
-    crate::backend::counters::count_kernel_launch();
+    crate::backend::counters::count_kernel_launch(name);
     unsafe {
         cu::launch_kernel(
             f,
