@@ -18,6 +18,10 @@
 //   acc[i] = cast<dtype>(f32(acc[i]) + f32(x[i]))                               (accumulates)
 //   The threads backend's reduction on device buffers: one rounding per added rank.
 //   sum_into_f64: acc[i] = acc[i] + x[i] in f64.
+// add_{dtype}(a (n), b (n), out (n), n)
+//   out[i] = cast<dtype>(f32(a[i]) + f32(b[i]))        (=; add_f64: a[i] + b[i] in f64)
+//   `torch.add` of two tensors (ops::add): sum_into's rounding, out of place, so a
+//   residual add is one launch rather than a copy and a sum_into.
 // scale_{f32,f64}(x (n), alpha, n)      x[i] = x[i] * alpha                    (in place)
 // div_scale_f64(x (n) f64, out (n) f64, factor, divide, n)
 //   out[i] = divide ? x[i] / factor : x[i] * factor                    (=; out may be x)
@@ -52,6 +56,12 @@
     GRID_STRIDE_LOOP(i, n) { acc[i] = from_f32<T>(to_f32(acc[i]) + to_f32(x[i])); }          \
   }
 
+#define ADD_KERNEL(NAME, T)                                                                  \
+  extern "C" __global__ void NAME(const T* __restrict__ a, const T* __restrict__ b,         \
+                                  T* __restrict__ out, int64_t n) {                         \
+    GRID_STRIDE_LOOP(i, n) { out[i] = from_f32<T>(to_f32(a[i]) + to_f32(b[i])); }            \
+  }
+
 PACK_GRAD_KERNEL(pack_grad_f32, float)
 PACK_GRAD_KERNEL(pack_grad_f16, __half)
 PACK_GRAD_LP_KERNEL(pack_grad_f16_f32, __half, float)
@@ -60,10 +70,16 @@ UNPACK_GRAD_KERNEL(unpack_grad_f32, float)
 UNPACK_GRAD_KERNEL(unpack_grad_f16, __half)
 SUM_INTO_KERNEL(sum_into_f32, float)
 SUM_INTO_KERNEL(sum_into_f16, __half)
+ADD_KERNEL(add_f32, float)
+ADD_KERNEL(add_f16, __half)
 // f64: acc[i] = acc[i] + x[i] in f64 (Tensor.add_ of f64 tensors).
 extern "C" __global__ void sum_into_f64(double* __restrict__ acc, const double* __restrict__ x,
                                         int64_t n) {
   GRID_STRIDE_LOOP(i, n) { acc[i] = acc[i] + x[i]; }
+}
+extern "C" __global__ void add_f64(const double* __restrict__ a, const double* __restrict__ b,
+                                   double* __restrict__ out, int64_t n) {
+  GRID_STRIDE_LOOP(i, n) { out[i] = a[i] + b[i]; }
 }
 #if FSDP_BF16
 PACK_GRAD_KERNEL(pack_grad_bf16, __nv_bfloat16)
@@ -73,6 +89,7 @@ PACK_GRAD_LP_KERNEL(pack_grad_f16_bf16, __half, __nv_bfloat16)
 PACK_GRAD_LP_KERNEL(pack_grad_bf16_f16, __nv_bfloat16, __half)
 UNPACK_GRAD_KERNEL(unpack_grad_bf16, __nv_bfloat16)
 SUM_INTO_KERNEL(sum_into_bf16, __nv_bfloat16)
+ADD_KERNEL(add_bf16, __nv_bfloat16)
 #endif
 
 #define SCALE_KERNEL(S, T)                                                  \

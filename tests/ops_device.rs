@@ -19,6 +19,10 @@ fn host(v: Vec<f32>, shape: &[usize]) -> Tensor {
     Tensor::from_vec(v, shape).unwrap()
 }
 
+fn host64(v: &[f32], shape: &[usize]) -> Tensor {
+    Tensor::from_vec(v.iter().map(|&x| f64::from(x)).collect::<Vec<f64>>(), shape).unwrap()
+}
+
 /// Compares with the reference: bitwise for copies and elementwise ops (`rel` 0), else
 /// within `rel` (on every device: the reference may sum in another order).
 fn close(what: &str, dev: Device, got: &Tensor, want: &[f32], rel: f32) {
@@ -314,6 +318,84 @@ device_test!(layer_norm_matches_the_references, |dev| {
     }
     Ok(())
 });
+
+/// f64 bits of a tensor (f32 or f64), for bitwise comparisons of either dtype.
+fn bits64(t: &Tensor) -> Vec<u64> {
+    t.to_vec_f64()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
+device_test!(
+    residual_add_layer_norm_is_add_then_layer_norm_bitwise,
+    |dev| {
+        // The GPT block's fused residual adds (one kernel each on CUDA) against the two ops they
+        // replace, on the same device, bitwise: `add_layer_norm` = `add` then `layer_norm`,
+        // `layer_norm_backward_add` = `layer_norm_backward` then `add` (dw, db included). Sizes:
+        // one element, primes, a row of 1031 (1024-thread rows, 33 column blocks), 40 rows.
+        for dtype in [DType::F32, DType::F64] {
+            for (rows, c) in [(1usize, 1usize), (7, 13), (40, 32), (3, 257), (2, 1031)] {
+                let on = |seed: u64, n: usize, shape: &[usize]| -> Tensor {
+                    let v = values(seed, n);
+                    let t = match dtype {
+                        DType::F64 => host64(&v, shape),
+                        _ => host(v, shape),
+                    };
+                    t.to_device(dev).unwrap()
+                };
+                let (x, r) = (on(20, rows * c, &[rows, c]), on(21, rows * c, &[rows, c]));
+                let (w, b) = (on(22, c, &[c]), on(23, c, &[c]));
+                let what = format!("{dtype} {rows}x{c} on {dev}");
+                let (sum, y, saved) = ops::add_layer_norm(&x, &r, &w, &b, 1e-5)?;
+                let sum0 = ops::add(&x, &r)?;
+                let (y0, saved0) = ops::layer_norm(&sum0, &w, &b, 1e-5)?;
+                assert_eq!(bits64(&sum), bits64(&sum0), "x + r, {what}");
+                assert_eq!(bits64(&y), bits64(&y0), "y, {what}");
+                assert_eq!(bits64(&saved.xhat), bits64(&saved0.xhat), "xhat, {what}");
+                assert_eq!(bits64(&saved.rstd), bits64(&saved0.rstd), "rstd, {what}");
+                let (dy, res) = (on(24, rows * c, &[rows, c]), on(25, rows * c, &[rows, c]));
+                let (dw, db) = (on(26, c, &[c]), on(27, c, &[c]));
+                let (dw0, db0) = (dw.deep_clone()?, db.deep_clone()?);
+                let dx = ops::layer_norm_backward_add(&dy, &saved, &w, Some(&dw), Some(&db), &res)?;
+                let dx0 = ops::add(
+                    &res,
+                    &ops::layer_norm_backward(&dy, &saved0, &w, Some(&dw0), Some(&db0))?,
+                )?;
+                assert_eq!(bits64(&dx), bits64(&dx0), "res + dx, {what}");
+                assert_eq!(bits64(&dw), bits64(&dw0), "dw, {what}");
+                assert_eq!(bits64(&db), bits64(&db0), "db, {what}");
+                // Frozen parameters (no gradients): dx the same.
+                let dx2 = ops::layer_norm_backward_add(&dy, &saved, &w, None, None, &res)?;
+                assert_eq!(bits64(&dx2), bits64(&dx), "res + dx (frozen), {what}");
+                if dtype == DType::F32 {
+                    // And the CPU reference loops of x + r.
+                    let xr: Vec<f32> = (values(20, rows * c).iter())
+                        .zip(&values(21, rows * c))
+                        .map(|(a, b)| a + b)
+                        .collect();
+                    let (mut yr, mut xh, mut rs) =
+                        (vec![0.0; rows * c], vec![0.0; rows * c], vec![0.0; rows]);
+                    let (wv, bv) = (values(22, c), values(23, c));
+                    refs::layernorm_fwd(&xr, &wv, &bv, 1e-5, &mut yr, &mut xh, &mut rs)?;
+                    let rel = if dev == Device::Cpu { 0.0 } else { 1e-5 };
+                    close("add_layer_norm x + r", dev, &sum, &xr, 0.0);
+                    close("add_layer_norm y", dev, &y, &yr, rel);
+                }
+            }
+        }
+        // A residual of another shape: refused, as `add` refuses it.
+        let x = tensor_on(values(1, 6), &[2, 3], dev);
+        let (w, b) = (
+            tensor_on(values(2, 3), &[3], dev),
+            tensor_on(values(3, 3), &[3], dev),
+        );
+        let bad = ops::add_layer_norm(&x, &tensor_on(values(4, 4), &[4], dev), &w, &b, 1e-5);
+        assert!(bad.is_err(), "a residual of 4 elements for 6 was taken");
+        Ok(())
+    }
+);
 
 device_test!(attention_ops_match_the_references, |dev| {
     for d in [

@@ -129,22 +129,43 @@ impl Block {
     }
 }
 
+/// `m` as a plain [`LayerNorm`] (not wrapped by hooks, checkpointing or FSDP), whose
+/// residual adds the block can fuse in.
+fn plain_layer_norm(m: &mut Box<dyn Module>) -> Option<&mut LayerNorm> {
+    m.as_any_mut().and_then(|a| a.downcast_mut::<LayerNorm>())
+}
+
 impl Module for Block {
     fn type_name(&self) -> &str {
         "Block"
     }
     fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
         let h = self.ln_1.forward(x, cx)?;
-        let x1 = add(x, &self.attn.forward(&h, cx)?)?;
-        let h = self.ln_2.forward(&x1, cx)?;
+        let a = self.attn.forward(&h, cx)?;
+        // x1 = x + a and ln_2(x1): one kernel on CUDA when ln_2 is a plain LayerNorm.
+        let (x1, h) = match plain_layer_norm(&mut self.ln_2) {
+            Some(ln) => ln.forward_add(x, &a, cx)?,
+            None => {
+                let x1 = add(x, &a)?;
+                let h = self.ln_2.forward(&x1, cx)?;
+                (x1, h)
+            }
+        };
         add(&x1, &self.mlp.forward(&h, cx)?)
     }
     fn backward(&mut self, dy: &Tensor, cx: &Context) -> Result<Tensor> {
-        // y = x1 + mlp(ln_2(x1)); x1 = x + attn(ln_1(x))
+        // y = x1 + mlp(ln_2(x1)); x1 = x + attn(ln_1(x)). Each norm's backward adds the
+        // residual stream's gradient (one kernel on CUDA for a plain LayerNorm).
         let g = self.mlp.backward(dy, cx)?;
-        let dx1 = add(dy, &self.ln_2.backward(&g, cx)?)?;
+        let dx1 = match plain_layer_norm(&mut self.ln_2) {
+            Some(ln) => ln.backward_add(&g, dy)?,
+            None => add(dy, &self.ln_2.backward(&g, cx)?)?,
+        };
         let g = self.attn.backward(&dx1, cx)?;
-        add(&dx1, &self.ln_1.backward(&g, cx)?)
+        match plain_layer_norm(&mut self.ln_1) {
+            Some(ln) => ln.backward_add(&g, &dx1),
+            None => add(&dx1, &self.ln_1.backward(&g, cx)?),
+        }
     }
     fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
         f("ln_1", &mut self.ln_1)?;

@@ -232,6 +232,8 @@ raw_kernel!(/// `pack_grad_{dtype}(grad, out, scale, n)` and `unpack_grad_{dtype
     pack_grad, "reduce_scatter", (input: u64, out: u64, scale: f32, n: i64));
 raw_kernel!(/// `sum_into_{dtype}(acc, x, n)`.
     sum_into, "reduce_scatter", (acc: u64, x: u64, n: i64));
+raw_kernel!(/// `add_{dtype}(a, b, out, n)`.
+    add, "reduce_scatter", (a: u64, b: u64, out: u64, n: i64));
 raw_kernel!(/// `scale_{f32,f64}(x, alpha, n)`: `alpha` of the element type.
     scale, "reduce_scatter", (x: u64, alpha: Arg, n: i64));
 raw_kernel!(/// `div_scale_f64(x, out, factor, divide, n)`.
@@ -261,12 +263,10 @@ raw_kernel!(/// `relu_bwd_{f32,f64}(x, dy, dx, n)`.
     relu_bwd, "nn", (x: u64, dy: u64, dx: u64, n: i64));
 raw_kernel!(/// `bias_add_{f32,f64}(y, b, rows, c)` and `bias_grad_{f32,f64}(dy, db, rows, c)`.
     bias, "nn", (y: u64, b: u64, rows: i64, c: i64));
-raw_kernel!(/// `layernorm_fwd_{f32,f64}(x, w, b, y, xhat, rstd, rows, c, eps)`.
-    layernorm_fwd, "nn", (x: u64, w: u64, b: u64, y: u64, xhat: u64, rstd: u64, rows: i64, c: i64, eps: Arg));
-raw_kernel!(/// `layernorm_bwd_{f32,f64}(dy, xhat, rstd, w, dx, rows, c)`.
-    layernorm_bwd, "nn", (dy: u64, xhat: u64, rstd: u64, w: u64, dx: u64, rows: i64, c: i64));
-raw_kernel!(/// `layernorm_bwd_params_{f32,f64}(dy, xhat, dw, db, rows, c)`.
-    layernorm_bwd_params, "nn", (dy: u64, xhat: u64, dw: u64, db: u64, rows: i64, c: i64));
+raw_kernel!(/// `layernorm_fwd_{f32,f64}(x, res, w, b, sum, y, xhat, rstd, rows, c, eps)`.
+    layernorm_fwd, "nn", (x: u64, res: u64, w: u64, b: u64, sum: u64, y: u64, xhat: u64, rstd: u64, rows: i64, c: i64, eps: Arg));
+raw_kernel!(/// `layernorm_bwd_{f32,f64}(dy, xhat, rstd, w, res, dx, dw, db, rows, c, row_blocks)`.
+    layernorm_bwd, "nn", (dy: u64, xhat: u64, rstd: u64, w: u64, res: u64, dx: u64, dw: u64, db: u64, rows: i64, c: i64, row_blocks: i64));
 raw_kernel!(/// `split_qkv_{f32,f64}(qkv, q, k, v, B, T, H, hd)` and `merge_qkv_{f32,f64}(dq, dk, dv, dqkv, B, T, H, hd)`.
     qkv, "nn", (a: u64, b: u64, c: u64, d: u64, bsz: i64, t: i64, h: i64, hd: i64));
 raw_kernel!(/// `merge_heads_{f32,f64}(yh, y, B, T, H, hd)` and `split_heads_{f32,f64}(y, yh, B, T, H, hd)`.
