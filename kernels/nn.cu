@@ -18,6 +18,12 @@
 // bias_add_f32(y (rows, C), b (C), rows, C)   y[r, j] += b[j]                    (+=)
 // bias_grad_f32(dy (rows, C), db (C), rows, C) db[j] += sum_r dy[r, j]           (+=)
 //   Column sums (column_sums below): deterministic, in a fixed order of the rows.
+// bias_gelu_fwd_f32(h (rows, C), b (C), y (rows, C), rows, C)
+//   h[r, j] += b[j]; y = gelu(h)       (h +=, y =): bias_add then gelu_fwd, one pass, same bits
+//   (the MLP's c_fc bias and GELU; h, with its bias, is what the GELU's backward reads)
+// gelu_bwd_bias_grad_f32(x (rows, C), dy (rows, C), dx (rows, C), db (C), rows, C)
+//   dx = dy GELU'(x) (=); db[j] += sum_r dx[r, j] (+=): gelu_bwd then bias_grad in one
+//   launch, same bits (each column block computes the dx it sums). Launch as bias_grad.
 // layernorm_fwd_f32(x, r, w (C), b (C), sum, y, xhat, rstd (rows), rows, C, eps)
 //   u = x, or with a residual r (not null) u = x + r, written to sum (the residual add
 //   fused in front: sum = x + r as add_f32 rounds it, then the LayerNorm of it);
@@ -127,18 +133,27 @@ __device__ inline double gelu_df(double x) {
   extern "C" __global__ void bias_add_##S(T* __restrict__ y, const T* __restrict__ b,      \
                                           int64_t rows, int64_t c) {                       \
     GRID_STRIDE_LOOP(i, rows * c) { y[i] = y[i] + b[i % c]; }                              \
+  }                                                                                        \
+  extern "C" __global__ void bias_gelu_fwd_##S(T* __restrict__ h, const T* __restrict__ b, \
+                                               T* __restrict__ y, int64_t rows, int64_t c) { \
+    GRID_STRIDE_LOOP(i, rows * c) {                                                        \
+      const T v = h[i] + b[i % c];                                                         \
+      h[i] = v;                                                                            \
+      y[i] = gelu_f(v);                                                                    \
+    }                                                                                      \
   }
 F32_F64(POINTWISE_KERNELS)
 
 #define COLUMN_TILE 32
 #define COLUMN_ROWS 32
 
-// sum_r a[r, j] (and sum_r a[r, j] b[r, j] when b is not null) for the columns of tile
-// `tile`, added into out_a[j] (and out_ab[j]). Every thread of the block must call it.
-template <typename T>
-__device__ __forceinline__ void column_sums(const T* __restrict__ a, const T* __restrict__ b,
-                                            T* __restrict__ out_a, T* __restrict__ out_ab,
-                                            int64_t rows, int64_t c, int64_t tile) {
+// sum_r a(r c + j) (and sum_r a(r c + j) b[r, j] when b is not null) for the columns of
+// tile `tile`, added into out_a[j] (and out_ab[j]); `a` is called once per element, in
+// row order within a lane. Every thread of the block must call it.
+template <typename T, typename A>
+__device__ __forceinline__ void column_sums_of(A a, const T* __restrict__ b,
+                                               T* __restrict__ out_a, T* __restrict__ out_ab,
+                                               int64_t rows, int64_t c, int64_t tile) {
   __shared__ T part_a[COLUMN_ROWS][COLUMN_TILE + 1];
   __shared__ T part_ab[COLUMN_ROWS][COLUMN_TILE + 1];
   const int x = threadIdx.x % COLUMN_TILE;
@@ -148,7 +163,7 @@ __device__ __forceinline__ void column_sums(const T* __restrict__ a, const T* __
     T sa = 0, sab = 0;
     if (j < c) {
       for (int64_t r = y; r < rows; r += COLUMN_ROWS) {
-        T v = a[r * c + j];
+        T v = a(r * c + j);
         sa += v;
         if (b != nullptr) sab += v * b[r * c + j];
       }
@@ -168,11 +183,29 @@ __device__ __forceinline__ void column_sums(const T* __restrict__ a, const T* __
   }
 }
 
+// column_sums_of over the elements of a.
+template <typename T>
+__device__ __forceinline__ void column_sums(const T* __restrict__ a, const T* __restrict__ b,
+                                            T* __restrict__ out_a, T* __restrict__ out_ab,
+                                            int64_t rows, int64_t c, int64_t tile) {
+  column_sums_of<T>([=](int64_t i) { return a[i]; }, b, out_a, out_ab, rows, c, tile);
+}
+
 #define COLUMN_KERNELS(S, T)                                                                \
   extern "C" __global__ void ROW_KERNEL bias_grad_##S(const T* __restrict__ dy,             \
                                                       T* __restrict__ db, int64_t rows,     \
                                                       int64_t c) {                          \
     column_sums<T>(dy, nullptr, db, nullptr, rows, c, blockIdx.x);                          \
+  }                                                                                         \
+  extern "C" __global__ void ROW_KERNEL gelu_bwd_bias_grad_##S(                             \
+      const T* __restrict__ x, const T* __restrict__ dy, T* __restrict__ dx,                \
+      T* __restrict__ db, int64_t rows, int64_t c) {                                        \
+    auto d = [=](int64_t i) {                                                               \
+      const T v = dy[i] * gelu_df(x[i]);                                                    \
+      dx[i] = v;                                                                            \
+      return v;                                                                             \
+    };                                                                                      \
+    column_sums_of<T>(d, nullptr, db, nullptr, rows, c, blockIdx.x);                        \
   }
 F32_F64(COLUMN_KERNELS)
 

@@ -397,6 +397,67 @@ device_test!(
     }
 );
 
+device_test!(bias_gelu_and_its_backward_are_the_two_ops_bitwise, |dev| {
+    // The MLP's fused bias + GELU (one kernel each way on CUDA) against the ops they
+    // replace, on the same device, bitwise: `bias_gelu_` = `bias_add_` then GELU,
+    // `gelu_backward_bias_grad` = GELU's backward then `bias_grad`; and (f32) against the
+    // same ops on the CPU. Sizes: one element, primes, 1031 columns (33 column blocks).
+    for dtype in [DType::F32, DType::F64] {
+        for (rows, c) in [(1usize, 1usize), (7, 13), (40, 128), (3, 1031)] {
+            let on = |seed: u64, n: usize, shape: &[usize], d: Device| -> Tensor {
+                let v: Vec<f32> = values(seed, n).iter().map(|x| 3.0 * x).collect();
+                let t = match dtype {
+                    DType::F64 => host64(&v, shape),
+                    _ => host(v, shape),
+                };
+                t.to_device(d).unwrap()
+            };
+            let what = format!("{dtype} {rows}x{c} on {dev}");
+            let (h, b) = (on(30, rows * c, &[rows, c], dev), on(31, c, &[c], dev));
+            let h0 = h.deep_clone()?;
+            let y = ops::bias_gelu_(&h, &b)?;
+            ops::bias_add_(&h0, &b)?;
+            let y0 = ops::pointwise(Pointwise::Gelu, &h0)?;
+            assert_eq!(bits64(&h), bits64(&h0), "h + b, {what}");
+            assert_eq!(bits64(&y), bits64(&y0), "gelu(h + b), {what}");
+            let dy = on(32, rows * c, &[rows, c], dev);
+            let (db, db0) = (on(33, c, &[c], dev), on(33, c, &[c], dev));
+            let fused = ops::gelu_backward_bias_grad(&h, &dy, &db)?;
+            let dx0 = ops::pointwise_backward(Pointwise::Gelu, &h0, &dy)?;
+            ops::bias_grad(&dx0, &db0)?;
+            match fused {
+                Some(dx) => {
+                    assert_eq!(bits64(&dx), bits64(&dx0), "dx, {what}");
+                    assert_eq!(bits64(&db), bits64(&db0), "db, {what}");
+                }
+                // The CPU fuses f32 on one intra-op thread only; CUDA always.
+                None => assert!(dev == Device::Cpu, "not fused on {dev}: {what}"),
+            }
+            if dtype == DType::F32 && dev != Device::Cpu {
+                let (hc, bc) = (
+                    on(30, rows * c, &[rows, c], Device::Cpu),
+                    on(31, c, &[c], Device::Cpu),
+                );
+                let yc = ops::bias_gelu_(&hc, &bc)?;
+                close("bias_gelu_ y vs the CPU", dev, &y, &yc.to_vec_f32()?, 0.0);
+                let dbc = on(33, c, &[c], Device::Cpu);
+                let dxc =
+                    ops::pointwise_backward(Pointwise::Gelu, &hc, &dy.to_device(Device::Cpu)?)?;
+                ops::bias_grad(&dxc, &dbc)?;
+                close(
+                    "gelu backward dx vs the CPU",
+                    dev,
+                    &dx0,
+                    &dxc.to_vec_f32()?,
+                    0.0,
+                );
+                close("bias grad vs the CPU", dev, &db0, &dbc.to_vec_f32()?, 1e-5);
+            }
+        }
+    }
+    Ok(())
+});
+
 device_test!(attention_ops_match_the_references, |dev| {
     for d in [
         HeadDims {

@@ -106,6 +106,21 @@ impl Linear {
 }
 
 impl Linear {
+    /// [`Module::forward`]; `bias: false` leaves the bias to the caller, which adds it
+    /// itself (the MLP's bias fused with its GELU, [`ops::bias_gelu_`]).
+    pub(crate) fn forward_inner(&mut self, x: &Tensor, cx: &Context, bias: bool) -> Result<Tensor> {
+        self.rows(x, "Linear.forward", self.in_features)?;
+        let b = match bias {
+            true => self.bias.as_ref().map(|b| b.data()).transpose()?,
+            false => None,
+        };
+        let y = ops::linear(x, self.weight.data()?, b)?;
+        if cx.grad_enabled {
+            self.saved_x = Some(x.clone());
+        }
+        Ok(y)
+    }
+
     /// [`Module::backward`]; `bias_grad: false` leaves the bias gradient to the caller,
     /// which has already added it (the MLP's GELU backward fused with it,
     /// [`ops::gelu_backward_bias_grad`]).
@@ -156,13 +171,7 @@ impl Module for Linear {
     }
 
     fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
-        self.rows(x, "Linear.forward", self.in_features)?;
-        let bias = self.bias.as_ref().map(|b| b.data()).transpose()?;
-        let y = ops::linear(x, self.weight.data()?, bias)?;
-        if cx.grad_enabled {
-            self.saved_x = Some(x.clone());
-        }
-        Ok(y)
+        self.forward_inner(x, cx, true)
     }
 
     fn backward(&mut self, dy: &Tensor, _cx: &Context) -> Result<Tensor> {

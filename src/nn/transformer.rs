@@ -42,8 +42,8 @@ impl MLP {
     /// GELU's backward and `c_fc`'s bias gradient in one pass
     /// ([`crate::ops::gelu_backward_bias_grad`]), then the rest of `c_fc`'s backward, when
     /// `gelu` is a [`GELU`], `c_fc` a [`Linear`] with a bias that takes a gradient, and the
-    /// fused pass applies (CPU, f32, one intra-op thread). `None`, with nothing changed,
-    /// otherwise. Same bits as the two modules' backwards.
+    /// fused pass applies (CPU, f32, one intra-op thread; CUDA, f32 or f64: one kernel).
+    /// `None`, with nothing changed, otherwise. Same bits as the two modules' backwards.
     fn fused_gelu_fc_backward(&mut self, g: &Tensor) -> Result<Option<Tensor>> {
         let Some(gelu) = self
             .gelu
@@ -73,13 +73,52 @@ impl MLP {
     }
 }
 
+impl MLP {
+    /// `c_fc`'s product, then its bias and the GELU in one pass ([`crate::ops::bias_gelu_`],
+    /// one kernel), when `gelu` is a [`GELU`], `c_fc` a [`Linear`] with a bias and the
+    /// tensors qualify ([`crate::ops::bias_gelu_fusable`]: CUDA, f32 or f64). `None`, with
+    /// nothing run, otherwise. Same bits as the two modules' forwards.
+    fn fused_fc_gelu_forward(&mut self, x: &Tensor, cx: &Context) -> Result<Option<Tensor>> {
+        let Some(gelu) = self
+            .gelu
+            .as_any_mut()
+            .and_then(|a| a.downcast_mut::<GELU>())
+        else {
+            return Ok(None);
+        };
+        let Some(fc) = self
+            .c_fc
+            .as_any_mut()
+            .and_then(|a| a.downcast_mut::<Linear>())
+        else {
+            return Ok(None);
+        };
+        let Some(bias) = fc.bias.as_ref() else {
+            return Ok(None);
+        };
+        let b = bias.data()?.clone();
+        if !crate::ops::bias_gelu_fusable(x, fc.weight.data()?, &b) {
+            return Ok(None);
+        }
+        let h = fc.forward_inner(x, cx, false)?;
+        let y = crate::ops::bias_gelu_(&h, &b)?;
+        gelu.save_input(&h, cx);
+        Ok(Some(y))
+    }
+}
+
 impl Module for MLP {
     fn type_name(&self) -> &str {
         "MLP"
     }
     fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
-        let h = self.c_fc.forward(x, cx)?;
-        let h = self.gelu.forward(&h, cx)?;
+        let h = match self.fused_fc_gelu_forward(x, cx)? {
+            Some(h) => h,
+            None => {
+                let h = self.c_fc.forward(x, cx)?;
+                self.gelu.forward(&h, cx)?
+            }
+        };
         self.c_proj.forward(&h, cx)
     }
     fn backward(&mut self, dy: &Tensor, cx: &Context) -> Result<Tensor> {

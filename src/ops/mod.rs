@@ -58,7 +58,10 @@ pub mod loss;
 pub(crate) mod lowp;
 pub mod sdpa;
 
-pub use activation::{gelu_backward_bias_grad, pointwise, pointwise_backward, Pointwise};
+pub use activation::{
+    bias_gelu_, bias_gelu_fusable, gelu_backward_bias_grad, pointwise, pointwise_backward,
+    Pointwise,
+};
 pub use amp::non_finite_check_and_unscale_;
 pub use arith::{
     binary, broadcast_shape, div, div_backward, mul, mul_backward, sub, sub_backward, sum_to_shape,

@@ -257,6 +257,10 @@ raw_kernel!(/// `gelu_fwd_{f32,f64}(x, y, n)` (the nn.cu launchers below take bo
     gelu_fwd, "nn", (x: u64, y: u64, n: i64));
 raw_kernel!(/// `gelu_bwd_{f32,f64}(x, dy, dx, n)`.
     gelu_bwd, "nn", (x: u64, dy: u64, dx: u64, n: i64));
+raw_kernel!(/// `bias_gelu_fwd_{f32,f64}(h, b, y, rows, c)`.
+    bias_gelu_fwd, "nn", (h: u64, b: u64, y: u64, rows: i64, c: i64));
+raw_kernel!(/// `gelu_bwd_bias_grad_{f32,f64}(x, dy, dx, db, rows, c)`.
+    gelu_bwd_bias_grad, "nn", (x: u64, dy: u64, dx: u64, db: u64, rows: i64, c: i64));
 raw_kernel!(/// `relu_fwd_{f32,f64}(x, y, n)`.
     relu_fwd, "nn", (x: u64, y: u64, n: i64));
 raw_kernel!(/// `relu_bwd_{f32,f64}(x, dy, dx, n)`.

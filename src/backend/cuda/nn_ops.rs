@@ -81,6 +81,77 @@ pub fn gelu_bwd(s: &Stream, x: &DeviceTensor, dy: &DeviceTensor, dx: &DeviceTens
     }
 }
 
+/// The bias of a `Linear` and the GELU after it in one pass (`bias_gelu_fwd_{f32,f64}`):
+/// `h[r, j] += b[j]` (in place: the GELU's input, which its backward reads) and
+/// `y = gelu(h)`; the bits of [`bias_add`] then [`gelu_fwd`]. `h, y (rows, C)`, `b (C)`.
+///
+/// # Errors
+/// `ShapeMismatch` when `h`'s size is not a multiple of `C` or `y`'s differs; as
+/// [`gelu_fwd`].
+pub fn bias_gelu_fwd(
+    s: &Stream,
+    h: &DeviceTensor,
+    b: &DeviceTensor,
+    y: &DeviceTensor,
+) -> Result<()> {
+    let dt = floats("bias_gelu_fwd", s, &[h, b, y])?;
+    let rows = rows_of("bias_gelu_fwd", h, b.numel())?;
+    check_numel("bias_gelu_fwd", h.numel(), y)?;
+    if h.numel() == 0 {
+        return Ok(());
+    }
+    // SAFETY: h and y hold rows * C, b C elements of the dtype.
+    unsafe {
+        launch::bias_gelu_fwd(
+            s,
+            kname!("bias_gelu_fwd", dt),
+            Grid::elementwise(s, h.numel()),
+            h.ptr(),
+            b.ptr(),
+            y.ptr(),
+            rows as i64,
+            b.numel() as i64,
+        )
+    }
+}
+
+/// GELU's backward and the bias gradient of the `Linear` before it in one launch
+/// (`gelu_bwd_bias_grad_{f32,f64}`): `dx = dy gelu'(x)` (=) and `db[j] += sum_r dx[r, j]`
+/// (+=, [`bias_grad`]'s order); the bits of [`gelu_bwd`] then [`bias_grad`].
+/// `x, dy, dx (rows, C)`, `db (C)`.
+///
+/// # Errors
+/// As [`bias_gelu_fwd`].
+pub fn gelu_bwd_bias_grad(
+    s: &Stream,
+    x: &DeviceTensor,
+    dy: &DeviceTensor,
+    dx: &DeviceTensor,
+    db: &DeviceTensor,
+) -> Result<()> {
+    let dt = floats("gelu_bwd_bias_grad", s, &[x, dy, dx, db])?;
+    let rows = rows_of("gelu_bwd_bias_grad", x, db.numel())?;
+    check_numel("gelu_bwd_bias_grad", x.numel(), dy)?;
+    check_numel("gelu_bwd_bias_grad", x.numel(), dx)?;
+    if x.numel() == 0 {
+        return Ok(());
+    }
+    // SAFETY: x, dy, dx hold rows * C, db C elements of the dtype.
+    unsafe {
+        launch::gelu_bwd_bias_grad(
+            s,
+            kname!("gelu_bwd_bias_grad", dt),
+            Grid::columns(db.numel()),
+            x.ptr(),
+            dy.ptr(),
+            dx.ptr(),
+            db.ptr(),
+            rows as i64,
+            db.numel() as i64,
+        )
+    }
+}
+
 /// `y = max(x, 0)` (`relu_fwd_{f32,f64}`; bitwise equal to the CPU).
 ///
 /// # Errors
