@@ -755,3 +755,116 @@ device_test!(parameter_grads_live_on_the_parameter_device, |dev| {
     assert!(p.grad_for_accumulate()?.is_none());
     Ok(())
 });
+
+/// `clip_grad_norm_`'s multi-tensor launches (every unit's shard in one list) against the
+/// per-tensor ones they replace, bitwise: the f64 sum of squares and its f32 rounding, the
+/// clip coefficient read from the f32 total, and the scaling. f32 and f64 lists with empty,
+/// one-element and odd sizes.
+#[cfg(feature = "cuda")]
+#[test]
+fn clip_multi_tensor_launches_are_the_per_tensor_ones_bitwise_cuda() {
+    use fsdp::backend::cuda::{
+        current_stream, scale_all_by, scale_by, NormAccumulator, TensorList,
+    };
+    let dev = match device::cuda_device() {
+        Ok(d) => d,
+        Err(why) => return eprintln!("skipping clip_multi_tensor_launches on CUDA: {why}"),
+    };
+    let s = current_stream(0).unwrap();
+    for dtype in [DType::F32, DType::F64] {
+        let sizes = [1usize, 0, 7, 1000, 70001];
+        let make = |k: u64| -> Vec<Tensor> {
+            sizes
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| {
+                    let v = values(40 + k + i as u64, n);
+                    let t = match dtype {
+                        DType::F64 => host64(&v, &[n]),
+                        _ => host(v, &[n]),
+                    };
+                    t.to_device(dev).unwrap()
+                })
+                .collect()
+        };
+        let (one, all) = (make(0), make(0));
+        let dts = |ts: &[Tensor]| -> Vec<_> {
+            ts.iter().map(|t| t.as_device_tensor().unwrap()).collect()
+        };
+        let scalar = |d: DType| Tensor::zeros_on(&[1], d, dev).unwrap();
+        // The sums: per tensor into a zeroed accumulator, and one list.
+        let acc1 = NormAccumulator::zeros(&s).unwrap();
+        for t in dts(&one) {
+            acc1.add_squares(&s, &t).unwrap();
+        }
+        let (f1, d1) = (scalar(DType::F32), scalar(DType::F64));
+        acc1.store(&s, &f1.as_device_tensor().unwrap()).unwrap();
+        acc1.store(&s, &d1.as_device_tensor().unwrap()).unwrap();
+        let list = TensorList::new(&s, &dts(&all)).unwrap();
+        let acc2 = NormAccumulator::unset(&s).unwrap();
+        let (f2, d2) = (scalar(DType::F32), scalar(DType::F64));
+        acc2.set_squares(&s, &list, Some(&f2.as_device_tensor().unwrap()))
+            .unwrap();
+        acc2.store(&s, &d2.as_device_tensor().unwrap()).unwrap();
+        assert_eq!(bits64(&f1), bits64(&f2), "{dtype}: f32 sum of squares");
+        assert_eq!(bits64(&d1), bits64(&d2), "{dtype}: f64 sum of squares");
+        let want: f64 = (0..sizes.len())
+            .flat_map(|i| values(40 + i as u64, sizes[i]))
+            .map(|v| f64::from(v) * f64::from(v))
+            .sum();
+        let got = d2.to_vec_f64().unwrap()[0];
+        assert!(
+            (got - want).abs() <= 1e-12 * want,
+            "{dtype}: sum {got} vs {want}"
+        );
+        // The coefficient: load then clip_coef, and clip_coef_of the f32 total.
+        let (n1, c1, n2, c2) = (
+            scalar(DType::F32),
+            scalar(dtype),
+            scalar(DType::F32),
+            scalar(dtype),
+        );
+        acc1.load(&s, &f1.as_device_tensor().unwrap()).unwrap();
+        acc1.clip_coef(
+            &s,
+            0.5,
+            &n1.as_device_tensor().unwrap(),
+            &c1.as_device_tensor().unwrap(),
+        )
+        .unwrap();
+        acc2.clip_coef_of(
+            &s,
+            &f2.as_device_tensor().unwrap(),
+            0.5,
+            &n2.as_device_tensor().unwrap(),
+            &c2.as_device_tensor().unwrap(),
+        )
+        .unwrap();
+        assert_eq!(bits64(&n1), bits64(&n2), "{dtype}: norm");
+        assert_eq!(bits64(&c1), bits64(&c2), "{dtype}: coefficient");
+        assert!(
+            c1.to_vec_f64().unwrap()[0] < 1.0,
+            "{dtype}: the norm must clip"
+        );
+        // The scaling.
+        let coef = c1.as_device_tensor().unwrap();
+        for t in dts(&one) {
+            scale_by(&s, &t, &coef).unwrap();
+        }
+        scale_all_by(&s, &list, &coef).unwrap();
+        for (a, b) in one.iter().zip(&all) {
+            assert_eq!(
+                bits64(a),
+                bits64(b),
+                "{dtype}: scaled tensor of {}",
+                a.numel()
+            );
+        }
+        // A list of another dtype than the coefficient: refused.
+        let other = match dtype {
+            DType::F64 => scalar(DType::F32),
+            _ => scalar(DType::F64),
+        };
+        assert!(scale_all_by(&s, &list, &other.as_device_tensor().unwrap()).is_err());
+    }
+}

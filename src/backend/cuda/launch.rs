@@ -242,10 +242,16 @@ raw_kernel!(/// `sumsq_partial_{f32,f64}(x, partial, n)`.
     sumsq_partial, "reduce_scatter", (x: u64, partial: u64, n: i64));
 raw_kernel!(/// `sumsq_fold_f64(partial, nblocks, acc)`.
     sumsq_fold, "reduce_scatter", (partial: u64, nblocks: i64, acc: u64));
+raw_kernel!(/// `sumsq_partial_multi_{f32,f64}(xs, k, partial)`: `xs` a table of `k` `Segment`s.
+    sumsq_partial_multi, "reduce_scatter", (xs: u64, k: i64, partial: u64));
+raw_kernel!(/// `sumsq_fold_multi_f64(partial, k, nblocks, acc, out)`: `out` may be null.
+    sumsq_fold_multi, "reduce_scatter", (partial: u64, k: i64, nblocks: i64, acc: u64, out: u64));
+raw_kernel!(/// `scale_by_multi_{f32,f64}(xs, k, alpha)`: `xs` a table of `k` `Segment`s.
+    scale_by_multi, "reduce_scatter", (xs: u64, k: i64, alpha: u64));
 raw_kernel!(/// `narrow_f64_f32(x, out)` and `widen_f32_f64(x, out)`: one element.
     convert1, "reduce_scatter", (x: u64, out: u64));
-raw_kernel!(/// `clip_coef_{f32,f64}(sumsq, max_norm, norm, coef)`: `max_norm` of the coefficient's type.
-    clip_coef, "reduce_scatter", (sumsq: u64, max_norm: Arg, norm: u64, coef: u64));
+raw_kernel!(/// `clip_coef_{f32,f64}(sumsq, total, max_norm, norm, coef)`: `max_norm` of the coefficient's type, `total` null or one f32.
+    clip_coef, "reduce_scatter", (sumsq: u64, total: u64, max_norm: Arg, norm: u64, coef: u64));
 raw_kernel!(/// `scale_by_{f32,f64}(x, alpha, n)`: `alpha` is a device pointer to one element.
     scale_by, "reduce_scatter", (x: u64, alpha: u64, n: i64));
 raw_kernel!(/// `sgd_{f32,f64}(tensors, k, lr, momentum, dampening, weight_decay, nesterov)`.

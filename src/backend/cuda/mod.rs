@@ -73,7 +73,7 @@ pub use batchnorm::{
 #[cfg(feature = "cuda")]
 pub use blas::{gemm, gemm_strided_batched, GemmShape};
 #[cfg(feature = "cuda")]
-pub use clip::{scale_by, NormAccumulator};
+pub use clip::{scale_all_by, scale_by, NormAccumulator, TensorList};
 #[cfg(feature = "cuda")]
 pub use context::CudaDevice;
 #[cfg(feature = "cuda")]
