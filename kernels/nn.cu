@@ -30,10 +30,12 @@
 //   mean, biased var of u over the last dim; rstd = 1 / sqrt(var + eps);
 //   xhat = (u - mean) rstd; y = xhat w + b
 //                          (sum, y, xhat (rows, C), rstd: =; xhat may be null, sum null without r)
-// layernorm_bwd_f32(dy, xhat, rstd, w, res, dx, dw, db, rows, C, row_blocks)
+// layernorm_bwd_f32(dy, xhat, rstd, w, res, dx, dw, db, res_sum, rows, C, row_blocks)
 //   dx = rstd (dy w - mean(dy w) - xhat mean(dy w xhat)), plus res when not null (the
 //   residual stream's gradient added after the rounding, as add_f32 would)       (=)
 //   dw[j] += sum_r dy xhat; db[j] += sum_r dy   (column sums, deterministic)      (+=)
+//   res_sum[j] += sum_r res[r, j] when both are not null (+=): the bias gradient of the
+//   Linear whose output gradient the residual is (the GPT block's c_proj), as bias_grad.
 //   One launch, two kinds of block: blocks [0, row_blocks) walk the rows (stride
 //   row_blocks) for dx, the next ceil(C / 32) blocks each own 32 columns of dw, db. Both
 //   read only dy and xhat, and write disjoint outputs.
@@ -249,10 +251,17 @@ __device__ inline void layernorm_bwd_synced(const T* __restrict__ dy, const T* _
                                             const T* __restrict__ rstd, const T* __restrict__ w,
                                             const T* __restrict__ res, T* __restrict__ dx,
                                             T* __restrict__ dw, T* __restrict__ db,
-                                            int64_t rows, int64_t c, int64_t row_blocks) {
+                                            T* __restrict__ res_sum, int64_t rows, int64_t c,
+                                            int64_t row_blocks) {
   if ((int64_t)blockIdx.x >= row_blocks) {
-    // A column block: dw, db for its 32 columns.
-    column_sums<T>(dy, xhat, db, dw, rows, c, (int64_t)blockIdx.x - row_blocks);
+    // A column block: dw, db (and res_sum) for its 32 columns.
+    const int64_t tile = (int64_t)blockIdx.x - row_blocks;
+    column_sums<T>(dy, xhat, db, dw, rows, c, tile);
+    if (res != nullptr && res_sum != nullptr) {
+      // The first sums' last reads of the shared partials are done.
+      __syncthreads();
+      column_sums<T>(res, nullptr, res_sum, nullptr, rows, c, tile);
+    }
     return;
   }
   __shared__ T shared[32];
@@ -285,8 +294,9 @@ __device__ inline void layernorm_bwd_synced(const T* __restrict__ dy, const T* _
   extern "C" __global__ void ROW_KERNEL layernorm_bwd_##S(                                   \
       const T* __restrict__ dy, const T* __restrict__ xhat, const T* __restrict__ rstd,      \
       const T* __restrict__ w, const T* __restrict__ res, T* __restrict__ dx,                \
-      T* __restrict__ dw, T* __restrict__ db, int64_t rows, int64_t c, int64_t row_blocks) { \
-    layernorm_bwd_synced<T>(dy, xhat, rstd, w, res, dx, dw, db, rows, c, row_blocks);        \
+      T* __restrict__ dw, T* __restrict__ db, T* __restrict__ res_sum, int64_t rows,         \
+      int64_t c, int64_t row_blocks) {                                                       \
+    layernorm_bwd_synced<T>(dy, xhat, rstd, w, res, dx, dw, db, res_sum, rows, c, row_blocks); \
   }
 F32_F64(LAYERNORM_KERNELS)
 

@@ -356,9 +356,17 @@ device_test!(
                 assert_eq!(bits64(&saved.xhat), bits64(&saved0.xhat), "xhat, {what}");
                 assert_eq!(bits64(&saved.rstd), bits64(&saved0.rstd), "rstd, {what}");
                 let (dy, res) = (on(24, rows * c, &[rows, c]), on(25, rows * c, &[rows, c]));
-                let (dw, db) = (on(26, c, &[c]), on(27, c, &[c]));
-                let (dw0, db0) = (dw.deep_clone()?, db.deep_clone()?);
-                let dx = ops::layer_norm_backward_add(&dy, &saved, &w, Some(&dw), Some(&db), &res)?;
+                let (dw, db, rdb) = (on(26, c, &[c]), on(27, c, &[c]), on(28, c, &[c]));
+                let (dw0, db0, rdb0) = (dw.deep_clone()?, db.deep_clone()?, rdb.deep_clone()?);
+                let dx = ops::layer_norm_backward_add(
+                    &dy,
+                    &saved,
+                    &w,
+                    Some(&dw),
+                    Some(&db),
+                    &res,
+                    Some(&rdb),
+                )?;
                 let dx0 = ops::add(
                     &res,
                     &ops::layer_norm_backward(&dy, &saved0, &w, Some(&dw0), Some(&db0))?,
@@ -366,8 +374,11 @@ device_test!(
                 assert_eq!(bits64(&dx), bits64(&dx0), "res + dx, {what}");
                 assert_eq!(bits64(&dw), bits64(&dw0), "dw, {what}");
                 assert_eq!(bits64(&db), bits64(&db0), "db, {what}");
-                // Frozen parameters (no gradients): dx the same.
-                let dx2 = ops::layer_norm_backward_add(&dy, &saved, &w, None, None, &res)?;
+                // The deferred bias gradient: the column sums of the residual's gradient.
+                ops::bias_grad(&res, &rdb0)?;
+                assert_eq!(bits64(&rdb), bits64(&rdb0), "bias grad of res, {what}");
+                // Frozen parameters (no gradients), no deferred bias: dx the same.
+                let dx2 = ops::layer_norm_backward_add(&dy, &saved, &w, None, None, &res, None)?;
                 assert_eq!(bits64(&dx2), bits64(&dx), "res + dx (frozen), {what}");
                 if dtype == DType::F32 {
                     // And the CPU reference loops of x + r.

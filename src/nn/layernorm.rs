@@ -66,19 +66,25 @@ impl LayerNorm {
     }
 
     /// [`backward`](Module::backward) plus the residual stream's gradient: `res + dx`, the
-    /// same bits as [`ops::add`]`(res, backward(dy))`, one kernel on CUDA
-    /// ([`ops::layer_norm_backward_add`]).
+    /// same bits as [`ops::add`]`(res, backward(dy))`, and `res_db += ` the column sums of
+    /// `res` when given (a bias gradient the caller deferred, [`ops::bias_grad`]'s bits);
+    /// one kernel on CUDA ([`ops::layer_norm_backward_add`]).
     ///
     /// # Errors
-    /// As [`backward`](Module::backward) and [`ops::add`].
-    pub fn backward_add(&mut self, dy: &Tensor, res: &Tensor) -> Result<Tensor> {
+    /// As [`backward`](Module::backward), [`ops::add`] and [`ops::bias_grad`].
+    pub fn backward_add(
+        &mut self,
+        dy: &Tensor,
+        res: &Tensor,
+        res_db: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let saved = self.saved.take().ok_or(Error::NoSavedForward {
             module: "LayerNorm",
         })?;
         let w = self.weight.data()?.clone();
         let dw = self.weight.grad_for_accumulate()?.cloned();
         let db = self.bias.grad_for_accumulate()?.cloned();
-        ops::layer_norm_backward_add(dy, &saved, &w, dw.as_ref(), db.as_ref(), res)
+        ops::layer_norm_backward_add(dy, &saved, &w, dw.as_ref(), db.as_ref(), res, res_db)
     }
 }
 

@@ -107,9 +107,53 @@ impl MLP {
     }
 }
 
+impl MLP {
+    /// [`Module::backward`] without `c_proj`'s bias gradient when `c_proj` is a plain
+    /// [`Linear`] with a bias that takes one: returns the input gradient and that bias's
+    /// gradient tensor, to which the caller must add the column sums of `dy`
+    /// ([`crate::ops::bias_grad`]; the GPT block adds them in its `ln_2`'s backward kernel).
+    pub(crate) fn backward_deferring_proj_bias(
+        &mut self,
+        dy: &Tensor,
+        cx: &Context,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let proj = self
+            .c_proj
+            .as_any_mut()
+            .and_then(|a| a.downcast_mut::<Linear>())
+            .filter(|p| p.bias.is_some());
+        let (g, db) = match proj {
+            Some(p) => {
+                let g = p.backward_inner(dy, false)?;
+                let db = match p.bias.as_mut() {
+                    Some(b) => b.grad_for_accumulate()?.cloned(),
+                    None => None,
+                };
+                (g, db)
+            }
+            None => (self.c_proj.backward(dy, cx)?, None),
+        };
+        Ok((self.backward_from_proj(&g, cx)?, db))
+    }
+
+    /// The backward from `c_proj`'s input gradient `g`.
+    fn backward_from_proj(&mut self, g: &Tensor, cx: &Context) -> Result<Tensor> {
+        if let Some(dx) = self.fused_gelu_fc_backward(g)? {
+            return Ok(dx);
+        }
+        let g = self.gelu.backward(g, cx)?;
+        self.c_fc.backward(&g, cx)
+    }
+}
+
 impl Module for MLP {
     fn type_name(&self) -> &str {
         "MLP"
+    }
+    /// Itself: the GPT block reaches it to defer `c_proj`'s bias gradient
+    /// ([`MLP::backward_deferring_proj_bias`]).
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
     }
     fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
         let h = match self.fused_fc_gelu_forward(x, cx)? {
@@ -123,11 +167,7 @@ impl Module for MLP {
     }
     fn backward(&mut self, dy: &Tensor, cx: &Context) -> Result<Tensor> {
         let g = self.c_proj.backward(dy, cx)?;
-        if let Some(dx) = self.fused_gelu_fc_backward(&g)? {
-            return Ok(dx);
-        }
-        let g = self.gelu.backward(&g, cx)?;
-        self.c_fc.backward(&g, cx)
+        self.backward_from_proj(&g, cx)
     }
     fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
         f("c_fc", &mut self.c_fc)?;
@@ -194,16 +234,35 @@ impl Module for Block {
     }
     fn backward(&mut self, dy: &Tensor, cx: &Context) -> Result<Tensor> {
         // y = x1 + mlp(ln_2(x1)); x1 = x + attn(ln_1(x)). Each norm's backward adds the
-        // residual stream's gradient (one kernel on CUDA for a plain LayerNorm).
-        let g = self.mlp.backward(dy, cx)?;
-        let dx1 = match plain_layer_norm(&mut self.ln_2) {
-            Some(ln) => ln.backward_add(&g, dy)?,
-            None => add(dy, &self.ln_2.backward(&g, cx)?)?,
+        // residual stream's gradient, and the bias gradient of the c_proj whose output
+        // gradient that is (deferred from the MLP's and the attention's backward): one
+        // kernel on CUDA for a plain LayerNorm (`LayerNorm::backward_add`).
+        let (g, mlp_db) = match self.mlp.as_any_mut().and_then(|a| a.downcast_mut::<MLP>()) {
+            Some(m) => m.backward_deferring_proj_bias(dy, cx)?,
+            None => (self.mlp.backward(dy, cx)?, None),
         };
-        let g = self.attn.backward(&dx1, cx)?;
+        let dx1 = match plain_layer_norm(&mut self.ln_2) {
+            Some(ln) => ln.backward_add(&g, dy, mlp_db.as_ref())?,
+            None => {
+                if let Some(db) = &mlp_db {
+                    crate::ops::bias_grad(dy, db)?;
+                }
+                add(dy, &self.ln_2.backward(&g, cx)?)?
+            }
+        };
+        let attn = self.attn.as_any_mut();
+        let (g, attn_db) = match attn.and_then(|a| a.downcast_mut::<CausalSelfAttention>()) {
+            Some(a) => a.backward_deferring_proj_bias(&dx1, cx)?,
+            None => (self.attn.backward(&dx1, cx)?, None),
+        };
         match plain_layer_norm(&mut self.ln_1) {
-            Some(ln) => ln.backward_add(&g, &dx1),
-            None => add(&dx1, &self.ln_1.backward(&g, cx)?),
+            Some(ln) => ln.backward_add(&g, &dx1, attn_db.as_ref()),
+            None => {
+                if let Some(db) = &attn_db {
+                    crate::ops::bias_grad(&dx1, db)?;
+                }
+                add(&dx1, &self.ln_1.backward(&g, cx)?)
+            }
         }
     }
     fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {

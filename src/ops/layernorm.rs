@@ -236,12 +236,15 @@ pub fn layer_norm_backward(
 }
 
 /// [`layer_norm_backward`] plus the residual stream's gradient: `res + dx`
-/// ([`add`](super::add)`(res, dx)`, same bits), as the GPT block's `dy + ln_2.backward(g)`.
-/// On CUDA (f32 or f64, `res` of `dy`'s dtype and shape) one kernel computes `dx` with the
-/// add and the parameter gradients (`layernorm_bwd` with a residual).
+/// ([`add`](super::add)`(res, dx)`, same bits), as the GPT block's `dy + ln_2.backward(g)`;
+/// and when `res_db` is given, `res_db += ` the column sums of `res`
+/// ([`bias_grad`](super::bias_grad)`(res, res_db)`, same bits: the bias gradient of the
+/// `Linear` whose output gradient `res` is, the block's `c_proj`). On CUDA (f32 or f64,
+/// `res` of `dy`'s dtype and shape) one kernel computes `dx` with the add, the parameter
+/// gradients and `res_db` (`layernorm_bwd` with a residual).
 ///
 /// # Errors
-/// As [`layer_norm_backward`] and [`add`](super::add).
+/// As [`layer_norm_backward`], [`add`](super::add) and [`bias_grad`](super::bias_grad).
 pub fn layer_norm_backward_add(
     dy: &Tensor,
     saved: &LayerNormSaved,
@@ -249,21 +252,34 @@ pub fn layer_norm_backward_add(
     dw: Option<&Tensor>,
     db: Option<&Tensor>,
     res: &Tensor,
+    res_db: Option<&Tensor>,
 ) -> Result<Tensor> {
-    backward(dy, saved, w, dw, db, Some(res))
+    let fused = res_db.is_none_or(|g| g.dtype() == res.dtype() && g.device() == res.device());
+    let dx = backward(dy, saved, w, dw, db, Some((res, res_db.filter(|_| fused))))?;
+    if let (Some(g), false) = (res_db, fused) {
+        super::bias_grad(res, g)?;
+    }
+    Ok(dx)
 }
 
+/// `res`: the residual gradient to add into `dx`, with the gradient its column sums go
+/// into (see [`layer_norm_backward_add`]).
 fn backward(
     dy: &Tensor,
     saved: &LayerNormSaved,
     w: &Tensor,
     dw: Option<&Tensor>,
     db: Option<&Tensor>,
-    res: Option<&Tensor>,
+    res: Option<(&Tensor, Option<&Tensor>)>,
 ) -> Result<Tensor> {
+    let res_db = res.and_then(|r| r.1);
+    let res = res.map(|r| r.0);
     let fused = res.filter(|r| fusable(r, dy) && saved.mean.is_none() && r.dtype() == w.dtype());
     if let (Some(r), None) = (res, fused) {
         let dx = layer_norm_backward(dy, saved, w, dw, db)?;
+        if let Some(g) = res_db {
+            super::bias_grad(r, g)?;
+        }
         return super::add(r, &dx);
     }
     if saved.mean.is_some() || super::lowp::lp_of(&[dy, w]).is_some() {
@@ -294,7 +310,12 @@ fn backward(
     let dx = super::output_as(dy.shape(), device, dt)?;
     if c == 0 || dy.numel() == 0 {
         return match fused {
-            Some(r) => super::add(r, &dx),
+            Some(r) => {
+                if let Some(g) = res_db {
+                    super::bias_grad(r, g)?;
+                }
+                super::add(r, &dx)
+            }
             None => Ok(dx),
         };
     }
@@ -326,6 +347,7 @@ fn backward(
                 &rsd,
                 &wd,
                 &r.as_device_tensor()?,
+                res_db.map(Tensor::as_device_tensor).transpose()?.as_ref(),
                 &dxd,
                 &dwd,
                 &dbd,

@@ -275,8 +275,8 @@ raw_kernel!(/// `bias_add_{f32,f64}(y, b, rows, c)` and `bias_grad_{f32,f64}(dy,
     bias, "nn", (y: u64, b: u64, rows: i64, c: i64));
 raw_kernel!(/// `layernorm_fwd_{f32,f64}(x, res, w, b, sum, y, xhat, rstd, rows, c, eps)`.
     layernorm_fwd, "nn", (x: u64, res: u64, w: u64, b: u64, sum: u64, y: u64, xhat: u64, rstd: u64, rows: i64, c: i64, eps: Arg));
-raw_kernel!(/// `layernorm_bwd_{f32,f64}(dy, xhat, rstd, w, res, dx, dw, db, rows, c, row_blocks)`.
-    layernorm_bwd, "nn", (dy: u64, xhat: u64, rstd: u64, w: u64, res: u64, dx: u64, dw: u64, db: u64, rows: i64, c: i64, row_blocks: i64));
+raw_kernel!(/// `layernorm_bwd_{f32,f64}(dy, xhat, rstd, w, res, dx, dw, db, res_sum, rows, c, row_blocks)`.
+    layernorm_bwd, "nn", (dy: u64, xhat: u64, rstd: u64, w: u64, res: u64, dx: u64, dw: u64, db: u64, res_sum: u64, rows: i64, c: i64, row_blocks: i64));
 raw_kernel!(/// `split_qkv_{f32,f64}(qkv, q, k, v, B, T, H, hd)` and `merge_qkv_{f32,f64}(dq, dk, dv, dqkv, B, T, H, hd)`.
     qkv, "nn", (a: u64, b: u64, c: u64, d: u64, bsz: i64, t: i64, h: i64, hd: i64));
 raw_kernel!(/// `merge_heads_{f32,f64}(yh, y, B, T, H, hd)` and `split_heads_{f32,f64}(y, yh, B, T, H, hd)`.

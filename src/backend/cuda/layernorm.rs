@@ -126,7 +126,9 @@ pub fn layernorm_bwd(
 }
 
 /// [`layernorm_bwd`] with the residual stream's gradient `res` added into `dx` after its
-/// rounding (`dx = res + LayerNorm'(dy)`, as `ops::add` of the two), in the same launch.
+/// rounding (`dx = res + LayerNorm'(dy)`, as `ops::add` of the two), in the same launch;
+/// and, when `res_sum` is given, `res_sum[j] += sum_r res[r, j]` ([`super::bias_grad`] of
+/// `res`, same bits: the bias gradient of the `Linear` whose output gradient `res` is).
 ///
 /// # Errors
 /// As [`layernorm_fwd`].
@@ -138,11 +140,12 @@ pub fn layernorm_bwd_add(
     rstd: &DeviceTensor,
     w: &DeviceTensor,
     res: &DeviceTensor,
+    res_sum: Option<&DeviceTensor>,
     dx: &DeviceTensor,
     dw: &DeviceTensor,
     db: &DeviceTensor,
 ) -> Result<()> {
-    bwd(s, dy, xhat, rstd, w, Some(res), dx, dw, db)
+    bwd(s, dy, xhat, rstd, w, Some((res, res_sum)), dx, dw, db)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -152,13 +155,15 @@ fn bwd(
     xhat: &DeviceTensor,
     rstd: &DeviceTensor,
     w: &DeviceTensor,
-    res: Option<&DeviceTensor>,
+    res: Option<(&DeviceTensor, Option<&DeviceTensor>)>,
     dx: &DeviceTensor,
     dw: &DeviceTensor,
     db: &DeviceTensor,
 ) -> Result<()> {
     let mut ts = vec![dy, xhat, rstd, w, dx, dw, db];
+    let (res, res_sum) = (res.map(|r| r.0), res.and_then(|r| r.1));
     ts.extend(res);
+    ts.extend(res_sum);
     let dt = floats("layernorm_bwd", s, &ts)?;
     let c = w.numel();
     let rows = rows_of("layernorm_bwd", dy, c)?;
@@ -170,6 +175,9 @@ fn bwd(
     if let Some(r) = res {
         check_numel("layernorm_bwd(residual)", dy.numel(), r)?;
     }
+    if let Some(r) = res_sum {
+        check_numel("layernorm_bwd(residual sum)", c, r)?;
+    }
     if rows == 0 {
         return Ok(());
     }
@@ -180,7 +188,7 @@ fn bwd(
         grid: (row_blocks + Grid::columns(c).grid.0, 1, 1),
         block,
     };
-    // SAFETY: sizes checked above; `res` null or rows * C.
+    // SAFETY: sizes checked above; `res` null or rows * C, `res_sum` null or C.
     unsafe {
         launch::layernorm_bwd(
             s,
@@ -194,6 +202,7 @@ fn bwd(
             dx.ptr(),
             dw.ptr(),
             db.ptr(),
+            res_sum.map_or(0, DeviceTensor::ptr),
             rows as i64,
             c as i64,
             i64::from(row_blocks),
