@@ -145,21 +145,9 @@ impl CausalSelfAttention {
         let saved = self.saved.take().ok_or(Error::NoSavedForward {
             module: "CausalSelfAttention",
         })?;
-        let proj = self
-            .c_proj
-            .as_any_mut()
-            .and_then(|a| a.downcast_mut::<super::Linear>())
-            .filter(|p| defer && p.bias.is_some());
-        let (dy, db) = match proj {
-            Some(p) => {
-                let dy = p.backward_inner(dout, false)?;
-                let db = match p.bias.as_mut() {
-                    Some(b) => b.grad_for_accumulate()?.cloned(),
-                    None => None,
-                };
-                (dy, db)
-            }
-            None => (self.c_proj.backward(dout, cx)?, None),
+        let (dy, db) = match defer {
+            true => super::linear::backward_deferring_bias(&mut self.c_proj, dout, cx)?,
+            false => (self.c_proj.backward(dout, cx)?, None),
         };
         self.backward_heads(saved, dy, cx).map(|dx| (dx, db))
     }

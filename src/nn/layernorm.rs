@@ -44,6 +44,21 @@ impl LayerNorm {
         Ok(())
     }
 
+    /// What a backward reads: the saved forward (taken), the weight, and the parameters'
+    /// gradients to accumulate into (`None` when frozen).
+    #[allow(clippy::type_complexity)]
+    fn backward_inputs(
+        &mut self,
+    ) -> Result<(LayerNormSaved, Tensor, Option<Tensor>, Option<Tensor>)> {
+        let saved = self.saved.take().ok_or(Error::NoSavedForward {
+            module: "LayerNorm",
+        })?;
+        let w = self.weight.data()?.clone();
+        let dw = self.weight.grad_for_accumulate()?.cloned();
+        let db = self.bias.grad_for_accumulate()?.cloned();
+        Ok((saved, w, dw, db))
+    }
+
     /// The residual add in front of this norm and the norm itself: `(x + r, self(x + r))`,
     /// the same bits as [`ops::add`] then [`forward`](Module::forward), one kernel on CUDA
     /// ([`ops::add_layer_norm`]). The GPT block's `x1 = x + attn(..)`, `ln_2(x1)`.
@@ -78,12 +93,7 @@ impl LayerNorm {
         res: &Tensor,
         res_db: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let saved = self.saved.take().ok_or(Error::NoSavedForward {
-            module: "LayerNorm",
-        })?;
-        let w = self.weight.data()?.clone();
-        let dw = self.weight.grad_for_accumulate()?.cloned();
-        let db = self.bias.grad_for_accumulate()?.cloned();
+        let (saved, w, dw, db) = self.backward_inputs()?;
         ops::layer_norm_backward_add(dy, &saved, &w, dw.as_ref(), db.as_ref(), res, res_db)
     }
 }
@@ -103,12 +113,7 @@ impl Module for LayerNorm {
     }
 
     fn backward(&mut self, dy: &Tensor, _cx: &Context) -> Result<Tensor> {
-        let saved = self.saved.take().ok_or(Error::NoSavedForward {
-            module: "LayerNorm",
-        })?;
-        let w = self.weight.data()?.clone();
-        let dw = self.weight.grad_for_accumulate()?.cloned();
-        let db = self.bias.grad_for_accumulate()?.cloned();
+        let (saved, w, dw, db) = self.backward_inputs()?;
         // dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * w
         ops::layer_norm_backward(dy, &saved, &w, dw.as_ref(), db.as_ref())
     }

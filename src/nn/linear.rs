@@ -197,3 +197,33 @@ impl Module for Linear {
         super::no_children(f)
     }
 }
+
+/// `m`'s backward without its bias gradient when `m` is a plain [`Linear`] with a bias
+/// that takes one: returns the input gradient and that bias's gradient tensor, to which the
+/// caller must add the column sums of `dy` ([`ops::bias_grad`], same bits; the GPT block
+/// adds them in the LayerNorm backward kernel that reads `dy` anyway). Any other module:
+/// its backward, and `None`.
+///
+/// # Errors
+/// As [`Module::backward`].
+pub(crate) fn backward_deferring_bias(
+    m: &mut Box<dyn Module>,
+    dy: &Tensor,
+    cx: &Context,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let lin = m
+        .as_any_mut()
+        .and_then(|a| a.downcast_mut::<Linear>())
+        .filter(|l| l.bias.is_some());
+    match lin {
+        Some(l) => {
+            let dx = l.backward_inner(dy, false)?;
+            let db = match l.bias.as_mut() {
+                Some(b) => b.grad_for_accumulate()?.cloned(),
+                None => None,
+            };
+            Ok((dx, db))
+        }
+        None => Ok((m.backward(dy, cx)?, None)),
+    }
+}

@@ -39,24 +39,21 @@ impl MLP {
 }
 
 impl MLP {
+    /// `gelu` and `c_fc` when they are a plain [`GELU`] and [`Linear`] (not wrapped), whose
+    /// passes the MLP can fuse.
+    fn plain_gelu_fc(&mut self) -> Option<(&mut GELU, &mut Linear)> {
+        let gelu = self.gelu.as_any_mut()?.downcast_mut::<GELU>()?;
+        let fc = self.c_fc.as_any_mut()?.downcast_mut::<Linear>()?;
+        Some((gelu, fc))
+    }
+
     /// GELU's backward and `c_fc`'s bias gradient in one pass
     /// ([`crate::ops::gelu_backward_bias_grad`]), then the rest of `c_fc`'s backward, when
     /// `gelu` is a [`GELU`], `c_fc` a [`Linear`] with a bias that takes a gradient, and the
     /// fused pass applies (CPU, f32, one intra-op thread; CUDA, f32 or f64: one kernel).
     /// `None`, with nothing changed, otherwise. Same bits as the two modules' backwards.
     fn fused_gelu_fc_backward(&mut self, g: &Tensor) -> Result<Option<Tensor>> {
-        let Some(gelu) = self
-            .gelu
-            .as_any_mut()
-            .and_then(|a| a.downcast_mut::<GELU>())
-        else {
-            return Ok(None);
-        };
-        let Some(fc) = self
-            .c_fc
-            .as_any_mut()
-            .and_then(|a| a.downcast_mut::<Linear>())
-        else {
+        let Some((gelu, fc)) = self.plain_gelu_fc() else {
             return Ok(None);
         };
         let (Some(x), Some(bias)) = (gelu.saved_input(), fc.bias.as_mut()) else {
@@ -79,18 +76,7 @@ impl MLP {
     /// tensors qualify ([`crate::ops::bias_gelu_fusable`]: CUDA, f32 or f64). `None`, with
     /// nothing run, otherwise. Same bits as the two modules' forwards.
     fn fused_fc_gelu_forward(&mut self, x: &Tensor, cx: &Context) -> Result<Option<Tensor>> {
-        let Some(gelu) = self
-            .gelu
-            .as_any_mut()
-            .and_then(|a| a.downcast_mut::<GELU>())
-        else {
-            return Ok(None);
-        };
-        let Some(fc) = self
-            .c_fc
-            .as_any_mut()
-            .and_then(|a| a.downcast_mut::<Linear>())
-        else {
+        let Some((gelu, fc)) = self.plain_gelu_fc() else {
             return Ok(None);
         };
         let Some(bias) = fc.bias.as_ref() else {
@@ -117,22 +103,7 @@ impl MLP {
         dy: &Tensor,
         cx: &Context,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let proj = self
-            .c_proj
-            .as_any_mut()
-            .and_then(|a| a.downcast_mut::<Linear>())
-            .filter(|p| p.bias.is_some());
-        let (g, db) = match proj {
-            Some(p) => {
-                let g = p.backward_inner(dy, false)?;
-                let db = match p.bias.as_mut() {
-                    Some(b) => b.grad_for_accumulate()?.cloned(),
-                    None => None,
-                };
-                (g, db)
-            }
-            None => (self.c_proj.backward(dy, cx)?, None),
-        };
+        let (g, db) = super::linear::backward_deferring_bias(&mut self.c_proj, dy, cx)?;
         Ok((self.backward_from_proj(&g, cx)?, db))
     }
 
