@@ -288,7 +288,7 @@ impl Module for CausalSelfAttention {
     }
 
     /// Itself: the GPT block reaches it to defer `c_proj`'s bias gradient
-    /// ([`backward_deferring_proj_bias`](CausalSelfAttention::backward_deferring_proj_bias)).
+    /// (`backward_deferring_proj_bias`).
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         Some(self)
     }

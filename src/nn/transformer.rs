@@ -122,7 +122,7 @@ impl Module for MLP {
         "MLP"
     }
     /// Itself: the GPT block reaches it to defer `c_proj`'s bias gradient
-    /// ([`MLP::backward_deferring_proj_bias`]).
+    /// (`MLP::backward_deferring_proj_bias`).
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         Some(self)
     }
