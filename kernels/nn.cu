@@ -18,20 +18,36 @@
 // bias_add_f32(y (rows, C), b (C), rows, C)   y[r, j] += b[j]                    (+=)
 // bias_grad_f32(dy (rows, C), db (C), rows, C) db[j] += sum_r dy[r, j]           (+=)
 //   Column sums (column_sums below): deterministic, in a fixed order of the rows.
-// layernorm_fwd_f32(x, w (C), b (C), y, xhat, rstd (rows), rows, C, eps)
-//   mean, biased var over the last dim; rstd = 1 / sqrt(var + eps);
-//   xhat = (x - mean) rstd; y = xhat w + b          (y, xhat (rows, C), rstd: =; xhat may be null)
-// layernorm_bwd_f32(dy, xhat, rstd, w, dx, rows, C)
-//   dx = rstd (dy w - mean(dy w) - xhat mean(dy w xhat))                           (=)
-// layernorm_bwd_params_f32(dy, xhat, dw, db, rows, C)
+// bias_gelu_fwd_f32(h (rows, C), b (C), y (rows, C), rows, C)
+//   h[r, j] += b[j]; y = gelu(h)       (h +=, y =): bias_add then gelu_fwd, one pass, same bits
+//   (the MLP's c_fc bias and GELU; h, with its bias, is what the GELU's backward reads)
+// gelu_bwd_bias_grad_f32(x (rows, C), dy (rows, C), dx (rows, C), db (C), rows, C)
+//   dx = dy GELU'(x) (=); db[j] += sum_r dx[r, j] (+=): gelu_bwd then bias_grad in one
+//   launch, same bits (each column block computes the dx it sums). Launch as bias_grad.
+// layernorm_fwd_f32(x, r, w (C), b (C), sum, y, xhat, rstd (rows), rows, C, eps)
+//   u = x, or with a residual r (not null) u = x + r, written to sum (the residual add
+//   fused in front: sum = x + r as add_f32 rounds it, then the LayerNorm of it);
+//   mean, biased var of u over the last dim; rstd = 1 / sqrt(var + eps);
+//   xhat = (u - mean) rstd; y = xhat w + b
+//                          (sum, y, xhat (rows, C), rstd: =; xhat may be null, sum null without r)
+// layernorm_bwd_f32(dy, xhat, rstd, w, res, dx, dw, db, res_sum, rows, C, row_blocks)
+//   dx = rstd (dy w - mean(dy w) - xhat mean(dy w xhat)), plus res when not null (the
+//   residual stream's gradient added after the rounding, as add_f32 would)       (=)
 //   dw[j] += sum_r dy xhat; db[j] += sum_r dy   (column sums, deterministic)      (+=)
+//   res_sum[j] += sum_r res[r, j] when both are not null (+=): the bias gradient of the
+//   Linear whose output gradient the residual is (the GPT block's c_proj), as bias_grad.
+//   One launch, two kinds of block: blocks [0, row_blocks) walk the rows (stride
+//   row_blocks) for dx, the next ceil(C / 32) blocks each own 32 columns of dw, db. Both
+//   read only dy and xhat, and write disjoint outputs.
 //
-// Column sums (bias_grad_f32, layernorm_bwd_params_f32): 1024-thread blocks, block b
-// owning columns 32b .. 32b+31. Thread t reads column 32b + t % 32 at rows t / 32,
-// t / 32 + 32, ... (so each warp reads 128 contiguous bytes of a row), summing them in row
-// order; the 32 partial sums of a column are then added in order of t / 32. The order
-// depends only on the row count, never on the device: every run gives the same bits.
-// Launch: grid (ceil(C / 32), 1, 1), block 1024 (COLUMN_TILE * COLUMN_ROWS).
+// Column sums (bias_grad_f32, layernorm_bwd_f32's column blocks): blocks of any multiple
+// of 32 threads (1024 for bias_grad), block b owning columns 32b .. 32b+31. Lane y in
+// 0 .. 31 reads column 32b + t % 32 at rows y, y + 32, ... (so each warp reads 128
+// contiguous bytes of a row), summing them in row order; thread t serves the lanes
+// t / 32, t / 32 + blockDim / 32, ... The 32 lane sums of a column are then added in lane
+// order. The order depends only on the row count, never on the device or the block size:
+// every run gives the same bits.
+// Launch (bias_grad): grid (ceil(C / 32), 1, 1), block 1024 (COLUMN_TILE * COLUMN_ROWS).
 // split_qkv_f32(qkv (B, T, 3, H, hd), q, k, v (B, H, T, hd), B, T, H, hd)          (=)
 // merge_qkv_f32(dq, dk, dv (B, H, T, hd), dqkv (B, T, 3, H, hd), B, T, H, hd)     (=)
 // merge_heads_f32(yh (B, H, T, hd), y (B, T, H, hd), B, T, H, hd)                  (=)
@@ -119,34 +135,46 @@ __device__ inline double gelu_df(double x) {
   extern "C" __global__ void bias_add_##S(T* __restrict__ y, const T* __restrict__ b,      \
                                           int64_t rows, int64_t c) {                       \
     GRID_STRIDE_LOOP(i, rows * c) { y[i] = y[i] + b[i % c]; }                              \
+  }                                                                                        \
+  extern "C" __global__ void bias_gelu_fwd_##S(T* __restrict__ h, const T* __restrict__ b, \
+                                               T* __restrict__ y, int64_t rows, int64_t c) { \
+    GRID_STRIDE_LOOP(i, rows * c) {                                                        \
+      const T v = h[i] + b[i % c];                                                         \
+      h[i] = v;                                                                            \
+      y[i] = gelu_f(v);                                                                    \
+    }                                                                                      \
   }
 F32_F64(POINTWISE_KERNELS)
 
 #define COLUMN_TILE 32
 #define COLUMN_ROWS 32
 
-// sum_r a[r, j] (and sum_r a[r, j] b[r, j] when b is not null) for this block's columns,
-// added into out_a[j] (and out_ab[j]). Every thread of the block must call it.
-template <typename T>
-__device__ __forceinline__ void column_sums(const T* __restrict__ a, const T* __restrict__ b,
-                                            T* __restrict__ out_a, T* __restrict__ out_ab,
-                                            int64_t rows, int64_t c) {
+// sum_r a(r c + j) (and sum_r a(r c + j) b[r, j] when b is not null) for the columns of
+// tile `tile`, added into out_a[j] (and out_ab[j]); `a` is called once per element, in
+// row order within a lane. Every thread of the block must call it.
+template <typename T, typename A>
+__device__ __forceinline__ void column_sums_of(A a, const T* __restrict__ b,
+                                               T* __restrict__ out_a, T* __restrict__ out_ab,
+                                               int64_t rows, int64_t c, int64_t tile) {
   __shared__ T part_a[COLUMN_ROWS][COLUMN_TILE + 1];
   __shared__ T part_ab[COLUMN_ROWS][COLUMN_TILE + 1];
-  const int x = threadIdx.x % COLUMN_TILE, y = threadIdx.x / COLUMN_TILE;
-  const int64_t j = (int64_t)blockIdx.x * COLUMN_TILE + x;
-  T sa = 0, sab = 0;
-  if (j < c) {
-    for (int64_t r = y; r < rows; r += COLUMN_ROWS) {
-      T v = a[r * c + j];
-      sa += v;
-      if (b != nullptr) sab += v * b[r * c + j];
+  const int x = threadIdx.x % COLUMN_TILE;
+  const int64_t j = tile * COLUMN_TILE + x;
+  // Fewer than 1024 threads: each serves several lanes, each lane summed as its own.
+  for (int y = threadIdx.x / COLUMN_TILE; y < COLUMN_ROWS; y += blockDim.x / COLUMN_TILE) {
+    T sa = 0, sab = 0;
+    if (j < c) {
+      for (int64_t r = y; r < rows; r += COLUMN_ROWS) {
+        T v = a(r * c + j);
+        sa += v;
+        if (b != nullptr) sab += v * b[r * c + j];
+      }
     }
+    part_a[y][x] = sa;
+    part_ab[y][x] = sab;
   }
-  part_a[y][x] = sa;
-  part_ab[y][x] = sab;
   __syncthreads();
-  if (y == 0 && j < c) {
+  if (threadIdx.x < COLUMN_TILE && j < c) {
     T ta = 0, tab = 0;
     for (int k = 0; k < COLUMN_ROWS; ++k) {
       ta += part_a[k][x];
@@ -157,40 +185,61 @@ __device__ __forceinline__ void column_sums(const T* __restrict__ a, const T* __
   }
 }
 
+// column_sums_of over the elements of a.
+template <typename T>
+__device__ __forceinline__ void column_sums(const T* __restrict__ a, const T* __restrict__ b,
+                                            T* __restrict__ out_a, T* __restrict__ out_ab,
+                                            int64_t rows, int64_t c, int64_t tile) {
+  column_sums_of<T>([=](int64_t i) { return a[i]; }, b, out_a, out_ab, rows, c, tile);
+}
+
 #define COLUMN_KERNELS(S, T)                                                                \
   extern "C" __global__ void ROW_KERNEL bias_grad_##S(const T* __restrict__ dy,             \
                                                       T* __restrict__ db, int64_t rows,     \
                                                       int64_t c) {                          \
-    column_sums<T>(dy, nullptr, db, nullptr, rows, c);                                      \
+    column_sums<T>(dy, nullptr, db, nullptr, rows, c, blockIdx.x);                          \
   }                                                                                         \
-  extern "C" __global__ void ROW_KERNEL layernorm_bwd_params_##S(                           \
-      const T* __restrict__ dy, const T* __restrict__ xhat, T* __restrict__ dw,             \
+  extern "C" __global__ void ROW_KERNEL gelu_bwd_bias_grad_##S(                             \
+      const T* __restrict__ x, const T* __restrict__ dy, T* __restrict__ dx,                \
       T* __restrict__ db, int64_t rows, int64_t c) {                                        \
-    column_sums<T>(dy, xhat, db, dw, rows, c);                                              \
+    auto d = [=](int64_t i) {                                                               \
+      const T v = dy[i] * gelu_df(x[i]);                                                    \
+      dx[i] = v;                                                                            \
+      return v;                                                                             \
+    };                                                                                      \
+    column_sums_of<T>(d, nullptr, db, nullptr, rows, c, blockIdx.x);                        \
   }
 F32_F64(COLUMN_KERNELS)
 
 template <typename T>
-__device__ inline void layernorm_fwd_synced(const T* __restrict__ x, const T* __restrict__ w,
-                                            const T* __restrict__ b, T* __restrict__ y,
+__device__ inline void layernorm_fwd_synced(const T* __restrict__ x, const T* __restrict__ res,
+                                            const T* __restrict__ w, const T* __restrict__ b,
+                                            T* __restrict__ sum, T* __restrict__ y,
                                             T* __restrict__ xhat, T* __restrict__ rstd,
                                             int64_t rows, int64_t c, T eps) {
   __shared__ T shared[32];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * c;
+    const T* rr = res == nullptr ? nullptr : res + r * c;
+    // The input: x, or x + res rounded to T (each thread recomputes its own elements).
+    auto u = [=](int64_t j) { return rr == nullptr ? xr[j] : xr[j] + rr[j]; };
     T s = 0;
-    for (int64_t j = threadIdx.x; j < c; j += blockDim.x) s += xr[j];
+    for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
+      const T v = u(j);
+      if (rr != nullptr) sum[r * c + j] = v;
+      s += v;
+    }
     T mean = block_sum(s, shared) / (T)c;
     T q = 0;
     for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
-      T d = xr[j] - mean;
+      T d = u(j) - mean;
       q += d * d;
     }
     T var = block_sum(q, shared) / (T)c;
     T rs = (T)1 / k_sqrt(var + eps);
     if (threadIdx.x == 0) rstd[r] = rs;
     for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
-      T nrm = (xr[j] - mean) * rs;
+      T nrm = (u(j) - mean) * rs;
       if (xhat != nullptr) xhat[r * c + j] = nrm;
       y[r * c + j] = nrm * w[j] + b[j];
     }
@@ -200,9 +249,23 @@ __device__ inline void layernorm_fwd_synced(const T* __restrict__ x, const T* __
 template <typename T>
 __device__ inline void layernorm_bwd_synced(const T* __restrict__ dy, const T* __restrict__ xhat,
                                             const T* __restrict__ rstd, const T* __restrict__ w,
-                                            T* __restrict__ dx, int64_t rows, int64_t c) {
+                                            const T* __restrict__ res, T* __restrict__ dx,
+                                            T* __restrict__ dw, T* __restrict__ db,
+                                            T* __restrict__ res_sum, int64_t rows, int64_t c,
+                                            int64_t row_blocks) {
+  if ((int64_t)blockIdx.x >= row_blocks) {
+    // A column block: dw, db (and res_sum) for its 32 columns.
+    const int64_t tile = (int64_t)blockIdx.x - row_blocks;
+    column_sums<T>(dy, xhat, db, dw, rows, c, tile);
+    if (res != nullptr && res_sum != nullptr) {
+      // The first sums' last reads of the shared partials are done.
+      __syncthreads();
+      column_sums<T>(res, nullptr, res_sum, nullptr, rows, c, tile);
+    }
+    return;
+  }
   __shared__ T shared[32];
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+  for (int64_t r = blockIdx.x; r < rows; r += row_blocks) {
     const T* dyr = dy + r * c;
     const T* xr = xhat + r * c;
     T m1 = 0, m2 = 0;
@@ -215,22 +278,25 @@ __device__ inline void layernorm_bwd_synced(const T* __restrict__ dy, const T* _
     m2 = block_sum(m2, shared) / (T)c;
     T rs = rstd[r];
     for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
-      dx[r * c + j] = rs * (dyr[j] * w[j] - m1 - xr[j] * m2);
+      const T v = rs * (dyr[j] * w[j] - m1 - xr[j] * m2);
+      dx[r * c + j] = res == nullptr ? v : res[r * c + j] + v;
     }
   }
 }
 
 #define LAYERNORM_KERNELS(S, T)                                                              \
   extern "C" __global__ void ROW_KERNEL layernorm_fwd_##S(                                   \
-      const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,             \
-      T* __restrict__ y, T* __restrict__ xhat, T* __restrict__ rstd, int64_t rows,           \
-      int64_t c, T eps) {                                                                    \
-    layernorm_fwd_synced<T>(x, w, b, y, xhat, rstd, rows, c, eps);                           \
+      const T* __restrict__ x, const T* __restrict__ res, const T* __restrict__ w,           \
+      const T* __restrict__ b, T* __restrict__ sum, T* __restrict__ y, T* __restrict__ xhat, \
+      T* __restrict__ rstd, int64_t rows, int64_t c, T eps) {                                \
+    layernorm_fwd_synced<T>(x, res, w, b, sum, y, xhat, rstd, rows, c, eps);                 \
   }                                                                                          \
   extern "C" __global__ void ROW_KERNEL layernorm_bwd_##S(                                   \
       const T* __restrict__ dy, const T* __restrict__ xhat, const T* __restrict__ rstd,      \
-      const T* __restrict__ w, T* __restrict__ dx, int64_t rows, int64_t c) {                \
-    layernorm_bwd_synced<T>(dy, xhat, rstd, w, dx, rows, c);                                 \
+      const T* __restrict__ w, const T* __restrict__ res, T* __restrict__ dx,                \
+      T* __restrict__ dw, T* __restrict__ db, T* __restrict__ res_sum, int64_t rows,         \
+      int64_t c, int64_t row_blocks) {                                                       \
+    layernorm_bwd_synced<T>(dy, xhat, rstd, w, res, dx, dw, db, res_sum, rows, c, row_blocks); \
   }
 F32_F64(LAYERNORM_KERNELS)
 

@@ -18,6 +18,10 @@
 //   acc[i] = cast<dtype>(f32(acc[i]) + f32(x[i]))                               (accumulates)
 //   The threads backend's reduction on device buffers: one rounding per added rank.
 //   sum_into_f64: acc[i] = acc[i] + x[i] in f64.
+// add_{dtype}(a (n), b (n), out (n), n)
+//   out[i] = cast<dtype>(f32(a[i]) + f32(b[i]))        (=; add_f64: a[i] + b[i] in f64)
+//   `torch.add` of two tensors (ops::add): sum_into's rounding, out of place, so a
+//   residual add is one launch rather than a copy and a sum_into.
 // scale_{f32,f64}(x (n), alpha, n)      x[i] = x[i] * alpha                    (in place)
 // div_scale_f64(x (n) f64, out (n) f64, factor, divide, n)
 //   out[i] = divide ? x[i] / factor : x[i] * factor                    (=; out may be x)
@@ -52,6 +56,12 @@
     GRID_STRIDE_LOOP(i, n) { acc[i] = from_f32<T>(to_f32(acc[i]) + to_f32(x[i])); }          \
   }
 
+#define ADD_KERNEL(NAME, T)                                                                  \
+  extern "C" __global__ void NAME(const T* __restrict__ a, const T* __restrict__ b,         \
+                                  T* __restrict__ out, int64_t n) {                         \
+    GRID_STRIDE_LOOP(i, n) { out[i] = from_f32<T>(to_f32(a[i]) + to_f32(b[i])); }            \
+  }
+
 PACK_GRAD_KERNEL(pack_grad_f32, float)
 PACK_GRAD_KERNEL(pack_grad_f16, __half)
 PACK_GRAD_LP_KERNEL(pack_grad_f16_f32, __half, float)
@@ -60,10 +70,16 @@ UNPACK_GRAD_KERNEL(unpack_grad_f32, float)
 UNPACK_GRAD_KERNEL(unpack_grad_f16, __half)
 SUM_INTO_KERNEL(sum_into_f32, float)
 SUM_INTO_KERNEL(sum_into_f16, __half)
+ADD_KERNEL(add_f32, float)
+ADD_KERNEL(add_f16, __half)
 // f64: acc[i] = acc[i] + x[i] in f64 (Tensor.add_ of f64 tensors).
 extern "C" __global__ void sum_into_f64(double* __restrict__ acc, const double* __restrict__ x,
                                         int64_t n) {
   GRID_STRIDE_LOOP(i, n) { acc[i] = acc[i] + x[i]; }
+}
+extern "C" __global__ void add_f64(const double* __restrict__ a, const double* __restrict__ b,
+                                   double* __restrict__ out, int64_t n) {
+  GRID_STRIDE_LOOP(i, n) { out[i] = a[i] + b[i]; }
 }
 #if FSDP_BF16
 PACK_GRAD_KERNEL(pack_grad_bf16, __nv_bfloat16)
@@ -73,6 +89,7 @@ PACK_GRAD_LP_KERNEL(pack_grad_f16_bf16, __half, __nv_bfloat16)
 PACK_GRAD_LP_KERNEL(pack_grad_bf16_f16, __nv_bfloat16, __half)
 UNPACK_GRAD_KERNEL(unpack_grad_bf16, __nv_bfloat16)
 SUM_INTO_KERNEL(sum_into_bf16, __nv_bfloat16)
+ADD_KERNEL(add_bf16, __nv_bfloat16)
 #endif
 
 #define SCALE_KERNEL(S, T)                                                  \
@@ -117,6 +134,50 @@ __device__ inline void sumsq_partial_synced(const T* __restrict__ x, double* __r
 SUMSQ_KERNEL(f32, float)
 SUMSQ_KERNEL(f64, double)
 
+// The same over a list of tensors in one launch (clip_grad_norm_ over every unit's shard):
+// sumsq_partial_multi_{f32,f64}(xs (k) Segment, k, partial (k * gridDim.x) f64)
+//   partial[s * gridDim.x + b] = sumsq_partial of xs[s], block b       (overwrites)
+//   blockIdx.y walks the tensors (stride gridDim.y): each tensor's partials are those of
+//   its own sumsq_partial launch with gridDim.x blocks, bit for bit.
+struct Segment {
+  void* p;
+  int64_t n;
+};
+template <typename T>
+__device__ inline void sumsq_partial_multi_synced(const Segment* __restrict__ xs, int64_t k,
+                                                  double* __restrict__ partial) {
+  for (int64_t s = blockIdx.y; s < k; s += gridDim.y) {
+    sumsq_partial_synced<T>(static_cast<const T*>(xs[s].p), partial + s * gridDim.x, xs[s].n);
+    // Before the next tensor's partial reuses the shared sums.
+    __syncthreads();
+  }
+}
+#define SUMSQ_MULTI_KERNEL(S, T)                                                              \
+  extern "C" __global__ void sumsq_partial_multi_##S(const Segment* __restrict__ xs,          \
+                                                     int64_t k, double* __restrict__ partial) { \
+    sumsq_partial_multi_synced<T>(xs, k, partial);                                            \
+  }
+SUMSQ_MULTI_KERNEL(f32, float)
+SUMSQ_MULTI_KERNEL(f64, double)
+
+// sumsq_fold_multi_f64(partial (k * nblocks) f64, k, nblocks, acc (1) f64, out (1) f32)
+//   a = 0; per tensor s in order: a += (((0 + partial[s, 0]) + partial[s, 1]) + ...);
+//   acc[0] = a (overwrites); out[0] = f32(a) unless out is null. One thread: the order of
+//   a zeroed acc folded with sumsq_fold_f64 once per tensor, then narrow_f64_f32.
+extern "C" __global__ void sumsq_fold_multi_f64(const double* __restrict__ partial, int64_t k,
+                                                int64_t nblocks, double* __restrict__ acc,
+                                                float* __restrict__ out) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  double a = 0.0;
+  for (int64_t s = 0; s < k; ++s) {
+    double t = 0.0;
+    for (int64_t b = 0; b < nblocks; ++b) t += partial[s * nblocks + b];
+    a += t;
+  }
+  acc[0] = a;
+  if (out != nullptr) out[0] = (float)a;
+}
+
 // The rest of clip_grad_norm_ on the device (PyTorch's way: no host read of the norm).
 // sumsq_fold_f64(partial (nblocks) f64, nblocks, acc (1) f64)
 //   acc[0] += (((0 + partial[0]) + partial[1]) + ...)        one thread; the host's order
@@ -137,23 +198,29 @@ extern "C" __global__ void widen_f32_f64(const float* __restrict__ x, double* __
   if (blockIdx.x == 0 && threadIdx.x == 0) out[0] = (double)x[0];
 }
 
-// clip_coef_f32(sumsq (1) f64, max_norm, norm (1) f32, coef (1) f32)
-//   norm[0] = f32(sqrt(sumsq[0])); coef[0] = min(max_norm / (norm[0] + 1e-6), 1)   (f32)
-extern "C" __global__ void clip_coef_f32(const double* __restrict__ sumsq, float max_norm,
+// clip_coef_f32(sumsq (1) f64, total (1) f32, max_norm, norm (1) f32, coef (1) f32)
+//   s = total ? f64(total[0]) : sumsq[0] (the all-reduced f32 sum read directly: no
+//   widen_f32_f64 launch before this one);
+//   norm[0] = f32(sqrt(s)); coef[0] = min(max_norm / (norm[0] + 1e-6), 1)           (f32)
+extern "C" __global__ void clip_coef_f32(const double* __restrict__ sumsq,
+                                         const float* __restrict__ total32, float max_norm,
                                          float* __restrict__ norm, float* __restrict__ coef) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
-  const float total = (float)sqrt(sumsq[0]);
+  const double s = total32 != nullptr ? (double)total32[0] : sumsq[0];
+  const float total = (float)sqrt(s);
   norm[0] = total;
   coef[0] = fminf(max_norm / (total + 1e-6f), 1.0f);
 }
 
-// clip_coef_f64(sumsq (1) f64, max_norm, norm (1) f32, coef (1) f64)
-//   total = sqrt(sumsq[0]); norm[0] = f32(total); coef[0] = min(max_norm / (total + 1e-6), 1)
-//   in f64 (fsdp::grad's host path for f64 gradients; max_norm the f64 it spells)
-extern "C" __global__ void clip_coef_f64(const double* __restrict__ sumsq, double max_norm,
+// clip_coef_f64(sumsq (1) f64, total (1) f32, max_norm, norm (1) f32, coef (1) f64)
+//   s as clip_coef_f32's; total = sqrt(s); norm[0] = f32(total);
+//   coef[0] = min(max_norm / (total + 1e-6), 1) in f64 (fsdp::grad's host path for f64
+//   gradients; max_norm the f64 it spells)
+extern "C" __global__ void clip_coef_f64(const double* __restrict__ sumsq,
+                                         const float* __restrict__ total32, double max_norm,
                                          float* __restrict__ norm, double* __restrict__ coef) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
-  const double total = sqrt(sumsq[0]);
+  const double total = sqrt(total32 != nullptr ? (double)total32[0] : sumsq[0]);
   norm[0] = (float)total;
   coef[0] = fmin(max_norm / (total + 1e-6), 1.0);
 }
@@ -167,3 +234,17 @@ extern "C" __global__ void clip_coef_f64(const double* __restrict__ sumsq, doubl
   }
 SCALE_BY_KERNEL(f32, float)
 SCALE_BY_KERNEL(f64, double)
+
+// scale_by_multi_{f32,f64}(xs (k) Segment, k, alpha (1))
+//   xs[s][i] = xs[s][i] * alpha[0] for every tensor (blockIdx.y walks them)   (in place)
+#define SCALE_BY_MULTI_KERNEL(S, T)                                                        \
+  extern "C" __global__ void scale_by_multi_##S(const Segment* __restrict__ xs, int64_t k, \
+                                                const T* __restrict__ alpha) {             \
+    const T a = alpha[0];                                                                  \
+    for (int64_t s = blockIdx.y; s < k; s += gridDim.y) {                                  \
+      T* x = static_cast<T*>(xs[s].p);                                                     \
+      GRID_STRIDE_LOOP(i, xs[s].n) { x[i] = x[i] * a; }                                    \
+    }                                                                                      \
+  }
+SCALE_BY_MULTI_KERNEL(f32, float)
+SCALE_BY_MULTI_KERNEL(f64, double)

@@ -216,10 +216,14 @@ if [ "$what" != tests ]; then
   # waits once a step, at the end of backward, for the gradient shards' copies to the host
   # (pinned: the copies themselves are asynchronous) before the CPU optimizer reads them:
   # at most one per rank between reads, two on the reading step.
-  counters() { # counters NAME RANKS [offload]
-    python3 - "$out/$1.jsonl" "$2" "$1" "${3:-0}" <<'PY'
+  # With a launch budget (the f32 runs of the 2-layer GPT above, at 1 and 2 ranks): at most
+  # that many kernel launches (cuBLAS calls included) per rank per quiet step, the fused
+  # kernels' count (docs/cuda.md, "Kernel launches per step": 147 before them, 100 after).
+  counters() { # counters NAME RANKS [offload] [max launches per rank per quiet step]
+    python3 - "$out/$1.jsonl" "$2" "$1" "${3:-0}" "${4:-0}" <<'PY'
 import json, sys
 path, ranks, name, offload = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+budget = int(sys.argv[5])
 recs = [json.loads(l) for l in open(path)]
 last = recs[-1]["step"] if recs else 0
 quiet = [r["counters"]["host_syncs"] for r in recs[1:] if r["step"] != last]
@@ -228,15 +232,24 @@ c = lambda r, k: r["counters"].get(k, 0)
 allocs = [c(r, "device_allocs") + c(r, "fsdp_buffer_allocs") + c(r, "pinned_allocs") for r in recs[1:]]
 ok_syncs = bool(quiet) and max(quiet) <= offload * ranks and max(read) <= (1 + offload) * ranks
 ok = ok_syncs and bool(allocs) and max(allocs) == 0
+launches = ""
+if budget:
+    # Threads ranks share the process's counter, read at rank 0's step boundaries: another
+    # rank's launches fall into one step's window or the next, so the bound is on the mean
+    # over the quiet steps, per rank.
+    per_step = [c(r, "kernel_launches") for r in recs[1:] if r["step"] != last]
+    mean = sum(per_step) / max(len(per_step), 1) / ranks
+    ok = ok and bool(per_step) and mean <= budget
+    launches = f"; kernel launches per quiet step {per_step}, {mean:.1f} per rank (at most {budget})"
 print(f"{'PASS' if ok else 'FAIL'} counters {name}: host syncs per step {quiet} between reads "
       f"(at most {offload * ranks}), {read} on the last step (at most {(1 + offload) * ranks}); "
-      f"device + FSDP buffer + pinned allocations from step 2 {allocs} (0 each)")
+      f"device + FSDP buffer + pinned allocations from step 2 {allocs} (0 each){launches}")
 sys.exit(0 if ok else 1)
 PY
     [ $? -eq 0 ] || fail=1
   }
-  counters cuda-ws1 1
-  counters cuda-ws2 2
+  counters cuda-ws1 1 0 100
+  counters cuda-ws2 2 0 100
   counters cuda-ws2-zero2 2
   counters cuda-ws2-bf16 2
   counters cuda-ws2-f64 2

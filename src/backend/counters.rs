@@ -178,9 +178,22 @@ pub fn count_device_free() {
     DEVICE_FREES.fetch_add(1, Ordering::Relaxed);
 }
 
-/// Counts one kernel launch.
-pub fn count_kernel_launch() {
+/// Counts one kernel launch of the kernel `name` (`gelu_fwd_f32`, `gemm` for a cuBLAS
+/// call). `FSDP_LAUNCH_DEBUG` in the environment traces them to stderr: `trace` prints
+/// `fsdp: launch NAME` for each (a per-kernel breakdown of a step: count the lines of two
+/// runs that differ by one step), a kernel's name prints a backtrace at each of its launches.
+pub fn count_kernel_launch(name: &str) {
     KERNEL_LAUNCHES.fetch_add(1, Ordering::Relaxed);
+    static TRACE: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    match TRACE.get_or_init(|| std::env::var("FSDP_LAUNCH_DEBUG").ok()) {
+        None => {}
+        Some(t) if t == "trace" => eprintln!("fsdp: launch {name}"),
+        Some(t) if t == name => eprintln!(
+            "fsdp: launch {name}\n{}",
+            std::backtrace::Backtrace::force_capture()
+        ),
+        Some(_) => {}
+    }
 }
 
 /// Counts one store request.
@@ -201,8 +214,8 @@ mod tests {
     fn since_is_the_difference_of_two_readings() {
         let a = Counters::now();
         count_host_sync();
-        count_kernel_launch();
-        count_kernel_launch();
+        count_kernel_launch("test");
+        count_kernel_launch("test");
         count_store_op();
         count_event_query();
         let d = Counters::now().since(&a);

@@ -50,7 +50,8 @@ impl Scheduler {
             DType::F64 => DType::F64,
             _ => self.mp.compute_dtype(),
         };
-        let full = self.take_buffer(padded, dtype, device, true)?;
+        // Not zeroed: the gather (or NoShard's copy) writes all `padded` elements.
+        let full = self.take_buffer(padded, dtype, device, false)?;
         let numel = self.units[id].shard.numel();
         let on_device = match self.streams.pre_unshard {
             Some(_) => Some(self.take_buffer(numel, dtype, device, false)?),
@@ -175,11 +176,12 @@ impl FullyShardedDataParallel {
         let (pg, rep) = (self.rs.pg.clone(), self.rs.replicate_pg.clone());
         let keep_lp = mp.keep_low_precision_grads.then(|| mp.compute_dtype());
         let device = self.rs.device;
+        // Not zeroed: the job writes all `shard_numel` elements.
         let out = self.rs.sched.lock().take_buffer(
             shard_numel,
             gd,
             if offload { Device::Cpu } else { device },
-            true,
+            false,
         )?;
         let dst = out.clone();
         let released = flat_grad.clone();
@@ -195,7 +197,13 @@ impl FullyShardedDataParallel {
             flat::pack_grad(&flat_grad, &input, 1.0 / pre)?;
             let reduced = if scatter {
                 // The flat gradient is `shard_numel` times the group's size long (padded).
-                let out = Tensor::zeros_on(&[shard_numel], rd, device)?;
+                // Straight into the shard when it is on this device in reduce_dtype: the
+                // postdivide is then in place (none when `post` is 1).
+                let out = if rd == gd && dst.device() == device {
+                    dst.clone()
+                } else {
+                    Tensor::zeros_on(&[shard_numel], rd, device)?
+                };
                 shard_pg.reduce_scatter_tensor(&out, &input, ReduceOp::Sum)?;
                 if let Some(rep) = &rep {
                     rep.all_reduce(&out, ReduceOp::Sum)?;

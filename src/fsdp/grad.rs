@@ -254,13 +254,18 @@ impl FullyShardedDataParallel {
         grads: &[Tensor],
         ignored: &[Tensor],
     ) -> Result<Tensor> {
-        use crate::backend::cuda::{scale_by, NormAccumulator};
+        use crate::backend::cuda::{scale_all_by, scale_by, NormAccumulator, TensorList};
         use crate::backend::Device;
         let s = crate::backend::cuda::current_stream(ordinal)?;
-        let acc = NormAccumulator::zeros(&s)?;
-        for g in grads {
-            acc.add_squares(&s, &g.as_device_tensor()?)?;
-        }
+        // Every unit's gradient in one list: each multi-tensor step is one launch.
+        let list = TensorList::new(
+            &s,
+            &grads
+                .iter()
+                .map(Tensor::as_device_tensor)
+                .collect::<Result<Vec<_>>>()?,
+        )?;
+        let acc = NormAccumulator::unset(&s)?;
         let dev = Device::Cuda(ordinal);
         // ZeRO-1 combines its chunks' partial sums in f64 and rounds the total once, as
         // NoShard rounds its whole sum (see the host path).
@@ -270,32 +275,40 @@ impl FullyShardedDataParallel {
             dtype
         };
         let t = Tensor::zeros_on(&[1], sum_dtype, dev)?;
-        acc.store(&s, &t.as_device_tensor()?)?;
+        if sum_dtype == DType::F32 {
+            // The sum and its rounding to the all-reduced f32 in the fold's launch.
+            acc.set_squares(&s, &list, Some(&t.as_device_tensor()?))?;
+        } else {
+            acc.set_squares(&s, &list, None)?;
+            acc.store(&s, &t.as_device_tensor()?)?;
+        }
         self.reduce_norm(&t, false)?;
-        acc.load(&s, &t.as_device_tensor()?)?;
-        if sum_dtype != dtype {
-            let rounded = Tensor::zeros_on(&[1], dtype, dev)?;
-            let r = rounded.as_device_tensor()?;
-            acc.store(&s, &r)?;
-            acc.load(&s, &r)?;
-        }
-        for g in ignored {
-            acc.add_squares(&s, &g.as_device_tensor()?)?;
-        }
         let norm = Tensor::zeros_on(&[1], DType::F32, dev)?;
         let coef = Tensor::zeros_on(&[1], dtype, dev)?;
         let max_norm = match dtype {
             DType::F64 => crate::ops::double::widen(max_norm),
             _ => f64::from(max_norm),
         };
-        acc.clip_coef(
-            &s,
-            max_norm,
-            &norm.as_device_tensor()?,
-            &coef.as_device_tensor()?,
-        )?;
+        let (nd, cd) = (norm.as_device_tensor()?, coef.as_device_tensor()?);
+        if sum_dtype == DType::F32 && ignored.is_empty() {
+            // The all-reduced f32 sum is the total: read by the coefficient's launch.
+            acc.clip_coef_of(&s, &t.as_device_tensor()?, max_norm, &nd, &cd)?;
+        } else {
+            acc.load(&s, &t.as_device_tensor()?)?;
+            if sum_dtype != dtype {
+                let rounded = Tensor::zeros_on(&[1], dtype, dev)?;
+                let r = rounded.as_device_tensor()?;
+                acc.store(&s, &r)?;
+                acc.load(&s, &r)?;
+            }
+            for g in ignored {
+                acc.add_squares(&s, &g.as_device_tensor()?)?;
+            }
+            acc.clip_coef(&s, max_norm, &nd, &cd)?;
+        }
         let coef = coef.as_device_tensor()?;
-        for g in grads.iter().chain(ignored) {
+        scale_all_by(&s, &list, &coef)?;
+        for g in ignored {
             scale_by(&s, &g.as_device_tensor()?, &coef)?;
         }
         Ok(norm)

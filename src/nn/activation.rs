@@ -44,6 +44,14 @@ impl<F: PointwiseFn> Pointwise<F> {
     pub(crate) fn clear_saved(&mut self) {
         self.saved_x = None;
     }
+
+    /// Saves `x` as the input of a forward a caller ran itself (the MLP's fused bias and
+    /// GELU), as [`forward`](Module::forward) would have under `cx`.
+    pub(crate) fn save_input(&mut self, x: &Tensor, cx: &Context) {
+        if cx.grad_enabled {
+            self.saved_x = Some(x.clone());
+        }
+    }
 }
 
 impl<F: PointwiseFn> Default for Pointwise<F> {

@@ -132,6 +132,95 @@ impl CausalSelfAttention {
     }
 }
 
+impl CausalSelfAttention {
+    /// The backward; with `defer`, `c_proj`'s bias gradient is left to the caller when
+    /// `c_proj` is a plain [`Linear`](super::Linear) with a bias that takes one: its gradient
+    /// tensor is returned, for the caller to add the column sums of `dout` into.
+    fn backward_inner(
+        &mut self,
+        dout: &Tensor,
+        cx: &Context,
+        defer: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let saved = self.saved.take().ok_or(Error::NoSavedForward {
+            module: "CausalSelfAttention",
+        })?;
+        let (dy, db) = match defer {
+            true => super::linear::backward_deferring_bias(&mut self.c_proj, dout, cx)?,
+            false => (self.c_proj.backward(dout, cx)?, None),
+        };
+        self.backward_heads(saved, dy, cx).map(|dx| (dx, db))
+    }
+
+    /// [`Module::backward`] without `c_proj`'s bias gradient, when it can be deferred
+    /// (see `backward_inner`): returns the input gradient and that bias's gradient
+    /// tensor, to which the caller must add the column sums of `dout`
+    /// ([`crate::ops::bias_grad`]; the GPT block adds them in its `ln_1`'s backward kernel).
+    pub(crate) fn backward_deferring_proj_bias(
+        &mut self,
+        dout: &Tensor,
+        cx: &Context,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        self.backward_inner(dout, cx, true)
+    }
+
+    /// The backward from `c_proj`'s input gradient `dy` to the block input's.
+    fn backward_heads(&mut self, saved: Saved, dy: Tensor, cx: &Context) -> Result<Tensor> {
+        let (q, k, v, p, d) = match saved {
+            Saved::Heads { q, k, v, p, d } => (q, k, v, p, d),
+            Saved::Sdpa {
+                q,
+                k,
+                v,
+                out,
+                lse,
+                d,
+            } => {
+                let dyh = ops::split_heads(&dy, d)?;
+                drop(dy);
+                let [dq, dk, dv] = ops::sdpa_causal_backward((&q, &k, &v), &out, &lse, &dyh, d)?;
+                drop((q, k, v, out, lse, dyh));
+                let dqkv = ops::merge_qkv(&dq, &dk, &dv, d)?;
+                return self.c_attn.backward(&dqkv, cx);
+            }
+            Saved::Fused { qkv, p, d } => {
+                let dqkv = ops::output(qkv.shape(), qkv.device())?;
+                crate::backend::cpu::attention::backward(
+                    &qkv.f32()?,
+                    &p.f32()?,
+                    &dy.f32()?,
+                    &mut dqkv.f32_mut()?,
+                    d,
+                    self.scale(),
+                )?;
+                drop((qkv, p, dy));
+                return self.c_attn.backward(&dqkv, cx);
+            }
+        };
+        let (t, hd) = (d.t, d.hd);
+        let dyh = ops::split_heads(&dy, d)?;
+        drop(dy);
+        // dP (T, T) = dy_h (T, hd) @ v^T ; dv (T, hd) = P^T @ dy_h
+        let dp = ops::output_like(&[d.b, d.h, t, t], &dyh)?;
+        ops::causal_matmul(&dp, &dyh, &v, CausalProduct::Scores, d)?;
+        let dv = ops::output_like(&[d.b, d.h, t, hd], &dyh)?;
+        ops::causal_matmul(&dv, &p, &dyh, CausalProduct::LowerT, d)?;
+        // softmax backward, with the score scale folded in: dS = P * (dP - <P, dP>) * scale
+        if p.dtype() == crate::tensor::DType::F64 {
+            ops::attention::softmax_causal_backward_f64_(&p, &dp, t, self.scale_f64())?;
+        } else {
+            ops::softmax_causal_backward_(&p, &dp, t, self.scale())?;
+        }
+        // dq = dS @ k ; dk = dS^T @ q
+        let dq = ops::output_like(&[d.b, d.h, t, hd], &dyh)?;
+        ops::causal_matmul(&dq, &dp, &k, CausalProduct::Lower, d)?;
+        let dk = ops::output_like(&[d.b, d.h, t, hd], &dyh)?;
+        ops::causal_matmul(&dk, &dp, &q, CausalProduct::LowerT, d)?;
+        let dqkv = ops::merge_qkv(&dq, &dk, &dv, d)?;
+        self.c_attn.backward(&dqkv, cx)
+    }
+}
+
 impl Module for CausalSelfAttention {
     fn type_name(&self) -> &str {
         "CausalSelfAttention"
@@ -195,62 +284,13 @@ impl Module for CausalSelfAttention {
     }
 
     fn backward(&mut self, dout: &Tensor, cx: &Context) -> Result<Tensor> {
-        let saved = self.saved.take().ok_or(Error::NoSavedForward {
-            module: "CausalSelfAttention",
-        })?;
-        let dy = self.c_proj.backward(dout, cx)?;
-        let (q, k, v, p, d) = match saved {
-            Saved::Heads { q, k, v, p, d } => (q, k, v, p, d),
-            Saved::Sdpa {
-                q,
-                k,
-                v,
-                out,
-                lse,
-                d,
-            } => {
-                let dyh = ops::split_heads(&dy, d)?;
-                drop(dy);
-                let [dq, dk, dv] = ops::sdpa_causal_backward((&q, &k, &v), &out, &lse, &dyh, d)?;
-                drop((q, k, v, out, lse, dyh));
-                let dqkv = ops::merge_qkv(&dq, &dk, &dv, d)?;
-                return self.c_attn.backward(&dqkv, cx);
-            }
-            Saved::Fused { qkv, p, d } => {
-                let dqkv = ops::output(qkv.shape(), qkv.device())?;
-                crate::backend::cpu::attention::backward(
-                    &qkv.f32()?,
-                    &p.f32()?,
-                    &dy.f32()?,
-                    &mut dqkv.f32_mut()?,
-                    d,
-                    self.scale(),
-                )?;
-                drop((qkv, p, dy));
-                return self.c_attn.backward(&dqkv, cx);
-            }
-        };
-        let (t, hd) = (d.t, d.hd);
-        let dyh = ops::split_heads(&dy, d)?;
-        drop(dy);
-        // dP (T, T) = dy_h (T, hd) @ v^T ; dv (T, hd) = P^T @ dy_h
-        let dp = ops::output_like(&[d.b, d.h, t, t], &dyh)?;
-        ops::causal_matmul(&dp, &dyh, &v, CausalProduct::Scores, d)?;
-        let dv = ops::output_like(&[d.b, d.h, t, hd], &dyh)?;
-        ops::causal_matmul(&dv, &p, &dyh, CausalProduct::LowerT, d)?;
-        // softmax backward, with the score scale folded in: dS = P * (dP - <P, dP>) * scale
-        if p.dtype() == crate::tensor::DType::F64 {
-            ops::attention::softmax_causal_backward_f64_(&p, &dp, t, self.scale_f64())?;
-        } else {
-            ops::softmax_causal_backward_(&p, &dp, t, self.scale())?;
-        }
-        // dq = dS @ k ; dk = dS^T @ q
-        let dq = ops::output_like(&[d.b, d.h, t, hd], &dyh)?;
-        ops::causal_matmul(&dq, &dp, &k, CausalProduct::Lower, d)?;
-        let dk = ops::output_like(&[d.b, d.h, t, hd], &dyh)?;
-        ops::causal_matmul(&dk, &dp, &q, CausalProduct::LowerT, d)?;
-        let dqkv = ops::merge_qkv(&dq, &dk, &dv, d)?;
-        self.c_attn.backward(&dqkv, cx)
+        self.backward_inner(dout, cx, false).map(|(dx, _)| dx)
+    }
+
+    /// Itself: the GPT block reaches it to defer `c_proj`'s bias gradient
+    /// (`backward_deferring_proj_bias`).
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
     }
 
     fn saved_tensors(&self, out: &mut Vec<Tensor>) {

@@ -32,20 +32,79 @@ impl LayerNorm {
     }
 }
 
+impl LayerNorm {
+    fn check_input(&self, x: &Tensor) -> Result<()> {
+        if x.shape().last() != Some(&self.dim) {
+            return Err(Error::ShapeMismatch {
+                op: "LayerNorm.forward",
+                expected: vec![self.dim],
+                got: x.shape().to_vec(),
+            });
+        }
+        Ok(())
+    }
+
+    /// What a backward reads: the saved forward (taken), the weight, and the parameters'
+    /// gradients to accumulate into (`None` when frozen).
+    #[allow(clippy::type_complexity)]
+    fn backward_inputs(
+        &mut self,
+    ) -> Result<(LayerNormSaved, Tensor, Option<Tensor>, Option<Tensor>)> {
+        let saved = self.saved.take().ok_or(Error::NoSavedForward {
+            module: "LayerNorm",
+        })?;
+        let w = self.weight.data()?.clone();
+        let dw = self.weight.grad_for_accumulate()?.cloned();
+        let db = self.bias.grad_for_accumulate()?.cloned();
+        Ok((saved, w, dw, db))
+    }
+
+    /// The residual add in front of this norm and the norm itself: `(x + r, self(x + r))`,
+    /// the same bits as [`ops::add`] then [`forward`](Module::forward), one kernel on CUDA
+    /// ([`ops::add_layer_norm`]). The GPT block's `x1 = x + attn(..)`, `ln_2(x1)`.
+    ///
+    /// # Errors
+    /// As [`forward`](Module::forward) and [`ops::add`].
+    pub fn forward_add(
+        &mut self,
+        x: &Tensor,
+        r: &Tensor,
+        cx: &Context,
+    ) -> Result<(Tensor, Tensor)> {
+        self.check_input(x)?;
+        let (sum, y, saved) =
+            ops::add_layer_norm(x, r, self.weight.data()?, self.bias.data()?, self.eps)?;
+        if cx.grad_enabled {
+            self.saved = Some(saved);
+        }
+        Ok((sum, y))
+    }
+
+    /// [`backward`](Module::backward) plus the residual stream's gradient: `res + dx`, the
+    /// same bits as [`ops::add`]`(res, backward(dy))`, and `res_db += ` the column sums of
+    /// `res` when given (a bias gradient the caller deferred, [`ops::bias_grad`]'s bits);
+    /// one kernel on CUDA ([`ops::layer_norm_backward_add`]).
+    ///
+    /// # Errors
+    /// As [`backward`](Module::backward), [`ops::add`] and [`ops::bias_grad`].
+    pub fn backward_add(
+        &mut self,
+        dy: &Tensor,
+        res: &Tensor,
+        res_db: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let (saved, w, dw, db) = self.backward_inputs()?;
+        ops::layer_norm_backward_add(dy, &saved, &w, dw.as_ref(), db.as_ref(), res, res_db)
+    }
+}
+
 impl Module for LayerNorm {
     fn type_name(&self) -> &str {
         "LayerNorm"
     }
 
     fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
-        let c = self.dim;
-        if x.shape().last() != Some(&c) {
-            return Err(Error::ShapeMismatch {
-                op: "LayerNorm.forward",
-                expected: vec![c],
-                got: x.shape().to_vec(),
-            });
-        }
+        self.check_input(x)?;
         let (y, saved) = ops::layer_norm(x, self.weight.data()?, self.bias.data()?, self.eps)?;
         if cx.grad_enabled {
             self.saved = Some(saved);
@@ -54,12 +113,7 @@ impl Module for LayerNorm {
     }
 
     fn backward(&mut self, dy: &Tensor, _cx: &Context) -> Result<Tensor> {
-        let saved = self.saved.take().ok_or(Error::NoSavedForward {
-            module: "LayerNorm",
-        })?;
-        let w = self.weight.data()?.clone();
-        let dw = self.weight.grad_for_accumulate()?.cloned();
-        let db = self.bias.grad_for_accumulate()?.cloned();
+        let (saved, w, dw, db) = self.backward_inputs()?;
         // dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * w
         ops::layer_norm_backward(dy, &saved, &w, dw.as_ref(), db.as_ref())
     }
@@ -77,5 +131,11 @@ impl Module for LayerNorm {
     }
     fn for_each_child(&mut self, f: &mut super::ChildVisitor<'_>) -> Result<()> {
         super::no_children(f)
+    }
+
+    /// Itself: the GPT block reaches it to fuse its residual adds in
+    /// ([`forward_add`](LayerNorm::forward_add), [`backward_add`](LayerNorm::backward_add)).
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
     }
 }

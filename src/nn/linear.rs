@@ -106,6 +106,21 @@ impl Linear {
 }
 
 impl Linear {
+    /// [`Module::forward`]; `bias: false` leaves the bias to the caller, which adds it
+    /// itself (the MLP's bias fused with its GELU, [`ops::bias_gelu_`]).
+    pub(crate) fn forward_inner(&mut self, x: &Tensor, cx: &Context, bias: bool) -> Result<Tensor> {
+        self.rows(x, "Linear.forward", self.in_features)?;
+        let b = match bias {
+            true => self.bias.as_ref().map(|b| b.data()).transpose()?,
+            false => None,
+        };
+        let y = ops::linear(x, self.weight.data()?, b)?;
+        if cx.grad_enabled {
+            self.saved_x = Some(x.clone());
+        }
+        Ok(y)
+    }
+
     /// [`Module::backward`]; `bias_grad: false` leaves the bias gradient to the caller,
     /// which has already added it (the MLP's GELU backward fused with it,
     /// [`ops::gelu_backward_bias_grad`]).
@@ -156,13 +171,7 @@ impl Module for Linear {
     }
 
     fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
-        self.rows(x, "Linear.forward", self.in_features)?;
-        let bias = self.bias.as_ref().map(|b| b.data()).transpose()?;
-        let y = ops::linear(x, self.weight.data()?, bias)?;
-        if cx.grad_enabled {
-            self.saved_x = Some(x.clone());
-        }
-        Ok(y)
+        self.forward_inner(x, cx, true)
     }
 
     fn backward(&mut self, dy: &Tensor, _cx: &Context) -> Result<Tensor> {
@@ -186,5 +195,35 @@ impl Module for Linear {
     }
     fn for_each_child(&mut self, f: &mut super::ChildVisitor<'_>) -> Result<()> {
         super::no_children(f)
+    }
+}
+
+/// `m`'s backward without its bias gradient when `m` is a plain [`Linear`] with a bias
+/// that takes one: returns the input gradient and that bias's gradient tensor, to which the
+/// caller must add the column sums of `dy` ([`ops::bias_grad`], same bits; the GPT block
+/// adds them in the LayerNorm backward kernel that reads `dy` anyway). Any other module:
+/// its backward, and `None`.
+///
+/// # Errors
+/// As [`Module::backward`].
+pub(crate) fn backward_deferring_bias(
+    m: &mut Box<dyn Module>,
+    dy: &Tensor,
+    cx: &Context,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let lin = m
+        .as_any_mut()
+        .and_then(|a| a.downcast_mut::<Linear>())
+        .filter(|l| l.bias.is_some());
+    match lin {
+        Some(l) => {
+            let dx = l.backward_inner(dy, false)?;
+            let db = match l.bias.as_mut() {
+                Some(b) => b.grad_for_accumulate()?.cloned(),
+                None => None,
+            };
+            Ok((dx, db))
+        }
+        None => Ok((m.backward(dy, cx)?, None)),
     }
 }

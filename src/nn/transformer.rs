@@ -39,24 +39,21 @@ impl MLP {
 }
 
 impl MLP {
+    /// `gelu` and `c_fc` when they are a plain [`GELU`] and [`Linear`] (not wrapped), whose
+    /// passes the MLP can fuse.
+    fn plain_gelu_fc(&mut self) -> Option<(&mut GELU, &mut Linear)> {
+        let gelu = self.gelu.as_any_mut()?.downcast_mut::<GELU>()?;
+        let fc = self.c_fc.as_any_mut()?.downcast_mut::<Linear>()?;
+        Some((gelu, fc))
+    }
+
     /// GELU's backward and `c_fc`'s bias gradient in one pass
     /// ([`crate::ops::gelu_backward_bias_grad`]), then the rest of `c_fc`'s backward, when
     /// `gelu` is a [`GELU`], `c_fc` a [`Linear`] with a bias that takes a gradient, and the
-    /// fused pass applies (CPU, f32, one intra-op thread). `None`, with nothing changed,
-    /// otherwise. Same bits as the two modules' backwards.
+    /// fused pass applies (CPU, f32, one intra-op thread; CUDA, f32 or f64: one kernel).
+    /// `None`, with nothing changed, otherwise. Same bits as the two modules' backwards.
     fn fused_gelu_fc_backward(&mut self, g: &Tensor) -> Result<Option<Tensor>> {
-        let Some(gelu) = self
-            .gelu
-            .as_any_mut()
-            .and_then(|a| a.downcast_mut::<GELU>())
-        else {
-            return Ok(None);
-        };
-        let Some(fc) = self
-            .c_fc
-            .as_any_mut()
-            .and_then(|a| a.downcast_mut::<Linear>())
-        else {
+        let Some((gelu, fc)) = self.plain_gelu_fc() else {
             return Ok(None);
         };
         let (Some(x), Some(bias)) = (gelu.saved_input(), fc.bias.as_mut()) else {
@@ -73,22 +70,75 @@ impl MLP {
     }
 }
 
+impl MLP {
+    /// `c_fc`'s product, then its bias and the GELU in one pass ([`crate::ops::bias_gelu_`],
+    /// one kernel), when `gelu` is a [`GELU`], `c_fc` a [`Linear`] with a bias and the
+    /// tensors qualify ([`crate::ops::bias_gelu_fusable`]: CUDA, f32 or f64). `None`, with
+    /// nothing run, otherwise. Same bits as the two modules' forwards.
+    fn fused_fc_gelu_forward(&mut self, x: &Tensor, cx: &Context) -> Result<Option<Tensor>> {
+        let Some((gelu, fc)) = self.plain_gelu_fc() else {
+            return Ok(None);
+        };
+        let Some(bias) = fc.bias.as_ref() else {
+            return Ok(None);
+        };
+        let b = bias.data()?.clone();
+        if !crate::ops::bias_gelu_fusable(x, fc.weight.data()?, &b) {
+            return Ok(None);
+        }
+        let h = fc.forward_inner(x, cx, false)?;
+        let y = crate::ops::bias_gelu_(&h, &b)?;
+        gelu.save_input(&h, cx);
+        Ok(Some(y))
+    }
+}
+
+impl MLP {
+    /// [`Module::backward`] without `c_proj`'s bias gradient when `c_proj` is a plain
+    /// [`Linear`] with a bias that takes one: returns the input gradient and that bias's
+    /// gradient tensor, to which the caller must add the column sums of `dy`
+    /// ([`crate::ops::bias_grad`]; the GPT block adds them in its `ln_2`'s backward kernel).
+    pub(crate) fn backward_deferring_proj_bias(
+        &mut self,
+        dy: &Tensor,
+        cx: &Context,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let (g, db) = super::linear::backward_deferring_bias(&mut self.c_proj, dy, cx)?;
+        Ok((self.backward_from_proj(&g, cx)?, db))
+    }
+
+    /// The backward from `c_proj`'s input gradient `g`.
+    fn backward_from_proj(&mut self, g: &Tensor, cx: &Context) -> Result<Tensor> {
+        if let Some(dx) = self.fused_gelu_fc_backward(g)? {
+            return Ok(dx);
+        }
+        let g = self.gelu.backward(g, cx)?;
+        self.c_fc.backward(&g, cx)
+    }
+}
+
 impl Module for MLP {
     fn type_name(&self) -> &str {
         "MLP"
     }
+    /// Itself: the GPT block reaches it to defer `c_proj`'s bias gradient
+    /// (`MLP::backward_deferring_proj_bias`).
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
+    }
     fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
-        let h = self.c_fc.forward(x, cx)?;
-        let h = self.gelu.forward(&h, cx)?;
+        let h = match self.fused_fc_gelu_forward(x, cx)? {
+            Some(h) => h,
+            None => {
+                let h = self.c_fc.forward(x, cx)?;
+                self.gelu.forward(&h, cx)?
+            }
+        };
         self.c_proj.forward(&h, cx)
     }
     fn backward(&mut self, dy: &Tensor, cx: &Context) -> Result<Tensor> {
         let g = self.c_proj.backward(dy, cx)?;
-        if let Some(dx) = self.fused_gelu_fc_backward(&g)? {
-            return Ok(dx);
-        }
-        let g = self.gelu.backward(&g, cx)?;
-        self.c_fc.backward(&g, cx)
+        self.backward_from_proj(&g, cx)
     }
     fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
         f("c_fc", &mut self.c_fc)?;
@@ -129,22 +179,62 @@ impl Block {
     }
 }
 
+/// `m` as a plain [`LayerNorm`] (not wrapped by hooks, checkpointing or FSDP), whose
+/// residual adds the block can fuse in.
+fn plain_layer_norm(m: &mut Box<dyn Module>) -> Option<&mut LayerNorm> {
+    m.as_any_mut().and_then(|a| a.downcast_mut::<LayerNorm>())
+}
+
 impl Module for Block {
     fn type_name(&self) -> &str {
         "Block"
     }
     fn forward(&mut self, x: &Tensor, cx: &Context) -> Result<Tensor> {
         let h = self.ln_1.forward(x, cx)?;
-        let x1 = add(x, &self.attn.forward(&h, cx)?)?;
-        let h = self.ln_2.forward(&x1, cx)?;
+        let a = self.attn.forward(&h, cx)?;
+        // x1 = x + a and ln_2(x1): one kernel on CUDA when ln_2 is a plain LayerNorm.
+        let (x1, h) = match plain_layer_norm(&mut self.ln_2) {
+            Some(ln) => ln.forward_add(x, &a, cx)?,
+            None => {
+                let x1 = add(x, &a)?;
+                let h = self.ln_2.forward(&x1, cx)?;
+                (x1, h)
+            }
+        };
         add(&x1, &self.mlp.forward(&h, cx)?)
     }
     fn backward(&mut self, dy: &Tensor, cx: &Context) -> Result<Tensor> {
-        // y = x1 + mlp(ln_2(x1)); x1 = x + attn(ln_1(x))
-        let g = self.mlp.backward(dy, cx)?;
-        let dx1 = add(dy, &self.ln_2.backward(&g, cx)?)?;
-        let g = self.attn.backward(&dx1, cx)?;
-        add(&dx1, &self.ln_1.backward(&g, cx)?)
+        // y = x1 + mlp(ln_2(x1)); x1 = x + attn(ln_1(x)). Each norm's backward adds the
+        // residual stream's gradient, and the bias gradient of the c_proj whose output
+        // gradient that is (deferred from the MLP's and the attention's backward): one
+        // kernel on CUDA for a plain LayerNorm (`LayerNorm::backward_add`).
+        let (g, mlp_db) = match self.mlp.as_any_mut().and_then(|a| a.downcast_mut::<MLP>()) {
+            Some(m) => m.backward_deferring_proj_bias(dy, cx)?,
+            None => (self.mlp.backward(dy, cx)?, None),
+        };
+        let dx1 = match plain_layer_norm(&mut self.ln_2) {
+            Some(ln) => ln.backward_add(&g, dy, mlp_db.as_ref())?,
+            None => {
+                if let Some(db) = &mlp_db {
+                    crate::ops::bias_grad(dy, db)?;
+                }
+                add(dy, &self.ln_2.backward(&g, cx)?)?
+            }
+        };
+        let attn = self.attn.as_any_mut();
+        let (g, attn_db) = match attn.and_then(|a| a.downcast_mut::<CausalSelfAttention>()) {
+            Some(a) => a.backward_deferring_proj_bias(&dx1, cx)?,
+            None => (self.attn.backward(&dx1, cx)?, None),
+        };
+        match plain_layer_norm(&mut self.ln_1) {
+            Some(ln) => ln.backward_add(&g, &dx1, attn_db.as_ref()),
+            None => {
+                if let Some(db) = &attn_db {
+                    crate::ops::bias_grad(&dx1, db)?;
+                }
+                add(&dx1, &self.ln_1.backward(&g, cx)?)
+            }
+        }
     }
     fn for_each_child(&mut self, f: &mut ChildVisitor<'_>) -> Result<()> {
         f("ln_1", &mut self.ln_1)?;

@@ -125,16 +125,39 @@ pub fn pointwise_backward(f: Pointwise, x: &Tensor, dy: &Tensor) -> Result<Tenso
 /// GELU backward fused with the bias gradient of the `Linear` whose output it read (an
 /// MLP's `c_fc`): `dx = dy * gelu'(x)` (a new tensor) and `db += ` the sum over rows of
 /// `dx`, in one pass instead of two, with the bits of [`pointwise_backward`] followed by
-/// [`super::bias_grad`]. `x` and `dy` are `(.., C)` f32, `db` is `(C)` f32.
+/// [`super::bias_grad`]. `x` and `dy` are `(.., C)` f32, `db` is `(C)` f32; on CUDA f32
+/// or f64, all three of one dtype (`gelu_bwd_bias_grad`, one launch).
 ///
-/// Returns `None`, touching nothing, where the fused pass does not run: off the CPU, for
-/// another dtype, when the calling thread may use more than one intra-op thread (there the
+/// Returns `None`, touching nothing, where the fused pass does not run: on the CPU for
+/// another dtype or when the calling thread may use more than one intra-op thread (there the
 /// two passes are split across threads), or when the shapes do not line up; the caller
 /// then runs the two ops.
 ///
 /// # Errors
 /// Only a failed borrow of a tensor's storage.
 pub fn gelu_backward_bias_grad(x: &Tensor, dy: &Tensor, db: &Tensor) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if let (Device::Cuda(i), true) = (x.device(), fusable_on_cuda(x, dy, db)) {
+        // One launch: each column block computes the dx it sums (`gelu_bwd_bias_grad`).
+        let c = db.numel();
+        if x.shape() != dy.shape()
+            || c == 0
+            || x.shape().last() != Some(&c)
+            || db.shares_storage(dy)
+            || db.shares_storage(x)
+        {
+            return Ok(None);
+        }
+        let dx = super::output_as(x.shape(), x.device(), x.dtype())?;
+        crate::backend::cuda::gelu_bwd_bias_grad(
+            &*super::stream(i)?,
+            &x.as_device_tensor()?,
+            &dy.as_device_tensor()?,
+            &dx.as_device_tensor()?,
+            &db.as_device_tensor()?,
+        )?;
+        return Ok(Some(dx));
+    }
     let off = [x, dy, db].iter().any(|t| {
         t.device() != crate::backend::Device::Cpu || t.dtype() != crate::tensor::DType::F32
     });
@@ -157,4 +180,52 @@ pub fn gelu_backward_bias_grad(x: &Tensor, dy: &Tensor, db: &Tensor) -> Result<O
         cpu::gelu_bwd_bias_grad(&xv, &gv, &mut dxv, &mut dbv)?;
     }
     Ok(Some(dx))
+}
+
+/// Whether `x`, `w` and `b` are on one CUDA device, all f32 or all f64: where
+/// [`bias_gelu_`] and [`gelu_backward_bias_grad`] run one kernel each, with the bits of
+/// the ops they replace (on CUDA a `Linear`'s bias is added after its product, so the
+/// MLP may take the product alone and add the bias here).
+pub fn bias_gelu_fusable(x: &Tensor, w: &Tensor, b: &Tensor) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        x.device().is_cuda() && fusable_on_cuda(x, w, b)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (x, w, b);
+        false
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn fusable_on_cuda(a: &Tensor, b: &Tensor, c: &Tensor) -> bool {
+    let d = a.dtype();
+    matches!(d, crate::tensor::DType::F32 | crate::tensor::DType::F64)
+        && [b, c]
+            .iter()
+            .all(|t| t.dtype() == d && t.device() == a.device())
+}
+
+/// The bias of a `Linear` and the GELU after it (an MLP's `c_fc`): `h += b` over rows of
+/// `h (.., C)`, in place (the GELU's input, which its backward reads), and returns
+/// `gelu(h)`. On CUDA ([`bias_gelu_fusable`]) one kernel (`bias_gelu_fwd`); elsewhere
+/// [`bias_add_`](super::bias_add_) then [`pointwise`], the same bits.
+///
+/// # Errors
+/// As [`bias_add_`](super::bias_add_) and [`pointwise`].
+pub fn bias_gelu_(h: &Tensor, b: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let (Device::Cuda(i), true) = (h.device(), bias_gelu_fusable(h, b, b)) {
+        let y = super::output_as(h.shape(), h.device(), h.dtype())?;
+        crate::backend::cuda::bias_gelu_fwd(
+            &*super::stream(i)?,
+            &h.as_device_tensor()?,
+            &b.as_device_tensor()?,
+            &y.as_device_tensor()?,
+        )?;
+        return Ok(y);
+    }
+    super::bias_add_(h, b)?;
+    pointwise(Pointwise::Gelu, h)
 }

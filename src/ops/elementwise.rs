@@ -114,8 +114,8 @@ pub fn add_promoted_(dst: &Tensor, src: &Tensor) -> Result<()> {
     super::lowp::add_(dst, src)
 }
 
-/// `a + b` as a new tensor on their device (`torch.add`). Equal shapes: a copy of `a`, then
-/// [`add_`]. Other shapes broadcast as PyTorch's do ([`binary`](super::arith::binary), CPU
+/// `a + b` as a new tensor on their device (`torch.add`). Equal shapes: one pass on the
+/// CPU (f32) and on CUDA (one dtype), else a copy of `a`, then [`add_`]. Other shapes broadcast as PyTorch's do ([`binary`](super::arith::binary), CPU
 /// f32).
 ///
 /// # Errors
@@ -142,6 +142,18 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
                 Ok(())
             })?;
         }
+        return Ok(out);
+    }
+    #[cfg(feature = "cuda")]
+    if let (Device::Cuda(i), true) = (device, a.dtype() == b.dtype()) {
+        // One launch (a copy then `add_` would be two), the same rounding.
+        let out = super::output_as(a.shape(), device, a.dtype())?;
+        crate::backend::cuda::add(
+            &*super::stream(i)?,
+            &a.as_device_tensor()?,
+            &b.as_device_tensor()?,
+            &out.as_device_tensor()?,
+        )?;
         return Ok(out);
     }
     let out = a.deep_clone()?;

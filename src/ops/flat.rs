@@ -73,7 +73,11 @@ pub fn pack_grad(grad: &Tensor, out: &Tensor, scale: f32) -> Result<()> {
     require_float("pack_grad", grad)?;
     require_float("pack_grad", out)?;
     if grad.same_view(out) && grad.dtype() == DType::F32 {
-        return super::scale_(out, scale);
+        // x * 1 is x: no pass (FSDP predivides by 1 at world size 1).
+        return match scale == 1.0 {
+            true => Ok(()),
+            false => super::scale_(out, scale),
+        };
     }
     #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {
@@ -209,7 +213,11 @@ pub fn unpack_grad(x: &Tensor, out: &Tensor, scale: f32) -> Result<()> {
     require("unpack_grad", out, DType::F32)?;
     require_float("unpack_grad", x)?;
     if x.same_view(out) {
-        return super::scale_(out, scale);
+        // x * 1 is x: no pass (FSDP postdivides by 1 at world sizes 1 and 2).
+        return match scale == 1.0 {
+            true => Ok(()),
+            false => super::scale_(out, scale),
+        };
     }
     #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {

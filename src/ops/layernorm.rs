@@ -50,9 +50,58 @@ pub fn layer_norm(
     b: &Tensor,
     eps: f32,
 ) -> Result<(Tensor, LayerNormSaved)> {
+    forward(x, None, w, b, eps).map(|(_, y, saved)| (y, saved))
+}
+
+/// The residual add and the LayerNorm after it (the GPT block's `x1 = x + attn(..)`, then
+/// `ln_2(x1)`): returns `sum = x + r` ([`add`](super::add)`(x, r)`, same bits) and
+/// [`layer_norm`]`(sum, w, b, eps)`. On CUDA (f32 or f64, `x` and `r` of one dtype and
+/// shape) one kernel computes both (`layernorm_fwd` with a residual); elsewhere the two ops
+/// run one after the other.
+///
+/// # Errors
+/// As [`add`](super::add) and [`layer_norm`].
+pub fn add_layer_norm(
+    x: &Tensor,
+    r: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    eps: f32,
+) -> Result<(Tensor, Tensor, LayerNormSaved)> {
+    let (sum, y, saved) = forward(x, Some(r), w, b, eps)?;
+    Ok((sum.unwrap_or_else(|| x.clone()), y, saved))
+}
+
+/// Whether `layernorm_fwd`/`layernorm_bwd` can take `res` as their residual: a CUDA tensor
+/// of `like`'s shape and dtype, f32 or f64 (not under low precision).
+fn fusable(res: &Tensor, like: &Tensor) -> bool {
+    res.device().is_cuda()
+        && res.device() == like.device()
+        && res.shape() == like.shape()
+        && res.dtype() == like.dtype()
+        && matches!(
+            like.dtype(),
+            crate::tensor::DType::F32 | crate::tensor::DType::F64
+        )
+}
+
+/// [`layer_norm`] of `x`, or of `x + res` (returned first) when `res` is given.
+fn forward(
+    x: &Tensor,
+    res: Option<&Tensor>,
+    w: &Tensor,
+    b: &Tensor,
+    eps: f32,
+) -> Result<(Option<Tensor>, Tensor, LayerNormSaved)> {
+    if let Some(r) = res.filter(|r| !fusable(r, x) || super::lowp::lp_of(&[w, b]).is_some()) {
+        let sum = super::add(x, r)?;
+        let (y, saved) = layer_norm(&sum, w, b, eps)?;
+        return Ok((Some(sum), y, saved));
+    }
     let device = same_device("layer_norm", &[x, w, b])?;
     if let Some(lp) = super::lowp::lp_of(&[x, w, b]) {
-        return super::lowp::layernorm::forward(x, w, b, eps, lp);
+        let (y, saved) = super::lowp::layernorm::forward(x, w, b, eps, lp)?;
+        return Ok((None, y, saved));
     }
     let f64_path = super::double::any_f64(&[x, w, b]) && !device.is_cuda();
     let dt = match f64_path {
@@ -70,7 +119,14 @@ pub fn layer_norm(
     }
     if f64_path {
         // eps as the decimal it spells (PyTorch's eps is a Python float).
-        return super::double::layer_norm(x, w, b, super::double::widen(eps));
+        let (y, saved) = super::double::layer_norm(x, w, b, super::double::widen(eps))?;
+        return Ok((None, y, saved));
+    }
+    if let Some(r) = res.filter(|r| r.dtype() != dt) {
+        // A residual that the kernel cannot take with these parameters: add first.
+        let sum = super::add(x, r)?;
+        let (y, saved) = layer_norm(&sum, w, b, eps)?;
+        return Ok((Some(sum), y, saved));
     }
     let (y, xhat, rstd) = (
         super::output_as(x.shape(), device, dt)?,
@@ -78,7 +134,9 @@ pub fn layer_norm(
         super::output_as(&[n], device, dt)?,
     );
     if c == 0 || n == 0 {
+        let sum = res.map(|r| super::add(x, r)).transpose()?;
         return Ok((
+            sum,
             y,
             LayerNormSaved {
                 xhat,
@@ -89,21 +147,38 @@ pub fn layer_norm(
     }
     #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = device {
-        crate::backend::cuda::layernorm_fwd(
-            &*super::stream(i)?,
-            &x.as_device_tensor()?,
-            &w.as_device_tensor()?,
-            &b.as_device_tensor()?,
-            // f64: eps as the decimal it spells, as the host's f64 path.
-            match dt {
-                crate::tensor::DType::F64 => super::double::widen(eps),
-                _ => f64::from(eps),
-            },
-            &y.as_device_tensor()?,
-            &xhat.as_device_tensor()?,
-            &rstd.as_device_tensor()?,
-        )?;
+        let s = super::stream(i)?;
+        // f64: eps as the decimal it spells, as the host's f64 path.
+        let eps = match dt {
+            crate::tensor::DType::F64 => super::double::widen(eps),
+            _ => f64::from(eps),
+        };
+        let (xd, wd, bd) = (
+            x.as_device_tensor()?,
+            w.as_device_tensor()?,
+            b.as_device_tensor()?,
+        );
+        let (yd, xhd, rsd) = (
+            y.as_device_tensor()?,
+            xhat.as_device_tensor()?,
+            rstd.as_device_tensor()?,
+        );
+        let sum = match res {
+            Some(r) => {
+                let sum = super::output_as(x.shape(), device, dt)?;
+                let (rd, sd) = (r.as_device_tensor()?, sum.as_device_tensor()?);
+                crate::backend::cuda::add_layernorm_fwd(
+                    &s, &xd, &rd, &wd, &bd, eps, &sd, &yd, &xhd, &rsd,
+                )?;
+                Some(sum)
+            }
+            None => {
+                crate::backend::cuda::layernorm_fwd(&s, &xd, &wd, &bd, eps, &yd, &xhd, &rsd)?;
+                None
+            }
+        };
         return Ok((
+            sum,
             y,
             LayerNormSaved {
                 xhat,
@@ -111,6 +186,10 @@ pub fn layer_norm(
                 mean: None,
             },
         ));
+    }
+    // Only CUDA tensors come with a residual (`fusable`).
+    if res.is_some() {
+        return Err(Error::Fsdp("internal: a fused residual on the host".into()));
     }
     {
         let (xv, wv, bv) = (x.f32()?, w.f32()?, b.f32()?);
@@ -129,6 +208,7 @@ pub fn layer_norm(
         )?;
     }
     Ok((
+        None,
         y,
         LayerNormSaved {
             xhat,
@@ -152,6 +232,56 @@ pub fn layer_norm_backward(
     dw: Option<&Tensor>,
     db: Option<&Tensor>,
 ) -> Result<Tensor> {
+    backward(dy, saved, w, dw, db, None)
+}
+
+/// [`layer_norm_backward`] plus the residual stream's gradient: `res + dx`
+/// ([`add`](super::add)`(res, dx)`, same bits), as the GPT block's `dy + ln_2.backward(g)`;
+/// and when `res_db` is given, `res_db += ` the column sums of `res`
+/// ([`bias_grad`](super::bias_grad)`(res, res_db)`, same bits: the bias gradient of the
+/// `Linear` whose output gradient `res` is, the block's `c_proj`). On CUDA (f32 or f64,
+/// `res` of `dy`'s dtype and shape) one kernel computes `dx` with the add, the parameter
+/// gradients and `res_db` (`layernorm_bwd` with a residual).
+///
+/// # Errors
+/// As [`layer_norm_backward`], [`add`](super::add) and [`bias_grad`](super::bias_grad).
+pub fn layer_norm_backward_add(
+    dy: &Tensor,
+    saved: &LayerNormSaved,
+    w: &Tensor,
+    dw: Option<&Tensor>,
+    db: Option<&Tensor>,
+    res: &Tensor,
+    res_db: Option<&Tensor>,
+) -> Result<Tensor> {
+    let fused = res_db.is_none_or(|g| g.dtype() == res.dtype() && g.device() == res.device());
+    let dx = backward(dy, saved, w, dw, db, Some((res, res_db.filter(|_| fused))))?;
+    if let (Some(g), false) = (res_db, fused) {
+        super::bias_grad(res, g)?;
+    }
+    Ok(dx)
+}
+
+/// `res`: the residual gradient to add into `dx`, with the gradient its column sums go
+/// into (see [`layer_norm_backward_add`]).
+fn backward(
+    dy: &Tensor,
+    saved: &LayerNormSaved,
+    w: &Tensor,
+    dw: Option<&Tensor>,
+    db: Option<&Tensor>,
+    res: Option<(&Tensor, Option<&Tensor>)>,
+) -> Result<Tensor> {
+    let res_db = res.and_then(|r| r.1);
+    let res = res.map(|r| r.0);
+    let fused = res.filter(|r| fusable(r, dy) && saved.mean.is_none() && r.dtype() == w.dtype());
+    if let (Some(r), None) = (res, fused) {
+        let dx = layer_norm_backward(dy, saved, w, dw, db)?;
+        if let Some(g) = res_db {
+            super::bias_grad(r, g)?;
+        }
+        return super::add(r, &dx);
+    }
     if saved.mean.is_some() || super::lowp::lp_of(&[dy, w]).is_some() {
         return super::lowp::layernorm::backward(dy, saved, w, dw, db);
     }
@@ -179,7 +309,15 @@ pub fn layer_norm_backward(
     }
     let dx = super::output_as(dy.shape(), device, dt)?;
     if c == 0 || dy.numel() == 0 {
-        return Ok(dx);
+        return match fused {
+            Some(r) => {
+                if let Some(g) = res_db {
+                    super::bias_grad(r, g)?;
+                }
+                super::add(r, &dx)
+            }
+            None => Ok(dx),
+        };
     }
     #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = device {
@@ -189,17 +327,40 @@ pub fn layer_norm_backward(
             None => Tensor::zeros_on(&[c], dt, device),
         };
         let (dw, db) = (scratch(dw)?, scratch(db)?);
-        crate::backend::cuda::layernorm_bwd(
-            &*super::stream(i)?,
-            &dy.as_device_tensor()?,
-            &xhat.as_device_tensor()?,
-            &rstd.as_device_tensor()?,
-            &w.as_device_tensor()?,
-            &dx.as_device_tensor()?,
-            &dw.as_device_tensor()?,
-            &db.as_device_tensor()?,
-        )?;
+        let s = super::stream(i)?;
+        let (dyd, xhd, rsd, wd) = (
+            dy.as_device_tensor()?,
+            xhat.as_device_tensor()?,
+            rstd.as_device_tensor()?,
+            w.as_device_tensor()?,
+        );
+        let (dxd, dwd, dbd) = (
+            dx.as_device_tensor()?,
+            dw.as_device_tensor()?,
+            db.as_device_tensor()?,
+        );
+        match fused {
+            Some(r) => crate::backend::cuda::layernorm_bwd_add(
+                &s,
+                &dyd,
+                &xhd,
+                &rsd,
+                &wd,
+                &r.as_device_tensor()?,
+                res_db.map(Tensor::as_device_tensor).transpose()?.as_ref(),
+                &dxd,
+                &dwd,
+                &dbd,
+            )?,
+            None => {
+                crate::backend::cuda::layernorm_bwd(&s, &dyd, &xhd, &rsd, &wd, &dxd, &dwd, &dbd)?
+            }
+        }
         return Ok(dx);
+    }
+    // Only CUDA tensors come with a residual (`fusable`).
+    if res.is_some() {
+        return Err(Error::Fsdp("internal: a fused residual on the host".into()));
     }
     let (dyv, xh) = (dy.f32()?, xhat.f32()?);
     let (dys, xhs): (&[f32], &[f32]) = (&dyv, &xh);

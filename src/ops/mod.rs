@@ -20,7 +20,7 @@
 //! | `axis.rs` (CPU) | [`sum_dim`], [`mean_dim`], [`cat`], [`split`]; backward: [`sum_dim_backward`], [`cat_backward`], [`split_backward`] | `torch.sum(x, dim)`, `mean`, `cat`, `split` |
 //! | `autocast.rs` | [`autocast()`], [`gemm_dtype`]: bf16/f16 GEMM operands in a scope | `torch.autocast` (for GEMMs) |
 //! | `activation.rs` | [`pointwise`], [`pointwise_backward`] ([`Pointwise::Relu`], [`Pointwise::Gelu`]), [`gelu_backward_bias_grad`] (GELU backward with the preceding bias's gradient in one pass) | `F.relu`, `F.gelu` |
-//! | `layernorm.rs` | [`layer_norm`], [`layer_norm_backward`] | `F.layer_norm` |
+//! | `layernorm.rs` | [`layer_norm`], [`layer_norm_backward`], and with the residual add fused in: [`add_layer_norm`], [`layer_norm_backward_add`] | `F.layer_norm` |
 //! | `batchnorm/` | [`batch_norm`], [`batch_norm_backward`] (host loops in f64, `batchnorm.cu` on CUDA), [`batch_norm_count_`] | `F.batch_norm` |
 //! | `causal.rs` | [`causal_matmul`] | attention's per-head products, without the masked half on the CPU |
 //! | `attention.rs` | [`split_qkv`], [`merge_qkv`], [`split_heads`], [`merge_heads`], [`softmax_causal`], [`softmax_causal_backward_`] | the permutes and masked softmax of `scaled_dot_product_attention` |
@@ -58,7 +58,10 @@ pub mod loss;
 pub(crate) mod lowp;
 pub mod sdpa;
 
-pub use activation::{gelu_backward_bias_grad, pointwise, pointwise_backward, Pointwise};
+pub use activation::{
+    bias_gelu_, bias_gelu_fusable, gelu_backward_bias_grad, pointwise, pointwise_backward,
+    Pointwise,
+};
 pub use amp::non_finite_check_and_unscale_;
 pub use arith::{
     binary, broadcast_shape, div, div_backward, mul, mul_backward, sub, sub_backward, sum_to_shape,
@@ -78,7 +81,9 @@ pub use batchnorm::{
 pub use causal::{causal_matmul, CausalProduct};
 pub use elementwise::{add, add_, add_promoted_, fill_, scale_, sum_squares};
 pub use embedding::{embedding, embedding_backward};
-pub use layernorm::{layer_norm, layer_norm_backward, LayerNormSaved};
+pub use layernorm::{
+    add_layer_norm, layer_norm, layer_norm_backward, layer_norm_backward_add, LayerNormSaved,
+};
 pub use linalg::{
     bias_add_, bias_grad, linear, matmul, matmul_batched, mm, mm_backward, MatmulDims, Transpose,
 };

@@ -19,6 +19,10 @@ fn host(v: Vec<f32>, shape: &[usize]) -> Tensor {
     Tensor::from_vec(v, shape).unwrap()
 }
 
+fn host64(v: &[f32], shape: &[usize]) -> Tensor {
+    Tensor::from_vec(v.iter().map(|&x| f64::from(x)).collect::<Vec<f64>>(), shape).unwrap()
+}
+
 /// Compares with the reference: bitwise for copies and elementwise ops (`rel` 0), else
 /// within `rel` (on every device: the reference may sum in another order).
 fn close(what: &str, dev: Device, got: &Tensor, want: &[f32], rel: f32) {
@@ -311,6 +315,156 @@ device_test!(layer_norm_matches_the_references, |dev| {
         let dx2 =
             ops::layer_norm_backward(&tensor_on(dy, &[rows, c], dev), &saved, &wt, None, None)?;
         close("layer_norm dx (frozen)", dev, &dx2, &dx.to_vec_f32()?, 0.0);
+    }
+    Ok(())
+});
+
+/// f64 bits of a tensor (f32 or f64), for bitwise comparisons of either dtype.
+fn bits64(t: &Tensor) -> Vec<u64> {
+    t.to_vec_f64()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
+device_test!(
+    residual_add_layer_norm_is_add_then_layer_norm_bitwise,
+    |dev| {
+        // The GPT block's fused residual adds (one kernel each on CUDA) against the two ops they
+        // replace, on the same device, bitwise: `add_layer_norm` = `add` then `layer_norm`,
+        // `layer_norm_backward_add` = `layer_norm_backward` then `add` (dw, db included). Sizes:
+        // one element, primes, a row of 1031 (1024-thread rows, 33 column blocks), 40 rows.
+        for dtype in [DType::F32, DType::F64] {
+            for (rows, c) in [(1usize, 1usize), (7, 13), (40, 32), (3, 257), (2, 1031)] {
+                let on = |seed: u64, n: usize, shape: &[usize]| -> Tensor {
+                    let v = values(seed, n);
+                    let t = match dtype {
+                        DType::F64 => host64(&v, shape),
+                        _ => host(v, shape),
+                    };
+                    t.to_device(dev).unwrap()
+                };
+                let (x, r) = (on(20, rows * c, &[rows, c]), on(21, rows * c, &[rows, c]));
+                let (w, b) = (on(22, c, &[c]), on(23, c, &[c]));
+                let what = format!("{dtype} {rows}x{c} on {dev}");
+                let (sum, y, saved) = ops::add_layer_norm(&x, &r, &w, &b, 1e-5)?;
+                let sum0 = ops::add(&x, &r)?;
+                let (y0, saved0) = ops::layer_norm(&sum0, &w, &b, 1e-5)?;
+                assert_eq!(bits64(&sum), bits64(&sum0), "x + r, {what}");
+                assert_eq!(bits64(&y), bits64(&y0), "y, {what}");
+                assert_eq!(bits64(&saved.xhat), bits64(&saved0.xhat), "xhat, {what}");
+                assert_eq!(bits64(&saved.rstd), bits64(&saved0.rstd), "rstd, {what}");
+                let (dy, res) = (on(24, rows * c, &[rows, c]), on(25, rows * c, &[rows, c]));
+                let (dw, db, rdb) = (on(26, c, &[c]), on(27, c, &[c]), on(28, c, &[c]));
+                let (dw0, db0, rdb0) = (dw.deep_clone()?, db.deep_clone()?, rdb.deep_clone()?);
+                let dx = ops::layer_norm_backward_add(
+                    &dy,
+                    &saved,
+                    &w,
+                    Some(&dw),
+                    Some(&db),
+                    &res,
+                    Some(&rdb),
+                )?;
+                let dx0 = ops::add(
+                    &res,
+                    &ops::layer_norm_backward(&dy, &saved0, &w, Some(&dw0), Some(&db0))?,
+                )?;
+                assert_eq!(bits64(&dx), bits64(&dx0), "res + dx, {what}");
+                assert_eq!(bits64(&dw), bits64(&dw0), "dw, {what}");
+                assert_eq!(bits64(&db), bits64(&db0), "db, {what}");
+                // The deferred bias gradient: the column sums of the residual's gradient.
+                ops::bias_grad(&res, &rdb0)?;
+                assert_eq!(bits64(&rdb), bits64(&rdb0), "bias grad of res, {what}");
+                // Frozen parameters (no gradients), no deferred bias: dx the same.
+                let dx2 = ops::layer_norm_backward_add(&dy, &saved, &w, None, None, &res, None)?;
+                assert_eq!(bits64(&dx2), bits64(&dx), "res + dx (frozen), {what}");
+                if dtype == DType::F32 {
+                    // And the CPU reference loops of x + r.
+                    let xr: Vec<f32> = (values(20, rows * c).iter())
+                        .zip(&values(21, rows * c))
+                        .map(|(a, b)| a + b)
+                        .collect();
+                    let (mut yr, mut xh, mut rs) =
+                        (vec![0.0; rows * c], vec![0.0; rows * c], vec![0.0; rows]);
+                    let (wv, bv) = (values(22, c), values(23, c));
+                    refs::layernorm_fwd(&xr, &wv, &bv, 1e-5, &mut yr, &mut xh, &mut rs)?;
+                    let rel = if dev == Device::Cpu { 0.0 } else { 1e-5 };
+                    close("add_layer_norm x + r", dev, &sum, &xr, 0.0);
+                    close("add_layer_norm y", dev, &y, &yr, rel);
+                }
+            }
+        }
+        // A residual of another shape: refused, as `add` refuses it.
+        let x = tensor_on(values(1, 6), &[2, 3], dev);
+        let (w, b) = (
+            tensor_on(values(2, 3), &[3], dev),
+            tensor_on(values(3, 3), &[3], dev),
+        );
+        let bad = ops::add_layer_norm(&x, &tensor_on(values(4, 4), &[4], dev), &w, &b, 1e-5);
+        assert!(bad.is_err(), "a residual of 4 elements for 6 was taken");
+        Ok(())
+    }
+);
+
+device_test!(bias_gelu_and_its_backward_are_the_two_ops_bitwise, |dev| {
+    // The MLP's fused bias + GELU (one kernel each way on CUDA) against the ops they
+    // replace, on the same device, bitwise: `bias_gelu_` = `bias_add_` then GELU,
+    // `gelu_backward_bias_grad` = GELU's backward then `bias_grad`; and (f32) against the
+    // same ops on the CPU. Sizes: one element, primes, 1031 columns (33 column blocks).
+    for dtype in [DType::F32, DType::F64] {
+        for (rows, c) in [(1usize, 1usize), (7, 13), (40, 128), (3, 1031)] {
+            let on = |seed: u64, n: usize, shape: &[usize], d: Device| -> Tensor {
+                let v: Vec<f32> = values(seed, n).iter().map(|x| 3.0 * x).collect();
+                let t = match dtype {
+                    DType::F64 => host64(&v, shape),
+                    _ => host(v, shape),
+                };
+                t.to_device(d).unwrap()
+            };
+            let what = format!("{dtype} {rows}x{c} on {dev}");
+            let (h, b) = (on(30, rows * c, &[rows, c], dev), on(31, c, &[c], dev));
+            let h0 = h.deep_clone()?;
+            let y = ops::bias_gelu_(&h, &b)?;
+            ops::bias_add_(&h0, &b)?;
+            let y0 = ops::pointwise(Pointwise::Gelu, &h0)?;
+            assert_eq!(bits64(&h), bits64(&h0), "h + b, {what}");
+            assert_eq!(bits64(&y), bits64(&y0), "gelu(h + b), {what}");
+            let dy = on(32, rows * c, &[rows, c], dev);
+            let (db, db0) = (on(33, c, &[c], dev), on(33, c, &[c], dev));
+            let fused = ops::gelu_backward_bias_grad(&h, &dy, &db)?;
+            let dx0 = ops::pointwise_backward(Pointwise::Gelu, &h0, &dy)?;
+            ops::bias_grad(&dx0, &db0)?;
+            match fused {
+                Some(dx) => {
+                    assert_eq!(bits64(&dx), bits64(&dx0), "dx, {what}");
+                    assert_eq!(bits64(&db), bits64(&db0), "db, {what}");
+                }
+                // The CPU fuses f32 on one intra-op thread only; CUDA always.
+                None => assert!(dev == Device::Cpu, "not fused on {dev}: {what}"),
+            }
+            if dtype == DType::F32 && dev != Device::Cpu {
+                let (hc, bc) = (
+                    on(30, rows * c, &[rows, c], Device::Cpu),
+                    on(31, c, &[c], Device::Cpu),
+                );
+                let yc = ops::bias_gelu_(&hc, &bc)?;
+                close("bias_gelu_ y vs the CPU", dev, &y, &yc.to_vec_f32()?, 0.0);
+                let dbc = on(33, c, &[c], Device::Cpu);
+                let dxc =
+                    ops::pointwise_backward(Pointwise::Gelu, &hc, &dy.to_device(Device::Cpu)?)?;
+                ops::bias_grad(&dxc, &dbc)?;
+                close(
+                    "gelu backward dx vs the CPU",
+                    dev,
+                    &dx0,
+                    &dxc.to_vec_f32()?,
+                    0.0,
+                );
+                close("bias grad vs the CPU", dev, &db0, &dbc.to_vec_f32()?, 1e-5);
+            }
+        }
     }
     Ok(())
 });
@@ -612,3 +766,116 @@ device_test!(parameter_grads_live_on_the_parameter_device, |dev| {
     assert!(p.grad_for_accumulate()?.is_none());
     Ok(())
 });
+
+/// `clip_grad_norm_`'s multi-tensor launches (every unit's shard in one list) against the
+/// per-tensor ones they replace, bitwise: the f64 sum of squares and its f32 rounding, the
+/// clip coefficient read from the f32 total, and the scaling. f32 and f64 lists with empty,
+/// one-element and odd sizes.
+#[cfg(feature = "cuda")]
+#[test]
+fn clip_multi_tensor_launches_are_the_per_tensor_ones_bitwise_cuda() {
+    use fsdp::backend::cuda::{
+        current_stream, scale_all_by, scale_by, NormAccumulator, TensorList,
+    };
+    let dev = match device::cuda_device() {
+        Ok(d) => d,
+        Err(why) => return eprintln!("skipping clip_multi_tensor_launches on CUDA: {why}"),
+    };
+    let s = current_stream(0).unwrap();
+    for dtype in [DType::F32, DType::F64] {
+        let sizes = [1usize, 0, 7, 1000, 70001];
+        let make = |k: u64| -> Vec<Tensor> {
+            sizes
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| {
+                    let v = values(40 + k + i as u64, n);
+                    let t = match dtype {
+                        DType::F64 => host64(&v, &[n]),
+                        _ => host(v, &[n]),
+                    };
+                    t.to_device(dev).unwrap()
+                })
+                .collect()
+        };
+        let (one, all) = (make(0), make(0));
+        let dts = |ts: &[Tensor]| -> Vec<_> {
+            ts.iter().map(|t| t.as_device_tensor().unwrap()).collect()
+        };
+        let scalar = |d: DType| Tensor::zeros_on(&[1], d, dev).unwrap();
+        // The sums: per tensor into a zeroed accumulator, and one list.
+        let acc1 = NormAccumulator::zeros(&s).unwrap();
+        for t in dts(&one) {
+            acc1.add_squares(&s, &t).unwrap();
+        }
+        let (f1, d1) = (scalar(DType::F32), scalar(DType::F64));
+        acc1.store(&s, &f1.as_device_tensor().unwrap()).unwrap();
+        acc1.store(&s, &d1.as_device_tensor().unwrap()).unwrap();
+        let list = TensorList::new(&s, &dts(&all)).unwrap();
+        let acc2 = NormAccumulator::unset(&s).unwrap();
+        let (f2, d2) = (scalar(DType::F32), scalar(DType::F64));
+        acc2.set_squares(&s, &list, Some(&f2.as_device_tensor().unwrap()))
+            .unwrap();
+        acc2.store(&s, &d2.as_device_tensor().unwrap()).unwrap();
+        assert_eq!(bits64(&f1), bits64(&f2), "{dtype}: f32 sum of squares");
+        assert_eq!(bits64(&d1), bits64(&d2), "{dtype}: f64 sum of squares");
+        let want: f64 = (0..sizes.len())
+            .flat_map(|i| values(40 + i as u64, sizes[i]))
+            .map(|v| f64::from(v) * f64::from(v))
+            .sum();
+        let got = d2.to_vec_f64().unwrap()[0];
+        assert!(
+            (got - want).abs() <= 1e-12 * want,
+            "{dtype}: sum {got} vs {want}"
+        );
+        // The coefficient: load then clip_coef, and clip_coef_of the f32 total.
+        let (n1, c1, n2, c2) = (
+            scalar(DType::F32),
+            scalar(dtype),
+            scalar(DType::F32),
+            scalar(dtype),
+        );
+        acc1.load(&s, &f1.as_device_tensor().unwrap()).unwrap();
+        acc1.clip_coef(
+            &s,
+            0.5,
+            &n1.as_device_tensor().unwrap(),
+            &c1.as_device_tensor().unwrap(),
+        )
+        .unwrap();
+        acc2.clip_coef_of(
+            &s,
+            &f2.as_device_tensor().unwrap(),
+            0.5,
+            &n2.as_device_tensor().unwrap(),
+            &c2.as_device_tensor().unwrap(),
+        )
+        .unwrap();
+        assert_eq!(bits64(&n1), bits64(&n2), "{dtype}: norm");
+        assert_eq!(bits64(&c1), bits64(&c2), "{dtype}: coefficient");
+        assert!(
+            c1.to_vec_f64().unwrap()[0] < 1.0,
+            "{dtype}: the norm must clip"
+        );
+        // The scaling.
+        let coef = c1.as_device_tensor().unwrap();
+        for t in dts(&one) {
+            scale_by(&s, &t, &coef).unwrap();
+        }
+        scale_all_by(&s, &list, &coef).unwrap();
+        for (a, b) in one.iter().zip(&all) {
+            assert_eq!(
+                bits64(a),
+                bits64(b),
+                "{dtype}: scaled tensor of {}",
+                a.numel()
+            );
+        }
+        // A list of another dtype than the coefficient: refused.
+        let other = match dtype {
+            DType::F64 => scalar(DType::F32),
+            _ => scalar(DType::F64),
+        };
+        assert!(scale_all_by(&s, &list, &other.as_device_tensor().unwrap()).is_err());
+    }
+}

@@ -177,7 +177,7 @@ pub fn gemm_strided_batched(
         .ctx
         .bind_to_thread()
         .map_err(|e| Error::cuda("binding the context for cuBLAS", e))?;
-    crate::backend::counters::count_kernel_launch();
+    crate::backend::counters::count_kernel_launch("gemm");
     // SAFETY: the handle is bound to `s`'s stream; every pointer addresses `batch` blocks of
     // the sizes checked in `plan`; alpha/beta are f32 as CUBLAS_COMPUTE_32F requires, f64
     // for CUBLAS_COMPUTE_64F (f64 operands, checked in `plan`), and outlive the call.

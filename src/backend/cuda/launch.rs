@@ -171,7 +171,7 @@ pub(crate) unsafe fn launch(
     // SAFETY: the caller guarantees the arguments match the kernel; `params` points into
     // `slots`, which outlive the call (the driver copies parameters at launch); `f` stays
     // valid while the device lives.
-    crate::backend::counters::count_kernel_launch();
+    crate::backend::counters::count_kernel_launch(name);
     unsafe {
         cu::launch_kernel(
             f,
@@ -232,6 +232,8 @@ raw_kernel!(/// `pack_grad_{dtype}(grad, out, scale, n)` and `unpack_grad_{dtype
     pack_grad, "reduce_scatter", (input: u64, out: u64, scale: f32, n: i64));
 raw_kernel!(/// `sum_into_{dtype}(acc, x, n)`.
     sum_into, "reduce_scatter", (acc: u64, x: u64, n: i64));
+raw_kernel!(/// `add_{dtype}(a, b, out, n)`.
+    add, "reduce_scatter", (a: u64, b: u64, out: u64, n: i64));
 raw_kernel!(/// `scale_{f32,f64}(x, alpha, n)`: `alpha` of the element type.
     scale, "reduce_scatter", (x: u64, alpha: Arg, n: i64));
 raw_kernel!(/// `div_scale_f64(x, out, factor, divide, n)`.
@@ -240,10 +242,16 @@ raw_kernel!(/// `sumsq_partial_{f32,f64}(x, partial, n)`.
     sumsq_partial, "reduce_scatter", (x: u64, partial: u64, n: i64));
 raw_kernel!(/// `sumsq_fold_f64(partial, nblocks, acc)`.
     sumsq_fold, "reduce_scatter", (partial: u64, nblocks: i64, acc: u64));
+raw_kernel!(/// `sumsq_partial_multi_{f32,f64}(xs, k, partial)`: `xs` a table of `k` `Segment`s.
+    sumsq_partial_multi, "reduce_scatter", (xs: u64, k: i64, partial: u64));
+raw_kernel!(/// `sumsq_fold_multi_f64(partial, k, nblocks, acc, out)`: `out` may be null.
+    sumsq_fold_multi, "reduce_scatter", (partial: u64, k: i64, nblocks: i64, acc: u64, out: u64));
+raw_kernel!(/// `scale_by_multi_{f32,f64}(xs, k, alpha)`: `xs` a table of `k` `Segment`s.
+    scale_by_multi, "reduce_scatter", (xs: u64, k: i64, alpha: u64));
 raw_kernel!(/// `narrow_f64_f32(x, out)` and `widen_f32_f64(x, out)`: one element.
     convert1, "reduce_scatter", (x: u64, out: u64));
-raw_kernel!(/// `clip_coef_{f32,f64}(sumsq, max_norm, norm, coef)`: `max_norm` of the coefficient's type.
-    clip_coef, "reduce_scatter", (sumsq: u64, max_norm: Arg, norm: u64, coef: u64));
+raw_kernel!(/// `clip_coef_{f32,f64}(sumsq, total, max_norm, norm, coef)`: `max_norm` of the coefficient's type, `total` null or one f32.
+    clip_coef, "reduce_scatter", (sumsq: u64, total: u64, max_norm: Arg, norm: u64, coef: u64));
 raw_kernel!(/// `scale_by_{f32,f64}(x, alpha, n)`: `alpha` is a device pointer to one element.
     scale_by, "reduce_scatter", (x: u64, alpha: u64, n: i64));
 raw_kernel!(/// `sgd_{f32,f64}(tensors, k, lr, momentum, dampening, weight_decay, nesterov)`.
@@ -257,18 +265,20 @@ raw_kernel!(/// `gelu_fwd_{f32,f64}(x, y, n)` (the nn.cu launchers below take bo
     gelu_fwd, "nn", (x: u64, y: u64, n: i64));
 raw_kernel!(/// `gelu_bwd_{f32,f64}(x, dy, dx, n)`.
     gelu_bwd, "nn", (x: u64, dy: u64, dx: u64, n: i64));
+raw_kernel!(/// `bias_gelu_fwd_{f32,f64}(h, b, y, rows, c)`.
+    bias_gelu_fwd, "nn", (h: u64, b: u64, y: u64, rows: i64, c: i64));
+raw_kernel!(/// `gelu_bwd_bias_grad_{f32,f64}(x, dy, dx, db, rows, c)`.
+    gelu_bwd_bias_grad, "nn", (x: u64, dy: u64, dx: u64, db: u64, rows: i64, c: i64));
 raw_kernel!(/// `relu_fwd_{f32,f64}(x, y, n)`.
     relu_fwd, "nn", (x: u64, y: u64, n: i64));
 raw_kernel!(/// `relu_bwd_{f32,f64}(x, dy, dx, n)`.
     relu_bwd, "nn", (x: u64, dy: u64, dx: u64, n: i64));
 raw_kernel!(/// `bias_add_{f32,f64}(y, b, rows, c)` and `bias_grad_{f32,f64}(dy, db, rows, c)`.
     bias, "nn", (y: u64, b: u64, rows: i64, c: i64));
-raw_kernel!(/// `layernorm_fwd_{f32,f64}(x, w, b, y, xhat, rstd, rows, c, eps)`.
-    layernorm_fwd, "nn", (x: u64, w: u64, b: u64, y: u64, xhat: u64, rstd: u64, rows: i64, c: i64, eps: Arg));
-raw_kernel!(/// `layernorm_bwd_{f32,f64}(dy, xhat, rstd, w, dx, rows, c)`.
-    layernorm_bwd, "nn", (dy: u64, xhat: u64, rstd: u64, w: u64, dx: u64, rows: i64, c: i64));
-raw_kernel!(/// `layernorm_bwd_params_{f32,f64}(dy, xhat, dw, db, rows, c)`.
-    layernorm_bwd_params, "nn", (dy: u64, xhat: u64, dw: u64, db: u64, rows: i64, c: i64));
+raw_kernel!(/// `layernorm_fwd_{f32,f64}(x, res, w, b, sum, y, xhat, rstd, rows, c, eps)`.
+    layernorm_fwd, "nn", (x: u64, res: u64, w: u64, b: u64, sum: u64, y: u64, xhat: u64, rstd: u64, rows: i64, c: i64, eps: Arg));
+raw_kernel!(/// `layernorm_bwd_{f32,f64}(dy, xhat, rstd, w, res, dx, dw, db, res_sum, rows, c, row_blocks)`.
+    layernorm_bwd, "nn", (dy: u64, xhat: u64, rstd: u64, w: u64, res: u64, dx: u64, dw: u64, db: u64, res_sum: u64, rows: i64, c: i64, row_blocks: i64));
 raw_kernel!(/// `split_qkv_{f32,f64}(qkv, q, k, v, B, T, H, hd)` and `merge_qkv_{f32,f64}(dq, dk, dv, dqkv, B, T, H, hd)`.
     qkv, "nn", (a: u64, b: u64, c: u64, d: u64, bsz: i64, t: i64, h: i64, hd: i64));
 raw_kernel!(/// `merge_heads_{f32,f64}(yh, y, B, T, H, hd)` and `split_heads_{f32,f64}(y, yh, B, T, H, hd)`.

@@ -5,7 +5,7 @@
 //! | layer | file | what |
 //! |---|---|---|
 //! | raw launchers | `launch.rs` | one `unsafe fn` per `extern "C"` kernel, arguments in the C order |
-//! | typed ops | `ops.rs`, `nn_ops.rs`, `lowp.rs`, `batchnorm.rs`, `optim.rs`, `blas.rs` | check lengths, dtypes and devices; return `Result` |
+//! | typed ops | `ops.rs`, `nn_ops.rs`, `layernorm.rs`, `lowp.rs`, `batchnorm.rs`, `optim.rs`, `blas.rs` | check lengths, dtypes and devices; return `Result` |
 //! | algorithms | `fsdp`, the scheduler | never see a device pointer |
 //!
 //! Beneath them: `context.rs` (a lazily created `CudaDevice` per ordinal, holding the
@@ -46,6 +46,8 @@ mod graph;
 #[cfg(feature = "cuda")]
 mod launch;
 #[cfg(feature = "cuda")]
+mod layernorm;
+#[cfg(feature = "cuda")]
 mod lowp;
 #[cfg(feature = "cuda")]
 mod memory;
@@ -74,13 +76,15 @@ pub use batchnorm::{
 #[cfg(feature = "cuda")]
 pub use blas::{gemm, gemm_strided_batched, GemmShape};
 #[cfg(feature = "cuda")]
-pub use clip::{scale_by, NormAccumulator};
+pub use clip::{scale_all_by, scale_by, NormAccumulator, TensorList};
 #[cfg(feature = "cuda")]
 pub use context::CudaDevice;
 #[cfg(feature = "cuda")]
 pub use current::{current_stream, rank_account, set_rank_account, use_stream, StreamGuard};
 #[cfg(feature = "cuda")]
 pub use graph::{GraphRecorder, StepGraph};
+#[cfg(feature = "cuda")]
+pub use layernorm::{add_layernorm_fwd, layernorm_bwd, layernorm_bwd_add, layernorm_fwd};
 #[cfg(feature = "cuda")]
 pub use lowp::{cross_entropy_lp, layernorm_bwd_lp, layernorm_wgrad_lp};
 #[cfg(feature = "cuda")]

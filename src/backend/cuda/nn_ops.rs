@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::tensor::DType;
 
 /// The element type of a layer kernel's float tensors `ts`: f32 or f64, the same for all.
-fn floats(op: &'static str, s: &Stream, ts: &[&DeviceTensor]) -> Result<DType> {
+pub(super) fn floats(op: &'static str, s: &Stream, ts: &[&DeviceTensor]) -> Result<DType> {
     check_device(op, s, ts)?;
     let d = match ts.first().map(|t| t.dtype()) {
         Some(DType::F64) => DType::F64,
@@ -27,7 +27,7 @@ fn floats(op: &'static str, s: &Stream, ts: &[&DeviceTensor]) -> Result<DType> {
 
 /// Threads per block for a row kernel over rows of `c` elements: a warp per 32 elements,
 /// 32 to 1024 (one pass over the row per thread at most sizes the GPT uses).
-fn row_block(c: usize) -> u32 {
+pub(super) fn row_block(c: usize) -> u32 {
     (c.div_ceil(32) * 32).clamp(32, 1024) as u32
 }
 
@@ -77,6 +77,77 @@ pub fn gelu_bwd(s: &Stream, x: &DeviceTensor, dy: &DeviceTensor, dx: &DeviceTens
             dy.ptr(),
             dx.ptr(),
             n as i64,
+        )
+    }
+}
+
+/// The bias of a `Linear` and the GELU after it in one pass (`bias_gelu_fwd_{f32,f64}`):
+/// `h[r, j] += b[j]` (in place: the GELU's input, which its backward reads) and
+/// `y = gelu(h)`; the bits of [`bias_add`] then [`gelu_fwd`]. `h, y (rows, C)`, `b (C)`.
+///
+/// # Errors
+/// `ShapeMismatch` when `h`'s size is not a multiple of `C` or `y`'s differs; as
+/// [`gelu_fwd`].
+pub fn bias_gelu_fwd(
+    s: &Stream,
+    h: &DeviceTensor,
+    b: &DeviceTensor,
+    y: &DeviceTensor,
+) -> Result<()> {
+    let dt = floats("bias_gelu_fwd", s, &[h, b, y])?;
+    let rows = rows_of("bias_gelu_fwd", h, b.numel())?;
+    check_numel("bias_gelu_fwd", h.numel(), y)?;
+    if h.numel() == 0 {
+        return Ok(());
+    }
+    // SAFETY: h and y hold rows * C, b C elements of the dtype.
+    unsafe {
+        launch::bias_gelu_fwd(
+            s,
+            kname!("bias_gelu_fwd", dt),
+            Grid::elementwise(s, h.numel()),
+            h.ptr(),
+            b.ptr(),
+            y.ptr(),
+            rows as i64,
+            b.numel() as i64,
+        )
+    }
+}
+
+/// GELU's backward and the bias gradient of the `Linear` before it in one launch
+/// (`gelu_bwd_bias_grad_{f32,f64}`): `dx = dy gelu'(x)` (=) and `db[j] += sum_r dx[r, j]`
+/// (+=, [`bias_grad`]'s order); the bits of [`gelu_bwd`] then [`bias_grad`].
+/// `x, dy, dx (rows, C)`, `db (C)`.
+///
+/// # Errors
+/// As [`bias_gelu_fwd`].
+pub fn gelu_bwd_bias_grad(
+    s: &Stream,
+    x: &DeviceTensor,
+    dy: &DeviceTensor,
+    dx: &DeviceTensor,
+    db: &DeviceTensor,
+) -> Result<()> {
+    let dt = floats("gelu_bwd_bias_grad", s, &[x, dy, dx, db])?;
+    let rows = rows_of("gelu_bwd_bias_grad", x, db.numel())?;
+    check_numel("gelu_bwd_bias_grad", x.numel(), dy)?;
+    check_numel("gelu_bwd_bias_grad", x.numel(), dx)?;
+    if x.numel() == 0 {
+        return Ok(());
+    }
+    // SAFETY: x, dy, dx hold rows * C, db C elements of the dtype.
+    unsafe {
+        launch::gelu_bwd_bias_grad(
+            s,
+            kname!("gelu_bwd_bias_grad", dt),
+            Grid::columns(db.numel()),
+            x.ptr(),
+            dy.ptr(),
+            dx.ptr(),
+            db.ptr(),
+            rows as i64,
+            db.numel() as i64,
         )
     }
 }
@@ -131,7 +202,7 @@ pub fn relu_bwd(s: &Stream, x: &DeviceTensor, dy: &DeviceTensor, dx: &DeviceTens
     }
 }
 
-fn rows_of(op: &'static str, t: &DeviceTensor, c: usize) -> Result<usize> {
+pub(super) fn rows_of(op: &'static str, t: &DeviceTensor, c: usize) -> Result<usize> {
     if c == 0 || t.numel() % c != 0 {
         return Err(Error::ShapeMismatch {
             op,
@@ -187,106 +258,6 @@ pub fn bias_grad(s: &Stream, dy: &DeviceTensor, db: &DeviceTensor) -> Result<()>
             db.ptr(),
             rows as i64,
             db.numel() as i64,
-        )
-    }
-}
-
-/// LayerNorm forward over rows of `x (rows, C)`: writes `y`, `xhat` (same shape) and
-/// `rstd (rows)` (`layernorm_fwd_{f32,f64}`), as `nn::LayerNorm::forward`.
-///
-/// # Errors
-/// `ShapeMismatch` when the sizes disagree; as [`gelu_fwd`].
-#[allow(clippy::too_many_arguments)]
-pub fn layernorm_fwd(
-    s: &Stream,
-    x: &DeviceTensor,
-    w: &DeviceTensor,
-    b: &DeviceTensor,
-    eps: f64,
-    y: &DeviceTensor,
-    xhat: &DeviceTensor,
-    rstd: &DeviceTensor,
-) -> Result<()> {
-    let dt = floats("layernorm_fwd", s, &[x, w, b, y, xhat, rstd])?;
-    let c = w.numel();
-    check_numel("layernorm_fwd", c, b)?;
-    let rows = rows_of("layernorm_fwd", x, c)?;
-    check_numel("layernorm_fwd", x.numel(), y)?;
-    check_numel("layernorm_fwd", x.numel(), xhat)?;
-    check_numel("layernorm_fwd", rows, rstd)?;
-    if rows == 0 {
-        return Ok(());
-    }
-    // SAFETY: sizes checked above.
-    unsafe {
-        launch::layernorm_fwd(
-            s,
-            kname!("layernorm_fwd", dt),
-            Grid::rows(s, rows, row_block(c)),
-            x.ptr(),
-            w.ptr(),
-            b.ptr(),
-            y.ptr(),
-            xhat.ptr(),
-            rstd.ptr(),
-            rows as i64,
-            c as i64,
-            Arg::float_of(dt, eps),
-        )
-    }
-}
-
-/// LayerNorm backward: `dx` (=), and `dw += sum dy xhat`, `db += sum dy` (+=)
-/// (`layernorm_bwd_{f32,f64}`, `layernorm_bwd_params_{f32,f64}`).
-///
-/// # Errors
-/// As [`layernorm_fwd`].
-#[allow(clippy::too_many_arguments)]
-pub fn layernorm_bwd(
-    s: &Stream,
-    dy: &DeviceTensor,
-    xhat: &DeviceTensor,
-    rstd: &DeviceTensor,
-    w: &DeviceTensor,
-    dx: &DeviceTensor,
-    dw: &DeviceTensor,
-    db: &DeviceTensor,
-) -> Result<()> {
-    let dt = floats("layernorm_bwd", s, &[dy, xhat, rstd, w, dx, dw, db])?;
-    let c = w.numel();
-    let rows = rows_of("layernorm_bwd", dy, c)?;
-    check_numel("layernorm_bwd", dy.numel(), xhat)?;
-    check_numel("layernorm_bwd", dy.numel(), dx)?;
-    check_numel("layernorm_bwd", rows, rstd)?;
-    check_numel("layernorm_bwd", c, dw)?;
-    check_numel("layernorm_bwd", c, db)?;
-    if rows == 0 {
-        return Ok(());
-    }
-    // SAFETY: sizes checked above.
-    unsafe {
-        launch::layernorm_bwd(
-            s,
-            kname!("layernorm_bwd", dt),
-            Grid::rows(s, rows, row_block(c)),
-            dy.ptr(),
-            xhat.ptr(),
-            rstd.ptr(),
-            w.ptr(),
-            dx.ptr(),
-            rows as i64,
-            c as i64,
-        )?;
-        launch::layernorm_bwd_params(
-            s,
-            kname!("layernorm_bwd_params", dt),
-            Grid::columns(c),
-            dy.ptr(),
-            xhat.ptr(),
-            dw.ptr(),
-            db.ptr(),
-            rows as i64,
-            c as i64,
         )
     }
 }

@@ -423,6 +423,36 @@ pub fn sum_into(s: &Stream, acc: &DeviceTensor, x: &DeviceTensor) -> Result<()> 
     }
 }
 
+/// `out = a + b` elementwise, one rounding to the dtype as [`sum_into`] (`add_{dtype}`:
+/// f32, f64, bf16, f16): `torch.add` in one launch.
+///
+/// # Errors
+/// `DTypeMismatch`, `ShapeMismatch` (element counts), [`Error::Cuda`].
+pub fn add(s: &Stream, a: &DeviceTensor, b: &DeviceTensor, out: &DeviceTensor) -> Result<()> {
+    check_device("add", s, &[a, b, out])?;
+    float_only("add", a.dtype())?;
+    check_dtype("add", b, a.dtype())?;
+    check_dtype("add", out, a.dtype())?;
+    check_numel("add", a.numel(), b)?;
+    check_numel("add", a.numel(), out)?;
+    let n = a.numel();
+    if n == 0 {
+        return Ok(());
+    }
+    // SAFETY: all three hold n elements of the dtype.
+    unsafe {
+        launch::add(
+            s,
+            kname!("add", a.dtype()),
+            Grid::elementwise(s, n),
+            a.ptr(),
+            b.ptr(),
+            out.ptr(),
+            n as i64,
+        )
+    }
+}
+
 /// `x = x * alpha` in place (`scale_f32`, or `scale_f64` with `alpha` widened), e.g. the
 /// postdivide of an f32 shard.
 ///
