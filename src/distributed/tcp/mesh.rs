@@ -63,6 +63,27 @@ impl WorldFailure {
         }
     }
 
+    /// The cause to report for `e`, an error of the store while a group is set up: a peer
+    /// that fails aborts its world (an `ABORT` on every stream) and then its process ends,
+    /// closing the store it hosts, so a rank waiting in the store sees the store go first
+    /// and the peer's reason a moment later. The reason is what the user needs, so it is
+    /// awaited up to [`CAUSE_GRACE`] and preferred when it comes; else `e` stands.
+    pub(super) fn cause_of(&self, e: Error) -> Error {
+        if matches!(e, Error::Timeout { .. }) {
+            return e;
+        }
+        let until = Instant::now() + CAUSE_GRACE;
+        loop {
+            if let Some(failed) = self.error() {
+                return failed;
+            }
+            if Instant::now() >= until {
+                return e;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     /// The recorded failure as the error peers see.
     pub(super) fn error(&self) -> Option<Error> {
         self.first.get().map(|(r, why)| Error::PeerFailed {
@@ -154,7 +175,10 @@ pub(super) fn connect(spec: MeshSpec<'_>, failure: Arc<WorldFailure>) -> Result<
     let deadline = Instant::now() + spec.timeout;
     let n = spec.members.len();
     let me = spec.rank;
-    let joins = spec.store.add(&format!("join/{me}"), 1)?;
+    let joins = spec
+        .store
+        .add(&format!("join/{me}"), 1)
+        .map_err(|e| failure.cause_of(e))?;
     if joins > 1 {
         crate::error::bail_arg!(
             "{}: rank {} joined twice (two processes gave the same rank)",
@@ -168,9 +192,10 @@ pub(super) fn connect(spec: MeshSpec<'_>, failure: Arc<WorldFailure>) -> Result<
         .local_addr()
         .map_err(|e| spec.io("reading the listening address".into(), e))?;
     spec.store
-        .set(&format!("addr/{me}"), addr.to_string().as_bytes())?;
+        .set(&format!("addr/{me}"), addr.to_string().as_bytes())
+        .map_err(|e| failure.cause_of(e))?;
     let keys: Vec<String> = (0..n).map(|r| format!("addr/{r}")).collect();
-    wait_for_addresses(&spec, &keys, deadline)?;
+    wait_for_addresses(&spec, &keys, deadline).map_err(|e| failure.cause_of(e))?;
     let hello = |rank: usize| Handshake {
         tag: spec.tag,
         size: n as u32,
@@ -179,7 +204,7 @@ pub(super) fn connect(spec: MeshSpec<'_>, failure: Arc<WorldFailure>) -> Result<
     };
     let mut streams: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
     for p in 0..me {
-        let raw = spec.store.get(&keys[p])?;
+        let raw = spec.store.get(&keys[p]).map_err(|e| failure.cause_of(e))?;
         let text = String::from_utf8_lossy(&raw).into_owned();
         let peer: SocketAddr = text.parse().map_err(|_| {
             spec.io(
@@ -211,6 +236,11 @@ pub(super) fn connect(spec: MeshSpec<'_>, failure: Arc<WorldFailure>) -> Result<
     drop(listener);
     start(spec, streams, failure)
 }
+
+/// How long a store error while a group is set up waits for a peer's recorded failure
+/// ([`WorldFailure::cause_of`]): a failed peer's `ABORT` reaches this rank
+/// milliseconds after its store's end does; this only runs on a path that already failed.
+const CAUSE_GRACE: Duration = Duration::from_secs(2);
 
 /// How long one wait for the members' addresses lasts before this rank looks which are
 /// still missing: what it reports if the store goes away (its host gave up) meanwhile.
