@@ -368,7 +368,7 @@ fn backward(
     // element sees the same additions in the same order for any thread count. One gradient
     // guard at a time: under FSDP both are views of one flat gradient buffer.
     if let Some(g) = dw {
-        par::cols_mut(&mut g.f32_mut()?, 16, |cols, g| {
+        par::cols_mut(&mut g.f32_mut()?, dys.len() / c, |cols, g| {
             for (dyr, xr) in dys.chunks_exact(c).zip(xhs.chunks_exact(c)) {
                 crate::backend::cpu::ops::add_mul_(g, &dyr[cols.clone()], &xr[cols.clone()]);
             }
@@ -376,7 +376,7 @@ fn backward(
         })?;
     }
     if let Some(g) = db {
-        par::cols_mut(&mut g.f32_mut()?, 16, |cols, g| {
+        par::cols_mut(&mut g.f32_mut()?, dys.len() / c, |cols, g| {
             for dyr in dys.chunks_exact(c) {
                 crate::backend::cpu::ops::add_(g, &dyr[cols.clone()]);
             }

@@ -346,7 +346,7 @@ pub fn bias_grad(dy: &Tensor, db: &Tensor) -> Result<()> {
     let dys: &[f32] = &dyv;
     // Parts own columns and add every row in order ([Note: determinism across thread
     // counts] in `backend::cpu::parallel`).
-    par::cols_mut(&mut g, 16, |cols, g| {
+    par::cols_mut(&mut g, dys.len() / c, |cols, g| {
         for row in dys.chunks_exact(c) {
             crate::backend::cpu::ops::add_(g, &row[cols.clone()]);
         }

@@ -201,19 +201,23 @@ pub fn chunks_mut<T: Send>(
 
 /// A column reduction `acc (C) op= f(rows of a (rows, C))` split by columns: `f(cols,
 /// &mut acc[cols])` for contiguous column blocks, each adding every row in row order into
-/// its own columns ([Note: determinism across thread counts]). `grain`: the fewest columns
-/// worth a part; parts are aligned to 16 columns (a cache line of f32).
+/// its own columns ([Note: determinism across thread counts]). A part gets at least
+/// [`ELEMENTWISE_GRAIN`] elements of the summed input (`rows` times its columns, so a
+/// small reduction runs on the caller's thread without waking a worker) and at least 16
+/// columns; parts are aligned to 16 columns (a cache line of f32).
 ///
 /// # Errors
 /// An error `f` returned.
 pub fn cols_mut<T: Send>(
     acc: &mut [T],
-    grain: usize,
+    rows: usize,
     f: impl Fn(Range<usize>, &mut [T]) -> Result<()> + Sync,
 ) -> Result<()> {
     let c = acc.len();
     let lines = c.div_ceil(16);
-    let ranges: Vec<Range<usize>> = ranges_of(lines, grain.div_ceil(16))
+    // Cache lines (16 columns) worth a part: ELEMENTWISE_GRAIN elements of the input.
+    let grain = ELEMENTWISE_GRAIN.div_ceil(16 * rows.max(1)).max(1);
+    let ranges: Vec<Range<usize>> = ranges_of(lines, grain)
         .into_iter()
         .map(|r| (r.start * 16).min(c)..(r.end * 16).min(c))
         .collect();
@@ -260,7 +264,8 @@ mod tests {
                     })
                     .unwrap();
                     assert!(seen.iter().all(|&v| v == 1), "n {n} threads {threads}");
-                    cols_mut(&mut seen, 1, |r, s| {
+                    // As many rows as one part's worth of input: every cache line a part.
+                    cols_mut(&mut seen, ELEMENTWISE_GRAIN, |r, s| {
                         assert_eq!(r.len(), s.len());
                         s.iter_mut().for_each(|v| *v += 1);
                         Ok(())
