@@ -93,6 +93,7 @@ pub use memory::{with_fresh_blocks, DeviceBuffer, MemAccount, MemStats};
 pub use nn_ops::*;
 #[cfg(feature = "cuda")]
 pub use ops::*;
+#[cfg(feature = "cuda")]
 pub(crate) use optim::widen_hyper;
 #[cfg(feature = "cuda")]
 pub use optim::{adam_step, sgd_step, AdamHyper, AdamSlot, SgdHyper, SgdSlot};
