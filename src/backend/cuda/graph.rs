@@ -45,16 +45,15 @@ struct Region {
 
 // [Note: lr table]
 // An eager step passes its learning rate to the optimizer's kernels as an argument; a
-// captured one would replay the captured step's rate forever. So a capture is given the
-// rate of each step from the captured one on (`lrs[j]`: the j-th launch), computed once on
-// the host by the schedule the eager run uses (`optim::Scheduler::lrs_at`), and Adam's
-// graph step reads them from the device: `adam_bias` (graph.cu) looks up the entry of its
-// device step count and writes it to a scalar that `adam_{f32,f64}` reads instead of its
-// `lr` argument. The table starts at the warm-up step (entry 0; the capture is entry 1,
-// the j-th launch entry j), so that the warm-up allocates and uses the same graph
-// constants as the capture. The table holds each f32 rate as
-// the eager step widens it (f64::from, or the decimal it spells for f64 tensors), so a
-// replay does the eager step's arithmetic bit for bit.
+// captured one would replay the captured step's rate forever. So the recorder is given the
+// rate of every step from the warm-up on, computed once on the host by the schedule the
+// eager run uses (`optim::Scheduler::lrs_at`), and Adam's graph step reads it from the
+// device: `adam_bias` (graph.cu) looks up the entry of its device step count and writes it
+// to a scalar that `adam_{f32,f64}` reads instead of its `lr` argument. Entry 0 is the
+// warm-up step's (so that the warm-up allocates and uses the same graph constants as the
+// capture), entry 1 the captured step's (the first launch), entry j the j-th launch's. The
+// table holds each f32 rate as the eager step widens it (f64::from, or the decimal it
+// spells for f64 tensors), so a replay does the eager step's arithmetic bit for bit.
 
 /// The learning-rate table of the region being recorded (the warm-up step's rate first)
 /// and the index of the recorded step's rate in it (0: warm-up, 1: capture); None outside
