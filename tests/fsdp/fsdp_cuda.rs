@@ -800,11 +800,12 @@ fn buffer_pool_reuses_a_buffer_only_behind_its_stream_job_cuda() {
     .unwrap();
 }
 
-/// Runs `body` in a child process of this test binary running only test `name`: a graph
-/// capture routes every allocation of the device to its pool and forbids other threads'
-/// synchronizations (global capture mode), which the tests running beside it would trip.
+/// Runs `body` in a child process of this test binary running only test `name`, when a GPU
+/// is found: a graph capture routes every allocation of the device to its pool and forbids
+/// other threads' synchronizations (global capture mode), which the tests running beside
+/// it would trip.
 fn in_own_process(name: &str, body: impl FnOnce()) {
-    if common::run_alone(module_path!(), name, "FSDP_TEST_OWN_PROCESS") {
+    if gpus(name).is_some() && common::run_alone(module_path!(), name, "FSDP_TEST_OWN_PROCESS") {
         body();
     }
 }
@@ -815,9 +816,6 @@ fn in_own_process(name: &str, body: impl FnOnce()) {
 /// capture is refused (every buffer would be a `cuMemAlloc`), named.
 #[test]
 fn cuda_graph_steps_equal_eager_steps_bitwise_cuda() {
-    if gpus("cuda_graph_steps_equal_eager_steps_bitwise_cuda").is_none() {
-        return;
-    }
     in_own_process(
         "cuda_graph_steps_equal_eager_steps_bitwise_cuda",
         graph_steps,
@@ -901,9 +899,6 @@ fn graph_equals_eager(what: &str, cfg: &dyn Fn(bool) -> fsdp::train::TrainConfig
 /// the rate as an argument, is refused with a schedule, naming the option.
 #[test]
 fn cuda_graph_steps_follow_an_lr_schedule_bitwise_cuda() {
-    if gpus("cuda_graph_steps_follow_an_lr_schedule_bitwise_cuda").is_none() {
-        return;
-    }
     in_own_process(
         "cuda_graph_steps_follow_an_lr_schedule_bitwise_cuda",
         scheduled_graph_steps,
@@ -948,9 +943,6 @@ fn scheduled_graph_steps() {
 #[cfg(feature = "cuda")]
 #[test]
 fn a_host_sync_in_a_captured_step_is_refused_by_name_cuda() {
-    if gpus("a_host_sync_in_a_captured_step_is_refused_by_name_cuda").is_none() {
-        return;
-    }
     in_own_process(
         "a_host_sync_in_a_captured_step_is_refused_by_name_cuda",
         refused_capture,
