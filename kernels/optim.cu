@@ -9,7 +9,9 @@
 //   d = g + wd p
 //   if buf: buf = first ? d : momentum buf + (1 - dampening) d;  d = nesterov ? d + momentum buf : buf
 //   p = p - lr d                                 (p, buf updated in place; g read only)
-// adam_f32(tensors (k) AdamTensor, k, lr, beta1, beta2, eps, weight_decay, decoupled)
+// adam_f32(tensors (k) AdamTensor, k, lr, beta1, beta2, eps, weight_decay, decoupled, lr_at)
+//   lr = *lr_at when lr_at is not null (a CUDA graph's step: the rate adam_bias_f32 of
+//   graph.cu wrote for this replay), else the argument
 //   decoupled (AdamW): p = p (1 - lr wd);  else g = g + wd p  (when wd != 0)
 //   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g g
 //   p = p - step_size m / (sqrt(v) / bc2_sqrt + eps)
@@ -17,7 +19,7 @@
 //   host in f64 as the CPU optimizer does    (p, m, v updated in place; g read only)
 // sgd_f64: sgd_f32's template on double tensors and hyperparameters (the f64 SGD of
 //   src/optim/sgd.rs, `step_f64`).
-// adam_f64(tensors (k) AdamTensor64, k, lr, beta1, beta2, eps, weight_decay, decoupled)
+// adam_f64(tensors (k) AdamTensor64, k, lr, beta1, beta2, eps, weight_decay, decoupled, lr_at)
 //   The f64 update of src/optim/adam.rs (`adam_update_f64`, PyTorch's single-tensor order):
 //   decay as adam_f32; w = 1 - b1; m = w < 0.5 ? m + w (g - m) : g - (g - m)(1 - w) (lerp);
 //   v = v b2 + g g (1 - b2); p = p - step_size (m / (sqrt(v) / bc2_sqrt + eps)), all in f64,
@@ -73,7 +75,9 @@ SGD_KERNEL(f64, double)
 
 extern "C" __global__ void adam_f32(const AdamTensor* __restrict__ tensors, int64_t k,
                                     float lr, float beta1, float beta2, float eps,
-                                    float weight_decay, int32_t decoupled) {
+                                    float weight_decay, int32_t decoupled,
+                                    const float* __restrict__ lr_at) {
+  if (lr_at != nullptr) lr = lr_at[0];
   for (int64_t s = blockIdx.y; s < k; s += gridDim.y) {
     AdamTensor t = tensors[s];
     GRID_STRIDE_LOOP(i, t.n) {
@@ -106,7 +110,9 @@ struct AdamTensor64 {
 
 extern "C" __global__ void adam_f64(const AdamTensor64* __restrict__ tensors, int64_t k,
                                     double lr, double beta1, double beta2, double eps,
-                                    double weight_decay, int32_t decoupled) {
+                                    double weight_decay, int32_t decoupled,
+                                    const double* __restrict__ lr_at) {
+  if (lr_at != nullptr) lr = lr_at[0];
   const double w = 1.0 - beta1;
   for (int64_t s = blockIdx.y; s < k; s += gridDim.y) {
     AdamTensor64 t = tensors[s];

@@ -167,12 +167,15 @@ if [ "$what" != tests ]; then
   run cpu-ws2-f64 "$fsdp" train --device cpu --world-size 2 --mixed-precision f64
   run cuda-ws2-f64 "$fsdp" train --device cuda --world-size 2 --mixed-precision f64
   run cuda-ws4 "$fsdp" train --device cuda --world-size 4
-  # CUDA graphs (--cuda-graphs needs a constant lr: no warm-up): steps 1 and 2 eager (the
-  # second from the graph's pool), step 3 captured and launched, then replays.
+  # CUDA graphs: steps 1 and 2 eager (the second from the graph's pool), step 3 captured
+  # and launched, then replays; a constant lr, and a warm-up + cosine schedule whose rate
+  # the replays read from the graph's table on the device (a new rate at every step).
   run cuda-ws1-const "$fsdp" train --device cuda --world-size 1 --warmup-steps 0
   run cuda-ws1-graph "$fsdp" train --device cuda --world-size 1 --warmup-steps 0 --cuda-graphs
   run cuda-ws1-graph-accum "$fsdp" train --device cuda --world-size 1 --warmup-steps 0 --grad-accum 2 --cuda-graphs
   run cuda-ws1-accum "$fsdp" train --device cuda --world-size 1 --warmup-steps 0 --grad-accum 2
+  run cuda-ws1-sched "$fsdp" train --device cuda --world-size 1 --warmup-steps 3 --lr-schedule cosine
+  run cuda-ws1-graph-sched "$fsdp" train --device cuda --world-size 1 --warmup-steps 3 --lr-schedule cosine --cuda-graphs
   run nccl-ws4 "$fsdp" launch --nproc-per-node 4 --master-port 0 -- "$fsdp" train --device cuda --world-size 4
   check "cuda vs cpu, world size 1 (f32)" cuda-ws1 cpu-ws1
   check "cuda vs cpu, 2 ranks on $CUDA_EMU_DEVICES device(s) (f32)" cuda-ws2 cpu-ws2
@@ -193,6 +196,7 @@ if [ "$what" != tests ]; then
   # A replayed graph is the same kernels on the same addresses: bit for bit the eager run.
   check "cuda graphs vs eager, 1 rank" cuda-ws1-graph cuda-ws1-const 0
   check "cuda graphs vs eager, 1 rank, 2 micro-batches" cuda-ws1-graph-accum cuda-ws1-accum 0
+  check "cuda graphs vs eager, 1 rank, warm-up + cosine lr" cuda-ws1-graph-sched cuda-ws1-sched 0
   # The emulated NCCL reduces in rank order in f64 as the threads backend does: bit for bit.
   check "nccl (fsdp launch, 2 processes) vs threads, cuda" nccl-ws2 cuda-ws2 0
   check "nccl (fsdp launch, 2 processes) vs threads, cuda, bf16" nccl-ws2-bf16 cuda-ws2-bf16 0
@@ -260,7 +264,7 @@ PY
   counters cuda-ws2-bf16-offload 2 1
   # --cuda-graphs: one graph launch and no kernel launch from the host on every replayed
   # step (4 on), none on the eager ones; no device allocation once the graph is captured.
-  for name in cuda-ws1-graph cuda-ws1-graph-accum; do
+  for name in cuda-ws1-graph cuda-ws1-graph-accum cuda-ws1-graph-sched; do
     python3 - "$out/$name.jsonl" "$name" <<'PY' || fail=1
 import json, sys
 recs = [json.loads(l) for l in open(sys.argv[1])]

@@ -256,6 +256,13 @@ for g in "" "--cuda-graphs"; do
 done
 compare "loss curve cuda graphs vs eager (ws 1)" "$out/curve-cuda-const-graph.jsonl" "$out/curve-cuda-const.jsonl"
 say "cuda graphs: graph/kernel launches per step $(python3 -c 'import json,sys; r=[json.loads(l)["counters"] for l in open(sys.argv[1])]; print([(c.get("graph_launches",0), c["kernel_launches"]) for c in r])' "$out/curve-cuda-const-graph.jsonl" 2>&1)"
+# The same with a warm-up + cosine schedule: each replay reads its rate from the graph's
+# table on the device.
+for g in "" "--cuda-graphs"; do
+  name="curve-cuda-sched${g:+-graph}"
+  step "$name" 90 "\"$fsdp_bin\" train --device cuda --world-size 1 --warmup-steps 3 --lr-schedule cosine $g $small --metrics \"$out/$name.jsonl\""
+done
+compare "loss curve cuda graphs vs eager, warm-up + cosine lr (ws 1)" "$out/curve-cuda-sched-graph.jsonl" "$out/curve-cuda-sched.jsonl"
 
 # GPT-2 small's shape in bf16: tokens/s, MFU and peak device memory per rank.
 label="gpt2-124m"; [ "$model" = "--preset gpt2-124m" ] || label="model '$model'"

@@ -60,10 +60,7 @@ fn launches<T>(items: &[T], param: impl Fn(&T) -> &Tensor) -> Vec<(usize, DType)
 /// spells for f64 (as the CPU's f64 updates take it).
 #[cfg(feature = "cuda")]
 fn hyper(dtype: DType, v: f32) -> f64 {
-    match dtype {
-        DType::F64 => crate::ops::double::widen(v),
-        _ => f64::from(v),
-    }
+    crate::backend::cuda::widen_hyper(dtype, v)
 }
 
 /// One SGD step over `items` (all on CUDA devices).

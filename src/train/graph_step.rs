@@ -10,11 +10,14 @@
 //! in the graph as a constant: the batch is copied into static device buffers before each
 //! launch, the loss (and grad norm) are written to static scalars by the graph and copied
 //! into `pending`'s slots after it (device-to-device copies, no kernel), and Adam's step
-//! count is kept and advanced on the device (`kernels/graph.cu`). What would need the host
-//! inside the step is refused up front ([`check`]): a learning-rate schedule (the rate is a
-//! kernel argument), the grad scaler (it skips steps on the host), CPU offload, saving
-//! checkpoints (the host's optimizer state does not follow the replays), world sizes
-//! above 1. Memory figures of replayed steps are the warm-up step's.
+//! count is kept and advanced on the device (`kernels/graph.cu`), and so is the learning
+//! rate: the schedule's rate of every step from the warm-up on is computed once on the
+//! host by the run's scheduler and uploaded as a table of the graph's, indexed on the
+//! device by the step count (`backend::cuda::GraphRecorder::set_lr_table`). What would
+//! need the host inside the step is refused up front ([`check`]): a schedule with SGD
+//! (its kernel takes the rate as an argument), the grad scaler (it skips steps on the
+//! host), CPU offload, saving checkpoints (the host's optimizer state does not follow the
+//! replays), world sizes above 1. Memory figures of replayed steps are the warm-up step's.
 
 use super::config::TrainConfig;
 #[cfg(feature = "cuda")]
@@ -44,9 +47,10 @@ pub(super) fn check(cfg: &TrainConfig) -> Result<()> {
     if cfg.world_size != 1 {
         return bad("captures world size 1 only (got --world-size > 1)");
     }
-    if cfg.effective_warmup() > 0 || cfg.lr_schedule != super::LrSchedule::Constant {
+    let scheduled = cfg.effective_warmup() > 0 || cfg.lr_schedule != super::LrSchedule::Constant;
+    if scheduled && cfg.optimizer == crate::optim::OptimizerKind::Sgd {
         return bad(
-            "the learning rate must be constant (pass --warmup-steps 0 and --lr-schedule constant): a captured step bakes it into its kernels",
+            "--optimizer sgd takes a constant learning rate only (pass --warmup-steps 0 and --lr-schedule constant): its captured kernel keeps the captured step's rate; adam and adamw read each step's rate on the device",
         );
     }
     if cfg.uses_grad_scaler() {
@@ -71,6 +75,8 @@ pub(super) fn check(cfg: &TrainConfig) -> Result<()> {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(super) struct GraphSteps {
     first: usize,
+    /// The learning rate of every step from the warm-up (`first + 1`) on, for the graph.
+    lrs: Vec<f32>,
     device: Device,
     /// Per micro-batch: input and target ids `(rows, t)` i32.
     x: Vec<Tensor>,
@@ -87,11 +93,17 @@ pub(super) struct GraphSteps {
 
 impl GraphSteps {
     /// The buffers of a `--cuda-graphs` run whose first step is `first` (eager), or None
-    /// without the flag.
+    /// without the flag. `lr_of(step)` is the learning rate of 1-based step `step` (the
+    /// run's scheduler: the rate the eager step would set).
     ///
     /// # Errors
     /// The device's allocation errors.
-    pub fn new(cfg: &TrainConfig, device: Device, first: usize) -> Result<Option<GraphSteps>> {
+    pub fn new(
+        cfg: &TrainConfig,
+        device: Device,
+        first: usize,
+        lr_of: impl Fn(usize) -> f32,
+    ) -> Result<Option<GraphSteps>> {
         if !cfg.cuda_graphs {
             return Ok(None);
         }
@@ -101,6 +113,7 @@ impl GraphSteps {
         crate::backend::cuda::time_stream_waits(false); // its event queries are not capturable
         Ok(Some(GraphSteps {
             first,
+            lrs: (first + 1..=cfg.steps).map(lr_of).collect(),
             device,
             x: (0..cfg.grad_accum).map(|_| ids()).collect::<Result<_>>()?,
             y: (0..cfg.grad_accum).map(|_| ids()).collect::<Result<_>>()?,
@@ -161,7 +174,11 @@ impl GraphSteps {
                 g.launch()?;
                 self.graph = Some(g);
             } else {
-                let rec = crate::backend::cuda::GraphRecorder::new(&s)?;
+                let mut rec = crate::backend::cuda::GraphRecorder::new(&s)?;
+                if self.lrs.len() >= 2 {
+                    // A run that reaches the capture (the warm-up's rate first).
+                    rec.set_lr_table(std::mem::take(&mut self.lrs))?;
+                }
                 rec.warm_up(|| self.body(cfg, rank, engine, opt, true))?;
                 self.recorder = Some(rec);
             }

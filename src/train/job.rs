@@ -335,7 +335,10 @@ pub(super) fn run_rank(
     // The optimizer's state before the first step, not during it: the second step then
     // reuses every block the first one freed (no device allocation from step 2 on).
     opt.init_state(&engine.optimizer_params())?;
-    let mut graphs = super::graph_step::GraphSteps::new(cfg, device, first_step)?;
+    let mut graphs = super::graph_step::GraphSteps::new(cfg, device, first_step, |step| {
+        let lrs = sched.lrs_at(step - 1);
+        lrs.first().copied().unwrap_or(cfg.lr)
+    })?;
     for step in first_step..=cfg.steps {
         sched.set_epoch(opt.as_mut(), step - 1)?;
         engine.reset_peak();

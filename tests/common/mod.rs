@@ -386,3 +386,32 @@ pub fn test_name(module: &str, name: &str) -> String {
         None => name.to_string(),
     }
 }
+
+/// Whether this process should run the body of test `name` (of the module whose
+/// `module_path!()` is `module`): true in the child that runs it alone (environment
+/// variable `env` set); otherwise runs this test binary again with only that test and
+/// `env=1`, prints its output, asserts that it passed, and returns false. For checks that
+/// other tests of the binary would disturb (a graph capture, the emulator's deferral).
+#[allow(dead_code)] // not every test binary runs a test alone
+pub fn run_alone(module: &str, name: &str, env: &str) -> bool {
+    if std::env::var_os(env).is_some() {
+        return true;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", &test_name(module, name)])
+        .args(["--nocapture", "--test-threads", "1"])
+        .env(env, "1")
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{text}");
+    assert!(
+        out.status.success() && text.contains("1 passed"),
+        "{name} run alone in a child process failed"
+    );
+    false
+}

@@ -229,17 +229,8 @@ fn work_wait_orders_the_waiters_stream_and_an_unordered_read_is_stale_cuda() {
         .name
         .contains("cuda-emu")
         && std::env::var("CUDA_EMU_SCHEDULE").map_or(true, |v| v != "eager");
-    if deferred && std::env::var_os(CHILD).is_none() {
-        let name = "work_wait_orders_the_waiters_stream_and_an_unordered_read_is_stale_cuda";
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", &common::test_name(module_path!(), name)])
-            .args(["--nocapture", "--test-threads", "1"])
-            .env(CHILD, "1")
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).to_string()
-            + &String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success() && text.contains("1 passed"), "{text}");
+    let name = "work_wait_orders_the_waiters_stream_and_an_unordered_read_is_stale_cuda";
+    if deferred && !common::run_alone(module_path!(), name, CHILD) {
         return;
     }
     launch(&LaunchOptions::new(1), |_pg: Group| {
@@ -748,16 +739,7 @@ fn buffer_pool_reuses_a_buffer_only_behind_its_stream_job_cuda() {
         .name
         .contains("cuda-emu")
         && std::env::var("CUDA_EMU_SCHEDULE").map_or(true, |v| v != "eager");
-    if deferred && std::env::var_os(CHILD).is_none() {
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", &common::test_name(module_path!(), name)])
-            .args(["--nocapture", "--test-threads", "1"])
-            .env(CHILD, "1")
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).to_string()
-            + &String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success() && text.contains("1 passed"), "{text}");
+    if deferred && !common::run_alone(module_path!(), name, CHILD) {
         return;
     }
     use fsdp::fsdp::BufferPool;
@@ -818,34 +800,14 @@ fn buffer_pool_reuses_a_buffer_only_behind_its_stream_job_cuda() {
     .unwrap();
 }
 
-/// Runs `body` in a child process of this test binary running only test `name`: a graph
-/// capture routes every allocation of the device to its pool and forbids other threads'
-/// synchronizations (global capture mode), which the tests running beside it would trip.
+/// Runs `body` in a child process of this test binary running only test `name`, when a GPU
+/// is found: a graph capture routes every allocation of the device to its pool and forbids
+/// other threads' synchronizations (global capture mode), which the tests running beside
+/// it would trip.
 fn in_own_process(name: &str, body: impl FnOnce()) {
-    if std::env::var_os("FSDP_TEST_OWN_PROCESS").is_some() {
-        return body();
+    if gpus(name).is_some() && common::run_alone(module_path!(), name, "FSDP_TEST_OWN_PROCESS") {
+        body();
     }
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            &common::test_name(module_path!(), name),
-            "--exact",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
-        .env("FSDP_TEST_OWN_PROCESS", "1")
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    eprintln!("{text}");
-    assert!(
-        out.status.success() && text.contains("1 passed"),
-        "{name} in its own process failed"
-    );
 }
 
 /// `fsdp train --cuda-graphs`: steps 1-2 eager, 3 captured and launched, 4-8 replayed, with
@@ -854,9 +816,6 @@ fn in_own_process(name: &str, body: impl FnOnce()) {
 /// capture is refused (every buffer would be a `cuMemAlloc`), named.
 #[test]
 fn cuda_graph_steps_equal_eager_steps_bitwise_cuda() {
-    if gpus("cuda_graph_steps_equal_eager_steps_bitwise_cuda").is_none() {
-        return;
-    }
     in_own_process(
         "cuda_graph_steps_equal_eager_steps_bitwise_cuda",
         graph_steps,
@@ -875,50 +834,106 @@ fn graph_steps() {
             cuda_graphs: graphs,
             ..common::small_job(data.clone(), 1)
         };
-        let want = fsdp::train::train(&cfg(false), &fsdp::train::Silent).unwrap();
-        let got = match fsdp::train::train(&cfg(true), &fsdp::train::Silent) {
-            Err(e) if std::env::var("FSDP_CUDA_NO_CACHING").is_ok_and(|v| v == "1") => {
-                assert!(e.to_string().contains("caching allocator"), "{e}");
-                return;
-            }
-            r => r.unwrap(),
-        };
-        let bits = |r: &fsdp::train::TrainReport| -> Vec<u32> {
-            r.losses().iter().map(|l| l.to_bits()).collect()
-        };
-        assert_eq!(
-            bits(&got),
-            bits(&want),
-            "losses {:?} vs eager {:?}",
-            got.losses(),
-            want.losses()
-        );
-        let graphs: Vec<u64> = got
-            .records
-            .iter()
-            .map(|r| r.counters.graph_launches)
-            .collect();
-        assert_eq!(graphs, [0, 0, 1, 1, 1, 1, 1, 1], "graph launches per step");
-        for r in &got.records[3..] {
-            assert_eq!(
-                r.counters.kernel_launches, 0,
-                "step {}: {:?}",
-                r.step, r.counters
-            );
+        if !graph_equals_eager(&format!("grad accum {accum}"), &cfg) {
+            return;
         }
-        assert!(want.records[3].counters.kernel_launches > 0);
-        eprintln!(
-            "cuda graphs (grad accum {accum}): kernel launches per step eager {:?}, graph {:?}",
-            want.records
-                .iter()
-                .map(|r| r.counters.kernel_launches)
-                .collect::<Vec<_>>(),
-            got.records
-                .iter()
-                .map(|r| r.counters.kernel_launches)
-                .collect::<Vec<_>>()
+    }
+}
+
+/// Trains `cfg(false)` (eager) and `cfg(true)` (`--cuda-graphs`) and checks that their
+/// losses are equal bit for bit, that steps 1-2 launch no graph and every later step
+/// exactly one, and that replayed steps (4 on) launch no kernel. False (after checking the
+/// error) when the capture was refused under `FSDP_CUDA_NO_CACHING=1`.
+fn graph_equals_eager(what: &str, cfg: &dyn Fn(bool) -> fsdp::train::TrainConfig) -> bool {
+    let want = fsdp::train::train(&cfg(false), &fsdp::train::Silent).unwrap();
+    let got = match fsdp::train::train(&cfg(true), &fsdp::train::Silent) {
+        Err(e) if std::env::var("FSDP_CUDA_NO_CACHING").is_ok_and(|v| v == "1") => {
+            assert!(e.to_string().contains("caching allocator"), "{e}");
+            return false;
+        }
+        r => r.unwrap(),
+    };
+    let bits = |r: &fsdp::train::TrainReport| -> Vec<u32> {
+        r.losses().iter().map(|l| l.to_bits()).collect()
+    };
+    assert_eq!(
+        bits(&got),
+        bits(&want),
+        "{what}: losses {:?} vs eager {:?}",
+        got.losses(),
+        want.losses()
+    );
+    let graphs: Vec<u64> = got
+        .records
+        .iter()
+        .map(|r| r.counters.graph_launches)
+        .collect();
+    let mut expected = vec![1; got.records.len()];
+    expected[..2].fill(0);
+    assert_eq!(graphs, expected, "{what}: graph launches per step");
+    for r in &got.records[3..] {
+        assert_eq!(
+            r.counters.kernel_launches, 0,
+            "{what}: step {}: {:?}",
+            r.step, r.counters
         );
     }
+    assert!(want.records[3].counters.kernel_launches > 0);
+    let per_step = |r: &fsdp::train::TrainReport,
+                    f: fn(&fsdp::backend::counters::Counters) -> u64| {
+        r.records.iter().map(|r| f(&r.counters)).collect::<Vec<_>>()
+    };
+    eprintln!(
+        "cuda graphs ({what}): kernel launches per step eager {:?}, graph {:?}; device allocations eager {:?}, graph {:?}",
+        per_step(&want, |c| c.kernel_launches),
+        per_step(&got, |c| c.kernel_launches),
+        per_step(&want, |c| c.device_allocs),
+        per_step(&got, |c| c.device_allocs),
+    );
+    true
+}
+
+/// An lr schedule under `--cuda-graphs` (a warm-up of 3 steps, then cosine decay to lr / 10
+/// over 10 steps: a new rate at every replay, read from the graph's table on the device)
+/// gives the eager run's losses bit for bit, with Adam and AdamW; SGD, whose kernel takes
+/// the rate as an argument, is refused with a schedule, naming the option.
+#[test]
+fn cuda_graph_steps_follow_an_lr_schedule_bitwise_cuda() {
+    in_own_process(
+        "cuda_graph_steps_follow_an_lr_schedule_bitwise_cuda",
+        scheduled_graph_steps,
+    );
+}
+
+fn scheduled_graph_steps() {
+    use fsdp::optim::OptimizerKind;
+    let data = common::corpus_file("train-graph-schedule");
+    let cfg = |optimizer, graphs| fsdp::train::TrainConfig {
+        steps: 10,
+        device: fsdp::train::TrainDevice::Cuda,
+        warmup_steps: 3,
+        lr_schedule: fsdp::train::LrSchedule::Cosine,
+        optimizer,
+        global_batch: 4,
+        cuda_graphs: graphs,
+        ..common::small_job(data.clone(), 1)
+    };
+    // The schedule moves the rate at every step the graph replays (4 on).
+    let c = cfg(OptimizerKind::Adamw, true);
+    let lrs: Vec<f32> = (1..=c.steps).map(|s| c.lr_at(s)).collect();
+    assert!(lrs[3..].windows(2).all(|w| w[0] > w[1]), "{lrs:?}");
+    for opt in [OptimizerKind::Adamw, OptimizerKind::Adam] {
+        if !graph_equals_eager(&format!("{opt}, warm-up + cosine"), &|g| cfg(opt, g)) {
+            return;
+        }
+    }
+    let e = fsdp::train::train(&cfg(OptimizerKind::Sgd, true), &fsdp::train::Silent)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("--cuda-graphs") && e.contains("--optimizer sgd"),
+        "{e}"
+    );
 }
 
 /// What a captured step may not do is refused at capture with the operation's name: a read
@@ -928,9 +943,6 @@ fn graph_steps() {
 #[cfg(feature = "cuda")]
 #[test]
 fn a_host_sync_in_a_captured_step_is_refused_by_name_cuda() {
-    if gpus("a_host_sync_in_a_captured_step_is_refused_by_name_cuda").is_none() {
-        return;
-    }
     in_own_process(
         "a_host_sync_in_a_captured_step_is_refused_by_name_cuda",
         refused_capture,

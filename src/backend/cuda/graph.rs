@@ -19,6 +19,9 @@
 //!   overwritten by it at every replay);
 //! - Adam's step count lives in device memory, advanced by the graph itself
 //!   (`kernels/graph.cu`, PyTorch's `capturable=True`; see `optim.rs`);
+//! - a learning-rate schedule is a table of every replay's rate, given to the recorder
+//!   ([`GraphRecorder::set_lr_table`]) and uploaded with the graph's constants: Adam's
+//!   bias kernel reads the rate of its step count from it (see [Note: lr table]);
 //! - inputs are copied into static buffers before each launch, outputs read after it, by
 //!   the caller (`fsdp train --cuda-graphs`, `train/graph_step.rs`).
 //!
@@ -31,11 +34,32 @@ use cudarc::driver::sys;
 use parking_lot::Mutex;
 use std::sync::Arc;
 
-/// The region being recorded: whether it is a capture, and the writes to make once before
-/// the captured graph's first launch (device address, bytes).
+/// The region being recorded: whether it is a capture, the writes to make once before
+/// the captured graph's first launch (device address, bytes), and the recorder's
+/// learning-rate table with the index of this region's step in it.
 struct Region {
     capture: bool,
     inits: Vec<(u64, Vec<u8>)>,
+    lrs: Option<(Arc<[f32]>, usize)>,
+}
+
+// [Note: lr table]
+// An eager step passes its learning rate to the optimizer's kernels as an argument; a
+// captured one would replay the captured step's rate forever. So the recorder is given the
+// rate of every step from the warm-up on, computed once on the host by the schedule the
+// eager run uses (`optim::Scheduler::lrs_at`), and Adam's graph step reads it from the
+// device: `adam_bias` (graph.cu) looks up the entry of its device step count and writes it
+// to a scalar that `adam_{f32,f64}` reads instead of its `lr` argument. Entry 0 is the
+// warm-up step's (so that the warm-up allocates and uses the same graph constants as the
+// capture), entry 1 the captured step's (the first launch), entry j the j-th launch's. The
+// table holds each f32 rate as the eager step widens it (f64::from, or the decimal it
+// spells for f64 tensors), so a replay does the eager step's arithmetic bit for bit.
+
+/// The learning-rate table of the region being recorded (the warm-up step's rate first)
+/// and the index of the recorded step's rate in it (0: warm-up, 1: capture); None outside
+/// a region or when the recorder was given no table.
+pub(crate) fn lr_table() -> Option<(Arc<[f32]>, usize)> {
+    REGION.lock().as_ref().and_then(|r| r.lrs.clone())
 }
 
 static REGION: Mutex<Option<Region>> = Mutex::new(None);
@@ -79,6 +103,7 @@ fn copy_to_device(s: &Stream, ptr: u64, bytes: &[u8]) -> Result<()> {
 pub struct GraphRecorder {
     stream: Arc<Stream>,
     pool: Arc<PrivatePool>,
+    lrs: Option<Arc<[f32]>>,
 }
 
 /// Routes the device's allocations to the graph pool and marks the region; undone on drop
@@ -98,6 +123,7 @@ impl<'a> RegionGuard<'a> {
         *r = Some(Region {
             capture,
             inits: Vec::new(),
+            lrs: rec.lrs.clone().map(|t| (t, usize::from(capture))),
         });
         rec.pool.set_capturing(capture);
         rec.stream.dev.pool.set_private(Some(rec.pool.clone()));
@@ -129,7 +155,37 @@ impl GraphRecorder {
         Ok(GraphRecorder {
             stream: stream.clone(),
             pool: PrivatePool::new(stream.dev.pool.clone()),
+            lrs: None,
         })
+    }
+
+    /// The learning rate of the warm-up step (`lrs[0]`), of the captured step (`lrs[1]`,
+    /// its first launch) and of each later launch (`lrs[j]`: the j-th launch; the last
+    /// entry for launches past the table), read on the device by the optimizer steps the
+    /// regions record ([Note: lr table]). Without a table a capture keeps the captured
+    /// step's rate.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a table of fewer than 2 rates or a NaN, infinite or negative
+    /// rate.
+    pub fn set_lr_table(&mut self, lrs: Vec<f32>) -> Result<()> {
+        if lrs.len() < 2 {
+            crate::error::bail_arg!(
+                "a CUDA graph's learning-rate table needs the warm-up's and the capture's rates (got {})",
+                lrs.len()
+            );
+        }
+        if let Some((j, lr)) = lrs
+            .iter()
+            .enumerate()
+            .find(|(_, l)| !l.is_finite() || **l < 0.0)
+        {
+            crate::error::bail_arg!(
+                "a CUDA graph's learning-rate table holds {lr} at launch {j} (rates are finite and >= 0)"
+            );
+        }
+        self.lrs = Some(lrs.into());
+        Ok(())
     }
 
     /// Runs `f` eagerly (its work runs), every device allocation taken from the graph's

@@ -256,10 +256,12 @@ raw_kernel!(/// `scale_by_{f32,f64}(x, alpha, n)`: `alpha` is a device pointer t
     scale_by, "reduce_scatter", (x: u64, alpha: u64, n: i64));
 raw_kernel!(/// `sgd_{f32,f64}(tensors, k, lr, momentum, dampening, weight_decay, nesterov)`.
     sgd, "optim", (tensors: u64, k: i64, lr: Arg, momentum: Arg, dampening: Arg, weight_decay: Arg, nesterov: i32));
-raw_kernel!(/// `adam_{f32,f64}(tensors, k, lr, beta1, beta2, eps, weight_decay, decoupled)`.
-    adam, "optim", (tensors: u64, k: i64, lr: Arg, beta1: Arg, beta2: Arg, eps: Arg, weight_decay: Arg, decoupled: i32));
-raw_kernel!(/// `adam_bias_{f32,f64}(tensors, k, step, lr, beta1, beta2)` (`graph.cu`).
-    adam_bias, "graph", (tensors: u64, k: i64, step: u64, lr: f64, beta1: f64, beta2: f64));
+raw_kernel!(/// `adam_{f32,f64}(tensors, k, lr, beta1, beta2, eps, weight_decay, decoupled, lr_at)`
+    /// (`lr_at`: 0, or the device scalar of `dt` that replaces `lr`).
+    adam, "optim", (tensors: u64, k: i64, lr: Arg, beta1: Arg, beta2: Arg, eps: Arg, weight_decay: Arg, decoupled: i32, lr_at: u64));
+raw_kernel!(/// `adam_bias_{f32,f64}(tensors, k, step, lrs, n_lrs, base, lr_out, lr, beta1, beta2)`
+    /// (`graph.cu`).
+    adam_bias, "graph", (tensors: u64, k: i64, step: u64, lrs: u64, n_lrs: i64, base: i64, lr_out: u64, lr: f64, beta1: f64, beta2: f64));
 raw_kernel!(/// `gelu_fwd_{f32,f64}(x, y, n)` (the nn.cu launchers below take both instances; scalar
     /// arguments of the element type are [`Arg::float_of`]).
     gelu_fwd, "nn", (x: u64, y: u64, n: i64));

@@ -248,9 +248,11 @@ pub fn adam_step(s: &Stream, slots: &[AdamSlot<'_>], h: &AdamHyper) -> Result<()
         DType::F64 => upload_table(s, &t64)?,
         _ => upload_table(s, &t32)?,
     };
-    if super::graph::recording() {
-        graph_bias(s, dt, &t, slots, h)?;
-    }
+    // In a graph region, the device scalar the step's rate is read from (kept by the graph).
+    let lr_at = match super::graph::recording() {
+        true => Some(graph_bias(s, dt, &t, slots, h)?),
+        false => None,
+    };
     let f = |v: f64| Arg::float_of(dt, v);
     // SAFETY: as in `sgd_step`, with the descriptor type of `dt`.
     unsafe {
@@ -266,7 +268,17 @@ pub fn adam_step(s: &Stream, slots: &[AdamSlot<'_>], h: &AdamHyper) -> Result<()
             f(h.eps),
             f(h.weight_decay),
             h.decoupled as i32,
+            lr_at.as_ref().map_or(0, |b| b.ptr()),
         )
+    }
+}
+
+/// An f32 hyperparameter as the kernel of `dt` takes it: exactly itself for f32, the
+/// decimal it spells for f64 (as the CPU's f64 updates take it).
+pub(crate) fn widen_hyper(dt: DType, v: f32) -> f64 {
+    match dt {
+        DType::F64 => crate::ops::double::widen(v),
+        _ => f64::from(v),
     }
 }
 
@@ -274,17 +286,20 @@ pub fn adam_step(s: &Stream, slots: &[AdamSlot<'_>], h: &AdamHyper) -> Result<()
 /// corrections of `table` are computed on the device from it (`adam_bias_{f32,f64}`,
 /// PyTorch's `capturable=True`), so that each replay of the graph is the next step, not
 /// the captured one again. The count starts at the slots' common count before this
-/// update; its block is kept for the graph.
+/// update; its block is kept for the graph. With the region's learning-rate table
+/// ([Note: lr table] in `graph.rs`), the rate of each replay is read from it; the returned
+/// scalar (of `dt`, a graph constant) holds the replay's rate for `adam_{f32,f64}`.
 ///
 /// # Errors
-/// `InvalidArgument` when the slots' step counts differ; [`crate::Error::Cuda`].
+/// `InvalidArgument` when the slots' step counts differ or the table's rate for this step
+/// is not `h.lr`; [`crate::Error::Cuda`].
 fn graph_bias(
     s: &Stream,
     dt: DType,
     table: &super::DeviceBuffer,
     slots: &[AdamSlot<'_>],
     h: &AdamHyper,
-) -> Result<()> {
+) -> Result<super::DeviceBuffer> {
     let step = slots.first().map_or(1, |sl| sl.step);
     if let Some(other) = slots.iter().find(|sl| sl.step != step) {
         crate::error::bail_arg!(
@@ -294,6 +309,26 @@ fn graph_bias(
     }
     let count = s.alloc_graph_constant(8)?;
     super::graph::write_once(s, count.ptr(), &(step as i64 - 1).to_le_bytes())?;
+    let lr_out = s.alloc_graph_constant(dt.size_in_bytes())?;
+    // The rates as the eager step of `dt` widens them; `base` is the count whose rate is
+    // the table's first entry (the warm-up step's).
+    let lrs = match super::graph::lr_table() {
+        Some((lrs, at)) => {
+            let wide: Vec<f64> = lrs.iter().map(|&l| widen_hyper(dt, l)).collect();
+            if wide[at].to_bits() != h.lr.to_bits() {
+                crate::error::bail_arg!(
+                    "adam_step: a CUDA graph's learning-rate table gives {} for step {step}, the optimizer {} (the table must be the schedule's for this optimizer)",
+                    wide[at],
+                    h.lr
+                );
+            }
+            let bytes: Vec<u8> = wide.iter().flat_map(|l| l.to_le_bytes()).collect();
+            let buf = s.alloc_graph_constant(bytes.len())?;
+            super::graph::write_once(s, buf.ptr(), &bytes)?;
+            Some((buf, wide.len(), step as i64 - at as i64))
+        }
+        None => None,
+    };
     let (lr, b1, b2) = match dt {
         DType::F64 => (h.lr, h.betas.0, h.betas.1),
         // The f32 optimizer's settings, widened (as `adam_step` computes them).
@@ -308,7 +343,8 @@ fn graph_bias(
         block: 1,
     };
     // SAFETY: `table` holds `slots.len()` descriptors of `dt`'s layout (written by
-    // `adam_step`), `count` one i64; both stay allocated (held) while the graph lives.
+    // `adam_step`), `count` one i64, `lrs` its length of f64, `lr_out` one element of `dt`;
+    // all stay allocated (held) while the graph lives.
     unsafe {
         launch::adam_bias(
             s,
@@ -317,9 +353,14 @@ fn graph_bias(
             table.ptr(),
             slots.len() as i64,
             count.ptr(),
+            lrs.as_ref().map_or(0, |(b, _, _)| b.ptr()),
+            lrs.as_ref().map_or(0, |(_, n, _)| *n as i64),
+            lrs.as_ref().map_or(0, |(_, _, base)| *base),
+            lr_out.ptr(),
             lr,
             b1,
             b2,
         )
-    }
+    }?;
+    Ok(lr_out)
 }
