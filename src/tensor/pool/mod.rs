@@ -64,7 +64,10 @@
 //! peer rank's half arrives, so FSDP keeps those (and its other per-step buffers) in its
 //! own [`BufferPool`](crate::fsdp::BufferPool) on the host too, reused in program order.
 //! Measured on the replay (2-core machine, loaded by other builds): 0 B of new peaks over
-//! 10 cycles and over steps 10 to 100, in every run (`tests/isolated/cpu_pool_memory.rs`).
+//! 10 cycles and over steps 10 to 100, in each of 15 runs, where the process-wide buckets
+//! had 0 to 3 (`tests/isolated/cpu_pool_memory.rs`, docs/speed.md). The cost: the threads'
+//! peaks summed can exceed the peak of their sum (218.8 MB after the replay's first cycle,
+//! against 197.8-206.2 MB, which then grew).
 //!
 //! A thread's buckets go when the thread exits: their free buffers are freed, and its
 //! buffers still live go back to the allocator when they drop. [`HostMemoryStats::owners`]
