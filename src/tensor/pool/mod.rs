@@ -1,9 +1,10 @@
 //! The CPU buffer pool: host buffers of dropped tensors (every dtype: f32, bf16, f16, f64,
 //! i32, i64) are kept, by the thread that made them, dtype and length, and handed to that
-//! thread's next tensor of that dtype and length, so a training step allocates (and page-faults) nothing once the first step
-//! has run: every step makes the same shapes in the same order (a bf16 or f64 step as much
-//! as an f32 one). It is the host's counterpart of PyTorch's CUDA caching allocator
-//! (`c10/cuda/CUDACachingAllocator.cpp`), with exact sizes instead of rounded blocks.
+//! thread's next tensor of that dtype and length, so a training step allocates (and
+//! page-faults) nothing once the first step has run: every step makes the same shapes in
+//! the same order (a bf16 or f64 step as much as an f32 one). It is the host's
+//! counterpart of PyTorch's CUDA caching allocator (`c10/cuda/CUDACachingAllocator.cpp`),
+//! with exact sizes instead of rounded blocks.
 //!
 //! What it holds is bounded by what live tensors use ([Note: pool bound]) and given back:
 //! by [`empty_cache`] (`torch.cuda.empty_cache`), and by itself when the last model or
