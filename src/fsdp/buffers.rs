@@ -36,8 +36,14 @@
 //! offloaded gradient shards) are page-locked (`cuMemHostAlloc`), so the device copies
 //! into them asynchronously; kept like the others, no step after the first pins memory.
 //!
-//! The pool is used by the compute thread only. With `enabled` false (the host, where the
-//! CPU tensor pool already reuses f32 buffers) it allocates every time and keeps nothing.
+//! The pool is used by the compute thread only. FSDP enables it on every device. On the
+//! host the CPU tensor pool (`tensor::pool`) would reuse these buffers too, but a flat
+//! gradient given back behind its reduction would then be freed by the communication
+//! thread when the peer rank's half arrives, a moment set by the schedule, and the tensor
+//! pool's bound would move with it ([Note: pool bound] in `tensor::pool`); kept here, the
+//! number of buffers follows the rank's program alone. At world size 1 on the host the
+//! reduction runs on the compute thread (`streams.rs`) and its gradient is given back at
+//! once. With `enabled` false it allocates every time and keeps nothing.
 
 use crate::backend::Device;
 use crate::distributed::{CommStream, Work};

@@ -243,7 +243,12 @@ impl FullyShardedDataParallel {
             let work = s.streams.run(s.streams.post_backward(), keep, job);
             // The flat gradient is free for another unit's backward once the job ran.
             let s = &mut *s;
-            s.buffers.give_after(released, s.streams.post_backward());
+            if s.streams.run_inline() {
+                // The job ran on this thread: nothing else uses the gradient any more.
+                s.buffers.give(released);
+            } else {
+                s.buffers.give_after(released, s.streams.post_backward());
+            }
             work
         };
         self.pending_grad = Some(PendingGrad {

@@ -123,7 +123,8 @@ impl Scheduler {
         mem: Arc<Mutex<MemoryStats>>,
         device: Device,
     ) -> Self {
-        let mut buffers = BufferPool::new(device.is_cuda(), 1);
+        // On the host too: see the module docs of `buffers.rs`.
+        let mut buffers = BufferPool::new(true, 1);
         if let (Device::Cuda(i), true) = (device, streams.pre_unshard.is_some()) {
             // CPU offload on a GPU: the host gradient shards are pinned.
             buffers.pin_host(i);

@@ -187,6 +187,8 @@ impl Buffer {
 pub struct Storage {
     pub(crate) buf: parking_lot::RwLock<Buffer>,
     pub(crate) device: Device,
+    /// The pool's owner of a host buffer: the thread whose buckets it goes back to.
+    owner: super::pool::Owner,
 }
 
 impl Storage {
@@ -194,12 +196,12 @@ impl Storage {
     /// A host buffer counts as live in the [buffer pool](super::pool)'s figures until the
     /// storage drops.
     pub fn new(buf: Buffer) -> Storage {
-        super::pool::went_live(&buf);
-        Self::counted(buf)
+        let owner = super::pool::went_live(&buf);
+        Self::counted(buf, owner)
     }
 
-    /// [`Storage::new`] for a buffer the pool already counts as live.
-    pub(crate) fn counted(buf: Buffer) -> Storage {
+    /// [`Storage::new`] for a buffer the pool already counts as live, as `owner`'s.
+    pub(crate) fn counted(buf: Buffer, owner: super::pool::Owner) -> Storage {
         let device = match &buf {
             Buffer::Meta { .. } => Device::Meta,
             Buffer::Cuda { buf, .. } => Device::Cuda(buf.ordinal()),
@@ -208,6 +210,7 @@ impl Storage {
         Storage {
             buf: parking_lot::RwLock::new(buf),
             device,
+            owner,
         }
     }
 }
@@ -216,7 +219,7 @@ impl Drop for Storage {
     fn drop(&mut self) {
         let b = self.buf.get_mut();
         if b.is_host_vec() {
-            super::pool::give_back(std::mem::replace(b, Buffer::F32(Vec::new())));
+            super::pool::give_back(std::mem::replace(b, Buffer::F32(Vec::new())), self.owner);
         }
     }
 }

@@ -66,13 +66,21 @@ const ROWS: usize = 8;
 const BLOCK: isize = ((WIDTH * WIDTH + WIDTH) * 4) as isize;
 /// Live bytes outside the pool that may move: what the runtime makes once per process or
 /// per model and keeps for the process group's life (a communicator subgroup per FSDP root,
-/// ~0.5 KB a cycle, measured; the first use's statics), not buffers: 64 KiB, against the
+/// ~0.5-1 KB a cycle, measured; the first use's statics), not buffers: 64 KiB, against the
 /// 4 MiB of one block.
 const SLACK: isize = 64 << 10;
-/// The most the pool may grow by new peaks: four blocks, one unit's unsharded parameter and
-/// gradient more on each of the two ranks when one runs ahead of the other (measured on a
-/// loaded 2-core machine: none to one block over 10 cycles, two over 90 steps).
-const NEW_PEAKS: isize = 4 * BLOCK;
+/// The bytes of new peaks the pool may keep beyond the first cycle (or step 10): none. Each
+/// thread's buckets are bounded by that thread's own peaks, which its program sets in the
+/// first step whatever the other rank does, and FSDP reuses its flat gradients itself
+/// rather than have the communication thread free them at a moment the schedule picks
+/// ([Note: pool bound] in `tensor::pool`). With one bucket per length for both ranks the
+/// pool kept 0 to 2 blocks more over 10 cycles, and up to 2 over steps 10 to 100, varying
+/// with how the ranks interleaved on the loaded machine.
+const NEW_PEAKS: isize = 0;
+/// The issue's bound on growth (pytorch#149100 replayed): within one block of the level
+/// after the first cycle. The assertions below are tighter: [`NEW_PEAKS`] and [`SLACK`].
+const ONE_BLOCK: isize = BLOCK;
+const _: () = assert!(SLACK + NEW_PEAKS < ONE_BLOCK);
 
 /// 4 x Linear(1024, 1024) wrapped per layer, as in pytorch#149100.
 fn model(pg: Group) -> fsdp::Result<FullyShardedDataParallel> {
@@ -177,16 +185,15 @@ fn build_train_drop_cycles_level_off() {
         last.pool_misses - first.pool_misses,
         last.heap_allocations - first.heap_allocations,
     );
-    // Beyond the level after the first cycle, live bytes grow only by the buffers of new
-    // peaks (a length needed more times at once than ever before, when the two ranks'
-    // threads interleave differently), and by at most NEW_PEAKS of those; the old pool grew
-    // 84 MB a cycle here, keeping every state dict's tensors.
+    // Beyond the level after the first cycle, live bytes grow by no buffer: no new peaks,
+    // and nothing else beyond SLACK; the old pool grew 84 MB a cycle here, keeping every
+    // state dict's tensors.
     for (i, ((l, s), g)) in levels.iter().zip(&growth).enumerate() {
         let new_peaks = (s.pool_miss_bytes - first.pool_miss_bytes) as isize;
         assert!(
-            new_peaks <= NEW_PEAKS && (g - new_peaks).abs() <= SLACK,
+            new_peaks <= NEW_PEAKS && g.abs() <= SLACK,
             "after cycle {}: live {l} B, {g} B over the first cycle's level, {new_peaks} B of \
-             new peaks (bounds: {NEW_PEAKS} B of new peaks, {SLACK} B beyond them): {growth:?}",
+             new peaks (bounds: {NEW_PEAKS} B of new peaks, {SLACK} B in all): {growth:?}",
             i + 1
         );
     }
@@ -196,10 +203,7 @@ fn build_train_drop_cycles_level_off() {
         last.pool_hits - first.pool_hits,
         last.pool_misses - first.pool_misses,
     );
-    assert!(
-        hits > 0 && misses * 100 <= hits,
-        "{hits} hits, {misses} misses"
-    );
+    assert!(hits > 0 && misses == 0, "{hits} hits, {misses} misses");
 }
 
 #[test]
@@ -230,28 +234,20 @@ fn live_bytes_are_flat_from_step_10_to_100() {
         s100.heap_allocations - s10.heap_allocations,
         s100.pool_misses - s10.pool_misses,
     );
-    // The pool grows only where the step needed more buffers of a length at once than
-    // ever before (a new peak: the two ranks' threads interleaved differently), and then
-    // by exactly those buffers: nothing else accumulates (the old pool grew 17.7 MB here,
-    // keeping every step's input vectors).
+    // Flat: no new peak (each thread's were set by its first steps, whatever the other
+    // rank did) and nothing else accumulates (the old pool grew 17.7 MB here, keeping every
+    // step's input vectors).
     let misses = s100.pool_misses - s10.pool_misses;
     let new_peaks = (s100.pool_miss_bytes - s10.pool_miss_bytes) as isize;
     let hits = s100.pool_hits - s10.pool_hits;
     assert!(
-        (at100 - at10 - new_peaks).abs() <= SLACK,
+        new_peaks <= NEW_PEAKS && (at100 - at10).abs() <= SLACK,
         "live bytes moved {} B from step 10 to step 100, {new_peaks} B of them new peaks \
-         (bound {SLACK} B beyond those)",
+         ({misses} misses; bounds: {NEW_PEAKS} B of new peaks, {SLACK} B in all)",
         at100 - at10
     );
-    assert!(
-        new_peaks <= NEW_PEAKS,
-        "{misses} misses, {new_peaks} B of new peaks (bound {NEW_PEAKS} B)"
-    );
-    // Every other buffer of a steady step came from the pool.
-    assert!(
-        hits > 1000 * misses.max(1) / 100,
-        "{hits} hits, {misses} misses"
-    );
+    // Every buffer of a steady step came from the pool.
+    assert!(hits > 0 && misses == 0, "{hits} hits, {misses} misses");
     assert_eq!(s100.active_bytes, s10.active_bytes, "the model's state");
 }
 

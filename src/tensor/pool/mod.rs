@@ -1,9 +1,10 @@
 //! The CPU buffer pool: host buffers of dropped tensors (every dtype: f32, bf16, f16, f64,
-//! i32, i64) are kept, by dtype and length, and handed to the next tensor of that dtype
-//! and length, so a training step allocates (and page-faults) nothing once the first step
-//! has run: every step makes the same shapes in the same order (a bf16 or f64 step as much
-//! as an f32 one). It is the host's counterpart of PyTorch's CUDA caching allocator
-//! (`c10/cuda/CUDACachingAllocator.cpp`), with exact sizes instead of rounded blocks.
+//! i32, i64) are kept, by the thread that made them, dtype and length, and handed to that
+//! thread's next tensor of that dtype and length, so a training step allocates (and
+//! page-faults) nothing once the first step has run: every step makes the same shapes in
+//! the same order (a bf16 or f64 step as much as an f32 one). It is the host's
+//! counterpart of PyTorch's CUDA caching allocator (`c10/cuda/CUDACachingAllocator.cpp`),
+//! with exact sizes instead of rounded blocks.
 //!
 //! What it holds is bounded by what live tensors use ([Note: pool bound]) and given back:
 //! by [`empty_cache`] (`torch.cuda.empty_cache`), and by itself when the last model or
@@ -19,10 +20,11 @@
 //! ([`crate::ops`]' outputs): stale values are valid elements, never uninitialized memory.
 //!
 //! # [Note: pool bound]
-//! Each (dtype, length) is a bucket that counts its live host buffers (every
-//! [`Storage`](super::Storage) of that dtype and length, whether its buffer came from the
-//! pool or from a vector handed in, `Tensor::from_vec`) and the most that were ever live
-//! at once, its *peak*. A dropped buffer is kept only when
+//! Each (thread, dtype, length) is a bucket that counts its live host buffers (every
+//! [`Storage`](super::Storage) of that dtype and length whose buffer the thread took from
+//! the pool or handed in, `Tensor::from_vec`) and the most that were ever live at once, its
+//! *peak*. A buffer belongs to that thread, its *owner*, for its whole life: whichever
+//! thread drops it, it goes back to its owner's bucket. A dropped buffer is kept only when
 //! - some tensor asked the pool for that dtype and length (its bucket is *demanded*):
 //!   buffers of lengths only ever handed in (state dicts, a data loader's batches) are
 //!   never asked for, so keeping them is pure growth. Replaying pytorch#149100 (a W=2
@@ -32,10 +34,10 @@
 //!   a length no op asks for) was kept and a new one made the next cycle; and 17.7 MB over
 //!   steps 10 to 100 of training, one batch's input vectors a step;
 //! - the bucket's live and free buffers together stay within its peak: the pool holds,
-//!   per length, what the program needed at once, never more. The same model built again
-//!   (or the next step) asks for the same lengths in the same order and is served from
-//!   what the last one gave back; a length that is needed less than before sheds the
-//!   excess when it is dropped;
+//!   per thread and length, what the thread needed at once, never more. The same model
+//!   built again (or the next step) asks for the same lengths in the same order and is
+//!   served from what the last one gave back; a length that is needed less than before
+//!   sheds the excess when it is dropped;
 //! - the free bytes stay within [`pool_limit`] (a quarter of the machine's memory unless
 //!   [`set_pool_limit`] chose another), a ceiling for programs whose shapes change every
 //!   step: with the 8 x 256, seq 128, batch 64 job (about 1.3 GB of buffers a step) a fixed
@@ -45,18 +47,49 @@
 //! So a steady step is served entirely from the pool: a take finds no free buffer only when
 //! every buffer the bucket holds is live, which raises its peak, and peaks stop rising
 //! once the program repeats itself. What it costs is per-length peaks summed (the most
-//! held is `sum over lengths of peak x bytes`), which can exceed the peak of the sum when
-//! phases use different lengths (a state dict's gather next to a step's activations).
+//! held is `sum over threads and lengths of peak x bytes`), which can exceed the peak of
+//! the sum when phases use different lengths (a state dict's gather next to a step's
+//! activations) or threads reach their peaks at different times.
+//!
+//! Why per thread: the thread ranks of [`launch`](crate::distributed::launch) share this
+//! pool, and how far one rank runs ahead of another changes from step to step with the
+//! machine's load. With one bucket per length for the whole process, the peak was the most
+//! buffers *all ranks together* ever had live at once, so a step where the ranks
+//! overlapped in a new way raised it and left one more buffer pooled for good (the replay
+//! above: 0 to 2 unsharded 4 MiB flat parameters more over 10 cycles, up to 2 more between
+//! steps 10 and 100, varying from run to run). A thread's own takes and drops follow its
+//! program, the same in every step and every cycle, so its peaks are reached in the first
+//! step and the pool's bound, their sum, no longer depends on the interleaving. That holds
+//! as long as a thread's buffers are not freed by another thread at a time set by the
+//! schedule: FSDP's communication threads drop the flat gradients they reduce when the
+//! peer rank's half arrives, so FSDP keeps those (and its other per-step buffers) in its
+//! own [`BufferPool`](crate::fsdp::BufferPool) on the host too, reused in program order.
+//! Measured on the replay (2-core machine, loaded by other builds): 0 B of new peaks over
+//! 10 cycles and over steps 10 to 100, in each of 15 runs, where the process-wide buckets
+//! had 0 to 3 (`tests/isolated/cpu_pool_memory.rs`, docs/speed.md). The cost: the threads'
+//! peaks summed can exceed the peak of their sum (218.8 MB after the replay's first cycle,
+//! against 197.8-206.2 MB, which then grew).
+//!
+//! A thread's buckets go when the thread exits: their free buffers are freed, and its
+//! buffers still live go back to the allocator when they drop. [`HostMemoryStats::owners`]
+//! counts the threads the pool holds buckets for.
 //!
 //! Peaks are forgotten when the last [`PoolUser`] (an FSDP unit, a process group's world)
 //! drops: the pool then frees what it holds and stops keeping the lengths it served, and a
 //! model built later starts afresh. [`empty_cache`] frees what is held without forgetting
 //! the peaks of lengths still live.
 
+mod owner;
+mod stats;
+
 use super::storage::Buffer;
 use crate::dtype::DType;
+pub(crate) use owner::Owner;
+use owner::{current_owner, Key, KeyHasher};
 use parking_lot::Mutex;
+pub use stats::HostMemoryStats;
 use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 /// The least [`pool_limit`] is by default (bytes): 1 GiB holds every activation of the main
@@ -117,9 +150,16 @@ struct Bucket {
     demanded: bool,
 }
 
+impl Bucket {
+    fn went_live(&mut self) {
+        self.live += 1;
+        self.peak = self.peak.max(self.live);
+    }
+}
+
 #[derive(Default)]
 struct Pool {
-    buckets: HashMap<(DType, usize), Bucket>,
+    buckets: HashMap<Key, Bucket, BuildHasherDefault<KeyHasher>>,
     free_bytes: usize,
     free_buffers: usize,
     active_bytes: usize,
@@ -140,49 +180,62 @@ fn bytes_of(dtype: DType, len: usize) -> usize {
 }
 
 impl Pool {
-    /// A buffer of this dtype and length goes live.
-    fn went_live(&mut self, key: (DType, usize)) {
-        let b = self.buckets.entry(key).or_default();
-        b.live += 1;
-        b.peak = b.peak.max(b.live);
-        self.active_bytes += bytes_of(key.0, key.1);
+    /// A buffer of this owner, dtype and length goes live.
+    fn went_live(&mut self, key: Key) {
+        self.buckets.entry(key).or_default().went_live();
+        self.active_went_up(bytes_of(key.1, key.2));
+    }
+
+    /// One more live buffer of `bytes`, in the figures of every bucket together.
+    fn active_went_up(&mut self, bytes: usize) {
+        self.active_bytes += bytes;
         self.active_buffers += 1;
         self.active_peak = self.active_peak.max(self.active_bytes);
         self.reserved_peak = self.reserved_peak.max(self.active_bytes + self.free_bytes);
     }
 
     /// Undoes [`Pool::went_live`] for a buffer that could not be allocated.
-    fn undo_live(&mut self, key: (DType, usize)) {
+    fn undo_live(&mut self, key: Key) {
         if let Some(b) = self.buckets.get_mut(&key) {
             b.live = b.live.saturating_sub(1);
         }
-        self.active_bytes = self.active_bytes.saturating_sub(bytes_of(key.0, key.1));
+        self.active_bytes = self.active_bytes.saturating_sub(bytes_of(key.1, key.2));
         self.active_buffers = self.active_buffers.saturating_sub(1);
     }
 
-    /// A free buffer of this dtype and length, if the bucket holds one; marks it demanded.
-    fn take(&mut self, key: (DType, usize)) -> Option<Buffer> {
+    /// A free buffer of this owner, dtype and length, if the bucket holds one; marks it
+    /// demanded, and counts one buffer of it live when `live` (as [`Pool::went_live`], with
+    /// one lookup).
+    fn take(&mut self, key: Key, live: bool) -> Option<Buffer> {
+        let bytes = bytes_of(key.1, key.2);
         let b = self.buckets.entry(key).or_default();
         b.demanded = true;
-        match b.free.pop() {
-            Some(buf) => {
-                self.free_bytes -= bytes_of(key.0, key.1);
+        let hit = b.free.pop();
+        if live {
+            b.went_live();
+        }
+        match &hit {
+            Some(_) => {
+                self.free_bytes -= bytes;
                 self.free_buffers -= 1;
-                Some(buf)
             }
             None => {
                 self.misses += 1;
-                self.miss_bytes += bytes_of(key.0, key.1) as u64;
-                None
+                self.miss_bytes += bytes as u64;
             }
         }
+        if live {
+            self.active_went_up(bytes);
+        }
+        hit
     }
 
-    /// A live buffer dropped: kept within the bounds of [Note: pool bound], else returned
-    /// for the caller to free outside the lock.
-    fn dropped(&mut self, buf: Buffer) -> Option<Buffer> {
-        let key = (buf.dtype(), buf.len());
-        let bytes = bytes_of(key.0, key.1);
+    /// A live buffer of `owner` dropped (by any thread): kept in its owner's bucket within
+    /// the bounds of [Note: pool bound], else returned for the caller to free outside the
+    /// lock.
+    fn dropped(&mut self, buf: Buffer, owner: Owner) -> Option<Buffer> {
+        let key = (owner, buf.dtype(), buf.len());
+        let bytes = bytes_of(key.1, key.2);
         self.active_bytes = self.active_bytes.saturating_sub(bytes);
         self.active_buffers = self.active_buffers.saturating_sub(1);
         let Some(b) = self.buckets.get_mut(&key) else {
@@ -225,6 +278,35 @@ impl Pool {
         out
     }
 
+    /// Takes out every free buffer `owner`'s buckets hold (for the caller to free outside
+    /// the lock) and forgets their peaks and demand: the owner thread exited. Its buffers
+    /// still live go back to the allocator when they drop.
+    fn forget_owner(&mut self, owner: Owner) -> Vec<Buffer> {
+        let mut out = Vec::new();
+        self.buckets.retain(|k, b| {
+            if k.0 != owner {
+                return true;
+            }
+            let bytes = bytes_of(k.1, k.2) * b.free.len();
+            self.free_bytes -= bytes;
+            self.free_buffers -= b.free.len();
+            out.append(&mut b.free);
+            b.peak = b.live;
+            b.demanded = false;
+            b.live > 0
+        });
+        self.released += out.len() as u64;
+        out
+    }
+
+    /// Threads the pool keeps buckets for.
+    fn owners(&self) -> usize {
+        let mut owners: Vec<Owner> = self.buckets.keys().map(|k| k.0).collect();
+        owners.sort_unstable();
+        owners.dedup();
+        owners.len()
+    }
+
     fn stats(&self) -> HostMemoryStats {
         HostMemoryStats {
             active_bytes: self.active_bytes,
@@ -240,6 +322,7 @@ impl Pool {
             pool_miss_bytes: self.miss_bytes,
             pool_releases: self.released,
             users: self.users,
+            owners: self.owners(),
         }
     }
 }
@@ -247,50 +330,6 @@ impl Pool {
 /// Runs `f` on the pool (made on first use).
 fn with_pool<R>(f: impl FnOnce(&mut Pool) -> R) -> R {
     f(POOL.lock().get_or_insert_with(Pool::default))
-}
-
-/// The CPU pool's figures, as `torch.cuda.memory_stats()` reports its caching allocator's
-/// (the keys named below); bytes of host tensor buffers (`Vec`s of a host dtype; pinned
-/// memory and device memory are not the pool's). From [`memory_stats`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct HostMemoryStats {
-    /// Bytes in live tensors' buffers, wherever the buffer came from
-    /// (`"active_bytes.all.current"`).
-    pub active_bytes: usize,
-    /// The most [`active_bytes`](Self::active_bytes) since the process started or
-    /// [`reset_peak_memory_stats`] (`"active_bytes.all.peak"`).
-    pub active_bytes_peak: usize,
-    /// Bytes the pool holds free for the next tensor of the same dtype and length: what
-    /// [`empty_cache`] gives back (`"reserved_bytes.all.current"` minus
-    /// `"active_bytes.all.current"`, the caching allocator's inactive blocks).
-    pub pooled_bytes: usize,
-    /// Bytes in live tensors and held free together: what the tensor layer holds
-    /// (`"reserved_bytes.all.current"`).
-    pub reserved_bytes: usize,
-    /// The most [`reserved_bytes`](Self::reserved_bytes) since the process started or
-    /// [`reset_peak_memory_stats`] (`"reserved_bytes.all.peak"`).
-    pub reserved_bytes_peak: usize,
-    /// Live tensor buffers (`"active.all.current"`).
-    pub active_buffers: usize,
-    /// Free buffers the pool holds (`"inactive_split.all.current"`).
-    pub pooled_buffers: usize,
-    /// Tensor buffers that came from the heap since the process started: the pool's misses
-    /// and the vectors handed in (`Tensor::from_vec`); as [`allocations`]
-    /// (`"num_device_alloc"`, the driver allocations).
-    pub heap_allocations: u64,
-    /// Tensor buffers the pool served since the process started; as [`reuses`].
-    pub pool_hits: u64,
-    /// Requests the pool could not serve (a new buffer was allocated) since the process
-    /// started.
-    pub pool_misses: u64,
-    /// Bytes of the buffers allocated for [`pool_misses`](Self::pool_misses).
-    pub pool_miss_bytes: u64,
-    /// Buffers the pool gave back to the allocator (beyond its bound, or by
-    /// [`empty_cache`] or the last [`PoolUser`]) since the process started
-    /// (`"num_device_free"`).
-    pub pool_releases: u64,
-    /// Live [`PoolUser`]s (FSDP units and process-group worlds).
-    pub users: usize,
 }
 
 /// The pool's figures now (`torch.cuda.memory_stats()`; see [`HostMemoryStats`]).
@@ -403,7 +442,7 @@ pub(crate) fn take(dtype: DType, len: usize, zeroed: bool) -> Buffer {
 /// fits and the allocator cannot serve a new one. The buffer is not live until a
 /// [`Storage`](super::Storage) holds it.
 pub(crate) fn try_take(dtype: DType, len: usize, zeroed: bool) -> crate::Result<Buffer> {
-    take_inner(dtype, len, zeroed, false)
+    take_inner(current_owner(), dtype, len, zeroed, false)
 }
 
 /// A [`Storage`](super::Storage) of a buffer from [`try_take`], counted live under the
@@ -413,8 +452,9 @@ pub(crate) fn try_take_storage(
     len: usize,
     zeroed: bool,
 ) -> crate::Result<super::Storage> {
-    let buf = take_inner(dtype, len, zeroed, true)?;
-    Ok(super::Storage::counted(buf))
+    let owner = current_owner();
+    let buf = take_inner(owner, dtype, len, zeroed, true)?;
+    Ok(super::Storage::counted(buf, owner))
 }
 
 /// [`try_take_storage`], aborting as [`take`] does.
@@ -422,18 +462,19 @@ pub(crate) fn take_storage(dtype: DType, len: usize, zeroed: bool) -> super::Sto
     try_take_storage(dtype, len, zeroed).unwrap_or_else(|_| abort_alloc(dtype, len))
 }
 
-fn take_inner(dtype: DType, len: usize, zeroed: bool, live: bool) -> crate::Result<Buffer> {
+/// A buffer from `owner`'s bucket, or a new one; counted live (as `owner`'s) when `live`.
+fn take_inner(
+    owner: Owner,
+    dtype: DType,
+    len: usize,
+    zeroed: bool,
+    live: bool,
+) -> crate::Result<Buffer> {
     if len < POOL_MIN_LEN {
         return Buffer::try_new_zeroed(dtype, len);
     }
-    let key = (dtype, len);
-    let hit = with_pool(|p| {
-        let hit = p.take(key);
-        if live {
-            p.went_live(key);
-        }
-        hit
-    });
+    let key = (owner, dtype, len);
+    let hit = with_pool(|p| p.take(key, live));
     if let Some(mut b) = hit {
         REUSES.fetch_add(1, Ordering::Relaxed);
         if zeroed {
@@ -456,108 +497,27 @@ fn take_inner(dtype: DType, len: usize, zeroed: bool, live: bool) -> crate::Resu
     }
 }
 
-/// Counts a host buffer a new [`Storage`](super::Storage) holds as live.
-pub(crate) fn went_live(buf: &Buffer) {
+/// Counts a host buffer a new [`Storage`](super::Storage) holds as live, as the calling
+/// thread's; its owner, for [`give_back`].
+pub(crate) fn went_live(buf: &Buffer) -> Owner {
     if buf.len() >= POOL_MIN_LEN && buf.is_host_vec() {
-        with_pool(|p| p.went_live((buf.dtype(), buf.len())));
+        let owner = current_owner();
+        with_pool(|p| p.went_live((owner, buf.dtype(), buf.len())));
+        owner
+    } else {
+        0
     }
 }
 
-/// Takes back the host buffer of a dropped tensor when it is within the pool's bound
-/// ([Note: pool bound]); other buffers go back to the allocator.
-pub(crate) fn give_back(b: Buffer) {
+/// Takes back the host buffer of a dropped tensor, into `owner`'s bucket, when it is within
+/// the pool's bound ([Note: pool bound]); other buffers go back to the allocator.
+pub(crate) fn give_back(b: Buffer, owner: Owner) {
     if b.len() < POOL_MIN_LEN || !b.is_host_vec() {
         return;
     }
-    let freed = with_pool(|p| p.dropped(b));
+    let freed = with_pool(|p| p.dropped(b, owner));
     drop(freed);
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::tensor::Tensor;
-
-    /// Free buffers the pool holds of this dtype and length.
-    fn free_of(dtype: DType, len: usize) -> usize {
-        with_pool(|p| p.buckets.get(&(dtype, len)).map_or(0, |b| b.free.len()))
-    }
-
-    #[test]
-    fn buffers_of_every_host_dtype_come_back_by_dtype_and_length() {
-        // Another test's last user dropping would empty the pool between a drop and a take.
-        let _user = PoolUser::new();
-        // A length no other test uses, so parallel tests do not take these buffers.
-        let len = 12_347;
-        let a = Tensor::zeros(&[len], DType::BF16);
-        a.data_mut::<half::bf16>().unwrap().fill(half::bf16::ONE);
-        drop(a);
-        let b = Tensor::zeros(&[len], DType::F64);
-        b.data_mut::<f64>().unwrap().fill(2.5);
-        drop(b);
-        assert_eq!(
-            (free_of(DType::BF16, len), free_of(DType::F64, len)),
-            (1, 1)
-        );
-        // Stale values for an op that overwrites them, zeros when asked.
-        let a = Tensor::scratch(&[len], DType::BF16);
-        assert!(a
-            .data::<half::bf16>()
-            .unwrap()
-            .iter()
-            .all(|x| *x == half::bf16::ONE));
-        let b = Tensor::zeros(&[len], DType::F64);
-        assert!(b.data::<f64>().unwrap().iter().all(|x| *x == 0.0));
-        assert_eq!(
-            (free_of(DType::BF16, len), free_of(DType::F64, len)),
-            (0, 0)
-        );
-        // Another dtype of the same length is not served the bf16 buffer.
-        drop(a);
-        let c = Tensor::scratch(&[len], DType::F16);
-        assert!(c
-            .data::<half::f16>()
-            .unwrap()
-            .iter()
-            .all(|x| *x == half::f16::ZERO));
-        assert_eq!(free_of(DType::BF16, len), 1);
-    }
-
-    #[test]
-    fn the_pool_keeps_a_length_up_to_its_peak_and_only_when_asked_for() {
-        let _user = PoolUser::new();
-        let (len, other) = (12_377, 12_379);
-        // Handed in, never asked for: not kept (a state dict's tensors).
-        drop(Tensor::from_vec(vec![1.0f32; other], &[other]).unwrap());
-        assert_eq!(free_of(DType::F32, other), 0);
-        // Three at once: the peak is 3, and all three are kept.
-        let three: Vec<Tensor> = (0..3).map(|_| Tensor::zeros(&[len], DType::F32)).collect();
-        drop(three);
-        assert_eq!(free_of(DType::F32, len), 3);
-        // One handed in next to two from the pool: 3 live, the peak; dropped, the pool
-        // holds 3 again, not 4 (one of them goes back to the allocator).
-        let two: Vec<Tensor> = (0..2).map(|_| Tensor::zeros(&[len], DType::F32)).collect();
-        let handed = Tensor::from_vec(vec![2.0f32; len], &[len]).unwrap();
-        assert_eq!(free_of(DType::F32, len), 1);
-        drop((two, handed));
-        assert_eq!(free_of(DType::F32, len), 3);
-        // Live bytes count every live buffer of a host dtype.
-        let t = Tensor::zeros(&[len], DType::F32);
-        assert!(memory_stats().active_bytes >= len * 4);
-        drop(t);
-        let before = memory_stats().pool_releases;
-        empty_cache();
-        assert_eq!(free_of(DType::F32, len), 0);
-        assert!(memory_stats().pool_releases >= before + 3);
-    }
-
-    #[test]
-    fn the_limit_is_at_least_a_gib_and_can_be_set() {
-        let default = pool_limit();
-        assert!(default >= POOL_BYTES, "{default}");
-        set_pool_limit(default + 4096);
-        assert_eq!(pool_limit(), default + 4096);
-        set_pool_limit(default);
-        assert_eq!(pool_limit(), default);
-    }
-}
+mod tests;
