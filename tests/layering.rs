@@ -238,7 +238,7 @@ fn is_ident(c: char) -> bool {
 type Ref = (usize, String);
 
 /// The top-level modules that `code` (already [`strip`]ped) refers to, for a file whose
-/// module path is `module_path` (`["tensor", "storage"]` for `src/tensor/storage.rs`).
+/// module path is `module_path` (`["tensor", "storage"]` for `crates/fsdp-core/src/tensor/storage.rs`).
 fn references(code: &str, module_path: &[String]) -> Vec<Ref> {
     let b: Vec<char> = code.chars().collect();
     let mut out = Vec::new();
@@ -533,10 +533,7 @@ fn the_table_is_read_from_the_docs() {
         declared_modules("pub mod a;\nmod b;\n#[cfg(x)]\npub(crate) mod c;\n// mod d;\n"),
         vec!["a", "b", "c"]
     );
-}
-
-#[test]
-fn the_crate_column_is_read_and_lower_crates_are_references() {
+    // The crate column, and references through a lower crate's name.
     let t = parse_table(
         "//! | layer | crate | modules | owns |\n//! |---|---|---|---|\n\
          //! | shared | `fsdp-core` | [`error`] | leaves |\n\

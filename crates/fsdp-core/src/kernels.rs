@@ -95,7 +95,7 @@ mod tests {
         assert_eq!(
             rows(&doc, "//! "),
             files,
-            "fsdp-core's src/kernels.rs's table"
+            "crates/fsdp-core/src/kernels.rs's table"
         );
         let cuda_page = std::fs::read_to_string(root.join("docs/cuda.md")).unwrap();
         assert_eq!(rows(&cuda_page, ""), files, "docs/cuda.md's kernel table");
