@@ -95,7 +95,8 @@ pub use nn_ops::*;
 #[cfg(feature = "cuda")]
 pub use ops::*;
 #[cfg(feature = "cuda")]
-pub(crate) use optim::widen_hyper;
+#[doc(hidden)] // crate-internal, public only for the layers above
+pub use optim::widen_hyper;
 #[cfg(feature = "cuda")]
 pub use optim::{adam_step, sgd_step, AdamHyper, AdamSlot, SgdHyper, SgdSlot};
 #[cfg(feature = "cuda")]

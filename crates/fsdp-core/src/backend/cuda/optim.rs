@@ -275,7 +275,7 @@ pub fn adam_step(s: &Stream, slots: &[AdamSlot<'_>], h: &AdamHyper) -> Result<()
 
 /// An f32 hyperparameter as the kernel of `dt` takes it: exactly itself for f32, the
 /// decimal it spells for f64 (as the CPU's f64 updates take it).
-pub(crate) fn widen_hyper(dt: DType, v: f32) -> f64 {
+pub fn widen_hyper(dt: DType, v: f32) -> f64 {
     match dt {
         DType::F64 => crate::ops::double::widen(v),
         _ => f64::from(v),
