@@ -63,3 +63,12 @@ impl std::fmt::Display for DType {
         f.write_str(s)
     }
 }
+
+/// An f32 hyperparameter (LayerNorm's eps, a score scale, a learning rate) as the f64 its
+/// decimal spelling names: `1e-5f32` becomes `1e-5f64` (PyTorch passes eps as a Python
+/// float), not `9.99999974e-6`. In this leaf layer because the f64 host ops
+/// (`ops::double`) and the CUDA backend's f64 updates (`backend::cuda::widen_hyper`) both
+/// widen this way.
+pub fn widen(x: f32) -> f64 {
+    format!("{x}").parse::<f64>().unwrap_or(f64::from(x))
+}

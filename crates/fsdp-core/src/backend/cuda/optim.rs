@@ -277,7 +277,7 @@ pub fn adam_step(s: &Stream, slots: &[AdamSlot<'_>], h: &AdamHyper) -> Result<()
 /// decimal it spells for f64 (as the CPU's f64 updates take it).
 pub fn widen_hyper(dt: DType, v: f32) -> f64 {
     match dt {
-        DType::F64 => crate::ops::double::widen(v),
+        DType::F64 => crate::dtype::widen(v),
         _ => f64::from(v),
     }
 }

@@ -12,12 +12,7 @@ use crate::error::Result;
 use crate::ops::LayerNormSaved;
 use crate::tensor::{DType, Tensor};
 
-/// An f32 hyperparameter (LayerNorm's eps, a score scale) as the f64 its decimal spelling
-/// names: `1e-5f32` becomes `1e-5f64` (PyTorch passes eps as a Python float), not
-/// `9.99999974e-6`.
-pub fn widen(x: f32) -> f64 {
-    format!("{x}").parse::<f64>().unwrap_or(f64::from(x))
-}
+pub use crate::dtype::widen;
 
 /// `y = (x - mean) rstd w + b` per row of `x (rows, C)`, `rstd = 1 / sqrt(var + eps)` with
 /// the biased variance; saves `xhat` and `rstd` (f64) for the backward.
