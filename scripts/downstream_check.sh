@@ -66,14 +66,15 @@ for line in open(sys.argv[1]):
     name = m["target"]["name"]
     if name in ("clap", "indicatif", "mimalloc", "fsdp_capi", "fsdp-capi", "fsdp-cli"):
         bad.append(f"built {name}, a crate the library must not pull in")
-    if name == "fsdp" and "bin" not in m["target"]["kind"]:
-        fsdp_seen = True
+    # The library is three crates: fsdp over fsdp_core and fsdp_distributed.
+    if name in ("fsdp", "fsdp_core", "fsdp_distributed") and "bin" not in m["target"]["kind"]:
+        fsdp_seen = fsdp_seen or name == "fsdp"
         kinds = m["target"]["crate_types"]
         if kinds not in (["lib"], ["rlib"]):
-            bad.append(f"the fsdp library has crate types {kinds}, want only the rlib")
+            bad.append(f"the {name} library has crate types {kinds}, want only the rlib")
         for f in m["filenames"]:
             if not f.endswith((".rlib", ".rmeta")):
-                bad.append(f"the fsdp library produced {f}")
+                bad.append(f"the {name} library produced {f}")
 if not fsdp_seen:
     bad.append("cargo reported no fsdp library artifact")
 for b in bad:

@@ -60,7 +60,7 @@ if [ "${1:-}" = "prepare" ]; then
   cp target/release/fsdp "$bin/fsdp"
   strip "$bin"/* || true
   # What it was built from, for the summary (the GPU machine may have no git).
-  echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD -- src crates kernels tests benches build.rs Cargo.toml Cargo.lock 2>/dev/null || echo ' + uncommitted changes'), prepared $(date -u +%FT%TZ)" >"$bin/PREPARED"
+  echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD -- src crates kernels tests benches Cargo.toml Cargo.lock 2>/dev/null || echo ' + uncommitted changes'), prepared $(date -u +%FT%TZ)" >"$bin/PREPARED"
   du -sh "$bin"
   echo "prepared $bin: carry it (run's carry: [\".gpu-bin\"]) and run scripts/gpu-check.sh there"
   exit 0
@@ -157,7 +157,7 @@ if [ -x "$bin/fsdp" ] && [ "${GPU_CHECK_BUILD:-}" != cargo ]; then
   fsdp_bin="$bin/fsdp"
 elif command -v cargo >/dev/null 2>&1; then
   say "build: cargo (--features cuda, release)"
-  # Exported once: build.rs reruns (and recompiles every kernel) when NVCC changes.
+  # Exported once: crates/fsdp-core/build.rs reruns (and recompiles every kernel) when NVCC changes.
   NVCC="$(timeout 120 scripts/install_nvcc.sh | tail -n 1)"; export NVCC
   test_args=""; for t in $tests; do test_args="$test_args --test $t"; done
   step build 300 "cargo test --release --features cuda $test_args --no-run &&

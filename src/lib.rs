@@ -8,22 +8,31 @@
 //! ## Layers
 //!
 //! Lowest layer first: a module may refer to the modules of its own row and of earlier
-//! rows, never to a later row's. `tests/layering.rs` reads this table and fails on any
-//! reference that runs up it (`crate::x`, `use crate::{..}`, a `super::` chain), so the
-//! table stays true.
+//! rows, never to a later row's. The layers live in three crates, and the compiler keeps
+//! each crate from naming one above it: `fsdp-core` (`crates/fsdp-core/`) holds the first
+//! four rows, `fsdp-distributed` (`crates/fsdp-distributed/`) the fifth, this crate the
+//! rest, and it re-exports the lower crates' modules at their old paths
+//! (`fsdp::tensor::Tensor`, `fsdp::distributed::launch`). Inside a crate,
+//! `tests/layering.rs` reads this table and fails on any reference that runs up it
+//! (`crate::x`, `use crate::{..}`, a `super::` chain, `fsdp_core::x`), so the table stays
+//! true. A crate imports the modules of the crates below it at its root, so `crate::tensor`
+//! reads the same in all three.
 //!
-//! | layer | modules | owns |
-//! |---|---|---|
-//! | shared | [`device`], [`dtype`], [`init`], [`reduce`], [`error`], [`choice`], `hash`, [`kernels`] | leaves every layer names: `Device`, `DType`, parameter initializers (`ParamInit`), `ReduceOp`, the error enum, the named option enums' `Choice`, FNV-1a, the embedded CUDA fat binaries |
-//! | tensor | [`tensor`] | storage (host, device behind a trait, meta), views, host access, the buffer pool |
-//! | backend | [`backend`] | CPU reference ops and scalar math, GEMM, the CUDA backend; `Tensor`'s device methods (`to_device`, `copy_from`, `to_dtype`) |
-//! | ops | [`ops`] | device-dispatching tensor ops (CPU reference or CUDA kernel) |
-//! | distributed | [`distributed`] | process groups, collectives, stores, launchers |
-//! | nn / optim | [`nn`], [`optim`] | modules with explicit backward, GPT, SGD/Adam/AdamW |
-//! | fsdp | [`fsdp`] | FlatParameter, units, strategies, wrap policies, state dicts |
-//! | checkpoint | [`checkpoint`] | safetensors checkpoint files, crash-safe saves, resharding loads |
-//! | embed | [`embed`] | units declared by their parameters, for a host that computes itself (drives the FSDP hooks): the Rust embedding API |
-//! | train | [`train`] | the main job behind `fsdp train` and `fsdp bench` |
+//! | layer | crate | modules | owns |
+//! |---|---|---|---|
+//! | shared | `fsdp-core` | [`device`], [`dtype`], [`init`], [`reduce`], [`error`], [`choice`], `hash`, [`kernels`] | leaves every layer names: `Device`, `DType`, parameter initializers (`ParamInit`), `ReduceOp`, the error enum, the named option enums' `Choice`, FNV-1a, the embedded CUDA fat binaries |
+//! | tensor | `fsdp-core` | [`tensor`] | storage (host, device behind a trait, meta), views, host access, the buffer pool |
+//! | backend | `fsdp-core` | [`backend`] | CPU reference ops and scalar math, GEMM, the CUDA backend; `Tensor`'s device methods (`to_device`, `copy_from`, `to_dtype`) |
+//! | ops | `fsdp-core` | [`ops`] | device-dispatching tensor ops (CPU reference or CUDA kernel) |
+//! | distributed | `fsdp-distributed` | [`distributed`] | process groups, collectives, stores, launchers |
+//! | nn / optim | `fsdp` | [`nn`], [`optim`] | modules with explicit backward, GPT, SGD/Adam/AdamW |
+//! | fsdp | `fsdp` | [`fsdp`] | FlatParameter, units, strategies, wrap policies, state dicts |
+//! | checkpoint | `fsdp` | [`checkpoint`] | safetensors checkpoint files, crash-safe saves, resharding loads |
+//! | embed | `fsdp` | [`embed`] | units declared by their parameters, for a host that computes itself (drives the FSDP hooks): the Rust embedding API |
+//! | train | `fsdp` | [`train`] | the main job behind `fsdp train` and `fsdp bench` |
+//!
+//! Items of the lower crates marked `#[doc(hidden)]` are crate-internal, public only for
+//! the layers above: not part of the API.
 //!
 //! Two crates of the workspace sit above them all, each using only this crate's public
 //! API: `fsdp-capi` (`crates/fsdp-capi/`), the C ABI over [`embed`] and [`distributed`]
@@ -36,7 +45,7 @@
 //!
 //! | feature | default | adds |
 //! |---|---|---|
-//! | `cuda` | off | the CUDA backend: `kernels/*.cu` compiled by nvcc, loaded through cudarc (no CUDA library needed to build) |
+//! | `cuda` | off | the CUDA backend: `kernels/*.cu` compiled by nvcc (`crates/fsdp-core/build.rs`), loaded through cudarc (no CUDA library needed to build); turns on the lower crates' `cuda` |
 //! | `test-hooks` | off | the hidden fault hooks the tests drive (`FSDP_FAIL_RANK`, `FSDP_KILL_ONCE`, `FSDP_CKPT_STALL`); without it the variables are never read |
 //!
 //! ```
@@ -63,23 +72,16 @@
 
 #![warn(missing_docs)]
 
-pub mod backend;
+// The lower layers, from their crates, at their old paths.
+use fsdp_core::hash;
+pub use fsdp_core::{backend, choice, device, dtype, error, init, kernels, ops, reduce, tensor};
+pub use fsdp_distributed::distributed;
+
 pub mod checkpoint;
-pub mod choice;
-pub mod device;
-pub mod distributed;
-pub mod dtype;
 pub mod embed;
-pub mod error;
 pub mod fsdp;
-mod hash;
-pub mod init;
-pub mod kernels;
 pub mod nn;
-pub mod ops;
 pub mod optim;
-pub mod reduce;
-pub mod tensor;
 pub mod train;
 
 pub use error::{exit_code, Error, Result};

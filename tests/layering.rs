@@ -1,11 +1,16 @@
-//! The layer table of `src/lib.rs`, enforced: no file of a top-level module refers to a
-//! module of a higher layer (`crate::x`, `$crate::x`, `use crate::{x, ..}` or a `super::`
-//! chain that climbs to the crate root). Modules of one row may refer to each other.
+//! The layer table of `src/lib.rs`, enforced inside each of the library's crates: no file
+//! of a top-level module refers to a module of a higher layer (`crate::x`, `$crate::x`,
+//! `use crate::{x, ..}`, a `super::` chain that climbs to the crate root, or
+//! `fsdp_core::x`). Modules of one row may refer to each other. Across crates the compiler
+//! enforces the table: `fsdp-core` (the first rows) depends on nothing of the library,
+//! `fsdp-distributed` on `fsdp-core` only, and each crate imports the lower crates' modules
+//! at its root, so `crate::tensor` names the same module in all three.
 //!
-//! The table is read from the crate docs themselves (the rows after the `| layer | modules
-//! | owns |` header, bottom layer first; every backticked name in the modules column is a
-//! top-level module of that row), so the docs a reader trusts are the rule CI checks, and
-//! a module missing from the table is an error too. Comments, doc comments and string
+//! The table is read from the crate docs themselves (the rows after the `| layer | crate |
+//! modules | owns |` header, bottom layer first; every backticked name in the modules column
+//! is a top-level module of that row, declared by the row's crate), so the docs a reader
+//! trusts are the rule CI checks, and a module missing from the table, or declared by
+//! another crate than its row names, is an error too. Comments, doc comments and string
 //! literals are skipped: a doc link up the table is not an import. The C ABI
 //! (`crates/fsdp-capi/`) and the command line (`crates/fsdp-cli/`) are crates of their own
 //! above every layer, which reach the library through its public API only.
@@ -13,10 +18,12 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-/// Layers bottom first: `layers[h]` are the top-level modules at height `h`.
+/// Layers bottom first: `layers[h]` are the top-level modules at height `h`, in the crate
+/// `crates[h]` (`"fsdp"` when the table has no crate column).
 #[derive(Debug)]
 struct Table {
     layers: Vec<Vec<String>>,
+    crates: Vec<String>,
     /// Items `lib.rs` re-exports at the root (`pub use error::{Error, Result}`): `crate::Error`
     /// is a reference to `error`.
     root_items: BTreeMap<String, String>,
@@ -42,6 +49,9 @@ fn root_items(lib_rs: &str) -> BTreeMap<String, String> {
         let Some((module, names)) = rest.split_once("::") else {
             continue;
         };
+        if module.starts_with("fsdp_") {
+            continue; // a lower crate's modules, re-exported under their own names
+        }
         let names = names.trim_start_matches('{').trim_end_matches('}');
         for n in names.split(',').filter(|n| !n.is_empty()) {
             let n = n.rsplit(" as ").next().unwrap_or(n);
@@ -52,10 +62,13 @@ fn root_items(lib_rs: &str) -> BTreeMap<String, String> {
     out
 }
 
-/// Reads the layer table from the crate docs (`//! | layer | modules | owns |` rows).
+/// Reads the layer table from the crate docs (`//! | layer | crate | modules | owns |`
+/// rows; the crate column is optional).
 fn parse_table(lib_rs: &str) -> Table {
     let mut layers = Vec::new();
+    let mut crates = Vec::new();
     let mut in_table = false;
+    let (mut crate_col, mut modules_col) = (None, 1);
     for line in lib_rs.lines() {
         let Some(row) = line.trim().strip_prefix("//!") else {
             if in_table {
@@ -71,23 +84,31 @@ fn parse_table(lib_rs: &str) -> Table {
             continue;
         }
         let cells: Vec<&str> = row.trim_matches('|').split('|').map(str::trim).collect();
-        if cells.len() >= 2 && cells[0] == "layer" && cells[1] == "modules" {
+        if cells.first() == Some(&"layer") && cells.contains(&"modules") {
             in_table = true;
+            crate_col = cells.iter().position(|c| *c == "crate");
+            modules_col = cells.iter().position(|c| *c == "modules").unwrap();
             continue;
         }
         if !in_table || cells[0].starts_with("---") {
             continue;
         }
-        let modules: Vec<String> = cells[1]
+        let modules: Vec<String> = cells[modules_col]
             .split('`')
             .skip(1)
             .step_by(2)
             .map(|s| s.to_string())
             .collect();
         layers.push(modules);
+        crates.push(
+            crate_col
+                .map_or("fsdp", |c| cells[c].trim_matches('`'))
+                .to_string(),
+        );
     }
     Table {
         layers,
+        crates,
         root_items: root_items(lib_rs),
     }
 }
@@ -217,7 +238,7 @@ fn is_ident(c: char) -> bool {
 type Ref = (usize, String);
 
 /// The top-level modules that `code` (already [`strip`]ped) refers to, for a file whose
-/// module path is `module_path` (`["tensor", "storage"]` for `src/tensor/storage.rs`).
+/// module path is `module_path` (`["tensor", "storage"]` for `crates/fsdp-core/src/tensor/storage.rs`).
 fn references(code: &str, module_path: &[String]) -> Vec<Ref> {
     let b: Vec<char> = code.chars().collect();
     let mut out = Vec::new();
@@ -257,7 +278,9 @@ fn references(code: &str, module_path: &[String]) -> Vec<Ref> {
         }
         let levels = module_path.len() + inline_mods.len();
         let at_root = match word.as_str() {
-            "crate" => Some(word_end),
+            // A lower crate's root holds its modules under their own names (fsdp-distributed's
+            // only module is `distributed`, `fsdp_distributed::distributed`).
+            "crate" | "fsdp_core" | "fsdp_distributed" => Some(word_end),
             "super" => {
                 // A chain super::super::...: it reaches the root after len(module_path).
                 let mut n = 1;
@@ -399,46 +422,76 @@ fn module_path(rel: &Path) -> Vec<String> {
     parts
 }
 
+/// The library's crates, by the names of the table's crate column: (name, folder of its
+/// `src/`, relative to the workspace root).
+const CRATES: &[(&str, &str)] = &[
+    ("fsdp-core", "crates/fsdp-core/src"),
+    ("fsdp-distributed", "crates/fsdp-distributed/src"),
+    ("fsdp", "src"),
+];
+
 #[test]
 fn no_module_refers_to_a_layer_above_it() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let lib_rs = std::fs::read_to_string(src.join("lib.rs")).unwrap();
-    let table = parse_table(&lib_rs);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let lib_rs = std::fs::read_to_string(root.join("src/lib.rs")).unwrap();
+    let mut table = parse_table(&lib_rs);
     assert!(
         table.layers.len() >= 5,
-        "src/lib.rs has no layer table (| layer | modules | owns |): {table:?}"
+        "src/lib.rs has no layer table (| layer | crate | modules | owns |): {table:?}"
     );
     let mut problems = Vec::new();
-    for m in declared_modules(&lib_rs) {
-        if table.height(&m).is_none() {
+    for c in &table.crates {
+        if !CRATES.iter().any(|(name, _)| name == c) {
             problems.push(format!(
-                "src/lib.rs: module `{m}` is not in the layer table"
+                "src/lib.rs: the layer table names crate `{c}`, which is not one of {CRATES:?}"
             ));
         }
     }
-    for row in &table.layers {
-        for m in row {
-            if !declared_modules(&lib_rs).contains(m) {
-                problems.push(format!(
-                    "src/lib.rs: the layer table names `{m}`, which lib.rs does not declare"
-                ));
+    // Each crate's `pub use error::{Error, ..}` items count as their modules everywhere.
+    for (_, dir) in CRATES {
+        let lib = std::fs::read_to_string(root.join(dir).join("lib.rs")).unwrap();
+        table.root_items.extend(root_items(&lib));
+    }
+    let mut checked = BTreeMap::new();
+    for (name, dir) in CRATES {
+        let src = root.join(dir);
+        let lib = std::fs::read_to_string(src.join("lib.rs")).unwrap();
+        let declared = declared_modules(&lib);
+        for m in &declared {
+            match table.height(m) {
+                None => problems.push(format!(
+                    "{dir}/lib.rs: module `{m}` is not in the layer table"
+                )),
+                Some(h) if table.crates[h] != *name => problems.push(format!(
+                    "{dir}/lib.rs: module `{m}` is in crate `{name}`, the layer table says `{}`",
+                    table.crates[h]
+                )),
+                Some(_) => {}
             }
         }
-    }
-    let mut files = Vec::new();
-    rust_files(&src, &mut files);
-    files.sort();
-    let mut checked = BTreeMap::new();
-    for f in files {
-        let rel = f.strip_prefix(&src).unwrap();
-        let path = module_path(rel);
-        let text = std::fs::read_to_string(&f).unwrap();
-        for v in violations(&table, &path, &text) {
-            problems.push(format!("src/{}:{v}", rel.display()));
+        for (row, c) in table.layers.iter().zip(&table.crates) {
+            for m in row.iter().filter(|_| c == name) {
+                if !declared.contains(m) {
+                    problems.push(format!(
+                        "{dir}/lib.rs: the layer table names `{m}` in `{name}`, which its lib.rs does not declare"
+                    ));
+                }
+            }
         }
-        *checked
-            .entry(path.first().cloned().unwrap_or_default())
-            .or_insert(0) += 1;
+        let mut files = Vec::new();
+        rust_files(&src, &mut files);
+        files.sort();
+        for f in files {
+            let rel = f.strip_prefix(&src).unwrap();
+            let path = module_path(rel);
+            let text = std::fs::read_to_string(&f).unwrap();
+            for v in violations(&table, &path, &text) {
+                problems.push(format!("{dir}/{}:{v}", rel.display()));
+            }
+            *checked
+                .entry(path.first().cloned().unwrap_or_default())
+                .or_insert(0) += 1;
+        }
     }
     assert!(
         problems.is_empty(),
@@ -480,6 +533,33 @@ fn the_table_is_read_from_the_docs() {
         declared_modules("pub mod a;\nmod b;\n#[cfg(x)]\npub(crate) mod c;\n// mod d;\n"),
         vec!["a", "b", "c"]
     );
+    // The crate column, and references through a lower crate's name.
+    let t = parse_table(
+        "//! | layer | crate | modules | owns |\n//! |---|---|---|---|\n\
+         //! | shared | `fsdp-core` | [`error`] | leaves |\n\
+         //! | distributed | `fsdp-distributed` | [`distributed`] | groups |\n\
+         //! | nn | `fsdp` | [`nn`] | modules |\n\
+         pub use fsdp_core::{error, tensor};\npub use fsdp_distributed::distributed;\n",
+    );
+    assert_eq!(
+        t.layers,
+        vec![vec!["error"], vec!["distributed"], vec!["nn"]]
+    );
+    assert_eq!(t.crates, vec!["fsdp-core", "fsdp-distributed", "fsdp"]);
+    assert!(t.root_items.is_empty(), "{:?}", t.root_items);
+    let v = violations(
+        &t,
+        &p("error"),
+        "fn f() { fsdp_distributed::distributed::x(); }",
+    );
+    assert_eq!(v.len(), 1, "{v:?}");
+    let v = violations(
+        &t,
+        &p("distributed/a"),
+        "use fsdp_core::{error::Result, nn};",
+    );
+    assert_eq!(v.len(), 1, "{v:?}");
+    assert!(violations(&t, &p("nn"), "use fsdp_core::error::Error;").is_empty());
 }
 
 #[test]

@@ -31,17 +31,31 @@ fn on_meta() -> bool {
     ON_META.with(|m| m.get())
 }
 
-impl ParamInit {
+/// The tensors of a [`ParamInit`] (a trait because `ParamInit` is `fsdp-core`'s, below the
+/// on-meta switch of this layer).
+pub trait ParamInitExt {
     /// A tensor of `shape` with these values: computed, or a meta tensor recording them
     /// inside [`on_meta_device`].
-    pub fn tensor(&self, shape: &[usize]) -> Result<Tensor> {
+    ///
+    /// # Errors
+    /// As [`Tensor::from_vec`].
+    fn tensor(&self, shape: &[usize]) -> Result<Tensor>;
+
+    /// A host tensor of `shape` with these values, also inside [`on_meta_device`].
+    ///
+    /// # Errors
+    /// As [`Tensor::from_vec`].
+    fn computed(&self, shape: &[usize]) -> Result<Tensor>;
+}
+
+impl ParamInitExt for ParamInit {
+    fn tensor(&self, shape: &[usize]) -> Result<Tensor> {
         if on_meta() {
             return Ok(Tensor::meta_init(shape, *self));
         }
         self.computed(shape)
     }
 
-    /// A host tensor of `shape` with these values, also inside [`on_meta_device`].
     fn computed(&self, shape: &[usize]) -> Result<Tensor> {
         let mut v = vec![0.0f32; numel_of(shape)];
         self.fill(0, &mut v);

@@ -58,7 +58,7 @@ pub use container::{ModuleDict, ModuleList, Sequential};
 pub use device::{module_to_device, module_to_dtype};
 pub use embedding::{embedding_backward, embedding_lookup, Embedding};
 pub use gpt::{GptConfig, GPT};
-pub use init::{materialize, on_meta_device, InitKey, ParamInit};
+pub use init::{materialize, on_meta_device, InitKey, ParamInit, ParamInitExt};
 pub use layernorm::LayerNorm;
 pub use linear::Linear;
 pub use module::{

@@ -10,7 +10,7 @@
 //! The host computes on the CPU between copies on its own stream: it uploads gradients
 //! with `cuMemcpyHtoDAsync` and reads views with `cuMemcpyDtoHAsync` on that stream. On
 //! cuda-emu (scripts/cuda-emu.sh) stream work waits until something forces it, so a
-//! missing event between the host's stream and fsdp's (`src/device.rs`) reads
+//! missing event between the host's stream and fsdp's (`crates/fsdp-core/src/device.rs`) reads
 //! stale memory (fresh device memory is `0xff`, NaN) and these tests fail.
 //!
 //! Every test ends in `_cuda` and prints "skipping <test> on CUDA: <why>" and passes
