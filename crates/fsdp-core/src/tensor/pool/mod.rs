@@ -51,7 +51,7 @@
 //! the sum when phases use different lengths (a state dict's gather next to a step's
 //! activations) or threads reach their peaks at different times.
 //!
-//! Why per thread: the thread ranks of [`launch`](crate::distributed::launch) share this
+//! Why per thread: the thread ranks of `fsdp::distributed::launch` share this
 //! pool, and how far one rank runs ahead of another changes from step to step with the
 //! machine's load. With one bucket per length for the whole process, the peak was the most
 //! buffers *all ranks together* ever had live at once, so a step where the ranks
@@ -63,7 +63,7 @@
 //! as long as a thread's buffers are not freed by another thread at a time set by the
 //! schedule: FSDP's communication threads drop the flat gradients they reduce when the
 //! peer rank's half arrives, so FSDP keeps those (and its other per-step buffers) in its
-//! own [`BufferPool`](crate::fsdp::BufferPool) on the host too, reused in program order.
+//! own `BufferPool` (`fsdp::fsdp::BufferPool`) on the host too, reused in program order.
 //! Measured on the replay (2-core machine, loaded by other builds): 0 B of new peaks over
 //! 10 cycles and over steps 10 to 100, in each of 15 runs, where the process-wide buckets
 //! had 0 to 3 (`tests/isolated/cpu_pool_memory.rs`, docs/speed.md). The cost: the threads'
