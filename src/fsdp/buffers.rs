@@ -43,7 +43,8 @@
 //! pool's bound would move with it ([Note: pool bound] in `tensor::pool`); kept here, the
 //! number of buffers follows the rank's program alone. At world size 1 on the host the
 //! reduction runs on the compute thread (`streams.rs`) and its gradient is given back at
-//! once. With `enabled` false it allocates every time and keeps nothing.
+//! once. With `enabled` false it allocates every time and keeps nothing: on the host when
+//! the tensor pool keeps nothing either (`tensor::pool::set_pool_limit(0)`).
 
 use crate::backend::Device;
 use crate::distributed::{CommStream, Work};

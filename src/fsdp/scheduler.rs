@@ -123,8 +123,11 @@ impl Scheduler {
         mem: Arc<Mutex<MemoryStats>>,
         device: Device,
     ) -> Self {
-        // On the host too: see the module docs of `buffers.rs`.
-        let mut buffers = BufferPool::new(true, 1);
+        // On the host too (see the module docs of `buffers.rs`), unless the CPU tensor pool
+        // was told to keep nothing (`tensor::pool::set_pool_limit(0)`, stored as 1 byte):
+        // then FSDP keeps no host buffer between uses either.
+        let keep = device.is_cuda() || crate::tensor::pool::pool_limit() > 1;
+        let mut buffers = BufferPool::new(keep, 1);
         if let (Device::Cuda(i), true) = (device, streams.pre_unshard.is_some()) {
             // CPU offload on a GPU: the host gradient shards are pinned.
             buffers.pin_host(i);
