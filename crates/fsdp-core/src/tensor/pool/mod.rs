@@ -85,11 +85,10 @@ mod stats;
 use super::storage::Buffer;
 use crate::dtype::DType;
 pub(crate) use owner::Owner;
-use owner::{current_owner, Key, KeyHasher};
+use owner::{current_owner, Key};
 use parking_lot::Mutex;
 pub use stats::HostMemoryStats;
 use std::collections::HashMap;
-use std::hash::BuildHasherDefault;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 /// The least [`pool_limit`] is by default (bytes): 1 GiB holds every activation of the main
@@ -159,7 +158,9 @@ impl Bucket {
 
 #[derive(Default)]
 struct Pool {
-    buckets: HashMap<Key, Bucket, BuildHasherDefault<KeyHasher>>,
+    /// Hashed with rustc-hash's FxHash: a key is hashed on every take and drop, and
+    /// SipHash's resistance to chosen keys buys nothing for keys the program makes.
+    buckets: HashMap<Key, Bucket, rustc_hash::FxBuildHasher>,
     free_bytes: usize,
     free_buffers: usize,
     active_bytes: usize,
