@@ -185,7 +185,6 @@ impl BufferPool {
             return Tensor::pinned_zeros(&[numel], dtype, ordinal).map(|t| (t, true));
         }
         // Kept for the run: a new block, not one the step's own tensors will want back.
-        #[cfg(feature = "cuda")]
         if device.is_cuda() {
             return crate::backend::cuda::with_fresh_blocks(|| {
                 Tensor::zeros_on(&[numel], dtype, device)

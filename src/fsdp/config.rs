@@ -194,11 +194,8 @@ pub(super) fn check_device(device: Option<Device>) -> Result<Device> {
         Some(Device::Meta) => Err(Error::Fsdp(
             "device_id meta: FSDP units must compute on a real device (cpu or cuda:<i>)".into(),
         )),
-        Some(d @ Device::Cuda(_i)) => {
-            #[cfg(feature = "cuda")]
-            let usable = crate::backend::cuda::CudaDevice::get(_i).map(drop);
-            #[cfg(not(feature = "cuda"))]
-            let usable: Result<()> = Err(crate::backend::cuda::no_cuda_build());
+        Some(d @ Device::Cuda(i)) => {
+            let usable = crate::backend::cuda::CudaDevice::get(i).map(drop);
             usable.map(|()| d).map_err(|e| match e {
                 Error::Cuda { context, message } => Error::Cuda {
                     context: format!("device_id {d}: {context}"),

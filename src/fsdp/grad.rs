@@ -110,7 +110,6 @@ impl FullyShardedDataParallel {
         self.each_unit(|u| grads.extend(u.flat.grad_shard.clone()));
         let mut ignored: Vec<Tensor> = Vec::new();
         self.each_ignored(|_, p| ignored.extend(p.grad().cloned()));
-        #[cfg(feature = "cuda")]
         if let Some((ordinal, dtype)) = on_one_gpu(&grads, &ignored, norm_type) {
             return self.clip_on_device(ordinal, dtype, max_norm, &grads, &ignored);
         }
@@ -245,7 +244,6 @@ impl FullyShardedDataParallel {
     /// the host path's steps, in its order, as kernels on the current stream. `dtype` is
     /// the gradients' (all f32, or all f64): f64 gradients all-reduce the f64 sum and
     /// scale by an f64 coefficient, as [`clip_f64`](Self::clip_f64) does on the host.
-    #[cfg(feature = "cuda")]
     fn clip_on_device(
         &self,
         ordinal: usize,
@@ -317,7 +315,6 @@ impl FullyShardedDataParallel {
 
 /// The GPU all of `grads` and `ignored` are on, and their dtype, when they are all f32 or
 /// all f64 and `norm_type` is 2 (the device path); `None` otherwise (host path).
-#[cfg(feature = "cuda")]
 fn on_one_gpu(grads: &[Tensor], ignored: &[Tensor], norm_type: f32) -> Option<(usize, DType)> {
     use crate::backend::Device;
     if norm_type != 2.0 {

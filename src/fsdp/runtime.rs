@@ -119,7 +119,6 @@ impl FullyShardedDataParallel {
         if !device.is_cuda() || !self.rs.sched.lock().offload() || skip_offload_sync() {
             return Ok(());
         }
-        #[cfg(feature = "cuda")]
         if let crate::backend::Device::Cuda(i) = device {
             return crate::backend::cuda::current_stream(i)?.synchronize();
         }

@@ -7,13 +7,12 @@
 //! dtypes and devices and own the state tensors and step counts.
 
 use super::{AdamConfig, SgdConfig};
+use crate::backend::cuda::{adam_step, sgd_step, AdamHyper, AdamSlot, SgdHyper, SgdSlot};
 use crate::error::Result;
-#[cfg(feature = "cuda")]
 use crate::tensor::DType;
 use crate::tensor::Tensor;
 
 /// One CUDA tensor of an SGD step.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // only built with CUDA tensors
 pub(super) struct SgdItem {
     /// f32 or f64 parameter, updated in place.
     pub param: Tensor,
@@ -26,7 +25,6 @@ pub(super) struct SgdItem {
 }
 
 /// One CUDA tensor of an Adam/AdamW step.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // only built with CUDA tensors
 pub(super) struct AdamItem {
     /// f32 or f64 parameter, updated in place.
     pub param: Tensor,
@@ -42,7 +40,6 @@ pub(super) struct AdamItem {
 
 /// The distinct (device ordinal, dtype) pairs of `items`' parameters, in order of first
 /// appearance: one launch each.
-#[cfg(feature = "cuda")]
 fn launches<T>(items: &[T], param: impl Fn(&T) -> &Tensor) -> Vec<(usize, DType)> {
     let mut out = Vec::new();
     for it in items {
@@ -58,7 +55,6 @@ fn launches<T>(items: &[T], param: impl Fn(&T) -> &Tensor) -> Vec<(usize, DType)
 
 /// An f32 hyperparameter for the kernel of `dtype`: exactly itself for f32, the decimal it
 /// spells for f64 (as the CPU's f64 updates take it).
-#[cfg(feature = "cuda")]
 fn hyper(dtype: DType, v: f32) -> f64 {
     crate::backend::cuda::widen_hyper(dtype, v)
 }
@@ -71,53 +67,43 @@ pub(super) fn sgd(items: &[SgdItem], c: &SgdConfig) -> Result<()> {
     if items.is_empty() {
         return Ok(());
     }
-    #[cfg(feature = "cuda")]
-    {
-        use crate::backend::cuda::{sgd_step, SgdHyper, SgdSlot};
-        for (ordinal, dt) in launches(items, |it| &it.param) {
-            let h = SgdHyper {
-                lr: hyper(dt, c.lr),
-                momentum: hyper(dt, c.momentum),
-                dampening: hyper(dt, c.dampening),
-                weight_decay: hyper(dt, c.weight_decay),
-                nesterov: c.nesterov,
-            };
-            let group: Vec<&SgdItem> = items
-                .iter()
-                .filter(|it| {
-                    it.param.device() == crate::backend::Device::Cuda(ordinal)
-                        && it.param.dtype() == dt
-                })
-                .collect();
-            let views = group
-                .iter()
-                .map(|it| {
-                    Ok((
-                        it.param.as_device_tensor()?,
-                        it.grad.as_device_tensor()?,
-                        it.buf.as_ref().map(|b| b.as_device_tensor()).transpose()?,
-                    ))
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let slots: Vec<SgdSlot<'_>> = views
-                .iter()
-                .zip(&group)
-                .map(|((p, g, b), it)| SgdSlot {
-                    param: p,
-                    grad: g,
-                    momentum_buf: b.as_ref(),
-                    first: it.first,
-                })
-                .collect();
-            sgd_step(&*crate::ops::stream(ordinal)?, &slots, &h)?;
-        }
-        Ok(())
+    for (ordinal, dt) in launches(items, |it| &it.param) {
+        let h = SgdHyper {
+            lr: hyper(dt, c.lr),
+            momentum: hyper(dt, c.momentum),
+            dampening: hyper(dt, c.dampening),
+            weight_decay: hyper(dt, c.weight_decay),
+            nesterov: c.nesterov,
+        };
+        let group: Vec<&SgdItem> = items
+            .iter()
+            .filter(|it| {
+                it.param.device() == crate::backend::Device::Cuda(ordinal) && it.param.dtype() == dt
+            })
+            .collect();
+        let views = group
+            .iter()
+            .map(|it| {
+                Ok((
+                    it.param.as_device_tensor()?,
+                    it.grad.as_device_tensor()?,
+                    it.buf.as_ref().map(|b| b.as_device_tensor()).transpose()?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let slots: Vec<SgdSlot<'_>> = views
+            .iter()
+            .zip(&group)
+            .map(|((p, g, b), it)| SgdSlot {
+                param: p,
+                grad: g,
+                momentum_buf: b.as_ref(),
+                first: it.first,
+            })
+            .collect();
+        sgd_step(&*crate::ops::stream(ordinal)?, &slots, &h)?;
     }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = c;
-        Err(crate::backend::cuda::no_cuda_build())
-    }
+    Ok(())
 }
 
 /// One Adam (`decoupled` false) or AdamW step over `items` (all on CUDA devices).
@@ -128,53 +114,43 @@ pub(super) fn adam(items: &[AdamItem], c: &AdamConfig, decoupled: bool) -> Resul
     if items.is_empty() {
         return Ok(());
     }
-    #[cfg(feature = "cuda")]
-    {
-        use crate::backend::cuda::{adam_step, AdamHyper, AdamSlot};
-        for (ordinal, dt) in launches(items, |it| &it.param) {
-            let h = AdamHyper {
-                lr: hyper(dt, c.lr),
-                betas: (hyper(dt, c.betas.0), hyper(dt, c.betas.1)),
-                eps: hyper(dt, c.eps),
-                weight_decay: hyper(dt, c.weight_decay),
-                decoupled,
-            };
-            let group: Vec<&AdamItem> = items
-                .iter()
-                .filter(|it| {
-                    it.param.device() == crate::backend::Device::Cuda(ordinal)
-                        && it.param.dtype() == dt
-                })
-                .collect();
-            let views = group
-                .iter()
-                .map(|it| {
-                    Ok([
-                        it.param.as_device_tensor()?,
-                        it.grad.as_device_tensor()?,
-                        it.m.as_device_tensor()?,
-                        it.v.as_device_tensor()?,
-                    ])
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let slots: Vec<AdamSlot<'_>> = views
-                .iter()
-                .zip(&group)
-                .map(|([p, g, m, v], it)| AdamSlot {
-                    param: p,
-                    grad: g,
-                    m,
-                    v,
-                    step: it.step,
-                })
-                .collect();
-            adam_step(&*crate::ops::stream(ordinal)?, &slots, &h)?;
-        }
-        Ok(())
+    for (ordinal, dt) in launches(items, |it| &it.param) {
+        let h = AdamHyper {
+            lr: hyper(dt, c.lr),
+            betas: (hyper(dt, c.betas.0), hyper(dt, c.betas.1)),
+            eps: hyper(dt, c.eps),
+            weight_decay: hyper(dt, c.weight_decay),
+            decoupled,
+        };
+        let group: Vec<&AdamItem> = items
+            .iter()
+            .filter(|it| {
+                it.param.device() == crate::backend::Device::Cuda(ordinal) && it.param.dtype() == dt
+            })
+            .collect();
+        let views = group
+            .iter()
+            .map(|it| {
+                Ok([
+                    it.param.as_device_tensor()?,
+                    it.grad.as_device_tensor()?,
+                    it.m.as_device_tensor()?,
+                    it.v.as_device_tensor()?,
+                ])
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let slots: Vec<AdamSlot<'_>> = views
+            .iter()
+            .zip(&group)
+            .map(|([p, g, m, v], it)| AdamSlot {
+                param: p,
+                grad: g,
+                m,
+                v,
+                step: it.step,
+            })
+            .collect();
+        adam_step(&*crate::ops::stream(ordinal)?, &slots, &h)?;
     }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (c, decoupled);
-        Err(crate::backend::cuda::no_cuda_build())
-    }
+    Ok(())
 }

@@ -20,7 +20,6 @@
 //! replays), world sizes above 1. Memory figures of replayed steps are the warm-up step's.
 
 use super::config::TrainConfig;
-#[cfg(feature = "cuda")]
 use super::data::Split;
 use super::data::TextDataset;
 use super::engine::{Engine, RankMemory};
@@ -72,7 +71,6 @@ pub(super) fn check(cfg: &TrainConfig) -> Result<()> {
 
 /// The static buffers and the graph of a `--cuda-graphs` run on one rank (without the
 /// `cuda` feature only made to be refused at the first step).
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(super) struct GraphSteps {
     first: usize,
     /// The learning rate of every step from the warm-up (`first + 1`) on, for the graph.
@@ -84,9 +82,7 @@ pub(super) struct GraphSteps {
     /// `[1]` f32: the step's loss and grad norm, written by the graph.
     loss: Tensor,
     norm: Tensor,
-    #[cfg(feature = "cuda")]
     recorder: Option<crate::backend::cuda::GraphRecorder>,
-    #[cfg(feature = "cuda")]
     graph: Option<crate::backend::cuda::StepGraph>,
     mem: RankMemory,
 }
@@ -109,7 +105,6 @@ impl GraphSteps {
         }
         let rows = cfg.global_batch / cfg.grad_accum / cfg.world_size;
         let ids = || Tensor::zeros_on(&[rows, cfg.seq_len], DType::I32, device);
-        #[cfg(feature = "cuda")]
         crate::backend::cuda::time_stream_waits(false); // its event queries are not capturable
         Ok(Some(GraphSteps {
             first,
@@ -119,9 +114,7 @@ impl GraphSteps {
             y: (0..cfg.grad_accum).map(|_| ids()).collect::<Result<_>>()?,
             loss: Tensor::zeros_on(&[1], DType::F32, device)?,
             norm: Tensor::zeros_on(&[1], DType::F32, device)?,
-            #[cfg(feature = "cuda")]
             recorder: None,
-            #[cfg(feature = "cuda")]
             graph: None,
             mem: RankMemory::default(),
         }))
@@ -149,57 +142,46 @@ impl GraphSteps {
         pending: &mut Pending,
     ) -> Result<(Counters, RankMemory)> {
         let (c0, loss_slot, norm_slot) = pending.begin_graph()?;
-        #[cfg(feature = "cuda")]
-        {
-            let t = cfg.seq_len;
-            let micro = cfg.global_batch / cfg.grad_accum;
-            let micro_rows = micro / cfg.world_size;
-            let Device::Cuda(ordinal) = self.device else {
-                return Err(Error::InvalidArgument(
-                    "--cuda-graphs needs --device cuda".into(),
-                ));
-            };
-            let s = crate::backend::cuda::current_stream(ordinal)?;
-            for k in 0..cfg.grad_accum {
-                let lo = k * micro + rank * micro_rows;
-                let (x, y) =
-                    data.batch(Split::Train, cfg.seed, step as u64, lo..lo + micro_rows, t);
-                self.x[k].as_device_tensor()?.copy_from_slice(&s, &x)?;
-                self.y[k].as_device_tensor()?.copy_from_slice(&s, &y)?;
-            }
-            if let Some(g) = &self.graph {
-                g.launch()?;
-            } else if let Some(rec) = self.recorder.take() {
-                let (g, ()) = rec.capture(|| self.body(cfg, rank, engine, opt, false))?;
-                g.launch()?;
-                self.graph = Some(g);
-            } else {
-                let mut rec = crate::backend::cuda::GraphRecorder::new(&s)?;
-                if self.lrs.len() >= 2 {
-                    // A run that reaches the capture (the warm-up's rate first).
-                    rec.set_lr_table(std::mem::take(&mut self.lrs))?;
-                }
-                rec.warm_up(|| self.body(cfg, rank, engine, opt, true))?;
-                self.recorder = Some(rec);
-            }
-            copy_scalar(&s, &loss_slot, &self.loss)?;
-            if cfg.clip_grad_norm.is_some() {
-                copy_scalar(&s, &norm_slot, &self.norm)?;
-            }
+        let t = cfg.seq_len;
+        let micro = cfg.global_batch / cfg.grad_accum;
+        let micro_rows = micro / cfg.world_size;
+        let Device::Cuda(ordinal) = self.device else {
+            return Err(Error::InvalidArgument(
+                "--cuda-graphs needs --device cuda".into(),
+            ));
+        };
+        let s = crate::backend::cuda::current_stream(ordinal)?;
+        for k in 0..cfg.grad_accum {
+            let lo = k * micro + rank * micro_rows;
+            let (x, y) = data.batch(Split::Train, cfg.seed, step as u64, lo..lo + micro_rows, t);
+            self.x[k].as_device_tensor()?.copy_from_slice(&s, &x)?;
+            self.y[k].as_device_tensor()?.copy_from_slice(&s, &y)?;
         }
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = (step, cfg, c0, data, rank, engine, opt, loss_slot, norm_slot);
-            return Err(crate::backend::cuda::no_cuda_build());
+        if let Some(g) = &self.graph {
+            g.launch()?;
+        } else if let Some(rec) = self.recorder.take() {
+            let (g, ()) = rec.capture(|| self.body(cfg, rank, engine, opt, false))?;
+            g.launch()?;
+            self.graph = Some(g);
+        } else {
+            let mut rec = crate::backend::cuda::GraphRecorder::new(&s)?;
+            if self.lrs.len() >= 2 {
+                // A run that reaches the capture (the warm-up's rate first).
+                rec.set_lr_table(std::mem::take(&mut self.lrs))?;
+            }
+            rec.warm_up(|| self.body(cfg, rank, engine, opt, true))?;
+            self.recorder = Some(rec);
         }
-        #[allow(unreachable_code)]
+        copy_scalar(&s, &loss_slot, &self.loss)?;
+        if cfg.clip_grad_norm.is_some() {
+            copy_scalar(&s, &norm_slot, &self.norm)?;
+        }
         Ok((c0, self.mem))
     }
 
     /// The step's device work, captured or not: forward and backward of every micro-batch
     /// from the static ids, the loss into `self.loss`, clipping (the norm into
     /// `self.norm`), the optimizer step, `zero_grad`. With `measure`, the memory figures.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     fn body(
         &mut self,
         cfg: &TrainConfig,
@@ -236,12 +218,9 @@ impl GraphSteps {
     }
 }
 
-/// `dst = src` for one-element f32 device tensors, as a device-to-device copy (no kernel).
-#[cfg(feature = "cuda")]
+/// `dst = src` for one-element f32 device tensors, as a device-to-device copy (no kernel),
+/// ordered on `s` after the graph that writes `src` and before the flush that reads `dst`.
 fn copy_scalar(s: &crate::backend::cuda::Stream, dst: &Tensor, src: &Tensor) -> Result<()> {
-    let (d, sr) = (dst.as_device_tensor()?, src.as_device_tensor()?);
-    // SAFETY: both views hold one f32 on `s`'s device; the copy is ordered on `s` after the
-    // graph that writes `src` and before the flush that reads `dst`.
-    unsafe { cudarc::driver::result::memcpy_dtod_async(d.ptr(), sr.ptr(), 4, s.cu_stream()) }
-        .map_err(|e| Error::cuda("cuMemcpyDtoDAsync (a graph step's loss)", e))
+    dst.as_device_tensor()?
+        .copy_from_device(s, &src.as_device_tensor()?)
 }

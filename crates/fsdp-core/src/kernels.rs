@@ -17,7 +17,6 @@
 //! | `lowp.cu` | `layernorm_bwd_lp_*`, `layernorm_wgrad_lp_*`, `cross_entropy_lp_*` (each `_f16` and `_bf16`) | `ops::lowp` (the host loops of bf16/f16 LayerNorm and cross-entropy) |
 //! | `batchnorm.cu` | `batchnorm_{stats,fwd,bwd_stats,bwd_dx}_{f32,f64}`, `_lp_{bf16,f16}_{param}`, `batchnorm_count_i64` | `ops::batchnorm` (host loops), `ops::lowp::batchnorm` |
 
-#[cfg(feature = "cuda")]
 mod embedded {
     include!(concat!(env!("OUT_DIR"), "/kernels_fatbin.rs"));
 }
@@ -25,44 +24,22 @@ mod embedded {
 /// Names of the compiled kernel modules, one per `kernels/*.cu` file, sorted (empty
 /// without the `cuda` feature).
 pub fn module_names() -> Vec<&'static str> {
-    #[cfg(feature = "cuda")]
-    {
-        embedded::FATBINS.iter().map(|(n, _)| *n).collect()
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        Vec::new()
-    }
+    embedded::FATBINS.iter().map(|(n, _)| *n).collect()
 }
 
 /// The fat binary image of module `name` (`"cast"` for `kernels/cast.cu`), `None` for an
 /// unknown name or without the `cuda` feature.
 pub fn fatbin(name: &str) -> Option<&'static [u8]> {
-    #[cfg(feature = "cuda")]
-    {
-        embedded::FATBINS
-            .iter()
-            .find(|(n, _)| *n == name)
-            .map(|(_, b)| *b)
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = name;
-        None
-    }
+    embedded::FATBINS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, b)| *b)
 }
 
 /// The architectures compiled into every module, e.g. `"sm_80,sm_90,compute_80"` (empty
 /// without the `cuda` feature).
 pub fn targets() -> &'static str {
-    #[cfg(feature = "cuda")]
-    {
-        embedded::TARGETS
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        ""
-    }
+    embedded::TARGETS
 }
 
 #[cfg(test)]

@@ -10,7 +10,11 @@
 //! | memory | `Vec`s behind `Storage`, reused through `tensor::pool` | a caching allocator with per-rank accounting (`cuda::MemAccount`); a block sits in a tensor's `Storage` behind [`tensor::DeviceAllocation`](crate::tensor::DeviceAllocation) |
 //! | streams | worker threads (`Work` handles) | CUDA streams + events (`cuda::Stream`, `cuda::Event`) |
 //!
-//! [`cuda`] needs the `cuda` feature for everything but [`cuda::detect`].
+//! [`cuda`] has the same names in every build: the real backend with the `cuda` feature, a
+//! stand-in without it (`cuda/standin/`: handles that cannot exist, entry points that
+//! return [`cuda::no_cuda_build`]'s error). So the ops, process groups and FSDP above have
+//! one code path per op and never name the feature; the compiler checks their CUDA arms in
+//! both builds.
 
 pub mod counters;
 pub mod cpu;

@@ -5,7 +5,8 @@
 //! tensors run on the calling thread's current stream ([`cuda::current_stream`]); moves
 //! to the host wait for it.
 //!
-//! Without the `cuda` feature every CUDA request is [`cuda::no_cuda_build`].
+//! Without the `cuda` feature, [`cuda`] is its stand-in: every CUDA request is
+//! [`cuda::no_cuda_build`].
 
 use crate::backend::Device;
 use crate::error::{Error, Result};
@@ -13,15 +14,12 @@ use crate::tensor::alloc::vec_with_capacity;
 use crate::tensor::{DType, Element, Tensor};
 
 use super::cuda;
-#[cfg(feature = "cuda")]
 use super::cuda::DeviceTensor;
-#[cfg(feature = "cuda")]
 use crate::tensor::Buffer;
 
 /// Whether a CUDA `cast` kernel converts `from` to `to`: between f32, bf16 and f16, and
 /// between f32 and f64; other pairs (f64 with bf16/f16, the integer types) go through the
 /// host instead.
-#[cfg(feature = "cuda")]
 fn cuda_castable(from: DType, to: DType) -> bool {
     let lp = |d| matches!(d, DType::F32 | DType::BF16 | DType::F16);
     let wide = |d| matches!(d, DType::F32 | DType::F64);
@@ -168,15 +166,7 @@ impl Tensor {
     /// [`Error::Cuda`] when the device is unavailable or the allocation fails (and without
     /// the `cuda` feature).
     pub fn pinned_zeros(shape: &[usize], dtype: DType, ordinal: usize) -> Result<Tensor> {
-        #[cfg(feature = "cuda")]
-        {
-            cuda::pinned_zeros(shape, dtype, ordinal)
-        }
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = (shape, dtype, ordinal);
-            Err(cuda::no_cuda_build())
-        }
+        cuda::pinned_zeros(shape, dtype, ordinal)
     }
 
     /// `self = src` as [`copy_from`](Self::copy_from), but between a CUDA tensor and a
@@ -189,7 +179,6 @@ impl Tensor {
     /// # Errors
     /// As [`copy_from`](Self::copy_from).
     pub fn copy_from_non_blocking(&self, src: &Tensor) -> Result<()> {
-        #[cfg(feature = "cuda")]
         if src.numel() == self.numel() && cuda::copy_async(self, src)? {
             return Ok(());
         }
@@ -221,75 +210,61 @@ impl Tensor {
     /// `cast`/`copy` kernels on the current stream; across the host boundary the data is
     /// cast on the host side. Element counts were checked by the caller.
     fn copy_from_device(&self, src: &Tensor) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        {
-            match (self.device(), src.device()) {
-                (Device::Cuda(a), Device::Cuda(b))
-                    if a == b
-                        && (src.dtype() == self.dtype()
-                            || cuda_castable(src.dtype(), self.dtype())) =>
-                {
-                    let s = cuda::current_stream(a)?;
-                    cuda::cast(&s, &src.as_device_tensor()?, &self.as_device_tensor()?)
-                }
-                (Device::Cuda(a), Device::Cuda(_)) => {
-                    // Across devices, or a cast without a kernel (integers, f64): through the
-                    // host (the collectives of ranks on
-                    // several GPUs use device-to-device copies of their own).
-                    let host = src.to_device(Device::Cpu)?;
-                    let _ = a;
-                    self.copy_from(&host)
-                }
-                (Device::Cuda(a), _) => {
-                    let s = cuda::current_stream(a)?;
-                    let host = if src.dtype() == self.dtype() {
-                        src.clone()
-                    } else {
-                        src.to_dtype(self.dtype())?
-                    };
-                    let dst = self.as_device_tensor()?;
-                    match host.dtype() {
-                        DType::F32 => dst.copy_from_slice(&s, &host.data::<f32>()?),
-                        DType::BF16 => dst.copy_from_slice(&s, &host.data::<half::bf16>()?),
-                        DType::F16 => dst.copy_from_slice(&s, &host.data::<half::f16>()?),
-                        DType::I32 => dst.copy_from_slice(&s, &host.data::<i32>()?),
-                        DType::F64 => dst.copy_from_slice(&s, &host.data::<f64>()?),
-                        DType::I64 => dst.copy_from_slice(&s, &host.data::<i64>()?),
-                    }
-                }
-                (_, Device::Cuda(b)) => {
-                    let s = cuda::current_stream(b)?;
-                    let host = src.as_device_tensor()?.to_host(&s)?;
-                    self.copy_from(&host)
-                }
-                _ => unreachable!("copy_from_device with no CUDA tensor"),
+        match (self.device(), src.device()) {
+            (Device::Cuda(a), Device::Cuda(b))
+                if a == b
+                    && (src.dtype() == self.dtype()
+                        || cuda_castable(src.dtype(), self.dtype())) =>
+            {
+                let s = cuda::current_stream(a)?;
+                cuda::cast(&s, &src.as_device_tensor()?, &self.as_device_tensor()?)
             }
-        }
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = src;
-            Err(cuda::no_cuda_build())
+            (Device::Cuda(a), Device::Cuda(_)) => {
+                // Across devices, or a cast without a kernel (integers, f64): through the
+                // host (the collectives of ranks on
+                // several GPUs use device-to-device copies of their own).
+                let host = src.to_device(Device::Cpu)?;
+                let _ = a;
+                self.copy_from(&host)
+            }
+            (Device::Cuda(a), _) => {
+                let s = cuda::current_stream(a)?;
+                let host = if src.dtype() == self.dtype() {
+                    src.clone()
+                } else {
+                    src.to_dtype(self.dtype())?
+                };
+                let dst = self.as_device_tensor()?;
+                match host.dtype() {
+                    DType::F32 => dst.copy_from_slice(&s, &host.data::<f32>()?),
+                    DType::BF16 => dst.copy_from_slice(&s, &host.data::<half::bf16>()?),
+                    DType::F16 => dst.copy_from_slice(&s, &host.data::<half::f16>()?),
+                    DType::I32 => dst.copy_from_slice(&s, &host.data::<i32>()?),
+                    DType::F64 => dst.copy_from_slice(&s, &host.data::<f64>()?),
+                    DType::I64 => dst.copy_from_slice(&s, &host.data::<i64>()?),
+                }
+            }
+            (_, Device::Cuda(b)) => {
+                let s = cuda::current_stream(b)?;
+                let host = src.as_device_tensor()?.to_host(&s)?;
+                self.copy_from(&host)
+            }
+            _ => unreachable!("copy_from_device with no CUDA tensor"),
         }
     }
 
     /// Sets a CUDA tensor's elements to zero (a memset on the current stream).
     fn zero_device(&self) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        {
-            let Device::Cuda(i) = self.device() else {
-                return Err(self.not_on_host("Tensor::zero_"));
-            };
-            cuda::fill(&*cuda::current_stream(i)?, &self.as_device_tensor()?, 0.0)
-        }
-        #[cfg(not(feature = "cuda"))]
-        Err(cuda::no_cuda_build())
+        let Device::Cuda(i) = self.device() else {
+            return Err(self.not_on_host("Tensor::zero_"));
+        };
+        cuda::fill(&*cuda::current_stream(i)?, &self.as_device_tensor()?, 0.0)
     }
 
     /// The CUDA view of this tensor: same allocation, offset, shape and dtype.
     ///
     /// # Errors
     /// `DeviceMismatch` when the tensor is not on a CUDA device.
-    #[cfg(feature = "cuda")]
     pub fn as_device_tensor(&self) -> Result<DeviceTensor> {
         let not_cuda = || Error::DeviceMismatch {
             op: "Tensor::as_device_tensor",
@@ -314,7 +289,6 @@ impl Tensor {
     }
 
     /// A tensor viewing a [`DeviceTensor`]'s memory (no copy).
-    #[cfg(feature = "cuda")]
     pub fn from_device_tensor(t: DeviceTensor) -> Tensor {
         let (buf, offset, shape, dtype) = t.into_parts();
         let len = buf.len_bytes() / dtype.size_in_bytes().max(1);
@@ -323,15 +297,7 @@ impl Tensor {
 }
 
 fn cuda_zeros(shape: &[usize], dtype: DType, ordinal: usize) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    {
-        let s = cuda::current_stream(ordinal)?;
-        let t = DeviceTensor::zeros(&s, shape, dtype)?;
-        Ok(Tensor::from_device_tensor(t))
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (shape, dtype, ordinal);
-        Err(cuda::no_cuda_build())
-    }
+    let s = cuda::current_stream(ordinal)?;
+    let t = DeviceTensor::zeros(&s, shape, dtype)?;
+    Ok(Tensor::from_device_tensor(t))
 }

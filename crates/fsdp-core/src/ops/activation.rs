@@ -8,7 +8,6 @@
 use super::{compute_dtype, same_device};
 use crate::backend::cpu::kernels as cpu;
 use crate::backend::cpu::parallel as par;
-#[cfg(feature = "cuda")]
 use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -46,7 +45,6 @@ pub fn pointwise(f: Pointwise, x: &Tensor) -> Result<Tensor> {
         return super::double::pointwise(f, x);
     }
     let _dt = compute_dtype(f.name(), &[x], _device)?;
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {
         use crate::backend::cuda;
         let y = super::output_as(x.shape(), _device, _dt)?;
@@ -94,7 +92,6 @@ pub fn pointwise_backward(f: Pointwise, x: &Tensor, dy: &Tensor) -> Result<Tenso
         return super::lowp::pointwise_backward(f, x, dy, lp);
     }
     let _dt = compute_dtype(f.name(), &[x, dy], _device)?;
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {
         use crate::backend::cuda;
         let dx = super::output_as(x.shape(), _device, _dt)?;
@@ -136,7 +133,6 @@ pub fn pointwise_backward(f: Pointwise, x: &Tensor, dy: &Tensor) -> Result<Tenso
 /// # Errors
 /// Only a failed borrow of a tensor's storage.
 pub fn gelu_backward_bias_grad(x: &Tensor, dy: &Tensor, db: &Tensor) -> Result<Option<Tensor>> {
-    #[cfg(feature = "cuda")]
     if let (Device::Cuda(i), true) = (x.device(), fusable_on_cuda(x, dy, db)) {
         // One launch: each column block computes the dx it sums (`gelu_bwd_bias_grad`).
         let c = db.numel();
@@ -187,18 +183,9 @@ pub fn gelu_backward_bias_grad(x: &Tensor, dy: &Tensor, db: &Tensor) -> Result<O
 /// the ops they replace (on CUDA a `Linear`'s bias is added after its product, so the
 /// MLP may take the product alone and add the bias here).
 pub fn bias_gelu_fusable(x: &Tensor, w: &Tensor, b: &Tensor) -> bool {
-    #[cfg(feature = "cuda")]
-    {
-        x.device().is_cuda() && fusable_on_cuda(x, w, b)
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (x, w, b);
-        false
-    }
+    x.device().is_cuda() && fusable_on_cuda(x, w, b)
 }
 
-#[cfg(feature = "cuda")]
 fn fusable_on_cuda(a: &Tensor, b: &Tensor, c: &Tensor) -> bool {
     let d = a.dtype();
     matches!(d, crate::tensor::DType::F32 | crate::tensor::DType::F64)
@@ -215,7 +202,6 @@ fn fusable_on_cuda(a: &Tensor, b: &Tensor, c: &Tensor) -> bool {
 /// # Errors
 /// As [`bias_add_`](super::bias_add_) and [`pointwise`].
 pub fn bias_gelu_(h: &Tensor, b: &Tensor) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
     if let (Device::Cuda(i), true) = (h.device(), bias_gelu_fusable(h, b, b)) {
         let y = super::output_as(h.shape(), h.device(), h.dtype())?;
         crate::backend::cuda::bias_gelu_fwd(

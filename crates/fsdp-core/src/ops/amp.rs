@@ -33,7 +33,6 @@ use crate::tensor::{DType, Tensor};
 /// [`Error::Cuda`].
 pub fn non_finite_check_and_unscale_(grads: &[&Tensor], inv_scale: f32) -> Result<bool> {
     let mut found = false;
-    #[cfg(feature = "cuda")]
     let mut on_device = device_check::Sums::default();
     for g in grads.iter().filter(|g| g.numel() > 0) {
         let device = same_device("non_finite_check_and_unscale_", &[g])?;
@@ -45,18 +44,12 @@ pub fn non_finite_check_and_unscale_(grads: &[&Tensor], inv_scale: f32) -> Resul
                 got: dtype,
             });
         }
-        #[cfg(feature = "cuda")]
         let queued = match device {
             crate::backend::Device::Cuda(i) if dtype == DType::F32 => {
                 on_device.add(i, g)?;
                 true
             }
             _ => false,
-        };
-        #[cfg(not(feature = "cuda"))]
-        let queued = {
-            let _ = device;
-            false
         };
         if !queued {
             found |= holds_non_finite(g)?;
@@ -65,10 +58,7 @@ pub fn non_finite_check_and_unscale_(grads: &[&Tensor], inv_scale: f32) -> Resul
             super::scale_(g, inv_scale)?;
         }
     }
-    #[cfg(feature = "cuda")]
-    {
-        found |= on_device.any_non_finite()?;
-    }
+    found |= on_device.any_non_finite()?;
     Ok(found)
 }
 
@@ -84,7 +74,6 @@ fn holds_non_finite(t: &Tensor) -> Result<bool> {
 }
 
 /// The device half of the check: one running sum of squares per device.
-#[cfg(feature = "cuda")]
 mod device_check {
     use crate::backend::cuda::{current_stream, NormAccumulator};
     use crate::backend::Device;

@@ -18,7 +18,6 @@ use super::{check_f32, compute_dtype, output, output_as, same_device};
 use crate::backend::cpu::fast;
 pub use crate::backend::cpu::kernels::HeadDims;
 use crate::backend::cpu::parallel as par;
-#[cfg(feature = "cuda")]
 use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
@@ -56,7 +55,6 @@ pub fn split_qkv(qkv: &Tensor, d: HeadDims) -> Result<[Tensor; 3]> {
         output_as(&shape, device, dt)?,
         output_as(&shape, device, dt)?,
     ];
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = device {
         let [q, k, v] = &out;
         crate::backend::cuda::split_qkv(
@@ -125,7 +123,6 @@ pub fn merge_qkv(dq: &Tensor, dk: &Tensor, dv: &Tensor, d: HeadDims) -> Result<T
     }
     let c = d.h * d.hd;
     let dqkv = output_as(&[d.b, d.t, 3 * c], device, dt)?;
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = device {
         crate::backend::cuda::merge_qkv(
             &*super::stream(i)?,
@@ -204,7 +201,6 @@ fn permute_heads(op: &'static str, src: &Tensor, d: HeadDims, split: bool) -> Re
     } else {
         output_as(&[b, t, c], device, dt)?
     };
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = device {
         crate::backend::cuda::permute_heads(
             &*super::stream(i)?,
@@ -268,7 +264,6 @@ pub fn softmax_causal(s: &Tensor, t: usize, scale: f32) -> Result<Tensor> {
     if s.numel() == 0 {
         return Ok(p);
     }
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = device {
         crate::backend::cuda::softmax_causal_fwd(
             &*super::stream(i)?,
@@ -312,7 +307,6 @@ pub fn softmax_causal_backward_(p: &Tensor, dp: &Tensor, t: usize, scale: f32) -
     if p.numel() == 0 {
         return Ok(());
     }
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {
         let g = dp.as_device_tensor()?;
         return crate::backend::cuda::softmax_causal_bwd(
@@ -348,7 +342,6 @@ pub fn softmax_causal_f64(s: &Tensor, t: usize, scale: f64) -> Result<Tensor> {
     if s.numel() == 0 {
         return s.deep_clone();
     }
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {
         compute_dtype("softmax_causal", &[s], _device)?;
         let p = output_as(s.shape(), _device, DType::F64)?;
@@ -380,7 +373,6 @@ pub fn softmax_causal_backward_f64_(p: &Tensor, dp: &Tensor, t: usize, scale: f6
     if p.numel() == 0 {
         return Ok(());
     }
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {
         compute_dtype("softmax_causal_backward_", &[p, dp], _device)?;
         let g = dp.as_device_tensor()?;

@@ -4,7 +4,6 @@
 use super::same_device;
 use crate::backend::cpu::ops as cpu_ops;
 use crate::backend::cpu::parallel as par;
-#[cfg(feature = "cuda")]
 use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
@@ -28,7 +27,6 @@ fn numel_eq(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
 pub fn add_(dst: &Tensor, src: &Tensor) -> Result<()> {
     numel_eq("add_", dst, src)?;
     let _device = same_device("add_", &[dst, src])?;
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {
         return crate::backend::cuda::sum_into(
             &*super::stream(i)?,
@@ -144,7 +142,6 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         }
         return Ok(out);
     }
-    #[cfg(feature = "cuda")]
     if let (Device::Cuda(i), true) = (device, a.dtype() == b.dtype()) {
         // One launch (a copy then `add_` would be two), the same rounding.
         let out = super::output_as(a.shape(), device, a.dtype())?;
@@ -171,7 +168,6 @@ pub fn scale_(t: &Tensor, alpha: f32) -> Result<()> {
     if super::lowp::lp_of(&[t]).is_some() {
         return super::lowp::scale_(t, alpha);
     }
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {
         return crate::backend::cuda::scale(&*super::stream(i)?, &t.as_device_tensor()?, alpha);
     }
@@ -193,7 +189,6 @@ pub fn scale_(t: &Tensor, alpha: f32) -> Result<()> {
 /// `NotMaterialized` on meta.
 pub fn fill_(t: &Tensor, value: f32) -> Result<()> {
     let _device = same_device("fill_", &[t])?;
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {
         return crate::backend::cuda::fill(&*super::stream(i)?, &t.as_device_tensor()?, value);
     }
@@ -221,7 +216,6 @@ pub fn sum_squares(t: &Tensor) -> Result<f64> {
     if t.dtype() == DType::F64 && !_device.is_cuda() {
         return super::double::sum_squares(t);
     }
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {
         return crate::backend::cuda::sum_squares(&*super::stream(i)?, &t.as_device_tensor()?);
     }

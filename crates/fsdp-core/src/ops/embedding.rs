@@ -7,7 +7,6 @@
 use super::same_device;
 use crate::backend::cpu::kernels as cpu;
 use crate::backend::cpu::parallel as par;
-#[cfg(feature = "cuda")]
 use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
@@ -87,7 +86,6 @@ pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
         }
         return Ok(out);
     }
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = device {
         crate::backend::cuda::embedding_fwd(
             &*super::stream(i)?,
@@ -141,7 +139,6 @@ pub fn embedding_backward(ids: &Tensor, dout: &Tensor, grad: &Tensor) -> Result<
     if f64_path {
         return super::double::embedding_backward(ids, dout, grad);
     }
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {
         return crate::backend::cuda::embedding_bwd(
             &*super::stream(i)?,

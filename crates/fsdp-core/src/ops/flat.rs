@@ -13,7 +13,6 @@
 
 use super::same_device;
 use crate::backend::cpu::kernels as cpu;
-#[cfg(feature = "cuda")]
 use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
@@ -79,7 +78,6 @@ pub fn pack_grad(grad: &Tensor, out: &Tensor, scale: f32) -> Result<()> {
             false => super::scale_(out, scale),
         };
     }
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {
         return crate::backend::cuda::pack_grad(
             &*super::stream(i)?,
@@ -157,7 +155,6 @@ fn scale_f64(op: &'static str, x: &Tensor, out: &Tensor, scale: f32) -> Result<(
     require(op, x, DType::F64)?;
     require(op, out, DType::F64)?;
     let divisor = divisor_of(scale);
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = x.device() {
         let (factor, divide) = match divisor {
             Some(d) => (d, true),
@@ -219,7 +216,6 @@ pub fn unpack_grad(x: &Tensor, out: &Tensor, scale: f32) -> Result<()> {
             false => super::scale_(out, scale),
         };
     }
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {
         return crate::backend::cuda::unpack_grad(
             &*super::stream(i)?,
@@ -271,7 +267,6 @@ pub fn round_to_(t: &Tensor, dtype: DType) -> Result<()> {
             got: dtype,
         });
     }
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(_) = _device {
         // Two casts on the current stream through a low-precision temporary.
         let low = Tensor::zeros_on(t.shape(), dtype, _device)?;

@@ -8,7 +8,6 @@
 use super::same_device;
 use crate::backend::cpu::fast;
 use crate::backend::cpu::parallel as par;
-#[cfg(feature = "cuda")]
 use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -145,7 +144,6 @@ fn forward(
             },
         ));
     }
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = device {
         let s = super::stream(i)?;
         // f64: eps as the decimal it spells, as the host's f64 path.
@@ -319,7 +317,6 @@ fn backward(
             None => Ok(dx),
         };
     }
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = device {
         // The kernels write both parameter gradients: a frozen one gets a scratch buffer.
         let scratch = |g: Option<&Tensor>| match g {

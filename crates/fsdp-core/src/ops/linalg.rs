@@ -11,7 +11,6 @@ use super::{check_f32, same_device};
 use crate::backend::cpu::gemm;
 pub use crate::backend::cpu::gemm::Transpose;
 use crate::backend::cpu::parallel as par;
-#[cfg(feature = "cuda")]
 use crate::backend::Device;
 use crate::error::{bail_arg, Error, Result};
 use crate::tensor::Tensor;
@@ -88,7 +87,6 @@ pub fn matmul_batched(
     if f64_path && !_device.is_cuda() {
         return super::double::matmul_batched(out, a, b, d, batch, accumulate);
     }
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {
         use crate::backend::cuda;
         let g = cuda::GemmShape {
@@ -201,7 +199,6 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     let mut shape = x.shape().to_vec();
     *shape.last_mut().unwrap_or(&mut 0) = o;
     let d = MatmulDims::new(n, i, o, Transpose::NT);
-    #[cfg(feature = "cuda")]
     if _device.is_cuda() {
         let y = super::output_as(&shape, _device, _dt)?;
         matmul(&y, x, weight, d, false)?;
@@ -292,7 +289,6 @@ pub fn bias_add_(y: &Tensor, b: &Tensor) -> Result<()> {
     if c == 0 {
         return Ok(());
     }
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {
         return crate::backend::cuda::bias_add(
             &*super::stream(i)?,
@@ -334,7 +330,6 @@ pub fn bias_grad(dy: &Tensor, db: &Tensor) -> Result<()> {
     if c == 0 {
         return Ok(());
     }
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = _device {
         return crate::backend::cuda::bias_grad(
             &*super::stream(i)?,

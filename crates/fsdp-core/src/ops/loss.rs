@@ -61,7 +61,6 @@ pub fn cross_entropy_f64(logits: &Tensor, targets: &Tensor) -> Result<(f64, Tens
 /// step allocates nothing for it), or one f32 on the device.
 enum Loss {
     Host(f32),
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     /// The f32 loss, and for f64 logits the f64 mean it rounds.
     Device(Tensor, Option<Tensor>),
 }
@@ -129,7 +128,6 @@ fn cross_entropy_any(logits: &Tensor, targets: &Tensor, g: f32) -> Result<(Loss,
     if lp.is_none() && !f64_path {
         super::check_f32("cross_entropy", &[logits])?;
     }
-    #[cfg(feature = "cuda")]
     if let (crate::backend::Device::Cuda(i), true, false) = (device, f64_path, n == 0 || v == 0) {
         let (loss, grad, mean) = cross_entropy_cuda(i, logits, targets, g)?;
         return Ok((Loss::Device(loss, Some(mean)), grad));
@@ -162,7 +160,6 @@ fn cross_entropy_any(logits: &Tensor, targets: &Tensor, g: f32) -> Result<(Loss,
         return Ok((Loss::Host(l as f32), grad));
     }
     if let Some(lp) = lp {
-        #[cfg(feature = "cuda")]
         if let crate::backend::Device::Cuda(i) = device {
             let (loss, grad) = super::lowp::loss::cross_entropy_cuda(i, logits, targets, lp, g)?;
             return Ok((Loss::Device(loss, None), grad));
@@ -172,7 +169,6 @@ fn cross_entropy_any(logits: &Tensor, targets: &Tensor, g: f32) -> Result<(Loss,
     }
     // g / N as PyTorch's nll_loss_backward divides (1 / N when g = 1).
     let inv_n = g / n as f32;
-    #[cfg(feature = "cuda")]
     if let crate::backend::Device::Cuda(i) = device {
         let (loss, grad, _) = cross_entropy_cuda(i, logits, targets, g)?;
         return Ok((Loss::Device(loss, None), grad));
@@ -206,7 +202,6 @@ fn cross_entropy_any(logits: &Tensor, targets: &Tensor, g: f32) -> Result<(Loss,
 /// dtype), then `mean_rows_{f32,f64}`. Returns the loss as one f32 (f64 logits: the f64
 /// mean rounded, as the host path's), the gradient (of `g * loss`), and the mean in the
 /// logits' dtype.
-#[cfg(feature = "cuda")]
 fn cross_entropy_cuda(
     ordinal: usize,
     logits: &Tensor,
@@ -264,7 +259,6 @@ pub fn add_div_(acc: &Tensor, x: &Tensor, d: f32) -> Result<()> {
             });
         }
     }
-    #[cfg(feature = "cuda")]
     if let crate::backend::Device::Cuda(i) = device {
         return crate::backend::cuda::add_div(
             &*super::stream(i)?,

@@ -3,7 +3,10 @@
 //!
 //! Each op takes [`Tensor`]s, checks they are on one device ([`same_device`]), and runs
 //! either the CPU reference ([`crate::backend::cpu`]) or the CUDA kernel / cuBLAS call
-//! ([`crate::backend::cuda`]) on the calling thread's current stream. CUDA ops are
+//! ([`crate::backend::cuda`]) on the calling thread's current stream. The choice is one
+//! `if let Device::Cuda(i)` per op, in every build: without the `cuda` feature
+//! `backend::cuda` is its stand-in, whose entry points return the "no CUDA support" error
+//! (no `Device::Cuda` tensor can be made there), so no op names the feature. CUDA ops are
 //! asynchronous: results are ordered for later work on that stream, and a move to the host
 //! ([`Tensor::to_device`], [`Tensor::to_vec_f32`]) waits for them.
 //!
@@ -171,7 +174,6 @@ pub(crate) fn output_as(shape: &[usize], device: Device, dtype: DType) -> Result
     if dtype == DType::F32 {
         return output(shape, device);
     }
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = device {
         let t = crate::backend::cuda::DeviceTensor::empty(&*stream(i)?, shape, dtype)?;
         return Ok(Tensor::from_device_tensor(t));
@@ -187,7 +189,6 @@ pub(crate) fn output_as(shape: &[usize], device: Device, dtype: DType) -> Result
 /// [`Error::Cuda`] when the device is unavailable or out of memory.
 #[doc(hidden)] // crate-internal, public only for the layers above
 pub fn output(shape: &[usize], device: Device) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = device {
         let t = crate::backend::cuda::DeviceTensor::empty(&*stream(i)?, shape, DType::F32)?;
         return Ok(Tensor::from_device_tensor(t));
@@ -214,7 +215,6 @@ pub fn output_like(shape: &[usize], like: &Tensor) -> Result<Tensor> {
 
 /// The calling thread's current stream on `cuda:ordinal` (see
 /// [`crate::backend::cuda::current_stream`]).
-#[cfg(feature = "cuda")]
 #[doc(hidden)] // crate-internal, public only for the layers above
 pub fn stream(ordinal: usize) -> Result<std::sync::Arc<crate::backend::cuda::Stream>> {
     crate::backend::cuda::current_stream(ordinal)

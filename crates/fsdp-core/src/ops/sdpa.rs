@@ -86,7 +86,6 @@ pub fn sdpa_causal(q: &Tensor, k: &Tensor, v: &Tensor, d: HeadDims) -> Result<(T
     check_numel(OP, &[q, k, v], d.numel())?;
     let out = Tensor::zeros_on(&[d.b, d.h, d.t, d.hd], dtype, device)?;
     let lse = super::output(&[d.b, d.h, d.t], device)?;
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = device {
         let (q, k, v) = (
             q.as_device_tensor()?,
@@ -151,7 +150,6 @@ pub fn sdpa_causal_backward(
         Tensor::zeros_on(&shape, dtype, device)?,
         Tensor::zeros_on(&shape, dtype, device)?,
     ];
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = device {
         let [dq, dk, dv] = &grads;
         let dsum = super::output(&[d.b, d.h, d.t], device)?;

@@ -146,7 +146,6 @@ impl Tensor {
 
     /// Read access to the whole storage buffer this tensor views (for the backends: a CUDA
     /// tensor's allocation).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // only the CUDA backend reads it
     pub(crate) fn buffer(&self) -> parking_lot::RwLockReadGuard<'_, Buffer> {
         self.storage.buf.read()
     }

@@ -63,10 +63,7 @@ struct Done {
 
 /// On a CUDA stream: the device and an event recorded after the job's work on it, which a
 /// waiter's stream waits for.
-#[cfg(feature = "cuda")]
 type After = Option<(usize, crate::backend::cuda::Event)>;
-#[cfg(not(feature = "cuda"))]
-type After = Option<std::convert::Infallible>;
 
 /// Handle to one asynchronous collective (`torch.distributed.Work`). Dropping it does not
 /// cancel the collective; [`CommStream::synchronize`] still waits for it.
@@ -145,14 +142,12 @@ impl Work {
 
 /// Makes the calling thread's current stream on the job's device wait for the job.
 fn wait_on_device(after: After) -> Result<()> {
-    #[cfg(feature = "cuda")]
-    if let Some((ordinal, ev)) = after {
+    match after {
         // Timed: how long the consumer stream stands still here is the exposed part of
         // the job (backend::cuda::take_stream_stall_s).
-        return crate::backend::cuda::current_stream(ordinal)?.wait_timed(&ev);
+        Some((ordinal, ev)) => crate::backend::cuda::current_stream(ordinal)?.wait_timed(&ev),
+        None => Ok(()),
     }
-    let _ = after;
-    Ok(())
 }
 
 fn finish(state: &WorkState, result: Result<()>, after: After) {
@@ -164,10 +159,7 @@ type Job = Box<dyn FnOnce() -> Result<()> + Send>;
 
 /// What a job waits for before it runs: on a CUDA stream, an event recorded on the
 /// submitting thread's current stream at submit time.
-#[cfg(feature = "cuda")]
 type Ready = Option<crate::backend::cuda::Event>;
-#[cfg(not(feature = "cuda"))]
-type Ready = Option<std::convert::Infallible>;
 
 /// One submitted job, with the tensors kept alive until its stream work is done.
 struct Queued {
@@ -179,7 +171,6 @@ struct Queued {
 
 /// The device side of a stream thread: its CUDA stream, or nothing on the host.
 struct DeviceSide {
-    #[cfg(feature = "cuda")]
     stream: Option<(
         Arc<crate::backend::cuda::Stream>,
         crate::backend::cuda::StreamGuard,
@@ -189,7 +180,6 @@ struct DeviceSide {
 impl DeviceSide {
     /// Called on the stream thread: makes the stream (created by [`CommStream::on_device`]
     /// on the rank's thread) current and charges the thread's allocations to `account`.
-    #[cfg(feature = "cuda")]
     fn enter(
         stream: Option<(
             Arc<crate::backend::cuda::Stream>,
@@ -213,16 +203,12 @@ impl DeviceSide {
         let Queued {
             job, ready, keep, ..
         } = q;
-        #[cfg(feature = "cuda")]
         if let (Some((s, _)), Some(ev)) = (&self.stream, &ready) {
             if let Err(e) = s.wait(ev) {
                 return (Err(e), None);
             }
         }
-        #[cfg(not(feature = "cuda"))]
-        let _ = ready;
         let r = job();
-        #[cfg(feature = "cuda")]
         if let Some((s, _)) = &self.stream {
             // Also after an error: the buffers of whatever the job queued go back to the
             // allocator only behind this stream's work.
@@ -278,7 +264,6 @@ impl CommStream {
     /// `Io` when the thread cannot be spawned; [`Error::Cuda`] when the device or its
     /// stream cannot be had (and without the `cuda` feature for a CUDA device).
     pub fn on_device(name: &str, device: Device) -> Result<CommStream> {
-        #[cfg(feature = "cuda")]
         let stream = match device {
             Device::Cuda(i) => {
                 use crate::backend::cuda;
@@ -288,20 +273,13 @@ impl CommStream {
             }
             _ => None,
         };
-        #[cfg(not(feature = "cuda"))]
-        if device.is_cuda() {
-            return Err(crate::backend::cuda::no_cuda_build());
-        }
         let (tx, rx) = mpsc::channel::<Queued>();
         let pending = Arc::new((Mutex::new(0usize), Condvar::new()));
         let p = pending.clone();
         let thread = std::thread::Builder::new()
             .name(name.to_string())
             .spawn(move || {
-                #[cfg(feature = "cuda")]
                 let side = DeviceSide::enter(stream);
-                #[cfg(not(feature = "cuda"))]
-                let side = DeviceSide {};
                 let mut failed: Option<Error> = None;
                 while let Ok(q) = rx.recv() {
                     let state = q.state.clone();
@@ -396,7 +374,6 @@ impl CommStream {
     /// On a CUDA stream: an event after the work queued so far on the calling thread's
     /// current stream of the device.
     fn record_ready(&self) -> Result<Ready> {
-        #[cfg(feature = "cuda")]
         if let Device::Cuda(i) = self.device {
             return Ok(Some(crate::backend::cuda::current_stream(i)?.record()?));
         }

@@ -6,89 +6,11 @@
 
 use super::launch::{self, Grid};
 use super::ops::{check_device, check_dtype, check_numel};
-use super::{DeviceTensor, Stream};
+use super::{BnDims, BnRunning, BnTypes, DeviceTensor, Stream};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
 
-/// `(N, C, L)` of a BatchNorm input (`(N, C)`: `L = 1`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BnDims {
-    /// Batch.
-    pub n: usize,
-    /// Channels.
-    pub c: usize,
-    /// Length (1 for an `(N, C)` input).
-    pub l: usize,
-}
-
-impl BnDims {
-    fn numel(self) -> usize {
-        self.n * self.c * self.l
-    }
-
-    fn args(self) -> (i64, i64, i64) {
-        (self.n as i64, self.c as i64, self.l as i64)
-    }
-}
-
-/// The running statistics of [`batchnorm_stats`]: `mean`, `var (C)`, read in evaluation,
-/// updated in training with the factor `1 / *count` (an i64 `()`, the cumulative average)
-/// or `factor` (PyTorch's momentum).
-#[derive(Debug, Clone, Copy)]
-pub struct BnRunning<'a> {
-    /// `running_mean (C)`.
-    pub mean: &'a DeviceTensor,
-    /// `running_var (C)`, of `mean`'s dtype.
-    pub var: &'a DeviceTensor,
-    /// The update factor when `count` is `None`.
-    pub factor: f64,
-    /// `num_batches_tracked ()` i64 for a cumulative average.
-    pub count: Option<&'a DeviceTensor>,
-}
-
-/// The dtypes of one BatchNorm call: the input's `x`, the weight's and gradients' `param`,
-/// the running stats' `running` (f32/f64 inputs: all `x`; bf16/f16: `param` and `running`
-/// each `x` or f32).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BnTypes {
-    /// Input, output and their gradients.
-    pub x: DType,
-    /// Weight, bias and their gradients.
-    pub param: DType,
-    /// Running mean and variance.
-    pub running: DType,
-}
-
 impl BnTypes {
-    /// Whether `batchnorm.cu` has kernels for these dtypes.
-    pub fn supported(self) -> bool {
-        match self.x {
-            DType::F32 | DType::F64 => self.param == self.x && self.running == self.x,
-            DType::BF16 | DType::F16 => [self.param, self.running]
-                .iter()
-                .all(|&d| d == self.x || d == DType::F32),
-            _ => false,
-        }
-    }
-
-    /// bf16/f16: the statistics `(3, C)` f32; f32/f64: `(2, C)` f64.
-    pub fn stats_shape(self, c: usize) -> (DType, [usize; 2]) {
-        if self.is_lp() {
-            (DType::F32, [3, c])
-        } else {
-            (DType::F64, [2, c])
-        }
-    }
-
-    /// The backward's channel sums: `(2, C)` f32 (bf16/f16) or f64.
-    pub fn sums_shape(self, c: usize) -> (DType, [usize; 2]) {
-        (self.stats_shape(c).0, [2, c])
-    }
-
-    fn is_lp(self) -> bool {
-        matches!(self.x, DType::BF16 | DType::F16)
-    }
-
     /// The kernel `stem` for these dtypes (the statistics kernel's name has the running
     /// stats' dtype too).
     fn kernel(self, stem: Stem) -> Result<&'static str> {

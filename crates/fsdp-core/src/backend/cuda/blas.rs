@@ -12,26 +12,12 @@
 //! is the row length of the matrix as stored.
 
 use super::ops::check_device;
-use super::{DeviceTensor, Stream};
-use crate::backend::cpu::gemm::Transpose;
+use super::{DeviceTensor, GemmShape, Stream};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
 use cudarc::cublas::result as blas;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use std::ffi::c_void;
-
-/// Sizes of one GEMM `C (m, n) = op(A) (m, k) op(B) (k, n)`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct GemmShape {
-    /// Rows of C.
-    pub m: usize,
-    /// Inner dimension.
-    pub k: usize,
-    /// Columns of C.
-    pub n: usize,
-    /// Which inputs are stored transposed.
-    pub trans: Transpose,
-}
 
 fn data_type(op: &'static str, d: DType) -> Result<cudaDataType> {
     match d {

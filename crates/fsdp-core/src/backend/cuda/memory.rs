@@ -41,6 +41,7 @@
 //! [`MemAccount`]: bytes held by one rank (or any owner); every buffer is charged to one,
 //! so several ranks sharing a GPU (the threads backend) each see their own figures.
 
+use super::{MemAccount, MemStats};
 use crate::error::{Error, Result};
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{result as cu, CudaContext, CudaEvent, CudaStream};
@@ -48,50 +49,6 @@ use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-
-/// Bytes charged to one owner (a rank): what its live buffers hold, and the peak.
-#[derive(Debug, Default)]
-pub struct MemAccount {
-    allocated: AtomicUsize,
-    peak: AtomicUsize,
-}
-
-/// A snapshot of a [`MemAccount`] or of a device pool.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct MemStats {
-    /// Bytes of live buffers (requested sizes).
-    pub allocated: usize,
-    /// Highest `allocated` seen.
-    pub peak: usize,
-    /// Bytes the pool holds from the driver, cached blocks included (pool stats only; 0
-    /// for an account).
-    pub reserved: usize,
-}
-
-impl MemAccount {
-    /// A new account with nothing charged.
-    pub fn new() -> Arc<MemAccount> {
-        Arc::new(MemAccount::default())
-    }
-
-    /// Current and peak bytes.
-    pub fn stats(&self) -> MemStats {
-        MemStats {
-            allocated: self.allocated.load(Ordering::Relaxed),
-            peak: self.peak.load(Ordering::Relaxed),
-            reserved: 0,
-        }
-    }
-
-    fn charge(&self, bytes: usize) {
-        let now = self.allocated.fetch_add(bytes, Ordering::Relaxed) + bytes;
-        self.peak.fetch_max(now, Ordering::Relaxed);
-    }
-
-    fn release(&self, bytes: usize) {
-        self.allocated.fetch_sub(bytes, Ordering::Relaxed);
-    }
-}
 
 /// A cached block waiting for reuse.
 struct FreeBlock {

@@ -15,7 +15,12 @@
 //! `pinned.rs` (page-locked host memory and the asynchronous copies it allows),
 //! `graph.rs` (a step captured as a CUDA graph and replayed, buffers from a graph pool).
 //!
-//! Everything but [`detect`] and [`DeviceInfo`] needs the `cuda` feature. cudarc loads
+//! `types.rs` holds the plain-Rust types (argument structs, [`MemAccount`]) that every
+//! build compiles. Without the `cuda` feature the rest is `standin/`: the same names and
+//! signatures, whose handles cannot exist and whose entry points ([`current_stream`],
+//! `CudaDevice::get`, `pinned_zeros`) return [`no_cuda_build`]'s error, so the layers
+//! above call this module in one code path whichever build runs (candle's dummy CUDA
+//! backend is the model). cudarc loads
 //! `libcuda.so` and `libcublas.so` at run time: a build needs no CUDA library, and a run
 //! without a driver gets an [`Error::Cuda`] from [`detect`] or `CudaDevice::get`, never a
 //! panic or a link error.
@@ -71,11 +76,10 @@ mod tensor;
 
 #[cfg(feature = "cuda")]
 pub use batchnorm::{
-    batchnorm_bwd_dx, batchnorm_bwd_stats, batchnorm_count, batchnorm_fwd, batchnorm_stats, BnDims,
-    BnRunning, BnTypes,
+    batchnorm_bwd_dx, batchnorm_bwd_stats, batchnorm_count, batchnorm_fwd, batchnorm_stats,
 };
 #[cfg(feature = "cuda")]
-pub use blas::{gemm, gemm_strided_batched, GemmShape};
+pub use blas::{gemm, gemm_strided_batched};
 #[cfg(feature = "cuda")]
 pub use clip::{scale_all_by, scale_by, NormAccumulator, TensorList};
 #[cfg(feature = "cuda")]
@@ -89,16 +93,13 @@ pub use layernorm::{add_layernorm_fwd, layernorm_bwd, layernorm_bwd_add, layerno
 #[cfg(feature = "cuda")]
 pub use lowp::{cross_entropy_lp, layernorm_bwd_lp, layernorm_wgrad_lp};
 #[cfg(feature = "cuda")]
-pub use memory::{with_fresh_blocks, DeviceBuffer, MemAccount, MemStats};
+pub use memory::{with_fresh_blocks, DeviceBuffer};
 #[cfg(feature = "cuda")]
 pub use nn_ops::*;
 #[cfg(feature = "cuda")]
 pub use ops::*;
 #[cfg(feature = "cuda")]
-#[doc(hidden)] // crate-internal, public only for the layers above
-pub use optim::widen_hyper;
-#[cfg(feature = "cuda")]
-pub use optim::{adam_step, sgd_step, AdamHyper, AdamSlot, SgdHyper, SgdSlot};
+pub use optim::{adam_step, sgd_step};
 #[cfg(feature = "cuda")]
 pub(crate) use pinned::copy_async;
 #[cfg(feature = "cuda")]
@@ -111,6 +112,19 @@ pub use stall::{take_stream_stall_s, time_stream_waits};
 pub use stream::{Event, Stream};
 #[cfg(feature = "cuda")]
 pub use tensor::DeviceTensor;
+
+#[cfg(not(feature = "cuda"))]
+mod standin;
+#[cfg(not(feature = "cuda"))]
+pub use standin::*;
+
+mod types;
+#[doc(hidden)] // crate-internal, public only for the layers above
+pub use types::widen_hyper;
+pub use types::{
+    AdamHyper, AdamSlot, BnDims, BnRunning, BnTypes, GemmShape, MemAccount, MemStats, SgdHyper,
+    SgdSlot,
+};
 
 /// One CUDA device as the driver reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]

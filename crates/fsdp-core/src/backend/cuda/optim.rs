@@ -8,72 +8,9 @@
 
 use super::launch::{self, Arg, Grid};
 use super::ops::{check_device, check_dtype, check_numel, kname, upload_table};
-use super::{DeviceTensor, Stream};
+use super::{widen_hyper, AdamHyper, AdamSlot, DeviceTensor, SgdHyper, SgdSlot, Stream};
 use crate::error::Result;
 use crate::tensor::DType;
-
-/// One tensor of an SGD step: f32 (or f64) `param` updated in place from `grad` of its
-/// dtype (same element count), with its momentum buffer when momentum is on.
-#[derive(Debug, Clone, Copy)]
-pub struct SgdSlot<'a> {
-    /// Parameter shard, updated in place.
-    pub param: &'a DeviceTensor,
-    /// Its gradient, read only.
-    pub grad: &'a DeviceTensor,
-    /// Momentum buffer (same size), `None` without momentum.
-    pub momentum_buf: Option<&'a DeviceTensor>,
-    /// True on the buffer's first step: it is set to the gradient, undamped (PyTorch).
-    pub first: bool,
-}
-
-/// SGD hyperparameters, as `fsdp::optim::SgdConfig`, in f64: the f32 kernel rounds each
-/// to f32 (pass an f32 value widened, `f64::from`, to get it back exactly), the f64 one
-/// takes them as given (the optimizers pass the f64 the f32 setting's decimal spells, as
-/// PyTorch's Python floats are).
-#[derive(Debug, Clone, Copy)]
-pub struct SgdHyper {
-    /// Learning rate.
-    pub lr: f64,
-    /// Momentum factor (0: no buffer is read or written).
-    pub momentum: f64,
-    /// Dampening after the first step.
-    pub dampening: f64,
-    /// L2 penalty `wd * p` added to the gradient.
-    pub weight_decay: f64,
-    /// Nesterov momentum.
-    pub nesterov: bool,
-}
-
-/// One tensor of an Adam/AdamW step: f32 (or f64) `param`, `grad`, moments `m`, `v`, all
-/// the same dtype and element count; `step` is this tensor's step count after the update (1 on the first).
-#[derive(Debug, Clone, Copy)]
-pub struct AdamSlot<'a> {
-    /// Parameter shard, updated in place.
-    pub param: &'a DeviceTensor,
-    /// Its gradient, read only.
-    pub grad: &'a DeviceTensor,
-    /// First moment, updated in place (zeros before the first step).
-    pub m: &'a DeviceTensor,
-    /// Second moment, updated in place (zeros before the first step).
-    pub v: &'a DeviceTensor,
-    /// Step count including this update (>= 1).
-    pub step: u64,
-}
-
-/// Adam/AdamW hyperparameters, as `fsdp::optim::AdamConfig`, in f64 as [`SgdHyper`]'s.
-#[derive(Debug, Clone, Copy)]
-pub struct AdamHyper {
-    /// Learning rate.
-    pub lr: f64,
-    /// `(beta1, beta2)`.
-    pub betas: (f64, f64),
-    /// Denominator epsilon.
-    pub eps: f64,
-    /// Weight decay: L2 on the gradient (Adam) or decoupled (AdamW).
-    pub weight_decay: f64,
-    /// AdamW's decoupled decay `p *= 1 - lr wd` instead of L2.
-    pub decoupled: bool,
-}
 
 /// `struct SgdTensor` of optim.cu.
 #[repr(C)]
@@ -270,15 +207,6 @@ pub fn adam_step(s: &Stream, slots: &[AdamSlot<'_>], h: &AdamHyper) -> Result<()
             h.decoupled as i32,
             lr_at.as_ref().map_or(0, |b| b.ptr()),
         )
-    }
-}
-
-/// An f32 hyperparameter as the kernel of `dt` takes it: exactly itself for f32, the
-/// decimal it spells for f64 (as the CPU's f64 updates take it).
-pub fn widen_hyper(dt: DType, v: f32) -> f64 {
-    match dt {
-        DType::F64 => crate::dtype::widen(v),
-        _ => f64::from(v),
     }
 }
 

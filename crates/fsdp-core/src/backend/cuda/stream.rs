@@ -8,8 +8,9 @@
 //! compute); post-backward (reduce-scatter and the hybrid all-reduce, overlapping the next
 //! unit's backward); pre-unshard (offload H2D copies and low-precision casts).
 
-use super::memory::{DeviceBuffer, MemAccount, MemStats};
+use super::memory::DeviceBuffer;
 use super::CudaDevice;
+use super::{MemAccount, MemStats};
 use crate::error::{Error, Result};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaEvent, CudaStream};

@@ -132,6 +132,50 @@ impl DeviceTensor {
         Ok(())
     }
 
+    /// Overwrites this view with `src`, a view of the same dtype and element count on the
+    /// same device, ordered on `stream` (`cuMemcpyDtoDAsync`: a copy, not a kernel launch).
+    ///
+    /// # Errors
+    /// `DTypeMismatch`, `ShapeMismatch`; [`Error::Cuda`] for views on two devices or a
+    /// failed copy.
+    pub fn copy_from_device(&self, stream: &Stream, src: &DeviceTensor) -> Result<()> {
+        if src.dtype != self.dtype {
+            return Err(Error::DTypeMismatch {
+                op: "DeviceTensor::copy_from_device",
+                expected: self.dtype,
+                got: src.dtype,
+            });
+        }
+        if src.numel() != self.numel() {
+            return Err(Error::ShapeMismatch {
+                op: "DeviceTensor::copy_from_device",
+                expected: self.shape.clone(),
+                got: src.shape.clone(),
+            });
+        }
+        if src.ordinal() != self.ordinal() {
+            return Err(Error::cuda(
+                "DeviceTensor::copy_from_device",
+                format!("cuda:{} to cuda:{}", src.ordinal(), self.ordinal()),
+            ));
+        }
+        if self.numel() > 0 {
+            stream.bind()?;
+            // SAFETY: both views hold `nbytes` bytes of device memory on the stream's
+            // device, alive while the views are; the copy is ordered on `stream`.
+            unsafe {
+                cu::memcpy_dtod_async(
+                    self.ptr(),
+                    src.ptr(),
+                    self.nbytes(),
+                    stream.inner.cu_stream(),
+                )
+            }
+            .map_err(|e| Error::cuda("cuMemcpyDtoDAsync", e))?;
+        }
+        Ok(())
+    }
+
     /// Copies a host tensor to the device (same shape and dtype).
     ///
     /// # Errors

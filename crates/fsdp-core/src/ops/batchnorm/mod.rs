@@ -12,7 +12,6 @@
 //! ([`BatchNormSaved`]); a combination of dtypes the kernels do not cover (a channel tensor
 //! of another dtype than the kernels take, see `cuda.rs`) runs the host loops on copies.
 
-#[cfg(feature = "cuda")]
 mod cuda;
 mod host;
 
@@ -50,7 +49,6 @@ pub(crate) enum SavedValues {
     /// The CUDA kernels: the input and the per-channel statistics on its device, `(2, C)`
     /// f64 `(mean, rstd)` for f32/f64, `(3, C)` f32 `(mean, invstd, the backward's invstd)`
     /// for bf16/f16 (`kernels/batchnorm.cu`).
-    #[cfg(feature = "cuda")]
     Device { x: Tensor, stats: Tensor },
 }
 
@@ -239,7 +237,6 @@ pub fn batch_norm(
             "batch_norm: evaluation with running stats needs running_mean and running_var"
         );
     }
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = device {
         if let Some(out) = cuda::forward(i, x, w, b, running.as_ref(), batch_stats, eps, dims)? {
             return Ok(out);
@@ -284,7 +281,6 @@ pub fn batch_norm_backward(
         });
     }
     match &saved.values {
-        #[cfg(feature = "cuda")]
         SavedValues::Device { x, stats } => cuda::backward(dy, saved, x, stats, w, dw, db),
         SavedValues::Host { xhat, rstd, mean } if !mean.is_empty() => {
             let values = super::lowp::batchnorm::Saved {
@@ -319,7 +315,6 @@ pub fn batch_norm_count_(count: &Tensor) -> Result<()> {
             got: count.shape().to_vec(),
         });
     }
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = count.device() {
         return crate::backend::cuda::batchnorm_count(
             &*super::stream(i)?,

@@ -92,7 +92,6 @@ pub(crate) fn backward(
         });
     }
     crate::ops::layernorm::check_grad_shapes(dw, db, c)?;
-    #[cfg(feature = "cuda")]
     if let Device::Cuda(i) = dy.device() {
         return backward_cuda(i, dy, x, w, mean, &saved.rstd, (dw, db), dtype);
     }
@@ -143,7 +142,6 @@ pub(crate) fn backward(
 
 /// [`backward`] on `cuda:ordinal`: the `lowp.cu` kernels on the current stream (no host
 /// read). Every tensor is converted to `dtype` first (a no-op for a unit's own tensors).
-#[cfg(feature = "cuda")]
 #[allow(clippy::too_many_arguments)]
 fn backward_cuda(
     ordinal: usize,

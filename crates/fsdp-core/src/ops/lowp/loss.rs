@@ -77,7 +77,6 @@ pub(crate) fn cross_entropy(
 /// [`cross_entropy`] on `cuda:ordinal` (`cross_entropy_lp_{dtype}`, then the f64 mean of
 /// the row losses in row order and its rounding to `dtype`, all on the device): the loss as
 /// a one-element f32 tensor there, and the gradient.
-#[cfg(feature = "cuda")]
 pub(crate) fn cross_entropy_cuda(
     ordinal: usize,
     logits: &Tensor,

@@ -58,7 +58,6 @@
 //! storage that one rank writes must not be passed by another rank of the same collective
 //! (the second rank waits for the lock until the first times out).
 
-#[cfg(feature = "cuda")]
 mod device;
 pub(crate) mod kernels;
 mod rendezvous;
@@ -165,23 +164,6 @@ fn place(op: &'static str, ts: &[&Tensor]) -> Result<Place> {
     })
 }
 
-/// Without the `cuda` feature no tensor is on a CUDA device; these are never reached.
-#[cfg(not(feature = "cuda"))]
-impl ThreadsGroup {
-    fn all_gather_cuda(&self, _: &Tensor, _: &Tensor, _: usize) -> Result<()> {
-        Err(crate::backend::cuda::no_cuda_build())
-    }
-    fn reduce_scatter_cuda(&self, _: &Tensor, _: &Tensor, _: ReduceOp, _: usize) -> Result<()> {
-        Err(crate::backend::cuda::no_cuda_build())
-    }
-    fn all_reduce_cuda(&self, _: &Tensor, _: ReduceOp, _: usize) -> Result<()> {
-        Err(crate::backend::cuda::no_cuda_build())
-    }
-    fn broadcast_cuda(&self, _: &Tensor, _: usize, _: usize) -> Result<()> {
-        Err(crate::backend::cuda::no_cuda_build())
-    }
-}
-
 impl ThreadsGroup {
     fn handle(rank: usize, shared: Arc<Shared>, world: Arc<World>) -> ThreadsGroup {
         let size = shared.size();
@@ -270,7 +252,6 @@ impl ThreadsGroup {
 
     /// [`run_arrival`](Self::run_arrival) for a device collective ordered on `side`'s
     /// stream (see `device.rs`).
-    #[cfg(feature = "cuda")]
     fn run_ordered(
         &self,
         side: &device::Side,

@@ -40,13 +40,11 @@ impl Ptr {
     }
 
     /// A device address (CUDA tensors publish device pointers, not host ones).
-    #[cfg(feature = "cuda")]
     pub(super) fn from_addr(addr: u64) -> Ptr {
         Ptr(addr as usize as *mut u8)
     }
 
     /// The address as a device address.
-    #[cfg(feature = "cuda")]
     pub(super) fn addr(self) -> u64 {
         self.0 as usize as u64
     }
@@ -59,12 +57,10 @@ pub(super) struct Arrival {
     pub(super) input: Ptr,
     pub(super) output: Ptr,
     /// CUDA tensors: the device they are on (0 on the host).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(super) ordinal: usize,
     /// CUDA tensors: an event recorded on the rank's stream after the work that produced
     /// its input (the driver handle; peers make their streams wait on it before reading);
     /// NULL on the host.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(super) event: Ptr,
 }
 
