@@ -284,7 +284,7 @@ PY
   # back and runs the bookkeeping collectives (host tensors through the GPU: a copy back
   # each). World size 4 is reported: 4 processes on 2 cores can make a collective slow
   # enough (> 1 s) to publish its count, as it should. The watchdog is quiet
-  # (nccl_watchdog.rs): at most 50 event queries (cuEventQuery) on each quiet step, and at
+  # (nccl/watchdog.rs): at most 50 event queries (cuEventQuery) on each quiet step, and at
   # most 50 per step over the whole run (the host runs ahead, so most polls of the queued
   # steps land in the last, reading step); it made 507-711 per step over the run before.
   for name in nccl-ws2 nccl-ws4; do

@@ -20,7 +20,7 @@
 //!   streams to `r` are shut so that a send blocked on `r`'s full socket returns
 //!   (`tcp/mod.rs`); on the `nccl` backend every group of the world aborts its
 //!   communicator, so that the collective waiting for `r` ends and the streams drain
-//!   (`nccl_heartbeat.rs`);
+//!   (`nccl/heartbeat.rs`);
 //! - rank 0's process hosts the store: when it stops, the store stops answering, and a
 //!   heartbeat without an answer within `T` names rank 0.
 //!

@@ -43,12 +43,6 @@ mod limits;
 mod mesh;
 #[cfg(feature = "cuda")]
 pub mod nccl;
-#[cfg(feature = "cuda")]
-mod nccl_evidence;
-#[cfg(feature = "cuda")]
-mod nccl_heartbeat;
-#[cfg(feature = "cuda")]
-mod nccl_watchdog;
 mod rendezvous;
 mod signals;
 pub mod staged;
@@ -101,7 +95,7 @@ pub use crate::reduce::ReduceOp;
 /// (as NCCL's are): they return once the work is queued, what the caller queues next on
 /// that stream sees the output and may overwrite the input, and a copy to the host sees
 /// the output (it synchronizes). Neither the threads backend nor NCCL waits on the host
-/// (NCCL's collectives are watched by one thread per process, `nccl_watchdog.rs`, whose
+/// (NCCL's collectives are watched by one thread per process, `nccl/watchdog.rs`, whose
 /// findings fail the group's next call).
 pub trait ProcessGroup: Send + Sync {
     /// This rank's index in the group, `0..size()`.

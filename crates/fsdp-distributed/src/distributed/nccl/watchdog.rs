@@ -23,8 +23,8 @@
 //! failed first, or NCCL's error. A failed group's store handle is kept a while
 //! ([`linger`]), so that the store rank 0 hosts outlives its failure for the peers.
 
-use super::nccl::Shared;
-use super::Store;
+use super::super::Store;
+use super::Shared;
 use crate::backend::cuda::Event;
 use crate::error::Error;
 use parking_lot::{Condvar, Mutex};
@@ -140,7 +140,7 @@ fn watchdog() -> &'static Watchdog {
 /// Keeps `store`, the store handle of a group that failed, alive for the group's
 /// `timeout` (at most a minute) past the group: the store server that rank 0 hosts stays
 /// up while peers that find the failure later than this rank look in the store for its
-/// cause (`nccl_evidence.rs`). A process that exits ends it sooner.
+/// cause (`evidence.rs`). A process that exits ends it sooner.
 pub(super) fn linger(store: Arc<dyn Store>, timeout: Duration) {
     let keep = timeout.min(Duration::from_secs(60));
     // Without a thread the handle is dropped at once: peers may then name a rank

@@ -11,18 +11,18 @@
 //!   (FSDP calls from its communication thread, whose stream is the unshard /
 //!   post-backward stream) and not waited for: what the caller queues next on that stream
 //!   is ordered after it, as with ProcessGroupNCCL;
-//! - one watchdog thread per process (`nccl_watchdog.rs`, `TORCH_NCCL_ASYNC_ERROR_HANDLING`)
+//! - one watchdog thread per process (`watchdog.rs`, `TORCH_NCCL_ASYNC_ERROR_HANDLING`)
 //!   polls every collective's completion event and `ncclCommGetAsyncError`; past the group
 //!   timeout it aborts the communicator and records [`Error::Timeout`] naming the ranks
 //!   that never entered the collective (a rank whose collective is slow, past a quarter of
 //!   the timeout or 10 s, records its collective count in the store, as PyTorch's desync
 //!   debugging asks its peers on a timeout; a healthy collective makes no store request and
 //!   no host wait), and an asynchronous NCCL error or a peer's recorded failure becomes
-//!   [`Error::PeerFailed`] naming the peer that failed first (`nccl_evidence.rs`); the
+//!   [`Error::PeerFailed`] naming the peer that failed first (`evidence.rs`); the
 //!   group's next call (or [`barrier`](ProcessGroup::barrier), which waits on the host)
 //!   returns it;
 //! - rank processes that met through the store beat a heartbeat through it
-//!   (`nccl_heartbeat.rs`, [Note: heartbeat]): a peer that stops as a whole (`SIGSTOP`)
+//!   (`heartbeat.rs`, [Note: heartbeat]): a peer that stops as a whole (`SIGSTOP`)
 //!   is named by [`Error::PeerFailed`] within the heartbeat timeout, and every group of the
 //!   world aborts its communicator;
 //! - an aborted communicator fails every later collective with the first error;
@@ -37,8 +37,10 @@
 //! timeout naming the ranks that did not enter (or, for differing sizes, as corrupt data);
 //! run the same job on the `threads` backend to get the exact mismatch.
 
-use super::nccl_evidence::Evidence;
-use super::nccl_heartbeat::Peers;
+mod evidence;
+mod heartbeat;
+mod watchdog;
+
 use super::threads::{is_chunk_of, unaliased};
 use super::{Group, ProcessGroup, ReduceOp, Store};
 use crate::backend::cuda as cu;
@@ -46,6 +48,8 @@ use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
 use cudarc::nccl::{result as nccl, sys};
+use evidence::Evidence;
+use heartbeat::Peers;
 use parking_lot::Mutex;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -153,26 +157,26 @@ pub struct NcclGroup {
     /// World ranks of the members, in group-rank order.
     members: Vec<usize>,
     world_rank: usize,
-    /// What this group shares with the watchdog (`nccl_watchdog.rs`): the communicator,
+    /// What this group shares with the watchdog (`watchdog.rs`): the communicator,
     /// the store, the timeout.
     shared: Arc<Shared>,
     seq: Mutex<u64>,
     created: crate::distributed::subgroups::NewGroupCounter,
     /// The groups of this rank's world, and its heartbeat when it has one
-    /// (`nccl_heartbeat.rs`).
+    /// (`heartbeat.rs`).
     peers: Arc<Peers>,
 }
 
 /// The part of a group the watchdog thread needs while the group's collectives are in
 /// flight (and keeps alive until they end: the communicator is not destroyed under them).
-pub(super) struct Shared {
+struct Shared {
     world_rank: usize,
-    pub(super) timeout: Duration,
+    timeout: Duration,
     /// This group's records in the store: collective counts, failures
-    /// (`nccl_evidence.rs`).
-    pub(super) evidence: Evidence,
+    /// (`evidence.rs`).
+    evidence: Evidence,
     comm: Mutex<Comm>,
-    /// Whether this group's store handle was handed to `nccl_watchdog::linger` (once, at
+    /// Whether this group's store handle was handed to `watchdog::linger` (once, at
     /// the group's failure).
     lingering: AtomicBool,
     /// When the watchdog last looked for a peer's recorded failure (a store request): at
@@ -299,7 +303,7 @@ impl NcclGroup {
     /// store at `MASTER_ADDR:MASTER_PORT` (rank 0 hosts it), the device
     /// `cuda:(LOCAL_RANK or RANK) % device count`, as a torchrun script's
     /// `torch.cuda.set_device(local_rank)`. With more than one rank it starts this rank's
-    /// heartbeat (`rv.heartbeat_timeout`, `nccl_heartbeat.rs`): a peer that stops as a whole
+    /// heartbeat (`rv.heartbeat_timeout`, `heartbeat.rs`): a peer that stops as a whole
     /// fails every group of the world with [`Error::PeerFailed`] naming it.
     ///
     /// # Errors
@@ -344,7 +348,7 @@ impl NcclGroup {
     }
 
     /// Runs one collective: enqueues `issue` on the calling thread's current stream and
-    /// hands its completion event to the watchdog (`nccl_watchdog.rs`). No host wait: what
+    /// hands its completion event to the watchdog (`watchdog.rs`). No host wait: what
     /// the caller queues next on the stream is ordered after it, as with ProcessGroupNCCL.
     ///
     /// # Errors
@@ -376,9 +380,9 @@ impl NcclGroup {
         }
         // Recorded and handed over under the communicator's lock: the watchdog gets one
         // group's collectives on one stream in their stream order (it polls only the
-        // newest of them, `nccl_watchdog.rs`).
+        // newest of them, `watchdog.rs`).
         let done = stream.record()?;
-        super::nccl_watchdog::watch(super::nccl_watchdog::InFlight::new(
+        watchdog::watch(watchdog::InFlight::new(
             self.shared.clone(),
             op,
             seq,
@@ -418,22 +422,22 @@ impl Shared {
 
     /// Keeps this failed group's store handle alive a while (once), past the group: the
     /// store server this rank may host stays up for the peers that look for the cause a
-    /// little later (`nccl_watchdog::linger`).
+    /// little later (`watchdog::linger`).
     fn linger(&self) {
         if !self.lingering.swap(true, Ordering::AcqRel) {
-            super::nccl_watchdog::linger(self.evidence.store.clone(), self.timeout);
+            watchdog::linger(self.evidence.store.clone(), self.timeout);
         }
     }
 
     /// Whether the group already failed.
-    pub(super) fn has_failed(&self) -> bool {
+    fn has_failed(&self) -> bool {
         self.comm.lock().failure.is_some()
     }
 
     /// Records `err` as the group's failure (the first one stays) and aborts the
     /// communicator at once, as ProcessGroupNCCL's watchdog does: its kernels in flight end
     /// (their outputs undefined) and the streams drain; later collectives fail with `err`.
-    pub(super) fn fail(&self, err: Error) {
+    fn fail(&self, err: Error) {
         self.linger();
         // Before the abort that fails the peers' collectives: they read it to name the same
         // ranks.
@@ -460,7 +464,7 @@ impl Shared {
     /// healthy. With `wait`, waits for
     /// a communicator another thread holds; without (the watchdog, which must not stall
     /// behind a call), answers None then: it asks again at its next poll.
-    pub(super) fn async_failure(&self, op: &str, seq: u64, wait: bool) -> Option<Error> {
+    fn async_failure(&self, op: &str, seq: u64, wait: bool) -> Option<Error> {
         let text = self.async_error(op, wait)?;
         if let Some((failed_rank, reason)) = self.evidence.failed_peer() {
             return Some(Error::PeerFailed {
@@ -507,7 +511,7 @@ impl Shared {
 
     /// Whether a second has passed since the last look for a failed peer (and if so, the
     /// clock restarts: the caller looks now).
-    pub(super) fn peer_check_due(&self) -> bool {
+    fn peer_check_due(&self) -> bool {
         let mut last = self.last_peer_check.lock();
         if last.elapsed() < Duration::from_secs(1) {
             return false;
@@ -517,7 +521,7 @@ impl Shared {
     }
 
     /// This rank's world rank.
-    pub(super) fn world_rank(&self) -> usize {
+    fn world_rank(&self) -> usize {
         self.world_rank
     }
 }

@@ -8,14 +8,14 @@
 //! thread with its own store connection (no `store_ops` per step). Every group of that
 //! world (the world group and each `new_group`) registers here. When the heartbeat finds a
 //! peer stale, every live group records [`Error::PeerFailed`] naming it and aborts its
-//! communicator at once, as the watchdog does at a timeout (`nccl_watchdog.rs`): the
+//! communicator at once, as the watchdog does at a timeout (`watchdog.rs`): the
 //! collective in flight ends, the streams drain, and the group's next call (or the
 //! waiting `barrier`) returns the error. A group made after that fails the same way.
 //! Thread ranks made with [`NcclGroup::new`](super::nccl::NcclGroup::new) have no
 //! heartbeat (one process: it stops as a whole).
 
-use super::heartbeat::{self, BeatSpec, Heartbeat};
-use super::nccl::Shared;
+use super::super::heartbeat::{self, BeatSpec, Heartbeat};
+use super::Shared;
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
 use std::sync::{Arc, Weak};
@@ -49,7 +49,7 @@ impl Peers {
     ///
     /// # Errors
     /// `Io` when its thread cannot start.
-    pub(super) fn start(self: &Arc<Self>, rv: &super::Rendezvous) -> Result<()> {
+    pub(super) fn start(self: &Arc<Self>, rv: &super::super::Rendezvous) -> Result<()> {
         let Some(spec) = BeatSpec::of(rv) else {
             return Ok(());
         };

@@ -18,10 +18,10 @@
 //!   naming the same ranks, not the rank that gave up on them.
 //!
 //! The store is hosted by rank 0's process: when rank 0's group fails, the watchdog keeps
-//! the group (and so the store server) alive for a while (`nccl_watchdog::linger`), so
+//! the group (and so the store server) alive for a while (`watchdog::linger`), so
 //! that peers that find the failure a little later can still read who was at fault.
 
-use super::Store;
+use super::super::Store;
 use std::sync::Arc;
 
 /// The store key counting the job's recorded failures (their order).
