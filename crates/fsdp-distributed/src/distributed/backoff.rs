@@ -1,7 +1,6 @@
 //! The one retry pacing of this crate: exponential backoff up to a cap, never sleeping past
 //! a deadline. Used where a peer may not listen yet (a rank dialing the store before rank 0
-//! hosts it, mesh connections before a peer's listener is up) and to pace the polls of an
-//! NCCL collective's completion (`nccl.rs`, which checks its own timeout).
+//! hosts it, mesh connections before a peer's listener is up).
 
 use std::time::{Duration, Instant};
 
@@ -34,10 +33,8 @@ impl Backoff {
         true
     }
 
-    /// Sleeps the current pause and doubles it up to the cap, whatever the deadline: the
-    /// pacing of a poll whose caller checks its own timeout.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // only the nccl backend polls
-    pub(crate) fn sleep(&mut self) {
+    /// Sleeps the current pause and doubles it up to the cap, whatever the deadline.
+    fn sleep(&mut self) {
         std::thread::sleep(self.next);
         self.next = (self.next * 2).min(self.max);
     }

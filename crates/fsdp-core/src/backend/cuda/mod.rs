@@ -28,7 +28,7 @@
 //! `collective.rs` holds what the threads process group needs on device buffers (the
 //! rank-order reduction kernel of `collective.cu`, copies across devices, waits on peers'
 //! events). NCCL (one communicator per rank, through cudarc's `nccl` module) is the
-//! `nccl` process group of `distributed/nccl.rs`.
+//! `nccl` process group of `distributed/nccl/`.
 
 use crate::error::{Error, Result};
 
