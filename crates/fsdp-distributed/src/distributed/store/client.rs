@@ -303,7 +303,10 @@ impl TcpStore {
             rank,
             timeout,
             server: None,
-            counted: true,
+            // The greeting of a connection is not a step's request: a heartbeat thread that
+            // connects late (a loaded machine) must not count in a training step's
+            // `store_ops`; requests after it count (see `uncounted`).
+            counted: false,
         };
         let reply = store.request(
             "greeting",
@@ -314,7 +317,7 @@ impl TcpStore {
         let greeting = d.bytes("greeting").ok() == Some(MAGIC);
         let instance = d.bytes("instance id").map(<[u8]>::to_vec);
         match (greeting, instance, d.finish()) {
-            (true, Ok(id), Ok(())) => Ok((store, id)),
+            (true, Ok(id), Ok(())) => Ok((TcpStore { counted: true, ..store }, id)),
             _ => Err(store.protocol_error(
                 "greeting",
                 "the server is not an fsdp TCPStore of this version",
