@@ -5,31 +5,13 @@
 //! and round alike (bitwise equal). f64: the host loops of `double/`, on CUDA the `_f64`
 //! kernels (erf and exp in double).
 
+pub use super::types::Pointwise;
 use super::{compute_dtype, same_device};
 use crate::backend::cpu::kernels as cpu;
 use crate::backend::cpu::parallel as par;
 use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-
-/// Which pointwise function.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Pointwise {
-    /// `max(x, 0)` (`F.relu`).
-    Relu,
-    /// `x Phi(x)`, exact erf (`F.gelu(approximate='none')`).
-    Gelu,
-}
-
-impl Pointwise {
-    /// `"ReLU"` or `"GELU"`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Pointwise::Relu => "ReLU",
-            Pointwise::Gelu => "GELU",
-        }
-    }
-}
 
 /// `y = f(x)`, a new tensor of `x`'s shape and dtype on its device.
 ///

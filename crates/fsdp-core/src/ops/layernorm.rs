@@ -6,25 +6,12 @@
 //! tensors: `layernorm_*_f64` there, the host loops of `double/` on the CPU).
 
 use super::same_device;
+pub use super::types::LayerNormSaved;
 use crate::backend::cpu::fast;
 use crate::backend::cpu::parallel as par;
 use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-
-/// What [`layer_norm_backward`] needs from the forward, on the input's device.
-#[derive(Debug, Clone)]
-pub struct LayerNormSaved {
-    /// The normalized input `(x - mean) * rstd`, `(rows, C)`.
-    pub xhat: Tensor,
-    /// `1 / sqrt(var + eps)` per row, `(rows)`.
-    pub rstd: Tensor,
-    /// `None` for an f32 forward. After a bf16/f16 forward, the row means `(rows)` in that
-    /// dtype, and then `xhat` holds the input `x` itself and `rstd` the rounded rstd: what
-    /// PyTorch's `native_layer_norm` saves for a reduced-precision input (`input`, `mean`,
-    /// `rstd` in the input's dtype); the backward recomputes `xhat` from them in f32.
-    pub mean: Option<Tensor>,
-}
 
 fn rows(op: &'static str, x: &Tensor, c: usize) -> Result<usize> {
     if x.shape().last() != Some(&c) {

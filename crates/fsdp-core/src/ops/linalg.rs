@@ -7,6 +7,7 @@
 //! GPU, so CUDA results agree with the CPU to f32 rounding, not bitwise.
 
 use super::autocast::gemm_dtype;
+pub use super::types::MatmulDims;
 use super::{check_f32, same_device};
 use crate::backend::cpu::gemm;
 pub use crate::backend::cpu::gemm::Transpose;
@@ -14,27 +15,6 @@ use crate::backend::cpu::parallel as par;
 use crate::backend::Device;
 use crate::error::{bail_arg, Error, Result};
 use crate::tensor::Tensor;
-
-/// Sizes of one product `out (m, n) = op(a) (m, k) @ op(b) (k, n)`: `a` is stored `(m, k)`,
-/// or `(k, m)` when `trans.a`; `b` is stored `(k, n)`, or `(n, k)` when `trans.b`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MatmulDims {
-    /// Rows of the output.
-    pub m: usize,
-    /// The summed dimension.
-    pub k: usize,
-    /// Columns of the output.
-    pub n: usize,
-    /// Which operands are stored transposed.
-    pub trans: Transpose,
-}
-
-impl MatmulDims {
-    /// `(m, k, n)` with the operands stored as `trans` says.
-    pub fn new(m: usize, k: usize, n: usize, trans: Transpose) -> MatmulDims {
-        MatmulDims { m, k, n, trans }
-    }
-}
 
 /// `out (m, n) = op(a) @ op(b)`, or `+=` when `accumulate` (`torch.matmul` /
 /// `torch.addmm(out, a, b)`), f32 with f32 accumulation; inside an
@@ -117,41 +97,7 @@ pub fn matmul_batched(
     }
     let (a, b) = (cpu_operand(a)?, cpu_operand(b)?);
     let (mut o, av, bv) = (out.f32_mut()?, a.f32()?, b.f32()?);
-    cpu_batched(&mut o, &av, &bv, d, batch, accumulate)
-}
-
-/// The host loop of [`matmul_batched`] for f32 and f64 (`ops::double`): `batch` products
-/// of consecutive blocks through the `gemm` crate.
-pub(crate) fn cpu_batched<T: gemm::GemmScalar>(
-    o: &mut [T],
-    av: &[T],
-    bv: &[T],
-    d: MatmulDims,
-    batch: usize,
-    accumulate: bool,
-) -> Result<()> {
-    let MatmulDims { m, k, n, trans } = d;
-    if batch == 1 {
-        return gemm::matmul(o, av, bv, m, k, n, trans, accumulate);
-    }
-    let (mk, kn, mn) = (m * k, k * n, m * n);
-    // Products are independent: parts own whole products, each one GEMM as without threads
-    // (the gemm crate's result does not depend on its thread count).
-    par::rows_mut(o, batch, mn, 1, |r, o| {
-        for (j, i) in r.enumerate() {
-            gemm::matmul(
-                &mut o[j * mn..(j + 1) * mn],
-                &av[i * mk..(i + 1) * mk],
-                &bv[i * kn..(i + 1) * kn],
-                m,
-                k,
-                n,
-                trans,
-                accumulate,
-            )?;
-        }
-        Ok(())
-    })
+    gemm::matmul_batched(&mut o, &av, &bv, [m, k, n], d.trans, batch, accumulate)
 }
 
 /// `y (.., out) = x (.., in) @ weight (out, in)^T + bias (out)` (`F.linear`), a new f32

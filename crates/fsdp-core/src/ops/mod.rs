@@ -61,10 +61,10 @@ pub mod linalg;
 pub mod loss;
 pub(crate) mod lowp;
 pub mod sdpa;
+mod types;
 
 pub use activation::{
     bias_gelu_, bias_gelu_fusable, gelu_backward_bias_grad, pointwise, pointwise_backward,
-    Pointwise,
 };
 pub use amp::non_finite_check_and_unscale_;
 pub use arith::{
@@ -85,17 +85,16 @@ pub use batchnorm::{
 pub use causal::{causal_matmul, CausalProduct};
 pub use elementwise::{add, add_, add_promoted_, fill_, scale_, sum_squares};
 pub use embedding::{embedding, embedding_backward};
-pub use layernorm::{
-    add_layer_norm, layer_norm, layer_norm_backward, layer_norm_backward_add, LayerNormSaved,
-};
+pub use layernorm::{add_layer_norm, layer_norm, layer_norm_backward, layer_norm_backward_add};
 pub use linalg::{
-    bias_add_, bias_grad, linear, matmul, matmul_batched, mm, mm_backward, MatmulDims, Transpose,
+    bias_add_, bias_grad, linear, matmul, matmul_batched, mm, mm_backward, Transpose,
 };
 pub use loss::{
     add_div_, cross_entropy, cross_entropy_f64, cross_entropy_tensor, cross_entropy_tensor_scaled,
     mse_loss, mse_loss_scaled, sum_loss,
 };
 pub use sdpa::{sdpa_causal, sdpa_causal_backward, sdpa_supported};
+pub use types::{LayerNormSaved, MatmulDims, Pointwise};
 
 use crate::backend::Device;
 use crate::error::{Error, Result};

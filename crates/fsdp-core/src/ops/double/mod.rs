@@ -16,8 +16,8 @@ mod nn;
 pub use nn::widen;
 pub(crate) use nn::*;
 
-use super::linalg::MatmulDims;
-use super::Pointwise;
+use super::types::{MatmulDims, Pointwise};
+use crate::backend::cpu::gemm::{self, Transpose};
 use crate::backend::cpu::parallel as par;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
@@ -65,7 +65,8 @@ pub(crate) fn matmul_batched(
     check("matmul", &[out, a, b])?;
     let (av, bv) = (a.data::<f64>()?, b.data::<f64>()?);
     let mut o = out.data_mut::<f64>()?;
-    super::linalg::cpu_batched(&mut o, &av, &bv, d, batch, accumulate)
+    let MatmulDims { m, k, n, trans } = d;
+    gemm::matmul_batched(&mut o, &av, &bv, [m, k, n], trans, batch, accumulate)
 }
 
 /// `y (.., o) = x (.., i) @ W^T + b` in f64 (`F.linear`); shapes checked by the caller.
@@ -90,7 +91,7 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, o: usize) ->
         &y,
         x,
         w,
-        MatmulDims::new(rows, i, o, super::Transpose::NT),
+        MatmulDims::new(rows, i, o, Transpose::NT),
         1,
         true,
     )?;
