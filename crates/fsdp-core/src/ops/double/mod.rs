@@ -10,6 +10,10 @@
 //! the device first; products run through cuBLAS in f64); these loops refuse them
 //! ([`Error::Unsupported`] naming the op); `ops::mse_loss` and `ops::sum_loss` run theirs on host
 //! copies of CUDA tensors.
+//!
+//! The dispatching ops call in here; nothing here calls an op back: the shared types come
+//! from `ops/types.rs`, the products from [`crate::backend::cpu::gemm`] (the batched loop
+//! the f32 host products run too).
 
 mod nn;
 #[doc(hidden)] // crate-internal, public only for the layers above
