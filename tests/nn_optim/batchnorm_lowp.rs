@@ -6,7 +6,7 @@
 //! and above PyTorch's 16-value blocks and 32-value vectors.
 //!
 //! Every value bit for bit, both dtypes (8 cases x 2 modes): with PyTorch's rounding points
-//! and summation order (`ops/lowp/batchnorm.rs`: its AVX2 kernel's 16-value blocks and 8
+//! and summation order (`ops/batchnorm/reduced.rs`: its AVX2 kernel's 16-value blocks and 8
 //! lanes added in order, fused multiply-adds where its compiler forms them, and f32
 //! statistics for f16 where bf16 rounds them to the parameters' dtype).
 

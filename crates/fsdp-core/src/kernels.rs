@@ -15,7 +15,7 @@
 //! | `collective.cu` | `reduce_ranks_{dtype}` | the threads backend's host reduction (`distributed::threads`) |
 //! | `sdpa.cu` | `sdpa_fwd_{f16,bf16}`, `sdpa_bwd_dq_{f16,bf16}`, `sdpa_bwd_dkv_{f16,bf16}` | `ops::sdpa_causal` (PyTorch's bf16/f16 `scaled_dot_product_attention`, bitwise) |
 //! | `lowp.cu` | `layernorm_bwd_lp_*`, `layernorm_wgrad_lp_*`, `cross_entropy_lp_*` (each `_f16` and `_bf16`) | `ops::lowp` (the host loops of bf16/f16 LayerNorm and cross-entropy) |
-//! | `batchnorm.cu` | `batchnorm_{stats,fwd,bwd_stats,bwd_dx}_{f32,f64}`, `_lp_{bf16,f16}_{param}`, `batchnorm_count_i64` | `ops::batchnorm` (host loops), `ops::lowp::batchnorm` |
+//! | `batchnorm.cu` | `batchnorm_{stats,fwd,bwd_stats,bwd_dx}_{f32,f64}`, `_lp_{bf16,f16}_{param}`, `batchnorm_count_i64` | `ops::batchnorm` (host loops; bf16/f16: `reduced.rs`) |
 
 mod embedded {
     include!(concat!(env!("OUT_DIR"), "/kernels_fatbin.rs"));

@@ -5,31 +5,13 @@
 //! and round alike (bitwise equal). f64: the host loops of `double/`, on CUDA the `_f64`
 //! kernels (erf and exp in double).
 
-use super::{compute_dtype, same_device};
+pub use super::types::Pointwise;
+use super::{compute_dtype, lowp, same_device};
 use crate::backend::cpu::kernels as cpu;
 use crate::backend::cpu::parallel as par;
 use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-
-/// Which pointwise function.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Pointwise {
-    /// `max(x, 0)` (`F.relu`).
-    Relu,
-    /// `x Phi(x)`, exact erf (`F.gelu(approximate='none')`).
-    Gelu,
-}
-
-impl Pointwise {
-    /// `"ReLU"` or `"GELU"`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Pointwise::Relu => "ReLU",
-            Pointwise::Gelu => "GELU",
-        }
-    }
-}
 
 /// `y = f(x)`, a new tensor of `x`'s shape and dtype on its device.
 ///
@@ -37,13 +19,23 @@ impl Pointwise {
 /// `DTypeMismatch` for an input neither f32, f64 nor bf16/f16; `NotMaterialized` on meta;
 /// [`Error::Cuda`].
 pub fn pointwise(f: Pointwise, x: &Tensor) -> Result<Tensor> {
-    let _device = same_device(f.name(), &[x])?;
-    if let Some(lp) = super::lowp::lp_of(&[x]) {
-        return super::lowp::pointwise(f, x, lp);
+    let device = same_device(f.name(), &[x])?;
+    if let Some(lp) = lowp::lp_of(&[x]) {
+        if f == Pointwise::Gelu && device == Device::Cpu {
+            // PyTorch's reduced-precision CPU kernel (its own erf), rounded once.
+            return lowp::gelu_host(x, lp);
+        }
+        return lowp::map(x, lp, |x32| pointwise_native(f, x32, device));
     }
-    if super::double::any_f64(&[x]) && !_device.is_cuda() {
+    if super::double::any_f64(&[x]) && !device.is_cuda() {
         return super::double::pointwise(f, x);
     }
+    pointwise_native(f, x, device)
+}
+
+/// [`pointwise`] of an f32 tensor (or an f64 one on CUDA): the kernel on CUDA, else the
+/// host loop.
+fn pointwise_native(f: Pointwise, x: &Tensor, _device: Device) -> Result<Tensor> {
     let _dt = compute_dtype(f.name(), &[x], _device)?;
     if let Device::Cuda(i) = _device {
         use crate::backend::cuda;
@@ -88,9 +80,22 @@ pub fn pointwise_backward(f: Pointwise, x: &Tensor, dy: &Tensor) -> Result<Tenso
     if super::double::any_f64(&[x, dy]) && !_device.is_cuda() {
         return super::double::pointwise_backward(f, x, dy);
     }
-    if let Some(lp) = super::lowp::lp_of(&[x, dy]) {
-        return super::lowp::pointwise_backward(f, x, dy, lp);
+    if let Some(lp) = lowp::lp_of(&[x, dy]) {
+        // The input gradient from the widened input and output gradient, one rounding.
+        let dx = pointwise_backward_native(f, &lowp::up(x)?, &lowp::up(dy)?, _device)?;
+        return lowp::down(&dx, lp);
     }
+    pointwise_backward_native(f, x, dy, _device)
+}
+
+/// [`pointwise_backward`] of f32 tensors (or f64 ones on CUDA), checked: the kernel on
+/// CUDA, else the host loop.
+fn pointwise_backward_native(
+    f: Pointwise,
+    x: &Tensor,
+    dy: &Tensor,
+    _device: Device,
+) -> Result<Tensor> {
     let _dt = compute_dtype(f.name(), &[x, dy], _device)?;
     if let Device::Cuda(i) = _device {
         use crate::backend::cuda;

@@ -23,6 +23,7 @@
 //! ```
 
 use super::{check_f32, same_device};
+use crate::backend::cpu::parallel as par;
 use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -75,6 +76,16 @@ pub(crate) fn cpu_f32(op: &'static str, ts: &[&Tensor]) -> Result<()> {
         )));
     }
     check_f32(op, ts)
+}
+
+/// `t = -t` for a CPU f32 tensor (the results of this file): the host loop of
+/// [`scale_`](super::scale_) by -1, the same bits, without a dependency on `elementwise.rs`
+/// (whose `add` broadcasts through [`binary`]).
+fn neg_(t: &Tensor) -> Result<()> {
+    par::chunks_mut(&mut t.f32_mut()?, par::ELEMENTWISE_GRAIN, |_, d| {
+        crate::backend::cpu::ops::scale_(d, -1.0);
+        Ok(())
+    })
 }
 
 /// The shape `a` and `b` broadcast to (`torch.broadcast_shapes`).
@@ -255,7 +266,7 @@ pub fn div_backward(dy: &Tensor, a: &Tensor, b: &Tensor) -> Result<(Tensor, Tens
     let da = div(dy, b)?;
     // -dy a / b^2 = -(dy / b) * (a / b)
     let db = mul(&da, &div(a, b)?)?;
-    super::scale_(&db, -1.0)?;
+    neg_(&db)?;
     Ok((sum_to_shape(&da, a.shape())?, sum_to_shape(&db, b.shape())?))
 }
 
@@ -266,6 +277,6 @@ pub fn div_backward(dy: &Tensor, a: &Tensor, b: &Tensor) -> Result<(Tensor, Tens
 /// As [`sum_to_shape`].
 pub fn sub_backward(dy: &Tensor, a: &[usize], b: &[usize]) -> Result<(Tensor, Tensor)> {
     let db = sum_to_shape(dy, b)?;
-    super::scale_(&db, -1.0)?;
+    neg_(&db)?;
     Ok((sum_to_shape(dy, a)?, db))
 }

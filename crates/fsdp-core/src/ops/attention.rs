@@ -14,7 +14,7 @@
 //! `split_heads_f32`, `softmax_causal_*_f32` of `nn.cu`, and their `_f64` instances for
 //! f64 tensors (which on the CPU take the host loops of `double/`).
 
-use super::{check_f32, compute_dtype, output, output_as, same_device};
+use super::{check_f32, compute_dtype, lowp, output, output_as, same_device};
 use crate::backend::cpu::fast;
 pub use crate::backend::cpu::kernels::HeadDims;
 use crate::backend::cpu::parallel as par;
@@ -40,13 +40,25 @@ fn check_numel(op: &'static str, t: &Tensor, want: usize) -> Result<()> {
 /// errors.
 pub fn split_qkv(qkv: &Tensor, d: HeadDims) -> Result<[Tensor; 3]> {
     let device = same_device("split_qkv", &[qkv])?;
-    if let Some(lp) = super::lowp::lp_of(&[qkv]) {
-        return super::lowp::split_qkv(qkv, d, lp);
+    if let Some(lp) = lowp::lp_of(&[qkv]) {
+        // Exact copies of the widened values, rounded back exactly.
+        let [q, k, v] = split_qkv_native(&lowp::up(qkv)?, d, device)?;
+        return Ok([
+            lowp::down(&q, lp)?,
+            lowp::down(&k, lp)?,
+            lowp::down(&v, lp)?,
+        ]);
     }
     if super::double::any_f64(&[qkv]) && !device.is_cuda() {
         check_numel("split_qkv", qkv, 3 * d.numel())?;
         return super::double::split_qkv(qkv, d);
     }
+    split_qkv_native(qkv, d, device)
+}
+
+/// [`split_qkv`] of an f32 tensor (or an f64 one on CUDA), checked: the kernel on CUDA,
+/// else the host loop.
+fn split_qkv_native(qkv: &Tensor, d: HeadDims, device: Device) -> Result<[Tensor; 3]> {
     let dt = compute_dtype("split_qkv", &[qkv], device)?;
     check_numel("split_qkv", qkv, 3 * d.numel())?;
     let shape = [d.b, d.h, d.t, d.hd];
@@ -107,19 +119,31 @@ pub fn split_qkv(qkv: &Tensor, d: HeadDims) -> Result<[Tensor; 3]> {
 /// As [`split_qkv`].
 pub fn merge_qkv(dq: &Tensor, dk: &Tensor, dv: &Tensor, d: HeadDims) -> Result<Tensor> {
     let device = same_device("merge_qkv", &[dq, dk, dv])?;
-    if let Some(lp) = super::lowp::lp_of(&[dq, dk, dv]) {
-        return super::lowp::merge_qkv(dq, dk, dv, d, lp);
+    if let Some(lp) = lowp::lp_of(&[dq, dk, dv]) {
+        let (q, k, v) = (lowp::up(dq)?, lowp::up(dk)?, lowp::up(dv)?);
+        return lowp::down(&merge_qkv_native(&q, &k, &v, d, device)?, lp);
     }
-    let f64_path = super::double::any_f64(&[dq, dk, dv]) && !device.is_cuda();
-    let dt = match f64_path {
-        true => DType::F64,
-        false => compute_dtype("merge_qkv", &[dq, dk, dv], device)?,
-    };
+    if super::double::any_f64(&[dq, dk, dv]) && !device.is_cuda() {
+        for t in [dq, dk, dv] {
+            check_numel("merge_qkv", t, d.numel())?;
+        }
+        return super::double::merge_qkv(dq, dk, dv, d);
+    }
+    merge_qkv_native(dq, dk, dv, d, device)
+}
+
+/// [`merge_qkv`] of f32 tensors (or f64 ones on CUDA), checked: the kernel on CUDA, else
+/// the host loop.
+fn merge_qkv_native(
+    dq: &Tensor,
+    dk: &Tensor,
+    dv: &Tensor,
+    d: HeadDims,
+    device: Device,
+) -> Result<Tensor> {
+    let dt = compute_dtype("merge_qkv", &[dq, dk, dv], device)?;
     for t in [dq, dk, dv] {
         check_numel("merge_qkv", t, d.numel())?;
-    }
-    if f64_path {
-        return super::double::merge_qkv(dq, dk, dv, d);
     }
     let c = d.h * d.hd;
     let dqkv = output_as(&[d.b, d.t, 3 * c], device, dt)?;
@@ -169,8 +193,9 @@ pub fn merge_qkv(dq: &Tensor, dk: &Tensor, dv: &Tensor, d: HeadDims) -> Result<T
 /// # Errors
 /// As [`split_qkv`].
 pub fn merge_heads(yh: &Tensor, d: HeadDims) -> Result<Tensor> {
-    if let Some(lp) = super::lowp::lp_of(&[yh]) {
-        return super::lowp::permute(yh, d, lp, merge_heads);
+    if let Some(lp) = lowp::lp_of(&[yh]) {
+        // An exact permute through f32.
+        return lowp::map(yh, lp, |y| permute_heads("merge_heads", y, d, false));
     }
     permute_heads("merge_heads", yh, d, false)
 }
@@ -180,12 +205,13 @@ pub fn merge_heads(yh: &Tensor, d: HeadDims) -> Result<Tensor> {
 /// # Errors
 /// As [`split_qkv`].
 pub fn split_heads(y: &Tensor, d: HeadDims) -> Result<Tensor> {
-    if let Some(lp) = super::lowp::lp_of(&[y]) {
-        return super::lowp::permute(y, d, lp, split_heads);
+    if let Some(lp) = lowp::lp_of(&[y]) {
+        return lowp::map(y, lp, |y| permute_heads("split_heads", y, d, true));
     }
     permute_heads("split_heads", y, d, true)
 }
 
+/// [`merge_heads`] (`split` false) or [`split_heads`] of an f32 or f64 tensor.
 fn permute_heads(op: &'static str, src: &Tensor, d: HeadDims, split: bool) -> Result<Tensor> {
     let device = same_device(op, &[src])?;
     if super::double::any_f64(&[src]) && !device.is_cuda() {
@@ -251,13 +277,18 @@ fn permute_heads(op: &'static str, src: &Tensor, d: HeadDims, split: bool) -> Re
 /// CUDA errors.
 pub fn softmax_causal(s: &Tensor, t: usize, scale: f32) -> Result<Tensor> {
     let device = same_device("softmax_causal", &[s])?;
-    if let Some(lp) = super::lowp::lp_of(&[s]) {
-        return super::lowp::softmax_causal(s, t, scale, lp);
+    if let Some(lp) = lowp::lp_of(&[s]) {
+        return lowp::map(s, lp, |s32| softmax_causal_native(s32, t, scale, device));
     }
     if super::double::any_f64(&[s]) {
         check_square_rows("softmax_causal", s, t)?;
         return softmax_causal_f64(s, t, f64::from(scale));
     }
+    softmax_causal_native(s, t, scale, device)
+}
+
+/// [`softmax_causal`] of f32 scores, checked: the kernel on CUDA, else the host loop.
+fn softmax_causal_native(s: &Tensor, t: usize, scale: f32, device: Device) -> Result<Tensor> {
     check_f32("softmax_causal", &[s])?;
     check_square_rows("softmax_causal", s, t)?;
     let p = output(s.shape(), device)?;
@@ -292,12 +323,28 @@ pub fn softmax_causal(s: &Tensor, t: usize, scale: f32) -> Result<Tensor> {
 /// `ShapeMismatch` when `p` and `dp` differ; as [`softmax_causal`].
 pub fn softmax_causal_backward_(p: &Tensor, dp: &Tensor, t: usize, scale: f32) -> Result<()> {
     let _device = same_device("softmax_causal_backward_", &[p, dp])?;
-    if super::lowp::lp_of(&[p, dp]).is_some() {
-        return super::lowp::softmax_causal_backward_(p, dp, t, scale);
+    if lowp::lp_of(&[p, dp]).is_some() {
+        // `dp` becomes the rounded score gradient.
+        let p32 = lowp::up(p)?;
+        return lowp::into(dp, true, |dp32| {
+            softmax_causal_backward_native(&p32, dp32, t, scale, _device)
+        });
     }
     if super::double::any_f64(&[p, dp]) {
         return softmax_causal_backward_f64_(p, dp, t, f64::from(scale));
     }
+    softmax_causal_backward_native(p, dp, t, scale, _device)
+}
+
+/// [`softmax_causal_backward_`] of f32 tensors, checked: the kernel on CUDA, else the host
+/// loop.
+fn softmax_causal_backward_native(
+    p: &Tensor,
+    dp: &Tensor,
+    t: usize,
+    scale: f32,
+    _device: Device,
+) -> Result<()> {
     check_f32("softmax_causal_backward_", &[p, dp])?;
     check_square_rows("softmax_causal_backward_", p, t)?;
     check_numel("softmax_causal_backward_", dp, p.numel())?;

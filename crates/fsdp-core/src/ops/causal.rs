@@ -27,10 +27,11 @@
 //! the others lose more to the `gemm` crate's fixed cost per call than they save (see
 //! `pays`).
 
-use super::{check_f32, same_device, MatmulDims, Transpose};
+use super::{check_f32, lowp, same_device, MatmulDims, Transpose};
 use crate::backend::cpu::gemm::{self, Strides};
 use crate::backend::cpu::kernels::HeadDims;
 use crate::backend::cpu::parallel as par;
+use crate::backend::Device;
 use crate::error::{bail_arg, Error, Result};
 use crate::tensor::Tensor;
 
@@ -157,16 +158,36 @@ pub fn causal_matmul(
     which: CausalProduct,
     d: HeadDims,
 ) -> Result<()> {
-    let (t, hd, bh) = (d.t, d.hd, d.b * d.h);
     let device = same_device("causal_matmul", &[out, a, b])?;
     if super::lowp::lp_of(&[out, a, b]).is_some() {
-        return super::lowp::causal_matmul(out, a, b, which, d);
+        // f32 products of the widened operands, rounded once into `out`.
+        let (a32, b32) = (lowp::up(a)?, lowp::up(b)?);
+        return lowp::into(out, false, |o32| {
+            // The operands already hold their low-precision values: no second rounding.
+            let _f32 = super::autocast(None);
+            causal_matmul_native(o32, &a32, &b32, which, d, device)
+        });
     }
-    let dims = which.dims(t, hd);
     if super::double::any_f64(&[out, a, b]) {
         // f64: the full per-head products (the masked half of a causal operand is 0).
-        return super::matmul_batched(out, a, b, dims, bh, false);
+        let dims = which.dims(d.t, d.hd);
+        return super::matmul_batched(out, a, b, dims, d.b * d.h, false);
     }
+    causal_matmul_native(out, a, b, which, d, device)
+}
+
+/// [`causal_matmul`] of f32 tensors, checked: the full batched GEMM on CUDA (and where the
+/// blocked product does not pay), else the blocked host products.
+fn causal_matmul_native(
+    out: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    which: CausalProduct,
+    d: HeadDims,
+    device: Device,
+) -> Result<()> {
+    let (t, hd, bh) = (d.t, d.hd, d.b * d.h);
+    let dims = which.dims(t, hd);
     check_f32("causal_matmul", &[out, a, b])?;
     if device.is_cuda() || !pays(which) || !blocked(t, hd) {
         return super::matmul_batched(out, a, b, dims, bh, false);

@@ -1,7 +1,7 @@
 //! Elementwise ops and reductions on f32 tensors (bf16/f16 and f64 where said), on any device.
 //! CPU references: [`crate::backend::cpu::ops`]; CUDA: `reduce_scatter.cu`, `flat_param.cu`.
 
-use super::same_device;
+use super::{lowp, same_device};
 use crate::backend::cpu::ops as cpu_ops;
 use crate::backend::cpu::parallel as par;
 use crate::backend::Device;
@@ -109,7 +109,17 @@ pub fn add_promoted_(dst: &Tensor, src: &Tensor) -> Result<()> {
     }
     numel_eq("add_promoted_", dst, src)?;
     same_device("add_promoted_", &[dst, src])?;
-    super::lowp::add_(dst, src)
+    add_rounded_(dst, src)
+}
+
+/// `dst = round(dst + src)` for float tensors of any dtypes (an f32 gradient of a
+/// low-precision computation): both widened, the sum by [`add_`] in f32 (its checks),
+/// rounded once to `dst`'s dtype. Without [`add_promoted_`]'s dtype check.
+///
+/// # Errors
+/// As [`add_`].
+pub(crate) fn add_rounded_(dst: &Tensor, src: &Tensor) -> Result<()> {
+    lowp::into(dst, true, |d32| add_(d32, &lowp::up(src)?))
 }
 
 /// `a + b` as a new tensor on their device (`torch.add`). Equal shapes: one pass on the
@@ -165,10 +175,16 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// `DTypeMismatch` for a non-f32 tensor; `NotMaterialized` on meta.
 pub fn scale_(t: &Tensor, alpha: f32) -> Result<()> {
     let _device = same_device("scale_", &[t])?;
-    if super::lowp::lp_of(&[t]).is_some() {
-        return super::lowp::scale_(t, alpha);
+    if lowp::lp_of(&[t]).is_some() {
+        // round(t * alpha): the product in f32.
+        return lowp::into(t, true, |t32| scale_native(t32, alpha, _device));
     }
-    if let Device::Cuda(i) = _device {
+    scale_native(t, alpha, _device)
+}
+
+/// [`scale_`] of an f32 or f64 tensor: the `scale` kernel on CUDA, else the host loop.
+fn scale_native(t: &Tensor, alpha: f32, device: Device) -> Result<()> {
+    if let Device::Cuda(i) = device {
         return crate::backend::cuda::scale(&*super::stream(i)?, &t.as_device_tensor()?, alpha);
     }
     if t.dtype() == DType::F64 {

@@ -4,7 +4,7 @@
 //! atomics, in any order); f64 tables: `embedding_*_f64` on CUDA, the host loops of
 //! `double/` on the CPU.
 
-use super::same_device;
+use super::{lowp, same_device};
 use crate::backend::cpu::kernels as cpu;
 use crate::backend::cpu::parallel as par;
 use crate::backend::Device;
@@ -45,19 +45,12 @@ fn check_ids(op: &'static str, ids: &Tensor) -> Result<()> {
 /// device and CUDA errors.
 pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     let device = same_device("embedding", &[table, ids])?;
-    if let Some(lp) = super::lowp::lp_of(&[table]) {
-        return super::lowp::embedding(table, ids, lp);
+    if let Some(lp) = lowp::lp_of(&[table]) {
+        // The table's rows, exactly, in its dtype.
+        return lowp::map(table, lp, |t32| embedding_native(t32, ids, device));
     }
-    let f64_path = super::double::any_f64(&[table]) && !device.is_cuda();
-    let dt = match f64_path {
-        true => crate::tensor::DType::F64,
-        false => super::compute_dtype("embedding", &[table], device)?,
-    };
-    check_ids("embedding", ids)?;
-    let (v, c) = table_dims("embedding", table)?;
-    let mut shape = ids.shape().to_vec();
-    shape.push(c);
-    if f64_path {
+    if super::double::any_f64(&[table]) && !device.is_cuda() {
+        let (v, shape) = out_shape(table, ids)?;
         super::double::check("embedding", &[table])?;
         let iv = ids.data::<i32>()?;
         if let Some(i) = iv.iter().position(|&id| id < 0 || id as usize >= v) {
@@ -68,6 +61,24 @@ pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
         }
         return super::double::embedding(table, &iv, &shape);
     }
+    embedding_native(table, ids, device)
+}
+
+/// The vocabulary size `V` and the output shape `(ids.., C)` of [`embedding`], checked.
+fn out_shape(table: &Tensor, ids: &Tensor) -> Result<(usize, Vec<usize>)> {
+    check_ids("embedding", ids)?;
+    let (v, c) = table_dims("embedding", table)?;
+    let mut shape = ids.shape().to_vec();
+    shape.push(c);
+    Ok((v, shape))
+}
+
+/// [`embedding`] of an f32 table (or an f64 one on CUDA), checked: the kernel on CUDA,
+/// else the host loop.
+fn embedding_native(table: &Tensor, ids: &Tensor, device: Device) -> Result<Tensor> {
+    let dt = super::compute_dtype("embedding", &[table], device)?;
+    let (v, shape) = out_shape(table, ids)?;
+    let c = shape.last().copied().unwrap_or(0);
     let out = super::output_as(&shape, device, dt)?;
     if c == 0 {
         // Nothing to copy, but a bad id is still an error (as `F.embedding` on a (V, 0)
@@ -119,14 +130,23 @@ pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
 /// # Errors
 /// `ShapeMismatch` when `dout` does not hold `ids.numel() * C` elements; as [`embedding`].
 pub fn embedding_backward(ids: &Tensor, dout: &Tensor, grad: &Tensor) -> Result<()> {
-    let _device = same_device("embedding_backward", &[ids, dout, grad])?;
-    if super::lowp::lp_of(&[dout, grad]).is_some() {
-        return super::lowp::embedding_backward(ids, dout, grad);
+    let device = same_device("embedding_backward", &[ids, dout, grad])?;
+    if lowp::lp_of(&[dout, grad]).is_some() {
+        // grad = round(grad + scatter-add of dout), the scatter summed in f32.
+        let d32 = lowp::up(dout)?;
+        return lowp::into(grad, true, |g32| {
+            embedding_backward_native(ids, &d32, g32, device)
+        });
     }
-    let f64_path = super::double::any_f64(&[dout, grad]) && !_device.is_cuda();
-    if !f64_path {
-        super::compute_dtype("embedding_backward", &[dout, grad], _device)?;
+    if super::double::any_f64(&[dout, grad]) && !device.is_cuda() {
+        backward_cols(ids, dout, grad)?;
+        return super::double::embedding_backward(ids, dout, grad);
     }
+    embedding_backward_native(ids, dout, grad, device)
+}
+
+/// The row length `C` of [`embedding_backward`]'s gradient, checked against `ids`, `dout`.
+fn backward_cols(ids: &Tensor, dout: &Tensor, grad: &Tensor) -> Result<usize> {
     check_ids("embedding_backward", ids)?;
     let (_, c) = table_dims("embedding_backward", grad)?;
     if dout.numel() != ids.numel() * c {
@@ -136,9 +156,19 @@ pub fn embedding_backward(ids: &Tensor, dout: &Tensor, grad: &Tensor) -> Result<
             got: dout.shape().to_vec(),
         });
     }
-    if f64_path {
-        return super::double::embedding_backward(ids, dout, grad);
-    }
+    Ok(c)
+}
+
+/// [`embedding_backward`] of f32 tensors (or f64 ones on CUDA), checked: the kernel on
+/// CUDA, else the host loop.
+fn embedding_backward_native(
+    ids: &Tensor,
+    dout: &Tensor,
+    grad: &Tensor,
+    _device: Device,
+) -> Result<()> {
+    super::compute_dtype("embedding_backward", &[dout, grad], _device)?;
+    let c = backward_cols(ids, dout, grad)?;
     if let Device::Cuda(i) = _device {
         return crate::backend::cuda::embedding_bwd(
             &*super::stream(i)?,

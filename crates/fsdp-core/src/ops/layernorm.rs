@@ -5,26 +5,13 @@
 //! parallel, and column-split parameter loops; CUDA: `layernorm_*_f32` of `nn.cu` (f64
 //! tensors: `layernorm_*_f64` there, the host loops of `double/` on the CPU).
 
-use super::same_device;
+pub use super::types::LayerNormSaved;
+use super::{lowp, same_device, MatmulDims, Transpose};
 use crate::backend::cpu::fast;
 use crate::backend::cpu::parallel as par;
 use crate::backend::Device;
 use crate::error::{Error, Result};
-use crate::tensor::Tensor;
-
-/// What [`layer_norm_backward`] needs from the forward, on the input's device.
-#[derive(Debug, Clone)]
-pub struct LayerNormSaved {
-    /// The normalized input `(x - mean) * rstd`, `(rows, C)`.
-    pub xhat: Tensor,
-    /// `1 / sqrt(var + eps)` per row, `(rows)`.
-    pub rstd: Tensor,
-    /// `None` for an f32 forward. After a bf16/f16 forward, the row means `(rows)` in that
-    /// dtype, and then `xhat` holds the input `x` itself and `rstd` the rounded rstd: what
-    /// PyTorch's `native_layer_norm` saves for a reduced-precision input (`input`, `mean`,
-    /// `rstd` in the input's dtype); the backward recomputes `xhat` from them in f32.
-    pub mean: Option<Tensor>,
-}
+use crate::tensor::{DType, Tensor};
 
 fn rows(op: &'static str, x: &Tensor, c: usize) -> Result<usize> {
     if x.shape().last() != Some(&c) {
@@ -98,15 +85,21 @@ fn forward(
         return Ok((Some(sum), y, saved));
     }
     let device = same_device("layer_norm", &[x, w, b])?;
-    if let Some(lp) = super::lowp::lp_of(&[x, w, b]) {
-        let (y, saved) = super::lowp::layernorm::forward(x, w, b, eps, lp)?;
+    if let Some(lp) = lowp::lp_of(&[x, w, b]) {
+        let (y, saved) = forward_lowp(x, w, b, eps, lp, device)?;
         return Ok((None, y, saved));
     }
-    let f64_path = super::double::any_f64(&[x, w, b]) && !device.is_cuda();
-    let dt = match f64_path {
-        true => crate::tensor::DType::F64,
-        false => super::compute_dtype("layer_norm", &[x, w, b], device)?,
-    };
+    if super::double::any_f64(&[x, w, b]) && !device.is_cuda() {
+        forward_dims(x, w, b)?;
+        // eps as the decimal it spells (PyTorch's eps is a Python float).
+        let (y, saved) = super::double::layer_norm(x, w, b, super::double::widen(eps))?;
+        return Ok((None, y, saved));
+    }
+    forward_native(x, res, w, b, eps, device)
+}
+
+/// `(C, rows)` of [`layer_norm`]'s `x (rows, C)`, with `b` checked to be `(C)`.
+fn forward_dims(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<(usize, usize)> {
     let c = w.numel();
     let n = rows("layer_norm", x, c)?;
     if b.numel() != c {
@@ -116,11 +109,60 @@ fn forward(
             got: b.shape().to_vec(),
         });
     }
-    if f64_path {
-        // eps as the decimal it spells (PyTorch's eps is a Python float).
-        let (y, saved) = super::double::layer_norm(x, w, b, super::double::widen(eps))?;
-        return Ok((None, y, saved));
+    Ok((c, n))
+}
+
+/// The forward of a bf16/f16 input: [`forward_native`] of the widened tensors, the output
+/// rounded once to `dtype`; saves `x` itself, `mean` and `rstd` rounded to `dtype` (see
+/// [`LayerNormSaved`] and `lowp/layernorm.rs`).
+fn forward_lowp(
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    eps: f32,
+    dtype: DType,
+    device: Device,
+) -> Result<(Tensor, LayerNormSaved)> {
+    let x32 = lowp::up(x)?;
+    let (_, y32, s32) = forward_native(&x32, None, &lowp::up(w)?, &lowp::up(b)?, eps, device)?;
+    let c = w.numel();
+    let n = s32.rstd.numel();
+    // Row means in f32: sum_j x[r, j] * (1 / C), one product per row (any device).
+    let mean32 = super::output(&[n], x.device())?;
+    if n > 0 && c > 0 {
+        let inv_c = super::output(&[c], x.device())?;
+        super::fill_(&inv_c, 1.0 / c as f32)?;
+        let _f32 = super::autocast(None);
+        super::matmul(
+            &mean32,
+            &x32,
+            &inv_c,
+            MatmulDims::new(n, c, 1, Transpose::NN),
+            false,
+        )?;
+    } else {
+        super::fill_(&mean32, 0.0)?;
     }
+    let saved = LayerNormSaved {
+        xhat: x.clone(),
+        rstd: lowp::down(&s32.rstd, dtype)?,
+        mean: Some(lowp::down(&mean32, dtype)?),
+    };
+    Ok((lowp::down(&y32, dtype)?, saved))
+}
+
+/// [`forward`] of f32 tensors (or f64 ones on CUDA), checked: the kernels on CUDA (with
+/// the residual fused in when given), else the host rows.
+fn forward_native(
+    x: &Tensor,
+    res: Option<&Tensor>,
+    w: &Tensor,
+    b: &Tensor,
+    eps: f32,
+    device: Device,
+) -> Result<(Option<Tensor>, Tensor, LayerNormSaved)> {
+    let dt = super::compute_dtype("layer_norm", &[x, w, b], device)?;
+    let (c, n) = forward_dims(x, w, b)?;
     if let Some(r) = res.filter(|r| r.dtype() != dt) {
         // A residual that the kernel cannot take with these parameters: add first.
         let sum = super::add(x, r)?;
@@ -280,9 +322,93 @@ fn backward(
         }
         return super::add(r, &dx);
     }
-    if saved.mean.is_some() || super::lowp::lp_of(&[dy, w]).is_some() {
-        return super::lowp::layernorm::backward(dy, saved, w, dw, db);
+    if saved.mean.is_some() || lowp::lp_of(&[dy, w]).is_some() {
+        return backward_lowp(dy, saved, w, dw, db);
     }
+    backward_native(dy, saved, w, (dw, db), fused.map(|r| (r, res_db)))
+}
+
+/// The backward of a bf16/f16 forward (`saved.mean` given: PyTorch's formula on the saved
+/// input and rounded statistics, `lowp/layernorm.rs`), or of an f32 forward with a
+/// bf16/f16 output gradient or weight ([`backward_native`] of the widened tensors, each
+/// output rounded once).
+fn backward_lowp(
+    dy: &Tensor,
+    saved: &LayerNormSaved,
+    w: &Tensor,
+    dw: Option<&Tensor>,
+    db: Option<&Tensor>,
+) -> Result<Tensor> {
+    let dtype = lowp::lp_of(&[dy, w, &saved.xhat]).unwrap_or(DType::BF16);
+    let Some(mean) = &saved.mean else {
+        // An f32 forward with a low-precision output gradient: the f32 backward.
+        let dw32 = dw.map(|g| lowp::work_out(g, true)).transpose()?;
+        let db32 = db.map(|g| lowp::work_out(g, true)).transpose()?;
+        let (dy32, w32) = (lowp::up(dy)?, lowp::up(w)?);
+        let dx = backward_native(&dy32, saved, &w32, (dw32.as_ref(), db32.as_ref()), None)?;
+        for (g, g32) in [(dw, &dw32), (db, &db32)] {
+            if let (Some(g), Some(g32)) = (g, g32) {
+                lowp::store(g, g32)?;
+            }
+        }
+        return lowp::down(&dx, dtype);
+    };
+    let x = &saved.xhat;
+    let n = saved.rstd.numel();
+    let c = w.numel();
+    if dy.numel() != x.numel() || n * c != x.numel() || mean.numel() != n {
+        return Err(Error::ShapeMismatch {
+            op: "LayerNorm.backward",
+            expected: x.shape().to_vec(),
+            got: dy.shape().to_vec(),
+        });
+    }
+    check_grad_shapes(dw, db, c)?;
+    let rstd = &saved.rstd;
+    if let Device::Cuda(i) = dy.device() {
+        let grads = dw.is_some() || db.is_some();
+        let (dx, acc) = lowp::layernorm::backward_cuda(i, dy, x, w, mean, rstd, grads, dtype)?;
+        if let Some([acc_w, acc_b]) = acc {
+            for (g, acc) in [(dw, acc_w), (db, acc_b)] {
+                if let Some(g) = g {
+                    add_grad(g, &acc)?;
+                }
+            }
+        }
+        return Ok(dx);
+    }
+    let (dx32, [acc_w, acc_b]) = lowp::layernorm::backward_host(dy, x, w, mean, rstd, dtype)?;
+    for (g, acc) in [(dw, acc_w), (db, acc_b)] {
+        if let Some(g) = g {
+            add_grad(g, &lowp::down(&acc, g.dtype())?)?;
+        }
+    }
+    lowp::down(&dx32, dtype)
+}
+
+/// `g = round(g + acc)`: a parameter gradient of any float dtype plus the low-precision
+/// sums of [`backward_lowp`].
+fn add_grad(g: &Tensor, acc: &Tensor) -> Result<()> {
+    if g.dtype() == acc.dtype() {
+        super::add_(g, acc)
+    } else {
+        super::elementwise::add_rounded_(g, acc)
+    }
+}
+
+/// [`backward`] in the dtype of the tensors (after the low-precision check: f32, f64 on
+/// CUDA, or the f64 host loops of `double/`, as the saved statistics are never widened);
+/// `fused`: the residual to add into `dx` in the same kernel, with the gradient its column
+/// sums go into (CUDA only).
+fn backward_native(
+    dy: &Tensor,
+    saved: &LayerNormSaved,
+    w: &Tensor,
+    (dw, db): (Option<&Tensor>, Option<&Tensor>),
+    fused: Option<(&Tensor, Option<&Tensor>)>,
+) -> Result<Tensor> {
+    let res_db = fused.and_then(|r| r.1);
+    let fused = fused.map(|r| r.0);
     let LayerNormSaved { xhat, rstd, .. } = saved;
     let mut ts = vec![dy, xhat, rstd, w];
     ts.extend(dw);
@@ -356,7 +482,7 @@ fn backward(
         return Ok(dx);
     }
     // Only CUDA tensors come with a residual (`fusable`).
-    if res.is_some() {
+    if fused.is_some() {
         return Err(Error::Fsdp("internal: a fused residual on the host".into()));
     }
     let (dyv, xh) = (dy.f32()?, xhat.f32()?);

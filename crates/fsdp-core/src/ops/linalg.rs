@@ -7,34 +7,14 @@
 //! GPU, so CUDA results agree with the CPU to f32 rounding, not bitwise.
 
 use super::autocast::gemm_dtype;
-use super::{check_f32, same_device};
+pub use super::types::MatmulDims;
+use super::{check_f32, lowp, same_device};
 use crate::backend::cpu::gemm;
 pub use crate::backend::cpu::gemm::Transpose;
 use crate::backend::cpu::parallel as par;
 use crate::backend::Device;
 use crate::error::{bail_arg, Error, Result};
 use crate::tensor::Tensor;
-
-/// Sizes of one product `out (m, n) = op(a) (m, k) @ op(b) (k, n)`: `a` is stored `(m, k)`,
-/// or `(k, m)` when `trans.a`; `b` is stored `(k, n)`, or `(n, k)` when `trans.b`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MatmulDims {
-    /// Rows of the output.
-    pub m: usize,
-    /// The summed dimension.
-    pub k: usize,
-    /// Columns of the output.
-    pub n: usize,
-    /// Which operands are stored transposed.
-    pub trans: Transpose,
-}
-
-impl MatmulDims {
-    /// `(m, k, n)` with the operands stored as `trans` says.
-    pub fn new(m: usize, k: usize, n: usize, trans: Transpose) -> MatmulDims {
-        MatmulDims { m, k, n, trans }
-    }
-}
 
 /// `out (m, n) = op(a) @ op(b)`, or `+=` when `accumulate` (`torch.matmul` /
 /// `torch.addmm(out, a, b)`), f32 with f32 accumulation; inside an
@@ -63,14 +43,26 @@ pub fn matmul_batched(
     batch: usize,
     accumulate: bool,
 ) -> Result<()> {
-    let _device = same_device("matmul", &[out, a, b])?;
-    if super::lowp::lp_of(&[out, a, b]).is_some() {
-        return super::lowp::matmul_batched(out, a, b, d, batch, accumulate);
+    let device = same_device("matmul", &[out, a, b])?;
+    if lowp::lp_of(&[out, a, b]).is_some() {
+        // f32 products of the widened operands, rounded once into `out`.
+        let (a32, b32) = (lowp::up(a)?, lowp::up(b)?);
+        return lowp::into(out, accumulate, |o32| {
+            // The operands already hold their low-precision values: no second rounding.
+            let _f32 = super::autocast(None);
+            matmul_native(o32, &a32, &b32, d, batch, accumulate, device)
+        });
     }
-    let f64_path = super::double::any_f64(&[out, a, b]);
-    if !f64_path {
-        check_f32("matmul", &[out, a, b])?;
+    if super::double::any_f64(&[out, a, b]) && !device.is_cuda() {
+        check_operands(out, a, b, d, batch)?;
+        return super::double::matmul_batched(out, a, b, d, batch, accumulate);
     }
+    matmul_native(out, a, b, d, batch, accumulate, device)
+}
+
+/// The element counts of [`matmul_batched`]'s tensors against `d` and `batch`, and an
+/// output apart from the inputs.
+fn check_operands(out: &Tensor, a: &Tensor, b: &Tensor, d: MatmulDims, batch: usize) -> Result<()> {
     let MatmulDims { m, k, n, .. } = d;
     for (t, want) in [(a, m * k), (b, k * n), (out, m * n)] {
         if t.numel() != want * batch {
@@ -84,10 +76,27 @@ pub fn matmul_batched(
     if out.shares_storage(a) || out.shares_storage(b) {
         bail_arg!("matmul: the output {out:?} shares storage with an input");
     }
-    if f64_path && !_device.is_cuda() {
-        return super::double::matmul_batched(out, a, b, d, batch, accumulate);
+    Ok(())
+}
+
+/// [`matmul_batched`] of f32 tensors (or f64 ones on CUDA), checked: cuBLAS on CUDA, else
+/// the `gemm` crate (both reading autocast's dtype).
+fn matmul_native(
+    out: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    d: MatmulDims,
+    batch: usize,
+    accumulate: bool,
+    device: Device,
+) -> Result<()> {
+    let f64_path = super::double::any_f64(&[out, a, b]);
+    if !f64_path {
+        check_f32("matmul", &[out, a, b])?;
     }
-    if let Device::Cuda(i) = _device {
+    check_operands(out, a, b, d, batch)?;
+    let MatmulDims { m, k, n, .. } = d;
+    if let Device::Cuda(i) = device {
         use crate::backend::cuda;
         let g = cuda::GemmShape {
             m,
@@ -117,41 +126,7 @@ pub fn matmul_batched(
     }
     let (a, b) = (cpu_operand(a)?, cpu_operand(b)?);
     let (mut o, av, bv) = (out.f32_mut()?, a.f32()?, b.f32()?);
-    cpu_batched(&mut o, &av, &bv, d, batch, accumulate)
-}
-
-/// The host loop of [`matmul_batched`] for f32 and f64 (`ops::double`): `batch` products
-/// of consecutive blocks through the `gemm` crate.
-pub(crate) fn cpu_batched<T: gemm::GemmScalar>(
-    o: &mut [T],
-    av: &[T],
-    bv: &[T],
-    d: MatmulDims,
-    batch: usize,
-    accumulate: bool,
-) -> Result<()> {
-    let MatmulDims { m, k, n, trans } = d;
-    if batch == 1 {
-        return gemm::matmul(o, av, bv, m, k, n, trans, accumulate);
-    }
-    let (mk, kn, mn) = (m * k, k * n, m * n);
-    // Products are independent: parts own whole products, each one GEMM as without threads
-    // (the gemm crate's result does not depend on its thread count).
-    par::rows_mut(o, batch, mn, 1, |r, o| {
-        for (j, i) in r.enumerate() {
-            gemm::matmul(
-                &mut o[j * mn..(j + 1) * mn],
-                &av[i * mk..(i + 1) * mk],
-                &bv[i * kn..(i + 1) * kn],
-                m,
-                k,
-                n,
-                trans,
-                accumulate,
-            )?;
-        }
-        Ok(())
-    })
+    gemm::matmul_batched(&mut o, &av, &bv, [m, k, n], d.trans, batch, accumulate)
 }
 
 /// `y (.., out) = x (.., in) @ weight (out, in)^T + bias (out)` (`F.linear`), a new f32
@@ -187,20 +162,43 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     }
     let mut ts = vec![x, weight];
     ts.extend(bias);
-    let _device = same_device("linear", &ts)?;
-    if let Some(lp) = super::lowp::lp_of(&ts) {
-        return super::lowp::linear(x, weight, bias, lp);
+    let device = same_device("linear", &ts)?;
+    if let Some(lp) = lowp::lp_of(&ts) {
+        // `x @ W^T + b` in f32 from the widened tensors, one rounding (PyTorch's `addmm` /
+        // cuBLASLt bias epilogue).
+        let (x32, w32) = (lowp::up(x)?, lowp::up(weight)?);
+        let b32 = bias.map(lowp::up).transpose()?;
+        let y = {
+            let _f32 = super::autocast(None);
+            linear_native(&x32, &w32, b32.as_ref(), (o, i), device)?
+        };
+        return lowp::down(&y, lp);
     }
-    if super::double::any_f64(&ts) && !_device.is_cuda() {
+    if super::double::any_f64(&ts) && !device.is_cuda() {
         return super::double::linear(x, weight, bias, o);
     }
-    let _dt = super::compute_dtype("linear", &ts, _device)?;
+    linear_native(x, weight, bias, (o, i), device)
+}
+
+/// [`linear`] of f32 tensors (or f64 ones on CUDA) of `weight (o, i)`, shapes checked:
+/// the product then the bias on CUDA, the bias rows then the accumulated product on the
+/// host.
+fn linear_native(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    (o, i): (usize, usize),
+    device: Device,
+) -> Result<Tensor> {
+    let mut ts = vec![x, weight];
+    ts.extend(bias);
+    let _dt = super::compute_dtype("linear", &ts, device)?;
     let n: usize = x.shape()[..x.shape().len() - 1].iter().product();
     let mut shape = x.shape().to_vec();
     *shape.last_mut().unwrap_or(&mut 0) = o;
     let d = MatmulDims::new(n, i, o, Transpose::NT);
-    if _device.is_cuda() {
-        let y = super::output_as(&shape, _device, _dt)?;
+    if device.is_cuda() {
+        let y = super::output_as(&shape, device, _dt)?;
         matmul(&y, x, weight, d, false)?;
         if let Some(b) = bias {
             bias_add_(&y, b)?;
@@ -208,7 +206,7 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
         return Ok(y);
     }
     // y starts as the bias rows (zeros without one) and the product accumulates into it.
-    let y = super::output(&shape, _device)?;
+    let y = super::output(&shape, device)?;
     {
         let mut yv = y.f32_mut()?;
         let bv = bias.map(|b| b.f32()).transpose()?;
@@ -272,15 +270,22 @@ fn rows_of(op: &'static str, t: &Tensor, c: usize) -> Result<usize> {
 /// `ShapeMismatch` when `y`'s size is not a multiple of `C`; `InvalidArgument` when `y`
 /// and `b` share storage; device and dtype errors.
 pub fn bias_add_(y: &Tensor, b: &Tensor) -> Result<()> {
-    let _device = same_device("bias_add_", &[y, b])?;
-    if super::lowp::lp_of(&[y, b]).is_some() {
-        return super::lowp::bias_add_(y, b);
+    let device = same_device("bias_add_", &[y, b])?;
+    if lowp::lp_of(&[y, b]).is_some() {
+        // y = round(y + b).
+        return lowp::into(y, true, |y32| bias_add_native(y32, &lowp::up(b)?, device));
     }
-    if super::double::any_f64(&[y, b]) && !_device.is_cuda() {
+    if super::double::any_f64(&[y, b]) && !device.is_cuda() {
         rows_of("bias_add_", y, b.numel())?;
         return super::double::bias_add_(y, b);
     }
-    super::compute_dtype("bias_add_", &[y, b], _device)?;
+    bias_add_native(y, b, device)
+}
+
+/// [`bias_add_`] of f32 tensors (or f64 ones on CUDA), checked: the kernel on CUDA, else
+/// the host rows.
+fn bias_add_native(y: &Tensor, b: &Tensor, device: Device) -> Result<()> {
+    super::compute_dtype("bias_add_", &[y, b], device)?;
     let c = b.numel();
     rows_of("bias_add_", y, c)?;
     if y.shares_storage(b) {
@@ -289,7 +294,7 @@ pub fn bias_add_(y: &Tensor, b: &Tensor) -> Result<()> {
     if c == 0 {
         return Ok(());
     }
-    if let Device::Cuda(i) = _device {
+    if let Device::Cuda(i) = device {
         return crate::backend::cuda::bias_add(
             &*super::stream(i)?,
             &y.as_device_tensor()?,
@@ -313,15 +318,23 @@ pub fn bias_add_(y: &Tensor, b: &Tensor) -> Result<()> {
 /// # Errors
 /// As [`bias_add_`].
 pub fn bias_grad(dy: &Tensor, db: &Tensor) -> Result<()> {
-    let _device = same_device("bias_grad", &[dy, db])?;
-    if super::lowp::lp_of(&[dy, db]).is_some() {
-        return super::lowp::bias_grad(dy, db);
+    let device = same_device("bias_grad", &[dy, db])?;
+    if lowp::lp_of(&[dy, db]).is_some() {
+        // db = round(db + sum_rows(dy)).
+        let dy32 = lowp::up(dy)?;
+        return lowp::into(db, true, |db32| bias_grad_native(&dy32, db32, device));
     }
-    if super::double::any_f64(&[dy, db]) && !_device.is_cuda() {
+    if super::double::any_f64(&[dy, db]) && !device.is_cuda() {
         rows_of("bias_grad", dy, db.numel())?;
         return super::double::bias_grad(dy, db);
     }
-    super::compute_dtype("bias_grad", &[dy, db], _device)?;
+    bias_grad_native(dy, db, device)
+}
+
+/// [`bias_grad`] of f32 tensors (or f64 ones on CUDA), checked: the kernel on CUDA, else
+/// the host columns.
+fn bias_grad_native(dy: &Tensor, db: &Tensor, device: Device) -> Result<()> {
+    super::compute_dtype("bias_grad", &[dy, db], device)?;
     let c = db.numel();
     rows_of("bias_grad", dy, c)?;
     if dy.shares_storage(db) {
@@ -330,7 +343,7 @@ pub fn bias_grad(dy: &Tensor, db: &Tensor) -> Result<()> {
     if c == 0 {
         return Ok(());
     }
-    if let Device::Cuda(i) = _device {
+    if let Device::Cuda(i) = device {
         return crate::backend::cuda::bias_grad(
             &*super::stream(i)?,
             &dy.as_device_tensor()?,

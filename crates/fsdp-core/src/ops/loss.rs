@@ -7,9 +7,10 @@
 //! | [`mse_loss`] | one pass | `p - t` with `add_`/`scale_`, `sum_squares` |
 //! | [`sum_loss`] | one pass | the values summed on the host, `fill_` for the gradient |
 
-use super::same_device;
+use super::{lowp, same_device};
 use crate::backend::cpu::fast;
 use crate::backend::cpu::parallel as par;
+use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
 
@@ -123,7 +124,7 @@ fn cross_entropy_any(logits: &Tensor, targets: &Tensor, g: f32) -> Result<(Loss,
         });
     }
     let device = same_device("cross_entropy", &[logits, targets])?;
-    let lp = super::lowp::lp_of(&[logits]);
+    let lp = lowp::lp_of(&[logits]);
     let f64_path = super::double::any_f64(&[logits]);
     if lp.is_none() && !f64_path {
         super::check_f32("cross_entropy", &[logits])?;
@@ -161,10 +162,10 @@ fn cross_entropy_any(logits: &Tensor, targets: &Tensor, g: f32) -> Result<(Loss,
     }
     if let Some(lp) = lp {
         if let crate::backend::Device::Cuda(i) = device {
-            let (loss, grad) = super::lowp::loss::cross_entropy_cuda(i, logits, targets, lp, g)?;
+            let (loss, grad) = lowp::loss::cross_entropy_cuda(i, logits, targets, lp, g)?;
             return Ok((Loss::Device(loss, None), grad));
         }
-        let (l, grad) = super::lowp::loss::cross_entropy(logits, targets, v, lp, g)?;
+        let (l, grad) = lowp::loss::cross_entropy(logits, targets, v, lp, g)?;
         return Ok((Loss::Host(l), grad));
     }
     // g / N as PyTorch's nll_loss_backward divides (1 / N when g = 1).
@@ -311,9 +312,23 @@ pub fn mse_loss_scaled(pred: &Tensor, target: &Tensor, grad_output: f32) -> Resu
             Ok((loss, grad))
         });
     }
-    if let Some(lp) = super::lowp::lp_of(&[pred, target]).filter(|_| pred.numel() > 0) {
-        return super::lowp::loss::mse_loss(pred, target, lp, g);
+    if let Some(lp) = lowp::lp_of(&[pred, target]).filter(|_| pred.numel() > 0) {
+        // The loss and gradient in f32 from the widened values, the gradient (scaled by
+        // `g` in f32) rounded once to `lp`: the backward of PyTorch's
+        // `F.mse_loss(out.float(), t)` for a low-precision `out`; with a target of the
+        // prediction's dtype too, the loss is rounded as well, as `F.mse_loss(out, t_lp)`.
+        let (loss, grad) = mse_native(&lowp::up(pred)?, &lowp::up(target)?, g, device)?;
+        let loss = match target.dtype() == lp {
+            true => lowp::round(loss, lp),
+            false => loss,
+        };
+        return Ok((loss, lowp::down(&grad, lp)?));
     }
+    mse_native(pred, target, g, device)
+}
+
+/// [`mse_loss_scaled`] of f32 tensors, checked: elementwise ops on CUDA, else the host loop.
+fn mse_native(pred: &Tensor, target: &Tensor, g: f32, device: Device) -> Result<(f32, Tensor)> {
     if pred.numel() == 0 {
         super::check_f32("mse_loss", &[pred, target])?;
         return Ok((f32::NAN, super::output(pred.shape(), device)?));
@@ -358,8 +373,11 @@ pub fn sum_loss(x: &Tensor) -> Result<(f32, Tensor)> {
     if super::double::any_f64(&[x]) {
         return on_host(device, &[x], |t| super::double::sum_loss(&t[0]));
     }
-    if let Some(lp) = super::lowp::lp_of(&[x]) {
-        return super::lowp::loss::sum_loss(x, lp);
+    if let Some(lp) = lowp::lp_of(&[x]) {
+        let loss = lowp::loss::sum(x, lp)?;
+        let ones = Tensor::zeros_on(x.shape(), lp, x.device())?;
+        super::fill_(&ones, 1.0)?;
+        return Ok((loss, ones));
     }
     if device.is_cuda() {
         super::check_f32("sum_loss", &[x])?;

@@ -10,6 +10,24 @@
 //! asynchronous: results are ordered for later work on that stream, and a move to the host
 //! ([`Tensor::to_device`], [`Tensor::to_vec_f32`]) waits for them.
 //!
+//! How an op dispatches: first the device ([`same_device`]), then the dtype path, then the
+//! op's native path.
+//! - bf16/f16 (`lowp/`): an operand of 16 bits takes the op's low-precision arm, in the
+//!   op's own file: its native path on widened f32 copies, each output rounded once
+//!   (`lowp::map` for a new output, `lowp::into` for one written or accumulated into;
+//!   GEMMs under `autocast(None)`, as the operands already hold their rounded values).
+//!   Where PyTorch rounds inside the computation, the arm calls what reproduces it:
+//!   `lowp/layernorm.rs` (LayerNorm backward), `lowp/loss.rs` (cross-entropy, sum), GELU's
+//!   host kernel in `lowp/mod.rs`, `batchnorm/reduced.rs`.
+//! - f64 on the host (`double/`): the op's f64 loop there.
+//! - native: a private `*_native` function of the op's file: `compute_dtype` (f32, or f64
+//!   on a CUDA device: the `_f64` kernels), the CUDA arm, the CPU loop.
+//!
+//! Each op keeps its order of the two dtype checks (some test bf16/f16 first, others f64:
+//! the order decides which error a mix of dtypes gets). Neither `lowp/` nor `double/`
+//! imports an op module, and the plain types they share with the ops live in the leaf
+//! `types.rs`, so the op modules import each other without a cycle.
+//!
 //! Outputs are allocated on the inputs' device. The CPU branch of every op runs exactly the
 //! loops the layers of `fsdp::nn` ran before they dispatched (so CPU results are
 //! bit-for-bit those of earlier versions); CUDA branches agree with them to f32 rounding
@@ -24,7 +42,7 @@
 //! | `autocast.rs` | [`autocast()`], [`gemm_dtype`]: bf16/f16 GEMM operands in a scope | `torch.autocast` (for GEMMs) |
 //! | `activation.rs` | [`pointwise`], [`pointwise_backward`] ([`Pointwise::Relu`], [`Pointwise::Gelu`]), [`gelu_backward_bias_grad`] (GELU backward with the preceding bias's gradient in one pass) | `F.relu`, `F.gelu` |
 //! | `layernorm.rs` | [`layer_norm`], [`layer_norm_backward`], and with the residual add fused in: [`add_layer_norm`], [`layer_norm_backward_add`] | `F.layer_norm` |
-//! | `batchnorm/` | [`batch_norm`], [`batch_norm_backward`] (host loops in f64, `batchnorm.cu` on CUDA), [`batch_norm_count_`] | `F.batch_norm` |
+//! | `batchnorm/` | [`batch_norm`], [`batch_norm_backward`] (host loops in f64, `batchnorm.cu` on CUDA, bf16/f16 as PyTorch's CPU kernel in `reduced.rs`), [`batch_norm_count_`] | `F.batch_norm` |
 //! | `causal.rs` | [`causal_matmul`] | attention's per-head products, without the masked half on the CPU |
 //! | `attention.rs` | [`split_qkv`], [`merge_qkv`], [`split_heads`], [`merge_heads`], [`softmax_causal`], [`softmax_causal_backward_`] | the permutes and masked softmax of `scaled_dot_product_attention` |
 //! | `sdpa.rs` | [`sdpa_causal`], [`sdpa_causal_backward`]: causal attention of bf16/f16 heads in one op, rounded as PyTorch's CPU flash attention | `F.scaled_dot_product_attention(is_causal=True)` in bf16/f16 |
@@ -32,7 +50,8 @@
 //! | `flat.rs` | [`flat::pack_grad`], [`flat::unpack_grad`], [`flat::round_to_`], [`flat::rounded`] (FSDP's flat buffers, autocast's operands) | the `_reduce_grad` pre/post-divide and casts |
 //! | `loss.rs` | [`cross_entropy`] ([`cross_entropy_f64`]: the f64 loss of f64 logits), [`mse_loss`], [`sum_loss`]; [`cross_entropy_tensor_scaled`], [`mse_loss_scaled`]: the gradient of a scaled loss | `F.cross_entropy`, `F.mse_loss`, `.sum()`, `scaler.scale(loss).backward()` |
 //! | `amp.rs` | [`non_finite_check_and_unscale_`] (loss scaling's unscale and inf/NaN check) | `torch._amp_foreach_non_finite_check_and_unscale_` |
-//! | `lowp/` | the bf16/f16 paths of the ops above (f32 compute of widened inputs, each output rounded once to the inputs' dtype; the losses and LayerNorm as PyTorch rounds them), taken when an operand is bf16/f16 | `param_dtype` modules under FSDP mixed precision |
+//! | `lowp/` | what the bf16/f16 arms of the ops above share (widening, rounding once to the inputs' dtype, the combinators `map` and `into`), and the computations that round as PyTorch does inside: LayerNorm's backward, the losses, GELU on the host | `param_dtype` modules under FSDP mixed precision |
+//! | `types.rs` | [`MatmulDims`], [`Pointwise`], [`LayerNormSaved`]: plain types the ops share with `lowp/` and `double/` (also named `linalg::MatmulDims`, `activation::Pointwise`, `layernorm::LayerNormSaved`) | |
 //! | `double/` | the f64 host paths of [`matmul`], [`linear`], [`bias_add_`], [`bias_grad`], ReLU, GELU, [`layer_norm`], [`softmax_causal`], attention's permutes, [`embedding()`], [`cross_entropy`], [`mse_loss`], [`sum_loss`], [`sum_squares`] (taken when an operand is an f64 host tensor; f64 CUDA tensors run the `_f64` kernels of these ops, and cuBLAS in f64 for the products, see `compute_dtype`) | float64 tensors |
 //!
 //! The ops marked (CPU) have CPU loops only: on CUDA they return `Unsupported`. They are what
@@ -61,10 +80,10 @@ pub mod linalg;
 pub mod loss;
 pub(crate) mod lowp;
 pub mod sdpa;
+mod types;
 
 pub use activation::{
     bias_gelu_, bias_gelu_fusable, gelu_backward_bias_grad, pointwise, pointwise_backward,
-    Pointwise,
 };
 pub use amp::non_finite_check_and_unscale_;
 pub use arith::{
@@ -85,17 +104,16 @@ pub use batchnorm::{
 pub use causal::{causal_matmul, CausalProduct};
 pub use elementwise::{add, add_, add_promoted_, fill_, scale_, sum_squares};
 pub use embedding::{embedding, embedding_backward};
-pub use layernorm::{
-    add_layer_norm, layer_norm, layer_norm_backward, layer_norm_backward_add, LayerNormSaved,
-};
+pub use layernorm::{add_layer_norm, layer_norm, layer_norm_backward, layer_norm_backward_add};
 pub use linalg::{
-    bias_add_, bias_grad, linear, matmul, matmul_batched, mm, mm_backward, MatmulDims, Transpose,
+    bias_add_, bias_grad, linear, matmul, matmul_batched, mm, mm_backward, Transpose,
 };
 pub use loss::{
     add_div_, cross_entropy, cross_entropy_f64, cross_entropy_tensor, cross_entropy_tensor_scaled,
     mse_loss, mse_loss_scaled, sum_loss,
 };
 pub use sdpa::{sdpa_causal, sdpa_causal_backward, sdpa_supported};
+pub use types::{LayerNormSaved, MatmulDims, Pointwise};
 
 use crate::backend::Device;
 use crate::error::{Error, Result};

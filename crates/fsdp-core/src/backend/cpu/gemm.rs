@@ -86,6 +86,45 @@ pub fn matmul<T: GemmScalar>(
     matmul_strided(out, a, b, (m, k, n), t, s, accumulate)
 }
 
+/// `batch` independent products over consecutive `(m, k)`, `(k, n)` and `(m, n)` blocks of
+/// `a`, `b` and `out`, each one [`matmul`] (`(m, k, n)` = `mkn`): the host loop of
+/// `ops::matmul_batched` for f32 and for f64 (`ops::double`). Parts of the thread budget
+/// own whole products, so the result does not depend on the thread count.
+///
+/// # Errors
+/// As [`matmul`], for any block.
+pub(crate) fn matmul_batched<T: GemmScalar>(
+    out: &mut [T],
+    a: &[T],
+    b: &[T],
+    [m, k, n]: [usize; 3],
+    t: Transpose,
+    batch: usize,
+    accumulate: bool,
+) -> Result<()> {
+    if batch == 1 {
+        return matmul(out, a, b, m, k, n, t, accumulate);
+    }
+    let (mk, kn, mn) = (m * k, k * n, m * n);
+    // Products are independent: parts own whole products, each one GEMM as without threads
+    // (the gemm crate's result does not depend on its thread count).
+    super::parallel::rows_mut(out, batch, mn, 1, |r, o| {
+        for (j, i) in r.enumerate() {
+            matmul(
+                &mut o[j * mn..(j + 1) * mn],
+                &a[i * mk..(i + 1) * mk],
+                &b[i * kn..(i + 1) * kn],
+                m,
+                k,
+                n,
+                t,
+                accumulate,
+            )?;
+        }
+        Ok(())
+    })
+}
+
 /// Row strides (elements) of the operands of [`matmul_strided`], as stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Strides {

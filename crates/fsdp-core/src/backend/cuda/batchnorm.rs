@@ -1,5 +1,5 @@
 //! Typed ops for `batchnorm.cu`: BatchNorm1d's statistics, output and backward on the
-//! device (CPU references: `ops/batchnorm/host.rs` for f32/f64, `ops/lowp/batchnorm.rs` for
+//! device (CPU references: `ops/batchnorm/host.rs` for f32/f64, `ops/batchnorm/reduced.rs` for
 //! bf16/f16). Each checks devices, dtypes and sizes, then launches on the stream; absent
 //! optional tensors are null pointers. Channel kernels run one thread per channel (the
 //! CPU's summation order), elementwise kernels one per element.

@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
 
 /// The dtypes of a forward, when the kernels cover them: the weight's (else the running
-/// mean's, else the input's) for the parameters, as `lowp/batchnorm.rs` picks `param_t`.
+/// mean's, else the input's) for the parameters, as `reduced.rs` picks `param_t`.
 fn forward_types(
     x: &Tensor,
     w: Option<&Tensor>,

@@ -6,7 +6,7 @@
 //! | input | CPU | CUDA |
 //! |---|---|---|
 //! | f32, f64 | `host.rs`: loops accumulating in f64, results in the input's dtype | `batchnorm_*_{f32,f64}` of `kernels/batchnorm.cu` (`cuda.rs`), the same operations in the same order |
-//! | bf16, f16 | `ops/lowp/batchnorm.rs`: PyTorch's reduced-precision CPU kernel (f32 arithmetic in its summation order, its rounding points) | `batchnorm_*_lp_*`, the same bit for bit |
+//! | bf16, f16 | `reduced.rs`: PyTorch's reduced-precision CPU kernel (f32 arithmetic in its summation order, its rounding points) | `batchnorm_*_lp_*`, the same bit for bit |
 //!
 //! On CUDA nothing is read back to the host and the statistics stay on the device
 //! ([`BatchNormSaved`]); a combination of dtypes the kernels do not cover (a channel tensor
@@ -14,6 +14,7 @@
 
 mod cuda;
 mod host;
+mod reduced;
 
 use super::same_device;
 use crate::backend::Device;
@@ -40,7 +41,7 @@ pub(crate) enum SavedValues {
     /// The host loops: f32/f64 input: `xhat = (x - mean) * rstd` per element, row-major
     /// `(N, C, L)`, `rstd = 1 / sqrt(var + eps)` per channel `(C)` (batch variance in
     /// training, running variance in evaluation), `mean` empty; bf16/f16 input: `x` in
-    /// `xhat`, PyTorch's saved `invstd` and mean (see `lowp/batchnorm.rs`).
+    /// `xhat`, PyTorch's saved `invstd` and mean (see `reduced.rs`).
     Host {
         xhat: Vec<f64>,
         rstd: Vec<f64>,
@@ -204,7 +205,7 @@ pub(crate) fn accumulate(t: &Tensor, v: &[f64]) -> Result<()> {
 /// and the biased `var` are the batch's over `N` (and `L`), and a given `running` is
 /// updated (unbiased variance, `var * m / (m - 1)` over `m = N L` values); otherwise
 /// (evaluation) they are `running`'s values, left unchanged. `y` has `x`'s shape, dtype
-/// and device. bf16/f16 inputs round as PyTorch's CPU kernel (`lowp/batchnorm.rs`).
+/// and device. bf16/f16 inputs round as PyTorch's CPU kernel (`reduced.rs`).
 ///
 /// # Errors
 /// `ShapeMismatch` for an input not `(N, C)` / `(N, C, L)` or channel tensors not `(C)`;
@@ -244,7 +245,7 @@ pub fn batch_norm(
     }
     let _ = device;
     if let Some(lp) = super::lowp::lp_of(&[x]) {
-        return super::lowp::batchnorm::forward(x, w, b, running, batch_stats, eps, lp, dims);
+        return reduced::forward(x, w, b, running, batch_stats, eps, lp, dims);
     }
     host::forward(x, w, b, running, batch_stats, eps, dims)
 }
@@ -283,12 +284,12 @@ pub fn batch_norm_backward(
     match &saved.values {
         SavedValues::Device { x, stats } => cuda::backward(dy, saved, x, stats, w, dw, db),
         SavedValues::Host { xhat, rstd, mean } if !mean.is_empty() => {
-            let values = super::lowp::batchnorm::Saved {
+            let values = reduced::Saved {
                 x: xhat,
                 invstd: rstd,
                 mean,
             };
-            super::lowp::batchnorm::backward(dy, saved, values, w, dw, db)
+            reduced::backward(dy, saved, values, w, dw, db)
         }
         SavedValues::Host { xhat, rstd, .. } => host::backward(dy, saved, xhat, rstd, w, dw, db),
     }

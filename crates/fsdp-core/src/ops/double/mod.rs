@@ -10,14 +10,18 @@
 //! the device first; products run through cuBLAS in f64); these loops refuse them
 //! ([`Error::Unsupported`] naming the op); `ops::mse_loss` and `ops::sum_loss` run theirs on host
 //! copies of CUDA tensors.
+//!
+//! The dispatching ops call in here; nothing here calls an op back: the shared types come
+//! from `ops/types.rs`, the products from [`crate::backend::cpu::gemm`] (the batched loop
+//! the f32 host products run too).
 
 mod nn;
 #[doc(hidden)] // crate-internal, public only for the layers above
 pub use nn::widen;
 pub(crate) use nn::*;
 
-use super::linalg::MatmulDims;
-use super::Pointwise;
+use super::types::{MatmulDims, Pointwise};
+use crate::backend::cpu::gemm::{self, Transpose};
 use crate::backend::cpu::parallel as par;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
@@ -65,7 +69,8 @@ pub(crate) fn matmul_batched(
     check("matmul", &[out, a, b])?;
     let (av, bv) = (a.data::<f64>()?, b.data::<f64>()?);
     let mut o = out.data_mut::<f64>()?;
-    super::linalg::cpu_batched(&mut o, &av, &bv, d, batch, accumulate)
+    let MatmulDims { m, k, n, trans } = d;
+    gemm::matmul_batched(&mut o, &av, &bv, [m, k, n], trans, batch, accumulate)
 }
 
 /// `y (.., o) = x (.., i) @ W^T + b` in f64 (`F.linear`); shapes checked by the caller.
@@ -90,7 +95,7 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, o: usize) ->
         &y,
         x,
         w,
-        MatmulDims::new(rows, i, o, super::Transpose::NT),
+        MatmulDims::new(rows, i, o, Transpose::NT),
         1,
         true,
     )?;

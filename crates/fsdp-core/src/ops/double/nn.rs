@@ -6,10 +6,10 @@
 //! `ops::attention`, `ops::embedding`, `ops::loss`), one row after another, sums in index
 //! order. The callers in `ops` have checked shapes; these check dtypes and the device.
 
+use super::super::types::LayerNormSaved;
 use super::{check, scratch};
 use crate::backend::cpu::kernels::HeadDims;
 use crate::error::Result;
-use crate::ops::LayerNormSaved;
 use crate::tensor::{DType, Tensor};
 
 pub use crate::dtype::widen;

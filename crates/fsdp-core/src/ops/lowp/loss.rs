@@ -9,19 +9,10 @@
 //! | MSE | the loss: f32 mean of `(p - t)^2` (rounded when the target is low precision too); gradient `round(2 (p - t) / N)` |
 //! | sum | the loss (f32 sum, rounded); gradient ones (exact) |
 
+use super::{down, round, up};
 use crate::backend::Device;
 use crate::error::Result;
 use crate::tensor::{DType, Tensor};
-
-/// `v` rounded to `dtype` (round to nearest even), back in f32.
-#[inline]
-pub(crate) fn round(v: f32, dtype: DType) -> f32 {
-    match dtype {
-        DType::BF16 => crate::backend::cpu::bf16::round(v),
-        DType::F16 => half::f16::from_f32(v).to_f32(),
-        _ => v,
-    }
-}
 
 /// `w`, the weight of each row's gradient: `nll_loss_backward`'s `grad_output / total_weight`
 /// in `dtype` (`grad_output` rounded to `dtype` first, as the gradient of a `dtype` loss;
@@ -39,7 +30,7 @@ pub(crate) fn cross_entropy(
     dtype: DType,
     grad_output: f32,
 ) -> Result<(f32, Tensor)> {
-    let x32 = super::up(&logits.to_device(Device::Cpu)?)?;
+    let x32 = up(&logits.to_device(Device::Cpu)?)?;
     let x = x32.f32()?;
     let ys = targets.to_device(Device::Cpu)?;
     let ys = ys.data::<i32>()?;
@@ -50,7 +41,7 @@ pub(crate) fn cross_entropy(
     }
     // nll_loss_backward: grad_output / total_weight (N as a `dtype` value), rounded.
     let w = row_weight(n, grad_output, dtype);
-    let grad32 = crate::ops::output(logits.shape(), Device::Cpu)?;
+    let grad32 = super::super::output(logits.shape(), Device::Cpu)?;
     let mut grad = grad32.f32_mut()?;
     let mut total = 0.0f64;
     for (r, &y) in ys.iter().enumerate() {
@@ -70,7 +61,7 @@ pub(crate) fn cross_entropy(
     }
     let loss = round((total / n as f64) as f32, dtype);
     drop(grad);
-    let grad = super::down(&grad32, dtype)?;
+    let grad = down(&grad32, dtype)?;
     Ok((loss, grad.to_device(logits.device())?))
 }
 
@@ -85,11 +76,11 @@ pub(crate) fn cross_entropy_cuda(
     grad_output: f32,
 ) -> Result<(Tensor, Tensor)> {
     use crate::backend::cuda;
-    let s = crate::ops::stream(ordinal)?;
+    let s = super::super::stream(ordinal)?;
     let n = targets.numel();
     let dev = logits.device();
     let w = row_weight(n, grad_output, dtype);
-    let losses = crate::ops::output(&[n], dev)?;
+    let losses = super::super::output(&[n], dev)?;
     let grad = Tensor::zeros_on(logits.shape(), dtype, dev)?;
     cuda::cross_entropy_lp(
         &s,
@@ -99,41 +90,19 @@ pub(crate) fn cross_entropy_cuda(
         &losses.as_device_tensor()?,
         &grad.as_device_tensor()?,
     )?;
-    let loss = crate::ops::output(&[1], dev)?;
+    let loss = super::super::output(&[1], dev)?;
     cuda::mean_rows(&s, &losses.as_device_tensor()?, &loss.as_device_tensor()?)?;
-    crate::ops::flat::round_to_(&loss, dtype)?;
+    // Rounded in place: two casts on the stream, through a `dtype` temporary.
+    loss.copy_from(&down(&loss, dtype)?)?;
     Ok((loss, grad))
 }
 
-/// `mean((p - t)^2)` with a bf16/f16 prediction, non-empty: the loss and the gradient
-/// `2 (p - t) / N` computed in f32 from the widened values (the f32 op of
-/// [`crate::ops::mse_loss`]), the gradient rounded once to `dtype` (what the backward of
-/// PyTorch's `F.mse_loss(out.float(), t)` gives a low-precision `out`; with a target of the
-/// prediction's dtype too, the loss is rounded as well, as `F.mse_loss(out, t_lp)`). The
-/// gradient is that of `grad_output * loss`, multiplied in f32 before the rounding.
-pub(crate) fn mse_loss(
-    pred: &Tensor,
-    target: &Tensor,
-    dtype: DType,
-    grad_output: f32,
-) -> Result<(f32, Tensor)> {
-    let (loss, grad) =
-        crate::ops::mse_loss_scaled(&super::up(pred)?, &super::up(target)?, grad_output)?;
-    let loss = if target.dtype() == dtype {
-        round(loss, dtype)
-    } else {
-        loss
-    };
-    Ok((loss, super::down(&grad, dtype)?))
-}
-
-/// `sum(x)` of a bf16/f16 tensor (f32 accumulation, rounded) and its gradient, ones.
-pub(crate) fn sum_loss(x: &Tensor, dtype: DType) -> Result<(f32, Tensor)> {
+/// `sum(x)` of a bf16/f16 tensor: f32 accumulation (of f64 steps, as the f32 loss), rounded
+/// to `dtype` (`ops::sum_loss` gives the gradient, ones of `dtype`).
+pub(crate) fn sum(x: &Tensor, dtype: DType) -> Result<f32> {
     let s = x
         .to_vec_f32()?
         .iter()
         .fold(0.0f64, |s, &v| s + f64::from(v));
-    let ones = Tensor::zeros_on(x.shape(), dtype, x.device())?;
-    crate::ops::fill_(&ones, 1.0)?;
-    Ok((round(s as f32, dtype), ones))
+    Ok(round(s as f32, dtype))
 }

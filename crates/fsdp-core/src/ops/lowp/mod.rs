@@ -5,10 +5,19 @@
 //!
 //! Each op that receives a bf16/f16 tensor does what PyTorch's CPU and CUDA kernels do for
 //! reduced-precision floats: it reads its inputs as f32 (a widening copy: pool buffers on
-//! the CPU, the `cast` kernels on CUDA), computes in f32 with f32 accumulation (the f32
-//! op of this crate, unchanged), and rounds each output once into a tensor of the input's
+//! the CPU, the `cast` kernels on CUDA), computes in f32 with f32 accumulation (the op's
+//! native f32 path, unchanged), and rounds each output once into a tensor of the input's
 //! dtype (round to nearest even). An output that is accumulated into (`+=`, a parameter's
 //! gradient view) is widened, added to in f32 and rounded once.
+//!
+//! This module knows no op and imports none: each op's low-precision arm sits in the op's
+//! file and calls its private native function through the pieces here ([`up`], [`down`],
+//! [`work_out`], [`store`], and the combinators [`map`] for a new output and [`into`] for
+//! one written or accumulated into). What rounds inside the computation, as PyTorch does,
+//! is here too: LayerNorm's backward (`layernorm.rs`; its forward is the native one plus
+//! rounded statistics, in `ops/layernorm.rs`), the losses (`loss.rs`; MSE's arm in
+//! `ops/loss.rs`), GELU on the host ([`gelu_host`], [`erf_as`]). BatchNorm's kernel is
+//! `ops/batchnorm/reduced.rs`, beside its f32/f64 loops.
 //!
 //! | op | rounding points (one per output unless said) |
 //! |---|---|
@@ -22,19 +31,14 @@
 //! | `embedding_backward` | the table gradient (`grad + sum over positions`, f32 sum) |
 //! | `layer_norm`, backward | `y`; the saved mean and rstd; `dx`; `dw`, `db` row by row (`layernorm.rs`) |
 //! | losses | see `loss.rs` |
-//! | `batch_norm`, backward | `y`; saved mean and invstd; running stats in `param_t` arithmetic; `dx`, `dw`, `db` (`batchnorm.rs`) |
+//! | `batch_norm`, backward | `y`; saved mean and invstd; running stats in `param_t` arithmetic; `dx`, `dw`, `db` (`ops/batchnorm/reduced.rs`) |
 //!
-//! The f32 ops themselves are untouched: an f32 call never reaches this module, so the f32
-//! path keeps its bits.
+//! The native paths themselves are untouched: an f32 call never reaches a low-precision
+//! arm, so the f32 path keeps its bits.
 
-pub(crate) mod batchnorm;
 pub(crate) mod layernorm;
 pub(crate) mod loss;
 
-use super::attention::HeadDims;
-use super::causal::CausalProduct;
-use super::linalg::MatmulDims;
-use super::Pointwise;
 use crate::backend::cpu::parallel as par;
 use crate::error::Result;
 use crate::tensor::{DType, Tensor};
@@ -85,7 +89,10 @@ pub(crate) fn store(dst: &Tensor, src: &Tensor) -> Result<()> {
 
 /// An f32 working copy of an output: widened from `out` when the op reads it (`+=`), else
 /// `out` itself when f32 or a new f32 tensor the op overwrites.
-fn work_out(out: &Tensor, reads: bool) -> Result<Tensor> {
+///
+/// # Errors
+/// [`crate::Error::Cuda`] when the copy cannot be allocated.
+pub(crate) fn work_out(out: &Tensor, reads: bool) -> Result<Tensor> {
     if out.dtype() == DType::F32 {
         Ok(out.clone())
     } else if reads {
@@ -95,109 +102,67 @@ fn work_out(out: &Tensor, reads: bool) -> Result<Tensor> {
     }
 }
 
-/// [`super::matmul_batched`] with a bf16/f16 operand or output: f32 products of the
-/// widened operands, rounded once into `out`.
-pub(crate) fn matmul_batched(
-    out: &Tensor,
-    a: &Tensor,
-    b: &Tensor,
-    d: MatmulDims,
-    batch: usize,
-    accumulate: bool,
-) -> Result<()> {
-    let (a32, b32) = (up(a)?, up(b)?);
-    let o32 = work_out(out, accumulate)?;
-    {
-        // The operands already hold their low-precision values: no second rounding.
-        let _f32 = super::autocast(None);
-        super::matmul_batched(&o32, &a32, &b32, d, batch, accumulate)?;
-    }
-    store(out, &o32)
-}
-
-/// [`super::causal_matmul`] with a bf16/f16 tensor.
-pub(crate) fn causal_matmul(
-    out: &Tensor,
-    a: &Tensor,
-    b: &Tensor,
-    which: CausalProduct,
-    d: HeadDims,
-) -> Result<()> {
-    let (a32, b32) = (up(a)?, up(b)?);
-    let o32 = work_out(out, false)?;
-    {
-        let _f32 = super::autocast(None);
-        super::causal_matmul(&o32, &a32, &b32, which, d)?;
-    }
-    store(out, &o32)
-}
-
-/// [`super::linear`] in `dtype`: `x @ W^T + b` in f32, one rounding.
-pub(crate) fn linear(
+/// `down(f(up(x)), dtype)`: an op of one input and one new output (`native`, the op's f32
+/// path) on the widened input, its output rounded once.
+///
+/// # Errors
+/// As `native`; [`crate::Error::Cuda`].
+pub(crate) fn map(
     x: &Tensor,
-    weight: &Tensor,
-    bias: Option<&Tensor>,
     dtype: DType,
+    native: impl FnOnce(&Tensor) -> Result<Tensor>,
 ) -> Result<Tensor> {
-    let (x32, w32) = (up(x)?, up(weight)?);
-    let b32 = bias.map(up).transpose()?;
-    let y = {
-        let _f32 = super::autocast(None);
-        super::linear(&x32, &w32, b32.as_ref())?
-    };
-    down(&y, dtype)
+    down(&native(&up(x)?)?, dtype)
 }
 
-/// [`super::bias_add_`] with a bf16/f16 tensor: `y = round(y + b)`.
-pub(crate) fn bias_add_(y: &Tensor, b: &Tensor) -> Result<()> {
-    let (y32, b32) = (work_out(y, true)?, up(b)?);
-    super::bias_add_(&y32, &b32)?;
-    store(y, &y32)
+/// An op that writes (`reads`: accumulates into) `out`: `native` (the op's f32 path, which
+/// widens its other inputs itself, after this working copy is made) on the f32 working
+/// copy of `out` ([`work_out`]), then the result rounded once into `out` ([`store`]).
+///
+/// # Errors
+/// As `native`; [`crate::Error::Cuda`].
+pub(crate) fn into(
+    out: &Tensor,
+    reads: bool,
+    native: impl FnOnce(&Tensor) -> Result<()>,
+) -> Result<()> {
+    let o32 = work_out(out, reads)?;
+    native(&o32)?;
+    store(out, &o32)
 }
 
-/// [`super::bias_grad`] with a bf16/f16 tensor: `db = round(db + sum_rows(dy))`.
-pub(crate) fn bias_grad(dy: &Tensor, db: &Tensor) -> Result<()> {
-    let (dy32, db32) = (up(dy)?, work_out(db, true)?);
-    super::bias_grad(&dy32, &db32)?;
-    store(db, &db32)
-}
-
-/// `dst = round(dst + src)` for tensors of different dtypes (an f32 gradient of a
-/// low-precision computation): the sum in f32, rounded to `dst`'s dtype.
-pub(crate) fn add_(dst: &Tensor, src: &Tensor) -> Result<()> {
-    let (d32, s32) = (work_out(dst, true)?, up(src)?);
-    super::add_(&d32, &s32)?;
-    store(dst, &d32)
-}
-
-/// [`super::scale_`] of a bf16/f16 tensor: `t = round(t * alpha)`.
-pub(crate) fn scale_(t: &Tensor, alpha: f32) -> Result<()> {
-    let t32 = up(t)?;
-    super::scale_(&t32, alpha)?;
-    store(t, &t32)
-}
-
-/// [`super::pointwise`] in `dtype`. GELU on the CPU is PyTorch's vectorized CPU kernel for
-/// reduced-precision floats, `(x 0.5) (1 + erf(x / sqrt 2))` in f32 with its
-/// Abramowitz-Stegun erf ([`erf_as`]), so the rounded outputs are PyTorch's; on CUDA (and
-/// for ReLU, exact anyway) the f32 kernel.
-pub(crate) fn pointwise(f: Pointwise, x: &Tensor, dtype: DType) -> Result<Tensor> {
-    if f == Pointwise::Gelu && x.device() == crate::backend::Device::Cpu {
-        let x32 = up(x)?;
-        let y32 = super::output(x.shape(), x.device())?;
-        {
-            let (xv, mut yv) = (x32.f32()?, y32.f32_mut()?);
-            // Elementwise: any split gives the same bits.
-            par::chunks_mut(&mut yv, par::HEAVY_GRAIN, |r, y| {
-                for (o, &v) in y.iter_mut().zip(&xv[r]) {
-                    *o = v * 0.5 * (1.0 + erf_as(v * std::f32::consts::FRAC_1_SQRT_2));
-                }
-                Ok(())
-            })?;
-        }
-        return down(&y32, dtype);
+/// `v` rounded to `dtype` (round to nearest even), back in f32.
+#[inline]
+pub(crate) fn round(v: f32, dtype: DType) -> f32 {
+    match dtype {
+        DType::BF16 => crate::backend::cpu::bf16::round(v),
+        DType::F16 => half::f16::from_f32(v).to_f32(),
+        _ => v,
     }
-    down(&super::pointwise(f, &up(x)?)?, dtype)
+}
+
+/// GELU of a bf16/f16 host tensor `x` as PyTorch's vectorized CPU kernel for
+/// reduced-precision floats computes it: `(x 0.5) (1 + erf(x / sqrt 2))` in f32 with its
+/// Abramowitz-Stegun erf ([`erf_as`]), each output rounded once to `dtype`, so the rounded
+/// outputs are PyTorch's (on CUDA, and for ReLU, exact anyway, `ops::pointwise` runs the
+/// f32 kernel on the widened input instead).
+///
+/// # Errors
+/// [`crate::Error::Cuda`] / a failed borrow of the storage.
+pub(crate) fn gelu_host(x: &Tensor, dtype: DType) -> Result<Tensor> {
+    let x32 = up(x)?;
+    let y32 = super::output(x.shape(), x.device())?;
+    {
+        let (xv, mut yv) = (x32.f32()?, y32.f32_mut()?);
+        // Elementwise: any split gives the same bits.
+        par::chunks_mut(&mut yv, par::HEAVY_GRAIN, |r, y| {
+            for (o, &v) in y.iter_mut().zip(&xv[r]) {
+                *o = v * 0.5 * (1.0 + erf_as(v * std::f32::consts::FRAC_1_SQRT_2));
+            }
+            Ok(())
+        })?;
+    }
+    down(&y32, dtype)
 }
 
 /// `erf(z)` as PyTorch's CPU `Vectorized<float>::erf` computes it (Abramowitz and Stegun
@@ -221,73 +186,4 @@ pub(crate) fn erf_as(z: f32) -> f32 {
     let e = -(-(a * a)).exp();
     let v = (t * e) * r + 1.0;
     v.copysign(z)
-}
-
-/// [`super::pointwise_backward`] in `dtype`: the input gradient from the widened input and
-/// output gradient, one rounding.
-pub(crate) fn pointwise_backward(
-    f: Pointwise,
-    x: &Tensor,
-    dy: &Tensor,
-    dtype: DType,
-) -> Result<Tensor> {
-    down(&super::pointwise_backward(f, &up(x)?, &up(dy)?)?, dtype)
-}
-
-/// [`super::softmax_causal`] in `dtype`.
-pub(crate) fn softmax_causal(s: &Tensor, t: usize, scale: f32, dtype: DType) -> Result<Tensor> {
-    down(&super::softmax_causal(&up(s)?, t, scale)?, dtype)
-}
-
-/// [`super::softmax_causal_backward_`] with a bf16/f16 tensor: `dp` becomes the rounded
-/// score gradient.
-pub(crate) fn softmax_causal_backward_(
-    p: &Tensor,
-    dp: &Tensor,
-    t: usize,
-    scale: f32,
-) -> Result<()> {
-    let (p32, dp32) = (up(p)?, work_out(dp, true)?);
-    super::softmax_causal_backward_(&p32, &dp32, t, scale)?;
-    store(dp, &dp32)
-}
-
-/// An exact permute (`split_heads`, `merge_heads`) of a bf16/f16 tensor through f32.
-pub(crate) fn permute(
-    x: &Tensor,
-    d: HeadDims,
-    dtype: DType,
-    f: fn(&Tensor, HeadDims) -> Result<Tensor>,
-) -> Result<Tensor> {
-    down(&f(&up(x)?, d)?, dtype)
-}
-
-/// [`super::split_qkv`] of a bf16/f16 tensor (exact).
-pub(crate) fn split_qkv(qkv: &Tensor, d: HeadDims, dtype: DType) -> Result<[Tensor; 3]> {
-    let [q, k, v] = super::split_qkv(&up(qkv)?, d)?;
-    Ok([down(&q, dtype)?, down(&k, dtype)?, down(&v, dtype)?])
-}
-
-/// [`super::merge_qkv`] of bf16/f16 tensors (exact).
-pub(crate) fn merge_qkv(
-    dq: &Tensor,
-    dk: &Tensor,
-    dv: &Tensor,
-    d: HeadDims,
-    dtype: DType,
-) -> Result<Tensor> {
-    down(&super::merge_qkv(&up(dq)?, &up(dk)?, &up(dv)?, d)?, dtype)
-}
-
-/// [`super::embedding()`] of a bf16/f16 table: its rows, exactly, in its dtype.
-pub(crate) fn embedding(table: &Tensor, ids: &Tensor, dtype: DType) -> Result<Tensor> {
-    down(&super::embedding(&up(table)?, ids)?, dtype)
-}
-
-/// [`super::embedding_backward`] with a bf16/f16 tensor: `grad = round(grad + scatter-add
-/// of dout)`, the scatter summed in f32.
-pub(crate) fn embedding_backward(ids: &Tensor, dout: &Tensor, grad: &Tensor) -> Result<()> {
-    let (d32, g32) = (up(dout)?, work_out(grad, true)?);
-    super::embedding_backward(ids, &d32, &g32)?;
-    store(grad, &g32)
 }

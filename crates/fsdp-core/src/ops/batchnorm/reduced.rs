@@ -38,14 +38,13 @@
 //! variance; only the saved mean and invstd are rounded. bf16's coarser rounding hides (1)
 //! and (2) on most inputs; with (3) for bf16 too, its running stats differ.
 
+use super::{accumulate, channel_vec, overwrite, put, BatchNormSaved, RunningStats, SavedValues};
 use crate::error::Result;
-use crate::ops::batchnorm::{accumulate, channel_vec, overwrite, put, BatchNormSaved, SavedValues};
-use crate::ops::RunningStats;
 use crate::tensor::{DType, Tensor};
 
 /// `v` rounded to nearest even in `dtype` (bf16, f16; others unchanged).
 fn round(v: f32, dtype: DType) -> f32 {
-    super::loss::round(v, dtype)
+    super::super::lowp::round(v, dtype)
 }
 
 /// PyTorch's vector loads along `L` in this kernel (AVX2 build: `Vectorized<Half>` and
