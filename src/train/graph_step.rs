@@ -247,3 +247,33 @@ fn copy_scalar(s: &crate::backend::cuda::Stream, dst: &Tensor, src: &Tensor) -> 
     dst.as_device_tensor()?
         .copy_from_device(s, &src.as_device_tensor()?)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Thread ranks are refused naming `fsdp launch`; one rank, or ranks that are processes
+    /// (what `check` sees under `fsdp launch`), pass.
+    #[test]
+    fn graphs_at_world_size_2_need_one_process_per_rank() {
+        let cfg = |world_size| TrainConfig {
+            world_size,
+            cuda_graphs: true,
+            device: super::super::TrainDevice::Cuda,
+            ..TrainConfig::default()
+        };
+        let e = check_thread_ranks(&cfg(2)).unwrap_err().to_string();
+        assert!(
+            e.contains("--cuda-graphs at --world-size 2")
+                && e.contains("fsdp launch --nproc-per-node 2"),
+            "{e}"
+        );
+        check_thread_ranks(&cfg(1)).unwrap();
+        check(&cfg(2)).unwrap();
+        let off = TrainConfig {
+            cuda_graphs: false,
+            ..cfg(2)
+        };
+        check_thread_ranks(&off).unwrap();
+    }
+}
