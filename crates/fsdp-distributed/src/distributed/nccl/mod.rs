@@ -26,10 +26,10 @@
 //!   is named by [`Error::PeerFailed`] within the heartbeat timeout, and every group of the
 //!   world aborts its communicator;
 //! - an aborted communicator fails every later collective with the first error;
-//! - a collective issued on a stream that is capturing a CUDA graph is captured (NCCL
-//!   >= 2.9): it runs at each launch of the graph, and the watchdog does not watch it (its
-//!   event cannot be queried during the capture; nor are a replay's collectives watched:
-//!   a peer that stops or exits meanwhile is named by the heartbeat);
+//! - a collective issued on a stream that is capturing a CUDA graph is captured (as NCCL
+//!   2.9 and later permit): it runs at each launch of the graph, and the watchdog does not
+//!   watch it (its event cannot be queried during the capture; nor are a replay's
+//!   collectives watched: a peer that stops or exits meanwhile is named by the heartbeat);
 //! - `new_group` builds a communicator for the members from a fresh unique id under a key
 //!   naming the members and how many groups of them were made before.
 //!
