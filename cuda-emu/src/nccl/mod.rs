@@ -3,9 +3,10 @@
 //! communicator's unique id (`comm.rs`). A collective waits in its stream's queue like any
 //! other work and finishes once every rank has posted its part; reductions are exact in
 //! rank order (`reduce.rs`). Issued on a capturing stream, a collective becomes a node of
-//! the graph (`capture.rs`), run anew at each launch, as NCCL >= 2.9 permits. Failures reach the caller as NCCL reports them: a peer that
-//! aborted or exited, and (beyond NCCL) ranks that called different collectives, through
-//! `ncclCommGetAsyncError` and `ncclGetLastError`.
+//! the graph (`capture.rs`), run anew at each launch, as NCCL 2.9 and later permit.
+//! Failures reach the caller as NCCL reports them: a peer that aborted or exited, and
+//! (beyond NCCL) ranks that called different collectives, through `ncclCommGetAsyncError`
+//! and `ncclGetLastError`.
 
 mod comm;
 mod reduce;
