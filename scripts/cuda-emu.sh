@@ -8,8 +8,8 @@
 #      tensors and the host's stream) against the CPU; NCCL worlds of thread ranks and
 #      their faults; the heartbeat naming a stopped NCCL rank process;
 #   2. `fsdp train --device cuda` loss curves against `--device cpu`: world size 1, 2 ranks
-#      on 2 emulated devices (peer copies), mixed precision, f64, CPU offload, and one
-#      process under `fsdp launch` (NCCL).
+#      on 2 emulated devices (peer copies), mixed precision, f64, CPU offload, processes
+#      under `fsdp launch` (NCCL), CUDA graphs at 1 rank and at 2 processes.
 # Stream work is deferred until something forces it (cuda-emu/src/queue.rs), so a missing
 # event wait fails the checks; CUDA_EMU_SCHEDULE=eager runs work when issued instead.
 # Each check prints PASS or FAIL; the script exits 1 when one failed. A test that skips its
@@ -177,6 +177,10 @@ if [ "$what" != tests ]; then
   run cuda-ws1-sched "$fsdp" train --device cuda --world-size 1 --warmup-steps 3 --lr-schedule cosine
   run cuda-ws1-graph-sched "$fsdp" train --device cuda --world-size 1 --warmup-steps 3 --lr-schedule cosine --cuda-graphs
   run nccl-ws4 "$fsdp" launch --nproc-per-node 4 --master-port 0 -- "$fsdp" train --device cuda --world-size 4
+  # CUDA graphs at world size 2: each process of `fsdp launch` captures its step with its
+  # NCCL collectives (the emulator records them as graph nodes, run anew at each launch);
+  # the default warm-up, a new rate at every step, against nccl-ws2 above.
+  run nccl-ws2-graph "$fsdp" launch --nproc-per-node 2 --master-port 0 -- "$fsdp" train --device cuda --world-size 2 --cuda-graphs
   check "cuda vs cpu, world size 1 (f32)" cuda-ws1 cpu-ws1
   check "cuda vs cpu, 2 ranks on $CUDA_EMU_DEVICES device(s) (f32)" cuda-ws2 cpu-ws2
   check "cuda vs cpu, 2 ranks, shard-grad-op" cuda-ws2-zero2 cpu-ws2-zero2
@@ -197,6 +201,7 @@ if [ "$what" != tests ]; then
   check "cuda graphs vs eager, 1 rank" cuda-ws1-graph cuda-ws1-const 0
   check "cuda graphs vs eager, 1 rank, 2 micro-batches" cuda-ws1-graph-accum cuda-ws1-accum 0
   check "cuda graphs vs eager, 1 rank, warm-up + cosine lr" cuda-ws1-graph-sched cuda-ws1-sched 0
+  check "cuda graphs vs eager, 2 processes (fsdp launch, nccl), lr warm-up" nccl-ws2-graph nccl-ws2 0
   # The emulated NCCL reduces in rank order in f64 as the threads backend does: bit for bit.
   check "nccl (fsdp launch, 2 processes) vs threads, cuda" nccl-ws2 cuda-ws2 0
   check "nccl (fsdp launch, 2 processes) vs threads, cuda, bf16" nccl-ws2-bf16 cuda-ws2-bf16 0
@@ -263,8 +268,9 @@ PY
   counters cuda-ws2-offload 2 1
   counters cuda-ws2-bf16-offload 2 1
   # --cuda-graphs: one graph launch and no kernel launch from the host on every replayed
-  # step (4 on), none on the eager ones; no device allocation once the graph is captured.
-  for name in cuda-ws1-graph cuda-ws1-graph-accum cuda-ws1-graph-sched; do
+  # step (4 on), none on the eager ones; no device allocation once the graph is captured
+  # (at world size 2: rank 0's process, its collectives inside the graph).
+  for name in cuda-ws1-graph cuda-ws1-graph-accum cuda-ws1-graph-sched nccl-ws2-graph; do
     python3 - "$out/$name.jsonl" "$name" <<'PY' || fail=1
 import json, sys
 recs = [json.loads(l) for l in open(sys.argv[1])]

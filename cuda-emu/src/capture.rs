@@ -1,15 +1,20 @@
 //! Stream capture and graphs: work issued on a capturing stream is recorded, not run.
 //!
 //! As the driver's `cuStreamBeginCapture` ... `cuStreamEndCapture`: the origin stream
-//! starts a capture; every kernel, copy, memset, GEMM and event record issued on a stream of
-//! the capture becomes a node of the graph instead of work in the stream's queue. A stream
+//! starts a capture; every kernel, copy, memset, GEMM and NCCL collective issued on a stream
+//! of the capture becomes a node of the graph instead of work in the stream's queue (an
+//! event recorded there adds no node: it marks the stream's last node, as the driver's
+//! event then holds the capture's current dependencies). A stream
 //! joins the capture when it waits on an event recorded in it (the fork of a multi-stream
 //! capture), and must have rejoined the origin (the origin waits, directly or through other
 //! streams, on its last node) by the end of the capture, or the end fails with
 //! `CUDA_ERROR_STREAM_CAPTURE_UNJOINED`.
 //!
 //! The nodes are kept per captured stream, in issue order, with the event waits between
-//! streams as edges. A launch (`cuGraphLaunch`) puts the origin's nodes on the launch
+//! streams as edges. A collective is kept as the recipe of its call (communicator, op,
+//! buffers): each launch makes a fresh collective of it, which takes the communicator's next
+//! sequence number when the launch queues it, so the ranks' replays meet as their eager
+//! collectives do (NCCL >= 2.9 captures collectives the same way: a kernel node per call). A launch (`cuGraphLaunch`) puts the origin's nodes on the launch
 //! stream and every other captured stream's nodes on a stream queue of its own, with the
 //! same waits between them: the replay keeps the graph's ordering, and only it, so a node
 //! that reads memory another node of a concurrent branch writes without an edge reads stale
@@ -27,8 +32,9 @@
 //! The thread-local mode is treated as the global one (the emulator does not track which
 //! thread began a capture); fsdp captures in global mode, PyTorch's default.
 
-use crate::queue::Work;
+use crate::queue::{Poll, Work};
 use std::collections::HashMap;
+use std::sync::Arc;
 
 pub const UNSUPPORTED: u32 = 900;
 pub const INVALIDATED: u32 = 901;
@@ -41,11 +47,33 @@ pub const ILLEGAL_STATE: u32 = 401;
 /// `CU_STREAM_CAPTURE_MODE_RELAXED`.
 pub const MODE_RELAXED: u32 = 2;
 
+/// Makes the work of one launch of a captured collective (`nccl/`): a fresh [`Poll`] each
+/// time, with the communicator's next sequence number.
+#[derive(Clone)]
+pub struct MakePoll(Arc<dyn Fn() -> Poll + 'static>);
+// SAFETY: as for `Work`: the recipe holds device addresses, copied values and the shared
+// communicator state.
+unsafe impl Send for MakePoll {}
+
+impl MakePoll {
+    pub fn new(f: impl Fn() -> Poll + 'static) -> MakePoll {
+        MakePoll(Arc::new(f))
+    }
+
+    /// The work of one launch.
+    pub fn make(&self) -> Poll {
+        (self.0)()
+    }
+}
+
 /// A node of a captured stream.
 #[derive(Clone)]
 pub enum Node {
-    /// A kernel, copy, memset, GEMM or event record.
+    /// A kernel, copy, memset, GEMM (or the marker of an event recorded on an origin that
+    /// had no node yet).
     Run(Work),
+    /// A collective: made anew at each launch.
+    Poll(MakePoll),
     /// Waits for node `idx` of captured stream `sid` (an event wait across streams).
     Wait { sid: usize, idx: usize },
 }

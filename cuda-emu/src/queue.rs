@@ -23,7 +23,7 @@
 //! an in-process communicator among them, can issue and force their work meanwhile), as
 //! the host of a GPU would sit in `cuStreamSynchronize` until NCCL's kernel ends.
 
-use crate::capture::{self, Captured, Captures, Node};
+use crate::capture::{self, Captured, Captures, MakePoll, Node};
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_int;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -277,15 +277,16 @@ pub fn issue(stream: usize, device: c_int, work: Work) -> Result<(), u32> {
     })
 }
 
-/// Issues `poll` on `stream` (never the legacy stream: collectives name their stream).
-/// A collective cannot be captured here: on a capturing stream it is refused
-/// (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`) and invalidates the capture.
-pub fn issue_poll(stream: usize, device: c_int, poll: Poll) -> Result<(), u32> {
+/// Issues a collective on `stream` (never the legacy stream: collectives name their
+/// stream): `make` makes its work. Queued, it is made once now (taking the communicator's
+/// next sequence number at issue, as NCCL's kernel is enqueued then); on a capturing stream
+/// the recipe becomes a node of the capture, made anew at each launch of the graph.
+pub fn issue_poll(stream: usize, device: c_int, make: MakePoll) -> Result<(), u32> {
     with(|s| {
-        if let Some(id) = s.captures.of(stream) {
-            return Err(s.captures.invalidate(id, capture::UNSUPPORTED));
+        if s.captures.of(stream).is_some() {
+            return s.captures.record(stream, Node::Poll(make)).map(drop);
         }
-        s.push(stream, device, Item::Poll(poll));
+        s.push(stream, device, Item::Poll(make.make()));
         if eager() {
             s.drain(stream, u64::MAX);
         }
@@ -349,6 +350,21 @@ pub fn mark(stream: usize) -> Option<Point> {
     })
 }
 
+/// On a capturing `stream`: the point after its last node (`cuEventRecord` there), an
+/// empty node first when it has none yet (an origin just begun); None outside captures.
+pub fn captured_mark(stream: usize) -> Option<Point> {
+    with(|s| {
+        s.captures.of(stream)?;
+        if let Some(at) = s.captures.last(stream) {
+            return Some(Point::Captured(at));
+        }
+        s.captures
+            .record(stream, Node::Run(Work::new(|| {})))
+            .ok()
+            .map(Point::Captured)
+    })
+}
+
 /// A host synchronization of `stream` (0: the legacy stream) or of `point`, checked
 /// against the captures in progress: `Err` with the driver's error when it would wait for
 /// captured work (the capture is invalidated), or, for `unsafe_call`, when a capture that
@@ -396,6 +412,7 @@ pub fn launch(graph: &capture::Graph, stream: usize, device: c_int, lanes: &[usi
             next[sid] += 1;
             let item = match node {
                 Node::Run(w) => Item::Run(w.clone()),
+                Node::Poll(make) => Item::Poll(make.make()),
                 Node::Wait { sid: other, idx } => Item::Wait {
                     stream: key(*other),
                     seq: seqs[*other][*idx],

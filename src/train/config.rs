@@ -121,7 +121,8 @@ pub struct TrainConfig {
     /// Where to compute (`--device`), default the CPU.
     pub device: super::TrainDevice,
     /// Capture the training step as a CUDA graph after two eager steps and replay it
-    /// (`--cuda-graphs`; `--device cuda`, world size 1, a learning-rate schedule only with
+    /// (`--cuda-graphs`; `--device cuda`, world size 1 or one process per rank under
+    /// `fsdp launch` (backend nccl), a learning-rate schedule only with
     /// Adam or AdamW, no grad scaler, no CPU offload, no checkpoint saving). Default off.
     pub cuda_graphs: bool,
     /// Save directory (`--save-dir`): checkpoints go to `step-<N>/` inside, and `latest`

@@ -17,7 +17,14 @@
 //! need the host inside the step is refused up front ([`check`]): a schedule with SGD
 //! (its kernel takes the rate as an argument), the grad scaler (it skips steps on the
 //! host), CPU offload, saving checkpoints (the host's optimizer state does not follow the
-//! replays), world sizes above 1. Memory figures of replayed steps are the warm-up step's.
+//! replays), and thread ranks ([`check_thread_ranks`]). Memory figures of replayed steps
+//! are the warm-up step's.
+//!
+//! At world size above 1 each rank is a process (`fsdp launch`, backend `nccl`) and
+//! captures its own step with its NCCL collectives: FSDP's communication streams join the
+//! capture through the events they wait on and are joined back by the compute stream's
+//! waits, and each launch runs the step's collectives in their captured order on every
+//! rank.
 
 use super::config::TrainConfig;
 use super::data::Split;
@@ -43,9 +50,6 @@ pub(super) fn check(cfg: &TrainConfig) -> Result<()> {
     if !matches!(cfg.device, super::TrainDevice::Cuda) {
         return bad("needs --device cuda");
     }
-    if cfg.world_size != 1 {
-        return bad("captures world size 1 only (got --world-size > 1)");
-    }
     let scheduled = cfg.effective_warmup() > 0 || cfg.lr_schedule != super::LrSchedule::Constant;
     if scheduled && cfg.optimizer == crate::optim::OptimizerKind::Sgd {
         return bad(
@@ -65,6 +69,25 @@ pub(super) fn check(cfg: &TrainConfig) -> Result<()> {
         return bad(
             "--no-fsdp with --clip-grad-norm reads the norm on the host (pass --clip-grad-norm 0)",
         );
+    }
+    Ok(())
+}
+
+/// Refuses `--cuda-graphs` for ranks that are threads of one process (`fsdp train
+/// --world-size N`, N > 1): each rank would capture its own step, and the `threads`
+/// backend's collectives make a rank's stream wait on its peers' events, recorded in their
+/// captures or outside any, which a capture refuses (`CUDA_ERROR_STREAM_CAPTURE_MERGE`,
+/// `_ISOLATION`; docs/cuda.md). Ranks that are processes (`fsdp launch`, backend `nccl`)
+/// each capture their step with its NCCL collectives.
+///
+/// # Errors
+/// `InvalidArgument` naming the way to run it.
+pub(super) fn check_thread_ranks(cfg: &TrainConfig) -> Result<()> {
+    if cfg.cuda_graphs && cfg.world_size > 1 {
+        return Err(Error::InvalidArgument(format!(
+            "--cuda-graphs at --world-size {n} captures one rank per process: run `fsdp launch --nproc-per-node {n} -- fsdp train --world-size {n} ...` (backend nccl: each process captures its step with its collectives); thread ranks cannot be captured (the threads backend makes each rank's stream wait on its peers' events, which are outside its capture)",
+            n = cfg.world_size
+        )));
     }
     Ok(())
 }
@@ -223,4 +246,34 @@ impl GraphSteps {
 fn copy_scalar(s: &crate::backend::cuda::Stream, dst: &Tensor, src: &Tensor) -> Result<()> {
     dst.as_device_tensor()?
         .copy_from_device(s, &src.as_device_tensor()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Thread ranks are refused naming `fsdp launch`; one rank, or ranks that are processes
+    /// (what `check` sees under `fsdp launch`), pass.
+    #[test]
+    fn graphs_at_world_size_2_need_one_process_per_rank() {
+        let cfg = |world_size| TrainConfig {
+            world_size,
+            cuda_graphs: true,
+            device: super::super::TrainDevice::Cuda,
+            ..TrainConfig::default()
+        };
+        let e = check_thread_ranks(&cfg(2)).unwrap_err().to_string();
+        assert!(
+            e.contains("--cuda-graphs at --world-size 2")
+                && e.contains("fsdp launch --nproc-per-node 2"),
+            "{e}"
+        );
+        check_thread_ranks(&cfg(1)).unwrap();
+        check(&cfg(2)).unwrap();
+        let off = TrainConfig {
+            cuda_graphs: false,
+            ..cfg(2)
+        };
+        check_thread_ranks(&off).unwrap();
+    }
 }

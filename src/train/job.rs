@@ -202,6 +202,7 @@ fn checkpoint_blocks(cfg: &TrainConfig, model: &mut dyn Module) -> Result<()> {
 pub fn train(cfg: &TrainConfig, observer: &dyn Observer) -> Result<TrainReport> {
     cfg.validate()?;
     crate::distributed::check_thread_ranks(cfg.world_size, "--world-size")?;
+    super::graph_step::check_thread_ranks(cfg)?;
     let fail = super::fault::FailAt::from_env(cfg.world_size, cfg.steps)?;
     let data = TextDataset::load(&cfg.data, cfg.seq_len)?;
     start_outputs(cfg)?;

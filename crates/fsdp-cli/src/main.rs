@@ -229,8 +229,8 @@ struct TrainArgs {
     #[arg(long)]
     no_sync: bool,
     /// Capture the training step as a CUDA graph after two eager steps and replay it
-    /// (--device cuda, world size 1; an lr schedule with adam/adamw only; no grad scaler,
-    /// no --cpu-offload, no --save-dir).
+    /// (--device cuda; world size 1, or one process per rank under `fsdp launch`; an lr
+    /// schedule with adam/adamw only; no grad scaler, no --cpu-offload, no --save-dir).
     #[arg(long)]
     cuda_graphs: bool,
     /// Clip the global gradient 2-norm to this value before each step; 0 turns clipping

@@ -169,16 +169,25 @@ mod tests {
         h
     }
 
-    #[test]
-    fn a_captured_graph_runs_at_each_launch_only() {
+    /// Device 0's context made current on this thread, and a new stream of it.
+    fn context_and_stream() -> *mut c_void {
         assert_eq!(cuInit(0), SUCCESS);
-        let mut ctx = std::ptr::null_mut();
-        // SAFETY: out-pointers to locals; handles made by the calls before them.
+        let (mut ctx, mut s) = (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: out-pointers to locals; the context made by the call before.
         unsafe {
             assert_eq!(cuDevicePrimaryCtxRetain(&mut ctx, 0), SUCCESS);
             assert_eq!(cuCtxSetCurrent(ctx), SUCCESS);
-            let (mut s1, mut s2) = (std::ptr::null_mut(), std::ptr::null_mut());
-            assert_eq!(cuStreamCreate(&mut s1, 0), SUCCESS);
+            assert_eq!(cuStreamCreate(&mut s, 0), SUCCESS);
+        }
+        s
+    }
+
+    #[test]
+    fn a_captured_graph_runs_at_each_launch_only() {
+        let s1 = context_and_stream();
+        // SAFETY: out-pointers to locals; handles made by the calls before them.
+        unsafe {
+            let mut s2 = std::ptr::null_mut();
             assert_eq!(cuStreamCreate(&mut s2, 0), SUCCESS);
             let (mut e1, mut e2) = (std::ptr::null_mut(), std::ptr::null_mut());
             assert_eq!(cuEventCreate(&mut e1, 2), SUCCESS);
@@ -257,6 +266,42 @@ mod tests {
             assert_eq!(cuStreamSynchronize(s1), SUCCESS);
             assert_eq!(read(d2), [3; 4]);
             assert_eq!(cuGraphExecDestroy(exec), SUCCESS);
+            assert_eq!(cuMemFree_v2(d), SUCCESS);
+            assert_eq!(cuMemFree_v2(d2), SUCCESS);
+        }
+    }
+
+    #[test]
+    fn a_captured_collective_runs_anew_at_each_launch() {
+        use crate::nccl::{ncclAllReduce, ncclCommDestroy, ncclCommInitRank, ncclGetUniqueId};
+        let s = context_and_stream();
+        // SAFETY: out-pointers to locals; handles made by the calls before them.
+        unsafe {
+            let mut id = std::mem::zeroed();
+            assert_eq!(ncclGetUniqueId(&mut id), 0);
+            let mut comm = std::ptr::null_mut();
+            assert_eq!(ncclCommInitRank(&mut comm, 1, id, 0), 0);
+            let (mut d, mut d2) = (0u64, 0u64);
+            assert_eq!(cuMemAlloc_v2(&mut d, 16), SUCCESS);
+            assert_eq!(cuMemAlloc_v2(&mut d2, 16), SUCCESS);
+            // An all-reduce (sum, f32) of a world of one: a copy, captured.
+            assert_eq!(cuStreamBeginCapture_v2(s, 0), SUCCESS);
+            let (src, dst) = (d as *const c_void, d2 as *mut c_void);
+            assert_eq!(ncclAllReduce(src, dst, 4, 7, 0, comm, s), 0);
+            let mut g = std::ptr::null_mut();
+            assert_eq!(cuStreamEndCapture(s, &mut g), SUCCESS);
+            assert_eq!(read(d2), [u32::MAX; 4], "nothing ran at capture");
+            let mut exec = std::ptr::null_mut();
+            assert_eq!(cuGraphInstantiateWithFlags(&mut exec, g, 0), SUCCESS);
+            for v in [1.5f32, -2.0] {
+                let h = [v.to_bits(); 4];
+                assert_eq!(cuMemcpyHtoD_v2(d, h.as_ptr().cast(), 16), SUCCESS);
+                assert_eq!(cuGraphLaunch(exec, s), SUCCESS);
+                assert_eq!(cuStreamSynchronize(s), SUCCESS);
+                assert_eq!(read(d2), h, "launch with {v}");
+            }
+            assert_eq!(cuGraphExecDestroy(exec), SUCCESS);
+            assert_eq!(ncclCommDestroy(comm), 0);
             assert_eq!(cuMemFree_v2(d), SUCCESS);
             assert_eq!(cuMemFree_v2(d2), SUCCESS);
         }

@@ -111,6 +111,16 @@ pub unsafe extern "C" fn cuEventRecord(event: *mut c_void, stream: *mut c_void) 
     // The time is taken when the stream reaches this point, as on the device.
     let at = e.at.clone();
     *lock(&at) = None;
+    // On a capturing stream the event marks the stream's last node and adds none (the
+    // driver's event holds the capture's current dependencies): work issued after it is
+    // not a node the end of the capture must find joined. Only an origin without a node yet
+    // gets an empty one to mark. (Such an event has no time: as the driver's, it cannot be
+    // timed.)
+    if let Some(p) = queue::captured_mark(stream as usize) {
+        e.mark = Some(p);
+        e.recorded = true;
+        return SUCCESS;
+    }
     try_cu!(queue::issue(
         stream as usize,
         sd,

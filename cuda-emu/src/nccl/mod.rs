@@ -2,9 +2,11 @@
 //! process or separate processes (`fsdp launch`), meeting in a directory named by the
 //! communicator's unique id (`comm.rs`). A collective waits in its stream's queue like any
 //! other work and finishes once every rank has posted its part; reductions are exact in
-//! rank order (`reduce.rs`). Failures reach the caller as NCCL reports them: a peer that
-//! aborted or exited, and (beyond NCCL) ranks that called different collectives, through
-//! `ncclCommGetAsyncError` and `ncclGetLastError`.
+//! rank order (`reduce.rs`). Issued on a capturing stream, a collective becomes a node of
+//! the graph (`capture.rs`), run anew at each launch, as NCCL 2.9 and later permit.
+//! Failures reach the caller as NCCL reports them: a peer that aborted or exited, and
+//! (beyond NCCL) ranks that called different collectives, through `ncclCommGetAsyncError`
+//! and `ncclGetLastError`.
 
 mod comm;
 mod reduce;
@@ -322,26 +324,15 @@ unsafe fn collective(
             &format!("{name}: send and receive buffers overlap without being in place"),
         );
     }
-    let mut c = Collective::new(
-        shared,
-        op,
-        s,
-        if reads { send_bytes } else { 0 },
-        r,
-        recv_bytes,
-    );
-    if crate::queue::issue_poll(
-        stream as usize,
-        device,
-        crate::queue::Poll::new(move || c.poll()),
-    )
-    .is_err()
-    {
+    let (send_bytes, shared_rank) = (if reads { send_bytes } else { 0 }, shared.rank);
+    let make = crate::capture::MakePoll::new(move || {
+        let mut c = Collective::new(shared.clone(), op, s, send_bytes, r, recv_bytes);
+        crate::queue::Poll::new(move || c.poll())
+    });
+    if let Err(e) = crate::queue::issue_poll(stream as usize, device, make) {
         return fail(
             INVALID_USAGE,
-            &format!(
-                "{name}: issued on a capturing stream (cuda-emu does not capture collectives)"
-            ),
+            &format!("{name} on rank {shared_rank}: its capture was invalidated (CUDA error {e})"),
         );
     }
     SUCCESS

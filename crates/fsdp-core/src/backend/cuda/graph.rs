@@ -26,6 +26,16 @@
 //!   the caller (`fsdp train --cuda-graphs`, `train/graph_step.rs`).
 //!
 //! Only one region (warm-up or capture) is recorded at a time in a process.
+//!
+//! Several streams may take part in a capture: a stream joins it by waiting on an event
+//! recorded on a stream of the capture (FSDP's communication streams do at each collective
+//! they run, `distributed::CommStream`), and must be joined back (the capturing stream waits
+//! on its last work) before the capture ends. A capture begins on an idle device (the
+//! recorder synchronizes it), so no stream joins it with earlier work pending. NCCL
+//! collectives issued on a capturing stream are captured with it (NCCL >= 2.9); the NCCL
+//! group hands the watchdog no event of a captured collective, and the watchdog queries no
+//! event while a capture is under way ([`outside_captures`]): in the global capture mode
+//! an event query from any thread fails the capture.
 
 use super::memory::PrivatePool;
 use super::Stream;
@@ -63,6 +73,18 @@ pub(crate) fn lr_table() -> Option<(Arc<[f32]>, usize)> {
 }
 
 static REGION: Mutex<Option<Region>> = Mutex::new(None);
+
+/// Held for writing from the beginning of a capture to its end; [`outside_captures`] reads.
+static CAPTURING: parking_lot::RwLock<()> = parking_lot::RwLock::new(());
+
+/// Runs `f` while no CUDA graph capture is under way in this process: waits for one to
+/// end, and a capture waits for `f` to return before it begins. For threads that make
+/// calls a global-mode capture forbids from any thread (event queries and
+/// synchronizations, allocations): the NCCL watchdog's polls.
+pub fn outside_captures<R>(f: impl FnOnce() -> R) -> R {
+    let _gate = CAPTURING.read();
+    f()
+}
 
 /// Whether a graph region (warm-up or capture) is being recorded.
 pub(crate) fn recording() -> bool {
@@ -215,6 +237,12 @@ impl GraphRecorder {
     pub fn capture<R>(self, f: impl FnOnce() -> Result<R>) -> Result<(StepGraph, R)> {
         let s = self.stream.clone();
         let (out, ended, inits) = {
+            let _gate = CAPTURING.write();
+            // An idle device: no stream joins the capture with work of its own pending, and
+            // the events the warm-up's blocks wait on have completed (so the capture can
+            // reuse those blocks, as the warm-up would have had it been longer).
+            s.dev.synchronize()?;
+            self.pool.settle();
             let _region = RegionGuard::new(&self, true)?;
             s.inner
                 .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)

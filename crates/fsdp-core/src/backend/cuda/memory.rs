@@ -92,6 +92,22 @@ impl PrivatePool {
         }
     }
 
+    /// Forgets the completed events the free blocks wait on (outside a capture: each is a
+    /// query), so that the blocks a warm-up freed behind another stream's work serve the
+    /// capture.
+    pub(crate) fn settle(&self) {
+        for list in [&self.free, &self.consts] {
+            for blocks in list.lock().values_mut() {
+                for b in blocks.iter_mut() {
+                    b.pending.retain(|e| {
+                        crate::backend::counters::count_event_query();
+                        !e.is_complete()
+                    });
+                }
+            }
+        }
+    }
+
     /// Marks a capture as under way (true) or over.
     pub(crate) fn set_capturing(&self, on: bool) {
         self.capturing.store(on, Ordering::Relaxed);

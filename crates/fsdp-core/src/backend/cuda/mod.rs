@@ -87,7 +87,7 @@ pub use context::CudaDevice;
 #[cfg(feature = "cuda")]
 pub use current::{current_stream, rank_account, set_rank_account, use_stream, StreamGuard};
 #[cfg(feature = "cuda")]
-pub use graph::{GraphRecorder, StepGraph};
+pub use graph::{outside_captures, GraphRecorder, StepGraph};
 #[cfg(feature = "cuda")]
 pub use layernorm::{add_layernorm_fwd, layernorm_bwd, layernorm_bwd_add, layernorm_fwd};
 #[cfg(feature = "cuda")]

@@ -194,6 +194,19 @@ impl Stream {
         self.dev.bind_to_thread()
     }
 
+    /// Whether this stream is capturing a CUDA graph (`cuStreamIsCapturing`: its work is
+    /// recorded, not run; also while an invalidated capture has not ended).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] from the driver.
+    pub fn is_capturing(&self) -> Result<bool> {
+        use cudarc::driver::sys::CUstreamCaptureStatus as S;
+        self.inner
+            .capture_status()
+            .map(|st| st != S::CU_STREAM_CAPTURE_STATUS_NONE)
+            .map_err(|e| Error::cuda("cuStreamIsCapturing", e))
+    }
+
     /// Marks `buf` as used by this stream (see [`DeviceBuffer::record_stream`]).
     pub fn record_use(&self, buf: &DeviceBuffer) {
         buf.record_stream(&self.inner);

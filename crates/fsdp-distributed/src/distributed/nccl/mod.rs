@@ -26,6 +26,10 @@
 //!   is named by [`Error::PeerFailed`] within the heartbeat timeout, and every group of the
 //!   world aborts its communicator;
 //! - an aborted communicator fails every later collective with the first error;
+//! - a collective issued on a stream that is capturing a CUDA graph is captured (as NCCL
+//!   2.9 and later permit): it runs at each launch of the graph, and the watchdog does not
+//!   watch it (its event cannot be queried during the capture; nor are a replay's
+//!   collectives watched: a peer that stops or exits meanwhile is named by the heartbeat);
 //! - `new_group` builds a communicator for the members from a fresh unique id under a key
 //!   naming the members and how many groups of them were made before.
 //!
@@ -377,6 +381,13 @@ impl NcclGroup {
             let err = nccl_err(format!("{op} on rank {}", self.world_rank), e, comm.raw);
             comm.failure = Some(err.duplicate());
             return Err(err);
+        }
+        // Captured into a CUDA graph (`fsdp train --cuda-graphs`): the collective runs at
+        // each launch of the graph, not now, and its event could not be queried during the
+        // capture (a global-mode capture forbids that from any thread): the watchdog is
+        // not given it, as ProcessGroupNCCL enqueues no work of a capture to its watchdog.
+        if stream.is_capturing()? {
+            return Ok(());
         }
         // Recorded and handed over under the communicator's lock: the watchdog gets one
         // group's collectives on one stream in their stream order (it polls only the

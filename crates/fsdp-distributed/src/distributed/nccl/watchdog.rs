@@ -260,7 +260,10 @@ fn run(w: &'static Watchdog) {
                 }),
             }
         }
-        lanes.retain_mut(Lane::poll);
+        // Never during a CUDA graph capture (`fsdp train --cuda-graphs`): a global-mode
+        // capture fails at an event query from any thread. The capture waits for a poll
+        // under way, the poll for the capture to end.
+        crate::backend::cuda::outside_captures(|| lanes.retain_mut(Lane::poll));
         busy = Instant::now();
     }
 }

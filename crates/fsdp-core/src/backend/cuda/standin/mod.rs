@@ -86,6 +86,11 @@ pub fn set_rank_account(account: Arc<MemAccount>) {}
 /// Stand-in: nothing to time.
 pub fn time_stream_waits(on: bool) {}
 
+/// Stand-in: no capture can be under way; runs `f`.
+pub fn outside_captures<R>(f: impl FnOnce() -> R) -> R {
+    f()
+}
+
 /// Stand-in: no stream ever stood still.
 pub fn take_stream_stall_s() -> f64 {
     0.0
@@ -115,6 +120,11 @@ impl Stream {
     /// Stand-in (see the module docs).
     pub fn new(dev: &Arc<CudaDevice>, account: Arc<MemAccount>) -> Result<Stream> {
         match dev.never {}
+    }
+
+    /// Stand-in (see the module docs).
+    pub fn is_capturing(&self) -> Result<bool> {
+        match self.never {}
     }
 
     /// Stand-in (see the module docs).
