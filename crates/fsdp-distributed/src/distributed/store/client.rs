@@ -317,7 +317,13 @@ impl TcpStore {
         let greeting = d.bytes("greeting").ok() == Some(MAGIC);
         let instance = d.bytes("instance id").map(<[u8]>::to_vec);
         match (greeting, instance, d.finish()) {
-            (true, Ok(id), Ok(())) => Ok((TcpStore { counted: true, ..store }, id)),
+            (true, Ok(id), Ok(())) => Ok((
+                TcpStore {
+                    counted: true,
+                    ..store
+                },
+                id,
+            )),
             _ => Err(store.protocol_error(
                 "greeting",
                 "the server is not an fsdp TCPStore of this version",
