@@ -35,11 +35,11 @@ pub fn pointwise(f: Pointwise, x: &Tensor) -> Result<Tensor> {
 
 /// [`pointwise`] of an f32 tensor (or an f64 one on CUDA): the kernel on CUDA, else the
 /// host loop.
-fn pointwise_native(f: Pointwise, x: &Tensor, _device: Device) -> Result<Tensor> {
-    let _dt = compute_dtype(f.name(), &[x], _device)?;
-    if let Device::Cuda(i) = _device {
+fn pointwise_native(f: Pointwise, x: &Tensor, device: Device) -> Result<Tensor> {
+    let dt = compute_dtype(f.name(), &[x], device)?;
+    if let Device::Cuda(i) = device {
         use crate::backend::cuda;
-        let y = super::output_as(x.shape(), _device, _dt)?;
+        let y = super::output_as(x.shape(), device, dt)?;
         let (s, xd, yd) = (
             super::stream(i)?,
             x.as_device_tensor()?,
@@ -51,7 +51,7 @@ fn pointwise_native(f: Pointwise, x: &Tensor, _device: Device) -> Result<Tensor>
         }
         return Ok(y);
     }
-    let y = super::output(x.shape(), _device)?;
+    let y = super::output(x.shape(), device)?;
     {
         let (xv, mut yv) = (x.f32()?, y.f32_mut()?);
         let xs: &[f32] = &xv;
@@ -69,7 +69,7 @@ fn pointwise_native(f: Pointwise, x: &Tensor, _device: Device) -> Result<Tensor>
 /// # Errors
 /// `ShapeMismatch` when `dy` and `x` differ in element count; as [`pointwise`].
 pub fn pointwise_backward(f: Pointwise, x: &Tensor, dy: &Tensor) -> Result<Tensor> {
-    let _device = same_device(f.name(), &[x, dy])?;
+    let device = same_device(f.name(), &[x, dy])?;
     if x.numel() != dy.numel() {
         return Err(Error::ShapeMismatch {
             op: "pointwise_backward",
@@ -77,15 +77,15 @@ pub fn pointwise_backward(f: Pointwise, x: &Tensor, dy: &Tensor) -> Result<Tenso
             got: dy.shape().to_vec(),
         });
     }
-    if super::double::any_f64(&[x, dy]) && !_device.is_cuda() {
+    if super::double::any_f64(&[x, dy]) && !device.is_cuda() {
         return super::double::pointwise_backward(f, x, dy);
     }
     if let Some(lp) = lowp::lp_of(&[x, dy]) {
         // The input gradient from the widened input and output gradient, one rounding.
-        let dx = pointwise_backward_native(f, &lowp::up(x)?, &lowp::up(dy)?, _device)?;
+        let dx = pointwise_backward_native(f, &lowp::up(x)?, &lowp::up(dy)?, device)?;
         return lowp::down(&dx, lp);
     }
-    pointwise_backward_native(f, x, dy, _device)
+    pointwise_backward_native(f, x, dy, device)
 }
 
 /// [`pointwise_backward`] of f32 tensors (or f64 ones on CUDA), checked: the kernel on
@@ -94,12 +94,12 @@ fn pointwise_backward_native(
     f: Pointwise,
     x: &Tensor,
     dy: &Tensor,
-    _device: Device,
+    device: Device,
 ) -> Result<Tensor> {
-    let _dt = compute_dtype(f.name(), &[x, dy], _device)?;
-    if let Device::Cuda(i) = _device {
+    let dt = compute_dtype(f.name(), &[x, dy], device)?;
+    if let Device::Cuda(i) = device {
         use crate::backend::cuda;
-        let dx = super::output_as(x.shape(), _device, _dt)?;
+        let dx = super::output_as(x.shape(), device, dt)?;
         let s = super::stream(i)?;
         let (xd, gd, dxd) = (
             x.as_device_tensor()?,
@@ -112,7 +112,7 @@ fn pointwise_backward_native(
         }
         return Ok(dx);
     }
-    let dx = super::output(x.shape(), _device)?;
+    let dx = super::output(x.shape(), device)?;
     {
         let (xv, gv, mut dxv) = (x.f32()?, dy.f32()?, dx.f32_mut()?);
         let (xs, gs): (&[f32], &[f32]) = (&xv, &gv);

@@ -322,18 +322,18 @@ fn softmax_causal_native(s: &Tensor, t: usize, scale: f32, device: Device) -> Re
 /// # Errors
 /// `ShapeMismatch` when `p` and `dp` differ; as [`softmax_causal`].
 pub fn softmax_causal_backward_(p: &Tensor, dp: &Tensor, t: usize, scale: f32) -> Result<()> {
-    let _device = same_device("softmax_causal_backward_", &[p, dp])?;
+    let device = same_device("softmax_causal_backward_", &[p, dp])?;
     if lowp::lp_of(&[p, dp]).is_some() {
         // `dp` becomes the rounded score gradient.
         let p32 = lowp::up(p)?;
         return lowp::into(dp, true, |dp32| {
-            softmax_causal_backward_native(&p32, dp32, t, scale, _device)
+            softmax_causal_backward_native(&p32, dp32, t, scale, device)
         });
     }
     if super::double::any_f64(&[p, dp]) {
         return softmax_causal_backward_f64_(p, dp, t, f64::from(scale));
     }
-    softmax_causal_backward_native(p, dp, t, scale, _device)
+    softmax_causal_backward_native(p, dp, t, scale, device)
 }
 
 /// [`softmax_causal_backward_`] of f32 tensors, checked: the kernel on CUDA, else the host
@@ -343,7 +343,7 @@ fn softmax_causal_backward_native(
     dp: &Tensor,
     t: usize,
     scale: f32,
-    _device: Device,
+    device: Device,
 ) -> Result<()> {
     check_f32("softmax_causal_backward_", &[p, dp])?;
     check_square_rows("softmax_causal_backward_", p, t)?;
@@ -354,7 +354,7 @@ fn softmax_causal_backward_native(
     if p.numel() == 0 {
         return Ok(());
     }
-    if let Device::Cuda(i) = _device {
+    if let Device::Cuda(i) = device {
         let g = dp.as_device_tensor()?;
         return crate::backend::cuda::softmax_causal_bwd(
             &*super::stream(i)?,
@@ -384,14 +384,14 @@ fn softmax_causal_backward_native(
 /// As [`softmax_causal`]; `DTypeMismatch` unless `s` is f64.
 #[doc(hidden)] // crate-internal, public only for the layers above
 pub fn softmax_causal_f64(s: &Tensor, t: usize, scale: f64) -> Result<Tensor> {
-    let _device = same_device("softmax_causal", &[s])?;
+    let device = same_device("softmax_causal", &[s])?;
     check_square_rows("softmax_causal", s, t)?;
     if s.numel() == 0 {
         return s.deep_clone();
     }
-    if let Device::Cuda(i) = _device {
-        compute_dtype("softmax_causal", &[s], _device)?;
-        let p = output_as(s.shape(), _device, DType::F64)?;
+    if let Device::Cuda(i) = device {
+        compute_dtype("softmax_causal", &[s], device)?;
+        let p = output_as(s.shape(), device, DType::F64)?;
         crate::backend::cuda::softmax_causal_fwd(
             &*super::stream(i)?,
             &s.as_device_tensor()?,
@@ -411,7 +411,7 @@ pub fn softmax_causal_f64(s: &Tensor, t: usize, scale: f64) -> Result<Tensor> {
 /// As [`softmax_causal_backward_`]; `DTypeMismatch` unless both are f64.
 #[doc(hidden)] // crate-internal, public only for the layers above
 pub fn softmax_causal_backward_f64_(p: &Tensor, dp: &Tensor, t: usize, scale: f64) -> Result<()> {
-    let _device = same_device("softmax_causal_backward_", &[p, dp])?;
+    let device = same_device("softmax_causal_backward_", &[p, dp])?;
     check_square_rows("softmax_causal_backward_", p, t)?;
     check_numel("softmax_causal_backward_", dp, p.numel())?;
     if p.shares_storage(dp) {
@@ -420,8 +420,8 @@ pub fn softmax_causal_backward_f64_(p: &Tensor, dp: &Tensor, t: usize, scale: f6
     if p.numel() == 0 {
         return Ok(());
     }
-    if let Device::Cuda(i) = _device {
-        compute_dtype("softmax_causal_backward_", &[p, dp], _device)?;
+    if let Device::Cuda(i) = device {
+        compute_dtype("softmax_causal_backward_", &[p, dp], device)?;
         let g = dp.as_device_tensor()?;
         return crate::backend::cuda::softmax_causal_bwd(
             &*super::stream(i)?,

@@ -26,8 +26,8 @@ fn numel_eq(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
 /// `DeviceMismatch`, `ShapeMismatch`, `DTypeMismatch`.
 pub fn add_(dst: &Tensor, src: &Tensor) -> Result<()> {
     numel_eq("add_", dst, src)?;
-    let _device = same_device("add_", &[dst, src])?;
-    if let Device::Cuda(i) = _device {
+    let device = same_device("add_", &[dst, src])?;
+    if let Device::Cuda(i) = device {
         return crate::backend::cuda::sum_into(
             &*super::stream(i)?,
             &dst.as_device_tensor()?,
@@ -174,12 +174,12 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// # Errors
 /// `DTypeMismatch` for a non-f32 tensor; `NotMaterialized` on meta.
 pub fn scale_(t: &Tensor, alpha: f32) -> Result<()> {
-    let _device = same_device("scale_", &[t])?;
+    let device = same_device("scale_", &[t])?;
     if lowp::lp_of(&[t]).is_some() {
         // round(t * alpha): the product in f32.
-        return lowp::into(t, true, |t32| scale_native(t32, alpha, _device));
+        return lowp::into(t, true, |t32| scale_native(t32, alpha, device));
     }
-    scale_native(t, alpha, _device)
+    scale_native(t, alpha, device)
 }
 
 /// [`scale_`] of an f32 or f64 tensor: the `scale` kernel on CUDA, else the host loop.
@@ -204,8 +204,8 @@ fn scale_native(t: &Tensor, alpha: f32, device: Device) -> Result<()> {
 /// # Errors
 /// `NotMaterialized` on meta.
 pub fn fill_(t: &Tensor, value: f32) -> Result<()> {
-    let _device = same_device("fill_", &[t])?;
-    if let Device::Cuda(i) = _device {
+    let device = same_device("fill_", &[t])?;
+    if let Device::Cuda(i) = device {
         return crate::backend::cuda::fill(&*super::stream(i)?, &t.as_device_tensor()?, value);
     }
     match t.dtype() {
@@ -228,11 +228,11 @@ pub fn fill_(t: &Tensor, value: f32) -> Result<()> {
 /// # Errors
 /// `DTypeMismatch` for a tensor neither f32 nor f64; [`Error::Cuda`].
 pub fn sum_squares(t: &Tensor) -> Result<f64> {
-    let _device = same_device("sum_squares", &[t])?;
-    if t.dtype() == DType::F64 && !_device.is_cuda() {
+    let device = same_device("sum_squares", &[t])?;
+    if t.dtype() == DType::F64 && !device.is_cuda() {
         return super::double::sum_squares(t);
     }
-    if let Device::Cuda(i) = _device {
+    if let Device::Cuda(i) = device {
         return crate::backend::cuda::sum_squares(&*super::stream(i)?, &t.as_device_tensor()?);
     }
     Ok(crate::backend::cpu::ops::sum_squares(&t.f32()?))

@@ -165,11 +165,11 @@ fn embedding_backward_native(
     ids: &Tensor,
     dout: &Tensor,
     grad: &Tensor,
-    _device: Device,
+    device: Device,
 ) -> Result<()> {
-    super::compute_dtype("embedding_backward", &[dout, grad], _device)?;
+    super::compute_dtype("embedding_backward", &[dout, grad], device)?;
     let c = backward_cols(ids, dout, grad)?;
-    if let Device::Cuda(i) = _device {
+    if let Device::Cuda(i) = device {
         return crate::backend::cuda::embedding_bwd(
             &*super::stream(i)?,
             &ids.as_device_tensor()?,

@@ -64,7 +64,7 @@ fn require_float(op: &'static str, t: &Tensor) -> Result<()> {
 /// `DeviceMismatch`, `ShapeMismatch`, `DTypeMismatch`, `InvalidArgument` (partial overlap),
 /// [`Error::Cuda`].
 pub fn pack_grad(grad: &Tensor, out: &Tensor, scale: f32) -> Result<()> {
-    let _device = same_device("pack_grad", &[grad, out])?;
+    let device = same_device("pack_grad", &[grad, out])?;
     check_pair("pack_grad", grad, out)?;
     if grad.dtype() == DType::F64 {
         return scale_f64("pack_grad", grad, out, scale);
@@ -78,7 +78,7 @@ pub fn pack_grad(grad: &Tensor, out: &Tensor, scale: f32) -> Result<()> {
             false => super::scale_(out, scale),
         };
     }
-    if let Device::Cuda(i) = _device {
+    if let Device::Cuda(i) = device {
         return crate::backend::cuda::pack_grad(
             &*super::stream(i)?,
             &grad.as_device_tensor()?,
@@ -202,7 +202,7 @@ fn divisor_of(scale: f32) -> Option<f64> {
 /// # Errors
 /// As [`pack_grad`].
 pub fn unpack_grad(x: &Tensor, out: &Tensor, scale: f32) -> Result<()> {
-    let _device = same_device("unpack_grad", &[x, out])?;
+    let device = same_device("unpack_grad", &[x, out])?;
     check_pair("unpack_grad", x, out)?;
     if out.dtype() == DType::F64 {
         return scale_f64("unpack_grad", x, out, scale);
@@ -216,7 +216,7 @@ pub fn unpack_grad(x: &Tensor, out: &Tensor, scale: f32) -> Result<()> {
             false => super::scale_(out, scale),
         };
     }
-    if let Device::Cuda(i) = _device {
+    if let Device::Cuda(i) = device {
         return crate::backend::cuda::unpack_grad(
             &*super::stream(i)?,
             &x.as_device_tensor()?,
@@ -258,7 +258,7 @@ pub fn round_to_(t: &Tensor, dtype: DType) -> Result<()> {
     if dtype == DType::F32 || (dtype == DType::F64 && t.dtype() == DType::F64) {
         return Ok(());
     }
-    let _device = same_device("round_to_", &[t])?;
+    let device = same_device("round_to_", &[t])?;
     require("round_to_", t, DType::F32)?;
     if !dtype.is_float() {
         return Err(Error::DTypeMismatch {
@@ -267,9 +267,9 @@ pub fn round_to_(t: &Tensor, dtype: DType) -> Result<()> {
             got: dtype,
         });
     }
-    if let Device::Cuda(_) = _device {
+    if let Device::Cuda(_) = device {
         // Two casts on the current stream through a low-precision temporary.
-        let low = Tensor::zeros_on(t.shape(), dtype, _device)?;
+        let low = Tensor::zeros_on(t.shape(), dtype, device)?;
         low.copy_from(t)?;
         return t.copy_from(&low);
     }

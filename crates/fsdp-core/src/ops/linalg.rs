@@ -192,13 +192,13 @@ fn linear_native(
 ) -> Result<Tensor> {
     let mut ts = vec![x, weight];
     ts.extend(bias);
-    let _dt = super::compute_dtype("linear", &ts, device)?;
+    let dt = super::compute_dtype("linear", &ts, device)?;
     let n: usize = x.shape()[..x.shape().len() - 1].iter().product();
     let mut shape = x.shape().to_vec();
     *shape.last_mut().unwrap_or(&mut 0) = o;
     let d = MatmulDims::new(n, i, o, Transpose::NT);
     if device.is_cuda() {
-        let y = super::output_as(&shape, device, _dt)?;
+        let y = super::output_as(&shape, device, dt)?;
         matmul(&y, x, weight, d, false)?;
         if let Some(b) = bias {
             bias_add_(&y, b)?;
